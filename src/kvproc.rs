@@ -1,0 +1,541 @@
+//! The prefill and decode halves of the main job, and `info`.
+//!
+//! Each half owns its own PJRT client and devices (one device per rank; the XLA CPU plugin is
+//! asked for as many devices as there are ranks). Both print one machine-readable line
+//! `REPORT {json}` at the end, which `demo` collects.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tpu_sync::arena::{ArenaOptions, LockStatus};
+use tpu_sync::layout::{ModelKv, ParallelLayout, ParallelSpec};
+use tpu_sync::pattern::{mix64, LayerCheck, RankContents};
+use tpu_sync::pjrt::{Capabilities, Client, ClientOptions, DeviceBuffer, Plugin};
+use tpu_sync::plan::{Placement, Plan};
+use tpu_sync::staging::Staging;
+use tpu_sync::transfer::{self, Registration, Server, TransferOptions};
+use tpu_sync::util::fmt_bytes;
+use tpu_sync::{Error, Result};
+
+use crate::JobArgs;
+
+/// Background salt of prefill buffers.
+const PREFILL_SALT: u64 = 0x5052_4546_494c_4c00;
+/// Background salt of decode buffers.
+const DECODE_SALT: u64 = 0x4445_434f_4445_0000;
+
+/// What one half reports to `demo`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Report {
+    pub role: String,
+    pub platform: String,
+    pub api_version: String,
+    pub devices: u32,
+    pub layout: String,
+    pub d2h_path: String,
+    pub h2d_path: String,
+    pub lock: String,
+    /// D2H (prefill) or H2D (decode) bytes, ops and seconds.
+    pub device_bytes: u64,
+    pub device_ops: u64,
+    pub device_secs: f64,
+    /// Network bytes, spans, pairs, seconds (decode only).
+    pub net_bytes: u64,
+    pub net_spans: u64,
+    pub net_pairs: u64,
+    pub net_secs: f64,
+    /// Verification (decode only).
+    pub verified_request_bytes: u64,
+    pub verified_background_bytes: u64,
+    pub mismatches: u64,
+    pub first_mismatch: Option<String>,
+    pub request_blocks: u64,
+    pub layers: u32,
+    pub num_tokens: u32,
+    pub wall_secs: f64,
+}
+
+pub fn model(job: &JobArgs) -> Result<ModelKv> {
+    let mut m = ModelKv::preset(&job.preset)?;
+    if let Some(l) = job.layers {
+        if l == 0 || l > m.num_layers {
+            return Err(Error::Layout(format!(
+                "--layers {l}: {} has {} layers",
+                m.name, m.num_layers
+            )));
+        }
+        m.num_layers = l;
+    }
+    Ok(m)
+}
+
+pub fn prefill_spec(job: &JobArgs) -> Result<ParallelSpec> {
+    ParallelSpec::parse(&job.prefill)
+}
+
+pub fn decode_spec(job: &JobArgs) -> Result<ParallelSpec> {
+    ParallelSpec::parse(&job.decode)
+}
+
+fn check_transport(job: &JobArgs) -> Result<()> {
+    if job.transport != "tcp" {
+        return Err(Error::InvalidArgument(format!(
+            "transport `{}` is not available in this build (available: tcp)",
+            job.transport
+        )));
+    }
+    Ok(())
+}
+
+/// A layout with room for the request on every rank plus spare blocks, so ids can be scattered.
+fn sized_layout(m: &ModelKv, spec: ParallelSpec, tokens: u32) -> Result<ParallelLayout> {
+    let probe = ParallelLayout {
+        model: m.clone(),
+        spec,
+        num_blocks: 1,
+    };
+    let per_rank = probe.pcp_chunk(tokens, 0).len() as u32;
+    ParallelLayout::new(m.clone(), spec, per_rank * 2 + 5)
+}
+
+/// Scattered, distinct, non-adjacent-in-order block ids for `n` request blocks: a deterministic
+/// shuffle of `0..num_blocks`.
+fn scattered_ids(num_blocks: u32, n: u32, seed: u64) -> Vec<u32> {
+    let mut ids: Vec<u32> = (0..num_blocks).collect();
+    for i in (1..ids.len()).rev() {
+        let j = (mix64(seed ^ i as u64) % (i as u64 + 1)) as usize;
+        ids.swap(i, j);
+    }
+    ids.truncate(n as usize);
+    ids
+}
+
+fn placement(layout: ParallelLayout, dp_rank: u32, tokens: u32, seed: u64) -> Placement {
+    let s = layout.spec;
+    let block_ids = (0..s.ranks_per_replica())
+        .map(|local| {
+            let n = layout.pcp_chunk(tokens, local / s.tp).len() as u32;
+            scattered_ids(layout.num_blocks, n, seed ^ (local as u64) << 20)
+        })
+        .collect();
+    Placement {
+        layout,
+        dp_rank,
+        block_ids,
+    }
+}
+
+fn open_client(job_plugin: Option<&Path>, devices: Option<i64>) -> Result<(Client, Capabilities)> {
+    let plugin = match job_plugin {
+        Some(p) => Plugin::load(p)?,
+        None => Plugin::load_default()?,
+    };
+    let client = Client::create(
+        &plugin,
+        &ClientOptions {
+            cpu_device_count: devices,
+        },
+    )?;
+    let caps = Capabilities::probe(&client)?;
+    Ok((client, caps))
+}
+
+/// Allocates each rank's per-layer device buffers filled with `contents` (ranks in parallel).
+fn make_buffers(client: &Client, contents: &[RankContents]) -> Result<Vec<Vec<DeviceBuffer>>> {
+    let n = client.addressable_devices().len();
+    if n < contents.len() {
+        return Err(Error::InvalidArgument(format!(
+            "the {} client has {n} devices, the layout needs {} ranks",
+            client.platform_name(),
+            contents.len()
+        )));
+    }
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+        .clamp(1, 8);
+    let mut out: Vec<Option<Result<Vec<DeviceBuffer>>>> =
+        (0..contents.len()).map(|_| None).collect();
+    std::thread::scope(|sc| {
+        let chunks: Vec<_> = out
+            .chunks_mut(contents.len().div_ceil(threads).max(1))
+            .collect();
+        let mut first = 0;
+        for chunk in chunks {
+            let start = first;
+            first += chunk.len();
+            sc.spawn(move || {
+                for (i, slot) in chunk.iter_mut().enumerate() {
+                    let rank = start + i;
+                    *slot = Some((|| {
+                        let c = &contents[rank];
+                        let kv = *c.kv();
+                        let dev = client.device(rank)?;
+                        let mut host = vec![0u8; kv.buffer_bytes() as usize];
+                        (0..kv.num_layers)
+                            .map(|l| {
+                                c.fill_layer(l, &mut host)?;
+                                client.buffer_from_host(
+                                    &host,
+                                    kv.dtype.element_type(),
+                                    &kv.dims(),
+                                    &dev,
+                                )
+                            })
+                            .collect()
+                    })());
+                }
+            });
+        }
+    });
+    out.into_iter()
+        .map(|o| o.expect("every rank filled"))
+        .collect()
+}
+
+fn lock_text(s: &LockStatus) -> String {
+    match s {
+        LockStatus::Locked => "mlocked".into(),
+        LockStatus::NotRequested => "not locked (not requested)".into(),
+        LockStatus::Failed(w) => format!("NOT locked: {w}"),
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io("tokio runtime", e))
+}
+
+fn transfer_options(job: &JobArgs, name: &str) -> TransferOptions {
+    TransferOptions {
+        name: name.into(),
+        connect_timeout: Duration::from_secs(job.timeout.max(1)),
+        io_timeout: Duration::from_secs(job.timeout.max(1)),
+        fault_close_after: job.fault_close_after,
+        ..TransferOptions::default()
+    }
+}
+
+fn print_report(r: &Report) {
+    println!(
+        "REPORT {}",
+        serde_json::to_string(r).expect("report serialises")
+    );
+}
+
+/// `tpu-sync prefill`.
+pub fn prefill(job: &JobArgs, listen: Option<&str>) -> Result<ExitCode> {
+    let t0 = Instant::now();
+    check_transport(job)?;
+    let m = model(job)?;
+    let spec = prefill_spec(job)?;
+    let layout = sized_layout(&m, spec, job.tokens)?;
+    // Validate the decode side's spec early so a bad pair fails on both sides.
+    sized_layout(&m, decode_spec(job)?, job.tokens)?;
+    let place = placement(layout.clone(), 0, job.tokens, 0x5052_4546);
+    place.validate(job.tokens)?;
+    let (client, caps) = open_client(job.plugin.as_deref(), Some(layout.num_ranks() as i64))?;
+    let contents = (0..layout.num_ranks())
+        .map(|r| RankContents::new(&place, r, job.tokens, PREFILL_SALT))
+        .collect::<Result<Vec<_>>>()?;
+    let buffers = make_buffers(&client, &contents)?;
+
+    // D2H: stage the request's blocks of every rank in one pinned arena.
+    let ranges: BTreeMap<u32, _> = (0..spec.ranks_per_replica())
+        .map(|l| (place.global_rank(l), place.block_ranges(l)))
+        .collect();
+    let staging = Arc::new(Staging::new(ranges, &ArenaOptions::default())?);
+    let t = Instant::now();
+    let mut bytes = 0;
+    let mut ops = 0;
+    for rank in staging.ranks().collect::<Vec<_>>() {
+        let s = staging.fill_from_device(rank, &buffers[rank as usize], 256)?;
+        bytes += s.bytes;
+        ops += s.ops;
+    }
+    let d2h_secs = t.elapsed().as_secs_f64();
+
+    let rt = runtime()?;
+    let addr = listen
+        .map(str::to_string)
+        .unwrap_or_else(|| format!("127.0.0.1:{}", job.port));
+    let server = Server::new(transfer_options(job, "prefill"));
+    server.register(Registration {
+        request_id: job.request_id,
+        num_tokens: job.tokens,
+        placement: place.clone(),
+        staging: staging.clone(),
+    })?;
+    let served = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .map_err(|e| Error::io(format!("listen on {addr}"), e))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| Error::io("local_addr", e))?;
+        println!("LISTENING {local}");
+        eprintln!(
+            "prefill: {} request {} ({} tokens, {} staged) on {local}",
+            layout.describe(),
+            job.request_id,
+            job.tokens,
+            fmt_bytes(staging.total_bytes())
+        );
+        let task = tokio::spawn(server.clone().serve(listener));
+        let r = server
+            .wait_released(job.request_id, Duration::from_secs(job.serve_timeout))
+            .await;
+        task.abort();
+        r
+    });
+    rt.shutdown_timeout(Duration::from_secs(1));
+    served?;
+    print_report(&Report {
+        role: "prefill".into(),
+        platform: client.platform_name().into(),
+        api_version: format!("{}.{}", caps.api_version.0, caps.api_version.1),
+        devices: client.addressable_devices().len() as u32,
+        layout: layout.describe(),
+        d2h_path: caps.d2h.to_string(),
+        h2d_path: caps.h2d.to_string(),
+        lock: lock_text(staging.arena().lock_status()),
+        device_bytes: bytes,
+        device_ops: ops,
+        device_secs: d2h_secs,
+        layers: m.num_layers,
+        num_tokens: job.tokens,
+        wall_secs: t0.elapsed().as_secs_f64(),
+        ..Report::default()
+    });
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tpu-sync decode`.
+pub fn decode(job: &JobArgs, connect: &str) -> Result<ExitCode> {
+    let t0 = Instant::now();
+    check_transport(job)?;
+    let m = model(job)?;
+    let spec = decode_spec(job)?;
+    let dp_rank = job
+        .decode_dp_rank
+        .unwrap_or(if spec.dp > 1 { 1 } else { 0 });
+    let rt = runtime()?;
+    let opts = transfer_options(job, "decode");
+    let (src, num_tokens) = rt.block_on(transfer::describe(connect, job.request_id, &opts))?;
+    let r = decode_request(
+        job, connect, &rt, &opts, m, spec, dp_rank, src, num_tokens, t0,
+    );
+    if r.is_err() {
+        // Best effort: let the prefill side free the request now instead of at its timeout.
+        let quick = TransferOptions {
+            connect_timeout: Duration::from_secs(2),
+            io_timeout: Duration::from_secs(2),
+            ..opts.clone()
+        };
+        let _ = rt.block_on(transfer::release(connect, job.request_id, &quick));
+    }
+    rt.shutdown_timeout(Duration::from_secs(1));
+    r
+}
+
+#[allow(clippy::too_many_arguments)]
+fn decode_request(
+    job: &JobArgs,
+    connect: &str,
+    rt: &tokio::runtime::Runtime,
+    opts: &TransferOptions,
+    m: ModelKv,
+    spec: ParallelSpec,
+    dp_rank: u32,
+    src: Placement,
+    num_tokens: u32,
+    t0: Instant,
+) -> Result<ExitCode> {
+    let layout = sized_layout(&m, spec, num_tokens)?;
+    let mut dst = placement(layout.clone(), dp_rank, num_tokens, 0x4445_434f);
+    if let Some(id) = job.fault_block_id {
+        if let Some(first) = dst.block_ids.iter_mut().find(|v| !v.is_empty()) {
+            first[0] = id;
+        }
+    }
+    // Plan before touching devices: bad layouts and block ids fail here, with a clear message.
+    let plan = Plan::build(&src, &dst, num_tokens)?;
+    let (client, caps) = open_client(job.plugin.as_deref(), Some(layout.num_ranks() as i64))?;
+    caps.require_h2d()?;
+    // Every rank starts with background contents; only the request's bytes may change.
+    let background = Placement {
+        block_ids: vec![],
+        dp_rank: u32::MAX,
+        ..dst.clone()
+    };
+    let initial = (0..layout.num_ranks())
+        .map(|r| RankContents::new(&background, r, num_tokens, DECODE_SALT))
+        .collect::<Result<Vec<_>>>()?;
+    let buffers = make_buffers(&client, &initial)?;
+
+    let staging = Arc::new(Staging::new(
+        transfer::plan_staging(&plan, &dst),
+        &ArenaOptions::default(),
+    )?);
+    let pulled = rt.block_on(transfer::pull(
+        connect,
+        job.request_id,
+        &src,
+        &dst,
+        num_tokens,
+        staging.clone(),
+        opts,
+    ))?;
+
+    let t = Instant::now();
+    let mut h2d_bytes = 0;
+    let mut h2d_ops = 0;
+    for rank in staging.ranks().collect::<Vec<_>>() {
+        let s = staging.drain_to_device(&caps, rank, &buffers[rank as usize])?;
+        h2d_bytes += s.bytes;
+        h2d_ops += s.ops;
+    }
+    let h2d_secs = t.elapsed().as_secs_f64();
+
+    let check = verify(&dst, num_tokens, &buffers)?;
+    rt.block_on(transfer::release(connect, job.request_id, opts))?;
+
+    let request_blocks: u64 = dst.block_ids.iter().map(|v| v.len() as u64).sum();
+    let ok = check.mismatches == 0
+        && check.request_bytes == pulled.bytes
+        && pulled.bytes == plan.total_bytes();
+    print_report(&Report {
+        role: "decode".into(),
+        platform: client.platform_name().into(),
+        api_version: format!("{}.{}", caps.api_version.0, caps.api_version.1),
+        devices: client.addressable_devices().len() as u32,
+        layout: format!("{}, request on DP rank {dp_rank}", layout.describe()),
+        d2h_path: caps.d2h.to_string(),
+        h2d_path: caps.h2d.to_string(),
+        lock: lock_text(staging.arena().lock_status()),
+        device_bytes: h2d_bytes,
+        device_ops: h2d_ops,
+        device_secs: h2d_secs,
+        net_bytes: pulled.bytes,
+        net_spans: pulled.spans,
+        net_pairs: pulled.pairs,
+        net_secs: pulled.elapsed.as_secs_f64(),
+        verified_request_bytes: check.request_bytes,
+        verified_background_bytes: check.background_bytes,
+        mismatches: check.mismatches,
+        first_mismatch: check.first_mismatch.clone(),
+        request_blocks,
+        layers: m.num_layers,
+        num_tokens,
+        wall_secs: t0.elapsed().as_secs_f64(),
+    });
+    if !ok {
+        eprintln!(
+            "decode: verification FAILED: {} mismatching elements, {} request bytes checked, {} \
+             received, {} planned; first: {}",
+            check.mismatches,
+            check.request_bytes,
+            pulled.bytes,
+            plan.total_bytes(),
+            check.first_mismatch.as_deref().unwrap_or("-")
+        );
+        return Ok(ExitCode::from(1));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Reads back every layer buffer of every rank and checks each element.
+fn verify(dst: &Placement, num_tokens: u32, buffers: &[Vec<DeviceBuffer>]) -> Result<LayerCheck> {
+    let ranks = dst.layout.num_ranks();
+    let results: Vec<Result<LayerCheck>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = (0..ranks)
+            .map(|r| {
+                sc.spawn(move || -> Result<LayerCheck> {
+                    let c = RankContents::new(dst, r, num_tokens, DECODE_SALT)?;
+                    let mut host = vec![0u8; c.kv().buffer_bytes() as usize];
+                    let mut total = LayerCheck::default();
+                    for (l, b) in buffers[r as usize].iter().enumerate() {
+                        b.to_host(&mut host)?;
+                        total.merge(c.verify_layer(l as u32, &host)?);
+                    }
+                    Ok(total)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Cancelled("verify thread panicked".into())))
+            })
+            .collect()
+    });
+    let mut total = LayerCheck::default();
+    for r in results {
+        total.merge(r?);
+    }
+    Ok(total)
+}
+
+/// `tpu-sync info`.
+pub fn info(plugin: Option<&Path>, devices: Option<i64>) -> Result<ExitCode> {
+    let (client, caps) = open_client(plugin, devices)?;
+    let p = client.plugin();
+    println!("plugin:            {}", p.path().display());
+    println!(
+        "PJRT API version:  {}.{} (PJRT_Api.struct_size {})",
+        caps.api_version.0,
+        caps.api_version.1,
+        p.api_struct_size()
+    );
+    println!(
+        "platform:          {} ({})",
+        client.platform_name(),
+        client.platform_version()
+    );
+    if let Ok(attrs) = p.attributes() {
+        for (k, v) in attrs {
+            println!("attribute:         {k} = {v}");
+        }
+    }
+    println!(
+        "extensions:        {}",
+        if caps.extensions.is_empty() {
+            "none".into()
+        } else {
+            caps.extensions.join(", ")
+        }
+    );
+    let devs = client.addressable_devices();
+    println!("devices:           {}", devs.len());
+    for d in &devs {
+        let kinds = d
+            .memories()?
+            .iter()
+            .map(|m| m.kind().to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        let default = d
+            .default_memory()
+            .map(|m| m.kind().to_string())
+            .unwrap_or_else(|_| "-".into());
+        println!(
+            "  device {} (id {}, kind {}): memories [{kinds}], default {default}",
+            d.index(),
+            d.id()?,
+            d.kind()?
+        );
+    }
+    println!("capabilities:");
+    println!("  D2H path:        {}", caps.d2h);
+    println!("  in-place H2D:    {}", caps.h2d);
+    println!("  DMA map:         {}", caps.dma_map);
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,283 @@
+//! The main job as a user runs it: `tpu-sync demo` (prefill and decode as two OS processes, each
+//! with its own PJRT client, connected over loopback TCP) for several layout pairs, and the bad
+//! inputs that must end in a clear error and a non-zero exit within a bounded time.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{text, tpu_sync};
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+fn demo(extra: &[&str]) -> String {
+    let mut args = vec!["demo", "--layers", "2"];
+    if !extra.contains(&"--tokens") {
+        args.extend_from_slice(&["--tokens", "333"]);
+    }
+    args.extend_from_slice(extra);
+    let o = tpu_sync(&args, LIMIT);
+    let t = text(&o);
+    assert!(o.status.success(), "demo {extra:?} failed:\n{t}");
+    let v = t
+        .lines()
+        .find(|l| l.starts_with("verified:"))
+        .unwrap_or_else(|| panic!("no verified line:\n{t}"));
+    assert!(!t.contains("panicked"), "{t}");
+    v.to_string()
+}
+
+/// Bytes named on the `verified:` line.
+fn verified_bytes(line: &str) -> u64 {
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn default_layouts_tp2_pcp2_to_tp1_dp2() {
+    let v = demo(&[]);
+    // 333 tokens x 2 layers x 2 planes x 8 heads x 128 dims x 2 bytes.
+    assert_eq!(verified_bytes(&v), 333 * 2 * 2 * 8 * 128 * 2);
+    assert!(v.contains("TP=2 x PCP=2") && v.contains("DP rank 1"), "{v}");
+}
+
+#[test]
+fn tp4_to_tp1() {
+    let v = demo(&[
+        "--prefill",
+        "tp=4,block=16,order=nhd",
+        "--decode",
+        "tp=1,block=16,order=nhd",
+    ]);
+    assert_eq!(verified_bytes(&v), 333 * 2 * 2 * 8 * 128 * 2);
+}
+
+#[test]
+fn pcp4_to_pcp1_with_partial_last_block() {
+    let v = demo(&[
+        "--prefill",
+        "pcp=4,block=32",
+        "--decode",
+        "block=32,order=hnd",
+        "--tokens",
+        "1000",
+    ]);
+    assert_eq!(verified_bytes(&v), 1000 * 2 * 2 * 8 * 128 * 2);
+}
+
+#[test]
+fn different_block_sizes_and_hnd_to_nhd_with_tp_split() {
+    let v = demo(&[
+        "--prefill",
+        "tp=1,block=48,order=hnd",
+        "--decode",
+        "tp=2,block=20,order=nhd",
+    ]);
+    assert_eq!(verified_bytes(&v), 333 * 2 * 2 * 8 * 128 * 2);
+}
+
+#[test]
+fn mla_replicated_latent() {
+    let v = demo(&[
+        "--preset",
+        "deepseek-v3",
+        "--prefill",
+        "tp=2,block=64",
+        "--decode",
+        "tp=1,dp=2,block=16,order=hnd",
+    ]);
+    // One 576-wide latent plane per token and layer.
+    assert_eq!(verified_bytes(&v), 333 * 2 * 576 * 2);
+}
+
+#[test]
+fn kv_heads_replicated_over_tp16_to_tp2_pcp2() {
+    let v = demo(&[
+        "--prefill",
+        "tp=16,block=16",
+        "--decode",
+        "tp=2,pcp=2,block=64,order=hnd",
+    ]);
+    assert_eq!(verified_bytes(&v), 333 * 2 * 2 * 8 * 128 * 2);
+}
+
+fn fails(args: &[&str], needle: &str) {
+    let o = tpu_sync(args, LIMIT);
+    let t = text(&o);
+    assert!(!o.status.success(), "{args:?} should fail:\n{t}");
+    assert!(t.contains(needle), "{args:?}: expected `{needle}` in:\n{t}");
+    assert!(
+        !t.contains("panicked") && !t.contains("RUST_BACKTRACE"),
+        "{args:?} panicked:\n{t}"
+    );
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    fails(
+        &["demo", "--plugin", "/nonexistent/pjrt.so", "--layers", "1"],
+        "cannot load PJRT plugin",
+    );
+    fails(
+        &["info", "--plugin", "/etc/hostname"],
+        "cannot load PJRT plugin",
+    );
+    fails(&["demo", "--prefill", "tp=3"], "cannot be split over TP=3");
+    fails(
+        &["demo", "--decode", "tp=2,order=xyz"],
+        "expected nhd or hnd",
+    );
+    fails(&["demo", "--preset", "gpt-5"], "unknown model preset");
+    fails(&["demo", "--transport", "carrier-pigeon"], "not available");
+}
+
+#[test]
+fn absent_peer_times_out() {
+    // A port with nothing listening: connect fails fast (refused) or within the timeout.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    drop(l);
+    let t0 = std::time::Instant::now();
+    fails(
+        &[
+            "decode",
+            "--connect",
+            &addr,
+            "--timeout",
+            "3",
+            "--layers",
+            "1",
+        ],
+        "connect",
+    );
+    assert!(t0.elapsed() < Duration::from_secs(20));
+}
+
+#[test]
+fn peer_closing_mid_transfer_fails_the_decode() {
+    let t0 = std::time::Instant::now();
+    fails(
+        &[
+            "demo",
+            "--layers",
+            "2",
+            "--tokens",
+            "512",
+            "--timeout",
+            "5",
+            "--fault-close-after",
+            "100000",
+        ],
+        "peer closed",
+    );
+    assert!(t0.elapsed() < Duration::from_secs(60));
+}
+
+#[test]
+fn out_of_range_block_id_is_refused_and_prefill_released() {
+    let mut p = Command::new(env!("CARGO_BIN_EXE_tpu-sync"))
+        .args([
+            "prefill",
+            "--layers",
+            "1",
+            "--tokens",
+            "100",
+            "--listen",
+            "127.0.0.1:0",
+            "--serve-timeout",
+            "60",
+        ])
+        .env("TPU_SYNC_PJRT_PLUGIN", common::plugin_path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let l = lines.next().expect("prefill output").unwrap();
+        if let Some(a) = l.strip_prefix("LISTENING ") {
+            break a.to_string();
+        }
+    };
+    fails(
+        &[
+            "decode",
+            "--connect",
+            &addr,
+            "--layers",
+            "1",
+            "--fault-block-id",
+            "99999",
+        ],
+        "block id 99999",
+    );
+    // The failed decode released the request, so the prefill exits well before its 60 s timeout.
+    let t0 = std::time::Instant::now();
+    loop {
+        if let Some(s) = p.try_wait().unwrap() {
+            assert!(s.success());
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "prefill did not exit after release"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn info_reports_capabilities() {
+    let o = tpu_sync(&["info"], LIMIT);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    for needle in [
+        "PJRT API version:  0.",
+        "platform:          cpu",
+        "pinned_host",
+        "D2H path:",
+        "in-place H2D:",
+        "DMA map:",
+    ] {
+        assert!(t.contains(needle), "missing `{needle}` in:\n{t}");
+    }
+}
+
+#[test]
+fn prefill_and_decode_as_separate_commands() {
+    let mut p = Command::new(env!("CARGO_BIN_EXE_tpu-sync"))
+        .args([
+            "prefill",
+            "--layers",
+            "3",
+            "--tokens",
+            "200",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .env("TPU_SYNC_PJRT_PLUGIN", common::plugin_path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let l = lines.next().expect("prefill output").unwrap();
+        if let Some(a) = l.strip_prefix("LISTENING ") {
+            break a.to_string();
+        }
+    };
+    let o = tpu_sync(&["decode", "--connect", &addr, "--layers", "3"], LIMIT);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    let rep: serde_json::Value = serde_json::from_str(
+        t.lines()
+            .find_map(|l| l.strip_prefix("REPORT "))
+            .expect("report"),
+    )
+    .unwrap();
+    assert_eq!(rep["mismatches"], 0);
+    assert_eq!(rep["verified_request_bytes"], 200 * 3 * 2 * 8 * 128 * 2);
+    assert!(p.wait().unwrap().success());
+}

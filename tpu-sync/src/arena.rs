@@ -1,0 +1,322 @@
+//! Pinned host staging memory.
+//!
+//! A [`PinnedArena`] is one anonymous, page-aligned mapping (optionally on transparent huge pages),
+//! pre-faulted and `mlock`ed when the `RLIMIT_MEMLOCK` limit allows, so DMA engines and the
+//! network stack read and write it without page faults. It is carved into 64-byte aligned
+//! [`Region`]s by a [`RegionAllocator`].
+//!
+//! Thread-safety: the arena is `Send + Sync`. It hands out raw addresses; callers that write keep
+//! their regions disjoint (the staging code guarantees this by construction: one region per
+//! block, written by one transfer).
+
+use std::ptr::NonNull;
+
+use crate::error::{Error, Result};
+
+/// Alignment of every region handed out by [`RegionAllocator`] (bytes). 64 B is the alignment the
+/// PJRT CPU plugin needs for zero-copy aliasing (`../shared/docs/pjrt-plugins.md` §1).
+pub const REGION_ALIGN: u64 = 64;
+
+/// How to allocate an arena.
+#[derive(Debug, Clone)]
+pub struct ArenaOptions {
+    /// Try to `mlock` the whole arena (raising the soft `RLIMIT_MEMLOCK` up to the hard limit
+    /// when needed). Failure is reported in [`PinnedArena::lock_status`], not an error.
+    pub lock: bool,
+    /// Ask for transparent huge pages (`madvise(MADV_HUGEPAGE)`).
+    pub huge_pages: bool,
+    /// Pre-fault every page at creation (`MAP_POPULATE`).
+    pub populate: bool,
+}
+
+impl Default for ArenaOptions {
+    fn default() -> Self {
+        ArenaOptions {
+            lock: true,
+            huge_pages: true,
+            populate: true,
+        }
+    }
+}
+
+/// Whether the arena's pages are locked in RAM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LockStatus {
+    /// `mlock` succeeded: the pages cannot be swapped out.
+    Locked,
+    /// Locking was not requested.
+    NotRequested,
+    /// `mlock` failed; the message says why and how to allow it.
+    Failed(String),
+}
+
+/// A page-aligned, optionally locked, anonymous host mapping.
+pub struct PinnedArena {
+    ptr: NonNull<u8>,
+    len: usize,
+    lock: LockStatus,
+    _map: memmap2::MmapMut,
+}
+
+// SAFETY: the arena is plain memory; concurrent access to disjoint regions is the documented
+// contract of the raw-address API.
+unsafe impl Send for PinnedArena {}
+// SAFETY: as above.
+unsafe impl Sync for PinnedArena {}
+
+impl std::fmt::Debug for PinnedArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedArena")
+            .field("len", &self.len)
+            .field("lock", &self.lock)
+            .finish()
+    }
+}
+
+fn memlock_limit() -> Option<(u64, u64)> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we pass.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } == 0 {
+        Some((r.rlim_cur, r.rlim_max))
+    } else {
+        None
+    }
+}
+
+fn fmt_limit(v: u64) -> String {
+    if v == libc::RLIM_INFINITY {
+        "unlimited".into()
+    } else {
+        crate::util::fmt_bytes(v)
+    }
+}
+
+impl PinnedArena {
+    /// Maps `len` bytes (rounded up to a page).
+    ///
+    /// Errors: [`Error::HostMemory`] when `len` is 0 or the mapping fails.
+    pub fn new(len: usize, opts: &ArenaOptions) -> Result<PinnedArena> {
+        if len == 0 {
+            return Err(Error::HostMemory("arena size must be > 0".into()));
+        }
+        let page = 4096usize;
+        let len = len.div_ceil(page) * page;
+        let mut mo = memmap2::MmapOptions::new();
+        mo.len(len);
+        if opts.populate && !opts.huge_pages {
+            mo.populate();
+        }
+        let mut map = mo.map_anon().map_err(|e| {
+            Error::HostMemory(format!(
+                "mmap of {} failed: {e}",
+                crate::util::fmt_bytes(len as u64)
+            ))
+        })?;
+        let ptr = NonNull::new(map.as_mut_ptr())
+            .ok_or_else(|| Error::HostMemory("mmap returned NULL".into()))?;
+        if opts.huge_pages {
+            // SAFETY: advising our own fresh mapping; failure is harmless (THP may be disabled).
+            unsafe { libc::madvise(ptr.as_ptr() as *mut _, len, libc::MADV_HUGEPAGE) };
+            if opts.populate {
+                // Touch one byte per page so the faults happen now, with huge pages where allowed.
+                for off in (0..len).step_by(page) {
+                    // SAFETY: in bounds of our mapping.
+                    unsafe { ptr.as_ptr().add(off).write_volatile(0) };
+                }
+            }
+        }
+        let lock = if opts.lock {
+            Self::try_lock(ptr.as_ptr(), len)
+        } else {
+            LockStatus::NotRequested
+        };
+        if let LockStatus::Failed(ref why) = lock {
+            log::warn!("pinned arena is not locked: {why}");
+        }
+        Ok(PinnedArena {
+            ptr,
+            len,
+            lock,
+            _map: map,
+        })
+    }
+
+    fn try_lock(p: *mut u8, len: usize) -> LockStatus {
+        // SAFETY: locking pages of our own mapping.
+        if unsafe { libc::mlock(p as *const _, len) } == 0 {
+            return LockStatus::Locked;
+        }
+        let first = std::io::Error::last_os_error();
+        // Raise the soft limit towards the hard limit (always allowed), then retry once.
+        if let Some((cur, max)) = memlock_limit() {
+            let want = cur.saturating_add(len as u64).min(max);
+            if want > cur {
+                let r = libc::rlimit {
+                    rlim_cur: want,
+                    rlim_max: max,
+                };
+                // SAFETY: setrlimit reads the struct we pass.
+                if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &r) } == 0
+                    // SAFETY: as above.
+                    && unsafe { libc::mlock(p as *const _, len) } == 0
+                {
+                    return LockStatus::Locked;
+                }
+            }
+            return LockStatus::Failed(format!(
+                "mlock of {} failed ({first}); RLIMIT_MEMLOCK soft {} / hard {}: raise it \
+                 (`ulimit -l`, systemd LimitMEMLOCK) or grant CAP_IPC_LOCK",
+                crate::util::fmt_bytes(len as u64),
+                fmt_limit(cur),
+                fmt_limit(max)
+            ));
+        }
+        LockStatus::Failed(format!("mlock failed: {first}"))
+    }
+
+    /// Size in bytes (a multiple of the page size).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: arenas are never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Base address.
+    pub fn base(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Whether the pages are locked, or why not.
+    pub fn lock_status(&self) -> &LockStatus {
+        &self.lock
+    }
+
+    /// Address of `offset`, after checking that `offset..offset+len` lies inside the arena.
+    pub fn ptr_at(&self, offset: u64, len: u64) -> Result<*mut u8> {
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| Error::InvalidArgument("arena range overflows".into()))?;
+        if end > self.len as u64 {
+            return Err(Error::InvalidArgument(format!(
+                "arena range {offset}..{end} outside the {}-byte arena",
+                self.len
+            )));
+        }
+        // SAFETY: offset <= len of our mapping.
+        Ok(unsafe { self.ptr.as_ptr().add(offset as usize) })
+    }
+
+    /// Shared view of a range.
+    ///
+    /// # Safety
+    /// No one may write the range while the returned slice lives.
+    pub unsafe fn slice(&self, offset: u64, len: u64) -> Result<&[u8]> {
+        let p = self.ptr_at(offset, len)?;
+        // SAFETY: in bounds (checked); aliasing is the caller's contract.
+        Ok(unsafe { std::slice::from_raw_parts(p, len as usize) })
+    }
+
+    /// Mutable view of a range.
+    ///
+    /// # Safety
+    /// The caller must have exclusive access to the range while the returned slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice_mut(&self, offset: u64, len: u64) -> Result<&mut [u8]> {
+        let p = self.ptr_at(offset, len)?;
+        // SAFETY: in bounds (checked); exclusivity is the caller's contract.
+        Ok(unsafe { std::slice::from_raw_parts_mut(p, len as usize) })
+    }
+}
+
+/// A byte range of an arena: `offset..offset+len`, `offset` a multiple of [`REGION_ALIGN`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Region {
+    /// Byte offset from the arena base.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// Bump allocator of aligned regions inside an arena of a given size.
+#[derive(Debug, Clone)]
+pub struct RegionAllocator {
+    capacity: u64,
+    next: u64,
+}
+
+impl RegionAllocator {
+    /// An allocator over `capacity` bytes.
+    pub fn new(capacity: u64) -> Self {
+        RegionAllocator { capacity, next: 0 }
+    }
+
+    /// Bytes needed to allocate regions of the given sizes in order (for sizing an arena).
+    pub fn bytes_needed(sizes: impl IntoIterator<Item = u64>) -> u64 {
+        let mut a = RegionAllocator::new(u64::MAX);
+        for s in sizes {
+            let _ = a.alloc(s);
+        }
+        a.next
+    }
+
+    /// Allocates `len` bytes aligned to [`REGION_ALIGN`]. Errors with [`Error::HostMemory`]
+    /// when the arena is full.
+    pub fn alloc(&mut self, len: u64) -> Result<Region> {
+        let off = self.next.div_ceil(REGION_ALIGN) * REGION_ALIGN;
+        let end = off
+            .checked_add(len)
+            .filter(|&e| e <= self.capacity)
+            .ok_or_else(|| {
+                Error::HostMemory(format!(
+                    "staging arena full: need {len} more bytes at offset {off}, capacity {}",
+                    self.capacity
+                ))
+            })?;
+        self.next = end;
+        Ok(Region { offset: off, len })
+    }
+
+    /// Bytes used so far (including alignment padding).
+    pub fn used(&self) -> u64 {
+        self.next
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regions_are_aligned_and_disjoint() {
+        let mut a = RegionAllocator::new(1 << 20);
+        let r1 = a.alloc(100).unwrap();
+        let r2 = a.alloc(1).unwrap();
+        let r3 = a.alloc(4096).unwrap();
+        assert_eq!(r1.offset, 0);
+        assert_eq!(r2.offset, 128);
+        assert_eq!(r3.offset, 192);
+        assert!(a.alloc(1 << 20).is_err());
+    }
+
+    #[test]
+    fn arena_bounds_are_checked() {
+        let arena = PinnedArena::new(10_000, &ArenaOptions::default()).unwrap();
+        assert_eq!(arena.len(), 12288);
+        assert_eq!(arena.base() as usize % 4096, 0);
+        assert!(arena.ptr_at(12288, 1).is_err());
+        assert!(arena.ptr_at(u64::MAX, 2).is_err());
+        let p = arena.ptr_at(100, 10).unwrap();
+        assert_eq!(p as usize - arena.base() as usize, 100);
+        // SAFETY: exclusive in this test.
+        let s = unsafe { arena.slice_mut(0, 16) }.unwrap();
+        s.copy_from_slice(&[7u8; 16]);
+        // SAFETY: no writer now.
+        assert_eq!(unsafe { arena.slice(0, 16) }.unwrap(), &[7u8; 16]);
+    }
+}

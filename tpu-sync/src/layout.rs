@@ -1,0 +1,621 @@
+//! KV-cache layouts: a model's KV geometry, how parallel ranks split it, and where each logical
+//! element lives in a rank's device buffers.
+//!
+//! Vocabulary (as in vLLM and XLA):
+//! * **layer**: one attention layer; each layer's KV cache is one device buffer per rank.
+//! * **plane**: K or V (2 planes), or the single latent plane of MLA models (1 plane).
+//! * **block / page**: `block_size` consecutive tokens of one request; the unit of allocation.
+//! * **TP** splits KV heads across ranks (heads are replicated when TP > num_kv_heads, as for MLA);
+//!   **PCP** (prefill context parallel) splits a request's tokens into contiguous block chunks;
+//!   **DP** ranks are independent replicas: a request lives on one DP rank.
+//!
+//! A rank's buffer for one layer has shape `[planes, num_blocks, block_size, heads, head_dim]`
+//! (order [`BlockOrder::Nhd`], vLLM's default flash-attention layout) or
+//! `[planes, num_blocks, heads, block_size, head_dim]` ([`BlockOrder::Hnd`]), dense row-major,
+//! of the model's dtype. Offsets in this module are bytes into that buffer.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::pjrt::ElementType;
+
+/// Element type of the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    /// bfloat16 (2 bytes).
+    Bf16,
+    /// float16 (2 bytes).
+    F16,
+    /// float32 (4 bytes).
+    F32,
+    /// float8 e4m3fn (1 byte).
+    Fp8,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> u64 {
+        match self {
+            DType::Bf16 | DType::F16 => 2,
+            DType::F32 => 4,
+            DType::Fp8 => 1,
+        }
+    }
+
+    /// The PJRT element type of device buffers holding this dtype.
+    pub fn element_type(self) -> ElementType {
+        match self {
+            DType::Bf16 => ElementType::BF16,
+            DType::F16 => ElementType::F16,
+            DType::F32 => ElementType::F32,
+            DType::Fp8 => ElementType::F8E4M3FN,
+        }
+    }
+
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::Bf16 => "bf16",
+            DType::F16 => "f16",
+            DType::F32 => "f32",
+            DType::Fp8 => "fp8",
+        }
+    }
+}
+
+/// Order of tokens and heads inside one block of one plane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BlockOrder {
+    /// Token-major: `[block_size, heads, head_dim]`.
+    Nhd,
+    /// Head-major: `[heads, block_size, head_dim]`.
+    Hnd,
+}
+
+impl BlockOrder {
+    /// `nhd` or `hnd`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BlockOrder::Nhd => "nhd",
+            BlockOrder::Hnd => "hnd",
+        }
+    }
+}
+
+/// A model's KV-cache geometry, independent of parallelism.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ModelKv {
+    /// Model name (informational; not part of compatibility).
+    pub name: String,
+    /// Number of attention layers.
+    pub num_layers: u32,
+    /// Number of KV heads in the whole model (1 for MLA's latent).
+    pub num_kv_heads: u32,
+    /// Elements per head (576 = 512 + 64 for DeepSeek-V3's MLA latent + rope).
+    pub head_dim: u32,
+    /// 2 for separate K and V planes, 1 for MLA (one latent plane).
+    pub kv_planes: u32,
+    /// KV cache element type.
+    pub dtype: DType,
+}
+
+/// Preset names accepted by [`ModelKv::preset`].
+pub const PRESETS: &[&str] = &["llama-3.1-8b", "qwen3-32b", "llama-3.1-70b", "deepseek-v3"];
+
+impl ModelKv {
+    /// Geometry of a published model, bf16 KV.
+    ///
+    /// Sources (Hugging Face `config.json` of each model): Llama-3.1-8B `num_hidden_layers` 32,
+    /// `num_key_value_heads` 8, head_dim 128 (4096/32); Qwen3-32B 64 layers, 8 KV heads,
+    /// `head_dim` 128; Llama-3.1-70B 80 layers, 8 KV heads, head_dim 128 (8192/64); DeepSeek-V3
+    /// 61 layers, MLA with `kv_lora_rank` 512 + `qk_rope_head_dim` 64 = one 576-wide latent per
+    /// token, replicated over TP.
+    pub fn preset(name: &str) -> Result<ModelKv> {
+        let (layers, heads, dim, planes) = match name {
+            "llama-3.1-8b" => (32, 8, 128, 2),
+            "qwen3-32b" => (64, 8, 128, 2),
+            "llama-3.1-70b" => (80, 8, 128, 2),
+            "deepseek-v3" => (61, 1, 576, 1),
+            _ => {
+                return Err(Error::Layout(format!(
+                    "unknown model preset `{name}` (known: {})",
+                    PRESETS.join(", ")
+                )))
+            }
+        };
+        Ok(ModelKv {
+            name: name.to_string(),
+            num_layers: layers,
+            num_kv_heads: heads,
+            head_dim: dim,
+            kv_planes: planes,
+            dtype: DType::Bf16,
+        })
+    }
+
+    /// Whether this is an MLA model (one latent plane, replicated across TP).
+    pub fn is_mla(&self) -> bool {
+        self.kv_planes == 1
+    }
+
+    /// KV bytes per token for the whole model (all layers, planes and heads).
+    pub fn bytes_per_token(&self) -> u64 {
+        self.num_layers as u64
+            * self.kv_planes as u64
+            * self.num_kv_heads as u64
+            * self.head_dim as u64
+            * self.dtype.size()
+    }
+
+    /// Checks field ranges.
+    pub fn validate(&self) -> Result<()> {
+        if self.num_layers == 0 || self.num_kv_heads == 0 || self.head_dim == 0 {
+            return Err(Error::Layout(format!(
+                "model `{}`: layers ({}), kv heads ({}) and head_dim ({}) must all be > 0",
+                self.name, self.num_layers, self.num_kv_heads, self.head_dim
+            )));
+        }
+        if self.kv_planes != 1 && self.kv_planes != 2 {
+            return Err(Error::Layout(format!(
+                "model `{}`: kv_planes must be 1 (MLA) or 2 (K and V), got {}",
+                self.name, self.kv_planes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Errors with [`Error::Mismatch`] unless both describe the same KV geometry (layers, heads,
+    /// head_dim, planes, dtype); the names may differ.
+    pub fn check_compatible(&self, other: &ModelKv) -> Result<()> {
+        let a = (
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.kv_planes,
+            self.dtype,
+        );
+        let b = (
+            other.num_layers,
+            other.num_kv_heads,
+            other.head_dim,
+            other.kv_planes,
+            other.dtype,
+        );
+        if a != b {
+            return Err(Error::Mismatch(format!(
+                "KV geometry differs: `{}` has layers={} kv_heads={} head_dim={} planes={} dtype={}, \
+                 `{}` has layers={} kv_heads={} head_dim={} planes={} dtype={}",
+                self.name, a.0, a.1, a.2, a.3, a.4.name(), other.name, b.0, b.1, b.2, b.3, b.4.name()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// How one serving instance splits the KV cache: the `--prefill`/`--decode` SPEC of the CLI.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ParallelSpec {
+    /// Tensor parallelism (splits KV heads).
+    pub tp: u32,
+    /// Prefill context parallelism (splits tokens in contiguous block chunks).
+    pub pcp: u32,
+    /// Data parallelism (independent replicas).
+    pub dp: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Block-internal order.
+    pub order: BlockOrder,
+}
+
+impl Default for ParallelSpec {
+    fn default() -> Self {
+        ParallelSpec {
+            tp: 1,
+            pcp: 1,
+            dp: 1,
+            block_size: 16,
+            order: BlockOrder::Nhd,
+        }
+    }
+}
+
+impl std::fmt::Display for ParallelSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "TP={} x PCP={} x DP={}, block={}, {}",
+            self.tp,
+            self.pcp,
+            self.dp,
+            self.block_size,
+            self.order.name().to_uppercase()
+        )
+    }
+}
+
+impl ParallelSpec {
+    /// Parses `key=value` pairs separated by commas among `tp`, `pcp`, `dp`, `block`, `order`
+    /// (`nhd`|`hnd`); missing keys keep the values of `base`.
+    ///
+    /// Example: `tp=2,pcp=2,block=64,order=nhd`.
+    pub fn parse_with(spec: &str, base: ParallelSpec) -> Result<ParallelSpec> {
+        let mut out = base;
+        for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) = part.split_once('=').ok_or_else(|| {
+                Error::Layout(format!("`{part}` in layout spec `{spec}` is not key=value"))
+            })?;
+            let num = |v: &str| -> Result<u32> {
+                v.trim().parse::<u32>().map_err(|_| {
+                    Error::Layout(format!("`{k}={v}` in layout spec `{spec}`: not a number"))
+                })
+            };
+            match k.trim() {
+                "tp" => out.tp = num(v)?,
+                "pcp" => out.pcp = num(v)?,
+                "dp" => out.dp = num(v)?,
+                "block" => out.block_size = num(v)?,
+                "order" => {
+                    out.order = match v.trim().to_ascii_lowercase().as_str() {
+                        "nhd" => BlockOrder::Nhd,
+                        "hnd" => BlockOrder::Hnd,
+                        o => {
+                            return Err(Error::Layout(format!(
+                                "order `{o}` in layout spec `{spec}`: expected nhd or hnd"
+                            )))
+                        }
+                    }
+                }
+                other => {
+                    return Err(Error::Layout(format!(
+                        "unknown key `{other}` in layout spec `{spec}` (keys: tp, pcp, dp, block, order)"
+                    )))
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Parses a spec with defaults TP=PCP=DP=1, block 16, NHD.
+    pub fn parse(spec: &str) -> Result<ParallelSpec> {
+        Self::parse_with(spec, ParallelSpec::default())
+    }
+
+    /// Number of ranks: `dp * pcp * tp`.
+    pub fn num_ranks(&self) -> u32 {
+        self.dp * self.pcp * self.tp
+    }
+
+    /// Ranks per DP replica: `pcp * tp`.
+    pub fn ranks_per_replica(&self) -> u32 {
+        self.pcp * self.tp
+    }
+}
+
+/// Coordinates of one rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RankCoord {
+    /// DP replica.
+    pub dp: u32,
+    /// PCP rank within the replica.
+    pub pcp: u32,
+    /// TP rank within the PCP group.
+    pub tp: u32,
+}
+
+/// A model's KV cache split over the ranks of one serving instance.
+///
+/// Ranks are numbered `rank = (dp * pcp_size + pcp) * tp_size + tp`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ParallelLayout {
+    /// The model's KV geometry.
+    pub model: ModelKv,
+    /// How the instance splits it.
+    pub spec: ParallelSpec,
+    /// KV blocks allocated per rank (capacity of each rank's buffers).
+    pub num_blocks: u32,
+}
+
+impl ParallelLayout {
+    /// Builds and validates a layout.
+    pub fn new(model: ModelKv, spec: ParallelSpec, num_blocks: u32) -> Result<ParallelLayout> {
+        let l = ParallelLayout {
+            model,
+            spec,
+            num_blocks,
+        };
+        l.validate()?;
+        Ok(l)
+    }
+
+    /// Checks that the split is possible: sizes > 0, TP divides the KV heads or the heads divide
+    /// TP (replication), and buffers fit in an `i64` byte size.
+    pub fn validate(&self) -> Result<()> {
+        self.model.validate()?;
+        let s = &self.spec;
+        if s.tp == 0 || s.pcp == 0 || s.dp == 0 || s.block_size == 0 {
+            return Err(Error::Layout(format!(
+                "tp ({}), pcp ({}), dp ({}) and block ({}) must all be > 0",
+                s.tp, s.pcp, s.dp, s.block_size
+            )));
+        }
+        if s.num_ranks() > 4096 {
+            return Err(Error::Layout(format!(
+                "{} ranks is more than 4096",
+                s.num_ranks()
+            )));
+        }
+        let h = self.model.num_kv_heads;
+        if !(h % s.tp == 0 || s.tp % h == 0) {
+            return Err(Error::Layout(format!(
+                "{} KV heads cannot be split over TP={}: TP must divide the head count or be a \
+                 multiple of it (replication)",
+                h, s.tp
+            )));
+        }
+        if self.num_blocks == 0 {
+            return Err(Error::Layout("num_blocks must be > 0".into()));
+        }
+        let bytes = self.rank_kv().buffer_bytes();
+        if bytes > i64::MAX as u64 / 2 {
+            return Err(Error::Layout(format!(
+                "per-layer buffer of {bytes} bytes is too large"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Number of ranks (`dp * pcp * tp`).
+    pub fn num_ranks(&self) -> u32 {
+        self.spec.num_ranks()
+    }
+
+    /// Coordinates of `rank`.
+    pub fn coord(&self, rank: u32) -> RankCoord {
+        let tp = rank % self.spec.tp;
+        let pcp = (rank / self.spec.tp) % self.spec.pcp;
+        let dp = rank / (self.spec.tp * self.spec.pcp);
+        RankCoord { dp, pcp, tp }
+    }
+
+    /// Global rank of coordinates.
+    pub fn rank(&self, c: RankCoord) -> u32 {
+        (c.dp * self.spec.pcp + c.pcp) * self.spec.tp + c.tp
+    }
+
+    /// KV heads held by each rank (1 when heads are replicated).
+    pub fn heads_per_rank(&self) -> u32 {
+        (self.model.num_kv_heads / self.spec.tp).max(1)
+    }
+
+    /// How many TP ranks hold each head (1 unless TP > num_kv_heads).
+    pub fn head_replicas(&self) -> u32 {
+        (self.spec.tp / self.model.num_kv_heads).max(1)
+    }
+
+    /// Global index of the first KV head held by TP rank `tp`.
+    pub fn first_head(&self, tp: u32) -> u32 {
+        tp / self.head_replicas() * self.heads_per_rank()
+    }
+
+    /// The TP ranks that hold global head `head` (several when replicated).
+    pub fn tp_ranks_of_head(&self, head: u32) -> std::ops::Range<u32> {
+        let rep = self.head_replicas();
+        let group = head / self.heads_per_rank();
+        group * rep..(group + 1) * rep
+    }
+
+    /// Number of request blocks for `num_tokens` tokens at this layout's block size.
+    pub fn request_blocks(&self, num_tokens: u32) -> u32 {
+        num_tokens.div_ceil(self.spec.block_size)
+    }
+
+    /// The request blocks (indices into the request's block sequence) held by PCP rank `pcp`:
+    /// the blocks are divided into `pcp_size` contiguous chunks of `ceil(n / pcp_size)` blocks
+    /// (the last chunks may be shorter or empty).
+    pub fn pcp_chunk(&self, num_tokens: u32, pcp: u32) -> std::ops::Range<u32> {
+        let n = self.request_blocks(num_tokens);
+        let chunk = n.div_ceil(self.spec.pcp);
+        let start = (pcp * chunk).min(n);
+        let end = ((pcp + 1) * chunk).min(n);
+        start..end
+    }
+
+    /// The PCP rank holding request block `block` (an index into the request's blocks).
+    pub fn pcp_of_block(&self, num_tokens: u32, block: u32) -> u32 {
+        let n = self.request_blocks(num_tokens);
+        let chunk = n.div_ceil(self.spec.pcp).max(1);
+        block / chunk
+    }
+
+    /// The per-rank buffer layout (same for every rank).
+    pub fn rank_kv(&self) -> KvLayout {
+        KvLayout {
+            num_layers: self.model.num_layers,
+            kv_planes: self.model.kv_planes,
+            num_blocks: self.num_blocks,
+            block_size: self.spec.block_size,
+            num_heads: self.heads_per_rank(),
+            head_dim: self.model.head_dim,
+            dtype: self.model.dtype,
+            order: self.spec.order,
+        }
+    }
+
+    /// A one-line description, e.g. `TP=2 x PCP=2 x DP=1, block=64, NHD`.
+    pub fn describe(&self) -> String {
+        self.spec.to_string()
+    }
+}
+
+/// One rank's KV buffers: one buffer per layer of shape
+/// `[kv_planes, num_blocks, block_size, num_heads, head_dim]` (NHD) or
+/// `[kv_planes, num_blocks, num_heads, block_size, head_dim]` (HND).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct KvLayout {
+    /// Layers (= buffers).
+    pub num_layers: u32,
+    /// Planes per layer (2: K and V; 1: MLA latent).
+    pub kv_planes: u32,
+    /// Blocks per plane.
+    pub num_blocks: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// KV heads held by this rank.
+    pub num_heads: u32,
+    /// Elements per head.
+    pub head_dim: u32,
+    /// Element type.
+    pub dtype: DType,
+    /// Block-internal order.
+    pub order: BlockOrder,
+}
+
+impl KvLayout {
+    /// Bytes of one head's row (`head_dim * dtype size`).
+    pub fn row_bytes(&self) -> u64 {
+        self.head_dim as u64 * self.dtype.size()
+    }
+
+    /// Bytes of one block of one plane.
+    pub fn block_bytes(&self) -> u64 {
+        self.block_size as u64 * self.num_heads as u64 * self.row_bytes()
+    }
+
+    /// Bytes of one plane (all blocks).
+    pub fn plane_bytes(&self) -> u64 {
+        self.num_blocks as u64 * self.block_bytes()
+    }
+
+    /// Bytes of one layer's buffer.
+    pub fn buffer_bytes(&self) -> u64 {
+        self.kv_planes as u64 * self.plane_bytes()
+    }
+
+    /// Dimensions of one layer's buffer, in elements.
+    pub fn dims(&self) -> [i64; 5] {
+        let (a, b) = match self.order {
+            BlockOrder::Nhd => (self.block_size, self.num_heads),
+            BlockOrder::Hnd => (self.num_heads, self.block_size),
+        };
+        [
+            self.kv_planes as i64,
+            self.num_blocks as i64,
+            a as i64,
+            b as i64,
+            self.head_dim as i64,
+        ]
+    }
+
+    /// Byte offset of the row `(plane, block, token_in_block, head)` (element `dim = 0`).
+    pub fn row_offset(&self, plane: u32, block: u32, token: u32, head: u32) -> u64 {
+        let within = match self.order {
+            BlockOrder::Nhd => token as u64 * self.num_heads as u64 + head as u64,
+            BlockOrder::Hnd => head as u64 * self.block_size as u64 + token as u64,
+        };
+        plane as u64 * self.plane_bytes()
+            + block as u64 * self.block_bytes()
+            + within * self.row_bytes()
+    }
+
+    /// Byte offset of the start of `block` in `plane`.
+    pub fn block_offset(&self, plane: u32, block: u32) -> u64 {
+        plane as u64 * self.plane_bytes() + block as u64 * self.block_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_parse() {
+        let s = ParallelSpec::parse("tp=2,pcp=2,block=64,order=nhd").unwrap();
+        assert_eq!(
+            (s.tp, s.pcp, s.dp, s.block_size, s.order),
+            (2, 2, 1, 64, BlockOrder::Nhd)
+        );
+        let s = ParallelSpec::parse("tp=1, dp=2, block=16, order=HND").unwrap();
+        assert_eq!(
+            (s.tp, s.pcp, s.dp, s.block_size, s.order),
+            (1, 1, 2, 16, BlockOrder::Hnd)
+        );
+        assert!(ParallelSpec::parse("tp=two").is_err());
+        assert!(ParallelSpec::parse("xp=1").is_err());
+        assert!(ParallelSpec::parse("order=abc").is_err());
+        assert!(ParallelSpec::parse("tp").is_err());
+    }
+
+    #[test]
+    fn heads_split_and_replicate() {
+        let m = ModelKv::preset("llama-3.1-8b").unwrap();
+        let l = ParallelLayout::new(m.clone(), ParallelSpec::parse("tp=2").unwrap(), 4).unwrap();
+        assert_eq!(l.heads_per_rank(), 4);
+        assert_eq!(l.first_head(1), 4);
+        assert_eq!(l.tp_ranks_of_head(5), 1..2);
+        let l = ParallelLayout::new(m.clone(), ParallelSpec::parse("tp=16").unwrap(), 4).unwrap();
+        assert_eq!(l.heads_per_rank(), 1);
+        assert_eq!(l.head_replicas(), 2);
+        assert_eq!(l.first_head(5), 2);
+        assert_eq!(l.tp_ranks_of_head(2), 4..6);
+        let e = ParallelLayout::new(m, ParallelSpec::parse("tp=3").unwrap(), 4).unwrap_err();
+        assert!(e.to_string().contains("cannot be split"), "{e}");
+        let mla = ModelKv::preset("deepseek-v3").unwrap();
+        let l = ParallelLayout::new(mla, ParallelSpec::parse("tp=4").unwrap(), 4).unwrap();
+        assert_eq!(l.heads_per_rank(), 1);
+        assert_eq!(l.tp_ranks_of_head(0), 0..4);
+    }
+
+    #[test]
+    fn ranks_and_chunks() {
+        let m = ModelKv::preset("llama-3.1-8b").unwrap();
+        let l = ParallelLayout::new(
+            m,
+            ParallelSpec::parse("tp=2,pcp=3,dp=2,block=16").unwrap(),
+            8,
+        )
+        .unwrap();
+        for r in 0..l.num_ranks() {
+            assert_eq!(l.rank(l.coord(r)), r);
+        }
+        assert_eq!(
+            l.coord(7),
+            RankCoord {
+                dp: 1,
+                pcp: 0,
+                tp: 1
+            }
+        );
+        // 100 tokens at block 16 -> 7 blocks -> chunks of 3: 0..3, 3..6, 6..7
+        assert_eq!(l.pcp_chunk(100, 0), 0..3);
+        assert_eq!(l.pcp_chunk(100, 2), 6..7);
+        assert_eq!(l.pcp_of_block(100, 6), 2);
+        // 10 tokens -> 1 block; pcp ranks 1 and 2 hold nothing
+        assert_eq!(l.pcp_chunk(10, 1), 1..1);
+    }
+
+    #[test]
+    fn offsets_follow_order() {
+        let kv = KvLayout {
+            num_layers: 1,
+            kv_planes: 2,
+            num_blocks: 3,
+            block_size: 4,
+            num_heads: 2,
+            head_dim: 8,
+            dtype: DType::Bf16,
+            order: BlockOrder::Nhd,
+        };
+        assert_eq!(kv.row_bytes(), 16);
+        assert_eq!(kv.block_bytes(), 128);
+        assert_eq!(kv.buffer_bytes(), 768);
+        assert_eq!(kv.row_offset(1, 2, 3, 1), 384 + 256 + (3 * 2 + 1) * 16);
+        let hnd = KvLayout {
+            order: BlockOrder::Hnd,
+            ..kv
+        };
+        assert_eq!(hnd.row_offset(1, 2, 3, 1), 384 + 256 + (4 + 3) * 16);
+        assert_eq!(hnd.dims(), [2, 3, 2, 4, 8]);
+    }
+}

@@ -1,0 +1,418 @@
+//! The reshard planner: which bytes go from which source rank to which destination rank.
+//!
+//! Pure code, no I/O. Input: the request's [`Placement`] on the source (prefill) side and on the
+//! destination (decode) side, and its number of tokens. Output: a [`Plan`], a list of [`Span`]s
+//! that copy every logical element (layer, plane, token, head, dim) of the request exactly once,
+//! from the source byte that holds it to the destination byte that must hold it, touching nothing
+//! outside the request's blocks. Different TP (head split or replication), PCP (token chunks),
+//! block sizes and block orders (NHD/HND) on the two sides are all handled; the last block may be
+//! partial.
+//!
+//! Spans are coalesced: adjacent rows contiguous on both sides become one span, and runs of
+//! equally sized spans with constant source and destination strides become one strided span
+//! (`count`, `src_stride`, `dst_stride`). Spans are ordered by (destination rank, layer,
+//! destination offset), which makes each receiver's writes sequential.
+
+use std::collections::BTreeSet;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::layout::{ParallelLayout, RankCoord};
+
+/// Where one request's KV blocks live on one side of a transfer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    /// The instance's layout.
+    pub layout: ParallelLayout,
+    /// The DP replica holding the request.
+    pub dp_rank: u32,
+    /// Device block ids per rank of that replica, indexed by `pcp * tp_size + tp`. Entry
+    /// `(pcp, tp)` lists, in order, the block ids of the request blocks
+    /// `layout.pcp_chunk(num_tokens, pcp)`.
+    pub block_ids: Vec<Vec<u32>>,
+}
+
+impl Placement {
+    /// Global rank of local rank `local` (index into `block_ids`).
+    pub fn global_rank(&self, local: u32) -> u32 {
+        self.dp_rank * self.layout.spec.ranks_per_replica() + local
+    }
+
+    /// Local index of a global rank, if it belongs to this placement's replica.
+    pub fn local_rank(&self, global: u32) -> Option<u32> {
+        let rpr = self.layout.spec.ranks_per_replica();
+        (global / rpr == self.dp_rank).then_some(global % rpr)
+    }
+
+    /// Checks the placement against its layout for a request of `num_tokens` tokens.
+    ///
+    /// Errors: [`Error::Layout`] for a bad layout or DP rank, [`Error::BlockRange`] for a wrong
+    /// number of block ids, an id `>= num_blocks`, or an id used twice on one rank.
+    pub fn validate(&self, num_tokens: u32) -> Result<()> {
+        self.layout.validate()?;
+        if num_tokens == 0 {
+            return Err(Error::InvalidArgument(
+                "a request needs at least one token".into(),
+            ));
+        }
+        let s = &self.layout.spec;
+        if self.dp_rank >= s.dp {
+            return Err(Error::Layout(format!(
+                "DP rank {} out of range for DP={}",
+                self.dp_rank, s.dp
+            )));
+        }
+        if self.block_ids.len() as u32 != s.ranks_per_replica() {
+            return Err(Error::BlockRange(format!(
+                "{} block id lists given, the replica has {} ranks (PCP={} x TP={})",
+                self.block_ids.len(),
+                s.ranks_per_replica(),
+                s.pcp,
+                s.tp
+            )));
+        }
+        let nb = self.layout.num_blocks;
+        for (local, ids) in self.block_ids.iter().enumerate() {
+            let pcp = local as u32 / s.tp;
+            let want = self.layout.pcp_chunk(num_tokens, pcp).len();
+            if ids.len() != want {
+                return Err(Error::BlockRange(format!(
+                    "rank {} (pcp {pcp}, tp {}) lists {} block ids; {num_tokens} tokens at block \
+                     size {} need {want} on this rank",
+                    self.global_rank(local as u32),
+                    local as u32 % s.tp,
+                    ids.len(),
+                    s.block_size
+                )));
+            }
+            let mut seen = vec![false; nb as usize];
+            for &id in ids {
+                if id >= nb {
+                    return Err(Error::BlockRange(format!(
+                        "block id {id} on rank {} is >= num_blocks {nb}",
+                        self.global_rank(local as u32)
+                    )));
+                }
+                if std::mem::replace(&mut seen[id as usize], true) {
+                    return Err(Error::BlockRange(format!(
+                        "block id {id} appears twice on rank {}",
+                        self.global_rank(local as u32)
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whole-block byte ranges of local rank `local`'s request blocks in one layer buffer
+    /// (every plane), merged. These are the bytes a sender stages.
+    pub fn block_ranges(&self, local: u32) -> Vec<ByteRange> {
+        let kv = self.layout.rank_kv();
+        let mut v = Vec::new();
+        for layer in 0..kv.num_layers {
+            for plane in 0..kv.kv_planes {
+                for &id in &self.block_ids[local as usize] {
+                    v.push(ByteRange {
+                        buffer: layer,
+                        offset: kv.block_offset(plane, id),
+                        len: kv.block_bytes(),
+                    });
+                }
+            }
+        }
+        merge_ranges(v)
+    }
+}
+
+/// A byte range of one buffer (buffer index = layer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct ByteRange {
+    /// Buffer (layer) index.
+    pub buffer: u32,
+    /// Byte offset in the buffer.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// Sorts and merges overlapping or adjacent ranges of the same buffer.
+pub fn merge_ranges(mut v: Vec<ByteRange>) -> Vec<ByteRange> {
+    v.sort_unstable();
+    let mut out: Vec<ByteRange> = Vec::with_capacity(v.len());
+    for r in v {
+        if r.len == 0 {
+            continue;
+        }
+        if let Some(last) = out.last_mut() {
+            if last.buffer == r.buffer && r.offset <= last.offset + last.len {
+                let end = (last.offset + last.len).max(r.offset + r.len);
+                last.len = end - last.offset;
+                continue;
+            }
+        }
+        out.push(r);
+    }
+    out
+}
+
+/// One copy: `count` runs of `len` bytes, run `i` from `src_offset + i * src_stride` of source
+/// rank `src_rank`'s buffer `src_buffer` to `dst_offset + i * dst_stride` of destination rank
+/// `dst_rank`'s buffer `dst_buffer`. When `count == 1` the strides are 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Span {
+    /// Global source rank.
+    pub src_rank: u32,
+    /// Source buffer (layer).
+    pub src_buffer: u32,
+    /// Source byte offset.
+    pub src_offset: u64,
+    /// Global destination rank.
+    pub dst_rank: u32,
+    /// Destination buffer (layer).
+    pub dst_buffer: u32,
+    /// Destination byte offset.
+    pub dst_offset: u64,
+    /// Bytes per run.
+    pub len: u64,
+    /// Number of runs (>= 1).
+    pub count: u32,
+    /// Source distance between runs.
+    pub src_stride: u64,
+    /// Destination distance between runs.
+    pub dst_stride: u64,
+}
+
+impl Span {
+    /// Total bytes moved (`len * count`).
+    pub fn bytes(&self) -> u64 {
+        self.len * self.count as u64
+    }
+
+    /// `(src_offset, dst_offset)` of each run.
+    pub fn runs(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        (0..self.count as u64).map(move |i| {
+            (
+                self.src_offset + i * self.src_stride,
+                self.dst_offset + i * self.dst_stride,
+            )
+        })
+    }
+}
+
+/// A transfer plan: spans ordered by (destination rank, layer, destination offset).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Plan {
+    /// Tokens of the request.
+    pub num_tokens: u32,
+    /// The copies.
+    pub spans: Vec<Span>,
+}
+
+impl Plan {
+    /// Plans a request of `num_tokens` tokens from `src` to `dst`.
+    ///
+    /// Errors: [`Error::Mismatch`] when the two models' KV geometries differ, and the errors of
+    /// [`Placement::validate`] for either side.
+    pub fn build(src: &Placement, dst: &Placement, num_tokens: u32) -> Result<Plan> {
+        src.layout.model.check_compatible(&dst.layout.model)?;
+        src.validate(num_tokens)?;
+        dst.validate(num_tokens)?;
+        let sl = &src.layout;
+        let dl = &dst.layout;
+        let skv = sl.rank_kv();
+        let dkv = dl.rank_kv();
+        let row = skv.row_bytes();
+        let planes = skv.kv_planes;
+        let sbs = sl.spec.block_size;
+        let dbs = dl.spec.block_size;
+        let t = num_tokens;
+
+        // Rows of layer 0; every layer has the same spans with another buffer index.
+        let mut rows: Vec<Span> = Vec::new();
+        for ld in 0..dl.spec.ranks_per_replica() {
+            let dc = RankCoord {
+                dp: dst.dp_rank,
+                pcp: ld / dl.spec.tp,
+                tp: ld % dl.spec.tp,
+            };
+            let dst_rank = dl.rank(dc);
+            let first_head = dl.first_head(dc.tp);
+            let chunk = dl.pcp_chunk(t, dc.pcp);
+            for (i, jd) in chunk.enumerate() {
+                let dst_block = dst.block_ids[ld as usize][i];
+                for tok in jd * dbs..((jd + 1) * dbs).min(t) {
+                    let js = tok / sbs;
+                    let ps = sl.pcp_of_block(t, js);
+                    let idx_s = (js - sl.pcp_chunk(t, ps).start) as usize;
+                    for hl in 0..dl.heads_per_rank() {
+                        let g = first_head + hl;
+                        let reps = sl.tp_ranks_of_head(g);
+                        let ts = reps.start + ld % (reps.end - reps.start);
+                        let ls = ps * sl.spec.tp + ts;
+                        let src_block = src.block_ids[ls as usize][idx_s];
+                        let hs = g - sl.first_head(ts);
+                        let src_rank = sl.rank(RankCoord {
+                            dp: src.dp_rank,
+                            pcp: ps,
+                            tp: ts,
+                        });
+                        for p in 0..planes {
+                            rows.push(Span {
+                                src_rank,
+                                src_buffer: 0,
+                                src_offset: skv.row_offset(p, src_block, tok % sbs, hs),
+                                dst_rank,
+                                dst_buffer: 0,
+                                dst_offset: dkv.row_offset(p, dst_block, tok % dbs, hl),
+                                len: row,
+                                count: 1,
+                                src_stride: 0,
+                                dst_stride: 0,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        rows.sort_unstable_by_key(|s| (s.dst_rank, s.dst_offset));
+        let base = compress_strided(coalesce(rows));
+
+        let mut spans = Vec::with_capacity(base.len() * skv.num_layers as usize);
+        let mut i = 0;
+        while i < base.len() {
+            let mut j = i;
+            while j < base.len() && base[j].dst_rank == base[i].dst_rank {
+                j += 1;
+            }
+            for layer in 0..skv.num_layers {
+                spans.extend(base[i..j].iter().map(|s| Span {
+                    src_buffer: layer,
+                    dst_buffer: layer,
+                    ..*s
+                }));
+            }
+            i = j;
+        }
+        Ok(Plan { num_tokens, spans })
+    }
+
+    /// Total bytes moved.
+    pub fn total_bytes(&self) -> u64 {
+        self.spans.iter().map(Span::bytes).sum()
+    }
+
+    /// The distinct `(src_rank, dst_rank)` pairs that exchange bytes, sorted.
+    pub fn pairs(&self) -> Vec<(u32, u32)> {
+        self.spans
+            .iter()
+            .map(|s| (s.src_rank, s.dst_rank))
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect()
+    }
+
+    /// The spans of one `(src_rank, dst_rank)` pair, in plan order.
+    pub fn pair_spans(&self, src_rank: u32, dst_rank: u32) -> Vec<Span> {
+        self.spans
+            .iter()
+            .filter(|s| s.src_rank == src_rank && s.dst_rank == dst_rank)
+            .copied()
+            .collect()
+    }
+
+    /// Merged destination byte ranges written on `dst_rank` (what must be copied to the device).
+    pub fn dst_ranges(&self, dst_rank: u32) -> Vec<ByteRange> {
+        let mut v = Vec::new();
+        for s in self.spans.iter().filter(|s| s.dst_rank == dst_rank) {
+            for (_, d) in s.runs() {
+                v.push(ByteRange {
+                    buffer: s.dst_buffer,
+                    offset: d,
+                    len: s.len,
+                });
+            }
+        }
+        merge_ranges(v)
+    }
+
+    /// Merged source byte ranges read on `src_rank`.
+    pub fn src_ranges(&self, src_rank: u32) -> Vec<ByteRange> {
+        let mut v = Vec::new();
+        for s in self.spans.iter().filter(|s| s.src_rank == src_rank) {
+            for (o, _) in s.runs() {
+                v.push(ByteRange {
+                    buffer: s.src_buffer,
+                    offset: o,
+                    len: s.len,
+                });
+            }
+        }
+        merge_ranges(v)
+    }
+}
+
+/// A 64-bit digest of a span list (xxh3 over the fields, little endian), used by both peers to
+/// check that they computed the same plan.
+pub fn spans_digest(spans: &[Span]) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for s in spans {
+        h.update(&s.src_rank.to_le_bytes());
+        h.update(&s.src_buffer.to_le_bytes());
+        h.update(&s.src_offset.to_le_bytes());
+        h.update(&s.dst_rank.to_le_bytes());
+        h.update(&s.dst_buffer.to_le_bytes());
+        h.update(&s.dst_offset.to_le_bytes());
+        h.update(&s.len.to_le_bytes());
+        h.update(&s.count.to_le_bytes());
+        h.update(&s.src_stride.to_le_bytes());
+        h.update(&s.dst_stride.to_le_bytes());
+    }
+    h.digest()
+}
+
+fn coalesce(rows: Vec<Span>) -> Vec<Span> {
+    let mut out: Vec<Span> = Vec::with_capacity(rows.len());
+    for r in rows {
+        if let Some(last) = out.last_mut() {
+            if last.src_rank == r.src_rank
+                && last.dst_rank == r.dst_rank
+                && last.src_offset + last.len == r.src_offset
+                && last.dst_offset + last.len == r.dst_offset
+            {
+                last.len += r.len;
+                continue;
+            }
+        }
+        out.push(r);
+    }
+    out
+}
+
+fn compress_strided(spans: Vec<Span>) -> Vec<Span> {
+    let mut out: Vec<Span> = Vec::with_capacity(spans.len());
+    for r in spans {
+        if let Some(g) = out.last_mut() {
+            if g.src_rank == r.src_rank && g.dst_rank == r.dst_rank && g.len == r.len {
+                if g.count == 1 {
+                    if r.src_offset > g.src_offset && r.dst_offset >= g.dst_offset + g.len {
+                        g.src_stride = r.src_offset - g.src_offset;
+                        g.dst_stride = r.dst_offset - g.dst_offset;
+                        g.count = 2;
+                        continue;
+                    }
+                } else if r.src_offset == g.src_offset + g.count as u64 * g.src_stride
+                    && r.dst_offset == g.dst_offset + g.count as u64 * g.dst_stride
+                {
+                    g.count += 1;
+                    continue;
+                }
+            }
+        }
+        out.push(r);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

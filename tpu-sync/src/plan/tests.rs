@@ -1,0 +1,272 @@
+//! Property tests of the planner: simulate both sides' buffers in memory, apply the plan, and
+//! check every destination byte.
+
+use super::*;
+use crate::layout::{BlockOrder, DType, ModelKv, ParallelSpec};
+use crate::pattern::RankContents;
+use proptest::prelude::*;
+
+/// Scattered, distinct block ids: a deterministic shuffle of 0..num_blocks.
+fn scattered(num_blocks: u32, n: usize, seed: u64) -> Vec<u32> {
+    let mut ids: Vec<u32> = (0..num_blocks).collect();
+    for i in (1..ids.len()).rev() {
+        let j = (crate::pattern::mix64(seed ^ i as u64) % (i as u64 + 1)) as usize;
+        ids.swap(i, j);
+    }
+    ids.truncate(n);
+    ids
+}
+
+fn placement(layout: ParallelLayout, dp_rank: u32, num_tokens: u32, seed: u64) -> Placement {
+    let s = layout.spec;
+    let block_ids = (0..s.ranks_per_replica())
+        .map(|local| {
+            let pcp = local / s.tp;
+            let n = layout.pcp_chunk(num_tokens, pcp).len();
+            scattered(layout.num_blocks, n, seed ^ local as u64)
+        })
+        .collect();
+    Placement {
+        layout,
+        dp_rank,
+        block_ids,
+    }
+}
+
+/// Applies `plan` to simulated buffers and checks the destination byte by byte, including that
+/// each destination byte is written exactly once and nothing outside the request is touched.
+fn simulate(src: &Placement, dst: &Placement, num_tokens: u32, plan: &Plan) {
+    let skv = src.layout.rank_kv();
+    let dkv = dst.layout.rank_kv();
+    let layers = skv.num_layers;
+    let src_bufs: Vec<Vec<Vec<u8>>> = (0..src.layout.num_ranks())
+        .map(|r| {
+            let c = RankContents::new(src, r, num_tokens, 1).unwrap();
+            (0..layers)
+                .map(|l| {
+                    let mut b = vec![0u8; skv.buffer_bytes() as usize];
+                    c.fill_layer(l, &mut b).unwrap();
+                    b
+                })
+                .collect()
+        })
+        .collect();
+    // Destination starts with a background of its own (request blocks included).
+    let empty = Placement {
+        block_ids: vec![],
+        dp_rank: u32::MAX,
+        ..dst.clone()
+    };
+    let mut dst_bufs: Vec<Vec<Vec<u8>>> = (0..dst.layout.num_ranks())
+        .map(|r| {
+            let c = RankContents::new(&empty, r, num_tokens, 2).unwrap();
+            (0..layers)
+                .map(|l| {
+                    let mut b = vec![0u8; dkv.buffer_bytes() as usize];
+                    c.fill_layer(l, &mut b).unwrap();
+                    b
+                })
+                .collect()
+        })
+        .collect();
+    let mut writes: Vec<Vec<Vec<u8>>> = (0..dst.layout.num_ranks())
+        .map(|_| {
+            (0..layers)
+                .map(|_| vec![0u8; dkv.buffer_bytes() as usize])
+                .collect()
+        })
+        .collect();
+    for s in &plan.spans {
+        assert!(s.count >= 1);
+        for (so, d) in s.runs() {
+            let (so, d, n) = (so as usize, d as usize, s.len as usize);
+            let from = &src_bufs[s.src_rank as usize][s.src_buffer as usize][so..so + n];
+            dst_bufs[s.dst_rank as usize][s.dst_buffer as usize][d..d + n].copy_from_slice(from);
+            for w in &mut writes[s.dst_rank as usize][s.dst_buffer as usize][d..d + n] {
+                *w += 1;
+            }
+        }
+    }
+    let mut total = 0;
+    for r in 0..dst.layout.num_ranks() {
+        // Expected: request elements where the placement says, background of salt 2 elsewhere.
+        let c = RankContents::new(dst, r, num_tokens, 2).unwrap();
+        for l in 0..layers {
+            let chk = c
+                .verify_layer(l, &dst_bufs[r as usize][l as usize])
+                .unwrap();
+            assert_eq!(chk.mismatches, 0, "first: {:?}", chk.first_mismatch);
+            total += chk.request_bytes;
+            let written: u64 = writes[r as usize][l as usize]
+                .iter()
+                .map(|&w| w as u64)
+                .sum();
+            assert!(
+                writes[r as usize][l as usize].iter().all(|&w| w <= 1),
+                "a byte was written twice"
+            );
+            assert_eq!(written, chk.request_bytes, "written bytes != request bytes");
+        }
+    }
+    let model = &src.layout.model;
+    let expect = num_tokens as u64 * model.bytes_per_token();
+    assert_eq!(total, expect * dst.layout.head_replicas() as u64);
+    assert_eq!(plan.total_bytes(), total);
+}
+
+fn model(heads: u32, planes: u32, dtype: DType) -> ModelKv {
+    ModelKv {
+        name: "test".into(),
+        num_layers: 2,
+        num_kv_heads: heads,
+        head_dim: 4,
+        kv_planes: planes,
+        dtype,
+    }
+}
+
+fn layout(
+    m: &ModelKv,
+    tp: u32,
+    pcp: u32,
+    dp: u32,
+    bs: u32,
+    order: BlockOrder,
+    tokens: u32,
+) -> ParallelLayout {
+    let spec = ParallelSpec {
+        tp,
+        pcp,
+        dp,
+        block_size: bs,
+        order,
+    };
+    let mut l = ParallelLayout {
+        model: m.clone(),
+        spec,
+        num_blocks: 1,
+    };
+    // Room for the request plus spare blocks so ids are scattered.
+    l.num_blocks = l.pcp_chunk(tokens, 0).len() as u32 * 2 + 3;
+    l
+}
+
+#[test]
+fn demo_default_pair() {
+    let m = ModelKv::preset("llama-3.1-8b").unwrap();
+    let m = ModelKv { num_layers: 2, ..m };
+    let t = 300;
+    let src = placement(layout(&m, 2, 2, 1, 64, BlockOrder::Nhd, t), 0, t, 11);
+    let dst = placement(layout(&m, 1, 1, 2, 16, BlockOrder::Hnd, t), 1, t, 12);
+    let plan = Plan::build(&src, &dst, t).unwrap();
+    simulate(&src, &dst, t, &plan);
+    // Only DP rank 1 (global rank 1) receives; all four prefill ranks send.
+    assert_eq!(plan.pairs(), vec![(0, 1), (1, 1), (2, 1), (3, 1)]);
+    // Strided compression: far fewer spans than rows.
+    let rows = 2 * t as usize * 8 * 2;
+    assert!(
+        plan.spans.len() * 4 < rows,
+        "{} spans for {rows} rows",
+        plan.spans.len()
+    );
+}
+
+#[test]
+fn identical_layouts_coalesce_to_blocks() {
+    let m = model(4, 2, DType::Bf16);
+    let t = 64;
+    let l = layout(&m, 1, 1, 1, 16, BlockOrder::Nhd, t);
+    let src = placement(l.clone(), 0, t, 1);
+    let dst = placement(l, 0, t, 2);
+    let plan = Plan::build(&src, &dst, t).unwrap();
+    simulate(&src, &dst, t, &plan);
+    for s in &plan.spans {
+        assert_eq!(s.len, 16 * 4 * 8, "whole blocks expected: {s:?}");
+    }
+}
+
+#[test]
+fn rejects_bad_placements() {
+    let m = model(4, 2, DType::Bf16);
+    let t = 40;
+    let l = layout(&m, 2, 1, 1, 16, BlockOrder::Nhd, t);
+    let good = placement(l.clone(), 0, t, 1);
+    let mut bad = good.clone();
+    bad.block_ids[0][0] = l.num_blocks;
+    assert!(matches!(
+        Plan::build(&good, &bad, t),
+        Err(Error::BlockRange(_))
+    ));
+    let mut dup = good.clone();
+    dup.block_ids[1][1] = dup.block_ids[1][0];
+    assert!(matches!(
+        Plan::build(&good, &dup, t),
+        Err(Error::BlockRange(_))
+    ));
+    let mut short = good.clone();
+    short.block_ids[0].pop();
+    assert!(matches!(
+        Plan::build(&good, &short, t),
+        Err(Error::BlockRange(_))
+    ));
+    let mut dp = good.clone();
+    dp.dp_rank = 1;
+    assert!(matches!(Plan::build(&good, &dp, t), Err(Error::Layout(_))));
+    let other = placement(
+        layout(&model(2, 2, DType::Bf16), 1, 1, 1, 16, BlockOrder::Nhd, t),
+        0,
+        t,
+        3,
+    );
+    assert!(matches!(
+        Plan::build(&good, &other, t),
+        Err(Error::Mismatch(_))
+    ));
+    assert!(Plan::build(&good, &good, 0).is_err());
+}
+
+fn arb_side(heads: u32) -> impl Strategy<Value = (u32, u32, u32, u32, BlockOrder)> {
+    let tps: Vec<u32> = [1u32, 2, 4, 8]
+        .into_iter()
+        .filter(|&tp| heads % tp == 0 || tp % heads == 0)
+        .collect();
+    (
+        proptest::sample::select(tps),
+        1u32..=4,
+        1u32..=2,
+        proptest::sample::select(vec![1u32, 3, 4, 16]),
+        prop_oneof![Just(BlockOrder::Nhd), Just(BlockOrder::Hnd)],
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, .. ProptestConfig::default() })]
+
+    #[test]
+    fn every_destination_byte_exactly_once(
+        heads in proptest::sample::select(vec![1u32, 2, 4, 8]),
+        mla in any::<bool>(),
+        wide in any::<bool>(),
+        tokens in 1u32..80,
+        seed in any::<u64>(),
+        s in arb_side(8),
+        d in arb_side(8),
+    ) {
+        let (heads, planes) = if mla { (1, 1) } else { (heads, 2) };
+        let dtype = if wide { DType::F32 } else { DType::Bf16 };
+        let m = model(heads, planes, dtype);
+        let ok = |tp: u32| heads % tp == 0 || tp % heads == 0;
+        prop_assume!(ok(s.0) && ok(d.0));
+        let sl = layout(&m, s.0, s.1, s.2, s.3, s.4, tokens);
+        let dl = layout(&m, d.0, d.1, d.2, d.3, d.4, tokens);
+        let src = placement(sl, seed as u32 % s.2, tokens, seed);
+        let dst = placement(dl, (seed >> 8) as u32 % d.2, tokens, !seed);
+        let plan = Plan::build(&src, &dst, tokens).unwrap();
+        simulate(&src, &dst, tokens, &plan);
+        // Every pair's spans digest identically when recomputed.
+        for (a, b) in plan.pairs() {
+            let again = Plan::build(&src, &dst, tokens).unwrap();
+            prop_assert_eq!(spans_digest(&plan.pair_spans(a, b)), spans_digest(&again.pair_spans(a, b)));
+        }
+    }
+}

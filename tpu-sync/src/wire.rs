@@ -1,0 +1,321 @@
+//! The wire protocol between transfer endpoints: frame headers, control messages and data chunks.
+//!
+//! Pure code (no I/O). Every frame starts with a 24-byte [`FrameHeader`] (little endian):
+//!
+//! | bytes | field | meaning |
+//! |---|---|---|
+//! | 0..4 | magic | `b"TSYN"` |
+//! | 4 | version | [`PROTOCOL_VERSION`] |
+//! | 5 | kind | [`FrameKind`] |
+//! | 6..8 | flags | reserved, 0 |
+//! | 8..12 | body_len | bytes after the header |
+//! | 12..16 | reserved | 0 |
+//! | 16..24 | request_id | the request the frame belongs to (0 for none) |
+//!
+//! Control frames carry a JSON body ([`Control`]) of at most [`MAX_CONTROL_BODY`] bytes. Data
+//! frames carry a 16-byte [`DataHeader`] (`stream_offset`, `checksum`) followed by the payload:
+//! bytes `stream_offset..stream_offset+payload_len` of the pair's byte stream (the concatenation,
+//! in plan order, of the bytes of every span between one source and one destination rank). The
+//! checksum is xxh3-64 of the payload. A receiver derives where payload bytes go from its own
+//! plan, never from the frame.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::plan::Placement;
+
+/// Frame magic.
+pub const MAGIC: [u8; 4] = *b"TSYN";
+/// Protocol version spoken by this build.
+pub const PROTOCOL_VERSION: u8 = 1;
+/// Size of [`FrameHeader`] on the wire.
+pub const HEADER_LEN: usize = 24;
+/// Size of [`DataHeader`] on the wire.
+pub const DATA_HEADER_LEN: usize = 16;
+/// Largest control body accepted (bytes).
+pub const MAX_CONTROL_BODY: u32 = 16 << 20;
+/// Largest data payload accepted per frame (bytes).
+pub const MAX_DATA_PAYLOAD: u32 = 64 << 20;
+
+/// What a frame carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FrameKind {
+    /// JSON [`Control`] message.
+    Control = 1,
+    /// [`DataHeader`] + payload.
+    Data = 2,
+}
+
+/// The fixed frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// Frame kind.
+    pub kind: FrameKind,
+    /// Bytes following the header.
+    pub body_len: u32,
+    /// Request id (0 when none).
+    pub request_id: u64,
+}
+
+impl FrameHeader {
+    /// Encodes to 24 bytes.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4] = PROTOCOL_VERSION;
+        b[5] = self.kind as u8;
+        b[8..12].copy_from_slice(&self.body_len.to_le_bytes());
+        b[16..24].copy_from_slice(&self.request_id.to_le_bytes());
+        b
+    }
+
+    /// Decodes and validates a header: magic, version, kind, reserved bytes and the body length
+    /// limit of the kind. Errors with [`Error::Protocol`].
+    pub fn decode(b: &[u8]) -> Result<FrameHeader> {
+        if b.len() < HEADER_LEN {
+            return Err(Error::Protocol(format!(
+                "truncated frame header ({} bytes)",
+                b.len()
+            )));
+        }
+        if b[0..4] != MAGIC {
+            return Err(Error::Protocol(format!(
+                "bad frame magic {:02x?}",
+                &b[0..4]
+            )));
+        }
+        if b[4] != PROTOCOL_VERSION {
+            return Err(Error::Protocol(format!(
+                "protocol version {} not supported (this side speaks {PROTOCOL_VERSION})",
+                b[4]
+            )));
+        }
+        if b[6..8] != [0, 0] || b[12..16] != [0, 0, 0, 0] {
+            return Err(Error::Protocol("reserved header bytes are not zero".into()));
+        }
+        let body_len = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);
+        let request_id = u64::from_le_bytes(b[16..24].try_into().expect("8 bytes"));
+        let kind = match b[5] {
+            1 => FrameKind::Control,
+            2 => FrameKind::Data,
+            k => return Err(Error::Protocol(format!("unknown frame kind {k}"))),
+        };
+        let max = match kind {
+            FrameKind::Control => MAX_CONTROL_BODY,
+            FrameKind::Data => MAX_DATA_PAYLOAD + DATA_HEADER_LEN as u32,
+        };
+        if body_len > max {
+            return Err(Error::Protocol(format!(
+                "{kind:?} frame body of {body_len} bytes exceeds the limit of {max}"
+            )));
+        }
+        if kind == FrameKind::Data && (body_len as usize) < DATA_HEADER_LEN {
+            return Err(Error::Protocol(format!(
+                "data frame body of {body_len} bytes is too short"
+            )));
+        }
+        Ok(FrameHeader {
+            kind,
+            body_len,
+            request_id,
+        })
+    }
+}
+
+/// The sub-header of a data frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataHeader {
+    /// Offset of the payload in the pair's byte stream.
+    pub stream_offset: u64,
+    /// xxh3-64 of the payload.
+    pub checksum: u64,
+}
+
+impl DataHeader {
+    /// Encodes to 16 bytes.
+    pub fn encode(&self) -> [u8; DATA_HEADER_LEN] {
+        let mut b = [0u8; DATA_HEADER_LEN];
+        b[0..8].copy_from_slice(&self.stream_offset.to_le_bytes());
+        b[8..16].copy_from_slice(&self.checksum.to_le_bytes());
+        b
+    }
+
+    /// Decodes 16 bytes.
+    pub fn decode(b: &[u8]) -> Result<DataHeader> {
+        if b.len() < DATA_HEADER_LEN {
+            return Err(Error::Protocol("truncated data header".into()));
+        }
+        Ok(DataHeader {
+            stream_offset: u64::from_le_bytes(b[0..8].try_into().expect("8 bytes")),
+            checksum: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
+        })
+    }
+}
+
+/// Control messages (JSON bodies of control frames).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Control {
+    /// First message on every connection, both directions.
+    Hello {
+        /// Free-form endpoint name (for logs).
+        name: String,
+        /// Protocol version (must equal the frame version).
+        protocol: u8,
+    },
+    /// Ask the owner of a registered request for its placement.
+    Describe {
+        /// The request.
+        request_id: u64,
+    },
+    /// Reply to [`Control::Describe`].
+    Description {
+        /// The request.
+        request_id: u64,
+        /// Tokens of the request.
+        num_tokens: u32,
+        /// Where the request's blocks are on the owner's side.
+        placement: Placement,
+    },
+    /// Receiver asks a sender for the spans from `src_rank` to `dst_rank` of the plan between the
+    /// sender's registered placement and `dst`.
+    Pull {
+        /// The request.
+        request_id: u64,
+        /// Source rank (on the sender).
+        src_rank: u32,
+        /// Destination rank (on the receiver).
+        dst_rank: u32,
+        /// The receiver's placement of the request.
+        dst: Placement,
+        /// [`crate::plan::spans_digest`] of the pair's spans as the receiver computed them.
+        digest: u64,
+        /// Bytes the receiver expects.
+        total_bytes: u64,
+    },
+    /// Sender finished a pull stream.
+    PullDone {
+        /// The request.
+        request_id: u64,
+        /// Bytes sent.
+        bytes: u64,
+    },
+    /// The receiver is done with the request; the sender may release its blocks.
+    Release {
+        /// The request.
+        request_id: u64,
+    },
+    /// Acknowledges a [`Control::Release`].
+    Released {
+        /// The request.
+        request_id: u64,
+    },
+    /// An error for one request (or for the connection when `request_id` is 0).
+    Failed {
+        /// The request.
+        request_id: u64,
+        /// Description.
+        message: String,
+    },
+}
+
+impl Control {
+    /// Encodes as a full frame (header + JSON body).
+    pub fn to_frame(&self, request_id: u64) -> Result<Vec<u8>> {
+        let body = serde_json::to_vec(self)
+            .map_err(|e| Error::Protocol(format!("cannot encode control message: {e}")))?;
+        if body.len() as u64 > MAX_CONTROL_BODY as u64 {
+            return Err(Error::Protocol(format!(
+                "control message of {} bytes exceeds the limit",
+                body.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(HEADER_LEN + body.len());
+        out.extend_from_slice(
+            &FrameHeader {
+                kind: FrameKind::Control,
+                body_len: body.len() as u32,
+                request_id,
+            }
+            .encode(),
+        );
+        out.extend_from_slice(&body);
+        Ok(out)
+    }
+
+    /// Decodes a control body.
+    pub fn decode(body: &[u8]) -> Result<Control> {
+        serde_json::from_slice(body)
+            .map_err(|e| Error::Protocol(format!("bad control message: {e}")))
+    }
+}
+
+/// xxh3-64 of a payload given as several slices (streaming, no copy).
+pub fn checksum<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for p in parts {
+        h.update(p);
+    }
+    h.digest()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trip_and_validation() {
+        let h = FrameHeader {
+            kind: FrameKind::Data,
+            body_len: 1000,
+            request_id: (1 << 53) - 1,
+        };
+        let b = h.encode();
+        assert_eq!(FrameHeader::decode(&b).unwrap(), h);
+        assert!(FrameHeader::decode(&b[..10]).is_err());
+        let mut bad = b;
+        bad[0] = b'X';
+        assert!(FrameHeader::decode(&bad).is_err());
+        let mut bad = b;
+        bad[4] = 9;
+        assert!(FrameHeader::decode(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("version"));
+        let mut bad = b;
+        bad[5] = 7;
+        assert!(FrameHeader::decode(&bad).is_err());
+        let mut bad = b;
+        bad[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(FrameHeader::decode(&bad).is_err());
+        let mut bad = b;
+        bad[8..12].copy_from_slice(&3u32.to_le_bytes());
+        assert!(
+            FrameHeader::decode(&bad).is_err(),
+            "data frame shorter than its sub-header"
+        );
+        let mut bad = b;
+        bad[13] = 1;
+        assert!(FrameHeader::decode(&bad).is_err());
+    }
+
+    #[test]
+    fn control_round_trip() {
+        let m = Control::Release { request_id: 42 };
+        let f = m.to_frame(42).unwrap();
+        let h = FrameHeader::decode(&f).unwrap();
+        assert_eq!(h.kind, FrameKind::Control);
+        assert_eq!(Control::decode(&f[HEADER_LEN..]).unwrap(), m);
+        assert!(Control::decode(b"{\"type\":\"nope\"}").is_err());
+        assert!(Control::decode(&f[HEADER_LEN..f.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn checksum_is_split_invariant() {
+        let data: Vec<u8> = (0..1000u32).map(|i| (i * 7 + 3) as u8).collect();
+        let whole = checksum([&data[..]]);
+        assert_eq!(whole, checksum([&data[..10], &data[10..500], &data[500..]]));
+        assert_ne!(whole, checksum([&data[1..]]));
+    }
+}
