@@ -163,10 +163,8 @@ fn raw_d2h_windows_and_in_place_h2d_are_byte_exact() {
         },
     ];
     // SAFETY: as above.
-    assert!(matches!(
-        unsafe { d2h_batch(&bad, 0) },
-        Err(Error::InvalidArgument(_))
-    ));
+    let r = unsafe { d2h_batch(&bad, 0) };
+    assert!(matches!(r, Err(Error::InvalidArgument(_))));
     assert_eq!(back, patch, "a refused batch wrote nothing");
 }
 
