@@ -6,7 +6,7 @@ PJRT_INCLUDE := $(CURDIR)/.deps/xla-cpu-pjrt/xla_plugins/xla_cpu_pjrt/include
 export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 
-.PHONY: all build plugin demo test test-rust lint bench clean
+.PHONY: all build plugin demo test test-rust test-c header lint bench clean
 
 all: build
 
@@ -26,7 +26,22 @@ demo: build
 test: plugin
 	$(CARGO) build --release --workspace --all-targets
 	$(CARGO) test --release --workspace
+	$(MAKE) test-c
 	./target/release/tpu-sync demo --tokens 512 --layers 4
+
+CFLAGS_STRICT := -std=c11 -Wall -Wextra -Werror -pedantic -I$(CURDIR)/tpu-sync-ffi/include
+LIBDIR := $(CURDIR)/target/release
+
+# C ABI tests: compiled with the committed header and the C compiler only, linked to libtpu_sync.
+test-c: plugin
+	$(CARGO) build --release -p tpu-sync-ffi
+	mkdir -p target/c
+	$(CC) $(CFLAGS_STRICT) tpu-sync-ffi/tests/c/test_abi.c -L$(LIBDIR) -ltpu_sync -Wl,-rpath,$(LIBDIR) -o target/c/test_abi
+	RUST_BACKTRACE=0 ./target/c/test_abi
+
+# Regenerates tpu-sync-ffi/include/tpu_sync.h from the Rust sources (cbindgen).
+header:
+	TPU_SYNC_WRITE_HEADER=1 $(CARGO) test --release -p tpu-sync-ffi --test header
 
 lint:
 	$(CARGO) fmt --all -- --check
