@@ -6,7 +6,7 @@ PJRT_INCLUDE := $(CURDIR)/.deps/xla-cpu-pjrt/xla_plugins/xla_cpu_pjrt/include
 export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 
-.PHONY: all build plugin demo test test-rust test-c header lint bench clean
+.PHONY: all build plugin demo test test-rust test-c test-python python header lint bench clean
 
 all: build
 
@@ -27,6 +27,7 @@ test: plugin
 	$(CARGO) build --release --workspace --all-targets
 	$(CARGO) test --release --workspace
 	$(MAKE) test-c
+	$(MAKE) test-python
 	./target/release/tpu-sync demo --tokens 512 --layers 4
 
 CFLAGS_STRICT := -std=c11 -Wall -Wextra -Werror -pedantic -I$(CURDIR)/tpu-sync-ffi/include
@@ -52,3 +53,18 @@ bench: plugin
 
 clean:
 	$(CARGO) clean
+
+# Python package: a wheel bundling libtpu_sync (maturin, cffi bindings generated from the header),
+# installed into a project-local virtualenv without torch.
+PYVENV := $(CURDIR)/.venv-py
+$(PYVENV)/bin/maturin:
+	python3 -m venv $(PYVENV)
+	$(PYVENV)/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" "cffi>=1.15" pytest numpy
+
+python: plugin $(PYVENV)/bin/maturin
+	rm -f target/wheels/tpu_sync-*.whl
+	cd bindings/python && CARGO_TARGET_DIR=$(CURDIR)/target $(PYVENV)/bin/maturin build --release --strip -q -o $(CURDIR)/target/wheels
+	$(PYVENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps target/wheels/tpu_sync-*.whl
+
+test-python: python
+	cd bindings/python && $(PYVENV)/bin/python -m pytest -q tests

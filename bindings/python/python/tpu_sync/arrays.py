@@ -1,0 +1,99 @@
+"""Reading pointer, size, shape and dtype from host or device arrays without importing torch or
+numpy (they are used only if the caller passes their objects)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Tuple
+
+from ._native import ffi, lib
+from .errors import InvalidArgumentError
+
+#: Names used by tpu_sync for element types, and their native ``tpu_sync_dtype`` values.
+DTYPES = {
+    "u8": lib.TPU_SYNC_DTYPE_U8,
+    "bf16": lib.TPU_SYNC_DTYPE_BF16,
+    "f16": lib.TPU_SYNC_DTYPE_F16,
+    "f32": lib.TPU_SYNC_DTYPE_F32,
+    "f8e4m3fn": lib.TPU_SYNC_DTYPE_F8E4M3FN,
+    "s8": lib.TPU_SYNC_DTYPE_S8,
+    "s32": lib.TPU_SYNC_DTYPE_S32,
+}
+
+_ALIASES = {
+    "uint8": "u8",
+    "int8": "s8",
+    "int32": "s32",
+    "float16": "f16",
+    "half": "f16",
+    "float32": "f32",
+    "float": "f32",
+    "bfloat16": "bf16",
+    "float8_e4m3fn": "f8e4m3fn",
+}
+
+
+def dtype_name(d: Any) -> str:
+    """Normalises a dtype given as a tpu_sync name, a numpy dtype or a torch dtype."""
+    s = str(d).replace("torch.", "")
+    s = _ALIASES.get(s, s)
+    if s not in DTYPES:
+        raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"unsupported dtype {d!r}")
+    return s
+
+
+@dataclass
+class ArrayView:
+    """Where an array's bytes are.
+
+    Attributes:
+        ptr: address of the first byte (host address, or device address when ``on_device``).
+        nbytes: size in bytes.
+        shape: dimensions.
+        dtype: tpu_sync dtype name (``"bf16"``, ``"f32"``, ...).
+        on_device: True for accelerator tensors (the pointer is a device pointer).
+        keepalive: the object (or cffi buffer) that must stay alive while ``ptr`` is used.
+    """
+
+    ptr: int
+    nbytes: int
+    shape: Tuple[int, ...]
+    dtype: str
+    on_device: bool
+    keepalive: Any
+
+
+def view(obj: Any, writable: bool = False) -> ArrayView:
+    """Describes a contiguous torch tensor, numpy array, or buffer-protocol object
+    (``bytes``, ``bytearray``, ``memoryview``; dtype ``u8``)."""
+    mod = type(obj).__module__ or ""
+    if mod.startswith("torch") and hasattr(obj, "data_ptr"):
+        if not obj.is_contiguous():
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, "tensor is not contiguous")
+        return ArrayView(
+            ptr=int(obj.data_ptr()),
+            nbytes=int(obj.numel()) * int(obj.element_size()),
+            shape=tuple(int(s) for s in obj.shape),
+            dtype=dtype_name(obj.dtype),
+            on_device=obj.device.type != "cpu",
+            keepalive=obj,
+        )
+    if mod.startswith("numpy") and hasattr(obj, "__array_interface__"):
+        if not obj.flags["C_CONTIGUOUS"]:
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, "array is not C-contiguous")
+        if writable and not obj.flags["WRITEABLE"]:
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, "array is read-only")
+        return ArrayView(
+            ptr=int(obj.__array_interface__["data"][0]),
+            nbytes=int(obj.nbytes),
+            shape=tuple(int(s) for s in obj.shape),
+            dtype=dtype_name(obj.dtype),
+            on_device=False,
+            keepalive=obj,
+        )
+    try:
+        buf = ffi.from_buffer(obj, require_writable=writable)
+    except TypeError as e:
+        raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"cannot use {type(obj).__name__} as an array: {e}")
+    n = len(buf)
+    return ArrayView(int(ffi.cast("uintptr_t", buf)), n, (n,), "u8", False, buf)

@@ -1,0 +1,101 @@
+"""KV layouts, placements and reshard plans (pure computations in the native library)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence
+
+from ._lib import Handle, check
+from ._native import ffi, lib
+
+#: KV geometry of published models (same numbers as ``tpu_sync::layout::ModelKv::preset``).
+PRESETS: Dict[str, Dict[str, Any]] = {
+    "llama-3.1-8b": dict(num_layers=32, num_kv_heads=8, head_dim=128, kv_planes=2),
+    "qwen3-32b": dict(num_layers=64, num_kv_heads=8, head_dim=128, kv_planes=2),
+    "llama-3.1-70b": dict(num_layers=80, num_kv_heads=8, head_dim=128, kv_planes=2),
+    "deepseek-v3": dict(num_layers=61, num_kv_heads=1, head_dim=576, kv_planes=1),
+}
+
+
+def model(name: str = "custom", *, num_layers: int, num_kv_heads: int, head_dim: int,
+          kv_planes: int = 2, dtype: str = "bf16") -> Dict[str, Any]:
+    """A model's KV geometry as the native library's JSON form."""
+    return dict(name=name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                kv_planes=kv_planes, dtype=dtype)
+
+
+def preset(name: str, dtype: str = "bf16") -> Dict[str, Any]:
+    """A preset model geometry (see :data:`PRESETS`)."""
+    return model(name, dtype=dtype, **PRESETS[name])
+
+
+def layout(model: Dict[str, Any], *, tp: int = 1, pcp: int = 1, dp: int = 1, block_size: int = 16,
+           order: str = "nhd", num_blocks: int) -> Dict[str, Any]:
+    """How one serving instance splits the KV cache: TP over KV heads, PCP over tokens (block
+    chunks), DP replicas; ``num_blocks`` blocks of ``block_size`` tokens per rank; block order
+    ``nhd`` (token-major) or ``hnd`` (head-major)."""
+    return dict(model=model, spec=dict(tp=tp, pcp=pcp, dp=dp, block_size=block_size, order=order),
+                num_blocks=num_blocks)
+
+
+def placement(layout: Dict[str, Any], block_ids: Sequence[Sequence[int]], dp_rank: int = 0) -> Dict[str, Any]:
+    """Where a request's blocks are: for each rank of DP replica ``dp_rank`` (index
+    ``pcp * tp + tp_rank``), the device block ids of its request blocks, in order."""
+    return dict(layout=layout, dp_rank=dp_rank, block_ids=[list(map(int, b)) for b in block_ids])
+
+
+@dataclass(frozen=True)
+class Span:
+    """``count`` runs of ``len`` bytes from (src_rank, src_buffer, src_offset + i*src_stride) to
+    (dst_rank, dst_buffer, dst_offset + i*dst_stride); buffer = layer index."""
+
+    src_rank: int
+    src_buffer: int
+    src_offset: int
+    dst_rank: int
+    dst_buffer: int
+    dst_offset: int
+    len: int
+    count: int
+    src_stride: int
+    dst_stride: int
+
+
+class Plan(Handle):
+    """The reshard plan of one request between two placements. Immutable, thread-safe.
+
+    Raises:
+        LayoutError, BlockRangeError, MismatchError, InvalidArgumentError.
+    """
+
+    _free = lib.tpu_sync_plan_free
+
+    def __init__(self, src: Dict[str, Any], dst: Dict[str, Any], num_tokens: int) -> None:
+        out = ffi.new("tpu_sync_plan **")
+        check(lib.tpu_sync_plan_new(json.dumps(src).encode(), json.dumps(dst).encode(), num_tokens, out))
+        super().__init__(out[0])
+
+    def _summary(self):
+        b, n = ffi.new("uint64_t *"), ffi.new("size_t *")
+        check(lib.tpu_sync_plan_summary(self._handle(), b, n))
+        return int(b[0]), int(n[0])
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the plan moves."""
+        return self._summary()[0]
+
+    @property
+    def num_spans(self) -> int:
+        """Number of spans."""
+        return self._summary()[1]
+
+    def spans(self) -> List[Span]:
+        """All spans, ordered by (destination rank, layer, destination offset)."""
+        n = self.num_spans
+        arr = ffi.new("tpu_sync_span[]", max(n, 1))
+        got = ffi.new("size_t *")
+        check(lib.tpu_sync_plan_spans(self._handle(), 0, arr, n, got))
+        return [Span(s.src_rank, s.src_buffer, s.src_offset, s.dst_rank, s.dst_buffer, s.dst_offset,
+                     s.len, s.count, s.src_stride, s.dst_stride) for s in arr[0:got[0]]]
