@@ -6,7 +6,7 @@ PJRT_INCLUDE := $(CURDIR)/.deps/xla-cpu-pjrt/xla_plugins/xla_cpu_pjrt/include
 export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 
-.PHONY: all build plugin demo test test-rust test-c test-python python header lint bench clean
+.PHONY: all build plugin demo test test-rust test-c test-python python header lint bench fuzz clean
 
 all: build
 
@@ -68,3 +68,14 @@ python: plugin $(PYVENV)/bin/maturin
 
 test-python: python
 	cd bindings/python && $(PYVENV)/bin/python -m pytest -q tests
+
+# Fuzzing (not part of `make test`): each cargo-fuzz target runs FUZZ_SECONDS. cargo-fuzz needs
+# nightly features; RUSTC_BOOTSTRAP=1 enables them on the stable toolchain this project uses.
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS := wire_frame placement_json plan_layouts ffi_calls
+fuzz: plugin
+	command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
+	cd fuzz && for t in $(FUZZ_TARGETS); do \
+	  echo "== fuzz $$t ($(FUZZ_SECONDS) s)"; \
+	  RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run -O $$t -- -max_total_time=$(FUZZ_SECONDS) || exit 1; \
+	done
