@@ -218,6 +218,37 @@ impl Framework {
         // SAFETY: the framework owns the buffer and destroys it once.
         self.ok(unsafe { (self.table().PJRT_Buffer_Destroy.unwrap())(&mut a) });
     }
+    /// Raw `PJRT_Buffer_{Increase,Decrease}ExternalReferenceCount`; whether it succeeded.
+    fn external_ref(&self, b: *mut sys::PJRT_Buffer, increase: bool) -> bool {
+        let e = if increase {
+            let mut a = sys::PJRT_Buffer_IncreaseExternalReferenceCount_Args::new();
+            a.buffer = b;
+            // SAFETY: live buffer.
+            unsafe {
+                (self
+                    .table()
+                    .PJRT_Buffer_IncreaseExternalReferenceCount
+                    .unwrap())(&mut a)
+            }
+        } else {
+            let mut a = sys::PJRT_Buffer_DecreaseExternalReferenceCount_Args::new();
+            a.buffer = b;
+            // SAFETY: live buffer.
+            unsafe {
+                (self
+                    .table()
+                    .PJRT_Buffer_DecreaseExternalReferenceCount
+                    .unwrap())(&mut a)
+            }
+        };
+        if !e.is_null() {
+            let mut d = sys::PJRT_Error_Destroy_Args::new();
+            d.error = e;
+            // SAFETY: destroys the error just returned to us.
+            unsafe { (self.table().PJRT_Error_Destroy.unwrap())(&mut d) };
+        }
+        e.is_null()
+    }
     fn client_alive(&self, c: *mut sys::PJRT_Client) -> bool {
         let mut a = sys::PJRT_Client_PlatformName_Args::new();
         a.client = c;
@@ -265,6 +296,30 @@ fn adopted_plugin_client_and_buffer_are_used_but_never_freed() {
         let mut expect = data.clone();
         expect[5000..6000].copy_from_slice(&patch);
         assert!(mem.bytes() == expect, "H2D through an adopted view");
+        // While a batch is in flight (here: queued on a paused pacer) the library holds an
+        // external reference: the framework can take one away (a Decrease succeeds only when
+        // the count is positive) ...
+        let paused = Pacer::new(PacingConfig::default()).unwrap();
+        paused.pause();
+        let mut out = vec![0u8; 64];
+        let mut b = CopyBatch::d2h();
+        b.push(&buf, 0, 64, out.as_mut_ptr()).unwrap();
+        // SAFETY: `out` outlives the wait.
+        let h = unsafe { b.submit(&paused) }.unwrap();
+        assert!(
+            fw.external_ref(raw_buf, false),
+            "no external reference during the copy"
+        );
+        assert!(fw.external_ref(raw_buf, true));
+        paused.resume();
+        assert!(h.wait_timeout(LIMIT));
+        h.wait().unwrap();
+        assert_eq!(out, expect[..64]);
+        // ... and after completion the library holds none.
+        assert!(
+            !fw.external_ref(raw_buf, false),
+            "an external reference leaked"
+        );
         // Clones, batches and handles all dropped here.
     }
     // The release callback is asynchronous (up to ~100 ms after a destroy on this plugin): give
@@ -295,6 +350,19 @@ fn adopting_null_or_foreign_handles_is_an_error() {
     // SAFETY: NULL is refused before any read.
     let e = unsafe { Plugin::adopt(std::ptr::null(), "null") }.unwrap_err();
     assert!(matches!(e, Error::PluginLoad { .. }), "{e}");
+    // A table too short to hold the version, and an unknown major version: refused with the
+    // same checks as a loaded plugin.
+    let mut api = sys::PJRT_Api::new();
+    api.struct_size = 16;
+    // SAFETY: a readable table that outlives the call.
+    let e = unsafe { Plugin::adopt(&api, "short") }.unwrap_err();
+    assert!(e.to_string().contains("too small"), "{e}");
+    let mut api = sys::PJRT_Api::new();
+    api.pjrt_api_version = sys::PJRT_Api_Version::new();
+    api.pjrt_api_version.major_version = 1;
+    // SAFETY: as above.
+    let e = unsafe { Plugin::adopt(&api, "v1") }.unwrap_err();
+    assert!(e.to_string().contains("1.0 is not supported"), "{e}");
     let plugin = common::plugin();
     // SAFETY: NULL is refused before use.
     assert!(unsafe { Client::adopt(&plugin, std::ptr::null_mut()) }.is_err());
@@ -619,4 +687,28 @@ fn raw_buffer_h2d_path_issues_paced_chunks_through_the_extension() {
     // SAFETY: refused before anything is issued.
     let e = unsafe { batch.submit(&pacer) }.unwrap_err();
     assert!(e.to_string().contains("struct_size 56"), "{e}");
+}
+
+#[test]
+fn arena_dma_registration_is_skipped_where_unimplemented() {
+    use tpu_sync::arena::{ArenaOptions, DmaRegistration, PinnedArena};
+    let c = common::client(1);
+    let arena = PinnedArena::new(1 << 20, &ArenaOptions::default()).unwrap();
+    match arena.register_dma(&c).unwrap() {
+        DmaRegistration::Skipped(m) => assert!(m.contains("UNIMPLEMENTED"), "{m}"),
+        DmaRegistration::Mapped => panic!("the XLA CPU plugin does not implement DmaMap"),
+    }
+    assert_eq!(arena.dma_mapped_clients(), 0);
+    // The arena still works as a D2H destination.
+    let data = pattern(4096, 60);
+    let buf = c
+        .buffer_from_host(&data, ElementType::U8, &[4096], &c.device(0).unwrap())
+        .unwrap();
+    let mut b = CopyBatch::d2h();
+    b.push(&buf, 0, 4096, arena.base()).unwrap();
+    // SAFETY: the arena outlives the wait; nobody else uses it.
+    let h = unsafe { b.submit(Pacer::global()) }.unwrap();
+    h.wait().unwrap();
+    // SAFETY: no copy runs now.
+    assert_eq!(unsafe { arena.slice(0, 4096) }.unwrap(), &data[..]);
 }
