@@ -508,7 +508,8 @@ impl BatchShared {
     /// batch emptied, which may let it finish, or its window reopened past the watermark).
     pub(crate) fn chunk_done(&self) -> bool {
         let now = self.outstanding.fetch_sub(1, Ordering::SeqCst) - 1;
-        now == 0 || now <= self.wake_outstanding_at.load(Ordering::SeqCst)
+        let at = self.wake_outstanding_at.load(Ordering::SeqCst);
+        now == 0 || (at != usize::MAX && now <= at)
     }
 
     /// Before parking for this batch's window: wake at `at` outstanding chunks. Returns whether

@@ -178,7 +178,8 @@ impl Counters {
         // SeqCst pairs with the issuer's store of `wake_inflight_at` and re-load of `inflight`
         // before it parks: either it sees this release or this sees its watermark.
         let now = self.inflight.fetch_sub(len, Ordering::SeqCst) - len;
-        now <= self.wake_inflight_at.load(Ordering::SeqCst)
+        let at = self.wake_inflight_at.load(Ordering::SeqCst);
+        at != u64::MAX && now <= at
     }
 
     /// Before parking for budget: wake when at most `at` bytes are in flight. Returns whether
