@@ -119,10 +119,10 @@ fn a_client_we_create_feeds_the_engine_blocking_and_async() {
         "device contents after the in-place H2D batch"
     );
 
-    // The same engine as a Future.
-    let mut out = vec![0u8; n];
+    // The same engine as a Future, staging the whole buffer sized by its on-device size.
+    let mut out = vec![0u8; buf.on_device_size() as usize];
     let mut b = CopyBatch::d2h();
-    b.push(&buf, 0, n as u64, out.as_mut_ptr()).unwrap();
+    assert_eq!(b.push_whole(&buf, out.as_mut_ptr()).unwrap(), n as u64);
     // SAFETY: `out` outlives the awaited handle.
     let h = unsafe { b.submit(&pacer) }.unwrap();
     let rt = tokio::runtime::Builder::new_current_thread()

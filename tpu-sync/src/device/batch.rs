@@ -251,6 +251,19 @@ impl CopyBatch {
         Ok(())
     }
 
+    /// Adds a copy of the buffer's whole raw contents: `OnDeviceSizeInBytes` bytes from offset
+    /// 0 (which may exceed the logical size on tiled or padded layouts; raw bytes are only
+    /// meaningful to a buffer of the same dtype, dims and
+    /// [physical layout](DeviceBuffer::physical_layout)). Returns the size, so host staging is
+    /// sized by the on-device size, never by the logical shape.
+    ///
+    /// Errors: as [`CopyBatch::push`].
+    pub fn push_whole(&mut self, buffer: &DeviceBuffer, host: *mut u8) -> Result<u64> {
+        let n = buffer.on_device_size();
+        self.push(buffer, 0, n, host)?;
+        Ok(n)
+    }
+
     /// The first op that uses buffer `b`.
     fn first_op_of(&self, b: usize) -> usize {
         self.ops.iter().position(|o| o.buf == b).unwrap_or(0)

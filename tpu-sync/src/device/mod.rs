@@ -19,9 +19,9 @@
 //! * **D2H** is `PJRT_Buffer_CopyRawToHost(offset, size)` per chunk, every chunk issued before
 //!   any is awaited, so the plugin runs them in parallel (16 concurrent chunks reach about twice
 //!   single-thread `memcpy` on the CPU plugin: `../shared/docs/pjrt-plugins.md` §2).
-//! * **In-place H2D** uses the path [`Capabilities`](crate::pjrt::Capabilities) probed: the
+//! * **In-place H2D** uses the path [`crate::pjrt::Capabilities`] probed: the
 //!   RawBuffer extension (`CreateRawAliasOfBuffer` + `CopyRawHostToDevice`, libtpu), else
-//!   host-addressable device memory (the XLA CPU plugin), else [`Error::Unsupported`] naming the
+//!   host-addressable device memory (the XLA CPU plugin), else [`Error::Unsupported`](crate::Error::Unsupported) naming the
 //!   plugin and what is missing (the CUDA plugin has neither).
 //! * **Pacing** ([`Pacer`], [`PacingConfig`]): chunks of at most `chunk_bytes`, at most
 //!   `max_inflight_bytes` outstanding per process, FIFO across callers; defaults 16 MiB / 64

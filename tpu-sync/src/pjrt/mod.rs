@@ -23,7 +23,23 @@
 //! [`Event`] is `Send` but not `Sync`.
 //!
 //! Inputs that the measured plugins abort, hang or crash on (`../shared/docs/pjrt-plugins.md` §1)
-//! are refused here with [`Error::InvalidArgument`] before any call is made.
+//! are refused here with [`Error::InvalidArgument`] before any call is made, or cannot be
+//! expressed through this API:
+//!
+//! | hazard on the XLA CPU plugin | guard |
+//! |---|---|
+//! | out-of-range device index | [`Client::device`] checks the index |
+//! | raw copy or write past a buffer's end, negative offset | every range is checked against `OnDeviceSizeInBytes` ([`DeviceBuffer::check_range`]) before issue |
+//! | `TransferData` past the end / bad `buffer_index` / kInt64 metadata (HANG, SEGV, ABORT) | the AsyncHostToDevice family is not exposed |
+//! | a create option of the wrong type (ABORT) | options are typed ([`ClientOptions`]); `cpu_device_count` is only sent to a `cpu` client |
+//! | NULL `on_delete_callback` on a view (ABORT at destroy) | every view gets one ([`Client::view_of_device_memory`]) |
+//! | a view of memory that is not 64-byte aligned (silent copy) | refused; a view whose device address differs from the pointer is refused too |
+//! | awaiting a zero-copy `done_with_host_buffer` before destroy (HANG) | zero-copy `BufferFromHostBuffer` is not exposed; views have no such event |
+//! | `DecreaseExternalReferenceCount` without an increase | only through the RAII [`ExternalRef`] |
+//! | `Buffer_Destroy` while an external reference is held (frees the memory anyway) | an [`ExternalRef`] keeps the buffer handle alive; owned buffers are destroyed only after the last one |
+//! | a device, memory or buffer of another client | checked against the client's addressable devices and memories |
+//! | an extension function past the extension's `struct_size` | refused ([`ext`]) |
+//! | a host-address write into memory that is not host memory | host-addressable H2D requires `PJRT_Buffer_IsOnCpu` per buffer |
 
 pub mod buffer;
 pub mod caps;
