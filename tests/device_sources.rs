@@ -708,6 +708,7 @@ fn arena_dma_registration_is_skipped_where_unimplemented() {
     b.push(&buf, 0, 4096, arena.base()).unwrap();
     // SAFETY: the arena outlives the wait; nobody else uses it.
     let h = unsafe { b.submit(Pacer::global()) }.unwrap();
+    assert!(h.wait_timeout(LIMIT), "D2H into the arena hung");
     h.wait().unwrap();
     // SAFETY: no copy runs now.
     assert_eq!(unsafe { arena.slice(0, 4096) }.unwrap(), &data[..]);

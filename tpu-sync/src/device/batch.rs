@@ -127,7 +127,8 @@ pub(crate) struct Chunk {
 ///
 /// Build with [`CopyBatch::d2h`] or [`CopyBatch::h2d`], add copies with [`CopyBatch::push`]
 /// (each validated at once against the buffer's on-device size), then
-/// [`submit`](CopyBatch::submit) to a [`Pacer`]. `Send`.
+/// [`submit`](CopyBatch::submit) to a [`Pacer`]. `Send + Sync` (host addresses are kept as
+/// integers; the submit contract says who may touch the memory behind them).
 pub struct CopyBatch {
     dir: Direction,
     h2d: Option<H2dPath>,
@@ -138,10 +139,6 @@ pub struct CopyBatch {
     max_outstanding_chunks: usize,
 }
 
-// SAFETY: the raw host addresses are plain integers here; the submit contract says who may touch
-// the memory behind them, and the buffers are `Send + Sync` handles.
-unsafe impl Send for CopyBatch {}
-
 impl std::fmt::Debug for CopyBatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CopyBatch")
@@ -150,6 +147,13 @@ impl std::fmt::Debug for CopyBatch {
             .field("bytes", &self.bytes)
             .finish()
     }
+}
+
+fn _assert_send_sync() {
+    fn ok<T: Send + Sync>() {}
+    ok::<CopyBatch>();
+    ok::<CopyHandle>();
+    ok::<CopyError>();
 }
 
 impl CopyBatch {
@@ -330,10 +334,15 @@ impl CopyBatch {
             }
             (Direction::H2d, Some(H2dPath::HostAddressable)) => JobKind::H2dHost,
             (Direction::H2d, Some(H2dPath::Unsupported(r))) => {
+                // Unreachable through `CopyBatch::h2d`, which refuses this path up front.
                 return Err(Error::Unsupported {
-                    plugin: "unknown".into(),
-                    what: r.clone(),
-                })
+                    plugin: self
+                        .bufs
+                        .first()
+                        .map(|b| b.platform_name().to_string())
+                        .unwrap_or_default(),
+                    what: format!("in-place host-to-device copy: {r}"),
+                });
             }
             (Direction::H2d, None) => {
                 return Err(Error::InvalidArgument("H2D batch without a path".into()))
