@@ -11,8 +11,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tpu_sync::arena::{ArenaOptions, LockStatus};
-use tpu_sync::layout::{ModelKv, ParallelLayout, ParallelSpec};
+use tpu_sync::arena::{ArenaOptions, DmaRegistration, LockStatus, PinnedArena};
+use tpu_sync::device::Pacer;
+use tpu_sync::layout::{KvLayout, ModelKv, ParallelLayout, ParallelSpec};
 use tpu_sync::pattern::{mix64, LayerCheck, RankContents};
 use tpu_sync::pjrt::{Capabilities, Client, ClientOptions, DeviceBuffer, Plugin};
 use tpu_sync::plan::{Placement, Plan};
@@ -97,6 +98,7 @@ fn sized_layout(m: &ModelKv, spec: ParallelSpec, tokens: u32) -> Result<Parallel
         model: m.clone(),
         spec,
         num_blocks: 1,
+        physical_layout: None,
     };
     let per_rank = probe.pcp_chunk(tokens, 0).len() as u32;
     ParallelLayout::new(m.clone(), spec, per_rank * 2 + 5)
@@ -197,6 +199,54 @@ fn make_buffers(client: &Client, contents: &[RankContents]) -> Result<Vec<Vec<De
         .collect()
 }
 
+/// The physical layout shared by every rank buffer, read from the plugin. Fails closed when a
+/// buffer's on-device size is not the dense size the KV layout's byte offsets assume (a padded or
+/// tiled layout), or when two buffers report different layouts.
+fn physical_layout(buffers: &[Vec<DeviceBuffer>], kv: &KvLayout) -> Result<Option<String>> {
+    let mut seen: Option<String> = None;
+    for (rank, bufs) in buffers.iter().enumerate() {
+        for (layer, b) in bufs.iter().enumerate() {
+            if b.on_device_size() != kv.buffer_bytes() {
+                return Err(Error::Layout(format!(
+                    "rank {rank} layer {layer}: the device buffer has {} on-device bytes, the \
+                     dense KV layout needs {} (physical layout {}): raw block offsets would be \
+                     wrong",
+                    b.on_device_size(),
+                    kv.buffer_bytes(),
+                    b.physical_layout().unwrap_or("unknown")
+                )));
+            }
+            match (b.physical_layout(), &seen) {
+                (Some(p), None) => seen = Some(p.to_string()),
+                (Some(p), Some(s)) if p != s => {
+                    return Err(Error::Layout(format!(
+                        "rank {rank} layer {layer}: physical layout `{p}` differs from `{s}` of \
+                         the other KV buffers"
+                    )))
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(seen)
+}
+
+/// `text` followed by the layout's physical layout, when known.
+fn with_physical(text: String, layout: &ParallelLayout) -> String {
+    match &layout.physical_layout {
+        Some(p) => format!("{text}, physical {p}"),
+        None => text,
+    }
+}
+
+/// Registers a staging arena for DMA with the client; describes the outcome for the report.
+fn register_dma(arena: &PinnedArena, client: &Client) -> Result<String> {
+    Ok(match arena.register_dma(client)? {
+        DmaRegistration::Mapped => "DMA-mapped".into(),
+        DmaRegistration::Skipped(why) => format!("DMA map skipped ({why})"),
+    })
+}
+
 fn lock_text(s: &LockStatus) -> String {
     match s {
         LockStatus::Locked => "mlocked".into(),
@@ -246,12 +296,19 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>) -> Result<ExitCode> {
         .map(|r| RankContents::new(&place, r, job.tokens, PREFILL_SALT))
         .collect::<Result<Vec<_>>>()?;
     let buffers = make_buffers(&client, &contents)?;
+    // The buffers' physical layout travels with the placement: the decode side refuses a
+    // transfer between different layouts.
+    let mut place = place;
+    if let Some(p) = physical_layout(&buffers, &layout.rank_kv())? {
+        place.layout = place.layout.with_physical_layout(p);
+    }
 
     // D2H: stage the request's blocks of every rank in one pinned arena.
     let ranges: BTreeMap<u32, _> = (0..spec.ranks_per_replica())
         .map(|l| (place.global_rank(l), place.block_ranges(l)))
         .collect();
     let staging = Arc::new(Staging::new(ranges, &ArenaOptions::default())?);
+    let dma = register_dma(staging.arena(), &client)?;
     let t = Instant::now();
     let mut bytes = 0;
     let mut ops = 0;
@@ -302,10 +359,10 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>) -> Result<ExitCode> {
         platform: client.platform_name().into(),
         api_version: format!("{}.{}", caps.api_version.0, caps.api_version.1),
         devices: client.addressable_devices().len() as u32,
-        layout: layout.describe(),
+        layout: with_physical(layout.describe(), &place.layout),
         d2h_path: caps.d2h.to_string(),
         h2d_path: caps.h2d.to_string(),
-        lock: lock_text(staging.arena().lock_status()),
+        lock: format!("{}, {dma}", lock_text(staging.arena().lock_status())),
         device_bytes: bytes,
         device_ops: ops,
         device_secs: d2h_secs,
@@ -379,11 +436,21 @@ fn decode_request(
         .map(|r| RankContents::new(&background, r, num_tokens, DECODE_SALT))
         .collect::<Result<Vec<_>>>()?;
     let buffers = make_buffers(&client, &initial)?;
+    // Record the real buffers' physical layout and re-plan: a layout that differs from the
+    // prefill side's fails closed here (and again on the prefill side, which re-plans too).
+    let plan = match physical_layout(&buffers, &layout.rank_kv())? {
+        Some(p) => {
+            dst.layout = dst.layout.with_physical_layout(p);
+            Plan::build(&src, &dst, num_tokens)?
+        }
+        None => plan,
+    };
 
     let staging = Arc::new(Staging::new(
         transfer::plan_staging(&plan, &dst),
         &ArenaOptions::default(),
     )?);
+    let dma = register_dma(staging.arena(), &client)?;
     let pulled = rt.block_on(transfer::pull(
         connect,
         job.request_id,
@@ -416,10 +483,13 @@ fn decode_request(
         platform: client.platform_name().into(),
         api_version: format!("{}.{}", caps.api_version.0, caps.api_version.1),
         devices: client.addressable_devices().len() as u32,
-        layout: format!("{}, request on DP rank {dp_rank}", layout.describe()),
+        layout: with_physical(
+            format!("{}, request on DP rank {dp_rank}", layout.describe()),
+            &dst.layout,
+        ),
         d2h_path: caps.d2h.to_string(),
         h2d_path: caps.h2d.to_string(),
-        lock: lock_text(staging.arena().lock_status()),
+        lock: format!("{}, {dma}", lock_text(staging.arena().lock_status())),
         device_bytes: h2d_bytes,
         device_ops: h2d_ops,
         device_secs: h2d_secs,
@@ -537,5 +607,35 @@ pub fn info(plugin: Option<&Path>, devices: Option<i64>) -> Result<ExitCode> {
     println!("  D2H path:        {}", caps.d2h);
     println!("  in-place H2D:    {}", caps.h2d);
     println!("  DMA map:         {}", caps.dma_map);
+    println!(
+        "  device views:    {}",
+        if caps.view {
+            "PJRT_Client_CreateViewOfDeviceBuffer (64-byte aligned pointers; on_delete_callback always set)"
+        } else {
+            "not in this plugin's API table"
+        }
+    );
+    println!("  buffer layouts:  {}", caps.layouts);
+    println!(
+        "  probe buffer:    bf16[2,8,16] -> {}",
+        caps.probe_layout
+            .as_deref()
+            .unwrap_or("could not be created")
+    );
+    let pacing = Pacer::global().config();
+    let limit = |v: u64| {
+        if v == 0 {
+            "unlimited".to_string()
+        } else {
+            fmt_bytes(v)
+        }
+    };
+    println!(
+        "  DMA pacing:      chunks of {}, at most {} in flight per process, FIFO ({} / {})",
+        limit(pacing.chunk_bytes),
+        limit(pacing.max_inflight_bytes),
+        tpu_sync::device::pacing::ENV_CHUNK_BYTES,
+        tpu_sync::device::pacing::ENV_MAX_INFLIGHT_BYTES
+    );
     Ok(ExitCode::SUCCESS)
 }

@@ -5,13 +5,21 @@
 //! network stack read and write it without page faults. It is carved into 64-byte aligned
 //! [`Region`]s by a [`RegionAllocator`].
 //!
+//! DMA registration: [`PinnedArena::register_dma`] maps the whole arena for DMA with a PJRT
+//! client (`PJRT_Client_DmaMap`; the CUDA plugin pins it with `cudaHostRegister`, libtpu maps it
+//! for its DMA engines) so device copies read and write it directly. Plugins that answer
+//! UNIMPLEMENTED (the XLA CPU plugin) are skipped with a debug log. Every mapping is undone
+//! (`PJRT_Client_DmaUnmap`) when the arena drops, before its memory is unmapped.
+//!
 //! Thread-safety: the arena is `Send + Sync`. It hands out raw addresses; callers that write keep
 //! their regions disjoint (the staging code guarantees this by construction: one region per
 //! block, written by one transfer).
 
 use std::ptr::NonNull;
+use std::sync::Mutex;
 
 use crate::error::{Error, Result};
+use crate::pjrt::Client;
 
 /// Alignment of every region handed out by [`RegionAllocator`] (bytes). 64 B is the alignment the
 /// PJRT CPU plugin needs for zero-copy aliasing (`../shared/docs/pjrt-plugins.md` §1).
@@ -55,7 +63,33 @@ pub struct PinnedArena {
     ptr: NonNull<u8>,
     len: usize,
     lock: LockStatus,
+    /// Clients the arena is DMA-mapped with (unmapped in `Drop`, before `_map` goes).
+    dma: Mutex<Vec<Client>>,
     _map: memmap2::MmapMut,
+}
+
+/// Outcome of [`PinnedArena::register_dma`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DmaRegistration {
+    /// `PJRT_Client_DmaMap` succeeded for the whole arena (or it was already mapped with this
+    /// client); it is unmapped when the arena drops.
+    Mapped,
+    /// The plugin does not implement DMA mapping (UNIMPLEMENTED, or no `PJRT_Client_DmaMap` in
+    /// its table); copies still work, through the plugin's own staging. The plugin's message.
+    Skipped(String),
+}
+
+impl Drop for PinnedArena {
+    fn drop(&mut self) {
+        let clients = std::mem::take(&mut *self.dma.lock().unwrap_or_else(|p| p.into_inner()));
+        for c in clients {
+            // SAFETY: mapped by `register_dma` with this client; the arena is being dropped, so
+            // no transfer uses it any more, and `_map` (the memory) is still mapped here.
+            if let Err(e) = unsafe { c.dma_unmap(self.ptr.as_ptr()) } {
+                log::warn!("PJRT_Client_DmaUnmap of a pinned arena: {e}");
+            }
+        }
+    }
 }
 
 // SAFETY: the arena is plain memory; concurrent access to disjoint regions is the documented
@@ -140,6 +174,7 @@ impl PinnedArena {
             ptr,
             len,
             lock,
+            dma: Mutex::new(Vec::new()),
             _map: map,
         })
     }
@@ -190,6 +225,52 @@ impl PinnedArena {
     /// Base address.
     pub fn base(&self) -> *mut u8 {
         self.ptr.as_ptr()
+    }
+
+    /// Registers the whole arena for DMA with `client` (`PJRT_Client_DmaMap`), so the device
+    /// reads and writes it directly. Idempotent per client. The mapping is undone
+    /// (`PJRT_Client_DmaUnmap`) when the arena drops, before the memory is unmapped; the client
+    /// is kept alive until then.
+    ///
+    /// Errors: [`Error::Pjrt`] when the plugin implements DMA mapping but refuses this range.
+    /// A plugin without it (UNIMPLEMENTED, as the XLA CPU plugin answers, or no entry point)
+    /// is not an error: [`DmaRegistration::Skipped`], logged at debug level.
+    pub fn register_dma(&self, client: &Client) -> Result<DmaRegistration> {
+        let mut mapped = self.dma.lock().unwrap_or_else(|p| p.into_inner());
+        if mapped.iter().any(|c| c.raw() == client.raw()) {
+            return Ok(DmaRegistration::Mapped);
+        }
+        // SAFETY: the arena stays mapped until after the unmap in `Drop` (which runs before the
+        // `_map` field is dropped).
+        match unsafe { client.dma_map(self.ptr.as_ptr(), self.len) } {
+            Ok(()) => {
+                mapped.push(client.clone());
+                Ok(DmaRegistration::Mapped)
+            }
+            Err(Error::Pjrt {
+                code,
+                code_name,
+                message,
+                ..
+            }) if code == crate::pjrt::sys::PJRT_Error_Code_UNIMPLEMENTED => {
+                log::debug!(
+                    "DMA map of a {} arena skipped on `{}`: {code_name}: {message}",
+                    crate::util::fmt_bytes(self.len as u64),
+                    client.platform_name()
+                );
+                Ok(DmaRegistration::Skipped(format!("{code_name}: {message}")))
+            }
+            Err(Error::Unsupported { what, .. }) => {
+                log::debug!("DMA map skipped: {what}");
+                Ok(DmaRegistration::Skipped(what))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Number of clients the arena is DMA-mapped with.
+    pub fn dma_mapped_clients(&self) -> usize {
+        self.dma.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     /// Whether the pages are locked, or why not.
@@ -291,6 +372,98 @@ impl RegionAllocator {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pjrt::{sys, Plugin};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    // A fake plugin whose client implements DmaMap/DmaUnmap, to check that the arena unmaps
+    // exactly what it mapped, while the memory is still mapped (the CPU plugin only answers
+    // UNIMPLEMENTED; `tests/device_sources.rs` covers that).
+    static MAPS: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+    static UNMAPS: Mutex<Vec<(usize, bool)>> = Mutex::new(Vec::new());
+    static NAME_CALLS: AtomicUsize = AtomicUsize::new(0);
+
+    unsafe extern "C" fn fake_name(
+        a: *mut sys::PJRT_Client_PlatformName_Args,
+    ) -> *mut sys::PJRT_Error {
+        NAME_CALLS.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: valid args from the library.
+        unsafe {
+            (*a).platform_name = c"fake".as_ptr();
+            (*a).platform_name_size = 4;
+        }
+        std::ptr::null_mut()
+    }
+    unsafe extern "C" fn fake_devices(
+        _a: *mut sys::PJRT_Client_AddressableDevices_Args,
+    ) -> *mut sys::PJRT_Error {
+        std::ptr::null_mut() // zero devices
+    }
+    unsafe extern "C" fn fake_map(a: *mut sys::PJRT_Client_DmaMap_Args) -> *mut sys::PJRT_Error {
+        // SAFETY: valid args.
+        let a = unsafe { &*a };
+        MAPS.lock().unwrap().push((a.data as usize, a.size));
+        std::ptr::null_mut()
+    }
+    unsafe extern "C" fn fake_unmap(
+        a: *mut sys::PJRT_Client_DmaUnmap_Args,
+    ) -> *mut sys::PJRT_Error {
+        // SAFETY: valid args.
+        let a = unsafe { &*a };
+        let mut vec = [0u8; 1];
+        // SAFETY: mincore only inspects the mapping (ENOMEM when the page is not mapped).
+        let mapped = unsafe { libc::mincore(a.data, 4096, vec.as_mut_ptr()) } == 0;
+        UNMAPS.lock().unwrap().push((a.data as usize, mapped));
+        std::ptr::null_mut()
+    }
+
+    #[test]
+    fn dma_mappings_are_undone_before_the_memory_goes() {
+        let mut api = sys::PJRT_Api::new();
+        api.pjrt_api_version = sys::PJRT_Api_Version::new();
+        api.pjrt_api_version.minor_version = 81;
+        api.PJRT_Client_PlatformName = Some(fake_name);
+        api.PJRT_Client_AddressableDevices = Some(fake_devices);
+        api.PJRT_Client_DmaMap = Some(fake_map);
+        api.PJRT_Client_DmaUnmap = Some(fake_unmap);
+        let api: &'static sys::PJRT_Api = Box::leak(Box::new(api));
+        // SAFETY: the fake table is leaked (process lifetime).
+        let plugin = unsafe { Plugin::adopt(api, "fake-dma") }.unwrap();
+        let fake_client = 0x1000 as *mut sys::PJRT_Client; // never dereferenced by the fakes
+                                                           // SAFETY: the fake functions never dereference the client.
+        let client = unsafe { Client::adopt(&plugin, fake_client) }.unwrap();
+        let arena = PinnedArena::new(3 * 4096, &ArenaOptions::default()).unwrap();
+        let base = arena.base() as usize;
+        assert_eq!(
+            arena.register_dma(&client).unwrap(),
+            DmaRegistration::Mapped
+        );
+        assert_eq!(
+            arena.register_dma(&client).unwrap(),
+            DmaRegistration::Mapped
+        );
+        assert_eq!(arena.dma_mapped_clients(), 1);
+        let maps: Vec<_> = MAPS
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|m| m.0 == base)
+            .copied()
+            .collect();
+        assert_eq!(maps, vec![(base, 3 * 4096)], "mapped once, whole arena");
+        drop(arena);
+        let unmaps: Vec<_> = UNMAPS
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|m| m.0 == base)
+            .copied()
+            .collect();
+        assert_eq!(
+            unmaps,
+            vec![(base, true)],
+            "unmapped once, while still mapped"
+        );
+    }
 
     #[test]
     fn regions_are_aligned_and_disjoint() {

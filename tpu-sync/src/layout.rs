@@ -315,18 +315,47 @@ pub struct ParallelLayout {
     pub spec: ParallelSpec,
     /// KV blocks allocated per rank (capacity of each rank's buffers).
     pub num_blocks: u32,
+    /// Physical (on-device) memory layout of the rank buffers, as the PJRT plugin reports it
+    /// ([`DeviceBuffer::physical_layout`](crate::pjrt::DeviceBuffer::physical_layout)): e.g.
+    /// `{4,3,2,1,0}` for the dense row-major layout this module's offsets assume, or a tiled
+    /// TPU layout. Raw KV bytes are only meaningful between equal physical layouts, so
+    /// [`Plan::build`](crate::plan::Plan::build) refuses two known, different ones. `None` =
+    /// unknown (not checked); absent in JSON from peers that predate the field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub physical_layout: Option<String>,
 }
 
 impl ParallelLayout {
-    /// Builds and validates a layout.
+    /// Builds and validates a layout (physical layout unknown).
     pub fn new(model: ModelKv, spec: ParallelSpec, num_blocks: u32) -> Result<ParallelLayout> {
         let l = ParallelLayout {
             model,
             spec,
             num_blocks,
+            physical_layout: None,
         };
         l.validate()?;
         Ok(l)
+    }
+
+    /// The same layout with its physical layout recorded.
+    pub fn with_physical_layout(mut self, physical: impl Into<String>) -> ParallelLayout {
+        self.physical_layout = Some(physical.into());
+        self
+    }
+
+    /// Errors with [`Error::Mismatch`] naming both layouts when both sides' physical layouts are
+    /// known and differ (raw bytes copied between them would be garbage: TPU layouts are tiled).
+    pub fn check_physical_layout(&self, other: &ParallelLayout) -> Result<()> {
+        match (&self.physical_layout, &other.physical_layout) {
+            (Some(a), Some(b)) if a != b => Err(Error::Mismatch(format!(
+                "physical KV buffer layouts differ: `{a}` ({}) vs `{b}` ({}); raw KV bytes can \
+                 only be copied between identical device layouts",
+                self.describe(),
+                other.describe()
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// Checks that the split is possible: sizes > 0, TP divides the KV heads or the heads divide

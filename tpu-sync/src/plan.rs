@@ -212,10 +212,13 @@ pub struct Plan {
 impl Plan {
     /// Plans a request of `num_tokens` tokens from `src` to `dst`.
     ///
-    /// Errors: [`Error::Mismatch`] when the two models' KV geometries differ, and the errors of
+    /// Errors: [`Error::Mismatch`] when the two models' KV geometries differ or both physical
+    /// buffer layouts are known and differ (the plan copies raw bytes at offsets computed for
+    /// one layout; see [`ParallelLayout::check_physical_layout`]), and the errors of
     /// [`Placement::validate`] for either side.
     pub fn build(src: &Placement, dst: &Placement, num_tokens: u32) -> Result<Plan> {
         src.layout.model.check_compatible(&dst.layout.model)?;
+        src.layout.check_physical_layout(&dst.layout)?;
         src.validate(num_tokens)?;
         dst.validate(num_tokens)?;
         let sl = &src.layout;

@@ -1,7 +1,8 @@
 //! PJRT device buffers, events and external references.
 
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use super::client::{ClientInner, Device};
 use super::{pjrt_call, sys, Plugin};
@@ -133,6 +134,12 @@ pub struct Event {
 // SAFETY: PJRT events may be awaited or destroyed from any thread.
 unsafe impl Send for Event {}
 
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Event").field("raw", &self.raw).finish()
+    }
+}
+
 impl Event {
     pub(crate) fn from_raw(plugin: Arc<Plugin>, raw: *mut sys::PJRT_Event) -> Event {
         Event { plugin, raw }
@@ -157,41 +164,63 @@ impl Event {
 
     /// Runs `f` once the event is ready, with its result (`PJRT_Event_OnReady`).
     ///
-    /// `f` may run inline on this thread (when the event is already ready) or on a plugin worker
-    /// thread; it must not block. The event is destroyed after `f` returns.
-    pub fn on_ready(self, f: impl FnOnce(Result<()>) + Send + 'static) -> Result<()> {
+    /// `f` may run inline on this thread, inside this call (when the event is already ready),
+    /// or later on a plugin worker thread (`../shared/docs/pjrt-plugins.md` §1). It must not
+    /// block and must not take a lock that the caller of `on_ready` holds. A panic in `f` is
+    /// caught (it never unwinds into the plugin) and logged.
+    ///
+    /// The event is borrowed, not consumed: callers keep it alive until `f` has run and destroy
+    /// it afterwards on their own thread, so no PJRT call (event destruction) happens from inside
+    /// a callback. (XLA's implementation does not need the `PJRT_Event` to outlive the callback,
+    /// but nothing in the C API promises it.)
+    ///
+    /// Errors: the plugin's error when the callback could not be registered; `f` is then dropped
+    /// without being called.
+    pub fn on_ready(&self, f: impl FnOnce(Result<()>) + Send + 'static) -> Result<()> {
+        self.on_ready_boxed(Box::new(f)).map_err(|(e, _)| e)
+    }
+
+    /// As [`Event::on_ready`]; on failure the closure is handed back unrun with the error.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn on_ready_boxed(
+        &self,
+        f: Box<dyn FnOnce(Result<()>) + Send>,
+    ) -> std::result::Result<(), (Error, Box<dyn FnOnce(Result<()>) + Send>)> {
         struct Ctx {
+            plugin: Arc<Plugin>,
             f: Box<dyn FnOnce(Result<()>) + Send>,
-            event: Event,
         }
         unsafe extern "C" fn trampoline(err: *mut sys::PJRT_Error, user: *mut c_void) {
-            // SAFETY: `user` is the Box<Ctx> leaked below; the plugin calls this exactly once.
-            let ctx = unsafe { Box::from_raw(user as *mut Ctx) };
-            // SAFETY: the callback owns `err` (NULL or a live error), per the C API.
-            let r = unsafe { ctx.event.plugin.check(err, "PJRT_Event_OnReady callback") };
-            let Ctx { f, event } = *ctx;
             // A panic must not unwind into the plugin's C++ frames.
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || f(r)));
-            drop(event);
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                // SAFETY: `user` is the Box<Ctx> leaked below; the plugin calls this exactly once.
+                let ctx = unsafe { Box::from_raw(user as *mut Ctx) };
+                // SAFETY: the callback owns `err` (NULL or a live error), per the C API.
+                let r = unsafe { ctx.plugin.check(err, "PJRT_Event_OnReady callback") };
+                (ctx.f)(r);
+            }));
+            if r.is_err() {
+                log::error!("a PJRT_Event_OnReady callback panicked (caught)");
+            }
         }
-        let plugin = self.plugin.clone();
-        let raw = self.raw;
         let ctx = Box::into_raw(Box::new(Ctx {
-            f: Box::new(f),
-            event: self,
+            plugin: self.plugin.clone(),
+            f,
         }));
         let mut a = sys::PJRT_Event_OnReady_Args::new();
-        a.event = raw;
+        a.event = self.raw;
         a.callback = Some(trampoline);
         a.user_arg = ctx as *mut c_void;
         // SAFETY: live event; ctx stays alive until the callback reclaims it.
-        let r = unsafe { pjrt_call!(&plugin, PJRT_Event_OnReady, &mut a) };
-        if r.is_err() {
-            // The callback was not registered: reclaim the context (drops the event).
-            // SAFETY: the plugin did not take ownership of ctx.
-            drop(unsafe { Box::from_raw(ctx) });
+        match unsafe { pjrt_call!(&self.plugin, PJRT_Event_OnReady, &mut a) } {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                // The callback was not registered: reclaim the context.
+                // SAFETY: the plugin did not take ownership of ctx.
+                let ctx = unsafe { Box::from_raw(ctx) };
+                Err((e, ctx.f))
+            }
         }
-        r
     }
 }
 
@@ -214,6 +243,7 @@ pub(crate) struct BufferInner {
     ty: ElementType,
     on_device_size: u64,
     device: *mut sys::PJRT_Device,
+    layout: Option<String>,
 }
 
 // SAFETY: PJRT buffers are thread-safe handles per the C API.
@@ -252,6 +282,7 @@ impl std::fmt::Debug for DeviceBuffer {
             .field("dims", &self.inner.dims)
             .field("type", &self.inner.ty)
             .field("on_device_size", &self.inner.on_device_size)
+            .field("layout", &self.inner.layout)
             .field("owned", &self.inner.owned)
             .finish()
     }
@@ -299,6 +330,21 @@ impl DeviceBuffer {
         dv.buffer = raw;
         // SAFETY: live buffer.
         unsafe { pjrt_call!(&plugin, PJRT_Buffer_Device, &mut dv) }?;
+        if !client.has_device(dv.device) {
+            return Err(Error::InvalidArgument(format!(
+                "PJRT buffer lives on a device that is not addressable by this {} client \
+                 (a buffer of another client?)",
+                client.platform()
+            )));
+        }
+        // SAFETY: live buffer of this plugin.
+        let layout = match unsafe { super::ext::buffer_layout_string(&plugin, raw) } {
+            Ok(l) => Some(l),
+            Err(e) => {
+                log::debug!("no memory layout for a PJRT buffer: {e}");
+                None
+            }
+        };
         Ok(DeviceBuffer {
             inner: Arc::new(BufferInner {
                 client,
@@ -308,13 +354,18 @@ impl DeviceBuffer {
                 ty,
                 on_device_size: s.on_device_size_in_bytes as u64,
                 device: dv.device,
+                layout,
             }),
         })
     }
 
     /// Wraps a buffer owned by someone else (e.g. a serving framework's KV cache array). The
     /// buffer is never destroyed by this crate; the caller keeps it alive while this wrapper (or
-    /// any copy issued on it) exists.
+    /// any copy issued on it) exists. While a copy is in flight the copy engine holds an
+    /// external reference (`PJRT_Buffer_IncreaseExternalReferenceCount`) on it.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for NULL, or for a buffer whose device is not one of
+    /// `client`'s addressable devices.
     ///
     /// # Safety
     /// `raw` must be a live `PJRT_Buffer*` created by `client`.
@@ -326,8 +377,14 @@ impl DeviceBuffer {
         unsafe { Self::from_raw(client.inner.clone(), raw, false) }
     }
 
-    fn plugin(&self) -> &Arc<Plugin> {
+    /// The plugin this buffer's client belongs to.
+    pub(crate) fn plugin(&self) -> &Arc<Plugin> {
         &self.inner.client.plugin
+    }
+
+    /// The client's platform name (`cpu`, `cuda`, `tpu`, ...).
+    pub fn platform_name(&self) -> &str {
+        self.inner.client.platform()
     }
 
     /// The raw handle (borrowed).
@@ -349,6 +406,16 @@ impl DeviceBuffer {
     /// (may exceed the logical size on tiled layouts). Raw copies address `0..on_device_size`.
     pub fn on_device_size(&self) -> u64 {
         self.inner.on_device_size
+    }
+
+    /// The buffer's physical memory layout as a string: the Layouts extension's serialization
+    /// when the plugin has it (the XLA CPU plugin gives `{4,3,2,1,0}` for a dense 5-D buffer),
+    /// else `PJRT_Buffer_GetMemoryLayout` in XLA notation (`{1,0:T(8,128)(2,1)}` for a tiled
+    /// TPU layout); `None` when the plugin offers neither. Read once, when the buffer was
+    /// wrapped. Raw bytes of two buffers are interchangeable only when their element type, dims
+    /// and this layout are equal.
+    pub fn physical_layout(&self) -> Option<&str> {
+        self.inner.layout.as_deref()
     }
 
     /// Logical (dense) byte size: product of dims times element size.
@@ -441,6 +508,26 @@ impl DeviceBuffer {
         dst: *mut u8,
         len: u64,
     ) -> Result<Event> {
+        // SAFETY: forwarded caller contract.
+        match unsafe { self.copy_raw_to_host_start(offset, dst, len) }? {
+            Some(ev) => Ok(ev),
+            None => Err(Error::InvalidArgument(
+                "PJRT_Buffer_CopyRawToHost returned no completion event".into(),
+            )),
+        }
+    }
+
+    /// As [`DeviceBuffer::copy_raw_to_host_async`], but `None` when the plugin returned no
+    /// event (the copy then completed inside the call).
+    ///
+    /// # Safety
+    /// As [`DeviceBuffer::copy_raw_to_host_async`].
+    pub(crate) unsafe fn copy_raw_to_host_start(
+        &self,
+        offset: u64,
+        dst: *mut u8,
+        len: u64,
+    ) -> Result<Option<Event>> {
         self.check_range(offset, len)?;
         if dst.is_null() {
             return Err(Error::InvalidArgument("NULL destination".into()));
@@ -452,7 +539,7 @@ impl DeviceBuffer {
         a.transfer_size = len as i64;
         // SAFETY: range validated; dst validity is the caller's contract.
         unsafe { pjrt_call!(self.plugin(), PJRT_Buffer_CopyRawToHost, &mut a) }?;
-        Ok(Event::from_raw(self.plugin().clone(), a.event))
+        Ok((!a.event.is_null()).then(|| Event::from_raw(self.plugin().clone(), a.event)))
     }
 
     /// Blocking raw device-to-host copy of `dst.len()` bytes starting at `offset`.
@@ -539,4 +626,100 @@ impl Drop for ExternalRef {
             log::warn!("PJRT_Buffer_DecreaseExternalReferenceCount: {e}");
         }
     }
+}
+
+pub(crate) struct ReleaseInner {
+    released: Mutex<bool>,
+    cv: Condvar,
+}
+
+/// Tells when the plugin has let go of the memory behind a [`View`].
+///
+/// The plugin calls the view's `on_delete_callback` once the buffer is destroyed and no longer
+/// uses the memory; on the XLA CPU plugin that happens asynchronously on a plugin thread, up to
+/// about 100 ms after `PJRT_Buffer_Destroy` (`../shared/docs/pjrt-plugins.md` §1). The memory
+/// may be freed or reused only after [`ViewReleased::is_released`] is true. Cloning is cheap;
+/// `Send + Sync`.
+#[derive(Clone)]
+pub struct ViewReleased {
+    inner: Arc<ReleaseInner>,
+}
+
+impl std::fmt::Debug for ViewReleased {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ViewReleased")
+            .field("released", &self.is_released())
+            .finish()
+    }
+}
+
+impl ViewReleased {
+    pub(crate) fn new() -> ViewReleased {
+        ViewReleased {
+            inner: Arc::new(ReleaseInner {
+                released: Mutex::new(false),
+                cv: Condvar::new(),
+            }),
+        }
+    }
+
+    /// Whether the plugin's `on_delete_callback` has run.
+    pub fn is_released(&self) -> bool {
+        *self
+            .inner
+            .released
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Blocks up to `timeout` for the release; returns whether it happened.
+    pub fn wait(&self, timeout: Duration) -> bool {
+        let g = self
+            .inner
+            .released
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let (g, _) = self
+            .inner
+            .cv
+            .wait_timeout_while(g, timeout, |r| !*r)
+            .unwrap_or_else(|p| p.into_inner());
+        *g
+    }
+
+    /// The context handed to the plugin as `on_delete_callback_arg` (leaked; reclaimed by
+    /// [`on_view_deleted`] when the plugin calls it).
+    pub(crate) fn callback_arg(&self) -> *mut c_void {
+        Box::into_raw(Box::new(self.inner.clone())) as *mut c_void
+    }
+}
+
+/// The `on_delete_callback` of every view this crate creates. Runs on a plugin thread (or
+/// inline in `PJRT_Buffer_Destroy`); takes only the release flag's own lock, which nobody
+/// holds across a PJRT call.
+pub(crate) unsafe extern "C" fn on_view_deleted(_device_ptr: *mut c_void, user: *mut c_void) {
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: `user` is the Box<Arc<ReleaseInner>> leaked by `callback_arg`; the
+        // plugin calls this callback exactly once per view.
+        let inner = unsafe { Box::from_raw(user as *mut Arc<ReleaseInner>) };
+        let mut g = inner.released.lock().unwrap_or_else(|p| p.into_inner());
+        *g = true;
+        drop(g);
+        inner.cv.notify_all();
+    }));
+    if r.is_err() {
+        log::error!("view release callback panicked (caught)");
+    }
+}
+
+/// A device buffer that aliases caller-owned device memory
+/// ([`Client::view_of_device_memory`](super::Client::view_of_device_memory)), and the signal
+/// that tells when the plugin has released that memory.
+#[derive(Debug, Clone)]
+pub struct View {
+    /// The PJRT buffer over the memory. Owned by this crate: destroyed when its last clone (and
+    /// every in-flight copy on it) is gone.
+    pub buffer: DeviceBuffer,
+    /// Set once the plugin no longer uses the memory (after the buffer is destroyed).
+    pub released: ViewReleased,
 }

@@ -11,6 +11,7 @@ use std::fmt;
 
 use super::buffer::ElementType;
 use super::client::Client;
+use super::ext::{LayoutsExt, RawBufferExt};
 use super::sys;
 use crate::error::{Error, Result};
 
@@ -27,12 +28,9 @@ pub enum D2hPath {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum H2dPath {
     /// The RawBuffer extension (`PJRT_RawBuffer_CreateRawAliasOfBuffer` +
-    /// `PJRT_RawBuffer_CopyRawHostToDevice`), as libtpu provides. Detected; the copy itself is
-    /// implemented by the device layer when the extension's `struct_size` covers the functions.
-    RawBufferExtension {
-        /// The extension's `struct_size` (bytes).
-        struct_size: usize,
-    },
+    /// `PJRT_RawBuffer_CopyRawHostToDevice`), as libtpu provides; chosen only when the
+    /// extension's `struct_size` covers both functions (and `Destroy`) and none is NULL.
+    RawBufferExtension(RawBufferExt),
     /// Device memory is host memory (XLA CPU plugin): write through
     /// `PJRT_Buffer_OpaqueDeviceMemoryDataPointer` after the buffer's ready event, holding an
     /// external reference for the duration of the write.
@@ -50,9 +48,40 @@ pub enum DmaMapSupport {
     Unavailable(String),
 }
 
+/// Where a buffer's physical memory layout is read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LayoutSource {
+    /// The Layouts extension (`PJRT_Layouts_PJRT_Buffer_MemoryLayout` + `_Serialize`).
+    LayoutsExtension {
+        /// The extension's `struct_size` (bytes).
+        struct_size: usize,
+    },
+    /// The deprecated `PJRT_Buffer_GetMemoryLayout`, formatted in XLA notation.
+    GetMemoryLayout,
+    /// Neither is available: layouts are unknown and not checked.
+    Unavailable,
+}
+
+impl fmt::Display for LayoutSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LayoutSource::LayoutsExtension { struct_size } => write!(
+                f,
+                "Layouts extension (PJRT_Layouts_PJRT_Buffer_MemoryLayout + MemoryLayout_Serialize; struct_size {struct_size})"
+            ),
+            LayoutSource::GetMemoryLayout => {
+                write!(f, "PJRT_Buffer_GetMemoryLayout (deprecated; XLA notation)")
+            }
+            LayoutSource::Unavailable => write!(f, "unavailable (layouts are not checked)"),
+        }
+    }
+}
+
 /// The probed capabilities of one client.
 #[derive(Debug, Clone)]
 pub struct Capabilities {
+    /// The plugin's path (or adoption label), for error messages.
+    pub plugin: String,
     /// `PJRT_Client_PlatformName`.
     pub platform: String,
     /// `(major, minor)` API version of the plugin.
@@ -63,6 +92,14 @@ pub struct Capabilities {
     pub h2d: H2dPath,
     /// DMA mapping of host memory.
     pub dma_map: DmaMapSupport,
+    /// Whether `PJRT_Client_CreateViewOfDeviceBuffer` is in the plugin's table (views of
+    /// existing device memory; the plugin may still refuse at run time, as libtpu does).
+    pub view: bool,
+    /// Where buffer layouts come from.
+    pub layouts: LayoutSource,
+    /// Physical layout and on-device size of a probe buffer `bf16[2,8,16]` on device 0, e.g.
+    /// `{2,1,0}, 512 bytes`; `None` when the probe buffer could not be created.
+    pub probe_layout: Option<String>,
     /// Names of the plugin's extensions, in chain order.
     pub extensions: Vec<String>,
 }
@@ -79,9 +116,12 @@ impl fmt::Display for D2hPath {
 impl fmt::Display for H2dPath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            H2dPath::RawBufferExtension { struct_size } => write!(
+            H2dPath::RawBufferExtension(ext) => write!(
                 f,
-                "RawBuffer extension CopyRawHostToDevice (extension struct_size {struct_size})"
+                "RawBuffer extension CreateRawAliasOfBuffer + CopyRawHostToDevice (extension \
+                 struct_size {}, {} functions)",
+                ext.struct_size(),
+                ext.function_count()
             ),
             H2dPath::HostAddressable => write!(
                 f,
@@ -120,30 +160,68 @@ impl Capabilities {
                 plugin.api_version().1
             ))
         };
-        let h2d = if let Some(ext) = plugin.extension(sys::PJRT_Extension_Type_RawBuffer) {
-            H2dPath::RawBufferExtension {
-                struct_size: ext.struct_size,
+        let mut why_not_raw = "no RawBuffer extension (PJRT_Extension_Type 8)".to_string();
+        let mut h2d = None;
+        if let Some(ext) = RawBufferExt::find(plugin) {
+            match ext.check_in_place_h2d() {
+                Ok(()) => h2d = Some(H2dPath::RawBufferExtension(ext)),
+                Err(e) => why_not_raw = format!("RawBuffer extension unusable: {e}"),
             }
-        } else {
-            match Self::probe_host_addressable(client) {
+        }
+        let h2d = match h2d {
+            Some(p) => p,
+            None => match Self::probe_host_addressable(client) {
                 Ok(true) => H2dPath::HostAddressable,
                 Ok(false) => H2dPath::Unsupported(format!(
-                    "plugin `{platform}` has no RawBuffer extension and its device memory is not \
-                     host-addressable"
+                    "plugin `{platform}` ({}) has {why_not_raw} and its device memory is not \
+                     host-addressable",
+                    plugin.path().display()
                 )),
                 Err(e) => H2dPath::Unsupported(format!(
-                    "plugin `{platform}` has no RawBuffer extension; host-addressability probe \
-                     failed: {e}"
+                    "plugin `{platform}` ({}) has {why_not_raw}; host-addressability probe \
+                     failed: {e}",
+                    plugin.path().display()
                 )),
-            }
+            },
         };
         let dma_map = Self::probe_dma_map(client);
+        let layouts = match LayoutsExt::find(plugin) {
+            Some(e) if e.struct_size() >= 56 => LayoutSource::LayoutsExtension {
+                struct_size: e.struct_size(),
+            },
+            _ if has(std::mem::offset_of!(
+                sys::PJRT_Api,
+                PJRT_Buffer_GetMemoryLayout
+            )) =>
+            {
+                LayoutSource::GetMemoryLayout
+            }
+            _ => LayoutSource::Unavailable,
+        };
+        let probe_layout = client
+            .device(0)
+            .and_then(|d| client.uninitialized_buffer(ElementType::BF16, &[2, 8, 16], &d))
+            .ok()
+            .map(|b| {
+                format!(
+                    "{}, {} bytes",
+                    b.physical_layout().unwrap_or("unknown layout"),
+                    b.on_device_size()
+                )
+            });
         Ok(Capabilities {
+            plugin: plugin.path().display().to_string(),
             platform,
             api_version: plugin.api_version(),
             d2h,
             h2d,
             dma_map,
+            view: has(std::mem::offset_of!(
+                sys::PJRT_Api,
+                PJRT_Client_CreateViewOfDeviceBuffer
+            )),
+            layouts,
+            probe_layout,
             extensions: plugin
                 .extensions()
                 .iter()
@@ -209,7 +287,7 @@ impl Capabilities {
     pub fn require_h2d(&self) -> Result<&H2dPath> {
         match &self.h2d {
             H2dPath::Unsupported(r) => Err(Error::Unsupported {
-                plugin: self.platform.clone(),
+                plugin: self.plugin.clone(),
                 what: format!("in-place host-to-device copy: {r}"),
             }),
             p => Ok(p),

@@ -3,9 +3,14 @@
 use std::ffi::c_char;
 use std::sync::Arc;
 
-use super::buffer::{DeviceBuffer, ElementType};
+use super::buffer::{on_view_deleted, DeviceBuffer, ElementType, View, ViewReleased};
 use super::{c_str_len, pjrt_call, sys, Plugin};
 use crate::error::{Error, Result};
+
+/// Alignment in bytes that [`Client::view_of_device_memory`] requires of a device pointer: the
+/// XLA CPU plugin aliases only 64-byte aligned memory and silently copies anything else
+/// (`../shared/docs/pjrt-plugins.md` §1).
+pub const VIEW_ALIGN: usize = 64;
 
 /// Options for [`Client::create`], passed as `PJRT_NamedValue` create options.
 ///
@@ -26,6 +31,18 @@ pub(crate) struct ClientInner {
     platform: String,
     platform_version: String,
     devices: Vec<*mut sys::PJRT_Device>,
+}
+
+impl ClientInner {
+    /// Whether `device` is one of this client's addressable devices.
+    pub(crate) fn has_device(&self, device: *mut sys::PJRT_Device) -> bool {
+        !device.is_null() && self.devices.contains(&device)
+    }
+
+    /// `PJRT_Client_PlatformName`.
+    pub(crate) fn platform(&self) -> &str {
+        &self.platform
+    }
 }
 
 // SAFETY: PJRT clients are thread-safe per the C API (XLA's PjRtClient is internally
@@ -290,6 +307,112 @@ impl Client {
         }?;
         // SAFETY: freshly created buffer owned by us.
         unsafe { DeviceBuffer::from_raw(self.inner.clone(), a.buffer, true) }
+    }
+
+    /// Wraps existing device memory as a PJRT buffer without copying
+    /// (`PJRT_Client_CreateViewOfDeviceBuffer`): how a torch tensor's `data_ptr()` or a JAX
+    /// array's `unsafe_buffer_pointer()` becomes a [`DeviceBuffer`] for the copy engine.
+    ///
+    /// `ptr` is a device address of `device` (on the XLA CPU plugin: a host address) holding a
+    /// dense row-major array of shape `dims` and element type `ty`; `memory` optionally names
+    /// the memory space (one of `device`'s; default: the device's default memory).
+    ///
+    /// Guards (`../shared/docs/pjrt-plugins.md` §1): the plugin is always given an
+    /// `on_delete_callback` (a NULL one aborts the CPU plugin at destroy); `ptr` must be 64-byte
+    /// aligned (the CPU plugin silently *copies* less aligned memory, which would break
+    /// zero-copy without a word); where the plugin reports the buffer's device address it must
+    /// equal `ptr`, otherwise the view is refused as a copy.
+    ///
+    /// The returned [`View`] owns the PJRT buffer (destroyed when its last clone is dropped);
+    /// the memory stays the caller's. [`View::released`] turns true once the plugin has let go
+    /// of the memory, which happens asynchronously after the buffer is destroyed.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for NULL or misaligned `ptr`, a bad shape, a device or
+    /// memory of another client, a memory `device` cannot address, or an alias that is not
+    /// zero-copy; [`Error::Unsupported`] when the plugin lacks the call; [`Error::Pjrt`] when the
+    /// plugin refuses (e.g. libtpu: "CreateViewOfDeviceBuffer is not implemented").
+    ///
+    /// # Safety
+    /// `ptr..ptr + size` (size = `dims` x element size) must be device memory of `device` that
+    /// stays valid, and is not freed or reused, until [`View::released`] reports the release.
+    /// Writes through the view and through `ptr` alias each other.
+    pub unsafe fn view_of_device_memory(
+        &self,
+        ptr: *mut u8,
+        ty: ElementType,
+        dims: &[i64],
+        device: &Device,
+        memory: Option<&Memory>,
+    ) -> Result<View> {
+        if ptr.is_null() {
+            return Err(Error::InvalidArgument(
+                "NULL device pointer for a view".into(),
+            ));
+        }
+        if (ptr as usize) % VIEW_ALIGN != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "device pointer {ptr:p} is not {VIEW_ALIGN}-byte aligned (off by {} bytes): the \
+                 plugin would copy instead of aliasing; allocate with {VIEW_ALIGN}-byte alignment",
+                ptr as usize % VIEW_ALIGN
+            )));
+        }
+        ty.shape_bytes(dims)?;
+        self.check_device(device)?;
+        if let Some(m) = memory {
+            if !Arc::ptr_eq(&m._client, &self.inner) {
+                return Err(Error::InvalidArgument(
+                    "memory space belongs to another PJRT client".into(),
+                ));
+            }
+            if !device.memories()?.iter().any(|dm| dm.raw == m.raw) {
+                return Err(Error::InvalidArgument(format!(
+                    "memory space `{}` is not addressable by device {}",
+                    m.kind(),
+                    device.index()
+                )));
+            }
+        }
+        let released = ViewReleased::new();
+        let mut a = sys::PJRT_Client_CreateViewOfDeviceBuffer_Args::new();
+        a.client = self.inner.raw;
+        a.device_buffer_ptr = ptr as *mut std::ffi::c_void;
+        a.dims = dims.as_ptr();
+        a.num_dims = dims.len();
+        a.element_type = ty.to_pjrt();
+        a.device = device.raw;
+        a.memory = memory.map(|m| m.raw).unwrap_or(std::ptr::null_mut());
+        a.on_delete_callback = Some(on_view_deleted);
+        a.on_delete_callback_arg = released.callback_arg();
+        // SAFETY: dims outlive the call; the callback context is leaked until the plugin calls
+        // it (on an error return it is leaked for good: a few bytes, never a dangling pointer
+        // the plugin might still call); memory validity is the caller's contract.
+        unsafe {
+            pjrt_call!(
+                &self.inner.plugin,
+                PJRT_Client_CreateViewOfDeviceBuffer,
+                &mut a
+            )
+        }?;
+        // SAFETY: the plugin just returned this buffer and we own it.
+        let buffer = unsafe { DeviceBuffer::from_raw(self.inner.clone(), a.buffer, true) }?;
+        if buffer.on_device_size() < ty.shape_bytes(dims)? {
+            return Err(Error::InvalidArgument(format!(
+                "view of shape {dims:?} {} has only {} on-device bytes",
+                ty.name(),
+                buffer.on_device_size()
+            )));
+        }
+        // A zero-copy view reports `ptr` as its device address; anything else is a copy.
+        match buffer.external_ref().and_then(|r| r.opaque_device_ptr()) {
+            Ok(p) if p != ptr => {
+                return Err(Error::InvalidArgument(format!(
+                    "the plugin made a copy at {p:p} instead of aliasing {ptr:p}; refusing the view"
+                )))
+            }
+            Ok(_) => {}
+            Err(e) => log::debug!("view aliasing not verifiable on this plugin: {e}"),
+        }
+        Ok(View { buffer, released })
     }
 
     fn check_device(&self, device: &Device) -> Result<()> {

@@ -5,8 +5,17 @@
 //! plugins (see `docs/architecture.md`), so [`sys`] declares the C structs by hand and the types
 //! here wrap them with ownership, validation and error conversion.
 //!
-//! Entry point: [`Plugin::load`] (a path, or [`default_plugin_path`]), then
-//! [`Client::create`](client::Client::create).
+//! Entry points, one per way a serving stack hands us its PJRT objects:
+//! * [`Plugin::load`] (a path, or [`default_plugin_path`]) then
+//!   [`Client::create`](client::Client::create): the library owns the client (standalone use,
+//!   tests, the CLI);
+//! * [`Plugin::adopt`] (a `const PJRT_Api*` someone else loaded), [`Client::adopt`] and
+//!   [`DeviceBuffer::adopt`]: the framework's own client and KV buffers, never destroyed here;
+//! * [`Client::view_of_device_memory`]: a PJRT buffer over existing device memory given as
+//!   (pointer, shape, dtype, device), e.g. a torch tensor's `data_ptr()` or a JAX array's
+//!   `unsafe_buffer_pointer()`.
+//!
+//! All three yield [`DeviceBuffer`]s that feed the same copy engine ([`crate::device`]).
 //!
 //! Thread-safety: [`Plugin`] is immutable after load and `Send + Sync`. [`Client`], [`Device`],
 //! [`Memory`] and [`DeviceBuffer`] are `Send + Sync`: the PJRT C API documents every call on these
@@ -14,11 +23,28 @@
 //! [`Event`] is `Send` but not `Sync`.
 //!
 //! Inputs that the measured plugins abort, hang or crash on (`../shared/docs/pjrt-plugins.md` §1)
-//! are refused here with [`Error::InvalidArgument`] before any call is made.
+//! are refused here with [`Error::InvalidArgument`] before any call is made, or cannot be
+//! expressed through this API:
+//!
+//! | hazard on the XLA CPU plugin | guard |
+//! |---|---|
+//! | out-of-range device index | [`Client::device`] checks the index |
+//! | raw copy or write past a buffer's end, negative offset | every range is checked against `OnDeviceSizeInBytes` ([`DeviceBuffer::check_range`]) before issue |
+//! | `TransferData` past the end / bad `buffer_index` / kInt64 metadata (HANG, SEGV, ABORT) | the AsyncHostToDevice family is not exposed |
+//! | a create option of the wrong type (ABORT) | options are typed ([`ClientOptions`]); `cpu_device_count` is only sent to a `cpu` client |
+//! | NULL `on_delete_callback` on a view (ABORT at destroy) | every view gets one ([`Client::view_of_device_memory`]) |
+//! | a view of memory that is not 64-byte aligned (silent copy) | refused; a view whose device address differs from the pointer is refused too |
+//! | awaiting a zero-copy `done_with_host_buffer` before destroy (HANG) | zero-copy `BufferFromHostBuffer` is not exposed; views have no such event |
+//! | `DecreaseExternalReferenceCount` without an increase | only through the RAII [`ExternalRef`] |
+//! | `Buffer_Destroy` while an external reference is held (frees the memory anyway) | an [`ExternalRef`] keeps the buffer handle alive; owned buffers are destroyed only after the last one |
+//! | a device, memory or buffer of another client | checked against the client's addressable devices and memories |
+//! | an extension function past the extension's `struct_size` | refused ([`ext`]) |
+//! | a host-address write into memory that is not host memory | host-addressable H2D requires `PJRT_Buffer_IsOnCpu` per buffer |
 
 pub mod buffer;
 pub mod caps;
 pub mod client;
+pub mod ext;
 pub mod sys;
 
 use std::collections::HashMap;
@@ -27,9 +53,10 @@ use std::mem::offset_of;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
-pub use buffer::{DeviceBuffer, ElementType, Event, ExternalRef};
-pub use caps::{Capabilities, D2hPath, DmaMapSupport, H2dPath};
+pub use buffer::{DeviceBuffer, ElementType, Event, ExternalRef, View, ViewReleased};
+pub use caps::{Capabilities, D2hPath, DmaMapSupport, H2dPath, LayoutSource};
 pub use client::{Client, ClientOptions, Device, Memory};
+pub use ext::{LayoutsExt, RawBufferExt};
 
 use crate::error::{pjrt_code_name, Error, Result};
 
@@ -64,17 +91,19 @@ macro_rules! pjrt_call {
 }
 pub(crate) use pjrt_call;
 
-/// A loaded PJRT plugin: the shared library and its `PJRT_Api` function table.
+/// A PJRT plugin: its `PJRT_Api` function table, and the shared library when we loaded it.
 ///
 /// Loaded once per path per process and never unloaded (function pointers handed to the plugin's
-/// threads must stay valid for the life of the process). `Send + Sync`.
+/// threads must stay valid for the life of the process). A plugin [adopted](Plugin::adopt) from
+/// a framework was loaded by someone else and is never touched by the loader. `Send + Sync`.
 pub struct Plugin {
     path: PathBuf,
     api: *const sys::PJRT_Api,
     api_struct_size: usize,
     version: (i32, i32),
     extensions: Vec<Extension>,
-    _lib: libloading::Library,
+    adopted: bool,
+    _lib: Option<libloading::Library>,
 }
 
 // SAFETY: the PJRT_Api table is immutable after GetPjrtApi returns and every PJRT entry point is
@@ -89,6 +118,7 @@ impl std::fmt::Debug for Plugin {
             .field("path", &self.path)
             .field("version", &self.version)
             .field("api_struct_size", &self.api_struct_size)
+            .field("adopted", &self.adopted)
             .finish()
     }
 }
@@ -244,6 +274,64 @@ impl Plugin {
             .map_err(|e| fail(format!("not a PJRT plugin (no GetPjrtApi): {e}")))?;
         // SAFETY: calling the plugin's entry point; it returns a pointer to a static table.
         let api = unsafe { get() };
+        // SAFETY: `api` is what GetPjrtApi returned (checked for NULL inside).
+        let mut plugin = unsafe { Self::from_api(api, path.to_path_buf(), false) }?;
+        plugin._lib = Some(lib);
+        let mut init = sys::PJRT_Plugin_Initialize_Args::new();
+        // SAFETY: the args struct is valid and contains no pointers.
+        let r = unsafe { pjrt_call!(&plugin, PJRT_Plugin_Initialize, &mut init) };
+        if let Err(e) = r {
+            // Older plugins lack the entry; a plugin that has it and fails is unusable.
+            if !matches!(e, Error::Unsupported { .. }) {
+                return Err(fail(format!("PJRT_Plugin_Initialize: {e}")));
+            }
+        }
+        log::debug!(
+            "loaded PJRT plugin {} (API {}.{}, {} extensions)",
+            path.display(),
+            plugin.version.0,
+            plugin.version.1,
+            plugin.extensions.len()
+        );
+        Ok(plugin)
+    }
+
+    /// Adopts a `PJRT_Api` table that someone else loaded (e.g. the serving framework's
+    /// `GetPjrtApi()` result, as JAX or torch_xla hold it). Nothing is `dlopen`ed and nothing is
+    /// ever unloaded; `PJRT_Plugin_Initialize` is not called again (the owner did). The same
+    /// checks as [`Plugin::load`] apply: the table's `struct_size` must hold the API version,
+    /// and the major version must be 0. `label` names the plugin in errors (e.g. `libtpu`).
+    ///
+    /// Every adoption returns a new [`Plugin`] (adoption is not cached by pointer).
+    ///
+    /// Errors: [`Error::PluginLoad`] for a NULL table, a too small `struct_size`, or an
+    /// unsupported major version.
+    ///
+    /// # Safety
+    /// `api` must be NULL or point to a `PJRT_Api` table that stays valid and unchanged for the
+    /// rest of the process, as `GetPjrtApi` guarantees for the table it returns.
+    pub unsafe fn adopt(api: *const sys::PJRT_Api, label: &str) -> Result<Arc<Plugin>> {
+        let path = PathBuf::from(format!("<adopted {label} PJRT_Api at {api:p}>"));
+        // SAFETY: forwarded caller contract.
+        let plugin = unsafe { Self::from_api(api, path, true) }?;
+        log::debug!(
+            "adopted PJRT_Api {label} (API {}.{}, {} extensions)",
+            plugin.version.0,
+            plugin.version.1,
+            plugin.extensions.len()
+        );
+        Ok(Arc::new(plugin))
+    }
+
+    /// Checks a table and reads its version and extension chain.
+    ///
+    /// # Safety
+    /// `api` must be NULL or a valid `PJRT_Api` table for the process lifetime.
+    unsafe fn from_api(api: *const sys::PJRT_Api, path: PathBuf, adopted: bool) -> Result<Plugin> {
+        let fail = |reason: String| Error::PluginLoad {
+            path: path.clone(),
+            reason,
+        };
         if api.is_null() {
             return Err(fail("GetPjrtApi returned NULL".into()));
         }
@@ -266,31 +354,21 @@ impl Plugin {
             )));
         }
         let mut plugin = Plugin {
-            path: path.to_path_buf(),
+            path: path.clone(),
             api,
             api_struct_size,
             version,
             extensions: Vec::new(),
-            _lib: lib,
+            adopted,
+            _lib: None,
         };
         plugin.extensions = plugin.walk_extensions();
-        let mut init = sys::PJRT_Plugin_Initialize_Args::new();
-        // SAFETY: the args struct is valid and contains no pointers.
-        let r = unsafe { pjrt_call!(&plugin, PJRT_Plugin_Initialize, &mut init) };
-        if let Err(e) = r {
-            // Older plugins lack the entry; a plugin that has it and fails is unusable.
-            if !matches!(e, Error::Unsupported { .. }) {
-                return Err(fail(format!("PJRT_Plugin_Initialize: {e}")));
-            }
-        }
-        log::debug!(
-            "loaded PJRT plugin {} (API {}.{}, {} extensions)",
-            path.display(),
-            version.0,
-            version.1,
-            plugin.extensions.len()
-        );
         Ok(plugin)
+    }
+
+    /// Whether this plugin was [adopted](Plugin::adopt) rather than loaded by us.
+    pub fn is_adopted(&self) -> bool {
+        self.adopted
     }
 
     fn walk_extensions(&self) -> Vec<Extension> {

@@ -25,7 +25,6 @@
 )]
 
 use std::ffi::{c_char, c_int, c_void};
-use std::mem::{offset_of, size_of};
 
 /// Opaque PJRT handle types. Only ever used behind raw pointers.
 macro_rules! opaque {
@@ -65,7 +64,9 @@ pub struct StructLayout {
     pub fields: Vec<(&'static str, usize)>,
 }
 
-const fn max_end(ends: &[usize]) -> usize {
+/// The largest of `ends` (a `const fn` helper of the struct-declaring macro).
+#[doc(hidden)]
+pub const fn max_end(ends: &[usize]) -> usize {
     let mut m = 0;
     let mut i = 0;
     while i < ends.len() {
@@ -89,7 +90,7 @@ macro_rules! pjrt_structs {
                 /// `offsetof(last field) + sizeof(last field)`, as the header's
                 /// `<type>_STRUCT_SIZE` enum constant.
                 pub const STRUCT_SIZE: usize =
-                    max_end(&[$( offset_of!($name, $field) + size_of::<$ty>() ),*]);
+                    $crate::pjrt::sys::max_end(&[$( ::std::mem::offset_of!($name, $field) + ::std::mem::size_of::<$ty>() ),*]);
                 /// A zeroed struct with `struct_size` set: every field is a pointer, an integer,
                 /// a bool or an `Option<fn>`, for all of which all-zero bytes are a valid value
                 /// (NULL, 0, false, None).
@@ -104,18 +105,19 @@ macro_rules! pjrt_structs {
             }
         )*
         /// The layout of every struct declared in this module (for the ABI check test).
-        pub fn layout_table() -> Vec<StructLayout> {
+        pub fn layout_table() -> Vec<$crate::pjrt::sys::StructLayout> {
             vec![$(
-                StructLayout {
+                $crate::pjrt::sys::StructLayout {
                     name: stringify!($name),
-                    size: size_of::<$name>(),
+                    size: ::std::mem::size_of::<$name>(),
                     struct_size: $name::STRUCT_SIZE,
-                    fields: vec![$( (stringify!($field), offset_of!($name, $field)) ),*],
+                    fields: vec![$( (stringify!($field), ::std::mem::offset_of!($name, $field)) ),*],
                 }
             ),*]
         }
     };
 }
+pub(crate) use pjrt_structs;
 
 // C enums (declared as integers; see the module docs).
 pub type PJRT_Extension_Type = c_int;

@@ -145,6 +145,7 @@ fn layout(
         model: m.clone(),
         spec,
         num_blocks: 1,
+        physical_layout: None,
     };
     // Room for the request plus spare blocks so ids are scattered.
     l.num_blocks = l.pcp_chunk(tokens, 0).len() as u32 * 2 + 3;
@@ -183,6 +184,40 @@ fn identical_layouts_coalesce_to_blocks() {
     for s in &plan.spans {
         assert_eq!(s.len, 16 * 4 * 8, "whole blocks expected: {s:?}");
     }
+}
+
+#[test]
+fn physical_layouts_must_agree_when_both_are_known() {
+    let m = ModelKv::preset("llama-3.1-8b").unwrap();
+    let m = ModelKv { num_layers: 1, ..m };
+    let t = 100;
+    let src = placement(layout(&m, 1, 1, 1, 16, BlockOrder::Nhd, t), 0, t, 1);
+    let dst = placement(layout(&m, 1, 1, 1, 16, BlockOrder::Nhd, t), 0, t, 2);
+    let dense = "{4,3,2,1,0}";
+    let tiled = "{4,3,2,1,0:T(8,128)(2,1)}";
+    let with = |p: &Placement, l: Option<&str>| Placement {
+        layout: ParallelLayout {
+            physical_layout: l.map(str::to_string),
+            ..p.layout.clone()
+        },
+        ..p.clone()
+    };
+    // Equal, or unknown on either side (an older peer): planned.
+    assert!(Plan::build(&with(&src, Some(dense)), &with(&dst, Some(dense)), t).is_ok());
+    assert!(Plan::build(&with(&src, None), &with(&dst, Some(tiled)), t).is_ok());
+    // Different: refused, naming both.
+    let e = Plan::build(&with(&src, Some(dense)), &with(&dst, Some(tiled)), t).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, Error::Mismatch(_)), "{msg}");
+    assert!(msg.contains(dense) && msg.contains(tiled), "{msg}");
+    // JSON without the field (an older peer) still parses, and None is not serialized.
+    let json = serde_json::to_string(&src).unwrap();
+    assert!(!json.contains("physical_layout"), "{json}");
+    let back: Placement = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, src);
+    let json = serde_json::to_string(&with(&src, Some(tiled))).unwrap();
+    let back: Placement = serde_json::from_str(&json).unwrap();
+    assert_eq!(back.layout.physical_layout.as_deref(), Some(tiled));
 }
 
 #[test]
