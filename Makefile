@@ -35,7 +35,7 @@ LIBDIR := $(CURDIR)/target/release
 
 # C ABI tests: compiled with the committed header and the C compiler only, linked to libtpu_sync.
 test-c: plugin
-	$(CARGO) build --release -p tpu-sync-ffi
+	$(CARGO) build --release -p tpu-sync-cdylib
 	mkdir -p target/c
 	$(CC) $(CFLAGS_STRICT) tpu-sync-ffi/tests/c/test_abi.c -L$(LIBDIR) -ltpu_sync -Wl,-rpath,$(LIBDIR) -o target/c/test_abi
 	RUST_BACKTRACE=0 ./target/c/test_abi

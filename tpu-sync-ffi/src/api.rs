@@ -3,8 +3,8 @@
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::Arc;
 
-use tpu_sync_core::pjrt::{Capabilities, Client, ClientOptions, DeviceBuffer, ElementType, Plugin};
-use tpu_sync_core::plan::{Placement, Plan};
+use tpu_sync::pjrt::{Capabilities, Client, ClientOptions, DeviceBuffer, ElementType, Plugin};
+use tpu_sync::plan::{Placement, Plan};
 
 use crate::handle::{self, tpu_sync_handle_kind as K};
 use crate::status::{boundary, invalid, null, tpu_sync_status, FfiResult};
@@ -63,6 +63,9 @@ unsafe fn out_string(s: &str, buf: *mut c_char, buf_len: usize, len_out: *mut us
 // ---------------------------------------------------------------------------------------------
 // Version
 
+/// ABI version of this header and library. Incremented on every incompatible change.
+pub const TPU_SYNC_ABI_VERSION: u32 = 1;
+
 /// Library version, e.g. `"0.1.0"`: a static NUL-terminated string; never NULL, never freed.
 #[no_mangle]
 pub extern "C" fn tpu_sync_version() -> *const c_char {
@@ -72,7 +75,7 @@ pub extern "C" fn tpu_sync_version() -> *const c_char {
 /// ABI version of the loaded library; compare with the header's `TPU_SYNC_ABI_VERSION`.
 #[no_mangle]
 pub extern "C" fn tpu_sync_abi_version() -> u32 {
-    crate::TPU_SYNC_ABI_VERSION
+    TPU_SYNC_ABI_VERSION
 }
 
 /// Test hook: panics inside the library. Returns `TPU_SYNC_PANIC`, proving that no panic crosses
@@ -386,7 +389,7 @@ pub unsafe extern "C" fn tpu_sync_buffer_write(
         if src.is_null() && len > 0 {
             return Err(null("src"));
         }
-        let op = tpu_sync_core::device::RawCopy {
+        let op = tpu_sync::device::RawCopy {
             buffer: &b.buffer,
             offset,
             len: len as u64,
@@ -396,7 +399,7 @@ pub unsafe extern "C" fn tpu_sync_buffer_write(
             return Ok(b.buffer.check_range(offset, 0)?);
         }
         // SAFETY: caller contract: `src` has `len` readable bytes, unmodified during the call.
-        unsafe { tpu_sync_core::device::h2d_batch(&b.caps, &[op]) }?;
+        unsafe { tpu_sync::device::h2d_batch(&b.caps, &[op]) }?;
         Ok(())
     })
 }

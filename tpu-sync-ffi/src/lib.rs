@@ -37,6 +37,3 @@ pub mod api;
 pub use api::*;
 pub use handle::{tpu_sync_handle_kind, tpu_sync_handle_stats};
 pub use status::{tpu_sync_last_error, tpu_sync_status, tpu_sync_status_name};
-
-/// ABI version of this header and library. Incremented on every incompatible change.
-pub const TPU_SYNC_ABI_VERSION: u32 = 1;

@@ -3,7 +3,7 @@
 use std::cell::RefCell;
 use std::ffi::c_char;
 
-use tpu_sync_core::Error;
+use tpu_sync::Error;
 
 /// Result of every fallible function. Values are stable: new codes are appended, retired codes are
 /// never reused.

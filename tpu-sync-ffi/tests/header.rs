@@ -26,6 +26,6 @@ fn committed_header_is_current() {
     let text = String::from_utf8(fresh).unwrap();
     assert!(text.contains(&format!(
         "#define TPU_SYNC_ABI_VERSION {}",
-        tpu_sync::TPU_SYNC_ABI_VERSION
+        tpu_sync_ffi::TPU_SYNC_ABI_VERSION
     )));
 }

@@ -1,0 +1,18 @@
+//! `libtpu_sync`: the C library of tpu-sync, built from the sources of `tpu-sync-ffi` (included
+//! by path, so that the shipped `cdylib`/`staticlib` can be named `libtpu_sync` without clashing
+//! with the core crate's `tpu_sync` rlib, and so that cbindgen sees every exported function when
+//! maturin generates the Python cffi bindings). See `tpu-sync-ffi/include/tpu_sync.h`.
+#![allow(non_camel_case_types)]
+#![allow(clippy::missing_safety_doc)]
+
+#[path = "../../src/handle.rs"]
+mod handle;
+#[path = "../../src/status.rs"]
+mod status;
+
+#[path = "../../src/api.rs"]
+pub mod api;
+
+pub use api::*;
+pub use handle::{tpu_sync_handle_kind, tpu_sync_handle_stats};
+pub use status::{tpu_sync_last_error, tpu_sync_status, tpu_sync_status_name};
