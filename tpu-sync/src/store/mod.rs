@@ -701,13 +701,17 @@ impl Core {
         &self,
         parent: Option<BlockKey>,
         keys: &[BlockKey],
+        window: std::ops::Range<usize>,
     ) -> (Vec<Fill>, PutReport, Vec<(usize, EntryId)>) {
         let mut rep = PutReport::default();
         let mut fills = Vec::new();
         let mut present = Vec::new();
         self.with_index(|ix| {
-            let mut p = parent.map(|k| k.0);
-            for (pos, k) in keys.iter().enumerate() {
+            let mut p = match window.start {
+                0 => parent.map(|k| k.0),
+                s => Some(keys[s - 1].0),
+            };
+            for (pos, k) in keys.iter().enumerate().take(window.end).skip(window.start) {
                 match ix.begin_put(k.0, p) {
                     Begin::Present(id) => {
                         rep.present += 1;
@@ -810,12 +814,52 @@ impl Core {
         });
         rep.stored = fills.len();
         rep.bytes = fills.iter().map(|f| lens[f.pos]).sum();
-        add(&self.c.put_blocks, rep.stored as u64);
-        add(&self.c.put_present, rep.present as u64);
-        add(&self.c.bytes_put, rep.bytes);
-        if let Some(f) = rep.full_at {
-            add(&self.c.put_full, (keys.len() - f) as u64);
+    }
+
+    /// A put of `chain` in windows of at most half the DRAM slots (so a chain longer than DRAM
+    /// can stream through it to the disk tier): reserve slots, `fill` them (returning each
+    /// block's checksum), commit. A fill error aborts the window's blocks (earlier windows stay
+    /// stored) and is returned.
+    fn put_chain(
+        &self,
+        parent: Option<BlockKey>,
+        chain: &[BlockKey],
+        lens: &[u64],
+        mut fill: impl FnMut(&Core, &[Fill]) -> Result<Vec<u64>>,
+    ) -> Result<PutReport> {
+        let w = (self.seg.geometry().num_slots as usize / 2).max(1);
+        let mut total = PutReport::default();
+        let mut start = 0;
+        let result = loop {
+            if start >= chain.len() {
+                break Ok(());
+            }
+            let end = (start + w).min(chain.len());
+            let (fills, mut rep, present) = self.reserve(parent, chain, start..end);
+            let sums = match fill(self, &fills) {
+                Ok(s) => s,
+                Err(e) => {
+                    self.abort_fills(&fills);
+                    break Err(e);
+                }
+            };
+            self.commit_fills(chain, &fills, lens, &sums, &present, &mut rep);
+            total.stored += rep.stored;
+            total.present += rep.present;
+            total.bytes += rep.bytes;
+            if rep.full_at.is_some() {
+                total.full_at = rep.full_at;
+                break Ok(());
+            }
+            start = end;
+        };
+        add(&self.c.put_blocks, total.stored as u64);
+        add(&self.c.put_present, total.present as u64);
+        add(&self.c.bytes_put, total.bytes);
+        if let Some(f) = total.full_at {
+            add(&self.c.put_full, (chain.len() - f) as u64);
         }
+        result.map(|()| total)
     }
 
     fn abort_fills(&self, fills: &[Fill]) {
@@ -1176,7 +1220,14 @@ impl KvStore {
 
     /// How the tier was set up; `None` until ready.
     pub fn info(&self) -> Option<TierInfo> {
-        self.core().map(|c| c.info.clone())
+        self.core().map(|c| {
+            let mut i = c.info.clone();
+            if let (Some(d), Some(t)) = (&c.disk, i.disk.as_mut()) {
+                // O_DIRECT is dropped at the first file the file system refuses it for.
+                t.2 = d.direct();
+            }
+            i
+        })
     }
 
     /// Counters and occupancy (zeros until ready).
@@ -1277,29 +1328,29 @@ impl KvStore {
             });
         };
         let lens: Vec<u64> = blocks.iter().map(|b| b.len() as u64).collect();
-        let (fills, mut rep, present) = c.reserve(parent, chain);
-        let mut sums = Vec::with_capacity(fills.len());
-        for f in &fills {
-            let src = blocks[f.pos];
-            let hook = c.hooks.mid_write.as_ref().map(|h| {
-                let h = h.clone();
-                let k = BlockKey(f.key);
-                move || h(k)
-            });
-            // SAFETY: the slot is ours (filling) and at least `block_bytes >= src.len()` long;
-            // `src` is a live slice that cannot overlap the segment's mapping of our slot.
-            let sum = unsafe {
-                checksum::copy_and_checksum(
-                    src.as_ptr(),
-                    c.seg.slot_ptr(f.slot),
-                    src.len(),
-                    hook.as_ref().map(|h| h as &(dyn Fn() + Send + Sync)),
-                )
-            };
-            sums.push(sum);
-        }
-        c.commit_fills(chain, &fills, &lens, &sums, &present, &mut rep);
-        Ok(rep)
+        c.put_chain(parent, chain, &lens, |c, fills| {
+            let mut sums = Vec::with_capacity(fills.len());
+            for f in fills {
+                let src = blocks[f.pos];
+                let hook = c.hooks.mid_write.as_ref().map(|h| {
+                    let h = h.clone();
+                    let k = BlockKey(f.key);
+                    move || h(k)
+                });
+                // SAFETY: the slot is ours (filling) and at least `block_bytes >= src.len()`
+                // long; `src` is a live slice that cannot overlap our slot's mapping.
+                let sum = unsafe {
+                    checksum::copy_and_checksum(
+                        src.as_ptr(),
+                        c.seg.slot_ptr(f.slot),
+                        src.len(),
+                        hook.as_ref().map(|h| h as &(dyn Fn() + Send + Sync)),
+                    )
+                };
+                sums.push(sum);
+            }
+            Ok(sums)
+        })
     }
 
     /// Stores a chain of blocks from PJRT device memory (`PJRT_Buffer_CopyRawToHost` of every
@@ -1307,7 +1358,9 @@ impl KvStore {
     /// [`KvStore::put_from_host`] for `parent` and the result).
     ///
     /// Errors: as [`KvStore::put_from_host`], plus the device layer's errors (ranges outside a
-    /// buffer, deleted buffers, plugin errors); on a device error nothing of this call is stored.
+    /// buffer, deleted buffers, plugin errors). A chain longer than half the DRAM slots is stored
+    /// in windows; on a device error the failing window's blocks are not stored (earlier
+    /// windows' are).
     pub fn put_from_device(
         &self,
         parent: Option<BlockKey>,
@@ -1322,29 +1375,27 @@ impl KvStore {
             });
         };
         let lens: Vec<u64> = blocks.iter().map(|b| b.len()).collect();
-        let (fills, mut rep, present) = c.reserve(parent, chain);
-        let ops: Vec<RawCopy<'_>> = fills
-            .iter()
-            .flat_map(|f| blocks[f.pos].copies(c.seg.slot_ptr(f.slot)))
-            .collect();
-        // SAFETY: every op writes inside a slot we own (filling) of at least the block's length;
-        // nobody else writes those slots until we commit or abort.
-        if let Err(e) = unsafe { device::d2h_batch(&ops, D2H_OUTSTANDING) } {
-            c.abort_fills(&fills);
-            return Err(e);
-        }
-        let mut sums = Vec::with_capacity(fills.len());
-        for f in &fills {
-            if let Some(h) = &c.hooks.mid_write {
-                h(BlockKey(f.key));
+        c.put_chain(parent, chain, &lens, |c, fills| {
+            let ops: Vec<RawCopy<'_>> = fills
+                .iter()
+                .flat_map(|f| blocks[f.pos].copies(c.seg.slot_ptr(f.slot)))
+                .collect();
+            // SAFETY: every op writes inside a slot we own (filling) of at least the block's
+            // length; nobody else writes those slots until we commit or abort.
+            unsafe { device::d2h_batch(&ops, D2H_OUTSTANDING) }?;
+            let mut sums = Vec::with_capacity(fills.len());
+            for f in fills {
+                if let Some(h) = &c.hooks.mid_write {
+                    h(BlockKey(f.key));
+                }
+                // SAFETY: our slot, just written by the device copies; `len` <= slot size.
+                let data = unsafe {
+                    std::slice::from_raw_parts(c.seg.slot_ptr(f.slot), lens[f.pos] as usize)
+                };
+                sums.push(checksum::checksum(data));
             }
-            // SAFETY: our slot, just written by the device copies; `len` <= slot size.
-            let data =
-                unsafe { std::slice::from_raw_parts(c.seg.slot_ptr(f.slot), lens[f.pos] as usize) };
-            sums.push(checksum::checksum(data));
-        }
-        c.commit_fills(chain, &fills, &lens, &sums, &present, &mut rep);
-        Ok(rep)
+            Ok(sums)
+        })
     }
 
     /// Copies the leading blocks of `chain` into host memory: `dst[i]` receives block `chain[i]`
