@@ -1049,6 +1049,31 @@ impl Core {
         let mut rep = GetReport::default();
         let mut retries_here = 0;
         let mut waited = Duration::ZERO;
+        // The chain's present prefix becomes the most recently used, and its disk-only blocks are
+        // pinned for the whole get, so loading early blocks through DRAM cannot push later blocks
+        // of the same chain out of the store. DRAM blocks are not pinned: they are read
+        // optimistically (generation check) and, if evicted meanwhile, spilled or re-read.
+        let held = DiskPins {
+            core: self,
+            ids: self.with_index(|ix| {
+                let mut ids = Vec::new();
+                let mut held = Vec::new();
+                for k in keys {
+                    match ix.find(k.0) {
+                        Some(id) if ix.entry(id).visible() => {
+                            ids.push(id);
+                            if ix.entry(id).dram == Dram::Absent {
+                                ix.pin(id);
+                                held.push(id);
+                            }
+                        }
+                        _ => break,
+                    }
+                }
+                ix.touch(&ids);
+                held
+            }),
+        };
         while rep.delivered < keys.len() {
             let (items, halt) = self.resolve(keys, rep.delivered);
             let r = if items.is_empty() {
@@ -1105,10 +1130,29 @@ impl Core {
                 Some(Halt::Wait) => {}
             }
         }
+        drop(held);
         add(&self.c.get_dram, rep.from_dram as u64);
         add(&self.c.get_disk, rep.from_disk as u64);
         add(&self.c.bytes_got, rep.bytes);
         Ok(rep)
+    }
+}
+
+/// Pins a get holds on a chain's disk-only blocks; released on drop (also on early returns).
+struct DiskPins<'a> {
+    core: &'a Core,
+    ids: Vec<EntryId>,
+}
+
+impl Drop for DiskPins<'_> {
+    fn drop(&mut self) {
+        if !self.ids.is_empty() {
+            self.core.with_index(|ix| {
+                for &id in &self.ids {
+                    ix.unpin(id);
+                }
+            });
+        }
     }
 }
 
