@@ -872,7 +872,7 @@ impl Core {
 
     /// Resolves the next window of a get from chain position `from`: the DRAM blocks to copy,
     /// loading disk blocks into DRAM first (pinned until the caller unpins them).
-    fn resolve(&self, keys: &[BlockKey], from: usize) -> (Vec<Item>, Option<Halt>) {
+    fn resolve(&self, keys: &[BlockKey], from: usize, done: &[u8]) -> (Vec<Item>, Option<Halt>) {
         let max_promote = (self.seg.geometry().num_slots as usize / 4).max(1);
         let mut items: Vec<Item> = Vec::new();
         let mut halt = None;
@@ -880,6 +880,9 @@ impl Core {
         self.with_index(|ix| {
             let mut touched = Vec::new();
             for (pos, k) in keys.iter().enumerate().skip(from) {
+                if done[pos] != 0 {
+                    continue;
+                }
                 let Some(id) = ix.find(k.0) else {
                     halt = Some(Halt::Stop(StopReason::Missing));
                     break;
@@ -1038,33 +1041,54 @@ impl Core {
         ))
     }
 
-    /// The get loop shared by host and device destinations. `copy` delivers a window of items
-    /// (all in DRAM) and returns how many leading ones are valid, or the position of a block that
-    /// changed under the copy.
+    /// The get loop shared by host and device destinations. `copy` delivers a set of items (all
+    /// in DRAM) and returns how many leading ones are valid, and whether the next one changed
+    /// under the copy.
+    ///
+    /// First every block of the chain's present prefix that is already in DRAM is delivered in
+    /// one pass (before loading disk blocks through DRAM can push them out); then the rest, in
+    /// windows, loading disk blocks first. The report counts the leading blocks delivered.
     fn get_loop(
         &self,
         keys: &[BlockKey],
         mut copy: impl FnMut(&Core, &[Item]) -> Result<(usize, bool)>,
     ) -> Result<GetReport> {
+        let n = keys.len();
         let mut rep = GetReport::default();
-        let mut retries_here = 0;
-        let mut waited = Duration::ZERO;
+        // Per position: 0 not delivered, 1 delivered from DRAM, 2 loaded from disk.
+        let mut done = vec![0u8; n];
+        let mut lens = vec![0u64; n];
+        let mut stop: Option<(usize, StopReason)> = None;
         // The chain's present prefix becomes the most recently used, and its disk-only blocks are
-        // pinned for the whole get, so loading early blocks through DRAM cannot push later blocks
+        // pinned until delivered, so loading early blocks through DRAM cannot push later blocks
         // of the same chain out of the store. DRAM blocks are not pinned: they are read
-        // optimistically (generation check) and, if evicted meanwhile, spilled or re-read.
-        let held = DiskPins {
+        // optimistically (generation check) and re-read if they changed.
+        let mut first: Vec<Item> = Vec::new();
+        let mut held = DiskPins {
             core: self,
             ids: self.with_index(|ix| {
                 let mut ids = Vec::new();
                 let mut held = Vec::new();
-                for k in keys {
+                for (pos, k) in keys.iter().enumerate() {
                     match ix.find(k.0) {
                         Some(id) if ix.entry(id).visible() => {
                             ids.push(id);
-                            if ix.entry(id).dram == Dram::Absent {
-                                ix.pin(id);
-                                held.push(id);
+                            let e = ix.entry(id);
+                            match e.dram {
+                                Dram::Present { slot, gen } => first.push(Item {
+                                    pos,
+                                    id,
+                                    slot,
+                                    gen,
+                                    len: e.len,
+                                    checksum: e.checksum,
+                                    promoted: false,
+                                }),
+                                Dram::Absent => {
+                                    ix.pin(id);
+                                    held.push((pos, id));
+                                }
+                                Dram::Filling { .. } => {}
                             }
                         }
                         _ => break,
@@ -1074,8 +1098,26 @@ impl Core {
                 held
             }),
         };
-        while rep.delivered < keys.len() {
-            let (items, halt) = self.resolve(keys, rep.delivered);
+        if !first.is_empty() {
+            let (ok, raced) = copy(self, &first)?;
+            for it in &first[..ok] {
+                done[it.pos] = 1;
+                lens[it.pos] = it.len;
+            }
+            if raced {
+                add(&self.c.races, 1);
+                rep.retries += 1;
+            }
+        }
+        let mut retries_here = 0;
+        let mut waited = Duration::ZERO;
+        loop {
+            let Some(from) = done.iter().position(|&d| d == 0) else {
+                break;
+            };
+            // Blocks already delivered no longer need their pin (they may now leave DRAM).
+            held.release_before(from);
+            let (items, halt) = self.resolve(keys, from, &done);
             let r = if items.is_empty() {
                 Ok((0, false))
             } else {
@@ -1084,13 +1126,8 @@ impl Core {
             self.unpin_items(&items);
             let (ok, raced) = r?;
             for it in &items[..ok] {
-                rep.delivered += 1;
-                rep.bytes += it.len;
-                if it.promoted {
-                    rep.from_disk += 1;
-                } else {
-                    rep.from_dram += 1;
-                }
+                done[it.pos] = if it.promoted { 2 } else { 1 };
+                lens[it.pos] = it.len;
             }
             if ok > 0 {
                 retries_here = 0;
@@ -1100,27 +1137,26 @@ impl Core {
                 rep.retries += 1;
                 retries_here += 1;
                 if retries_here > MAX_RACE_RETRIES {
-                    rep.stop = Some(StopReason::Raced);
+                    stop = Some((items[ok].pos, StopReason::Raced));
                     break;
                 }
                 continue;
             }
-            if ok < items.len() {
-                continue;
-            }
+            // Where resolution stopped: the first position after the window not delivered.
+            let at = done.iter().position(|&d| d == 0).unwrap_or(n);
             match halt {
                 None if items.is_empty() => {
-                    rep.stop = Some(StopReason::NoSpace);
+                    stop = Some((at, StopReason::NoSpace));
                     break;
                 }
                 None => {}
                 Some(Halt::Stop(s)) => {
-                    rep.stop = Some(s);
+                    stop = Some((at, s));
                     break;
                 }
                 Some(Halt::Wait) if items.is_empty() => {
                     if waited > FILL_WAIT {
-                        rep.stop = Some(StopReason::Missing);
+                        stop = Some((at, StopReason::Missing));
                         break;
                     }
                     let d = Duration::from_micros(200);
@@ -1131,6 +1167,22 @@ impl Core {
             }
         }
         drop(held);
+        rep.delivered = done.iter().position(|&d| d == 0).unwrap_or(n);
+        for &d in &done[..rep.delivered] {
+            if d == 2 {
+                rep.from_disk += 1;
+            } else {
+                rep.from_dram += 1;
+            }
+        }
+        rep.bytes = lens[..rep.delivered].iter().sum();
+        if rep.delivered < n {
+            rep.stop = Some(
+                stop.filter(|(at, _)| *at <= rep.delivered)
+                    .map(|(_, s)| s)
+                    .unwrap_or(StopReason::Missing),
+            );
+        }
         add(&self.c.get_dram, rep.from_dram as u64);
         add(&self.c.get_disk, rep.from_disk as u64);
         add(&self.c.bytes_got, rep.bytes);
@@ -1138,21 +1190,30 @@ impl Core {
     }
 }
 
-/// Pins a get holds on a chain's disk-only blocks; released on drop (also on early returns).
+/// Pins a get holds on a chain's disk-only blocks `(chain position, entry)`, in chain order;
+/// released as the get delivers them, and on drop (also on early returns).
 struct DiskPins<'a> {
     core: &'a Core,
-    ids: Vec<EntryId>,
+    ids: Vec<(usize, EntryId)>,
 }
 
-impl Drop for DiskPins<'_> {
-    fn drop(&mut self) {
-        if !self.ids.is_empty() {
+impl DiskPins<'_> {
+    fn release_before(&mut self, pos: usize) {
+        let n = self.ids.partition_point(|&(p, _)| p < pos);
+        if n > 0 {
+            let gone: Vec<(usize, EntryId)> = self.ids.drain(..n).collect();
             self.core.with_index(|ix| {
-                for &id in &self.ids {
+                for (_, id) in gone {
                     ix.unpin(id);
                 }
             });
         }
+    }
+}
+
+impl Drop for DiskPins<'_> {
+    fn drop(&mut self) {
+        self.release_before(usize::MAX);
     }
 }
 
