@@ -333,7 +333,7 @@ fn phase_put(a: &StoreDemoArgs) -> Result<ExitCode> {
     let s = setup(a)?;
     let (client, caps) = open_client(a.plugin.as_deref())?;
     let ns = namespace(&s, &client, &caps);
-    let place = s.placement(0x7075_74);
+    let place = s.placement(0x0070_7574);
     let contents = RankContents::new(&place, 0, a.tokens, PUT_SALT)?;
     let buffers = make_buffers(&client, &contents)?;
     let mut r = PhaseReport {
@@ -396,7 +396,7 @@ fn phase_get(a: &StoreDemoArgs) -> Result<ExitCode> {
         ..s.placement(0)
     };
     let buffers = make_buffers(&client, &RankContents::new(&empty, 0, a.tokens, GET_SALT)?)?;
-    let place = s.placement(0x6765_74);
+    let place = s.placement(0x0067_6574);
     let mut r = PhaseReport {
         pid: std::process::id(),
         platform: client.platform_name().to_string(),

@@ -21,7 +21,7 @@ use tpu_sync::store::index::{Begin, Dram, EntryId, Index, Take, PENDING_SLOT};
 
 /// Key of the depth-`i` block of root `r` along branch `bits` (a binary trie of chains).
 fn key(r: u8, i: u8, bits: u8) -> u128 {
-    let mask = if i == 0 { 0 } else { (1u16 << i) as u8 - 1 } as u8;
+    let mask = ((1u16 << i) - 1) as u8;
     1 + ((r as u128) << 16 | (i as u128) << 8 | (bits & mask) as u128)
 }
 

@@ -35,6 +35,37 @@ pub unsafe fn copy_and_checksum(
     len: usize,
     mid_copy: Option<&(dyn Fn() + Send + Sync)>,
 ) -> u64 {
+    // SAFETY: forwarded.
+    unsafe { copy_chunked(src, dst, len, true, mid_copy) }
+}
+
+/// [`copy_and_checksum`] without the hash (returns 0): the copy a get does when checksum
+/// verification is off. Same contract.
+///
+/// # Safety
+/// As for [`copy_and_checksum`].
+pub unsafe fn copy_only(
+    src: *const u8,
+    dst: *mut u8,
+    len: usize,
+    mid_copy: Option<&(dyn Fn() + Send + Sync)>,
+) -> u64 {
+    // SAFETY: forwarded.
+    unsafe { copy_chunked(src, dst, len, false, mid_copy) }
+}
+
+unsafe fn copy_chunked(
+    src: *const u8,
+    dst: *mut u8,
+    len: usize,
+    hash: bool,
+    mid_copy: Option<&(dyn Fn() + Send + Sync)>,
+) -> u64 {
+    if !hash && mid_copy.is_none() {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+        return 0;
+    }
     let mut h = Xxh3::new();
     let mut off = 0;
     let step = match mid_copy {
@@ -46,14 +77,20 @@ pub unsafe fn copy_and_checksum(
         let n = step.min(len - off);
         // SAFETY: both ranges are in bounds per the caller's contract and do not overlap.
         unsafe { std::ptr::copy_nonoverlapping(src.add(off), dst.add(off), n) };
-        // SAFETY: `dst` is exclusively the caller's; we just wrote these `n` bytes.
-        h.update(unsafe { std::slice::from_raw_parts(dst.add(off), n) });
+        if hash {
+            // SAFETY: `dst` is exclusively the caller's; we just wrote these `n` bytes.
+            h.update(unsafe { std::slice::from_raw_parts(dst.add(off), n) });
+        }
         off += n;
         if let Some(f) = hook.take() {
             f();
         }
     }
-    h.digest()
+    if hash {
+        h.digest()
+    } else {
+        0
+    }
 }
 
 /// xxh3-64 of `len` bytes at `src`, read through a small bounce buffer (so no reference to
@@ -98,6 +135,11 @@ mod tests {
             // SAFETY: in bounds.
             assert_eq!(unsafe { checksum_raw(src.as_ptr(), len) }, c);
             assert_eq!(calls.into_inner(), u32::from(len > 0));
+            let mut again = vec![0u8; len];
+            // SAFETY: distinct vectors of `len` bytes.
+            let z = unsafe { copy_only(src.as_ptr(), again.as_mut_ptr(), len, None) };
+            assert_eq!(z, 0);
+            assert_eq!(again, src);
         }
     }
 }

@@ -1111,10 +1111,7 @@ impl Core {
         }
         let mut retries_here = 0;
         let mut waited = Duration::ZERO;
-        loop {
-            let Some(from) = done.iter().position(|&d| d == 0) else {
-                break;
-            };
+        while let Some(from) = done.iter().position(|&d| d == 0) {
             // Blocks already delivered no longer need their pin (they may now leave DRAM).
             held.release_before(from);
             let (items, halt) = self.resolve(keys, from, &done);
@@ -1541,10 +1538,15 @@ impl KvStore {
                     let k = chain[it.pos];
                     move || h(k)
                 });
+                let copy = if c.verify {
+                    checksum::copy_and_checksum
+                } else {
+                    checksum::copy_only
+                };
                 // SAFETY: the slot lies in the mapping; it may be rewritten concurrently (torn
                 // bytes are caught by the generation check below); `d` is exclusively ours.
                 let sum = unsafe {
-                    checksum::copy_and_checksum(
+                    copy(
                         c.seg.slot_ptr(it.slot),
                         d.as_mut_ptr(),
                         d.len(),
