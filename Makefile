@@ -27,6 +27,7 @@ test: plugin
 	$(CARGO) build --release --workspace --all-targets
 	$(CARGO) test --release --workspace
 	./target/release/tpu-sync demo --tokens 512 --layers 4
+	./target/release/tpu-sync store-demo --tokens 512 --layers 4
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -34,6 +35,7 @@ lint:
 
 bench: plugin
 	$(CARGO) bench --bench device_copy
+	$(CARGO) bench --bench store
 
 clean:
 	$(CARGO) clean

@@ -258,3 +258,39 @@ fn buffered_io_can_be_chosen() {
     assert_eq!(g.delivered, 6);
     assert_exact(&keys, &bufs, 6);
 }
+
+#[test]
+fn foreign_files_and_loose_directories_are_not_trusted() {
+    let d = TempDir::new("trust");
+    let keys = chain(4, 8);
+    let paths: Vec<_>;
+    {
+        let s = KvStore::open(disk_config(&d.0, 2, 16)).unwrap();
+        put_chain(&s, &keys, LEN);
+        s.flush_to_disk().unwrap();
+        paths = keys
+            .iter()
+            .map(|k| s.debug_file_path(*k).unwrap())
+            .collect();
+    }
+    let ns_dir = paths[0].parent().unwrap().to_path_buf();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&ns_dir).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        // A block file that belongs to someone else is never read (and is dropped at open).
+        let p = std::ffi::CString::new(paths[2].to_str().unwrap()).unwrap();
+        // SAFETY: chown of a file this test created.
+        assert_eq!(unsafe { libc::chown(p.as_ptr(), 65534, 65534) }, 0);
+        let s = KvStore::open(disk_config(&d.0, 2, 16)).unwrap();
+        assert_eq!(s.lookup(&keys), 2);
+        drop(s);
+    }
+    // A namespace directory writable by others is refused.
+    std::fs::set_permissions(&ns_dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let e = KvStore::open(disk_config(&d.0, 2, 16)).unwrap_err();
+    assert!(e.to_string().contains("writable only by it"), "{e}");
+}

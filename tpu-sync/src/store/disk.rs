@@ -14,7 +14,9 @@
 //! error. Files are not fsync'ed: the tier is a cache, and whatever a power loss tears is caught
 //! by the size, header and data checks.
 //!
-//! The directory is locked (`flock` on `.lock`) by one store at a time.
+//! The namespace directory is created with mode 0700 and refused unless it is owned by this user
+//! and not writable by others; block files owned by another user are never read (a checksum is
+//! not a signature). The directory is locked (`flock` on `.lock`) by one store at a time.
 //!
 //! # I/O paths
 //!
@@ -31,7 +33,7 @@
 use std::fs::File;
 use std::io::Read;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -205,6 +207,7 @@ pub struct DiskTier {
     backend: IoBackend,
     direct: AtomicBool,
     tmp_counter: AtomicU64,
+    uid: u32,
     _lock: File,
 }
 
@@ -277,8 +280,31 @@ impl DiskTier {
     /// store (`WouldBlock`).
     pub fn open(opts: &DiskOptions, ns: &Namespace) -> Result<(DiskTier, Vec<FileMeta>)> {
         let dir = opts.dir.join(format!("{:032x}", ns.id()));
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| Error::io(format!("create disk tier {}", dir.display()), e))?;
+        std::fs::create_dir_all(&opts.dir)
+            .map_err(|e| Error::io(format!("create disk tier {}", opts.dir.display()), e))?;
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(Error::io(format!("create disk tier {}", dir.display()), e)),
+        }
+        let md = std::fs::symlink_metadata(&dir)
+            .map_err(|e| Error::io(format!("stat {}", dir.display()), e))?;
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        if !md.is_dir() || md.uid() != me || md.mode() & 0o022 != 0 {
+            return Err(Error::io(
+                format!("disk tier {}", dir.display()),
+                std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!(
+                        "must be a directory owned by uid {me} and writable only by it (found \
+                         uid {}, mode {:o})",
+                        md.uid(),
+                        md.mode() & 0o7777
+                    ),
+                ),
+            ));
+        }
         let _ = std::fs::write(dir.join("NAMESPACE"), format!("{}\n", ns.description()));
         let lock = std::fs::OpenOptions::new()
             .read(true)
@@ -328,6 +354,7 @@ impl DiskTier {
             backend,
             direct: AtomicBool::new(opts.direct),
             tmp_counter: AtomicU64::new(0),
+            uid: me,
             _lock: lock,
         };
         let found = tier.scan()?;
@@ -385,8 +412,19 @@ impl DiskTier {
     }
 
     fn read_header_buffered(&self, path: &Path, key: u128) -> std::result::Result<FileMeta, Miss> {
-        let mut f = File::open(path).map_err(|e| Miss::Io(e.to_string()))?;
-        let size = f.metadata().map_err(|e| Miss::Io(e.to_string()))?.size();
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| Miss::Io(e.to_string()))?;
+        let md = f.metadata().map_err(|e| Miss::Io(e.to_string()))?;
+        if !md.is_file() || md.uid() != self.uid {
+            return Err(Miss::Corrupt(format!(
+                "not a regular file owned by uid {}",
+                self.uid
+            )));
+        }
+        let size = md.size();
         let mut h = vec![0u8; FILE_HEADER];
         f.read_exact(&mut h)
             .map_err(|_| Miss::Truncated(format!("{size} B, no full header")))?;
@@ -410,7 +448,7 @@ impl DiskTier {
         }
         if self.direct.load(Ordering::Relaxed) {
             let mut od = o.clone();
-            od.custom_flags(libc::O_DIRECT | libc::O_CLOEXEC);
+            od.custom_flags(libc::O_DIRECT | libc::O_CLOEXEC | libc::O_NOFOLLOW);
             match od.open(path) {
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                     if self.direct.swap(false, Ordering::Relaxed) {
@@ -423,7 +461,7 @@ impl DiskTier {
                 r => return r,
             }
         }
-        o.custom_flags(libc::O_CLOEXEC);
+        o.custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW);
         o.open(path)
     }
 
@@ -577,6 +615,14 @@ impl DiskTier {
             let mut res = None;
             let file = match self.open_file(&self.file_path(it.key), false) {
                 Ok(f) => match f.metadata() {
+                    Ok(md) if md.uid() != self.uid => {
+                        res = Some(Err(Miss::Corrupt(format!(
+                            "owned by uid {}, not {}",
+                            md.uid(),
+                            self.uid
+                        ))));
+                        None
+                    }
                     Ok(md) if md.size() == want as u64 => Some(f),
                     Ok(md) => {
                         res = Some(Err(Miss::Truncated(format!(

@@ -28,6 +28,26 @@
 //! Every operation is a batch; single blocks are batches of one. The capacity (bytes of DRAM
 //! slots, [`StoreConfig::capacity_bytes`]) is fixed at creation.
 //!
+//! # How the engines' interfaces map onto it
+//!
+//! * **SGLang HiCache storage** (`HiCacheStorage`, `../shared/docs/engine-interfaces.md` §3.1):
+//!   `batch_exists(keys)` is [`KvStore::lookup`] of the page keys ([`Namespace::engine_key_str`]
+//!   of each page hash string); `batch_set_v1(keys, host_indices)` is [`KvStore::put_from_host`]
+//!   of the pages (with the last prefix key as `parent` when `prefix_keys` are passed);
+//!   `batch_get_v1` is [`KvStore::get_to_host`], page `i` succeeding iff `i <
+//!   GetReport::delivered`. Batches of up to 128 pages are single calls.
+//! * **vLLM offloading** (`OffloadingManager` / `OffloadingWorker`, §1.7): `lookup` is
+//!   [`KvStore::lookup`] of [`Namespace::engine_key`]`(block_hash + group_idx)` keys;
+//!   `prepare_load` takes a [`Lease`] ([`KvStore::pin`]), the worker's `submit_load` is
+//!   [`KvStore::get_to_device`] and `complete_load` drops the lease; `prepare_store` /
+//!   `submit_store` is [`KvStore::put_from_device`] ([`DeviceBlock::kv_block`] names a block of
+//!   the registered per-layer KV buffers).
+//!
+//! A get delivers the chain's blocks already in DRAM first, then loads disk blocks through DRAM in
+//! windows of a quarter of the slots; a put streams in windows of half the slots, so a chain
+//! longer than DRAM passes through it to the disk tier (without a disk tier, the put reports
+//! "full" where the chain no longer fits).
+//!
 //! # Guarantees
 //!
 //! * **Eviction keeps prefixes usable**: LRU, never a block whose later blocks stay, never a
@@ -42,7 +62,10 @@
 //!   and fails the get with [`Error::Checksum`].
 //! * **Warm restart**: with [`StoreConfig::shm_name`] the segment lives in `/dev/shm`; a restarted
 //!   process re-attaches it and serves every block whose put had committed, even after SIGKILL
-//!   mid-put ([`shm`]).
+//!   mid-put ([`shm`]). The index (hash map, LRU order, chain counts) is rebuilt from the
+//!   segment's slot table at attach, in O(slots); recency after a restart follows the order in
+//!   which the blocks were stored (lookups are not written to shared memory). Leases die with
+//!   their process.
 //! * **Disk tier** ([`StoreConfig::disk`]): DRAM victims spill to block files (io_uring,
 //!   `O_DIRECT`) and are loaded back through DRAM; a missing, truncated or corrupt file is a miss
 //!   ([`disk`]).
