@@ -29,6 +29,7 @@ test: plugin
 	$(MAKE) test-c
 	$(MAKE) test-python
 	./target/release/tpu-sync demo --tokens 512 --layers 4
+	./target/release/tpu-sync store-demo --tokens 512 --layers 4
 
 CFLAGS_STRICT := -std=c11 -Wall -Wextra -Werror -pedantic -I$(CURDIR)/tpu-sync-ffi/include
 LIBDIR := $(CURDIR)/target/release
@@ -50,6 +51,7 @@ lint:
 
 bench: plugin
 	$(CARGO) bench --bench device_copy
+	$(CARGO) bench --bench store
 
 clean:
 	$(CARGO) clean

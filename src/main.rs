@@ -1,10 +1,12 @@
 //! `tpu-sync`: command-line front end of the tpu-sync library.
 //!
 //! Subcommands: `demo` (prefill and decode as two processes, verified end to end), `prefill` and
-//! `decode` (the two halves, e.g. on two hosts), and `info` (plugin, devices, capabilities).
+//! `decode` (the two halves, e.g. on two hosts), `info` (plugin, devices, capabilities),
+//! `store-demo` (the host KV tier across a process restart) and `shm` (list/remove its segments).
 
 mod demo;
 mod kvproc;
+mod store_demo;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -47,6 +49,14 @@ enum Cmd {
         /// Number of CPU devices to ask the XLA CPU plugin for.
         #[arg(long)]
         devices: Option<i64>,
+    },
+    /// Host KV tier: put a prompt's KV from device blocks into the tier, kill the process, load it
+    /// back in a new process into other device blocks, and verify every byte.
+    StoreDemo(store_demo::StoreDemoArgs),
+    /// List (`shm list`) or remove (`shm rm NAME`) the host KV tier's /dev/shm segments.
+    Shm {
+        #[command(subcommand)]
+        cmd: store_demo::ShmCmd,
     },
 }
 
@@ -105,6 +115,8 @@ fn main() -> ExitCode {
         Cmd::Prefill { job, listen } => kvproc::prefill(&job, listen.as_deref()),
         Cmd::Decode { job, connect } => kvproc::decode(&job, &connect),
         Cmd::Info { plugin, devices } => kvproc::info(plugin.as_deref(), devices),
+        Cmd::StoreDemo(a) => store_demo::run(&a),
+        Cmd::Shm { cmd } => store_demo::shm(&cmd),
     };
     match r {
         Ok(code) => code,

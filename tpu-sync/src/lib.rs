@@ -17,7 +17,8 @@
 //!    device buffers in place, by the path [`pjrt::Capabilities`] probed (1 copy).
 //!
 //! Modules with no I/O: [`layout`], [`plan`], [`wire`], [`pattern`]. Adapters: [`pjrt`],
-//! [`device`], [`arena`], [`staging`], [`transfer`].
+//! [`device`], [`arena`], [`staging`], [`transfer`]. The host KV tier (prefix-keyed pinned store,
+//! warm restart from `/dev/shm`, disk tier): [`store`].
 
 pub mod arena;
 pub mod device;
@@ -27,6 +28,7 @@ pub mod pattern;
 pub mod pjrt;
 pub mod plan;
 pub mod staging;
+pub mod store;
 pub mod transfer;
 pub mod util;
 pub mod wire;
