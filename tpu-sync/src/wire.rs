@@ -167,8 +167,8 @@ pub enum LaneRole {
 }
 
 /// How a pair's byte stream is split over parallel lanes ("stripes"): the stream is cut into
-/// chunks of `chunk_bytes` (the last may be shorter); chunk `c` travels on stripe `c % count`,
-/// one data frame per chunk, in increasing order. All stripes of a pair must declare the same
+/// chunks of at most `chunk_bytes` that never cross a layer boundary ([`Stripe::chunks_in`]);
+/// chunk `c` travels on stripe `c % count`, one data frame per chunk, in increasing order. All stripes of a pair must declare the same
 /// `count` and `chunk_bytes`; a receiver refuses a stripe that disagrees.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Stripe {
@@ -200,11 +200,32 @@ impl Stripe {
 
     /// The chunks (`[start, end)` stream offsets) of this stripe for a stream of `total` bytes.
     pub fn chunks(&self, total: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.chunks_in(std::slice::from_ref(&total).to_vec())
+    }
+
+    /// The chunks of this stripe for a stream cut into segments (layers) that end at `bounds`
+    /// (non-decreasing; the last is the stream length): each segment is cut into chunks of at
+    /// most `chunk_bytes`, so no chunk spans two layers; chunks are numbered across segments and
+    /// chunk `c` belongs to stripe `c % count`.
+    pub fn chunks_in(&self, bounds: Vec<u64>) -> impl Iterator<Item = (u64, u64)> + '_ {
         let c = self.chunk_bytes.max(1);
-        let n = total.div_ceil(c);
-        (self.index as u64..n)
-            .step_by(self.count.max(1) as usize)
-            .map(move |i| (i * c, ((i + 1) * c).min(total)))
+        let count = self.count.max(1) as u64;
+        let mut start = 0u64;
+        let mut n = 0u64;
+        let mut out = Vec::new();
+        for end in bounds {
+            let mut a = start;
+            while a < end {
+                let b = (a + c).min(end);
+                if n % count == self.index as u64 {
+                    out.push((a, b));
+                }
+                n += 1;
+                a = b;
+            }
+            start = start.max(end);
+        }
+        out.into_iter()
     }
 
     /// Bytes this stripe carries of a `total`-byte stream.
@@ -486,6 +507,24 @@ mod tests {
                 assert!(covered.iter().all(|&x| x == 1));
             }
         }
+        // Layer-aligned chunks: no chunk crosses a segment end.
+        let s = Stripe {
+            index: 0,
+            count: 1,
+            chunk_bytes: 100,
+        };
+        let v: Vec<_> = s.chunks_in(vec![150, 150, 420]).collect();
+        assert_eq!(
+            v,
+            vec![(0, 100), (100, 150), (150, 250), (250, 350), (350, 420)]
+        );
+        let s1 = Stripe {
+            index: 1,
+            count: 2,
+            chunk_bytes: 100,
+        };
+        let v: Vec<_> = s1.chunks_in(vec![150, 420]).collect();
+        assert_eq!(v, vec![(100, 150), (250, 350)]);
         let bad = Stripe {
             index: 2,
             count: 2,

@@ -1,7 +1,7 @@
 //! A pair's byte stream: mapping stream offsets to span runs, sending and receiving one stripe,
 //! and per-layer progress.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use super::framed::{DataOutcome, Framed};
@@ -67,6 +67,13 @@ impl SpanCursor {
         &self.spans
     }
 
+    /// Segment (layer) end offsets for [`Stripe::chunks_in`].
+    pub(crate) fn bounds(&self) -> Vec<u64> {
+        let mut v = self.layer_ends.clone();
+        v.push(self.total);
+        v
+    }
+
     /// Layers whose bytes all lie below stream offset `prefix`.
     pub(crate) fn layers_below(&self, prefix: u64) -> u32 {
         self.layer_ends.partition_point(|&e| e <= prefix) as u32
@@ -129,7 +136,6 @@ pub(crate) struct Progress {
 
 struct PairProgress {
     cursor: Arc<SpanCursor>,
-    chunk: AtomicU64,
     stripes: std::sync::Mutex<Vec<u64>>,
     layers: AtomicU32,
 }
@@ -142,7 +148,6 @@ impl Progress {
                 .iter()
                 .map(|c| PairProgress {
                     cursor: c.clone(),
-                    chunk: AtomicU64::new(0),
                     stripes: std::sync::Mutex::new(Vec::new()),
                     layers: AtomicU32::new(if c.total() == 0 { num_layers } else { 0 }),
                 })
@@ -160,20 +165,19 @@ impl Progress {
         *self.layers.borrow()
     }
 
-    /// Declares the stripe geometry of pair `i` (first stripe to start).
+    /// Declares the stripe count of pair `i` (first stripe to start); stripes not yet started
+    /// count as having nothing.
     pub(crate) fn start(&self, i: usize, stripe: &Stripe) {
         let p = &self.pairs[i];
         let mut g = p.stripes.lock().unwrap_or_else(|e| e.into_inner());
         if g.is_empty() {
-            p.chunk.store(stripe.chunk_bytes, Ordering::Relaxed);
-            *g = (0..stripe.count as u64)
-                .map(|k| (k * stripe.chunk_bytes).min(p.cursor.total()))
-                .collect();
+            *g = vec![0; stripe.count as usize];
         }
     }
 
-    /// Stripe `k` of pair `i` has everything below `next` (or is finished when `next` is the
-    /// stream end).
+    /// Stripe `k` of pair `i` has every chunk that starts below `next` (the start of its next
+    /// chunk, or the stream end when finished). The minimum over a pair's stripes is a prefix
+    /// of the stream that has fully arrived.
     pub(crate) fn advance(&self, i: usize, k: u32, next: u64) {
         let p = &self.pairs[i];
         let prefix = {
@@ -216,11 +220,10 @@ pub(crate) async fn send_stripe(
     counters: &Counters,
     faults: &super::FaultHooks,
 ) -> Result<u64> {
-    let total = cursor.total();
     let mut sent = 0u64;
-    for (a, b) in stripe.chunks(total) {
+    for (a, b) in stripe.chunks_in(cursor.bounds()) {
         if let Some(g) = gate.as_mut() {
-            let need = cursor.layer_of(b - 1) + 1;
+            let need = cursor.layer_of(a) + 1;
             if *g.borrow() < need {
                 g.wait_for(|&v| v >= need).await.map_err(|_| {
                     Error::Cancelled(format!(
@@ -317,7 +320,14 @@ pub(crate) async fn recv_stripe(
     let mut bad: Option<Error> = None;
     progress.start(pair, &stripe);
     let wait = f.io_timeout;
-    for (a, b) in stripe.chunks(total) {
+    let chunks: Vec<(u64, u64)> = stripe.chunks_in(cursor.bounds()).collect();
+    let planned: u64 = chunks.iter().map(|(a, b)| b - a).sum();
+    progress.advance(
+        pair,
+        stripe.index,
+        chunks.first().map(|c| c.0).unwrap_or(total),
+    );
+    for (j, &(a, b)) in chunks.iter().enumerate() {
         let h = f.recv_header(wait).await.map_err(|e| fail(e, false))?;
         if h.request_id != request_id {
             return Err(fail(
@@ -334,10 +344,8 @@ pub(crate) async fn recv_stripe(
                 Control::Failed { message, .. } => fail(Error::Remote(message), true),
                 Control::StreamDone { bytes, .. } => fail(
                     Error::Protocol(format!(
-                        "sender ended stripe {}/{} after {got} of {} bytes (claims {bytes})",
-                        stripe.index,
-                        stripe.count,
-                        stripe.bytes(total)
+                        "sender ended stripe {}/{} after {got} of {planned} bytes (claims {bytes})",
+                        stripe.index, stripe.count
                     )),
                     true,
                 ),
@@ -400,8 +408,8 @@ pub(crate) async fn recv_stripe(
             DataOutcome::Ok => {
                 got += n;
                 if bad.is_none() {
-                    let next = (b + (stripe.count as u64 - 1) * stripe.chunk_bytes).min(total);
-                    progress.advance(pair, stripe.index, next.max(b));
+                    let next = chunks.get(j + 1).map(|c| c.0).unwrap_or(total);
+                    progress.advance(pair, stripe.index, next);
                 }
             }
             DataOutcome::BadChecksum => {
@@ -419,10 +427,8 @@ pub(crate) async fn recv_stripe(
     if h.kind == FrameKind::Data {
         return Err(fail(
             Error::Protocol(format!(
-                "over-delivery: data beyond the {} bytes of stripe {}/{}",
-                stripe.bytes(total),
-                stripe.index,
-                stripe.count
+                "over-delivery: data beyond the {planned} bytes of stripe {}/{}",
+                stripe.index, stripe.count
             )),
             false,
         ));
