@@ -168,7 +168,8 @@ pub struct FaultHooks {
     pub close_after_bytes: Option<u64>,
     /// Stop sending (without closing) once this many payload bytes were sent in total.
     pub stall_after_bytes: Option<u64>,
-    /// Corrupt the chunk containing this stream offset (checksum mismatch at the receiver).
+    /// Corrupt the first chunk sent (once per endpoint) that contains this stream offset: the
+    /// receiver sees a checksum mismatch.
     pub corrupt_at_offset: Option<u64>,
     /// Stop answering heartbeats (a peer that hangs without closing its sockets).
     pub mute_heartbeats: bool,
@@ -291,6 +292,7 @@ pub(crate) struct Counters {
     pub(crate) transfers_failed: AtomicU64,
     pub(crate) checksum_failures: AtomicU64,
     pub(crate) peers_lost: AtomicU64,
+    pub(crate) corrupted: AtomicBool,
 }
 
 /// A one-shot broadcast flag with a reason.

@@ -268,7 +268,8 @@ pub(crate) async fn send_stripe(
         let corrupt = faults
             .corrupt_at_offset
             .map(|o| (a..b).contains(&o))
-            .unwrap_or(false);
+            .unwrap_or(false)
+            && !counters.corrupted.swap(true, Ordering::Relaxed);
         if corrupt {
             // Test fault: flip one byte of a copy (never the staging) so the checksum fails.
             let mut copy: Vec<u8> = parts.concat();
