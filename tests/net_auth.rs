@@ -38,8 +38,18 @@ fn fixture() -> Fixture {
 }
 
 /// A server endpoint with one pull source (request 1) and one push sink (request 2).
-async fn server(kind: TransportKind, sec: Security, f: &Fixture) -> (Endpoint, Arc<tpu_sync::staging::Staging>, tpu_sync::net::Transfer) {
-    let ep = Endpoint::bind(opts(kind, sec, "server", true)).await.unwrap();
+async fn server(
+    kind: TransportKind,
+    sec: Security,
+    f: &Fixture,
+) -> (
+    Endpoint,
+    Arc<tpu_sync::staging::Staging>,
+    tpu_sync::net::Transfer,
+) {
+    let ep = Endpoint::bind(opts(kind, sec, "server", true))
+        .await
+        .unwrap();
     ep.register_source(SourceRegistration {
         request_id: 1,
         num_tokens: f.tokens,
@@ -100,14 +110,21 @@ async fn attempt(client: &Endpoint, addr: &str, f: &Fixture) -> (bool, bool) {
     (pulled, pushed)
 }
 
-fn assert_untouched(server: &Endpoint, sink_st: &tpu_sync::staging::Staging, sink: &tpu_sync::net::Transfer) {
+fn assert_untouched(
+    server: &Endpoint,
+    sink_st: &tpu_sync::staging::Staging,
+    sink: &tpu_sync::net::Transfer,
+) {
     let s = server.stats();
     assert_eq!(s.bytes_sent, 0, "a block was read: {s:?}");
     assert_eq!(s.bytes_received, 0, "a block was written: {s:?}");
     assert_eq!(s.source_registrations, 1);
     assert_eq!(s.leases, 0, "an unauthenticated peer took a lease");
     assert!(sink.poll().is_none(), "the push registration was touched");
-    assert!(!any_nonzero(sink_st), "bytes landed in the push registration");
+    assert!(
+        !any_nonzero(sink_st),
+        "bytes landed in the push registration"
+    );
 }
 
 #[test]
@@ -124,14 +141,27 @@ fn wrong_ca_wrong_psk_and_plain_tcp_are_refused() {
             let (srv, sink_st, sink) = server(kind, good.pki.security("server").unwrap(), &f).await;
             let addr = srv.local_addr().unwrap().to_string();
             for (what, sec) in [
-                ("certificate of another CA", evil.pki.security("client").unwrap()),
+                (
+                    "certificate of another CA",
+                    evil.pki.security("client").unwrap(),
+                ),
                 ("pre-shared key against a CA server", psk_a.clone()),
             ] {
-                let c = Endpoint::bind(opts(kind, sec, "client", false)).await.unwrap();
-                assert_eq!(attempt(&c, &addr, &f).await, (false, false), "{kind}: {what}");
+                let c = Endpoint::bind(opts(kind, sec, "client", false))
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    attempt(&c, &addr, &f).await,
+                    (false, false),
+                    "{kind}: {what}"
+                );
                 c.shutdown(None).await;
             }
-            assert!(srv.stats().handshake_failures >= 2, "{kind}: {:?}", srv.stats());
+            assert!(
+                srv.stats().handshake_failures >= 2,
+                "{kind}: {:?}",
+                srv.stats()
+            );
             assert_untouched(&srv, &sink_st, &sink);
             if kind == TransportKind::Tls {
                 // Plain TCP to a TLS listener.
@@ -143,13 +173,26 @@ fn wrong_ca_wrong_psk_and_plain_tcp_are_refused() {
             }
             // The client also checks the server: a server of another CA is refused.
             let (rogue, _rs, _rk) = server(kind, evil.pki.security("server").unwrap(), &f).await;
-            let c = Endpoint::bind(opts(kind, good.pki.security("client").unwrap(), "client", false))
-                .await
-                .unwrap();
+            let c = Endpoint::bind(opts(
+                kind,
+                good.pki.security("client").unwrap(),
+                "client",
+                false,
+            ))
+            .await
+            .unwrap();
             let raddr = rogue.local_addr().unwrap().to_string();
-            assert_eq!(attempt(&c, &raddr, &f).await, (false, false), "{kind}: rogue server");
+            assert_eq!(
+                attempt(&c, &raddr, &f).await,
+                (false, false),
+                "{kind}: rogue server"
+            );
             // Positive control: valid credentials read and write.
-            assert_eq!(attempt(&c, &addr, &f).await, (true, true), "{kind}: valid certificate");
+            assert_eq!(
+                attempt(&c, &addr, &f).await,
+                (true, true),
+                "{kind}: valid certificate"
+            );
             sink.wait_timeout(Duration::from_secs(5)).await.unwrap();
             verify_dest(&f.dst, f.tokens, &sink_st, None);
             srv.shutdown(None).await;
@@ -157,15 +200,36 @@ fn wrong_ca_wrong_psk_and_plain_tcp_are_refused() {
             // PSK mode.
             let (srv, sink_st, sink) = server(kind, psk_a.clone(), &f).await;
             let addr = srv.local_addr().unwrap().to_string();
-            let c = Endpoint::bind(opts(kind, psk_b.clone(), "client", false)).await.unwrap();
-            assert_eq!(attempt(&c, &addr, &f).await, (false, false), "{kind}: wrong PSK");
-            let c = Endpoint::bind(opts(kind, good.pki.security("client").unwrap(), "client", false))
+            let c = Endpoint::bind(opts(kind, psk_b.clone(), "client", false))
                 .await
                 .unwrap();
-            assert_eq!(attempt(&c, &addr, &f).await, (false, false), "{kind}: cert vs PSK server");
+            assert_eq!(
+                attempt(&c, &addr, &f).await,
+                (false, false),
+                "{kind}: wrong PSK"
+            );
+            let c = Endpoint::bind(opts(
+                kind,
+                good.pki.security("client").unwrap(),
+                "client",
+                false,
+            ))
+            .await
+            .unwrap();
+            assert_eq!(
+                attempt(&c, &addr, &f).await,
+                (false, false),
+                "{kind}: cert vs PSK server"
+            );
             assert_untouched(&srv, &sink_st, &sink);
-            let c = Endpoint::bind(opts(kind, psk_a.clone(), "client", false)).await.unwrap();
-            assert_eq!(attempt(&c, &addr, &f).await, (true, true), "{kind}: right PSK");
+            let c = Endpoint::bind(opts(kind, psk_a.clone(), "client", false))
+                .await
+                .unwrap();
+            assert_eq!(
+                attempt(&c, &addr, &f).await,
+                (true, true),
+                "{kind}: right PSK"
+            );
             sink.wait_timeout(Duration::from_secs(5)).await.unwrap();
         }
     });
@@ -208,7 +272,8 @@ fn tls_and_quic_without_client_certificate_are_refused() {
         .unwrap();
 
         // TLS over TCP.
-        let (srv, sink_st, sink) = server(TransportKind::Tls, good.pki.security("server").unwrap(), &f).await;
+        let (srv, sink_st, sink) =
+            server(TransportKind::Tls, good.pki.security("server").unwrap(), &f).await;
         let addr = srv.local_addr().unwrap();
         let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
         let conn = tokio_rustls::TlsConnector::from(cfg.clone());
@@ -219,18 +284,31 @@ fn tls_and_quic_without_client_certificate_are_refused() {
             let _ = s.write_all(&describe).await;
             let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got)).await;
         }
-        assert!(got.is_empty(), "the server answered an unauthenticated client: {got:?}");
+        assert!(
+            got.is_empty(),
+            "the server answered an unauthenticated client: {got:?}"
+        );
         assert_untouched(&srv, &sink_st, &sink);
         srv.shutdown(None).await;
 
         // QUIC.
-        let (srv, sink_st, sink) = server(TransportKind::Quic, good.pki.security("server").unwrap(), &f).await;
+        let (srv, sink_st, sink) = server(
+            TransportKind::Quic,
+            good.pki.security("server").unwrap(),
+            &f,
+        )
+        .await;
         let addr = srv.local_addr().unwrap();
         let qc = quinn::crypto::rustls::QuicClientConfig::try_from(cfg).unwrap();
         let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
         ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(qc)));
         let mut got = Vec::new();
-        if let Ok(Ok(c)) = tokio::time::timeout(Duration::from_secs(5), ep.connect(addr, "tpu-sync").unwrap()).await {
+        if let Ok(Ok(c)) = tokio::time::timeout(
+            Duration::from_secs(5),
+            ep.connect(addr, "tpu-sync").unwrap(),
+        )
+        .await
+        {
             if let Ok((mut tx, mut rx)) = c.open_bi().await {
                 let _ = tx.write_all(&hello).await;
                 let _ = tx.write_all(&describe).await;
@@ -243,7 +321,10 @@ fn tls_and_quic_without_client_certificate_are_refused() {
                 .await;
             }
         }
-        assert!(got.is_empty(), "the QUIC server answered an unauthenticated client");
+        assert!(
+            got.is_empty(),
+            "the QUIC server answered an unauthenticated client"
+        );
         assert_untouched(&srv, &sink_st, &sink);
         assert!(srv.stats().handshake_failures >= 1 || srv.stats().sessions == 0);
         ep.close(0u32.into(), b"");
@@ -256,16 +337,34 @@ fn credentials_are_checked_at_configuration() {
         let good = pki(&["a"]);
         // TLS/QUIC without credentials, TCP with credentials: clear errors.
         for kind in [TransportKind::Tls, TransportKind::Quic] {
-            let e = Endpoint::bind(opts(kind, Security::None, "x", true)).await.unwrap_err();
+            let e = Endpoint::bind(opts(kind, Security::None, "x", true))
+                .await
+                .unwrap_err();
             assert!(e.to_string().contains("need credentials"), "{e}");
         }
-        let e = Endpoint::bind(opts(TransportKind::Tcp, good.pki.security("a").unwrap(), "x", true))
-            .await
-            .unwrap_err();
-        assert!(e.to_string().contains("plain TCP cannot authenticate"), "{e}");
+        let e = Endpoint::bind(opts(
+            TransportKind::Tcp,
+            good.pki.security("a").unwrap(),
+            "x",
+            true,
+        ))
+        .await
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("plain TCP cannot authenticate"),
+            "{e}"
+        );
         let (c, k) = good.pki.files("a").unwrap();
-        assert!(Security::from_pem_files(k, k, &good.pki.ca, None).is_err(), "key as certificate");
-        assert!(Security::from_pem_files(c, c, &good.pki.ca, None).is_err(), "certificate as key");
-        assert!(Security::from_pem_files(c, k, std::path::Path::new("/nonexistent"), None).is_err());
+        assert!(
+            Security::from_pem_files(k, k, &good.pki.ca, None).is_err(),
+            "key as certificate"
+        );
+        assert!(
+            Security::from_pem_files(c, c, &good.pki.ca, None).is_err(),
+            "certificate as key"
+        );
+        assert!(
+            Security::from_pem_files(c, k, std::path::Path::new("/nonexistent"), None).is_err()
+        );
     });
 }

@@ -160,6 +160,7 @@ pub fn runtime() -> tokio::runtime::Runtime {
 
 /// Runs `f` on a fresh runtime, failing the test if it takes longer than `limit`.
 pub fn run<F: std::future::Future<Output = ()>>(limit: Duration, f: F) {
+    let _ = env_logger::builder().is_test(true).try_init();
     let rt = runtime();
     rt.block_on(async {
         tokio::time::timeout(limit, f)

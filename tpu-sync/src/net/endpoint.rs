@@ -997,6 +997,47 @@ fn sink_plan(sink: &SinkReg, st: &mut SinkState, src: &Placement, num_tokens: u3
     Ok(())
 }
 
+/// Joins a transfer's stripe tasks. A failure that leaves its lane in sync (a checksum mismatch,
+/// an error answered by the peer) lets the other stripes finish, so their lanes stay reusable;
+/// any other failure aborts them at once.
+async fn join_stripes(set: &mut JoinSet<Result<u64>>) -> Result<u64> {
+    let mut bytes = 0;
+    let mut first: Option<Error> = None;
+    while let Some(r) = set.join_next().await {
+        match r {
+            Ok(Ok(n)) => bytes += n,
+            Ok(Err(e)) => {
+                let soft = matches!(
+                    e,
+                    Error::Checksum(_)
+                        | Error::Remote(_)
+                        | Error::Mismatch(_)
+                        | Error::UnknownRequest(_)
+                );
+                if !soft {
+                    set.abort_all();
+                    return Err(e);
+                }
+                // The most telling error wins: a corrupt chunk over its consequences (a
+                // receiver that already dropped the failed request).
+                let telling = e.to_string().contains("checksum");
+                match &first {
+                    Some(f) if !telling || f.to_string().contains("checksum") => {}
+                    _ => first = Some(e),
+                }
+            }
+            Err(e) => {
+                set.abort_all();
+                return Err(Error::Cancelled(format!("transfer task ended: {e}")));
+            }
+        }
+    }
+    match first {
+        Some(e) => Err(e),
+        None => Ok(bytes),
+    }
+}
+
 fn stripes_for(total: u64, chunk: u64, max: u32) -> u32 {
     (total.div_ceil(chunk.max(1)).max(1)).min(max as u64) as u32
 }
@@ -1422,7 +1463,7 @@ impl Inner {
                         )
                     }
                     Ok(Err(e)) => return format!("{e}"),
-                    Ok(Ok(Control::Pong { .. })) => {}
+                    Ok(Ok(Control::Pong { seq })) => log::trace!("pong {seq} from {}", peer.addr),
                     Ok(Ok(m)) => log::debug!("control message from {}: {m:?}", peer.addr),
                 }
             }
@@ -1533,10 +1574,18 @@ impl Inner {
         peer: &Peer,
         fut: impl std::future::Future<Output = Result<T>>,
     ) -> Result<T> {
+        let died = || Error::PeerClosed(format!("peer {} died: {}", peer.addr, peer.dead.reason()));
         tokio::select! {
-            r = fut => r,
+            r = fut => match r {
+                // Closing the connection of a dead peer also fails its lanes: report the cause.
+                Err(e) if peer.dead.is_set() && !matches!(e, Error::Checksum(_)) => {
+                    log::debug!("{e} (peer dead)");
+                    Err(died())
+                }
+                r => r,
+            },
             _ = t.cancel.wait() => Err(Error::Cancelled(format!("request {} cancelled", t.request_id))),
-            _ = peer.dead.wait() => Err(Error::PeerClosed(format!("peer {} died: {}", peer.addr, peer.dead.reason()))),
+            _ = peer.dead.wait() => Err(died()),
         }
     }
 
@@ -1607,26 +1656,20 @@ impl Inner {
                             if f.lane_ok {
                                 me.give_back(&peer, lane);
                             }
+                            if peer.dead.is_set() && !matches!(f.error, Error::Checksum(_)) {
+                                return Err(Error::PeerClosed(format!(
+                                    "peer {} died: {}",
+                                    peer.addr,
+                                    peer.dead.reason()
+                                )));
+                            }
                             Err(f.error)
                         }
                     }
                 });
             }
         }
-        let mut bytes = 0;
-        while let Some(r) = set.join_next().await {
-            match r {
-                Ok(Ok(n)) => bytes += n,
-                Ok(Err(e)) => {
-                    set.abort_all();
-                    return Err(e);
-                }
-                Err(e) => {
-                    set.abort_all();
-                    return Err(Error::Cancelled(format!("pull task ended: {e}")));
-                }
-            }
-        }
+        let bytes = join_stripes(&mut set).await?;
         Ok(TransferStats {
             bytes,
             spans,
@@ -1722,20 +1765,7 @@ impl Inner {
                 });
             }
         }
-        let mut bytes = 0;
-        while let Some(r) = set.join_next().await {
-            match r {
-                Ok(Ok(n)) => bytes += n,
-                Ok(Err(e)) => {
-                    set.abort_all();
-                    return Err(e);
-                }
-                Err(e) => {
-                    set.abort_all();
-                    return Err(Error::Cancelled(format!("push task ended: {e}")));
-                }
-            }
-        }
+        let bytes = join_stripes(&mut set).await?;
         // Every destination endpoint learns that our ranks are finished (also those that got
         // no bytes from us).
         for addr in targets {
@@ -2263,10 +2293,39 @@ impl Inner {
         {
             return Next::Close;
         }
-        let r = tokio::select! {
-            r = recv_stripe(f, request_id, &sink.staging, dst_rank, &cursor, stripe, &progress, idx, &self.counters) => Some(r),
-            _ = sink.transfer.cancel.wait() => None,
-            _ = s.dead.wait() => None,
+        // A request failed by a corrupt chunk on another stripe keeps this stripe draining (its
+        // lane stays in sync and reusable); a cancelled one stops at once.
+        let r = {
+            let recv = recv_stripe(
+                f,
+                request_id,
+                &sink.staging,
+                dst_rank,
+                &cursor,
+                stripe,
+                &progress,
+                idx,
+                &self.counters,
+            );
+            tokio::pin!(recv);
+            let mut draining = false;
+            loop {
+                tokio::select! {
+                    r = &mut recv => break Some(r),
+                    _ = sink.transfer.cancel.wait(), if !draining => {
+                        let soft = matches!(
+                            lock(&sink.transfer.result).as_ref(),
+                            Some(Err(Error::Checksum(_)))
+                        );
+                        if soft {
+                            draining = true;
+                        } else {
+                            break None;
+                        }
+                    }
+                    _ = s.dead.wait() => break None,
+                }
+            }
         };
         match r {
             None => Next::Close,
