@@ -446,6 +446,7 @@ async fn decode_request(
             dst: dst.clone(),
             staging: staging.clone(),
             dst_ranks: None,
+            plan: None,
         })?
         .wait()
         .await?;

@@ -68,6 +68,7 @@ async fn server(
             staging: sink_st.clone(),
             dst_ranks: None,
             src: None,
+            plan: None,
         })
         .unwrap();
     (ep, sink_st, sink)
@@ -85,6 +86,7 @@ async fn attempt(client: &Endpoint, addr: &str, f: &Fixture) -> (bool, bool) {
         dst: f.dst.clone(),
         staging: dst_st.clone(),
         dst_ranks: None,
+        plan: None,
     }) {
         Ok(t) => t.wait_timeout(Duration::from_secs(20)).await.is_ok(),
         Err(_) => false,
@@ -103,6 +105,7 @@ async fn attempt(client: &Endpoint, addr: &str, f: &Fixture) -> (bool, bool) {
         dst: f.dst.clone(),
         targets: PeerMap::single(addr),
         layers_ready: None,
+        plan: None,
     }) {
         Ok(t) => t.wait_timeout(Duration::from_secs(20)).await.is_ok(),
         Err(_) => false,

@@ -73,6 +73,7 @@ fn pull(
             dst: f.dst.clone(),
             staging: st.clone(),
             dst_ranks: None,
+            plan: None,
         })
         .unwrap();
     (t, st)
@@ -239,6 +240,7 @@ fn peer_killed_before_between_and_during_transfers() {
                     staging: sink_st,
                     dst_ranks: None,
                     src: None,
+                    plan: None,
                 })
                 .unwrap();
             let mut po = o(kind, &pki, "pusher", false);
@@ -254,6 +256,7 @@ fn peer_killed_before_between_and_during_transfers() {
                     dst: f.dst.clone(),
                     targets: PeerMap::single(decode.local_addr().unwrap().to_string()),
                     layers_ready: None,
+                    plan: None,
                 })
                 .unwrap();
             eventually(Duration::from_secs(5), "push started", || {
@@ -412,6 +415,7 @@ fn corrupt_chunk_fails_the_request_not_the_connection() {
                     staging: sink_st,
                     dst_ranks: None,
                     src: None,
+                    plan: None,
                 })
                 .unwrap();
             let mut po = o(kind, &pki, "pusher", false);
@@ -428,6 +432,7 @@ fn corrupt_chunk_fails_the_request_not_the_connection() {
                         dst: f.dst.clone(),
                         targets: PeerMap::single(decode.local_addr().unwrap().to_string()),
                         layers_ready: None,
+                        plan: None,
                     })
                     .unwrap()
             };
@@ -450,6 +455,7 @@ fn corrupt_chunk_fails_the_request_not_the_connection() {
                     staging: sink_st.clone(),
                     dst_ranks: None,
                     src: None,
+                    plan: None,
                 })
                 .unwrap();
             push(3).wait().await.unwrap();
@@ -522,6 +528,7 @@ fn cancellation_and_leases() {
                 staging: dest_staging(&f.plan, &f.dst, None),
                 dst_ranks: None,
                 src: None,
+                plan: None,
             })
             .unwrap();
         sink.cancel();
@@ -536,6 +543,7 @@ fn cancellation_and_leases() {
                 dst: f.dst.clone(),
                 targets: PeerMap::single(decode.local_addr().unwrap().to_string()),
                 layers_ready: None,
+                plan: None,
             })
             .unwrap();
         let e = p.wait().await.unwrap_err();

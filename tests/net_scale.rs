@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use net_util::*;
-use tpu_sync::net::{Endpoint, PeerMap, PullRequest, SourceRegistration, TransportKind};
+use tpu_sync::net::{PeerMap, PullRequest, SourceRegistration, TransportKind};
 use tpu_sync::plan::Plan;
 
 const TRANSFERS: usize = 50_000;
@@ -64,6 +64,7 @@ fn fifty_thousand_small_transfers_use_bounded_sockets() {
                             dst: dst.clone(),
                             staging: st.clone(),
                             dst_ranks: None,
+                            plan: None,
                         })
                         .unwrap();
                     let s = t

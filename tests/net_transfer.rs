@@ -72,6 +72,7 @@ async fn pull_once(prefill: &Endpoint, decode: &Endpoint, c: &Case, rid: u64) ->
             dst: c.dst.clone(),
             staging: dst_st.clone(),
             dst_ranks: None,
+            plan: None,
         })
         .unwrap();
     let stats = t.wait().await.unwrap();
@@ -99,6 +100,7 @@ async fn push_once(prefill: &Endpoint, decode: &Endpoint, c: &Case, rid: u64) ->
             staging: dst_st.clone(),
             dst_ranks: None,
             src: None,
+            plan: None,
         })
         .unwrap();
     let addr = decode.local_addr().unwrap().to_string();
@@ -114,6 +116,7 @@ async fn push_once(prefill: &Endpoint, decode: &Endpoint, c: &Case, rid: u64) ->
             dst: c.dst.clone(),
             targets: PeerMap::single(addr),
             layers_ready: None,
+            plan: None,
         })
         .unwrap();
     let sent = t.wait().await.unwrap();
@@ -237,6 +240,7 @@ fn prefill_ranks_in_separate_endpoints_pull_and_push() {
                     dst: c.dst.clone(),
                     staging: dst_st.clone(),
                     dst_ranks: None,
+                    plan: None,
                 })
                 .unwrap();
             let st = t.wait().await.unwrap();
@@ -276,6 +280,7 @@ fn prefill_ranks_in_separate_endpoints_pull_and_push() {
                     staging: dst_st.clone(),
                     dst_ranks: None,
                     src: Some(c.src.clone()),
+                    plan: None,
                 })
                 .unwrap();
             let target = PeerMap::single(decode.local_addr().unwrap().to_string());
@@ -290,6 +295,7 @@ fn prefill_ranks_in_separate_endpoints_pull_and_push() {
                         dst: c.dst.clone(),
                         targets: target.clone(),
                         layers_ready: None,
+                        plan: None,
                     })
                     .unwrap();
                 t.wait().await.unwrap();
@@ -336,6 +342,7 @@ fn a_rank_with_no_bytes_still_completes() {
                 staging: dst_st.clone(),
                 dst_ranks: None,
                 src: None,
+                plan: None,
             })
             .unwrap();
         let target = PeerMap::single(decode.local_addr().unwrap().to_string());
@@ -349,6 +356,7 @@ fn a_rank_with_no_bytes_still_completes() {
                 dst: c.dst.clone(),
                 targets: target.clone(),
                 layers_ready: None,
+                plan: None,
             })
             .unwrap()
         };
@@ -386,6 +394,7 @@ fn a_rank_with_no_bytes_still_completes() {
                 dst: c.dst.clone(),
                 staging: dest_staging(&c.plan, &c.dst, None),
                 dst_ranks: Some(vec![]),
+                plan: None,
             })
             .unwrap();
         let st = t.wait().await.unwrap();
@@ -440,6 +449,7 @@ fn layer_pipelining_pull_and_push() {
                     dst: c.dst.clone(),
                     staging: dst_st.clone(),
                     dst_ranks: None,
+                    plan: None,
                 })
                 .unwrap();
             tokio::time::sleep(Duration::from_millis(150)).await;
@@ -471,6 +481,7 @@ fn layer_pipelining_pull_and_push() {
                     staging: dst_st.clone(),
                     dst_ranks: None,
                     src: Some(c.src.clone()),
+                    plan: None,
                 })
                 .unwrap();
             let p = prefill
@@ -483,6 +494,7 @@ fn layer_pipelining_pull_and_push() {
                     dst: c.dst.clone(),
                     targets: PeerMap::single(decode.local_addr().unwrap().to_string()),
                     layers_ready: Some(0),
+                    plan: None,
                 })
                 .unwrap();
             tokio::time::sleep(Duration::from_millis(150)).await;

@@ -128,6 +128,8 @@ pub struct SinkRegistration {
     pub dst_ranks: Option<Vec<u32>>,
     /// The senders' placement, if known now (else taken from the first push and then enforced).
     pub src: Option<Placement>,
+    /// `Plan::build(src, &placement, num_tokens)` if the caller already has it (only with `src`).
+    pub plan: Option<Arc<Plan>>,
 }
 
 /// A pull ([`Endpoint::pull`]).
@@ -148,6 +150,9 @@ pub struct PullRequest {
     /// Destination ranks this call pulls for (`None`: every rank of the replica that `staging`
     /// holds). A rank with no bytes completes at once.
     pub dst_ranks: Option<Vec<u32>>,
+    /// `Plan::build(&src, &dst, num_tokens)` if the caller already has it (`None`: planned here).
+    /// A plan that differs from the sender's fails with [`Error::Mismatch`] (digest check).
+    pub plan: Option<Arc<Plan>>,
 }
 
 /// A push ([`Endpoint::push`]).
@@ -171,6 +176,9 @@ pub struct PushRequest {
     pub targets: PeerMap,
     /// Layers already staged (`None`: all); announce more with [`Transfer::publish_layers`].
     pub layers_ready: Option<u32>,
+    /// `Plan::build(&src, &dst, num_tokens)` if the caller already has it (`None`: planned here).
+    /// The receiver plans on its own and refuses a stripe whose digest differs.
+    pub plan: Option<Arc<Plan>>,
 }
 
 /// What a transfer is.
@@ -366,6 +374,22 @@ struct SourceReg {
     expected_releases: u32,
     st: Mutex<SourceState>,
     done: Signal,
+    /// The last plan built for a puller's placement: every stripe of every pair of one pull uses
+    /// the same plan, so it is built once per puller, not once per stripe.
+    plans: Mutex<Option<(Placement, Arc<Plan>)>>,
+}
+
+impl SourceReg {
+    fn plan_for(&self, dst: &Placement) -> Result<Arc<Plan>> {
+        if let Some((p, plan)) = lock(&self.plans).as_ref() {
+            if p == dst {
+                return Ok(plan.clone());
+            }
+        }
+        let plan = Arc::new(Plan::build(&self.placement, dst, self.num_tokens)?);
+        *lock(&self.plans) = Some((dst.clone(), plan.clone()));
+        Ok(plan)
+    }
 }
 
 struct SourceState {
@@ -684,6 +708,7 @@ impl Endpoint {
                 outcome: None,
             }),
             done: Signal::default(),
+            plans: Mutex::new(None),
         });
         let mut m = lock(&self.inner.sources);
         if m.contains_key(&reg.request_id) {
@@ -749,7 +774,12 @@ impl Endpoint {
         });
         if let Some(src) = &reg.src {
             let mut st = lock(&sink.st);
-            if let Err(e) = sink_plan(&sink, &mut st, src, reg.num_tokens) {
+            let r = match &reg.plan {
+                Some(p) => given_plan(Some(p), src, &sink.dst, reg.num_tokens)
+                    .and_then(|p| sink_plan_with(&sink, &mut st, src, reg.num_tokens, Some(p))),
+                None => sink_plan(&sink, &mut st, src, reg.num_tokens),
+            };
+            if let Err(e) = r {
                 drop(st);
                 self.inner.finish(&shared, Err(clone_error(&e)));
                 return Err(e);
@@ -813,7 +843,7 @@ impl Endpoint {
     /// this returns; network errors surface through the returned [`Transfer`].
     pub fn pull(&self, req: PullRequest) -> Result<Transfer> {
         check_request_id(req.request_id)?;
-        let plan = Plan::build(&req.src, &req.dst, req.num_tokens)?;
+        let plan = given_plan(req.plan.as_ref(), &req.src, &req.dst, req.num_tokens)?;
         let dst_ranks: BTreeSet<u32> = match &req.dst_ranks {
             Some(v) => v.iter().copied().collect(),
             None => (0..req.dst.layout.spec.ranks_per_replica())
@@ -857,7 +887,7 @@ impl Endpoint {
     /// Starts pushing a request to the endpoints hosting the destination ranks.
     pub fn push(&self, req: PushRequest) -> Result<Transfer> {
         check_request_id(req.request_id)?;
-        let plan = Plan::build(&req.src, &req.dst, req.num_tokens)?;
+        let plan = given_plan(req.plan.as_ref(), &req.src, &req.dst, req.num_tokens)?;
         let src_ranks: Vec<u32> = match &req.src_ranks {
             Some(v) => v.clone(),
             None => (0..req.src.layout.spec.ranks_per_replica())
@@ -946,8 +976,41 @@ async fn resolve_addr(addr: &str) -> Result<SocketAddr> {
         .ok_or_else(|| Error::InvalidArgument(format!("{addr} resolves to no address")))
 }
 
+/// A caller-supplied plan (checked for the obvious) or a new one.
+fn given_plan(
+    plan: Option<&Arc<Plan>>,
+    src: &Placement,
+    dst: &Placement,
+    num_tokens: u32,
+) -> Result<Arc<Plan>> {
+    match plan {
+        Some(p) => {
+            src.validate(num_tokens)?;
+            dst.validate(num_tokens)?;
+            if p.num_tokens != num_tokens {
+                return Err(Error::Mismatch(format!(
+                    "the given plan is for {} tokens, the request has {num_tokens}",
+                    p.num_tokens
+                )));
+            }
+            Ok(p.clone())
+        }
+        None => Ok(Arc::new(Plan::build(src, dst, num_tokens)?)),
+    }
+}
+
 /// Plans a sink from the senders' placement (first push or the registration).
 fn sink_plan(sink: &SinkReg, st: &mut SinkState, src: &Placement, num_tokens: u32) -> Result<()> {
+    sink_plan_with(sink, st, src, num_tokens, None)
+}
+
+fn sink_plan_with(
+    sink: &SinkReg,
+    st: &mut SinkState,
+    src: &Placement,
+    num_tokens: u32,
+    given: Option<Arc<Plan>>,
+) -> Result<()> {
     if num_tokens != sink.num_tokens {
         return Err(Error::Mismatch(format!(
             "request {}: sender has {num_tokens} tokens, receiver {}",
@@ -963,7 +1026,10 @@ fn sink_plan(sink: &SinkReg, st: &mut SinkState, src: &Placement, num_tokens: u3
         }
         return Ok(());
     }
-    let plan = Plan::build(src, &sink.dst, num_tokens)?;
+    let plan = match given {
+        Some(p) => p,
+        None => Arc::new(Plan::build(src, &sink.dst, num_tokens)?),
+    };
     let num_layers = sink.dst.layout.model.num_layers;
     let mut slots = BTreeMap::new();
     let mut cursors = Vec::new();
@@ -2158,7 +2224,7 @@ impl Inner {
                     "source rank {src_rank} of request {request_id} is not hosted here"
                 )));
             }
-            let plan = Plan::build(&reg.placement, dst, reg.num_tokens)?;
+            let plan = reg.plan_for(dst)?;
             let spans = plan.pair_spans(src_rank, dst_rank);
             let mine = spans_digest(&spans);
             let bytes: u64 = spans.iter().map(Span::bytes).sum();
