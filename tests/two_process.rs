@@ -281,3 +281,94 @@ fn prefill_and_decode_as_separate_commands() {
     assert_eq!(rep["verified_request_bytes"], 200 * 3 * 2 * 8 * 128 * 2);
     assert!(p.wait().unwrap().success());
 }
+
+#[test]
+fn demo_over_tls_and_quic_with_ephemeral_certificates() {
+    for t in ["tls", "quic"] {
+        let o = tpu_sync(
+            &["demo", "--layers", "2", "--tokens", "333", "--transport", t],
+            LIMIT,
+        );
+        let text = text(&o);
+        assert!(o.status.success(), "demo over {t} failed:\n{text}");
+        assert!(
+            text.contains(&format!("transport: {t} (mutual TLS (CA))")),
+            "{t}: table does not show the transport:\n{text}"
+        );
+        assert!(text.contains(&format!("net/{t}")), "{text}");
+        let v = text.lines().find(|l| l.starts_with("verified:")).unwrap();
+        assert_eq!(verified_bytes(v), 333 * 2 * 2 * 8 * 128 * 2);
+        assert!(v.ends_with(&format!("over {t}")), "{v}");
+    }
+}
+
+#[test]
+fn prefill_and_decode_with_a_pre_shared_key_and_a_wrong_one() {
+    let dir = std::env::temp_dir().join(format!("tpu-sync-psk-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("good.key");
+    let bad = dir.join("bad.key");
+    std::fs::write(&good, b"0123456789abcdef0123456789abcdef").unwrap();
+    std::fs::write(&bad, b"fedcba9876543210fedcba9876543210").unwrap();
+    let mut p = Command::new(env!("CARGO_BIN_EXE_tpu-sync"))
+        .args([
+            "prefill",
+            "--layers",
+            "1",
+            "--tokens",
+            "100",
+            "--listen",
+            "127.0.0.1:0",
+            "--transport",
+            "quic",
+            "--psk-file",
+        ])
+        .arg(&good)
+        .env("TPU_SYNC_PJRT_PLUGIN", common::plugin_path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let l = lines.next().expect("prefill output").unwrap();
+        if let Some(a) = l.strip_prefix("LISTENING ") {
+            break a.to_string();
+        }
+    };
+    let args = |key: &std::path::Path| {
+        vec![
+            "decode".to_string(),
+            "--connect".into(),
+            addr.clone(),
+            "--layers".into(),
+            "1".into(),
+            "--transport".into(),
+            "quic".into(),
+            "--timeout".into(),
+            "3".into(),
+            "--psk-file".into(),
+            key.display().to_string(),
+        ]
+    };
+    let bad_args = args(&bad);
+    let o = tpu_sync(
+        &bad_args.iter().map(String::as_str).collect::<Vec<_>>(),
+        LIMIT,
+    );
+    assert!(
+        !o.status.success(),
+        "a wrong PSK was accepted:\n{}",
+        text(&o)
+    );
+    let good_args = args(&good);
+    let o = tpu_sync(
+        &good_args.iter().map(String::as_str).collect::<Vec<_>>(),
+        LIMIT,
+    );
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("\"transport\":\"quic (pre-shared key)\""), "{t}");
+    assert!(p.wait().unwrap().success());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -161,6 +161,18 @@ pub fn runtime() -> tokio::runtime::Runtime {
 /// Runs `f` on a fresh runtime, failing the test if it takes longer than `limit`.
 pub fn run<F: std::future::Future<Output = ()>>(limit: Duration, f: F) {
     let _ = env_logger::builder().is_test(true).try_init();
+    // Watchdog: if the runtime itself wedges (every worker blocked), the async timeout below
+    // cannot fire; the process is then ended so a hang fails instead of blocking the suite.
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+            done_rx.recv_timeout(limit + Duration::from_secs(15))
+        {
+            eprintln!("test wedged for {limit:?} + 15 s: aborting");
+            std::process::abort();
+        }
+    });
+    let _done = done_tx;
     let rt = runtime();
     rt.block_on(async {
         tokio::time::timeout(limit, f)

@@ -259,9 +259,10 @@ impl Transfer {
 
     /// The result if finished: `Ok` only when every byte arrived and verified.
     pub fn poll(&self) -> Option<Result<TransferStats>> {
-        lock(&self.shared.result)
-            .as_ref()
-            .map(|r| r.as_ref().map(Clone::clone).map_err(clone_error))
+        lock(&self.shared.result).as_ref().map(|r| match r {
+            Ok(s) => Ok(s.clone()),
+            Err(e) => Err(clone_error(e)),
+        })
     }
 
     /// Waits for the result.
@@ -2276,7 +2277,8 @@ impl Inner {
         total_bytes: u64,
         stripe: Stripe,
     ) -> Next {
-        let prep = (|| -> Result<(Arc<SinkReg>, Arc<SpanCursor>, Arc<Progress>, usize)> {
+        type Prepared = (Arc<SinkReg>, Arc<SpanCursor>, Arc<Progress>, usize);
+        let prep = (|| -> Result<Prepared> {
             stripe.validate()?;
             let sink = lock(&self.sinks).get(&request_id).cloned().ok_or_else(|| {
                 Error::UnknownRequest(format!("request {request_id} expects no push here"))
@@ -2343,7 +2345,8 @@ impl Inner {
             Err(e) => {
                 // A protocol violation fails the request at the receiver as well.
                 if matches!(e, Error::Protocol(_) | Error::Mismatch(_)) {
-                    if let Some(k) = lock(&self.sinks).get(&request_id).cloned() {
+                    let k = lock(&self.sinks).get(&request_id).cloned();
+                    if let Some(k) = k {
                         self.finish(&k.transfer, Err(clone_error(&e)));
                     }
                 }
