@@ -3,7 +3,7 @@
 //! A [`Transport`] opens [`Connection`]s to peers and listens with an [`Acceptor`]. A connection
 //! yields [`Lane`]s: ordered, reliable, full-duplex byte streams (a TCP socket, a TLS session over
 //! one, or a QUIC bidirectional stream). Everything above (framing, sessions, pull/push, leases)
-//! lives in [`super::endpoint`] and only sees these traits, so a test can wrap a transport in a
+//! lives in [`super::Endpoint`] and only sees these traits, so a test can wrap a transport in a
 //! decorator that delays, drops, truncates or corrupts lanes (the seam the fault-injection suite
 //! uses).
 //!
