@@ -258,7 +258,7 @@ fn print_report(r: &Report) {
 }
 
 /// `tpu-sync prefill`.
-pub fn prefill(job: &JobArgs, listen: Option<&str>) -> Result<ExitCode> {
+pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Result<ExitCode> {
     let t0 = Instant::now();
     transport_kind(job)?;
     security(job)?;
@@ -275,9 +275,16 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>) -> Result<ExitCode> {
         .collect::<Result<Vec<_>>>()?;
     let buffers = make_buffers(&client, &contents)?;
 
-    // D2H: stage the request's blocks of every rank in one pinned arena.
+    // D2H: stage the request's blocks of every hosted rank in one pinned arena.
+    if let Some(r) = ranks.and_then(|v| v.iter().find(|r| place.local_rank(**r).is_none())) {
+        return Err(Error::InvalidArgument(format!(
+            "--ranks: prefill rank {r} does not exist ({} ranks)",
+            spec.ranks_per_replica()
+        )));
+    }
     let ranges: BTreeMap<u32, _> = (0..spec.ranks_per_replica())
         .map(|l| (place.global_rank(l), place.block_ranges(l)))
+        .filter(|(r, _)| ranks.map(|v| v.contains(r)).unwrap_or(true))
         .collect();
     let staging = Arc::new(Staging::new(ranges, &ArenaOptions::default())?);
     let t = Instant::now();
@@ -311,8 +318,9 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>) -> Result<ExitCode> {
         })?;
         println!("LISTENING {local}");
         eprintln!(
-            "prefill: {} request {} ({} tokens, {} staged) on {local} over {}",
+            "prefill: {} ranks {:?}, request {} ({} tokens, {} staged) on {local} over {}",
             layout.describe(),
+            staging.ranks().collect::<Vec<_>>(),
             job.request_id,
             job.tokens,
             fmt_bytes(staging.total_bytes()),

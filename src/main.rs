@@ -30,6 +30,10 @@ enum Cmd {
         /// Address to listen on (e.g. 0.0.0.0:7700); default 127.0.0.1:<--port>.
         #[arg(long)]
         listen: Option<String>,
+        /// Prefill ranks this process hosts (comma-separated global ranks; default: all), so the
+        /// ranks of one prefill instance can live in several processes or hosts.
+        #[arg(long, value_delimiter = ',')]
+        ranks: Option<Vec<u32>>,
     },
     /// Decode half: pull the request from a prefill process, write it to device KV, verify.
     Decode {
@@ -124,7 +128,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Demo(job) => demo::run(&job),
-        Cmd::Prefill { job, listen } => kvproc::prefill(&job, listen.as_deref()),
+        Cmd::Prefill { job, listen, ranks } => {
+            kvproc::prefill(&job, listen.as_deref(), ranks.as_deref())
+        }
         Cmd::Decode { job, connect } => kvproc::decode(&job, &connect),
         Cmd::Info { plugin, devices } => kvproc::info(plugin.as_deref(), devices),
     };

@@ -372,3 +372,77 @@ fn prefill_and_decode_with_a_pre_shared_key_and_a_wrong_one() {
     assert!(p.wait().unwrap().success());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Prefill ranks in different processes: ranks 0,1 of a TP=2 x PCP=2 prefill in one process and
+/// ranks 2,3 in another; the decode pulls each rank's spans from the process that holds it.
+#[test]
+fn prefill_ranks_in_two_processes() {
+    let spawn = |ranks: &str| {
+        let mut p = Command::new(env!("CARGO_BIN_EXE_tpu-sync"))
+            .args([
+                "prefill",
+                "--layers",
+                "2",
+                "--tokens",
+                "300",
+                "--listen",
+                "127.0.0.1:0",
+                "--ranks",
+                ranks,
+                "--transport",
+                "quic",
+                "--psk-file",
+            ])
+            .arg(psk_path())
+            .env("TPU_SYNC_PJRT_PLUGIN", common::plugin_path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
+        let addr = loop {
+            let l = lines.next().expect("prefill output").unwrap();
+            if let Some(a) = l.strip_prefix("LISTENING ") {
+                break a.to_string();
+            }
+        };
+        // Keep reading its stdout (its final REPORT line) so it never writes to a closed pipe.
+        let drain = std::thread::spawn(move || lines.count());
+        (p, addr, drain)
+    };
+    let (mut p01, a01, _d01) = spawn("0,1");
+    let (mut p23, a23, _d23) = spawn("2,3");
+    let map = format!("0={a01},1={a01},2={a23},3={a23}");
+    let psk = psk_path().display().to_string();
+    let o = tpu_sync(
+        &[
+            "decode",
+            "--connect",
+            &map,
+            "--layers",
+            "2",
+            "--transport",
+            "quic",
+            "--psk-file",
+            &psk,
+        ],
+        LIMIT,
+    );
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    let rep: serde_json::Value =
+        serde_json::from_str(t.lines().find_map(|l| l.strip_prefix("REPORT ")).unwrap()).unwrap();
+    assert_eq!(rep["mismatches"], 0);
+    assert_eq!(rep["verified_request_bytes"], 300 * 2 * 2 * 8 * 128 * 2);
+    assert_eq!(rep["net_pairs"], 4, "{rep}");
+    assert!(p01.wait().unwrap().success());
+    assert!(p23.wait().unwrap().success());
+}
+
+fn psk_path() -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("tpu-sync-ranks-psk-{}", std::process::id()));
+    if !p.exists() {
+        std::fs::write(&p, b"a-pre-shared-key-of-32-bytes-ok!").unwrap();
+    }
+    p
+}

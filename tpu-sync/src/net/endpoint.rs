@@ -218,6 +218,8 @@ pub(crate) struct TransferShared {
     done: Signal,
     cancel: Signal,
     progress: Mutex<Option<Arc<Progress>>>,
+    /// Fired once `progress` is set (a push reception learns its plan with the first push).
+    planned: Signal,
     num_layers: u32,
     gate: Option<watch::Sender<u32>>,
     bytes: AtomicU64,
@@ -336,7 +338,7 @@ impl Transfer {
                         _ = self.shared.done.wait() => {
                             return self.wait().await.map(|_| ());
                         }
-                        _ = tokio::time::sleep(Duration::from_millis(5)) => {}
+                        _ = self.shared.planned.wait() => {}
                     }
                 }
             }
@@ -873,6 +875,7 @@ impl Endpoint {
         let cursors: Vec<_> = pairs.iter().map(|p| p.2.clone()).collect();
         let progress = Arc::new(Progress::new(&cursors, num_layers));
         *lock(&shared.progress) = Some(progress.clone());
+        shared.planned.fire("planned");
         let inner = self.inner.clone();
         let sh = shared.clone();
         self.inner.spawn(async move {
@@ -1058,6 +1061,7 @@ fn sink_plan_with(
     }
     let progress = Arc::new(Progress::new(&cursors, num_layers));
     *lock(&sink.transfer.progress) = Some(progress.clone());
+    sink.transfer.planned.fire("planned");
     st.progress = Some(progress);
     st.slots = slots;
     st.src = Some(src.clone());
@@ -1185,6 +1189,7 @@ impl Inner {
             done: Signal::default(),
             cancel: Signal::default(),
             progress: Mutex::new(None),
+            planned: Signal::default(),
             num_layers,
             gate,
             bytes: AtomicU64::new(0),
