@@ -244,6 +244,7 @@ fn endpoint_options(
         chunk_bytes: job.chunk_bytes,
         faults: net::FaultHooks {
             close_after_bytes: job.fault_close_after,
+            stall_after_bytes: job.fault_stall_after,
             ..Default::default()
         },
         ..EndpointOptions::default()

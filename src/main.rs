@@ -118,6 +118,9 @@ pub struct JobArgs {
     /// Test hook: prefill closes its connection after this many payload bytes.
     #[arg(long, hide = true)]
     pub fault_close_after: Option<u64>,
+    /// Test hook: prefill stops sending (sockets open) after this many payload bytes.
+    #[arg(long, hide = true)]
+    pub fault_stall_after: Option<u64>,
     /// Test hook: decode lists this block id for the request (checked against the layout).
     #[arg(long, hide = true)]
     pub fault_block_id: Option<u32>,

@@ -446,3 +446,83 @@ fn psk_path() -> std::path::PathBuf {
     }
     p
 }
+
+/// The prefill process is killed (SIGKILL) while the decode works on the request (describing,
+/// connecting or mid-transfer, depending on timing): the decode fails with an explicit error
+/// within its configured limits (5 s), for each transport. QUIC has no reset a client could see, so
+/// a decode that only connects after the kill waits for its connect + handshake timeouts.
+#[test]
+fn prefill_killed_mid_transfer_fails_the_decode() {
+    for t in ["tcp", "quic"] {
+        let psk = psk_path().display().to_string();
+        let mut args = vec![
+            "prefill",
+            "--layers",
+            "4",
+            "--tokens",
+            "1000",
+            "--listen",
+            "127.0.0.1:0",
+            "--fault-stall-after",
+            "200000",
+            "--transport",
+            t,
+        ];
+        if t != "tcp" {
+            args.extend(["--psk-file", &psk]);
+        }
+        let mut p = Command::new(env!("CARGO_BIN_EXE_tpu-sync"))
+            .args(&args)
+            .env("TPU_SYNC_PJRT_PLUGIN", common::plugin_path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
+        let addr = loop {
+            let l = lines.next().expect("prefill output").unwrap();
+            if let Some(a) = l.strip_prefix("LISTENING ") {
+                break a.to_string();
+            }
+        };
+        let pid = p.id();
+        // Kill the prefill once the decode is well into the transfer (the prefill stalls after
+        // 200 KB, so the transfer is in flight when the kill lands).
+        let killer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(1500));
+            // SAFETY: signalling our own child process by pid.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        });
+        let mut dargs = vec![
+            "decode",
+            "--connect",
+            &addr,
+            "--layers",
+            "4",
+            "--timeout",
+            "5",
+            "--transport",
+            t,
+        ];
+        if t != "tcp" {
+            dargs.extend(["--psk-file", &psk]);
+        }
+        let t0 = std::time::Instant::now();
+        let o = tpu_sync(&dargs, LIMIT);
+        let text = text(&o);
+        killer.join().unwrap();
+        let _ = p.wait();
+        assert!(
+            !o.status.success(),
+            "{t}: decode succeeded after the prefill died:\n{text}"
+        );
+        assert!(text.contains("peer"), "{t}: {text}");
+        assert!(!text.contains("panicked"), "{text}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{t}: noticed after {:?} (timeouts 5 s)",
+            t0.elapsed()
+        );
+        drop(lines);
+    }
+}
