@@ -296,7 +296,10 @@ impl Transfer {
                     self.shared.request_id
                 ))),
             );
-            inner.send_cancel(self.shared.request_id);
+            inner.send_cancel(
+                self.shared.request_id,
+                self.shared.kind == TransferKind::Push,
+            );
         }
         self.shared.cancel.fire("cancelled");
     }
@@ -588,6 +591,13 @@ impl Endpoint {
             return Err(Error::InvalidArgument(
                 "streams_per_pair and max_lanes_per_peer must be >= 1".into(),
             ));
+        }
+        if opts.streams_per_pair > wire::MAX_STRIPES {
+            return Err(Error::InvalidArgument(format!(
+                "streams_per_pair {} exceeds {}",
+                opts.streams_per_pair,
+                wire::MAX_STRIPES
+            )));
         }
         if opts.heartbeat_interval.is_zero() || opts.heartbeat_timeout <= opts.heartbeat_interval {
             return Err(Error::InvalidArgument(
@@ -939,7 +949,13 @@ impl Endpoint {
         let sh = shared.clone();
         self.inner.spawn(async move {
             let r = inner.drive_push(&sh, req, src_ranks, pairs, targets).await;
+            let failed = r.is_err();
             inner.finish(&sh, r);
+            if failed {
+                // The receivers' registrations would otherwise wait for a `PushFinish` that never
+                // comes: tell them the push is over.
+                inner.send_cancel(sh.request_id, true);
+            }
         });
         Ok(Transfer {
             shared,
@@ -1388,9 +1404,11 @@ impl Inner {
         p.conn.close();
     }
 
-    fn send_cancel(&self, request_id: u64) {
+    /// Tells every connected peer to stop work on `request_id` (`push`: we were pushing it, so
+    /// its receivers fail their registrations).
+    fn send_cancel(&self, request_id: u64, push: bool) {
         for p in lock(&self.peers).values() {
-            let _ = p.ctl.send(Control::Cancel { request_id });
+            let _ = p.ctl.send(Control::Cancel { request_id, push });
         }
     }
 }
@@ -1408,8 +1426,8 @@ async fn read_ctl<R: AsyncRead + Unpin>(r: &mut R) -> Result<Control> {
     if h.kind != FrameKind::Control {
         return Err(Error::Protocol("data frame on the control lane".into()));
     }
-    let mut body = vec![0u8; h.body_len as usize];
-    r.read_exact(&mut body)
+    // The caller bounds the whole read by the heartbeat timeout.
+    let body = super::framed::read_body(r, h.body_len, FOREVER)
         .await
         .map_err(|e| Error::PeerClosed(format!("control lane closed: {e}")))?;
     Control::decode(&body)
@@ -1451,7 +1469,7 @@ impl Inner {
             let mut f = Framed::new(lane, self.opts.io_timeout);
             let count = LaneCount::new(&self.counters);
             f.send(&self.hello(role), 0).await?;
-            match f.recv(t).await? {
+            match f.recv_hello(t).await? {
                 (_, Control::HelloAck { protocol, .. }) if protocol == wire::PROTOCOL_VERSION => {
                     Ok(CountedLane { f, _count: count })
                 }
@@ -1484,6 +1502,22 @@ impl Inner {
             }
         }
         let gate = lock(&self.connecting).entry(sa).or_default().clone();
+        let r = self.connect_peer(sa, &gate).await;
+        // Forget the gate unless another caller is waiting on it (clones are made under the
+        // map's lock), so addresses of peers that came and went do not accumulate.
+        let mut m = lock(&self.connecting);
+        if m.get(&sa).is_some_and(|g| Arc::ptr_eq(g, &gate)) && Arc::strong_count(&gate) == 2 {
+            m.remove(&sa);
+        }
+        r
+    }
+
+    /// Connects to `sa` (one caller per address at a time: `gate`) unless a live peer is there.
+    async fn connect_peer(
+        self: &Arc<Self>,
+        sa: SocketAddr,
+        gate: &tokio::sync::Mutex<()>,
+    ) -> Result<Arc<Peer>> {
         let _g = gate.lock().await;
         if let Some(p) = lock(&self.peers).get(&sa) {
             if !p.dead.is_set() {
@@ -1912,7 +1946,7 @@ impl Inner {
         let count = LaneCount::new(&self.counters);
         let peer = lane.peer();
         let mut f = Framed::new(lane, self.opts.io_timeout);
-        let (name, incarnation, role) = match f.recv(self.opts.handshake_timeout).await {
+        let (name, incarnation, role) = match f.recv_hello(self.opts.handshake_timeout).await {
             Ok((
                 _,
                 Control::Hello {
@@ -2026,9 +2060,9 @@ impl Inner {
                             let _ = tx.send(Control::Pong { seq });
                         }
                     }
-                    Ok(Ok(Control::Cancel { request_id })) => {
+                    Ok(Ok(Control::Cancel { request_id, push })) => {
                         s.touch();
-                        self.remote_cancel(&s, request_id);
+                        self.remote_cancel(&s, request_id, push);
                     }
                     Ok(Ok(m)) => log::debug!("control message from {}: {m:?}", s.key.0),
                 }
@@ -2051,9 +2085,10 @@ impl Inner {
         self.session_died(&s, why);
     }
 
-    /// A peer cancelled a request: a push it was making into us fails here too.
-    fn remote_cancel(&self, s: &Arc<Session>, request_id: u64) {
-        if !lock(&s.pushing).contains(&request_id) {
+    /// A peer cancelled a request: a push it was making into us fails here too, also when none of
+    /// its stripes reached us yet (`push`; the request cannot complete without its ranks).
+    fn remote_cancel(&self, s: &Arc<Session>, request_id: u64, push: bool) {
+        if !push && !lock(&s.pushing).contains(&request_id) {
             return;
         }
         let sink = lock(&self.sinks).get(&request_id).cloned();
@@ -2246,6 +2281,7 @@ impl Inner {
                      {total_bytes} (digest {digest:016x})"
                 )));
             }
+            stripe.validate_for(bytes)?;
             let cursor = SpanCursor::new(spans, reg.num_layers);
             Ok((reg, cursor))
         })();
@@ -2324,6 +2360,7 @@ impl Inner {
                     slot.digest
                 )));
             }
+            stripe.validate_for(total_bytes)?;
             if slot.count == 0 {
                 slot.count = stripe.count;
                 slot.chunk = stripe.chunk_bytes;
