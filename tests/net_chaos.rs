@@ -729,6 +729,33 @@ fn peer_death_at_every_point_leaks_nothing() {
             drop(pusher);
             clean(&receiver, "kill mid-push").await;
 
+            // 7b. The sender dies before its first stripe reaches the receiver (its connect
+            // fails): the receiver's registration fails after `lease_ttl` without activity.
+            let mut ro = o(kind, &pki, "doomed", true);
+            ro.lease_ttl = Duration::from_millis(500);
+            let (idle_receiver, _) = fault_endpoint(ro).await;
+            let iaddr = idle_receiver.local_addr().unwrap().to_string();
+            let (pusher, pf) = ep(kind, &pki, "prefill", false).await;
+            pf.add(Rule::once(Point::Connect, Action::Fail));
+            let (sink, _st) = expect(&idle_receiver, &f, 12);
+            let p = push(&pusher, &f, 12, &iaddr);
+            let e = outcome(&p, BOUND, "pusher that cannot connect")
+                .await
+                .unwrap_err();
+            assert!(injected(&e), "{kind}: {e}");
+            let t0 = Instant::now();
+            let e = outcome(&sink, BOUND, "receiver of a dead sender")
+                .await
+                .unwrap_err();
+            assert!(matches!(e, Error::Timeout(_)), "{kind}: {e}");
+            assert!(
+                t0.elapsed() < Duration::from_secs(2),
+                "{kind}: {:?}",
+                t0.elapsed()
+            );
+            clean(&idle_receiver, "idle receiver").await;
+            drop((pusher, idle_receiver));
+
             // 8. The consumer dies mid-pull: the producer releases the request at once.
             let (doomed, dd) = ep(kind, &pki, "doomed", false).await;
             register(&receiver, &f, 9);

@@ -438,6 +438,21 @@ struct SinkState {
     finished_ranks: BTreeSet<u32>,
     senders: HashMap<u32, SessionKey>,
     stripes: u64,
+    /// Stripes being received now.
+    active: u32,
+    /// Registration, or the last stripe start or end or `PushFinish`.
+    last_activity: Instant,
+}
+
+/// Counts a stripe being received into a sink; on drop (every way out) it is done.
+struct ActiveStripe(Arc<SinkReg>);
+
+impl Drop for ActiveStripe {
+    fn drop(&mut self) {
+        let mut st = lock(&self.0.st);
+        st.active = st.active.saturating_sub(1);
+        st.last_activity = Instant::now();
+    }
 }
 
 struct Session {
@@ -742,7 +757,11 @@ impl Endpoint {
 
     /// Registers destination staging for pushes of a request. The returned transfer completes
     /// when every source rank of the senders' replica has declared itself finished and every
-    /// planned pair for the destination ranks hosted here arrived and verified.
+    /// planned pair for the destination ranks hosted here arrived and verified. It fails with
+    /// [`Error::Timeout`] when no stripe is being received and nothing happened (registration,
+    /// a stripe starting or ending, a sender declaring itself finished) for
+    /// [`super::EndpointOptions::lease_ttl`]: a sender that never comes, or dies before its
+    /// first stripe reaches this endpoint, does not keep the registration forever.
     ///
     /// Errors: as [`Endpoint::register_source`]; plan errors when `src` is given.
     pub fn expect_push(&self, reg: SinkRegistration) -> Result<Transfer> {
@@ -783,6 +802,8 @@ impl Endpoint {
                 finished_ranks: BTreeSet::new(),
                 senders: HashMap::new(),
                 stripes: 0,
+                active: 0,
+                last_activity: Instant::now(),
             }),
         });
         if let Some(src) = &reg.src {
@@ -1333,6 +1354,26 @@ impl Inner {
             for id in expired {
                 log::info!("lease of request {id} expired");
                 self.end_source(id, SourceOutcome::Expired);
+            }
+            // A push registration nobody works on (its senders never came, or died before
+            // reaching us) fails instead of waiting forever.
+            let idle: Vec<Arc<SinkReg>> = lock(&self.sinks)
+                .values()
+                .filter(|k| {
+                    let st = lock(&k.st);
+                    st.active == 0 && now.duration_since(st.last_activity) > o.lease_ttl
+                })
+                .cloned()
+                .collect();
+            for k in idle {
+                self.finish(
+                    &k.transfer,
+                    Err(Error::Timeout(format!(
+                        "request {}: no push activity for {:?} (no sender came, or every \
+                         sender died before reaching this endpoint)",
+                        k.request_id, o.lease_ttl
+                    ))),
+                );
             }
         }
     }
@@ -2383,12 +2424,14 @@ impl Inner {
             let (cursor, idx) = (slot.cursor.clone(), slot.idx);
             st.senders.insert(src_rank, s.key.clone());
             st.stripes += 1;
+            st.active += 1;
+            st.last_activity = Instant::now();
             drop(st);
             lock(&s.pushing).insert(request_id);
             Ok((sink, cursor, progress, idx))
         })();
         let (sink, cursor, progress, idx) = match prep {
-            Ok(x) => x,
+            Ok(x) => (ActiveStripe(x.0.clone()), x.1, x.2, x.3),
             Err(e) => {
                 // A protocol violation fails the request at the receiver as well.
                 if matches!(e, Error::Protocol(_) | Error::Mismatch(_)) {
@@ -2415,7 +2458,7 @@ impl Inner {
             let recv = recv_stripe(
                 f,
                 request_id,
-                &sink.staging,
+                &sink.0.staging,
                 dst_rank,
                 &cursor,
                 stripe,
@@ -2428,9 +2471,9 @@ impl Inner {
             loop {
                 tokio::select! {
                     r = &mut recv => break Some(r),
-                    _ = sink.transfer.cancel.wait(), if !draining => {
+                    _ = sink.0.transfer.cancel.wait(), if !draining => {
                         let soft = matches!(
-                            lock(&sink.transfer.result).as_ref(),
+                            lock(&sink.0.transfer.result).as_ref(),
                             Some(Err(Error::Checksum(_)))
                         );
                         if soft {
@@ -2446,8 +2489,8 @@ impl Inner {
         match r {
             None => Next::Close,
             Some(Ok(n)) => {
-                sink.transfer.bytes.fetch_add(n, Ordering::Relaxed);
-                if let Some(slot) = lock(&sink.st).slots.get_mut(&(src_rank, dst_rank)) {
+                sink.0.transfer.bytes.fetch_add(n, Ordering::Relaxed);
+                if let Some(slot) = lock(&sink.0.st).slots.get_mut(&(src_rank, dst_rank)) {
                     slot.done[stripe.index as usize] = true;
                 }
                 match f
@@ -2465,7 +2508,7 @@ impl Inner {
                 }
             }
             Some(Err(fail)) => {
-                self.finish(&sink.transfer, Err(clone_error(&fail.error)));
+                self.finish(&sink.0.transfer, Err(clone_error(&fail.error)));
                 if fail.lane_ok
                     && f.send(&failed(request_id, &fail.error), request_id)
                         .await
@@ -2491,6 +2534,7 @@ impl Inner {
             Error::UnknownRequest(format!("request {request_id} expects no push here"))
         })?;
         let mut st = lock(&sink.st);
+        st.last_activity = Instant::now();
         if let Err(e) = sink_plan(&sink, &mut st, src, num_tokens) {
             drop(st);
             self.finish(&sink.transfer, Err(clone_error(&e)));
