@@ -60,7 +60,7 @@ class FileTier:
 
         return Lease()
 
-    def put(self, hashes, block_ids):
+    def put(self, hashes, block_ids, parent=None):
         for h, b in zip(hashes, block_ids):
             data = _block(self.caches, b).numpy().tobytes()
             with open(self._path(h), "wb") as f:

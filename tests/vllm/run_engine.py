@@ -9,7 +9,8 @@ SPEC keys:
     connector (None | {"kv_role": ..., "extra": {...}, "policy": "fail"|"recompute",
     "by_name": bool}), remote_decode (bool: send kv_transfer_params {"do_remote_decode": true},
     i.e. act as the prefill instance of a P/D pair), params (list of kv_transfer_params per
-    prompt, from a producer's OUT.json), hold_file (producer: after writing OUT.json, keep
+    prompt), params_file (a producer's OUT.json: once the engine is up, wait for it and use the
+    kv_transfer_params of its outputs), hold_file (producer: after writing OUT.json, keep
     serving until this file exists or hold_s passes), hold_s (120), ttft (bool: record each
     request's wall time to its first token when max_tokens is 1).
 
@@ -71,6 +72,14 @@ def main() -> None:
     sched, worker = connectors(llm)
     prompts = [{"prompt_token_ids": list(p)} for p in spec["prompts"]]
     params = spec.get("params")
+    if spec.get("params_file"):
+        deadline = time.time() + 600
+        while not os.path.exists(spec["params_file"]):
+            if time.time() > deadline:
+                raise SystemExit(f"no producer output at {spec['params_file']}")
+            time.sleep(0.1)
+        produced = json.load(open(spec["params_file"]))
+        params = [o["kv_transfer_params"] for o in produced["runs"][0]["outputs"]]
     runs = []
     for _ in range(spec.get("repeat", 1)):
         if spec.get("remote_decode"):

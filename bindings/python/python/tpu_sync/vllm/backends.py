@@ -121,10 +121,12 @@ class StoreTier:
         """A lease keeping the chain's leading present blocks from eviction (``close()`` ends it)."""
         return self.store.pin([self.key(h) for h in hashes])
 
-    def put(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
-        """Stores blocks ``block_ids`` of the KV tensors under ``hashes``; returns how many are in
-        the tier afterwards (stored now or already present)."""
-        r = self.store.put_from_device([self.key(h) for h in hashes], [self._caches.pieces(b) for b in block_ids])
+    def put(self, hashes: Sequence[bytes], block_ids: Sequence[int], parent: Optional[bytes] = None) -> int:
+        """Stores blocks ``block_ids`` of the KV tensors under ``hashes`` (``parent``: the hash of
+        the block before ``hashes[0]``, None at the start of a chain); returns how many are in the
+        tier afterwards (stored now or already present)."""
+        r = self.store.put_from_device([self.key(h) for h in hashes], [self._caches.pieces(b) for b in block_ids],
+                                       parent=None if parent is None else self.key(parent))
         return int(r.stored) + int(r.present)
 
     def get(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:

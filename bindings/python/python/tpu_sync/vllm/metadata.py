@@ -65,11 +65,13 @@ class TierOp:
         req_id: vLLM request id.
         hashes: vLLM block hashes (bytes), one per block, a contiguous run of the request's chain.
         block_ids: local blocks, same length and order.
+        parent: hash of the block before ``hashes[0]`` (None when the run starts the chain).
     """
 
     req_id: str
     hashes: List[bytes]
     block_ids: List[int]
+    parent: Optional[bytes] = None
 
 
 @dataclass

@@ -245,7 +245,9 @@ class SchedulerSide:
             ids = self._block_ids(scheduler_output, req_id)
             if ids is None or len(ids) < full:
                 continue
-            saves.append(TierOp(req_id, [bytes(h) for h in req.block_hashes[st.in_tier:full]], ids[st.in_tier:full]))
+            parent = bytes(req.block_hashes[st.in_tier - 1]) if st.in_tier else None
+            saves.append(TierOp(req_id, [bytes(h) for h in req.block_hashes[st.in_tier:full]], ids[st.in_tier:full],
+                                parent))
             st.in_tier = full
         return saves
 

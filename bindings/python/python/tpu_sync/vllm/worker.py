@@ -201,7 +201,7 @@ class WorkerSide:
             return
         for op in meta.saves:
             try:
-                n = int(self.tier.put(op.hashes, op.block_ids))
+                n = int(self.tier.put(op.hashes, op.block_ids, op.parent))
             except Exception as e:  # a failed save is a future miss
                 log.warning("tpu_sync: saving %d blocks of %s failed: %s", len(op.block_ids), op.req_id, e)
                 continue
