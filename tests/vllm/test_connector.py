@@ -142,7 +142,7 @@ def test_producer_keeps_blocks_and_returns_params(configs):
     assert params["remote_block_ids"] == [9, 4, 7, 30]  # ceil(100 / 32) blocks
     assert params["remote_num_tokens"] == 100 and params["remote_addresses"] == {"0": "10.0.0.1:7001"}
     assert params["remote_prompt_digest"] == prompt_digest(toks)
-    assert 0 <= params["remote_request_id"] < 2**53
+    assert 1 <= params["remote_request_id"] < 2**53
     # The workers are told to serve exactly these blocks, once.
     meta = p.build_connector_meta(sched_out({}))
     assert [(s.req_id, s.block_ids, s.num_tokens) for s in meta.sends] == [("p1", [9, 4, 7, 30], 100)]

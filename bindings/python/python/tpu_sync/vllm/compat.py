@@ -213,7 +213,7 @@ def check_params(params: Dict[str, Any]) -> Optional[str]:
         ids: List[int] = [int(b) for b in params["remote_block_ids"]]
     except (TypeError, ValueError):
         return "kv_transfer_params hold non-integer ids"
-    if not 0 <= rid < 2**53 or n <= 0:
+    if not 1 <= rid < 2**53 or n <= 0:
         return f"bad remote_request_id {rid} or remote_num_tokens {n}"
     bs = int(params["remote_geometry"].get("block_size") or 0)
     if bs <= 0 or len(ids) != -(-n // bs):

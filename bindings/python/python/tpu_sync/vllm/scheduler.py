@@ -35,7 +35,7 @@ from .metadata import RecvSpec, SendSpec, TierOp, TpuSyncHandshake, TpuSyncMetad
 
 log = logging.getLogger("tpu_sync.vllm")
 
-#: Largest transfer id (the tpu_sync endpoint's request ids are < 2**53).
+#: Largest transfer id (the tpu_sync endpoint's request ids are 1 ..= 2**53 - 1).
 MAX_XFER_ID = 2**53 - 1
 
 
@@ -64,7 +64,8 @@ class SchedulerSide:
         self.kv_cache_manager: Any = None
         #: P/D endpoint address per TP rank (from the workers' handshake metadata)
         self.peers: Dict[int, str] = {}
-        self._next_xfer = secrets.randbits(40) << 8
+        # Random start: a restarted producer does not reuse the ids of its predecessor.
+        self._next_xfer = 1 + secrets.randbits(48)
         # P/D
         self._sends: List[SendSpec] = []
         self._recvs: Dict[str, RecvSpec] = {}
@@ -306,7 +307,7 @@ class SchedulerSide:
             return False, None
         ids = [int(b) for b in block_ids[:nb]]
         xfer_id = self._next_xfer
-        self._next_xfer = (self._next_xfer + 1) & MAX_XFER_ID
+        self._next_xfer = self._next_xfer % MAX_XFER_ID + 1
         self._sends.append(SendSpec(req_id, xfer_id, ids, n, self.cfg.lease_s))
         self._sending[req_id] = time.monotonic() + self.cfg.lease_s
         self.stats["handed_off"] += 1
