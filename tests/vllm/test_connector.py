@@ -293,9 +293,14 @@ class FakeTransport:
         self.registered.append((xfer_id, placement["block_ids"], num_tokens))
 
     def pull(self, xfer_id, peers, src, dst, num_tokens):
+        self.pulls = getattr(self, "pulls", 0) + 1
         h = SimpleNamespace(done=self.outcome != "hang", error=None, cancelled=False)
         if self.outcome == "error":
             h.error = ConnectionError("peer closed")
+        if self.outcome == "unknown-then-ok" and self.pulls == 1:
+            from tpu_sync.errors import UnknownRequestError
+
+            h.error = UnknownRequestError(15, "request 7 is not registered")
         h.cancel = lambda: setattr(h, "cancelled", True)
         self.handle = h
         return h
@@ -317,18 +322,23 @@ def recv(timeout=30.0):
     return RecvSpec("d1", 7, {0: "h:1"}, layout, [3, 4], [8, 9], 40, timeout)
 
 
-@pytest.mark.parametrize("outcome", ["ok", "error", "hang"])
+@pytest.mark.parametrize("outcome", ["ok", "error", "hang", "unknown-then-ok"])
 def test_worker_reports_pulls(configs, outcome):
     w = worker(configs, outcome)
     w.start_load_kv(TpuSyncMetadata(recvs=[recv(timeout=0.2)]))
     res = w.get_transfer_results(set())
+    if outcome == "unknown-then-ok":  # the producer had not registered yet: retried, not failed
+        assert res.finished_recving == set() and w.transport.pulls == 1
+        time.sleep(0.06)
+        res = w.get_transfer_results(set())
+        assert w.transport.pulls == 2
     if outcome == "hang":
         assert res.finished_recving == set()
         time.sleep(0.25)
         res = w.get_transfer_results(set())
         assert w.transport.handle.cancelled
     assert res.finished_recving == {"d1"}
-    if outcome == "ok":
+    if outcome in ("ok", "unknown-then-ok"):
         assert res.failed_recving == set() and w.get_block_ids_with_load_errors() == set()
     else:  # failed: reported in both sets, blocks reported, so vLLM recomputes or fails it
         assert res.failed_recving == {"d1"} and w.get_block_ids_with_load_errors() == {8, 9}

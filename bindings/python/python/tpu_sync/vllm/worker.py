@@ -236,6 +236,10 @@ class WorkerSide:
                     err = TimeoutError(f"pull of transfer {p.spec.xfer_id} took over {p.spec.timeout_s} s")
                 else:
                     err = getattr(p.handle, "error", None)
+                    if err is not None and _is_unknown_request(err) and now < p.deadline:
+                        # The producer registers one engine step after the request finished.
+                        p.handle, p.next_try = None, now + UNKNOWN_REQUEST_RETRY_S
+                        continue
                 del self._pulls[req_id]
                 res.finished_recving.add(req_id)
                 if err is None:
