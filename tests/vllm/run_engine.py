@@ -4,7 +4,8 @@ JSON. The engine tests (test_engine.py) run several of these as separate process
 Usage: python run_engine.py SPEC.json OUT.json
 
 SPEC keys:
-    model (path), prompts (list of token-id lists), max_tokens (16), repeat (1: generate the
+    model (path), prompts (list of token-id lists), max_tokens (16), tp (1; > 1 runs one worker
+    process per rank, whose counters are then not in OUT), repeat (1: generate the
     prompts this many times in the same engine), max_model_len (4096), dtype ("float32"),
     connector (None | {"kv_role": ..., "extra": {...}, "policy": "fail"|"recompute",
     "by_name": bool}), remote_decode (bool: send kv_transfer_params {"do_remote_decode": true},
@@ -58,6 +59,9 @@ def main() -> None:
               max_num_batched_tokens=spec.get("max_model_len", 4096), block_size=32,
               enable_prefix_caching=False, seed=0, distributed_executor_backend="uni",
               disable_log_stats=False)
+    if spec.get("tp", 1) > 1:
+        # One worker process per TP rank (bind them to cores with VLLM_CPU_OMP_THREADS_BIND).
+        kw.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     c = spec.get("connector")
     if c:
         ktc = dict(kv_connector="TpuSyncConnector", kv_role=c["kv_role"],
@@ -111,7 +115,7 @@ def main() -> None:
                              num_cached_tokens=o.num_cached_tokens, finish_reason=o.outputs[0].finish_reason,
                              kv_transfer_params=o.kv_transfer_params, ttft_s=getattr(o, "ttft_s", None)))
         runs.append(dict(outputs=outs, wall_s=round(wall, 3)))
-    if spec.get("remote_decode") and sched is not None:
+    if spec.get("remote_decode") and sched is not None and sched.scheduler_side is not None:
         # Finished prefill requests hold their blocks until the workers registered them with
         # the endpoint: step the engine until that happened.
         deadline = time.time() + 30
@@ -129,7 +133,7 @@ def main() -> None:
                worker_stats=dict(worker.worker_side.stats) if worker is not None and worker.worker_side else None)
     try:
         res["tier_stats"] = worker.worker_side.tier.stats() if worker.worker_side.tier is not None else None
-    except Exception as e:
+    except Exception as e:  # no worker in this process (tp > 1), or no tier
         res["tier_stats"] = {"error": str(e)}
     tmp = out_path + ".tmp"
     with open(tmp, "w") as f:
@@ -143,6 +147,7 @@ def main() -> None:
             time.sleep(0.05)
     if worker is not None:
         worker.shutdown()
+    del llm
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: keep the guard

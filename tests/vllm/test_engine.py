@@ -155,6 +155,36 @@ def test_pd_decode_matches_plain_and_reports_external_tokens(engines, plain, wor
     assert c["scheduler_stats"]["p2p_tokens"] == sum(LENS)
 
 
+def test_pd_reshards_tp1_prefill_into_tp2_decode(engines, plain):
+    """A TP=1 prefill instance hands off to a TP=2 decode instance (two worker processes, one KV
+    head each): each decode rank pulls its head slice of every block (LBHNC regions)."""
+    if BACKEND == "ref":
+        pytest.skip("the reference transport does not reshard")
+    hold = os.path.join(engines.dir, "pd_tp2.hold")
+    if os.path.exists(hold):
+        os.remove(hold)
+    prod = engines.start("pd_tp1_producer", engines.spec(
+        remote_decode=True, hold_file=hold,
+        connector=dict(kv_role="kv_producer", extra=pd_extra(lease_s=120.0))))
+    engines_env = dict(engines.env)
+    engines.env = dict(engines_env, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    try:
+        cons = engines.start("pd_tp2_consumer", engines.spec(
+            tp=2, params_file=prod.out,
+            connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=60.0))))
+    finally:
+        engines.env = engines_env
+    try:
+        c = engines.finish(cons)
+    finally:
+        open(hold, "w").close()
+    engines.finish(prod)
+    assert toks(c) == toks(plain)
+    m = c["metrics"]
+    assert m["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(LENS), m
+    assert m["vllm:prompt_tokens_by_source{source=external_kv_transfer}"] == sum(LENS), m
+
+
 # ---- (b) (c) (d) host-tier offload -----------------------------------------------------------
 
 SHM = f"tpusync-vllm-e2e-{os.getpid()}"
