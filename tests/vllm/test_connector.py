@@ -345,6 +345,16 @@ def test_worker_reports_pulls(configs, outcome):
     assert w.get_transfer_results(set()).finished_recving == set()
 
 
+def test_worker_cancels_pull_of_aborted_request(configs):
+    w = worker(configs, "hang")
+    w.start_load_kv(TpuSyncMetadata(recvs=[recv()]))
+    assert w.get_transfer_results(set()).finished_recving == set()
+    res = w.get_transfer_results({"d1"})  # vLLM says the request finished (aborted)
+    assert res.finished_recving == {"d1"} and res.failed_recving == set()
+    assert w.transport.handle.cancelled and w.get_block_ids_with_load_errors() == set()
+    assert w.stats["pulls_cancelled"] == 1
+
+
 @pytest.mark.parametrize("outcome", ["ok", "register-fails"])
 def test_worker_registers_and_releases(configs, outcome):
     from tpu_sync.vllm.metadata import SendSpec

@@ -57,7 +57,7 @@ class WorkerSide:
         self._report = TpuSyncWorkerMetadata()
         self._src_layouts: Dict[str, Dict[str, Any]] = {}
         #: counters: blocks saved / loaded, pulls done / failed, registrations, failed loads.
-        self.stats: Dict[str, int] = dict(saved_blocks=0, loaded_blocks=0, pulls_done=0, pulls_failed=0,
+        self.stats: Dict[str, int] = dict(saved_blocks=0, loaded_blocks=0, pulls_done=0, pulls_failed=0, pulls_cancelled=0,
                                           registered=0, register_failed=0, failed_loads=0, lookups=0)
 
     # ---- start-up -----------------------------------------------------------------------
@@ -210,7 +210,8 @@ class WorkerSide:
 
     def get_transfer_results(self, finished_req_ids: Set[str]):
         """Registrations done (``finished_sending``), pulls done or failed (``finished_recving``,
-        ``failed_recving``); ends host-tier leases of finished requests."""
+        ``failed_recving``), pulls of aborted requests cancelled (``finished_recving``); ends
+        host-tier leases of finished requests."""
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
         for req_id in finished_req_ids:
@@ -220,6 +221,14 @@ class WorkerSide:
         res = KVConnectorTransferResults()
         if self._sent:
             res.finished_sending, self._sent = self._sent, set()
+        for req_id in finished_req_ids & self._pulls.keys():
+            # Aborted while its KV was arriving: vLLM holds the blocks until we report the
+            # request; stop writing into them first. Its blocks are no load error (it is gone).
+            p = self._pulls.pop(req_id)
+            if p.handle is not None and not p.handle.done:
+                _cancel(p.handle)
+            res.finished_recving.add(req_id)
+            self.stats["pulls_cancelled"] += 1
         if self._pulls:
             self._poll_starts()
             now = time.monotonic()
