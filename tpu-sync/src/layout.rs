@@ -282,7 +282,7 @@ impl ParallelSpec {
                         "lbhnc" => BlockOrder::Lbhnc,
                         o => {
                             return Err(Error::Layout(format!(
-                                "order `{o}` in layout spec `{spec}`: expected nhd, hnd or lbhnc"
+                                "order `{o}` in layout spec `{spec}`: expected nhd or hnd (or lbhnc, vLLM's opaque blocks)"
                             )))
                         }
                     }
