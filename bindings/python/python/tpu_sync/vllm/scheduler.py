@@ -4,8 +4,10 @@ returns the ``kv_transfer_params`` of finished prefill requests. Needs vLLM.
 Per request (vLLM calls, in order):
 
 * **P/D consumer** (``kv_transfer_params.do_remote_prefill``): ``get_num_new_matched_tokens``
-  answers ``(prompt tokens not computed locally, True)`` when the producer's params are valid and
-  its KV geometry matches (else ``(0, False)``: the request is prefilled locally);
+  answers ``(prompt tokens, True)`` when the producer's params are valid and its KV geometry
+  matches (else ``(0, False)``: the request is prefilled locally). The producer serves whole
+  requests, so after a local prefix-cache hit the rest of the prompt is computed locally too
+  (pulling it would write into blocks shared with other requests);
   ``update_state_after_alloc`` plans the pull into the allocated blocks; the worker pulls
   asynchronously and reports the request in ``finished_recving`` (and ``failed_recving`` plus
   the block ids on failure, so vLLM recomputes or fails it per ``kv_load_failure_policy``).
@@ -70,7 +72,7 @@ class SchedulerSide:
         self._sends: List[SendSpec] = []
         self._recvs: Dict[str, RecvSpec] = {}
         self._sending: Dict[str, float] = {}
-        self._pd_local: Dict[str, int] = {}
+        self._pd_local_hit_logged: Set[str] = set()
         # Offload
         self._off: Dict[str, _OffloadState] = {}
         self._lookup_wanted: Dict[str, List[bytes]] = {}
@@ -117,10 +119,18 @@ class SchedulerSide:
         host-tier lookup per request."""
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill") and self.cfg.is_consumer:
+            if num_computed_tokens > 0:
+                # A local prefix-cache hit: the producer serves the whole request only, and its
+                # first blocks would land in blocks shared with other requests. Compute the rest
+                # of the prompt here instead.
+                if request.request_id not in self._pd_local_hit_logged:
+                    self._pd_local_hit_logged.add(request.request_id)
+                    log.info("tpu_sync: request %s hit %d tokens locally; prefilling the rest locally",
+                             request.request_id, num_computed_tokens)
+                return 0, False
             n = self._remote_tokens(request, params)
-            if n is not None and n > num_computed_tokens:
-                self._pd_local[request.request_id] = num_computed_tokens
-                return n - num_computed_tokens, True
+            if n is not None and n > 0:
+                return n, True
             return 0, False
         st = self._off.get(request.request_id)
         if st is None or getattr(request, "skip_reading_prefix_cache", False):
@@ -178,17 +188,17 @@ class SchedulerSide:
         block_ids = list(blocks.get_block_ids()[0])
         if is_pd:
             params["do_remote_prefill"] = False
-            local = self._pd_local.pop(req_id, 0)
             n = int(params["remote_num_tokens"])
-            first, last = local // bs, -(-n // bs)
+            nb = -(-n // bs)
+            # The whole request (no local hit: see get_num_new_matched_tokens).
             self._recvs[req_id] = RecvSpec(
                 req_id=req_id,
                 xfer_id=int(params["remote_request_id"]),
                 peers=peers_from_params(params),
                 src_layout=_remote_layout(params),
-                src_block_ids=[int(b) for b in params["remote_block_ids"][first:last]],
-                dst_block_ids=block_ids[first:last],
-                num_tokens=n - first * bs,
+                src_block_ids=[int(b) for b in params["remote_block_ids"]],
+                dst_block_ids=block_ids[:nb],
+                num_tokens=n,
                 timeout_s=self.cfg.pull_timeout_s,
             )
             self._source[req_id] = CacheHitSource.P2P
@@ -288,9 +298,10 @@ class SchedulerSide:
         """Producer: keeps a prefilled request's blocks and returns the params a decode instance
         pulls with. Everyone: drops the request's state."""
         req_id = request.request_id
-        for d in (self._off, self._hits, self._lookup_wanted, self._recvs, self._pd_local, self._source):
+        for d in (self._off, self._hits, self._lookup_wanted, self._recvs, self._source):
             d.pop(req_id, None)
         self._lookup_sent.discard(req_id)
+        self._pd_local_hit_logged.discard(req_id)
         params = request.kv_transfer_params
         if not (params and params.get("do_remote_decode") and self.cfg.is_producer):
             return False, None
