@@ -112,7 +112,7 @@ class FileTransport:
         self.dir = _dir("pd")
         self.address = f"file:{os.getpid()}"
 
-    def register(self, xfer_id, placement, num_tokens, lease_s):
+    def register(self, xfer_id, placement, num_tokens, lease_s, pullers=1):
         ids = placement["block_ids"][self.caches.tp_rank]
         data = b"".join(_block(self.caches, b).numpy().tobytes() for b in ids)
         p = os.path.join(self.dir, str(xfer_id))

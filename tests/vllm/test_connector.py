@@ -269,6 +269,18 @@ def test_offload_full_hit_leaves_one_token_and_failed_load_is_saved_again(config
     assert c.build_connector_meta(sched_out({"o2": 1})).saves == []
 
 
+def test_pullers_follow_the_plan():
+    from tpu_sync.vllm.compat import placement, pullers_of_rank
+
+    g1 = KvGeometry("m", 2, 2, 2, 32, "f32", 32, 1, "vllm-cpu/vec/float32")
+    g2 = KvGeometry("m", 2, 2, 1, 32, "f32", 32, 2, "vllm-cpu/vec/float32")
+    src1 = placement(g1.tpu_sync_layout(16), [3, 4, 5])
+    assert [pullers_of_rank(src1, 0, 70, tp) for tp in (1, 2, 4)] == [1, 2, 4]  # 4 > heads: replicas
+    src2 = placement(g2.tpu_sync_layout(16), [3, 4, 5])
+    assert [pullers_of_rank(src2, r, 70, 1) for r in (0, 1)] == [1, 1]
+    assert [pullers_of_rank(src2, r, 70, 2) for r in (0, 1)] == [1, 1]
+
+
 def test_worker_metadata_aggregates_to_the_minimum():
     a = TpuSyncWorkerMetadata(lookup_hits={"x": 5, "y": 2}, saved_blocks=3)
     b = TpuSyncWorkerMetadata(lookup_hits={"x": 3}, failed_loads={"y"}, saved_blocks=3)
@@ -287,10 +299,10 @@ class FakeTransport:
         self.outcome = outcome
         self.registered = []
 
-    def register(self, xfer_id, placement, num_tokens, lease_s):
+    def register(self, xfer_id, placement, num_tokens, lease_s, pullers=1):
         if self.outcome == "register-fails":
             raise RuntimeError("staging failed")
-        self.registered.append((xfer_id, placement["block_ids"], num_tokens))
+        self.registered.append((xfer_id, placement["block_ids"], num_tokens, pullers))
 
     def pull(self, xfer_id, peers, src, dst, num_tokens):
         self.pulls = getattr(self, "pulls", 0) + 1
@@ -360,8 +372,8 @@ def test_worker_registers_and_releases(configs, outcome):
     from tpu_sync.vllm.metadata import SendSpec
 
     w = worker(configs, outcome, role="kv_producer")
-    w.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 11, [5, 6], 40, 60.0)]))
+    w.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 11, [5, 6], 40, 60.0, decode_tp=2)]))
     assert w.get_transfer_results({"p1"}).finished_sending == {"p1"}
-    if outcome == "ok":
-        assert w.transport.registered == [(11, [[5, 6]], 40)]
+    if outcome == "ok":  # a TP=2 decode instance pulls each block's two heads with two ranks
+        assert w.transport.registered == [(11, [[5, 6]], 40, 2)]
     assert w.stats["registered" if outcome == "ok" else "register_failed"] == 1

@@ -156,7 +156,7 @@ class EndpointTransport:
         self._rank = caches.tp_rank
         client = _client(caches)
         kw: Dict[str, Any] = dict(listen=cfg.listen, transport=cfg.transport, timeout=cfg.pull_timeout_s,
-                                  client=client, name=f"vllm-tp{caches.tp_rank}")
+                                  client=client, lease_s=cfg.lease_s)
         if cfg.tls:
             kw["tls"] = cfg.tls
         if cfg.psk:
@@ -165,9 +165,14 @@ class EndpointTransport:
         host, _, port = str(self.endpoint.address).rpartition(":")
         self.address = f"{cfg.advertise_host or host}:{port}"
 
-    def register(self, xfer_id: int, placement: Dict[str, Any], num_tokens: int, lease_s: float) -> None:
-        """Producer: serves this rank's blocks of ``placement`` as request ``xfer_id``."""
-        self.endpoint.register(xfer_id, placement, num_tokens, {self._rank: self._caches.views}, lease_s=lease_s)
+    def register(self, xfer_id: int, placement: Dict[str, Any], num_tokens: int, lease_s: float,
+                 pullers: int = 1) -> None:
+        """Producer: stages (D2H) this rank's blocks of ``placement`` and serves them as request
+        ``xfer_id`` until ``pullers`` consumers released them or the endpoint's lease (``lease_s``
+        of the config) passes without a live consumer. vLLM may reuse the blocks once this
+        returns."""
+        self.endpoint.register(xfer_id, placement, num_tokens, {self._rank: self._caches.views},
+                               expected_releases=pullers)
 
     def pull(self, xfer_id: int, peers: Dict[int, str], src: Dict[str, Any], dst: Dict[str, Any],
              num_tokens: int) -> Any:

@@ -124,6 +124,22 @@ def placement(layout: Dict[str, Any], block_ids: Sequence[int]) -> Dict[str, Any
     return dict(layout=layout, dp_rank=0, block_ids=[list(ids) for _ in range(tp)])
 
 
+def pullers_of_rank(src: Dict[str, Any], rank: int, num_tokens: int, decode_tp: int) -> int:
+    """How many ranks of a decode instance with TP ``decode_tp`` (same model and block format)
+    pull from producer rank ``rank`` of placement ``src``: the registration's expected releases.
+    Uses the native planner (:class:`tpu_sync.Plan`)."""
+    import tpu_sync
+
+    layout = src["layout"]
+    nb = -(-int(num_tokens) // int(layout["spec"]["block_size"]))
+    dst_layout = dict(layout, spec=dict(layout["spec"], tp=int(decode_tp)), num_blocks=max(nb, 1))
+    plan = tpu_sync.Plan(src, placement(dst_layout, list(range(nb))), int(num_tokens))
+    try:
+        return max(1, len({s.dst_rank for s in plan.spans() if s.src_rank == rank}))
+    finally:
+        plan.close()
+
+
 def prompt_digest(token_ids: Sequence[int]) -> str:
     """Digest of the prompt tokens whose KV a producer hands over; the consumer refuses KV whose
     digest differs from its own prompt's (a proxy that re-tokenised differently)."""

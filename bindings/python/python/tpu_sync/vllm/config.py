@@ -22,7 +22,11 @@ P/D (prefill/decode disaggregation; on by default for ``kv_producer`` and ``kv_c
 ``psk`` (str)
     Pre-shared key (hex) authenticating peers.
 ``lease_s`` (float)
-    Producer: how long a finished request's KV stays available to pullers. Default 120.
+    Producer: how long a finished request's KV stays staged without a live consumer. Default 120.
+``decode_tp_size`` (int)
+    Producer: TP size of the decode instances that pull (each decode rank is one puller; a
+    registration ends once all of them released it). Default 1; a prefill request's
+    ``kv_transfer_params["decode_tp_size"]`` overrides it.
 ``pull_timeout_s`` (float)
     Consumer: a pull that has not completed after this many seconds fails the request
     (``kv_load_failure_policy`` then decides: ``"fail"`` ends it with an error, ``"recompute"``
@@ -75,6 +79,7 @@ _KEYS = {
     "tls": dict,
     "psk": str,
     "lease_s": (int, float),
+    "decode_tp_size": int,
     "pull_timeout_s": (int, float),
     "pd_transport": str,
     "offload": bool,
@@ -105,6 +110,7 @@ class ConnectorConfig:
     tls: Optional[Dict[str, str]] = None
     psk: Optional[bytes] = None
     lease_s: float = DEFAULT_LEASE_S
+    decode_tp_size: int = 1
     pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S
     pd_transport: Optional[str] = None
     host_capacity_bytes: int = DEFAULT_HOST_CAPACITY
@@ -166,6 +172,7 @@ class ConnectorConfig:
             tls=extra.get("tls"),
             psk=psk_b,
             lease_s=float(extra.get("lease_s", DEFAULT_LEASE_S)),
+            decode_tp_size=int(extra.get("decode_tp_size", 1)),
             pull_timeout_s=float(extra.get("pull_timeout_s", DEFAULT_PULL_TIMEOUT_S)),
             pd_transport=extra.get("pd_transport"),
             host_capacity_bytes=int(extra.get("host_capacity_bytes", DEFAULT_HOST_CAPACITY)),
@@ -179,6 +186,8 @@ class ConnectorConfig:
         )
         if cfg.lease_s <= 0 or cfg.pull_timeout_s <= 0:
             raise ConfigError("lease_s and pull_timeout_s must be > 0")
+        if cfg.decode_tp_size < 1:
+            raise ConfigError("decode_tp_size must be >= 1")
         if cfg.offload and cfg.host_capacity_bytes <= 0:
             raise ConfigError("host_capacity_bytes must be > 0 when offload is on")
         if ":" not in cfg.listen:

@@ -23,6 +23,7 @@ class SendSpec:
         block_ids: the request's blocks, in order (same ids on every TP rank).
         num_tokens: tokens whose KV the blocks hold.
         lease_s: seconds to keep serving if nobody pulls.
+        decode_tp: TP size of the decode instance that pulls (its ranks are the pullers).
     """
 
     req_id: str
@@ -30,6 +31,7 @@ class SendSpec:
     block_ids: List[int]
     num_tokens: int
     lease_s: float
+    decode_tp: int = 1
 
 
 @dataclass

@@ -319,7 +319,11 @@ class SchedulerSide:
         ids = [int(b) for b in block_ids[:nb]]
         xfer_id = self._next_xfer
         self._next_xfer = self._next_xfer % MAX_XFER_ID + 1
-        self._sends.append(SendSpec(req_id, xfer_id, ids, n, self.cfg.lease_s))
+        try:
+            decode_tp = max(1, int(params.get("decode_tp_size") or self.cfg.decode_tp_size))
+        except (TypeError, ValueError):
+            decode_tp = self.cfg.decode_tp_size
+        self._sends.append(SendSpec(req_id, xfer_id, ids, n, self.cfg.lease_s, decode_tp))
         self._sending[req_id] = time.monotonic() + self.cfg.lease_s
         self.stats["handed_off"] += 1
         prompt = list(request.prompt_token_ids or [])

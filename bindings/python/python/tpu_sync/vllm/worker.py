@@ -168,7 +168,9 @@ class WorkerSide:
         assert self.caches is not None
         layout = self.geometry.tpu_sync_layout(self.caches.num_blocks)
         try:
-            self.transport.register(s.xfer_id, compat.placement(layout, s.block_ids), s.num_tokens, s.lease_s)
+            placement = compat.placement(layout, s.block_ids)
+            pullers = compat.pullers_of_rank(placement, self.caches.tp_rank, s.num_tokens, s.decode_tp)
+            self.transport.register(s.xfer_id, placement, s.num_tokens, s.lease_s, pullers)
             self.stats["registered"] += 1
         except Exception as e:  # the consumer's pull fails and it recomputes; blocks are freed
             log.error("tpu_sync: registering %s (transfer %s) failed: %s", s.req_id, s.xfer_id, e)
