@@ -32,11 +32,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 log = logging.getLogger("tpu_sync.proxy")
 
 
-def prefill_body(body: Dict[str, Any]) -> Dict[str, Any]:
+def prefill_body(body: Dict[str, Any], decode_tp: int = 1) -> Dict[str, Any]:
     """The request sent to the prefill instance: one token, not streamed, asking it to keep the
-    KV for a decode instance."""
+    KV for a decode instance of TP ``decode_tp`` (each of its ranks pulls)."""
     p = dict(body)
-    p.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    p.update(max_tokens=1, stream=False,
+             kv_transfer_params={"do_remote_decode": True, "decode_tp_size": int(decode_tp)})
     if "max_completion_tokens" in p:
         p["max_completion_tokens"] = 1
     p.pop("stream_options", None)
@@ -51,8 +52,9 @@ def decode_body(body: Dict[str, Any], params: Dict[str, Any]) -> Dict[str, Any]:
     return d
 
 
-def make_app(prefill: List[str], decode: List[str], timeout: float = 600.0) -> FastAPI:
-    """The proxy application over the given instance base URLs."""
+def make_app(prefill: List[str], decode: List[str], timeout: float = 600.0, decode_tp: int = 1) -> FastAPI:
+    """The proxy application over the given instance base URLs (``decode_tp``: the decode
+    instances' TP size)."""
     app = FastAPI()
     next_p = itertools.cycle(prefill)
     next_d = itertools.cycle(decode)
@@ -62,7 +64,7 @@ def make_app(prefill: List[str], decode: List[str], timeout: float = 600.0) -> F
         body = await request.json()
         p_url = next(next_p) + path
         try:
-            pr = await client.post(p_url, json=prefill_body(body))
+            pr = await client.post(p_url, json=prefill_body(body, decode_tp))
         except httpx.HTTPError as e:
             return JSONResponse({"error": f"prefill instance {p_url} unreachable: {e}"}, status_code=502)
         if pr.status_code != 200:
@@ -117,12 +119,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill", action="append", required=True, help="prefill instance base URL (repeatable)")
     ap.add_argument("--decode", action="append", required=True, help="decode instance base URL (repeatable)")
+    ap.add_argument("--decode-tp", type=int, default=1, help="TP size of the decode instances")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO)
     strip = lambda urls: [u.rstrip("/") for u in urls]  # noqa: E731
-    uvicorn.run(make_app(strip(a.prefill), strip(a.decode)), host=a.host, port=a.port, log_level="warning")
+    uvicorn.run(make_app(strip(a.prefill), strip(a.decode), decode_tp=a.decode_tp), host=a.host, port=a.port,
+                log_level="warning")
 
 
 if __name__ == "__main__":

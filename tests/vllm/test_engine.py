@@ -165,7 +165,7 @@ def test_pd_reshards_tp1_prefill_into_tp2_decode(engines, plain):
         os.remove(hold)
     prod = engines.start("pd_tp1_producer", engines.spec(
         remote_decode=True, hold_file=hold,
-        connector=dict(kv_role="kv_producer", extra=pd_extra(lease_s=120.0))))
+        connector=dict(kv_role="kv_producer", extra=pd_extra(lease_s=120.0, decode_tp_size=2))))
     engines_env = dict(engines.env)
     engines.env = dict(engines_env, VLLM_CPU_OMP_THREADS_BIND="0|1")
     try:
