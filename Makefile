@@ -38,8 +38,11 @@ LIBDIR := $(CURDIR)/target/release
 test-c: plugin
 	$(CARGO) build --release -p tpu-sync-cdylib
 	mkdir -p target/c
-	$(CC) $(CFLAGS_STRICT) tpu-sync-ffi/tests/c/test_abi.c -L$(LIBDIR) -ltpu_sync -Wl,-rpath,$(LIBDIR) -o target/c/test_abi
-	RUST_BACKTRACE=0 ./target/c/test_abi
+	set -e; for t in tpu-sync-ffi/tests/c/*.c; do \
+	  n=$$(basename $$t .c); \
+	  $(CC) $(CFLAGS_STRICT) $$t -L$(LIBDIR) -ltpu_sync -Wl,-rpath,$(LIBDIR) -o target/c/$$n; \
+	  RUST_BACKTRACE=0 timeout 300 ./target/c/$$n; \
+	done
 
 # Regenerates tpu-sync-ffi/include/tpu_sync.h from the Rust sources (cbindgen).
 header:
