@@ -990,6 +990,13 @@ enum tpu_sync_status tpu_sync_copy_free(struct tpu_sync_copy *copy);
 enum tpu_sync_status tpu_sync_pacing_set(uint64_t chunk_bytes, uint64_t max_inflight_bytes);
 
 /**
+ * Pauses (`paused` true) or resumes the process-wide DMA pacer. While paused no new chunk is
+ * issued: batches submitted meanwhile queue up in order, chunks already in flight complete,
+ * cancellations are still processed. For quiescing device DMA around another operation.
+ */
+enum tpu_sync_status tpu_sync_pacing_pause(bool paused);
+
+/**
  * Writes the process-wide pacer's configuration and counters as JSON into `buf` (`buf`/
  * `buf_len`/`len_out` as for `tpu_sync_client_info`): `{"chunk_bytes", "max_inflight_bytes",
  * "bytes", "chunks", "batches", "failed_batches", "inflight_bytes", "peak_inflight_bytes"}`

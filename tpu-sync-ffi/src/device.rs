@@ -680,6 +680,21 @@ pub extern "C" fn tpu_sync_pacing_set(
     })
 }
 
+/// Pauses (`paused` true) or resumes the process-wide DMA pacer. While paused no new chunk is
+/// issued: batches submitted meanwhile queue up in order, chunks already in flight complete,
+/// cancellations are still processed. For quiescing device DMA around another operation.
+#[no_mangle]
+pub extern "C" fn tpu_sync_pacing_pause(paused: bool) -> tpu_sync_status {
+    boundary("tpu_sync_pacing_pause", || {
+        if paused {
+            Pacer::global().pause();
+        } else {
+            Pacer::global().resume();
+        }
+        Ok(())
+    })
+}
+
 /// Writes the process-wide pacer's configuration and counters as JSON into `buf` (`buf`/
 /// `buf_len`/`len_out` as for `tpu_sync_client_info`): `{"chunk_bytes", "max_inflight_bytes",
 /// "bytes", "chunks", "batches", "failed_batches", "inflight_bytes", "peak_inflight_bytes"}`

@@ -221,16 +221,36 @@ static void test_copies(tpu_sync_client *client) {
   CHECK(tpu_sync_copy_submit(TPU_SYNC_D2H, ops, (size_t)1 << 40, 0, &copy) == TPU_SYNC_INVALID_ARGUMENT,
         "absurd count");
 
-  /* Freeing an unfinished batch cancels it and waits: afterwards nothing writes the host. */
-  tpu_sync_pacing_set(4096, 4096);
+  /* While the pacer is paused nothing is issued: the wait times out (PENDING, not a failure),
+   * and a cancel completes the batch with CANCELLED without writing anything. */
+  CHECK(tpu_sync_pacing_pause(true) == TPU_SYNC_OK, "pause");
   for (int i = 0; i < L; i++) ops[i] = (tpu_sync_copy_op){bufs[i], 0, N, host + i * N};
+  memset(host, 0, L * N);
   CHECK(tpu_sync_copy_submit(TPU_SYNC_D2H, ops, L, 1, &copy) == TPU_SYNC_OK, "submit to cancel");
+  CHECK(tpu_sync_copy_wait(copy, 50, NULL) == TPU_SYNC_PENDING, "pending while paused");
+  CHECK(tpu_sync_copy_poll(copy, &done, &bytes_done) == TPU_SYNC_OK && !done && bytes_done == 0, "not done");
+  atomic_store(&callback_calls, 0);
+  CHECK(tpu_sync_copy_set_callback(copy, on_done, &one) == TPU_SYNC_OK, "callback before cancel");
   CHECK(tpu_sync_copy_cancel(copy) == TPU_SYNC_OK, "cancel");
-  tpu_sync_status s = tpu_sync_copy_wait(copy, 10000, NULL);
-  CHECK(s == TPU_SYNC_CANCELLED || s == TPU_SYNC_OK, "cancelled or already issued: %d", (int)s);
+  CHECK(tpu_sync_copy_wait(copy, 10000, NULL) == TPU_SYNC_CANCELLED, "cancelled: %s", last_error());
+  for (int t = 0; t < 500 && atomic_load(&callback_calls) == 0; t++) sleep_ms(10);
+  CHECK(atomic_load(&callback_status) == TPU_SYNC_CANCELLED, "callback saw CANCELLED");
+  int untouched = 1;
+  for (size_t i = 0; i < (size_t)L * N; i++) untouched &= host[i] == 0;
+  CHECK(untouched, "a cancelled batch wrote nothing");
   CHECK(tpu_sync_copy_free(copy) == TPU_SYNC_OK, "free cancelled");
+  /* Freeing a queued batch cancels it and returns once nothing is in flight. */
   CHECK(tpu_sync_copy_submit(TPU_SYNC_D2H, ops, L, 1, &copy) == TPU_SYNC_OK, "submit to free");
-  CHECK(tpu_sync_copy_free(copy) == TPU_SYNC_OK, "free while running");
+  CHECK(tpu_sync_copy_free(copy) == TPU_SYNC_OK, "free while queued");
+  CHECK(tpu_sync_pacing_pause(false) == TPU_SYNC_OK, "resume");
+  /* Running again after the resume. */
+  CHECK(tpu_sync_copy_submit(TPU_SYNC_D2H, ops, L, 0, &copy) == TPU_SYNC_OK, "submit after resume");
+  CHECK(tpu_sync_copy_wait(copy, 10000, NULL) == TPU_SYNC_OK, "done after resume: %s", last_error());
+  for (int i = 0; i < L; i++) {
+    CHECK(tpu_sync_buffer_read(bufs[i], 0, src, N) == TPU_SYNC_OK && memcmp(host + i * N, src, N) == 0,
+          "d2h after resume %d", i);
+  }
+  tpu_sync_copy_free(copy);
   tpu_sync_pacing_set(16 << 20, 64 << 20);
 
   for (int i = 0; i < L; i++) tpu_sync_buffer_free(bufs[i]);
