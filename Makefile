@@ -6,7 +6,7 @@ PJRT_INCLUDE := $(CURDIR)/.deps/xla-cpu-pjrt/xla_plugins/xla_cpu_pjrt/include
 export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 
-.PHONY: all build plugin demo test test-rust test-c examples-c test-python python header lint bench fuzz clean
+.PHONY: all build plugin demo test test-rust test-c examples-c test-python python header lint bench bench-net netns-example fuzz clean
 
 all: build
 
@@ -66,6 +66,14 @@ lint:
 bench: plugin
 	$(CARGO) bench --bench device_copy
 	$(CARGO) bench --bench store
+
+# Network data plane against one raw TCP socket, pull and push, TCP and QUIC (ratios printed).
+bench-net:
+	$(CARGO) bench --bench net
+
+# Prefill and decode in two network namespaces (root; skipped otherwise).
+netns-example: build
+	./examples/netns/run.sh
 
 clean:
 	$(CARGO) clean

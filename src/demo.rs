@@ -5,6 +5,8 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use tpu_sync::net::tls::generate_test_pki;
+use tpu_sync::net::TransportKind;
 use tpu_sync::util::fmt_bytes;
 use tpu_sync::{Error, Result};
 
@@ -29,7 +31,14 @@ fn child_args(job: &JobArgs) -> Vec<String> {
         job.timeout.to_string(),
         "--serve-timeout".into(),
         job.serve_timeout.to_string(),
+        "--streams".into(),
+        job.streams.to_string(),
+        "--chunk-bytes".into(),
+        job.chunk_bytes.to_string(),
     ];
+    if let Some(p) = &job.psk_file {
+        a.extend(["--psk-file".into(), p.display().to_string()]);
+    }
     if let Some(r) = job.decode_dp_rank {
         a.extend(["--decode-dp-rank".into(), r.to_string()]);
     }
@@ -43,6 +52,14 @@ fn child_args(job: &JobArgs) -> Vec<String> {
         a.extend(["--fault-close-after".into(), f.to_string()]);
     }
     a
+}
+
+/// Removes a directory (the demo's ephemeral certificates) when dropped.
+struct DirGuard(std::path::PathBuf);
+impl Drop for DirGuard {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 struct Guard(Option<Child>);
@@ -84,11 +101,38 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
     let ds = kvproc::decode_spec(job)?;
     tpu_sync::layout::ParallelLayout::new(m.clone(), ps, 1)?;
     tpu_sync::layout::ParallelLayout::new(m.clone(), ds, 1)?;
-    if job.transport != "tcp" {
-        return Err(Error::InvalidArgument(format!(
-            "transport `{}` is not available in this build (available: tcp)",
-            job.transport
-        )));
+    let kind = kvproc::transport_kind(job)?;
+    kvproc::security(job)?;
+    // tls/quic without credentials: an ephemeral CA and one certificate per side, in a private
+    // temporary directory removed at the end.
+    let pki_dir = std::env::temp_dir().join(format!("tpu-sync-demo-{}", std::process::id()));
+    let _cleanup = DirGuard(pki_dir.clone());
+    let mut creds: [Vec<String>; 2] = [Vec::new(), Vec::new()];
+    let given = job.tls_cert.is_some() || job.psk_file.is_some();
+    if kind != TransportKind::Tcp && !given {
+        let pki = generate_test_pki(&pki_dir, &["prefill", "decode"])?;
+        for (i, side) in ["prefill", "decode"].iter().enumerate() {
+            let (c, k) = pki.files(side).expect("generated");
+            creds[i] = vec![
+                "--tls-cert".into(),
+                c.display().to_string(),
+                "--tls-key".into(),
+                k.display().to_string(),
+                "--tls-ca".into(),
+                pki.ca.display().to_string(),
+            ];
+        }
+    } else if let (Some(c), Some(k), Some(ca)) = (&job.tls_cert, &job.tls_key, &job.tls_ca) {
+        for side in creds.iter_mut() {
+            *side = vec![
+                "--tls-cert".into(),
+                c.display().to_string(),
+                "--tls-key".into(),
+                k.display().to_string(),
+                "--tls-ca".into(),
+                ca.display().to_string(),
+            ];
+        }
     }
     let exe = std::env::current_exe().map_err(|e| Error::io("current_exe", e))?;
     println!(
@@ -107,6 +151,7 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
         Command::new(&exe)
             .arg("prefill")
             .args(child_args(job))
+            .args(&creds[0])
             .args(["--listen", &format!("127.0.0.1:{}", job.port)])
             .stdout(Stdio::piped())
             .spawn()
@@ -139,6 +184,7 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
     let decode = Command::new(&exe)
         .arg("decode")
         .args(child_args(job))
+        .args(&creds[1])
         .args(["--connect", &addr])
         .stdout(Stdio::piped())
         .spawn()
@@ -183,17 +229,17 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
     println!("  PJRT {} plugin, API {}", p.platform, p.api_version);
     println!("  prefill: {}  ({} devices)", p.layout, p.devices);
     println!("  decode:  {}  ({} devices)", d.layout, d.devices);
-    println!("  transport: {} via {addr}", job.transport);
+    println!("  transport: {} via {addr}", d.transport);
     println!("  D2H path: {}", p.d2h_path);
     println!("  H2D path: {}", d.h2d_path);
     println!("  staging: prefill {}, decode {}", p.lock, d.lock);
     println!();
     println!(
-        "  {:<9} {:>10} {:>22} {:>10} {:>8}",
+        "  {:<9} {:>10} {:>30} {:>10} {:>8}",
         "phase", "bytes", "ops", "seconds", "GB/s"
     );
     println!(
-        "  {:<9} {:>10} {:>22} {:>10.3} {:>8}",
+        "  {:<9} {:>10} {:>30} {:>10.3} {:>8}",
         "D2H",
         fmt_bytes(p.device_bytes),
         format!("{} copies", p.device_ops),
@@ -201,15 +247,18 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
         gbps(p.device_bytes, p.device_secs)
     );
     println!(
-        "  {:<9} {:>10} {:>22} {:>10.3} {:>8}",
-        "network",
+        "  {:<9} {:>10} {:>30} {:>10.3} {:>8}",
+        format!("net/{kind}"),
         fmt_bytes(d.net_bytes),
-        format!("{} spans, {} pairs", d.net_spans, d.net_pairs),
+        format!(
+            "{} spans, {} pairs, {} stripes",
+            d.net_spans, d.net_pairs, d.net_stripes
+        ),
         d.net_secs,
         gbps(d.net_bytes, d.net_secs)
     );
     println!(
-        "  {:<9} {:>10} {:>22} {:>10.3} {:>8}",
+        "  {:<9} {:>10} {:>30} {:>10.3} {:>8}",
         "H2D",
         fmt_bytes(d.device_bytes),
         format!("{} copies", d.device_ops),
@@ -229,8 +278,8 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
         && d.verified_request_bytes == d.net_bytes;
     if ok {
         println!(
-            "verified: {} bytes, {} blocks, {} layers: prefill {} -> decode {}",
-            d.verified_request_bytes, d.request_blocks, d.layers, p.layout, d.layout
+            "verified: {} bytes, {} blocks, {} layers: prefill {} -> decode {} over {}",
+            d.verified_request_bytes, d.request_blocks, d.layers, p.layout, d.layout, kind
         );
         Ok(ExitCode::SUCCESS)
     } else {

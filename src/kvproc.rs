@@ -14,11 +14,14 @@ use serde::{Deserialize, Serialize};
 use tpu_sync::arena::{ArenaOptions, DmaRegistration, LockStatus, PinnedArena};
 use tpu_sync::device::Pacer;
 use tpu_sync::layout::{KvLayout, ModelKv, ParallelLayout, ParallelSpec};
+use tpu_sync::net::{
+    self, Endpoint, EndpointOptions, PeerMap, PullRequest, Security, SourceOutcome,
+    SourceRegistration, TransportKind,
+};
 use tpu_sync::pattern::{mix64, LayerCheck, RankContents};
 use tpu_sync::pjrt::{Capabilities, Client, ClientOptions, DeviceBuffer, Plugin};
 use tpu_sync::plan::{Placement, Plan};
 use tpu_sync::staging::Staging;
-use tpu_sync::transfer::{self, Registration, Server, TransferOptions};
 use tpu_sync::util::fmt_bytes;
 use tpu_sync::{Error, Result};
 
@@ -48,7 +51,10 @@ pub struct Report {
     pub net_bytes: u64,
     pub net_spans: u64,
     pub net_pairs: u64,
+    pub net_stripes: u64,
     pub net_secs: f64,
+    /// Transport and authentication (decode only).
+    pub transport: String,
     /// Verification (decode only).
     pub verified_request_bytes: u64,
     pub verified_background_bytes: u64,
@@ -82,14 +88,21 @@ pub fn decode_spec(job: &JobArgs) -> Result<ParallelSpec> {
     ParallelSpec::parse(&job.decode)
 }
 
-fn check_transport(job: &JobArgs) -> Result<()> {
-    if job.transport != "tcp" {
-        return Err(Error::InvalidArgument(format!(
-            "transport `{}` is not available in this build (available: tcp)",
-            job.transport
-        )));
+/// The transport named by `--transport`.
+pub fn transport_kind(job: &JobArgs) -> Result<TransportKind> {
+    TransportKind::parse(&job.transport)
+}
+
+/// Peer authentication from `--tls-cert/--tls-key/--tls-ca` or `--psk-file`.
+pub fn security(job: &JobArgs) -> Result<Security> {
+    match (&job.tls_cert, &job.tls_key, &job.tls_ca, &job.psk_file) {
+        (None, None, None, None) => Ok(Security::None),
+        (Some(c), Some(k), Some(ca), None) => Security::from_pem_files(c, k, ca, None),
+        (None, None, None, Some(p)) => Security::from_psk_file(p),
+        _ => Err(Error::InvalidArgument(
+            "give either all of --tls-cert, --tls-key and --tls-ca, or --psk-file".into(),
+        )),
     }
-    Ok(())
 }
 
 /// A layout with room for the request on every rank plus spare blocks, so ids can be scattered.
@@ -263,14 +276,29 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .map_err(|e| Error::io("tokio runtime", e))
 }
 
-fn transfer_options(job: &JobArgs, name: &str) -> TransferOptions {
-    TransferOptions {
-        name: name.into(),
-        connect_timeout: Duration::from_secs(job.timeout.max(1)),
-        io_timeout: Duration::from_secs(job.timeout.max(1)),
-        fault_close_after: job.fault_close_after,
-        ..TransferOptions::default()
-    }
+fn endpoint_options(
+    job: &JobArgs,
+    name: &str,
+    listen: Option<std::net::SocketAddr>,
+) -> Result<EndpointOptions> {
+    let t = Duration::from_secs(job.timeout.max(1));
+    Ok(EndpointOptions {
+        name: format!("{name}-{}", std::process::id()),
+        transport: transport_kind(job)?,
+        security: security(job)?,
+        listen,
+        connect_timeout: t,
+        handshake_timeout: t,
+        io_timeout: t,
+        streams_per_pair: job.streams.max(1),
+        chunk_bytes: job.chunk_bytes,
+        faults: net::FaultHooks {
+            close_after_bytes: job.fault_close_after,
+            stall_after_bytes: job.fault_stall_after,
+            ..Default::default()
+        },
+        ..EndpointOptions::default()
+    })
 }
 
 fn print_report(r: &Report) {
@@ -281,9 +309,10 @@ fn print_report(r: &Report) {
 }
 
 /// `tpu-sync prefill`.
-pub fn prefill(job: &JobArgs, listen: Option<&str>) -> Result<ExitCode> {
+pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Result<ExitCode> {
     let t0 = Instant::now();
-    check_transport(job)?;
+    transport_kind(job)?;
+    security(job)?;
     let m = model(job)?;
     let spec = prefill_spec(job)?;
     let layout = sized_layout(&m, spec, job.tokens)?;
@@ -303,9 +332,16 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>) -> Result<ExitCode> {
         place.layout = place.layout.with_physical_layout(p);
     }
 
-    // D2H: stage the request's blocks of every rank in one pinned arena.
+    // D2H: stage the request's blocks of every hosted rank in one pinned arena.
+    if let Some(r) = ranks.and_then(|v| v.iter().find(|r| place.local_rank(**r).is_none())) {
+        return Err(Error::InvalidArgument(format!(
+            "--ranks: prefill rank {r} does not exist ({} ranks)",
+            spec.ranks_per_replica()
+        )));
+    }
     let ranges: BTreeMap<u32, _> = (0..spec.ranks_per_replica())
         .map(|l| (place.global_rank(l), place.block_ranges(l)))
+        .filter(|(r, _)| ranks.map(|v| v.contains(r)).unwrap_or(true))
         .collect();
     let staging = Arc::new(Staging::new(ranges, &ArenaOptions::default())?);
     let dma = register_dma(staging.arena(), &client)?;
@@ -323,34 +359,40 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>) -> Result<ExitCode> {
     let addr = listen
         .map(str::to_string)
         .unwrap_or_else(|| format!("127.0.0.1:{}", job.port));
-    let server = Server::new(transfer_options(job, "prefill"));
-    server.register(Registration {
-        request_id: job.request_id,
-        num_tokens: job.tokens,
-        placement: place.clone(),
-        staging: staging.clone(),
-    })?;
+    let listen: std::net::SocketAddr = addr
+        .parse()
+        .map_err(|_| Error::InvalidArgument(format!("--listen {addr}: not an IP:port address")))?;
+    let opts = endpoint_options(job, "prefill", Some(listen))?;
     let served = rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .map_err(|e| Error::io(format!("listen on {addr}"), e))?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| Error::io("local_addr", e))?;
+        let ep = Endpoint::bind(opts).await?;
+        let local = ep.local_addr().expect("listening");
+        let handle = ep.register_source(SourceRegistration {
+            request_id: job.request_id,
+            num_tokens: job.tokens,
+            placement: place.clone(),
+            staging: staging.clone(),
+            layers_ready: None,
+            expected_releases: 1,
+        })?;
         println!("LISTENING {local}");
         eprintln!(
-            "prefill: {} request {} ({} tokens, {} staged) on {local}",
+            "prefill: {} ranks {:?}, request {} ({} tokens, {} staged) on {local} over {}",
             layout.describe(),
+            staging.ranks().collect::<Vec<_>>(),
             job.request_id,
             job.tokens,
-            fmt_bytes(staging.total_bytes())
+            fmt_bytes(staging.total_bytes()),
+            ep.transport_kind()
         );
-        let task = tokio::spawn(server.clone().serve(listener));
-        let r = server
-            .wait_released(job.request_id, Duration::from_secs(job.serve_timeout))
-            .await;
-        task.abort();
-        r
+        let r = handle.wait(Duration::from_secs(job.serve_timeout)).await;
+        ep.shutdown(Some(Duration::from_secs(1))).await;
+        match r? {
+            SourceOutcome::Released => Ok(()),
+            o => Err(Error::PeerClosed(format!(
+                "request {} ended without being released: {o:?}",
+                job.request_id
+            ))),
+        }
     });
     rt.shutdown_timeout(Duration::from_secs(1));
     served?;
@@ -377,37 +419,60 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>) -> Result<ExitCode> {
 /// `tpu-sync decode`.
 pub fn decode(job: &JobArgs, connect: &str) -> Result<ExitCode> {
     let t0 = Instant::now();
-    check_transport(job)?;
+    transport_kind(job)?;
     let m = model(job)?;
     let spec = decode_spec(job)?;
     let dp_rank = job
         .decode_dp_rank
         .unwrap_or(if spec.dp > 1 { 1 } else { 0 });
+    let sources = PeerMap::parse(connect)?;
+    let opts = endpoint_options(job, "decode", None)?;
     let rt = runtime()?;
-    let opts = transfer_options(job, "decode");
-    let (src, num_tokens) = rt.block_on(transfer::describe(connect, job.request_id, &opts))?;
-    let r = decode_request(
-        job, connect, &rt, &opts, m, spec, dp_rank, src, num_tokens, t0,
-    );
-    if r.is_err() {
-        // Best effort: let the prefill side free the request now instead of at its timeout.
-        let quick = TransferOptions {
-            connect_timeout: Duration::from_secs(2),
-            io_timeout: Duration::from_secs(2),
-            ..opts.clone()
-        };
-        let _ = rt.block_on(transfer::release(connect, job.request_id, &quick));
-    }
+    let r = rt.block_on(async {
+        let ep = Endpoint::bind(opts).await?;
+        let first = sources
+            .default
+            .clone()
+            .or_else(|| sources.by_rank.values().next().cloned())
+            .expect("non-empty peer map");
+        let (src, num_tokens) = ep.describe(&first, job.request_id).await?;
+        let r = decode_request(
+            job,
+            &ep,
+            &sources,
+            m,
+            spec,
+            dp_rank,
+            src.clone(),
+            num_tokens,
+            t0,
+        )
+        .await;
+        // Release on success and on failure (then the prefill frees the request at once instead
+        // of at its lease expiry).
+        let ranks = (0..src.layout.spec.ranks_per_replica()).map(|l| src.global_rank(l));
+        // A release that fails after the bytes arrived is only a warning: the transfer itself
+        // succeeded and was verified, and the prefill side frees the request at lease expiry.
+        for a in sources.addresses(ranks).unwrap_or_default() {
+            if let Err(e) = ep.release(&a, job.request_id).await {
+                eprintln!(
+                    "decode: warning: release of request {} at {a}: {e}",
+                    job.request_id
+                );
+            }
+        }
+        ep.shutdown(None).await;
+        r
+    });
     rt.shutdown_timeout(Duration::from_secs(1));
     r
 }
 
 #[allow(clippy::too_many_arguments)]
-fn decode_request(
+async fn decode_request(
     job: &JobArgs,
-    connect: &str,
-    rt: &tokio::runtime::Runtime,
-    opts: &TransferOptions,
+    ep: &Endpoint,
+    sources: &PeerMap,
     m: ModelKv,
     spec: ParallelSpec,
     dp_rank: u32,
@@ -447,19 +512,23 @@ fn decode_request(
     };
 
     let staging = Arc::new(Staging::new(
-        transfer::plan_staging(&plan, &dst),
+        net::plan_staging(&plan, &dst),
         &ArenaOptions::default(),
     )?);
     let dma = register_dma(staging.arena(), &client)?;
-    let pulled = rt.block_on(transfer::pull(
-        connect,
-        job.request_id,
-        &src,
-        &dst,
-        num_tokens,
-        staging.clone(),
-        opts,
-    ))?;
+    let pulled = ep
+        .pull(PullRequest {
+            request_id: job.request_id,
+            num_tokens,
+            src: src.clone(),
+            sources: sources.clone(),
+            dst: dst.clone(),
+            staging: staging.clone(),
+            dst_ranks: None,
+            plan: None,
+        })?
+        .wait()
+        .await?;
 
     let t = Instant::now();
     let mut h2d_bytes = 0;
@@ -472,7 +541,6 @@ fn decode_request(
     let h2d_secs = t.elapsed().as_secs_f64();
 
     let check = verify(&dst, num_tokens, &buffers)?;
-    rt.block_on(transfer::release(connect, job.request_id, opts))?;
 
     let request_blocks: u64 = dst.block_ids.iter().map(|v| v.len() as u64).sum();
     let ok = check.mismatches == 0
@@ -496,7 +564,9 @@ fn decode_request(
         net_bytes: pulled.bytes,
         net_spans: pulled.spans,
         net_pairs: pulled.pairs,
+        net_stripes: pulled.stripes,
         net_secs: pulled.elapsed.as_secs_f64(),
+        transport: format!("{} ({})", ep.transport_kind(), security(job)?.describe()),
         verified_request_bytes: check.request_bytes,
         verified_background_bytes: check.background_bytes,
         mismatches: check.mismatches,

@@ -32,12 +32,17 @@ enum Cmd {
         /// Address to listen on (e.g. 0.0.0.0:7700); default 127.0.0.1:<--port>.
         #[arg(long)]
         listen: Option<String>,
+        /// Prefill ranks this process hosts (comma-separated global ranks; default: all), so the
+        /// ranks of one prefill instance can live in several processes or hosts.
+        #[arg(long, value_delimiter = ',')]
+        ranks: Option<Vec<u32>>,
     },
     /// Decode half: pull the request from a prefill process, write it to device KV, verify.
     Decode {
         #[command(flatten)]
         job: JobArgs,
-        /// Address of the prefill process (host:port).
+        /// Address of the prefill process (host:port), or one per prefill rank as
+        /// `RANK=HOST:PORT,...` when the prefill ranks live in different processes.
         #[arg(long)]
         connect: String,
     },
@@ -78,9 +83,30 @@ pub struct JobArgs {
     /// DP rank of the decode instance that receives the request (default: 1, or 0 when DP=1).
     #[arg(long)]
     pub decode_dp_rank: Option<u32>,
-    /// Transport between prefill and decode.
+    /// Transport between prefill and decode: tcp (plain, trusted networks only), tls (TLS 1.3
+    /// over TCP) or quic. tls and quic need --tls-cert/--tls-key/--tls-ca or --psk-file; `demo`
+    /// generates an ephemeral CA and certificates for both sides when none are given.
     #[arg(long, default_value = "tcp")]
     pub transport: String,
+    /// This side's certificate chain (PEM) for tls/quic.
+    #[arg(long)]
+    pub tls_cert: Option<PathBuf>,
+    /// This side's private key (PEM) for tls/quic.
+    #[arg(long)]
+    pub tls_key: Option<PathBuf>,
+    /// CA certificate(s) (PEM) that the peer's certificate must chain to.
+    #[arg(long)]
+    pub tls_ca: Option<PathBuf>,
+    /// File holding a pre-shared key (>= 16 bytes, 32 random bytes recommended) used instead of
+    /// certificates for tls/quic.
+    #[arg(long)]
+    pub psk_file: Option<PathBuf>,
+    /// Parallel streams (lanes) per (prefill rank, decode rank) pair.
+    #[arg(long, default_value_t = 2)]
+    pub streams: u32,
+    /// Payload bytes per data frame (chunk).
+    #[arg(long, default_value_t = 1 << 20)]
+    pub chunk_bytes: u64,
     /// PJRT plugin shared library (default: $TPU_SYNC_PJRT_PLUGIN, else the one `make` installed).
     #[arg(long)]
     pub plugin: Option<PathBuf>,
@@ -102,6 +128,9 @@ pub struct JobArgs {
     /// Test hook: prefill closes its connection after this many payload bytes.
     #[arg(long, hide = true)]
     pub fault_close_after: Option<u64>,
+    /// Test hook: prefill stops sending (sockets open) after this many payload bytes.
+    #[arg(long, hide = true)]
+    pub fault_stall_after: Option<u64>,
     /// Test hook: decode lists this block id for the request (checked against the layout).
     #[arg(long, hide = true)]
     pub fault_block_id: Option<u32>,
@@ -112,7 +141,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Demo(job) => demo::run(&job),
-        Cmd::Prefill { job, listen } => kvproc::prefill(&job, listen.as_deref()),
+        Cmd::Prefill { job, listen, ranks } => {
+            kvproc::prefill(&job, listen.as_deref(), ranks.as_deref())
+        }
         Cmd::Decode { job, connect } => kvproc::decode(&job, &connect),
         Cmd::Info { plugin, devices } => kvproc::info(plugin.as_deref(), devices),
         Cmd::StoreDemo(a) => store_demo::run(&a),

@@ -281,3 +281,248 @@ fn prefill_and_decode_as_separate_commands() {
     assert_eq!(rep["verified_request_bytes"], 200 * 3 * 2 * 8 * 128 * 2);
     assert!(p.wait().unwrap().success());
 }
+
+#[test]
+fn demo_over_tls_and_quic_with_ephemeral_certificates() {
+    for t in ["tls", "quic"] {
+        let o = tpu_sync(
+            &["demo", "--layers", "2", "--tokens", "333", "--transport", t],
+            LIMIT,
+        );
+        let text = text(&o);
+        assert!(o.status.success(), "demo over {t} failed:\n{text}");
+        assert!(
+            text.contains(&format!("transport: {t} (mutual TLS (CA))")),
+            "{t}: table does not show the transport:\n{text}"
+        );
+        assert!(text.contains(&format!("net/{t}")), "{text}");
+        let v = text.lines().find(|l| l.starts_with("verified:")).unwrap();
+        assert_eq!(verified_bytes(v), 333 * 2 * 2 * 8 * 128 * 2);
+        assert!(v.ends_with(&format!("over {t}")), "{v}");
+    }
+}
+
+#[test]
+fn prefill_and_decode_with_a_pre_shared_key_and_a_wrong_one() {
+    let dir = std::env::temp_dir().join(format!("tpu-sync-psk-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("good.key");
+    let bad = dir.join("bad.key");
+    std::fs::write(&good, b"0123456789abcdef0123456789abcdef").unwrap();
+    std::fs::write(&bad, b"fedcba9876543210fedcba9876543210").unwrap();
+    let mut p = Command::new(env!("CARGO_BIN_EXE_tpu-sync"))
+        .args([
+            "prefill",
+            "--layers",
+            "1",
+            "--tokens",
+            "100",
+            "--listen",
+            "127.0.0.1:0",
+            "--transport",
+            "quic",
+            "--psk-file",
+        ])
+        .arg(&good)
+        .env("TPU_SYNC_PJRT_PLUGIN", common::plugin_path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let l = lines.next().expect("prefill output").unwrap();
+        if let Some(a) = l.strip_prefix("LISTENING ") {
+            break a.to_string();
+        }
+    };
+    let args = |key: &std::path::Path| {
+        vec![
+            "decode".to_string(),
+            "--connect".into(),
+            addr.clone(),
+            "--layers".into(),
+            "1".into(),
+            "--transport".into(),
+            "quic".into(),
+            "--timeout".into(),
+            "3".into(),
+            "--psk-file".into(),
+            key.display().to_string(),
+        ]
+    };
+    let bad_args = args(&bad);
+    let o = tpu_sync(
+        &bad_args.iter().map(String::as_str).collect::<Vec<_>>(),
+        LIMIT,
+    );
+    assert!(
+        !o.status.success(),
+        "a wrong PSK was accepted:\n{}",
+        text(&o)
+    );
+    let good_args = args(&good);
+    let o = tpu_sync(
+        &good_args.iter().map(String::as_str).collect::<Vec<_>>(),
+        LIMIT,
+    );
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("\"transport\":\"quic (pre-shared key)\""), "{t}");
+    assert!(p.wait().unwrap().success());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Prefill ranks in different processes: ranks 0,1 of a TP=2 x PCP=2 prefill in one process and
+/// ranks 2,3 in another; the decode pulls each rank's spans from the process that holds it.
+#[test]
+fn prefill_ranks_in_two_processes() {
+    let spawn = |ranks: &str| {
+        let mut p = Command::new(env!("CARGO_BIN_EXE_tpu-sync"))
+            .args([
+                "prefill",
+                "--layers",
+                "2",
+                "--tokens",
+                "300",
+                "--listen",
+                "127.0.0.1:0",
+                "--ranks",
+                ranks,
+                "--transport",
+                "quic",
+                "--psk-file",
+            ])
+            .arg(psk_path())
+            .env("TPU_SYNC_PJRT_PLUGIN", common::plugin_path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
+        let addr = loop {
+            let l = lines.next().expect("prefill output").unwrap();
+            if let Some(a) = l.strip_prefix("LISTENING ") {
+                break a.to_string();
+            }
+        };
+        // Keep reading its stdout (its final REPORT line) so it never writes to a closed pipe.
+        let drain = std::thread::spawn(move || lines.count());
+        (p, addr, drain)
+    };
+    let (mut p01, a01, _d01) = spawn("0,1");
+    let (mut p23, a23, _d23) = spawn("2,3");
+    let map = format!("0={a01},1={a01},2={a23},3={a23}");
+    let psk = psk_path().display().to_string();
+    let o = tpu_sync(
+        &[
+            "decode",
+            "--connect",
+            &map,
+            "--layers",
+            "2",
+            "--transport",
+            "quic",
+            "--psk-file",
+            &psk,
+        ],
+        LIMIT,
+    );
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    let rep: serde_json::Value =
+        serde_json::from_str(t.lines().find_map(|l| l.strip_prefix("REPORT ")).unwrap()).unwrap();
+    assert_eq!(rep["mismatches"], 0);
+    assert_eq!(rep["verified_request_bytes"], 300 * 2 * 2 * 8 * 128 * 2);
+    assert_eq!(rep["net_pairs"], 4, "{rep}");
+    assert!(p01.wait().unwrap().success());
+    assert!(p23.wait().unwrap().success());
+}
+
+fn psk_path() -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("tpu-sync-ranks-psk-{}", std::process::id()));
+    if !p.exists() {
+        std::fs::write(&p, b"a-pre-shared-key-of-32-bytes-ok!").unwrap();
+    }
+    p
+}
+
+/// The prefill process is killed (SIGKILL) while the decode works on the request (describing,
+/// connecting or mid-transfer, depending on timing): the decode fails with an explicit error
+/// within its configured limits (5 s), for each transport. QUIC has no reset a client could see, so
+/// a decode that only connects after the kill waits for its connect + handshake timeouts.
+#[test]
+fn prefill_killed_mid_transfer_fails_the_decode() {
+    for t in ["tcp", "quic"] {
+        let psk = psk_path().display().to_string();
+        let mut args = vec![
+            "prefill",
+            "--layers",
+            "4",
+            "--tokens",
+            "1000",
+            "--listen",
+            "127.0.0.1:0",
+            "--fault-stall-after",
+            "200000",
+            "--transport",
+            t,
+        ];
+        if t != "tcp" {
+            args.extend(["--psk-file", &psk]);
+        }
+        let mut p = Command::new(env!("CARGO_BIN_EXE_tpu-sync"))
+            .args(&args)
+            .env("TPU_SYNC_PJRT_PLUGIN", common::plugin_path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
+        let addr = loop {
+            let l = lines.next().expect("prefill output").unwrap();
+            if let Some(a) = l.strip_prefix("LISTENING ") {
+                break a.to_string();
+            }
+        };
+        let pid = p.id();
+        // Kill the prefill once the decode is well into the transfer (the prefill stalls after
+        // 200 KB, so the transfer is in flight when the kill lands).
+        let killer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(1500));
+            // SAFETY: signalling our own child process by pid.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        });
+        let mut dargs = vec![
+            "decode",
+            "--connect",
+            &addr,
+            "--layers",
+            "4",
+            "--timeout",
+            "5",
+            "--transport",
+            t,
+        ];
+        if t != "tcp" {
+            dargs.extend(["--psk-file", &psk]);
+        }
+        let t0 = std::time::Instant::now();
+        let o = tpu_sync(&dargs, LIMIT);
+        let text = text(&o);
+        killer.join().unwrap();
+        let _ = p.wait();
+        assert!(
+            !o.status.success(),
+            "{t}: decode succeeded after the prefill died:\n{text}"
+        );
+        assert!(text.contains("peer"), "{t}: {text}");
+        assert!(!text.contains("panicked"), "{text}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{t}: noticed after {:?} (timeouts 5 s)",
+            t0.elapsed()
+        );
+        drop(lines);
+    }
+}

@@ -17,7 +17,9 @@
 //! bytes `stream_offset..stream_offset+payload_len` of the pair's byte stream (the concatenation,
 //! in plan order, of the bytes of every span between one source and one destination rank). The
 //! checksum is xxh3-64 of the payload. A receiver derives where payload bytes go from its own
-//! plan, never from the frame.
+//! plan, never from the frame. A pair's stream may be split over several lanes ([`Stripe`]).
+//!
+//! The lane protocol built on these frames is described in [`crate::net`].
 
 use serde::{Deserialize, Serialize};
 
@@ -27,7 +29,7 @@ use crate::plan::Placement;
 /// Frame magic.
 pub const MAGIC: [u8; 4] = *b"TSYN";
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u8 = 1;
+pub const PROTOCOL_VERSION: u8 = 2;
 /// Size of [`FrameHeader`] on the wire.
 pub const HEADER_LEN: usize = 24;
 /// Size of [`DataHeader`] on the wire.
@@ -153,21 +155,132 @@ impl DataHeader {
     }
 }
 
+/// What a lane (one stream of a connection) is used for, declared in its [`Control::Hello`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LaneRole {
+    /// The per-peer control lane: heartbeats ([`Control::Ping`]/[`Control::Pong`]) and
+    /// [`Control::Cancel`]. Its loss (EOF, reset or missed heartbeats) means the peer is gone.
+    Control,
+    /// A data lane: one request/response exchange at a time (describe, pull, push, release).
+    Data,
+}
+
+/// How a pair's byte stream is split over parallel lanes ("stripes"): the stream is cut into
+/// chunks of at most `chunk_bytes` that never cross a layer boundary ([`Stripe::chunks_in`]);
+/// chunk `c` travels on stripe `c % count`, one data frame per chunk, in increasing order. All stripes of a pair must declare the same
+/// `count` and `chunk_bytes`; a receiver refuses a stripe that disagrees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stripe {
+    /// This stripe (`0..count`).
+    pub index: u32,
+    /// Number of stripes of the pair (>= 1).
+    pub count: u32,
+    /// Chunk size in bytes (one data frame per chunk), `1..=MAX_DATA_PAYLOAD`.
+    pub chunk_bytes: u64,
+}
+
+impl Stripe {
+    /// Checks `index < count`, `count >= 1` and the chunk size limit.
+    pub fn validate(&self) -> Result<()> {
+        if self.count == 0 || self.index >= self.count {
+            return Err(Error::Protocol(format!(
+                "stripe {} of {} is not a valid stripe",
+                self.index, self.count
+            )));
+        }
+        if self.chunk_bytes == 0 || self.chunk_bytes > MAX_DATA_PAYLOAD as u64 {
+            return Err(Error::Protocol(format!(
+                "chunk size {} outside 1..={MAX_DATA_PAYLOAD}",
+                self.chunk_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// The chunks (`[start, end)` stream offsets) of this stripe for a stream of `total` bytes.
+    pub fn chunks(&self, total: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.chunks_in(std::slice::from_ref(&total).to_vec())
+    }
+
+    /// The chunks of this stripe for a stream cut into segments (layers) that end at `bounds`
+    /// (non-decreasing; the last is the stream length): each segment is cut into chunks of at
+    /// most `chunk_bytes`, so no chunk spans two layers; chunks are numbered across segments and
+    /// chunk `c` belongs to stripe `c % count`.
+    pub fn chunks_in(&self, bounds: Vec<u64>) -> impl Iterator<Item = (u64, u64)> + '_ {
+        let c = self.chunk_bytes.max(1);
+        let count = self.count.max(1) as u64;
+        let mut start = 0u64;
+        let mut n = 0u64;
+        let mut out = Vec::new();
+        for end in bounds {
+            let mut a = start;
+            while a < end {
+                let b = (a + c).min(end);
+                if n % count == self.index as u64 {
+                    out.push((a, b));
+                }
+                n += 1;
+                a = b;
+            }
+            start = start.max(end);
+        }
+        out.into_iter()
+    }
+
+    /// Bytes this stripe carries of a `total`-byte stream.
+    pub fn bytes(&self, total: u64) -> u64 {
+        self.chunks(total).map(|(a, b)| b - a).sum()
+    }
+}
+
 /// Control messages (JSON bodies of control frames).
+///
+/// Every exchange on a data lane is one request followed by its answer; a lane carries one
+/// exchange at a time. Pull: `Pull` -> data frames -> `StreamDone` (or `Failed`). Push: `Push` ->
+/// `Ready` (or `Failed`) -> data frames -> `StreamDone` -> `StreamAck` (or `Failed`); then
+/// `PushFinish` -> `Finished`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Control {
-    /// First message on every connection, both directions.
+    /// First message on every lane, sent by the side that opened it.
     Hello {
-        /// Free-form endpoint name (for logs).
+        /// Endpoint name (unique per live process; a new incarnation under the same name
+        /// replaces the old one).
         name: String,
         /// Protocol version (must equal the frame version).
         protocol: u8,
+        /// Random id of this process's endpoint instance: lanes with the same `(name,
+        /// incarnation)` belong to one peer session.
+        incarnation: u64,
+        /// What the lane is for.
+        role: LaneRole,
     },
-    /// Ask the owner of a registered request for its placement.
+    /// Answer to [`Control::Hello`].
+    HelloAck {
+        /// The accepting endpoint's name.
+        name: String,
+        /// Protocol version.
+        protocol: u8,
+        /// The accepting endpoint's incarnation.
+        incarnation: u64,
+    },
+    /// Heartbeat on the control lane; answered with [`Control::Pong`].
+    Ping {
+        /// Sequence number.
+        seq: u64,
+    },
+    /// Heartbeat answer.
+    Pong {
+        /// Sequence number of the ping.
+        seq: u64,
+    },
+    /// Ask for the placement and token count of a registered request.
     Describe {
         /// The request.
         request_id: u64,
+        /// `false`: a request registered as a pull source; `true`: a push destination.
+        sink: bool,
     },
     /// Reply to [`Control::Describe`].
     Description {
@@ -178,8 +291,8 @@ pub enum Control {
         /// Where the request's blocks are on the owner's side.
         placement: Placement,
     },
-    /// Receiver asks a sender for the spans from `src_rank` to `dst_rank` of the plan between the
-    /// sender's registered placement and `dst`.
+    /// Receiver asks a sender for one stripe of the spans from `src_rank` to `dst_rank` of the
+    /// plan between the sender's registered placement and `dst`.
     Pull {
         /// The request.
         request_id: u64,
@@ -191,15 +304,68 @@ pub enum Control {
         dst: Placement,
         /// [`crate::plan::spans_digest`] of the pair's spans as the receiver computed them.
         digest: u64,
-        /// Bytes the receiver expects.
+        /// Bytes of the pair's stream (all stripes).
         total_bytes: u64,
+        /// The stripe asked for.
+        stripe: Stripe,
     },
-    /// Sender finished a pull stream.
-    PullDone {
+    /// Sender offers one stripe of the pair `src_rank -> dst_rank` of the plan between `src`
+    /// and the receiver's registered placement.
+    Push {
         /// The request.
         request_id: u64,
-        /// Bytes sent.
+        /// Source rank (on the sender).
+        src_rank: u32,
+        /// Destination rank (on the receiver).
+        dst_rank: u32,
+        /// The sender's placement of the request.
+        src: Placement,
+        /// Tokens of the request.
+        num_tokens: u32,
+        /// Digest of the pair's spans as the sender computed them.
+        digest: u64,
+        /// Bytes of the pair's stream (all stripes).
+        total_bytes: u64,
+        /// The stripe offered.
+        stripe: Stripe,
+    },
+    /// The receiver of a [`Control::Push`] accepts it: data frames may follow.
+    Ready {
+        /// The request.
+        request_id: u64,
+    },
+    /// A sender finished a stripe.
+    StreamDone {
+        /// The request.
+        request_id: u64,
+        /// Payload bytes sent on this stripe.
         bytes: u64,
+    },
+    /// A push receiver verified a whole stripe.
+    StreamAck {
+        /// The request.
+        request_id: u64,
+        /// Payload bytes received and verified.
+        bytes: u64,
+    },
+    /// A push sender declares that its source ranks `src_ranks` have delivered everything they
+    /// hold for the receiver (ranks without bytes for it included).
+    PushFinish {
+        /// The request.
+        request_id: u64,
+        /// Global source ranks hosted by the sender.
+        src_ranks: Vec<u32>,
+        /// The sender's placement (the receiver may not have seen a `Push` from it).
+        src: Placement,
+        /// Tokens of the request.
+        num_tokens: u32,
+    },
+    /// Answer to [`Control::PushFinish`].
+    Finished {
+        /// The request.
+        request_id: u64,
+        /// Whether the receiver now has every declared sender's bytes.
+        complete: bool,
     },
     /// The receiver is done with the request; the sender may release its blocks.
     Release {
@@ -208,6 +374,11 @@ pub enum Control {
     },
     /// Acknowledges a [`Control::Release`].
     Released {
+        /// The request.
+        request_id: u64,
+    },
+    /// Stop all work on a request (control lane); no answer.
+    Cancel {
         /// The request.
         request_id: u64,
     },
@@ -309,6 +480,63 @@ mod tests {
         assert_eq!(Control::decode(&f[HEADER_LEN..]).unwrap(), m);
         assert!(Control::decode(b"{\"type\":\"nope\"}").is_err());
         assert!(Control::decode(&f[HEADER_LEN..f.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn stripes_partition_the_stream() {
+        for total in [0u64, 1, 999, 1000, 1001, 12345] {
+            for count in 1..5 {
+                let mut covered = vec![0u8; total as usize];
+                let mut sum = 0;
+                for index in 0..count {
+                    let s = Stripe {
+                        index,
+                        count,
+                        chunk_bytes: 100,
+                    };
+                    s.validate().unwrap();
+                    for (a, b) in s.chunks(total) {
+                        assert!(b - a <= 100 && a < b);
+                        covered[a as usize..b as usize]
+                            .iter_mut()
+                            .for_each(|x| *x += 1);
+                    }
+                    sum += s.bytes(total);
+                }
+                assert_eq!(sum, total);
+                assert!(covered.iter().all(|&x| x == 1));
+            }
+        }
+        // Layer-aligned chunks: no chunk crosses a segment end.
+        let s = Stripe {
+            index: 0,
+            count: 1,
+            chunk_bytes: 100,
+        };
+        let v: Vec<_> = s.chunks_in(vec![150, 150, 420]).collect();
+        assert_eq!(
+            v,
+            vec![(0, 100), (100, 150), (150, 250), (250, 350), (350, 420)]
+        );
+        let s1 = Stripe {
+            index: 1,
+            count: 2,
+            chunk_bytes: 100,
+        };
+        let v: Vec<_> = s1.chunks_in(vec![150, 420]).collect();
+        assert_eq!(v, vec![(100, 150), (250, 350)]);
+        let bad = Stripe {
+            index: 2,
+            count: 2,
+            chunk_bytes: 1,
+        };
+        assert!(bad.validate().is_err());
+        let bad = Stripe {
+            index: 0,
+            count: 1,
+            chunk_bytes: 0,
+        };
+        assert!(bad.validate().is_err());
     }
 
     #[test]

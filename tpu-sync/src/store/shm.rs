@@ -253,6 +253,26 @@ fn flock(f: &File, op: libc::c_int) -> std::io::Result<()> {
     }
 }
 
+/// How long an exclusive lock is retried: `list_segments` holds a shared lock on each segment for
+/// an instant to see whether it is in use, which must not make a starting server fail.
+const LOCK_RETRY: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// `flock(LOCK_EX)`, retried for [`LOCK_RETRY`] while another descriptor holds the lock.
+fn flock_exclusive(f: &File) -> std::io::Result<()> {
+    let deadline = std::time::Instant::now() + LOCK_RETRY;
+    loop {
+        match flock(f, libc::LOCK_EX) {
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            r => return r,
+        }
+    }
+}
+
 fn rd_u32(h: &[u8], off: usize) -> u32 {
     u32::from_le_bytes(h[off..off + 4].try_into().expect("4 bytes"))
 }
@@ -422,7 +442,7 @@ impl Segment {
                 ),
             ));
         }
-        flock(&file, libc::LOCK_EX).map_err(|e| {
+        flock_exclusive(&file).map_err(|e| {
             Error::io(
                 format!(
                     "shared-memory segment {shown} is in use by another process (each server \
@@ -762,7 +782,12 @@ pub fn list_segments(dir: &Path) -> Result<Vec<SegmentInfo>> {
                 .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
                 .open(&path)
             {
+                // Test the lock and let go at once, so a server opening the segment meanwhile
+                // is not refused (it also retries for LOCK_RETRY).
                 info.in_use = flock(&f, libc::LOCK_SH).is_err();
+                if !info.in_use {
+                    flock(&f, libc::LOCK_UN).ok();
+                }
                 let mut h = vec![0u8; HEADER_BYTES as usize];
                 if f.read_exact(&mut h).is_ok() && h[..8] == MAGIC {
                     let g = header_geometry(&h);
@@ -829,7 +854,7 @@ pub fn remove_segment(dir: &Path, name: &str, force: bool) -> Result<()> {
                 ),
             ));
         }
-        flock(&f, libc::LOCK_EX).map_err(|e| {
+        flock_exclusive(&f).map_err(|e| {
             Error::io(
                 format!("remove {shown}: in use by a running process (use --force)"),
                 e,

@@ -1,0 +1,306 @@
+//! Frames on a lane: control messages and data chunks, every read and write bounded by a
+//! timeout. Used by both sides of every exchange.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::pin::Pin;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::transport::Lane;
+use crate::error::{Error, Result};
+use crate::wire::{self, Control, DataHeader, FrameHeader, FrameKind, DATA_HEADER_LEN, HEADER_LEN};
+
+/// Pieces shorter than this are copied into one contiguous buffer before a vectored write
+/// (the kernel's per-iovec cost dominates for tiny pieces such as 256-byte head rows).
+const SMALL_PIECE: usize = 2048;
+
+/// A lane with its reusable buffers.
+pub(crate) struct Framed {
+    pub(crate) lane: Box<dyn Lane>,
+    pub(crate) io_timeout: Duration,
+    gather: Vec<u8>,
+    bounce: Vec<u8>,
+}
+
+/// What a data frame turned out to be after [`Framed::recv_data`].
+pub(crate) enum DataOutcome {
+    /// The payload was placed and its checksum matched.
+    Ok,
+    /// The payload was consumed (the lane stays in sync) but its checksum did not match.
+    BadChecksum,
+}
+
+fn timeout_err(t: Duration, what: &str) -> Error {
+    Error::Timeout(format!("no progress from peer for {t:?} ({what})"))
+}
+
+fn read_err(e: std::io::Error, what: &str) -> Error {
+    match e.kind() {
+        std::io::ErrorKind::UnexpectedEof
+        | std::io::ErrorKind::ConnectionReset
+        | std::io::ErrorKind::ConnectionAborted
+        | std::io::ErrorKind::BrokenPipe => {
+            Error::PeerClosed(format!("connection closed ({what}): {e}"))
+        }
+        _ => Error::io(what.to_string(), e),
+    }
+}
+
+impl Framed {
+    pub(crate) fn new(lane: Box<dyn Lane>, io_timeout: Duration) -> Framed {
+        Framed {
+            lane,
+            io_timeout,
+            gather: Vec::new(),
+            bounce: Vec::new(),
+        }
+    }
+
+    /// Writes one control frame.
+    pub(crate) async fn send(&mut self, msg: &Control, request_id: u64) -> Result<()> {
+        let frame = msg.to_frame(request_id)?;
+        self.write_all(&frame).await
+    }
+
+    async fn write_all(&mut self, b: &[u8]) -> Result<()> {
+        let t = self.io_timeout;
+        match tokio::time::timeout(t, async {
+            self.lane.write_all(b).await?;
+            self.lane.flush().await
+        })
+        .await
+        {
+            Err(_) => Err(timeout_err(t, "peer accepts no data")),
+            Ok(Err(e)) => Err(read_err(e, "write")),
+            Ok(Ok(())) => Ok(()),
+        }
+    }
+
+    async fn read_exact(&mut self, buf: &mut [u8], wait: Duration, what: &str) -> Result<()> {
+        match tokio::time::timeout(wait, self.lane.read_exact(buf)).await {
+            Err(_) => Err(timeout_err(wait, what)),
+            Ok(Err(e)) => Err(read_err(e, what)),
+            Ok(Ok(_)) => Ok(()),
+        }
+    }
+
+    /// Reads the next frame header, waiting at most `wait`.
+    pub(crate) async fn recv_header(&mut self, wait: Duration) -> Result<FrameHeader> {
+        let mut hb = [0u8; HEADER_LEN];
+        self.read_exact(&mut hb, wait, "frame header").await?;
+        FrameHeader::decode(&hb)
+    }
+
+    /// Reads the body of a control frame whose header was read.
+    pub(crate) async fn recv_control_body(&mut self, h: &FrameHeader) -> Result<Control> {
+        if h.kind != FrameKind::Control {
+            return Err(Error::Protocol("expected a control frame, got data".into()));
+        }
+        let mut body = vec![0u8; h.body_len as usize];
+        let t = self.io_timeout;
+        self.read_exact(&mut body, t, "control message").await?;
+        Control::decode(&body)
+    }
+
+    /// Reads the next frame, which must be a control frame, waiting at most `wait` for it.
+    pub(crate) async fn recv(&mut self, wait: Duration) -> Result<(u64, Control)> {
+        let h = self.recv_header(wait).await?;
+        let m = self.recv_control_body(&h).await?;
+        Ok((h.request_id, m))
+    }
+
+    /// Writes one data frame whose payload is the concatenation of `parts`.
+    pub(crate) async fn send_data(
+        &mut self,
+        request_id: u64,
+        stream_offset: u64,
+        parts: &[&[u8]],
+    ) -> Result<()> {
+        let n: usize = parts.iter().map(|p| p.len()).sum();
+        let dh = DataHeader {
+            stream_offset,
+            checksum: wire::checksum(parts.iter().copied()),
+        };
+        let fh = FrameHeader {
+            kind: FrameKind::Data,
+            body_len: (DATA_HEADER_LEN + n) as u32,
+            request_id,
+        };
+        let (h1, h2) = (fh.encode(), dh.encode());
+        if !self.lane.is_write_vectored() {
+            // Encrypted lanes copy into records/packets anyway: one gather, one write.
+            let mut g = std::mem::take(&mut self.gather);
+            g.clear();
+            g.reserve(HEADER_LEN + DATA_HEADER_LEN + n);
+            g.extend_from_slice(&h1);
+            g.extend_from_slice(&h2);
+            for p in parts {
+                g.extend_from_slice(p);
+            }
+            let r = self.write_all(&g).await;
+            self.gather = g;
+            return r;
+        }
+        // Plain TCP: writev straight from the staging; runs of tiny pieces are gathered first.
+        let small: usize = parts
+            .iter()
+            .filter(|p| p.len() < SMALL_PIECE)
+            .map(|p| p.len())
+            .sum();
+        let mut g = std::mem::take(&mut self.gather);
+        g.clear();
+        g.reserve(small);
+        enum Piece<'a> {
+            Direct(&'a [u8]),
+            Gathered(usize, usize),
+        }
+        let mut pieces: Vec<Piece<'_>> = Vec::with_capacity(parts.len().min(4096) + 2);
+        for p in parts {
+            if p.len() < SMALL_PIECE {
+                let start = g.len();
+                g.extend_from_slice(p);
+                match pieces.last_mut() {
+                    Some(Piece::Gathered(_, end)) if *end == start => *end = g.len(),
+                    _ => pieces.push(Piece::Gathered(start, g.len())),
+                }
+            } else {
+                pieces.push(Piece::Direct(p));
+            }
+        }
+        let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(pieces.len() + 2);
+        iov.push(IoSlice::new(&h1));
+        iov.push(IoSlice::new(&h2));
+        for p in &pieces {
+            iov.push(IoSlice::new(match *p {
+                Piece::Direct(s) => s,
+                Piece::Gathered(a, b) => &g[a..b],
+            }));
+        }
+        let r = write_all_vectored(&mut self.lane, &mut iov, self.io_timeout).await;
+        drop(iov);
+        drop(pieces);
+        self.gather = g;
+        r
+    }
+
+    /// Writes one data frame with a given checksum (test faults: a corrupt payload).
+    pub(crate) async fn send_data_with_checksum(
+        &mut self,
+        request_id: u64,
+        stream_offset: u64,
+        payload: &[u8],
+        checksum: u64,
+    ) -> Result<()> {
+        let dh = DataHeader {
+            stream_offset,
+            checksum,
+        };
+        let fh = FrameHeader {
+            kind: FrameKind::Data,
+            body_len: (DATA_HEADER_LEN + payload.len()) as u32,
+            request_id,
+        };
+        let mut g = Vec::with_capacity(HEADER_LEN + DATA_HEADER_LEN + payload.len());
+        g.extend_from_slice(&fh.encode());
+        g.extend_from_slice(&dh.encode());
+        g.extend_from_slice(payload);
+        self.write_all(&g).await
+    }
+
+    /// Reads the payload of a data frame (header `h`, already read) into `dst` pieces, which
+    /// must add up to the payload length. Vectored lanes read straight into `dst` and verify
+    /// after; other lanes read into the bounce buffer, verify, and only then copy into `dst`.
+    pub(crate) async fn recv_data(
+        &mut self,
+        h: &FrameHeader,
+        dst: &mut [&mut [u8]],
+    ) -> Result<(DataHeader, DataOutcome)> {
+        let mut db = [0u8; DATA_HEADER_LEN];
+        let t = self.io_timeout;
+        self.read_exact(&mut db, t, "data header").await?;
+        let d = DataHeader::decode(&db)?;
+        let n = h.body_len as usize - DATA_HEADER_LEN;
+        let want: usize = dst.iter().map(|p| p.len()).sum();
+        if want != n {
+            return Err(Error::Protocol(format!(
+                "data frame of {n} bytes where {want} were expected"
+            )));
+        }
+        if self.lane.is_read_vectored() {
+            let mut iov: Vec<IoSliceMut<'_>> = dst.iter_mut().map(|p| IoSliceMut::new(p)).collect();
+            read_exact_vectored(&mut self.lane, &mut iov, t).await?;
+            drop(iov);
+            let ok = wire::checksum(dst.iter().map(|p| &**p)) == d.checksum;
+            return Ok((
+                d,
+                if ok {
+                    DataOutcome::Ok
+                } else {
+                    DataOutcome::BadChecksum
+                },
+            ));
+        }
+        let mut b = std::mem::take(&mut self.bounce);
+        b.resize(n, 0);
+        let r = self.read_exact(&mut b, t, "data payload").await;
+        let out = r.map(|()| {
+            if wire::checksum([&b[..]]) != d.checksum {
+                return DataOutcome::BadChecksum;
+            }
+            let mut at = 0;
+            for p in dst.iter_mut() {
+                let l = p.len();
+                p.copy_from_slice(&b[at..at + l]);
+                at += l;
+            }
+            DataOutcome::Ok
+        });
+        if b.capacity() > (8 << 20) {
+            b = Vec::new();
+        }
+        self.bounce = b;
+        Ok((d, out?))
+    }
+}
+
+async fn write_all_vectored(
+    s: &mut Box<dyn Lane>,
+    mut bufs: &mut [IoSlice<'_>],
+    t: Duration,
+) -> Result<()> {
+    while !bufs.is_empty() {
+        match tokio::time::timeout(t, s.write_vectored(bufs)).await {
+            Err(_) => return Err(timeout_err(t, "peer accepts no data")),
+            Ok(Err(e)) => return Err(read_err(e, "write")),
+            Ok(Ok(0)) => return Err(Error::PeerClosed("peer stopped accepting data".into())),
+            Ok(Ok(n)) => IoSlice::advance_slices(&mut bufs, n),
+        }
+    }
+    Ok(())
+}
+
+async fn read_exact_vectored(
+    s: &mut Box<dyn Lane>,
+    mut bufs: &mut [IoSliceMut<'_>],
+    t: Duration,
+) -> Result<()> {
+    while !bufs.is_empty() {
+        let r = tokio::time::timeout(
+            t,
+            std::future::poll_fn(|cx| Pin::new(&mut *s).poll_read_vectored(cx, bufs)),
+        )
+        .await;
+        match r {
+            Err(_) => return Err(timeout_err(t, "data payload")),
+            Ok(Err(e)) => return Err(read_err(e, "read")),
+            Ok(Ok(0)) => {
+                return Err(Error::PeerClosed(
+                    "connection closed in the middle of a data frame".into(),
+                ))
+            }
+            Ok(Ok(n)) => IoSliceMut::advance_slices(&mut bufs, n),
+        }
+    }
+    Ok(())
+}
