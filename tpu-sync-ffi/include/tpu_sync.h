@@ -324,6 +324,51 @@ typedef uint32_t tpu_sync_get_stop;
 #endif // __cplusplus
 
 /**
+ * How a source registration ended (values are stable).
+ */
+enum tpu_sync_source_state
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Registered and served.
+   */
+  TPU_SYNC_SOURCE_ACTIVE = 0,
+  /**
+   * Every expected consumer released it (the blocks were delivered).
+   */
+  TPU_SYNC_SOURCE_RELEASED = 1,
+  /**
+   * No live consumer held a lease for the lease time.
+   */
+  TPU_SYNC_SOURCE_EXPIRED = 2,
+  /**
+   * A consumer holding a lease died.
+   */
+  TPU_SYNC_SOURCE_PEER_LOST = 3,
+  /**
+   * Withdrawn with `tpu_sync_endpoint_unregister`.
+   */
+  TPU_SYNC_SOURCE_UNREGISTERED = 4,
+  /**
+   * The endpoint shut down.
+   */
+  TPU_SYNC_SOURCE_SHUTDOWN = 5,
+  /**
+   * The request id is not (or no longer) known to this endpoint.
+   */
+  TPU_SYNC_SOURCE_UNKNOWN = 6,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum tpu_sync_source_state tpu_sync_source_state;
+#else
+typedef uint32_t tpu_sync_source_state;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * Opaque PJRT device buffer handle. Free with [`tpu_sync_buffer_free`]. Thread-safe.
  */
 typedef struct tpu_sync_buffer tpu_sync_buffer;
@@ -339,6 +384,11 @@ typedef struct tpu_sync_client tpu_sync_client;
  * [`tpu_sync_copy_free`]. Thread-safe.
  */
 typedef struct tpu_sync_copy tpu_sync_copy;
+
+/**
+ * Opaque handle of a network endpoint. Free with [`tpu_sync_endpoint_free`]. Thread-safe.
+ */
+typedef struct tpu_sync_endpoint tpu_sync_endpoint;
 
 /**
  * Opaque handle of a lease: leading blocks of a chain pinned in the store (never evicted while
@@ -363,6 +413,12 @@ typedef struct tpu_sync_release tpu_sync_release;
  * function may be called concurrently on the same store.
  */
 typedef struct tpu_sync_store tpu_sync_store;
+
+/**
+ * Opaque handle of a network transfer (a pull, a push, or an expected push): an asynchronous
+ * operation. Free with [`tpu_sync_transfer_free`]. Thread-safe.
+ */
+typedef struct tpu_sync_transfer tpu_sync_transfer;
 
 /**
  * One span of a plan: `count` runs of `len` bytes, run `i` from byte
@@ -473,6 +529,37 @@ typedef struct tpu_sync_copy_stats {
  * there); it may call any other function, including the operation's `*_free`.
  */
 typedef void (*tpu_sync_callback)(void *user_data, enum tpu_sync_status status);
+
+/**
+ * What a completed transfer moved (this endpoint's part).
+ */
+typedef struct tpu_sync_transfer_stats {
+  /**
+   * Payload bytes moved over the network (received for pulls and expected pushes, sent for
+   * pushes).
+   */
+  uint64_t bytes;
+  /**
+   * Plan spans handled.
+   */
+  uint64_t spans;
+  /**
+   * `(source rank, destination rank)` pairs handled.
+   */
+  uint64_t pairs;
+  /**
+   * Stripes (lane exchanges) used.
+   */
+  uint64_t stripes;
+  /**
+   * Bytes written to device buffers (H2D) by the transfer (pulls and expected pushes).
+   */
+  uint64_t device_bytes;
+  /**
+   * Nanoseconds from submission to completion, device copies included.
+   */
+  uint64_t elapsed_ns;
+} tpu_sync_transfer_stats;
 
 /**
  * A block key: 16 bytes (a 128-bit hash, little endian), built by
@@ -1007,6 +1094,270 @@ enum tpu_sync_status tpu_sync_pacing_pause(bool paused);
  * writable.
  */
 enum tpu_sync_status tpu_sync_pacing_stats(char *buf, size_t buf_len, size_t *len_out);
+
+/**
+ * Creates a network endpoint from a NUL-terminated JSON configuration (borrowed for the call):
+ *
+ * ```text
+ * {"listen": "127.0.0.1:0",    // listen address (port 0: any free port); null: client only
+ *  "transport": "tcp",          // "tcp" (plain, trusted networks only) | "tls" | "quic"
+ *  "tls": {"cert": "a.pem", "key": "a.key", "ca": "ca.pem", "server_name": "..."},
+ *  "psk_hex": "00ff...",        // or "psk_file": path; tls and quic need tls or a psk
+ *  "name": "prefill-0",         // unique per live process (default tpu-sync-<pid>)
+ *  "timeout_s": 30,             // connect, handshake and I/O limits (or each *_timeout_s)
+ *  "heartbeat_interval_s": 1, "heartbeat_timeout_s": 5,
+ *  "lease_ttl_s": 120,          // how long an unreleased registration is kept without holders
+ *  "chunk_bytes": 1048576, "streams_per_pair": 2, "max_lanes_per_peer": 16}
+ * ```
+ *
+ * Every key is optional. `endpoint_out` receives a new handle owned by the caller.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` (bad JSON or options: TLS/QUIC without credentials,
+ * credentials with plain TCP, zero sizes), `TPU_SYNC_IO` (address in use, unreadable files).
+ *
+ * # Safety
+ * `config_json` NUL-terminated; `endpoint_out` writable.
+ */
+enum tpu_sync_status tpu_sync_endpoint_new(const char *config_json,
+                                           struct tpu_sync_endpoint **endpoint_out);
+
+/**
+ * Frees an endpoint handle. An endpoint not shut down is shut down without draining: its
+ * transfers are cancelled and its registrations end (peers see the connections close).
+ */
+enum tpu_sync_status tpu_sync_endpoint_free(struct tpu_sync_endpoint *endpoint);
+
+/**
+ * Writes the endpoint's listening address (`"IP:PORT"`, the real port when 0 was asked for), or
+ * an empty string for a client-only endpoint, into `buf` (`buf`/`buf_len`/`len_out` as for
+ * `tpu_sync_client_info`).
+ *
+ * # Safety
+ * `buf` must have `buf_len` writable bytes (or be NULL with `buf_len` 0); `len_out` NULL or
+ * writable.
+ */
+enum tpu_sync_status tpu_sync_endpoint_address(const struct tpu_sync_endpoint *endpoint,
+                                               char *buf,
+                                               size_t buf_len,
+                                               size_t *len_out);
+
+/**
+ * Gives the peer `name` (NUL-terminated) the address `addr` (NUL-terminated `host:port`), so
+ * that peer maps may name it; re-adding a name with a new address (a restarted peer) makes the
+ * next transfer connect to the new address. Blocks while the old connection is closed.
+ *
+ * # Safety
+ * Both strings NUL-terminated.
+ */
+enum tpu_sync_status tpu_sync_endpoint_add_peer(const struct tpu_sync_endpoint *endpoint,
+                                                const char *name,
+                                                const char *addr);
+
+/**
+ * Registers a request's blocks for pulling (producer side): copies (D2H, blocking) the
+ * request's blocks of the given ranks' per-layer KV buffers into pinned staging and serves them
+ * to pullers until `expected_releases` consumers released the request, the lease time passes
+ * without a live consumer, or it is unregistered. The device blocks may be reused as soon as
+ * this returns.
+ *
+ * * `placement_json`: where the request's blocks are (NUL-terminated `Placement` JSON, as for
+ *   `tpu_sync_plan_new`); `num_tokens` its tokens; `request_id` in `1..2^53`.
+ * * `ranks[0..num_ranks]`: the global ranks of the placement's replica hosted here;
+ *   `buffers[i * num_layers + l]`: rank `ranks[i]`'s KV buffer of layer `l` (borrowed).
+ * * `expected_releases`: consumers that will pull it (>= 1).
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` (id, duplicate registration, ranks), layout and block
+ * errors of the placement, device copy errors.
+ *
+ * # Safety
+ * `placement_json` NUL-terminated; arrays of the given sizes.
+ */
+enum tpu_sync_status tpu_sync_endpoint_register(const struct tpu_sync_endpoint *endpoint,
+                                                uint64_t request_id,
+                                                const char *placement_json,
+                                                uint32_t num_tokens,
+                                                const uint32_t *ranks,
+                                                size_t num_ranks,
+                                                const struct tpu_sync_buffer *const *buffers,
+                                                size_t num_layers,
+                                                uint32_t expected_releases);
+
+/**
+ * Withdraws a request's registration (pulls in progress fail). `existed_out` (may be NULL)
+ * says whether it was still registered.
+ *
+ * # Safety
+ * `existed_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_endpoint_unregister(const struct tpu_sync_endpoint *endpoint,
+                                                  uint64_t request_id,
+                                                  bool *existed_out);
+
+/**
+ * Writes the state of request `request_id`'s registration (a `tpu_sync_source_state`) to
+ * `state_out`: active, or how it ended (released by its consumers, expired, consumer lost,
+ * unregistered, shut down). Ended registrations are remembered until the endpoint is freed or
+ * the id is registered again.
+ *
+ * # Safety
+ * `state_out` writable.
+ */
+enum tpu_sync_status tpu_sync_endpoint_source_state(const struct tpu_sync_endpoint *endpoint,
+                                                    uint64_t request_id,
+                                                    uint32_t *state_out);
+
+/**
+ * Pulls a request (consumer side) and writes it into this side's KV buffers in place.
+ *
+ * Plans the transfer from `src_placement_json` (the producer's placement) to
+ * `dst_placement_json` (this side's) for `num_tokens` tokens, pulls from each producer rank
+ * exactly the spans each of this side's ranks needs into pinned staging, verifies every chunk's
+ * checksum, writes the bytes in place into `buffers` (H2D), and tells the producers to release
+ * the request (also after a failure). Returns at once with a transfer handle (owned by the
+ * caller); validation errors (plan, ranks, peers) are returned here, network and device errors
+ * through the transfer.
+ *
+ * * `peers`: NUL-terminated `ADDR` (every producer rank there) or `RANK=ADDR,RANK=ADDR,...`
+ *   (addresses `host:port` or names given to `tpu_sync_endpoint_add_peer`).
+ * * `ranks`, `buffers`, `num_layers`: this side's ranks pulled here and their per-layer KV
+ *   buffers, as for `tpu_sync_endpoint_register` (kept alive by the transfer). No computation
+ *   may use the request's destination blocks until the transfer completes.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT`, `TPU_SYNC_LAYOUT`, `TPU_SYNC_BLOCK_RANGE`,
+ * `TPU_SYNC_MISMATCH`, `TPU_SYNC_UNSUPPORTED` (no in-place H2D path).
+ *
+ * # Safety
+ * Strings NUL-terminated; arrays of the given sizes; `transfer_out` writable.
+ */
+enum tpu_sync_status tpu_sync_endpoint_pull(const struct tpu_sync_endpoint *endpoint,
+                                            uint64_t request_id,
+                                            const char *peers,
+                                            const char *src_placement_json,
+                                            const char *dst_placement_json,
+                                            uint32_t num_tokens,
+                                            const uint32_t *ranks,
+                                            size_t num_ranks,
+                                            const struct tpu_sync_buffer *const *buffers,
+                                            size_t num_layers,
+                                            struct tpu_sync_transfer **transfer_out);
+
+/**
+ * Pushes a request (producer side): copies (D2H, blocking) the request's blocks of `ranks`'
+ * buffers into pinned staging, then sends each destination rank exactly its spans. Returns at
+ * once with a transfer handle owned by the caller; the transfer completes when every
+ * destination endpoint confirmed. The device blocks may be reused as soon as this returns.
+ * `targets`: NUL-terminated `ADDR` or `RANK=ADDR,...` of the destination ranks' endpoints; the
+ * placements, ranks and buffers as for `tpu_sync_endpoint_pull` (with this side as the source).
+ *
+ * # Safety
+ * As `tpu_sync_endpoint_pull`.
+ */
+enum tpu_sync_status tpu_sync_endpoint_push(const struct tpu_sync_endpoint *endpoint,
+                                            uint64_t request_id,
+                                            const char *targets,
+                                            const char *src_placement_json,
+                                            const char *dst_placement_json,
+                                            uint32_t num_tokens,
+                                            const uint32_t *ranks,
+                                            size_t num_ranks,
+                                            const struct tpu_sync_buffer *const *buffers,
+                                            size_t num_layers,
+                                            struct tpu_sync_transfer **transfer_out);
+
+/**
+ * Expects a push of a request (consumer side of a push): registers pinned staging for exactly
+ * the spans the plan from `src_placement_json` (the senders' placement) to
+ * `dst_placement_json` (this side's) writes to `ranks`, and returns a transfer handle (owned by
+ * the caller) that completes once every sender finished, every chunk verified, and the bytes
+ * were written in place into `buffers` (H2D). Arguments as for `tpu_sync_endpoint_pull`.
+ *
+ * # Safety
+ * As `tpu_sync_endpoint_pull`.
+ */
+enum tpu_sync_status tpu_sync_endpoint_expect_push(const struct tpu_sync_endpoint *endpoint,
+                                                   uint64_t request_id,
+                                                   const char *src_placement_json,
+                                                   const char *dst_placement_json,
+                                                   uint32_t num_tokens,
+                                                   const uint32_t *ranks,
+                                                   size_t num_ranks,
+                                                   const struct tpu_sync_buffer *const *buffers,
+                                                   size_t num_layers,
+                                                   struct tpu_sync_transfer **transfer_out);
+
+/**
+ * Non-blocking check: writes whether the transfer is complete (bytes in place, or failed) to
+ * `done_out`, and the leading layers received and verified so far to `layers_out` (may be
+ * NULL; receiving transfers only).
+ *
+ * # Safety
+ * `done_out` writable; `layers_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_transfer_poll(const struct tpu_sync_transfer *transfer,
+                                            bool *done_out,
+                                            uint32_t *layers_out);
+
+/**
+ * Waits up to `timeout_ms` milliseconds (0: do not block; negative: without limit). Returns
+ * `TPU_SYNC_PENDING` while the transfer runs; once complete `TPU_SYNC_OK` with its stats in
+ * `stats_out` (may be NULL), or its error: `TPU_SYNC_PEER_CLOSED`, `TPU_SYNC_TIMEOUT`,
+ * `TPU_SYNC_CHECKSUM`, `TPU_SYNC_REMOTE`, `TPU_SYNC_UNKNOWN_REQUEST`, `TPU_SYNC_CANCELLED`, ...
+ * A failed transfer never reports `TPU_SYNC_OK`. Same rules as `tpu_sync_copy_wait` on the
+ * completion thread.
+ *
+ * # Safety
+ * `stats_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_transfer_wait(const struct tpu_sync_transfer *transfer,
+                                            int64_t timeout_ms,
+                                            struct tpu_sync_transfer_stats *stats_out);
+
+/**
+ * Cancels the transfer: it fails with `TPU_SYNC_CANCELLED` (unless already complete), its lanes
+ * are closed and its peers told to stop. Returns at once.
+ */
+enum tpu_sync_status tpu_sync_transfer_cancel(const struct tpu_sync_transfer *transfer);
+
+/**
+ * Registers `callback(user_data, status)` to run once when the transfer completes; as
+ * `tpu_sync_copy_set_callback`.
+ */
+enum tpu_sync_status tpu_sync_transfer_set_callback(const struct tpu_sync_transfer *transfer,
+                                                    tpu_sync_callback callback,
+                                                    void *user_data);
+
+/**
+ * Frees a transfer handle. An unfinished transfer is cancelled and this call **blocks** until it
+ * has completed (so nothing is written to its buffers afterwards); inside a callback, freeing
+ * an unfinished transfer returns `TPU_SYNC_INVALID_ARGUMENT` and frees nothing.
+ */
+enum tpu_sync_status tpu_sync_transfer_free(struct tpu_sync_transfer *transfer);
+
+/**
+ * Writes the endpoint's counters as JSON into `buf` (`buf`/`buf_len`/`len_out` as for
+ * `tpu_sync_client_info`): gauges `peers`, `sessions`, `lanes_open`, `source_registrations`,
+ * `sink_registrations`, `leases`, `staged_bytes`, `transfers_in_flight`; totals
+ * `lanes_opened`, `bytes_sent`, `bytes_received`, `transfers_completed`, `transfers_failed`,
+ * `checksum_failures`, `peers_lost`, `handshake_failures`; and `address`, `transport`, `name`.
+ *
+ * # Safety
+ * `buf` must have `buf_len` writable bytes (or be NULL with `buf_len` 0); `len_out` NULL or
+ * writable.
+ */
+enum tpu_sync_status tpu_sync_endpoint_stats(const struct tpu_sync_endpoint *endpoint,
+                                             char *buf,
+                                             size_t buf_len,
+                                             size_t *len_out);
+
+/**
+ * Shuts the endpoint down (blocking): stops accepting, waits up to `drain_ms` milliseconds for
+ * in-flight transfers to finish (0 or negative: none; they are cancelled at once), then cancels
+ * what is left, ends every registration and closes every connection. Later registrations and
+ * transfers on it return `TPU_SYNC_INVALID_ARGUMENT`; free the handle afterwards. Calling it
+ * twice is harmless.
+ */
+enum tpu_sync_status tpu_sync_endpoint_shutdown(const struct tpu_sync_endpoint *endpoint,
+                                                int64_t drain_ms);
 
 /**
  * Creates a host KV store from a NUL-terminated JSON configuration (borrowed for the call):

@@ -35,11 +35,13 @@ mod status;
 
 pub mod api;
 pub mod device;
+pub mod endpoint;
 pub mod store;
 
 pub use api::*;
 pub use completion::tpu_sync_callback;
 pub use device::*;
+pub use endpoint::*;
 pub use handle::{tpu_sync_handle_kind, tpu_sync_handle_stats};
 pub use status::{tpu_sync_last_error, tpu_sync_status, tpu_sync_status_name};
 pub use store::*;
