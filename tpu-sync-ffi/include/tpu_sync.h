@@ -1213,7 +1213,8 @@ enum tpu_sync_status tpu_sync_endpoint_source_state(const struct tpu_sync_endpoi
  * `dst_placement_json` (this side's) for `num_tokens` tokens, pulls from each producer rank
  * exactly the spans each of this side's ranks needs into pinned staging, verifies every chunk's
  * checksum, writes the bytes in place into `buffers` (H2D), and tells the producers to release
- * the request (also after a failure). Returns at once with a transfer handle (owned by the
+ * the request before reporting success (after a failure or cancel, the release is sent in the
+ * background, best effort: the producers' leases expire otherwise). Returns at once with a transfer handle (owned by the
  * caller); validation errors (plan, ranks, peers) are returned here, network and device errors
  * through the transfer.
  *

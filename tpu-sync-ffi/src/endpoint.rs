@@ -597,7 +597,8 @@ fn insert_transfer(obj: Arc<TransferObj>, out_ptr: *mut *mut tpu_sync_transfer) 
 /// `dst_placement_json` (this side's) for `num_tokens` tokens, pulls from each producer rank
 /// exactly the spans each of this side's ranks needs into pinned staging, verifies every chunk's
 /// checksum, writes the bytes in place into `buffers` (H2D), and tells the producers to release
-/// the request (also after a failure). Returns at once with a transfer handle (owned by the
+/// the request before reporting success (after a failure or cancel, the release is sent in the
+/// background, best effort: the producers' leases expire otherwise). Returns at once with a transfer handle (owned by the
 /// caller); validation errors (plan, ranks, peers) are returned here, network and device errors
 /// through the transfer.
 ///
@@ -681,12 +682,23 @@ pub unsafe extern "C" fn tpu_sync_endpoint_pull(
                     .map(|dev| transfer_stats(&s, dev, started.elapsed())),
                 Err(err) => Err(err),
             };
-            for a in &src_addrs {
-                if let Err(err) = ep.release(a, request_id).await {
-                    log::debug!("release of request {request_id} at {a}: {err}");
+            let release = async move {
+                for a in &src_addrs {
+                    if let Err(err) = ep.release(a, request_id).await {
+                        log::debug!("release of request {request_id} at {a}: {err}");
+                    }
                 }
+            };
+            if r.is_ok() {
+                // The producers free the request now instead of at its lease expiry.
+                release.await;
+                completion.complete(r.map_err(Failure::from));
+            } else {
+                // A failed or cancelled pull completes at once; the release is best effort (a
+                // dead or hung producer must not delay the failure).
+                completion.complete(r.map_err(Failure::from));
+                release.await;
             }
-            completion.complete(r.map_err(Failure::from));
         });
         insert_transfer(obj, transfer_out)
     })
