@@ -4,7 +4,8 @@ Classes:
     :class:`Client` (PJRT client: created, or adopted from a framework), :class:`Buffer` (device
     buffer: copied in, adopted, or a zero-copy :meth:`Client.view`), :class:`Copy` (an
     asynchronous batch of device copies, :func:`d2h` / :func:`h2d`), :class:`Store` (the host KV
-    tier) with :class:`Lease`, :class:`PutResult`, :class:`GetResult`, :class:`Plan` (reshard
+    tier) with :class:`Lease`, :class:`PutResult`, :class:`GetResult`, :class:`Endpoint` (the
+    network data plane: register, pull, push) and its :class:`Transfer`, :class:`Plan` (reshard
     plan).
 Helpers for layouts and placements are in :mod:`tpu_sync.plan`; exceptions in
 :mod:`tpu_sync.errors` (all derive from :class:`TpuSyncError` and carry ``status`` and ``message``).
@@ -16,6 +17,7 @@ from . import errors
 from ._lib import ABI_VERSION, __version__, last_error, live_handles
 from .arrays import aligned_array
 from .client import Buffer, Client
+from .endpoint import Endpoint, Transfer
 from .device import Copy, d2h, h2d, pacing, pause_pacing, resume_pacing, set_pacing
 from .errors import TpuSyncError
 from .plan import Plan, Span, layout, model, placement, preset
@@ -27,6 +29,7 @@ __all__ = [
     "Buffer",
     "Client",
     "Copy",
+    "Endpoint",
     "GetResult",
     "Lease",
     "Plan",
@@ -34,6 +37,7 @@ __all__ = [
     "Span",
     "Store",
     "TpuSyncError",
+    "Transfer",
     "aligned_array",
     "d2h",
     "errors",
