@@ -32,12 +32,18 @@ enum Call {
     StoreMisc { keys: Vec<u8>, which: u8, handle: Option<u64> },
     LeaseCalls(u64),
     Adopt { api: u64, client: u64, buffer: u64 },
+    EndpointNew(String),
+    /// Endpoint calls on the real endpoint (or an arbitrary handle) with arbitrary ids, JSON,
+    /// peer maps and rank lists; transfers are always waited for and freed.
+    EndpointCall { handle: Option<u64>, which: u8, id: u64, a: String, b: String, tokens: u16, ranks: Vec<u8> },
+    TransferCalls(u64),
 }
 
 struct Real {
     client: usize,
     buffer: usize,
     store: usize,
+    endpoint: usize,
 }
 
 fn real() -> &'static Real {
@@ -56,7 +62,10 @@ fn real() -> &'static Real {
         .unwrap();
         let mut s = std::ptr::null_mut();
         assert_eq!(ffi::tpu_sync_store_new(cfg.as_ptr(), c, &mut s), ffi::tpu_sync_status::TPU_SYNC_OK);
-        Real { client: c as usize, buffer: b as usize, store: s as usize }
+        let ecfg = CString::new(r#"{"listen":"127.0.0.1:0","timeout_s":1}"#).unwrap();
+        let mut e = std::ptr::null_mut();
+        assert_eq!(ffi::tpu_sync_endpoint_new(ecfg.as_ptr(), &mut e), ffi::tpu_sync_status::TPU_SYNC_OK);
+        Real { client: c as usize, buffer: b as usize, store: s as usize, endpoint: e as usize }
     })
 }
 
@@ -280,6 +289,48 @@ fuzz_target!(|calls: Vec<Call>| {
                     let mut n = 0usize;
                     ffi::tpu_sync_lease_count(h as usize as *const _, &mut n);
                     ffi::tpu_sync_lease_free(h as usize as *mut _);
+                }
+                Call::EndpointNew(json) => {
+                    // Never let arbitrary JSON bind real ports other than loopback ephemeral ones.
+                    if let Ok(j) = CString::new(json) {
+                        if !j.to_bytes().windows(6).any(|w| w == b"listen") {
+                            let mut e = std::ptr::null_mut();
+                            if ffi::tpu_sync_endpoint_new(j.as_ptr(), &mut e) == ffi::tpu_sync_status::TPU_SYNC_OK {
+                                assert_eq!(ffi::tpu_sync_endpoint_free(e), ffi::tpu_sync_status::TPU_SYNC_OK);
+                            }
+                        }
+                    }
+                }
+                Call::EndpointCall { handle, which, id, a, b, tokens, ranks } => {
+                    let e = handle.map(|h| h as usize).unwrap_or(r.endpoint) as *const ffi::tpu_sync_endpoint;
+                    let (Ok(a), Ok(b)) = (CString::new(a), CString::new(b)) else { continue };
+                    let ranks: Vec<u32> = ranks.iter().take(4).map(|r| *r as u32 % 6).collect();
+                    let bufs: Vec<*const ffi::tpu_sync_buffer> = ranks.iter().map(|_| r.buffer as *const _).collect();
+                    let id = id % (1 << 54);
+                    let mut t = std::ptr::null_mut();
+                    let mut n = 0usize;
+                    let st = match which % 8 {
+                        0 => ffi::tpu_sync_endpoint_register(e, id, a.as_ptr(), tokens as u32, ranks.as_ptr(), ranks.len(), bufs.as_ptr(), 1, 1),
+                        1 => ffi::tpu_sync_endpoint_pull(e, id, a.as_ptr(), b.as_ptr(), b.as_ptr(), tokens as u32, ranks.as_ptr(), ranks.len(), bufs.as_ptr(), 1, &mut t),
+                        2 => ffi::tpu_sync_endpoint_push(e, id, a.as_ptr(), b.as_ptr(), b.as_ptr(), tokens as u32, ranks.as_ptr(), ranks.len(), bufs.as_ptr(), 1, &mut t),
+                        3 => ffi::tpu_sync_endpoint_expect_push(e, id, a.as_ptr(), b.as_ptr(), tokens as u32, ranks.as_ptr(), ranks.len(), bufs.as_ptr(), 1, &mut t),
+                        4 => ffi::tpu_sync_endpoint_unregister(e, id, std::ptr::null_mut()),
+                        5 => { let mut s = 0u32; ffi::tpu_sync_endpoint_source_state(e, id, &mut s) }
+                        6 => ffi::tpu_sync_endpoint_stats(e, std::ptr::null_mut(), 0, &mut n),
+                        _ => ffi::tpu_sync_endpoint_address(e, std::ptr::null_mut(), 0, &mut n),
+                    };
+                    if st == ffi::tpu_sync_status::TPU_SYNC_OK && !t.is_null() {
+                        ffi::tpu_sync_transfer_cancel(t);
+                        assert_eq!(ffi::tpu_sync_transfer_free(t), ffi::tpu_sync_status::TPU_SYNC_OK);
+                    }
+                }
+                Call::TransferCalls(h) => {
+                    let t = h as usize as *mut ffi::tpu_sync_transfer;
+                    let mut done = false;
+                    ffi::tpu_sync_transfer_poll(t, &mut done, std::ptr::null_mut());
+                    ffi::tpu_sync_transfer_wait(t, 0, std::ptr::null_mut());
+                    ffi::tpu_sync_transfer_cancel(t);
+                    ffi::tpu_sync_transfer_free(t);
                 }
                 Call::Adopt { api, client, buffer } => {
                     // Only NULLs and handles: a forged raw PJRT pointer is outside the contract.

@@ -1196,8 +1196,9 @@ enum tpu_sync_status tpu_sync_endpoint_unregister(const struct tpu_sync_endpoint
 /**
  * Writes the state of request `request_id`'s registration (a `tpu_sync_source_state`) to
  * `state_out`: active, or how it ended (released by its consumers, expired, consumer lost,
- * unregistered, shut down). Ended registrations are remembered until the endpoint is freed or
- * the id is registered again.
+ * unregistered, shut down). The outcomes of the last 65,536 ended registrations are remembered;
+ * their staging memory is freed at the next call that looks at registrations (register,
+ * unregister, this one).
  *
  * # Safety
  * `state_out` writable.

@@ -98,8 +98,46 @@ pub enum tpu_sync_source_state {
 
 struct EndpointObj {
     ep: Arc<Endpoint>,
-    sources: Mutex<HashMap<u64, SourceHandle>>,
+    sources: Mutex<Sources>,
     closed: std::sync::atomic::AtomicBool,
+}
+
+/// Most ended registrations whose outcome is remembered (oldest forgotten first).
+const MAX_ENDED: usize = 1 << 16;
+
+/// This endpoint's registrations: live ones by handle (the handle holds the staging), ended ones
+/// by outcome only, so that the staging of a finished request is freed at the next sweep.
+#[derive(Default)]
+struct Sources {
+    live: HashMap<u64, SourceHandle>,
+    ended: HashMap<u64, SourceOutcome>,
+    ended_order: std::collections::VecDeque<u64>,
+}
+
+impl Sources {
+    /// Moves ended registrations from `live` to `ended` (dropping their staging references).
+    fn sweep(&mut self) {
+        let done: Vec<(u64, SourceOutcome)> = self
+            .live
+            .iter()
+            .filter_map(|(id, h)| h.outcome().map(|o| (*id, o)))
+            .collect();
+        for (id, o) in done {
+            self.live.remove(&id);
+            self.end(id, o);
+        }
+    }
+
+    fn end(&mut self, id: u64, o: SourceOutcome) {
+        if self.ended.insert(id, o).is_none() {
+            self.ended_order.push_back(id);
+        }
+        while self.ended_order.len() > MAX_ENDED {
+            if let Some(old) = self.ended_order.pop_front() {
+                self.ended.remove(&old);
+            }
+        }
+    }
 }
 
 impl EndpointObj {
@@ -282,7 +320,7 @@ pub unsafe extern "C" fn tpu_sync_endpoint_new(
             K::TPU_SYNC_HANDLE_ENDPOINT,
             Arc::new(EndpointObj {
                 ep: Arc::new(ep),
-                sources: Mutex::new(HashMap::new()),
+                sources: Mutex::new(Sources::default()),
                 closed: Default::default(),
             }),
         );
@@ -470,10 +508,10 @@ pub unsafe extern "C" fn tpu_sync_endpoint_register(
             layers_ready: None,
             expected_releases,
         })?;
-        e.sources
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(request_id, h);
+        let mut m = e.sources.lock().unwrap_or_else(|p| p.into_inner());
+        m.sweep();
+        m.ended.remove(&request_id);
+        m.live.insert(request_id, h);
         Ok(())
     })
 }
@@ -492,10 +530,11 @@ pub unsafe extern "C" fn tpu_sync_endpoint_unregister(
     boundary("tpu_sync_endpoint_unregister", || {
         let e = get_ep(endpoint)?;
         let existed = e.ep.unregister_source(request_id);
-        e.sources
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&request_id);
+        let mut m = e.sources.lock().unwrap_or_else(|p| p.into_inner());
+        m.sweep();
+        if m.live.remove(&request_id).is_some() {
+            m.end(request_id, SourceOutcome::Unregistered);
+        }
         if !existed_out.is_null() {
             // SAFETY: non-NULL, writable per contract.
             unsafe { *existed_out = existed };
@@ -506,8 +545,9 @@ pub unsafe extern "C" fn tpu_sync_endpoint_unregister(
 
 /// Writes the state of request `request_id`'s registration (a `tpu_sync_source_state`) to
 /// `state_out`: active, or how it ended (released by its consumers, expired, consumer lost,
-/// unregistered, shut down). Ended registrations are remembered until the endpoint is freed or
-/// the id is registered again.
+/// unregistered, shut down). The outcomes of the last 65,536 ended registrations are remembered;
+/// their staging memory is freed at the next call that looks at registrations (register,
+/// unregister, this one).
 ///
 /// # Safety
 /// `state_out` writable.
@@ -520,15 +560,19 @@ pub unsafe extern "C" fn tpu_sync_endpoint_source_state(
     boundary("tpu_sync_endpoint_source_state", || {
         use tpu_sync_source_state::*;
         let e = get_ep(endpoint)?;
-        let m = e.sources.lock().unwrap_or_else(|p| p.into_inner());
-        let s = match m.get(&request_id).map(|h| h.outcome()) {
-            None => TPU_SYNC_SOURCE_UNKNOWN,
-            Some(None) => TPU_SYNC_SOURCE_ACTIVE,
-            Some(Some(SourceOutcome::Released)) => TPU_SYNC_SOURCE_RELEASED,
-            Some(Some(SourceOutcome::Expired)) => TPU_SYNC_SOURCE_EXPIRED,
-            Some(Some(SourceOutcome::PeerLost(_))) => TPU_SYNC_SOURCE_PEER_LOST,
-            Some(Some(SourceOutcome::Unregistered)) => TPU_SYNC_SOURCE_UNREGISTERED,
-            Some(Some(SourceOutcome::Shutdown)) => TPU_SYNC_SOURCE_SHUTDOWN,
+        let mut m = e.sources.lock().unwrap_or_else(|p| p.into_inner());
+        m.sweep();
+        let s = if m.live.contains_key(&request_id) {
+            TPU_SYNC_SOURCE_ACTIVE
+        } else {
+            match m.ended.get(&request_id) {
+                None => TPU_SYNC_SOURCE_UNKNOWN,
+                Some(SourceOutcome::Released) => TPU_SYNC_SOURCE_RELEASED,
+                Some(SourceOutcome::Expired) => TPU_SYNC_SOURCE_EXPIRED,
+                Some(SourceOutcome::PeerLost(_)) => TPU_SYNC_SOURCE_PEER_LOST,
+                Some(SourceOutcome::Unregistered) => TPU_SYNC_SOURCE_UNREGISTERED,
+                Some(SourceOutcome::Shutdown) => TPU_SYNC_SOURCE_SHUTDOWN,
+            }
         };
         // SAFETY: forwarded caller contract.
         unsafe { out(state_out, s as u32, "state_out") }

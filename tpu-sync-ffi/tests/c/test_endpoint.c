@@ -201,12 +201,29 @@ int main(void) {
         "pulled %llu: %s", (unsigned long long)st.bytes, last_error());
   tpu_sync_transfer_free(t);
 
+  for (int i = 0; i < 500 && state != TPU_SYNC_SOURCE_RELEASED; i++) {
+    tpu_sync_endpoint_source_state(prefill, 1, &state);
+    struct timespec ts = {0, 10 * 1000000L};
+    nanosleep(&ts, NULL);
+  }
+  CHECK(state == TPU_SYNC_SOURCE_RELEASED, "the pull released request 1: state %u", state);
+
   bool existed = true;
   CHECK(tpu_sync_endpoint_unregister(prefill, 4242, &existed) == TPU_SYNC_OK && !existed, "unregister unknown");
+  CHECK(tpu_sync_endpoint_register(prefill, 6, PLACE, 20, rank0, 1, bufs, 1, 1) == TPU_SYNC_OK, "register 6");
+  CHECK(tpu_sync_endpoint_unregister(prefill, 6, &existed) == TPU_SYNC_OK && existed, "unregister 6");
+  CHECK(tpu_sync_endpoint_source_state(prefill, 6, &state) == TPU_SYNC_OK && state == TPU_SYNC_SOURCE_UNREGISTERED,
+        "state after unregister: %u", state);
+  /* An id may be registered again once its registration ended. */
+  CHECK(tpu_sync_endpoint_register(prefill, 6, PLACE, 20, rank0, 1, bufs, 1, 1) == TPU_SYNC_OK, "register 6 again");
+  CHECK(tpu_sync_endpoint_source_state(prefill, 6, &state) == TPU_SYNC_OK && state == TPU_SYNC_SOURCE_ACTIVE,
+        "active again");
 
   /* Shutdown: later work is refused; freed handles are invalid. */
   CHECK(tpu_sync_endpoint_shutdown(prefill, 500) == TPU_SYNC_OK, "shutdown");
   CHECK(tpu_sync_endpoint_shutdown(prefill, 0) == TPU_SYNC_OK, "shutdown twice");
+  CHECK(tpu_sync_endpoint_source_state(prefill, 6, &state) == TPU_SYNC_OK && state == TPU_SYNC_SOURCE_SHUTDOWN,
+        "shutdown ends registrations: %u", state);
   CHECK(tpu_sync_endpoint_register(prefill, 5, PLACE, 20, rank0, 1, bufs, 1, 1) == TPU_SYNC_INVALID_ARGUMENT,
         "register after shutdown");
   CHECK(tpu_sync_endpoint_free(prefill) == TPU_SYNC_OK, "free prefill");
