@@ -6,7 +6,7 @@ PJRT_INCLUDE := $(CURDIR)/.deps/xla-cpu-pjrt/xla_plugins/xla_cpu_pjrt/include
 export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 
-.PHONY: all build plugin demo test test-rust test-c test-python python header lint bench bench-net netns-example fuzz clean vllm-env e2e-vllm bench-vllm
+.PHONY: all build plugin demo test test-rust test-c examples-c test-python python header lint bench bench-net netns-example fuzz clean vllm-env e2e-vllm bench-vllm
 
 all: build
 
@@ -27,6 +27,7 @@ test: plugin
 	$(CARGO) build --release --workspace --all-targets
 	$(CARGO) test --release --workspace
 	$(MAKE) test-c
+	$(MAKE) examples-c
 	$(MAKE) test-python
 	./target/release/tpu-sync demo --tokens 512 --layers 4
 	./target/release/tpu-sync store-demo --tokens 512 --layers 4
@@ -39,8 +40,21 @@ LIBDIR := $(CURDIR)/target/release
 test-c: plugin
 	$(CARGO) build --release -p tpu-sync-cdylib
 	mkdir -p target/c
-	$(CC) $(CFLAGS_STRICT) tpu-sync-ffi/tests/c/test_abi.c -L$(LIBDIR) -ltpu_sync -Wl,-rpath,$(LIBDIR) -o target/c/test_abi
-	RUST_BACKTRACE=0 ./target/c/test_abi
+	set -e; for t in tpu-sync-ffi/tests/c/*.c; do \
+	  n=$$(basename $$t .c); \
+	  $(CC) $(CFLAGS_STRICT) $$t -L$(LIBDIR) -ltpu_sync -Wl,-rpath,$(LIBDIR) -o target/c/$$n; \
+	  RUST_BACKTRACE=0 timeout 300 ./target/c/$$n; \
+	done
+
+# C examples: built with the committed header and the C compiler only, linked to libtpu_sync, run.
+examples-c: plugin
+	$(CARGO) build --release -p tpu-sync-cdylib
+	mkdir -p target/c
+	set -e; for e in examples/c/*.c; do \
+	  n=example_$$(basename $$e .c); \
+	  $(CC) $(CFLAGS_STRICT) $$e -L$(LIBDIR) -ltpu_sync -Wl,-rpath,$(LIBDIR) -o target/c/$$n; \
+	  timeout 300 ./target/c/$$n; \
+	done
 
 # Regenerates tpu-sync-ffi/include/tpu_sync.h from the Rust sources (cbindgen).
 header:
