@@ -11,7 +11,8 @@ SPEC keys:
     "by_name": bool}), remote_decode (bool: send kv_transfer_params {"do_remote_decode": true},
     i.e. act as the prefill instance of a P/D pair), params (list of kv_transfer_params per
     prompt), params_file (a producer's OUT.json: once the engine is up, wait for it and use the
-    kv_transfer_params of its outputs), hold_file (producer: after writing OUT.json, keep
+    kv_transfer_params of its outputs), go_file (then wait for this file before generating),
+    hold_file (producer: after writing OUT.json, keep
     serving until this file exists or hold_s passes), hold_s (120), ttft (bool: record each
     request's wall time to its first token when max_tokens is 1).
 
@@ -84,6 +85,12 @@ def main() -> None:
             time.sleep(0.1)
         produced = json.load(open(spec["params_file"]))
         params = [o["kv_transfer_params"] for o in produced["runs"][0]["outputs"]]
+    if spec.get("go_file"):
+        deadline = time.time() + 600
+        while not os.path.exists(spec["go_file"]):
+            if time.time() > deadline:
+                raise SystemExit(f"no go file {spec['go_file']}")
+            time.sleep(0.05)
     runs = []
     for _ in range(spec.get("repeat", 1)):
         if spec.get("remote_decode"):

@@ -359,9 +359,16 @@ class TierAccess:
 @pytest.mark.skipif(BACKEND == "ref", reason="the reference transport has no peer to lose")
 def test_producer_dies_before_pull_fails_request_within_timeout(engines):
     timeout = 8.0
+    go = os.path.join(engines.dir, "orphan.go")
+    if os.path.exists(go):
+        os.remove(go)
     prod = engines.start("dead_producer", engines.spec(
         remote_decode=True, hold_file=os.path.join(engines.dir, "never"), hold_s=600,
         connector=dict(kv_role="kv_producer", extra=pd_extra())))
+    # The consumer engine starts meanwhile, and sends its requests only once the producer is dead.
+    cons = engines.start("orphan_consumer", engines.spec(
+        params_file=prod.out, go_file=go,
+        connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=timeout))))
     deadline = time.time() + ENGINE_TIMEOUT
     while not os.path.exists(prod.out):
         assert prod.poll() is None, engines.tail("dead_producer")
@@ -369,9 +376,8 @@ def test_producer_dies_before_pull_fails_request_within_timeout(engines):
         time.sleep(0.1)
     os.killpg(prod.pid, signal.SIGKILL)  # dies holding the KV, before anyone pulled
     prod.wait()
-    res = engines.run("orphan_consumer", engines.spec(
-        params_file=prod.out,
-        connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=timeout))))
+    open(go, "w").close()
+    res = engines.finish(cons)
     outs = res["runs"][0]["outputs"]
     assert [o["finish_reason"] for o in outs] == ["error"] * len(LENS), outs
     assert all(o["token_ids"] == [] for o in outs)
