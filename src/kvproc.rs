@@ -112,6 +112,7 @@ fn sized_layout(m: &ModelKv, spec: ParallelSpec, tokens: u32) -> Result<Parallel
         spec,
         num_blocks: 1,
         physical_layout: None,
+        block_format: None,
     };
     let per_rank = probe.pcp_chunk(tokens, 0).len() as u32;
     ParallelLayout::new(m.clone(), spec, per_rank * 2 + 5)

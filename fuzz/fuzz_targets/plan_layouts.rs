@@ -37,7 +37,7 @@ fn side(m: &ModelKv, s: &Side) -> Option<Placement> {
         block_size: (s.block % 33) as u32,
         order: if s.hnd { BlockOrder::Hnd } else { BlockOrder::Nhd },
     };
-    let layout = ParallelLayout { model: m.clone(), spec, num_blocks: (s.num_blocks % 40) as u32, physical_layout: None };
+    let layout = ParallelLayout { model: m.clone(), spec, num_blocks: (s.num_blocks % 40) as u32, physical_layout: None, block_format: None };
     Some(Placement {
         layout,
         dp_rank: (s.dp_rank % 3) as u32,

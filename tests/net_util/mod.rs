@@ -38,6 +38,7 @@ pub fn layout(m: &ModelKv, spec: &str, tokens: u32) -> ParallelLayout {
         spec,
         num_blocks: 1,
         physical_layout: None,
+        block_format: None,
     };
     let per_rank = probe.pcp_chunk(tokens, 0).len() as u32;
     ParallelLayout::new(m.clone(), spec, per_rank * 2 + 3).unwrap()

@@ -112,6 +112,11 @@ typedef enum tpu_sync_status {
    */
   TPU_SYNC_BUFFER_TOO_SMALL = 19,
   /**
+   * An asynchronous operation has not completed yet (a wait ran out of time, or a poll found
+   * it running). Not a failure of the operation itself: wait again later.
+   */
+  TPU_SYNC_PENDING = 20,
+  /**
    * A panic was caught inside the library (a bug; the message says where).
    */
   TPU_SYNC_PANIC = 100,
@@ -202,12 +207,164 @@ enum tpu_sync_handle_kind
    * `tpu_sync_staging`.
    */
   TPU_SYNC_HANDLE_STAGING = 7,
+  /**
+   * `tpu_sync_lease` (pinned host-store blocks).
+   */
+  TPU_SYNC_HANDLE_LEASE = 8,
+  /**
+   * `tpu_sync_copy` (an asynchronous batch of device copies).
+   */
+  TPU_SYNC_HANDLE_COPY = 9,
+  /**
+   * `tpu_sync_release` (tells when a view's memory was released by the plugin).
+   */
+  TPU_SYNC_HANDLE_RELEASE = 10,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
 typedef enum tpu_sync_handle_kind tpu_sync_handle_kind;
 #else
 typedef uint32_t tpu_sync_handle_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Direction of a copy batch (values are stable).
+ */
+enum tpu_sync_direction
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Device to host (`PJRT_Buffer_CopyRawToHost`).
+   */
+  TPU_SYNC_D2H = 1,
+  /**
+   * Host to device, in place into existing buffers (the client's probed H2D path).
+   */
+  TPU_SYNC_H2D = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum tpu_sync_direction tpu_sync_direction;
+#else
+typedef uint32_t tpu_sync_direction;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Readiness of a store (values are stable).
+ */
+enum tpu_sync_tier_state
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Memory is being mapped, faulted, locked or re-attached (background preparation).
+   */
+  TPU_SYNC_STORE_PREPARING = 0,
+  /**
+   * Serving.
+   */
+  TPU_SYNC_STORE_READY = 1,
+  /**
+   * Preparation failed; `tpu_sync_store_wait_ready` returns the reason. The store stays empty.
+   */
+  TPU_SYNC_STORE_FAILED = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum tpu_sync_tier_state tpu_sync_tier_state;
+#else
+typedef uint32_t tpu_sync_tier_state;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Why a get stopped before the end of the chain (values are stable).
+ */
+enum tpu_sync_get_stop
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Every block was delivered.
+   */
+  TPU_SYNC_GET_COMPLETE = 0,
+  /**
+   * The store is not ready yet.
+   */
+  TPU_SYNC_GET_NOT_READY = 1,
+  /**
+   * The next block is not in the store (never stored, evicted or removed).
+   */
+  TPU_SYNC_GET_MISSING = 2,
+  /**
+   * The next block is on disk but no DRAM slot could be freed to load it through.
+   */
+  TPU_SYNC_GET_NO_SPACE = 3,
+  /**
+   * The next block kept changing under the copy.
+   */
+  TPU_SYNC_GET_RACED = 4,
+  /**
+   * The next block's disk file was missing, truncated or corrupt (dropped).
+   */
+  TPU_SYNC_GET_BAD_FILE = 5,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum tpu_sync_get_stop tpu_sync_get_stop;
+#else
+typedef uint32_t tpu_sync_get_stop;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * How a source registration ended (values are stable).
+ */
+enum tpu_sync_source_state
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Registered and served.
+   */
+  TPU_SYNC_SOURCE_ACTIVE = 0,
+  /**
+   * Every expected consumer released it (the blocks were delivered).
+   */
+  TPU_SYNC_SOURCE_RELEASED = 1,
+  /**
+   * No live consumer held a lease for the lease time.
+   */
+  TPU_SYNC_SOURCE_EXPIRED = 2,
+  /**
+   * A consumer holding a lease died.
+   */
+  TPU_SYNC_SOURCE_PEER_LOST = 3,
+  /**
+   * Withdrawn with `tpu_sync_endpoint_unregister`.
+   */
+  TPU_SYNC_SOURCE_UNREGISTERED = 4,
+  /**
+   * The endpoint shut down.
+   */
+  TPU_SYNC_SOURCE_SHUTDOWN = 5,
+  /**
+   * The request id is not (or no longer) known to this endpoint.
+   */
+  TPU_SYNC_SOURCE_UNKNOWN = 6,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum tpu_sync_source_state tpu_sync_source_state;
+#else
+typedef uint32_t tpu_sync_source_state;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -223,9 +380,45 @@ typedef struct tpu_sync_buffer tpu_sync_buffer;
 typedef struct tpu_sync_client tpu_sync_client;
 
 /**
+ * Opaque handle of a submitted copy batch (an asynchronous operation). Free with
+ * [`tpu_sync_copy_free`]. Thread-safe.
+ */
+typedef struct tpu_sync_copy tpu_sync_copy;
+
+/**
+ * Opaque handle of a network endpoint. Free with [`tpu_sync_endpoint_free`]. Thread-safe.
+ */
+typedef struct tpu_sync_endpoint tpu_sync_endpoint;
+
+/**
+ * Opaque handle of a lease: leading blocks of a chain pinned in the store (never evicted while
+ * it lives). Free (unpin) with [`tpu_sync_lease_free`]. Thread-safe.
+ */
+typedef struct tpu_sync_lease tpu_sync_lease;
+
+/**
  * Opaque transfer plan handle. Free with [`tpu_sync_plan_free`]. Immutable, thread-safe.
  */
 typedef struct tpu_sync_plan tpu_sync_plan;
+
+/**
+ * Opaque handle telling when the plugin released the memory behind a view (see
+ * [`tpu_sync_client_view`]). Outlives the view's buffer handle. Free with
+ * [`tpu_sync_release_free`]. Thread-safe.
+ */
+typedef struct tpu_sync_release tpu_sync_release;
+
+/**
+ * Opaque handle of a host KV store. Free with [`tpu_sync_store_free`]. Thread-safe: every
+ * function may be called concurrently on the same store.
+ */
+typedef struct tpu_sync_store tpu_sync_store;
+
+/**
+ * Opaque handle of a network transfer (a pull, a push, or an expected push): an asynchronous
+ * operation. Free with [`tpu_sync_transfer_free`]. Thread-safe.
+ */
+typedef struct tpu_sync_transfer tpu_sync_transfer;
 
 /**
  * One span of a plan: `count` runs of `len` bytes, run `i` from byte
@@ -278,6 +471,184 @@ typedef struct tpu_sync_span {
    */
   uint64_t dst_stride;
 } tpu_sync_span;
+
+/**
+ * One raw copy of a batch: `len` bytes at byte `offset` of `buffer`'s on-device bytes, to
+ * (D2H) or from (H2D) host memory at `host`.
+ */
+typedef struct tpu_sync_copy_op {
+  /**
+   * The device buffer (borrowed for the `tpu_sync_copy_submit` call; the batch keeps what it
+   * needs alive itself).
+   */
+  const struct tpu_sync_buffer *buffer;
+  /**
+   * Byte offset into the buffer's on-device bytes.
+   */
+  uint64_t offset;
+  /**
+   * Bytes to copy.
+   */
+  uint64_t len;
+  /**
+   * Host address: destination (D2H) or source (H2D) of `len` bytes.
+   */
+  void *host;
+} tpu_sync_copy_op;
+
+/**
+ * What a completed copy batch moved.
+ */
+typedef struct tpu_sync_copy_stats {
+  /**
+   * Bytes copied.
+   */
+  uint64_t bytes;
+  /**
+   * Copies in the batch.
+   */
+  uint64_t ops;
+  /**
+   * Chunks issued to the plugin (copies split by the pacing chunk size).
+   */
+  uint64_t chunks;
+  /**
+   * Nanoseconds from submission to completion.
+   */
+  uint64_t elapsed_ns;
+} tpu_sync_copy_stats;
+
+/**
+ * Completion callback: `user_data` as given at registration, and the operation's final status
+ * (`TPU_SYNC_OK` or the error it failed with; the message is available from the operation's
+ * wait function, which does not block once the operation is done).
+ *
+ * Called exactly once per registration, on the library's completion thread, never on the
+ * registering thread and never while a library lock is held. It must return promptly and must
+ * not wait for another unfinished operation (such waits return `TPU_SYNC_INVALID_ARGUMENT`
+ * there); it may call any other function, including the operation's `*_free`.
+ */
+typedef void (*tpu_sync_callback)(void *user_data, enum tpu_sync_status status);
+
+/**
+ * What a completed transfer moved (this endpoint's part).
+ */
+typedef struct tpu_sync_transfer_stats {
+  /**
+   * Payload bytes moved over the network (received for pulls and expected pushes, sent for
+   * pushes).
+   */
+  uint64_t bytes;
+  /**
+   * Plan spans handled.
+   */
+  uint64_t spans;
+  /**
+   * `(source rank, destination rank)` pairs handled.
+   */
+  uint64_t pairs;
+  /**
+   * Stripes (lane exchanges) used.
+   */
+  uint64_t stripes;
+  /**
+   * Bytes written to device buffers (H2D) by the transfer (pulls and expected pushes).
+   */
+  uint64_t device_bytes;
+  /**
+   * Nanoseconds from submission to completion, device copies included.
+   */
+  uint64_t elapsed_ns;
+} tpu_sync_transfer_stats;
+
+/**
+ * A block key: 16 bytes (a 128-bit hash, little endian), built by
+ * [`tpu_sync_store_chain_keys`] or [`tpu_sync_store_engine_key`]. Keys of one store's namespace
+ * mean nothing to a store of another namespace.
+ */
+typedef struct tpu_sync_key {
+  /**
+   * The key bytes.
+   */
+  uint8_t bytes[16];
+} tpu_sync_key;
+
+/**
+ * Result of a put.
+ */
+typedef struct tpu_sync_put_result {
+  /**
+   * Blocks written by this call.
+   */
+  size_t stored;
+  /**
+   * Blocks already present (or being stored by a concurrent call); not written again.
+   */
+  size_t present;
+  /**
+   * First chain position that could not be stored for lack of room (every DRAM slot pinned,
+   * in use, or protecting a later block of its chain); blocks from there on were not stored.
+   * `SIZE_MAX` when every block was stored or present.
+   */
+  size_t full_at;
+  /**
+   * The store is not ready yet; nothing was stored.
+   */
+  bool not_ready;
+  /**
+   * Bytes written.
+   */
+  uint64_t bytes;
+} tpu_sync_put_result;
+
+/**
+ * Result of a get: the leading `delivered` blocks of the chain are in their destinations,
+ * byte-exact; destinations from `delivered` on hold unspecified bytes.
+ */
+typedef struct tpu_sync_get_result {
+  /**
+   * Leading blocks delivered.
+   */
+  size_t delivered;
+  /**
+   * Of those, read from DRAM directly.
+   */
+  size_t from_dram;
+  /**
+   * Of those, loaded from disk through DRAM.
+   */
+  size_t from_disk;
+  /**
+   * Bytes delivered.
+   */
+  uint64_t bytes;
+  /**
+   * Copies redone because a block changed under them.
+   */
+  uint32_t retries;
+  /**
+   * Why the get stopped early: a `tpu_sync_get_stop` value.
+   */
+  uint32_t stop;
+} tpu_sync_get_result;
+
+/**
+ * A byte range of a device buffer: one piece of a store block on a device.
+ */
+typedef struct tpu_sync_device_range {
+  /**
+   * The buffer (borrowed for the call).
+   */
+  const struct tpu_sync_buffer *buffer;
+  /**
+   * Byte offset into the buffer's on-device bytes.
+   */
+  uint64_t offset;
+  /**
+   * Bytes.
+   */
+  uint64_t len;
+} tpu_sync_device_range;
 
 #ifdef __cplusplus
 extern "C" {
@@ -482,6 +853,824 @@ enum tpu_sync_status tpu_sync_plan_spans(const struct tpu_sync_plan *plan,
                                          struct tpu_sync_span *spans,
                                          size_t cap,
                                          size_t *len_out);
+
+/**
+ * Adopts a PJRT client that the caller created (e.g. the serving framework's own client) through
+ * a `PJRT_Api` table the caller loaded (`GetPjrtApi()`), and probes its copy paths.
+ *
+ * * `pjrt_api`: a `const PJRT_Api*`. Borrowed for the rest of the process: the table must stay
+ *   valid and unchanged (as `GetPjrtApi` guarantees). Nothing is loaded or initialised again.
+ * * `pjrt_client`: a live `PJRT_Client*` created through `pjrt_api`. Borrowed: it is never
+ *   destroyed by this library, and the caller must keep it alive until this handle and every
+ *   buffer, copy, store and endpoint using it are freed.
+ * * `client_out`: receives a new handle owned by the caller (free with `tpu_sync_client_free`,
+ *   which does not destroy the PJRT client).
+ *
+ * Errors: `TPU_SYNC_NULL_POINTER`; `TPU_SYNC_PLUGIN_LOAD` for a table too small or of another
+ * major version; `TPU_SYNC_PJRT` when the client does not answer.
+ *
+ * # Safety
+ * The pointers must be what the description says; a dangling one cannot be detected.
+ */
+enum tpu_sync_status tpu_sync_client_adopt(const void *pjrt_api,
+                                           void *pjrt_client,
+                                           struct tpu_sync_client **client_out);
+
+/**
+ * The client's raw PJRT objects: its `const PJRT_Api*` (`api_out`) and `PJRT_Client*`
+ * (`client_out`); either out-pointer may be NULL. Both are borrowed: valid while the handle (or
+ * anything created from it) lives; never destroy them. For handing this library's client to
+ * other PJRT code, or adopting it again.
+ *
+ * # Safety
+ * Non-NULL out-pointers must be writable.
+ */
+enum tpu_sync_status tpu_sync_client_pjrt(const struct tpu_sync_client *client,
+                                          const void **api_out,
+                                          void **client_out);
+
+/**
+ * Adopts a `PJRT_Buffer*` owned by the caller (e.g. one layer of a framework's KV cache) as a
+ * buffer handle of `client`.
+ *
+ * The PJRT buffer is never destroyed by this library; the caller keeps it alive until this
+ * handle is freed and every copy using it has completed (while a copy runs, the library holds a
+ * PJRT external reference on it). `buffer_out` receives a new handle owned by the caller.
+ *
+ * Errors: `TPU_SYNC_NULL_POINTER`; `TPU_SYNC_INVALID_ARGUMENT` for a buffer on a device that is
+ * not one of `client`'s (a buffer of another client) or of an element type that is not
+ * byte-granular.
+ *
+ * # Safety
+ * `pjrt_buffer` must be a live `PJRT_Buffer*` of the same PJRT API as `client`.
+ */
+enum tpu_sync_status tpu_sync_buffer_adopt(const struct tpu_sync_client *client,
+                                           void *pjrt_buffer,
+                                           struct tpu_sync_buffer **buffer_out);
+
+/**
+ * The buffer's raw `PJRT_Buffer*`, written to `pjrt_buffer_out`. Borrowed: valid while the
+ * handle (or a copy using it) lives; never destroy it.
+ *
+ * # Safety
+ * `pjrt_buffer_out` must be writable.
+ */
+enum tpu_sync_status tpu_sync_buffer_pjrt(const struct tpu_sync_buffer *buffer,
+                                          void **pjrt_buffer_out);
+
+/**
+ * Writes a JSON description of the buffer into `buf` (NUL-terminated; `buf`/`buf_len`/`len_out`
+ * as for `tpu_sync_client_info`): `{"dims": [...], "dtype": "bf16", "on_device_size": bytes,
+ * "logical_size": bytes, "physical_layout": "{2,1,0}" or null, "device": index, "owned": bool,
+ * "view": bool, "platform": "cpu"}`. `physical_layout` is the plugin's serialization of the
+ * buffer's memory layout (null when the plugin offers none): raw bytes of two buffers are
+ * interchangeable only when dtype, dims and this layout are equal.
+ *
+ * # Safety
+ * `buf` must have `buf_len` writable bytes (or be NULL with `buf_len` 0); `len_out` NULL or
+ * writable.
+ */
+enum tpu_sync_status tpu_sync_buffer_info(const struct tpu_sync_buffer *buffer,
+                                          char *buf,
+                                          size_t buf_len,
+                                          size_t *len_out);
+
+/**
+ * Wraps existing memory as a PJRT buffer **without copying** (`PJRT_Client_CreateViewOfDeviceBuffer`):
+ * a host array on the XLA CPU plugin, or a device pointer (a torch tensor's `data_ptr()`, a JAX
+ * array's `unsafe_buffer_pointer()`) on an accelerator plugin.
+ *
+ * * `ptr`: address of a dense row-major array of shape `dims[0..ndims]` and element type `dtype`
+ *   (a `tpu_sync_dtype`) on device `device_index`; must be **64-byte aligned** (the CPU plugin
+ *   silently copies less aligned memory, so it is refused with `TPU_SYNC_INVALID_ARGUMENT`).
+ * * `len`: bytes available at `ptr`; must be at least the shape's byte size.
+ * * `memory_kind`: NUL-terminated memory space kind of the device (e.g. `"device"`,
+ *   `"pinned_host"`), or NULL for the device's default memory. Borrowed for the call.
+ * * `buffer_out`: receives a new buffer handle owned by the caller. Reads and writes through it
+ *   and through `ptr` alias each other.
+ * * `release_out`: NULL, or receives a new `tpu_sync_release` handle owned by the caller.
+ *
+ * **Lifetime of the memory**: `ptr..ptr+len` stays owned by the caller but must remain valid
+ * and not be reused until the plugin has released it, which happens after the buffer handle is
+ * freed and every copy using it has completed, asynchronously (up to about 100 ms later on the
+ * CPU plugin). [`tpu_sync_release_wait`] on `release_out` tells when; without a release handle
+ * the memory must stay valid for the life of the process.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` (NULL or misaligned `ptr`, `len` too small, bad shape or
+ * dtype, unknown device or memory kind, or a plugin that copied instead of aliasing);
+ * `TPU_SYNC_UNSUPPORTED` / `TPU_SYNC_PJRT` when the plugin cannot make views (libtpu).
+ *
+ * # Safety
+ * `ptr` must be valid device memory as described; `dims` must hold `ndims` values;
+ * `memory_kind` NULL or NUL-terminated; the out-pointers writable.
+ */
+enum tpu_sync_status tpu_sync_client_view(const struct tpu_sync_client *client,
+                                          size_t device_index,
+                                          void *ptr,
+                                          size_t len,
+                                          const int64_t *dims,
+                                          size_t ndims,
+                                          uint32_t dtype,
+                                          const char *memory_kind,
+                                          struct tpu_sync_buffer **buffer_out,
+                                          struct tpu_sync_release **release_out);
+
+/**
+ * Waits up to `timeout_ms` milliseconds (0: just check; negative: without limit) for the plugin
+ * to release a view's memory. Returns `TPU_SYNC_OK` once released (the memory may then be freed
+ * or reused), `TPU_SYNC_PENDING` if not yet.
+ */
+enum tpu_sync_status tpu_sync_release_wait(const struct tpu_sync_release *release,
+                                           int64_t timeout_ms);
+
+/**
+ * Frees a release handle (the view and its memory are not affected).
+ */
+enum tpu_sync_status tpu_sync_release_free(struct tpu_sync_release *release);
+
+/**
+ * Submits a batch of raw copies in one direction (a `tpu_sync_direction`) through the
+ * process-wide DMA pacer and returns at once; the copies run asynchronously (D2H chunks are all
+ * issued before any is awaited).
+ *
+ * * `ops[0..num_ops]`: the copies (borrowed for the call). Every range is checked against its
+ *   buffer's on-device size, D2H host destinations must not overlap each other, nor H2D device
+ *   destinations; H2D needs every buffer to come from the same plugin.
+ * * `max_outstanding_chunks`: most chunks of this batch in flight at once (0: only the pacer's
+ *   byte budget limits it).
+ * * `copy_out`: receives a new handle owned by the caller.
+ *
+ * **Host memory**: every `host..host+len` must stay valid (writable for D2H, readable and
+ * unmodified for H2D) and untouched by others until the batch is complete: `tpu_sync_copy_wait`
+ * returned something other than `TPU_SYNC_PENDING`, `tpu_sync_copy_poll` reported done, the
+ * callback ran, or `tpu_sync_copy_free` returned. No computation may use the H2D destination
+ * ranges meanwhile.
+ *
+ * Errors (nothing is issued): `TPU_SYNC_INVALID_ARGUMENT` (bad direction, range outside a
+ * buffer, NULL host address, overlaps, deleted buffer, mixed plugins), `TPU_SYNC_UNSUPPORTED`
+ * (no in-place H2D path), `TPU_SYNC_INVALID_HANDLE`.
+ *
+ * # Safety
+ * `ops` must hold `num_ops` entries; `copy_out` writable; the host memory contract above.
+ */
+enum tpu_sync_status tpu_sync_copy_submit(uint32_t direction,
+                                          const struct tpu_sync_copy_op *ops,
+                                          size_t num_ops,
+                                          size_t max_outstanding_chunks,
+                                          struct tpu_sync_copy **copy_out);
+
+/**
+ * Non-blocking check: writes whether the batch is complete to `done_out` and, when
+ * `bytes_done_out` is not NULL, the bytes of chunks completed so far.
+ *
+ * # Safety
+ * `done_out` writable; `bytes_done_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_copy_poll(const struct tpu_sync_copy *copy,
+                                        bool *done_out,
+                                        uint64_t *bytes_done_out);
+
+/**
+ * Waits up to `timeout_ms` milliseconds (0: do not block; negative: without limit) for the
+ * batch. Returns `TPU_SYNC_PENDING` while it runs; once complete, `TPU_SYNC_OK` with the stats
+ * written to `stats_out` (may be NULL), or the batch's error (with the failing copy's span in
+ * the message). May be called again after completion (same answer). On the completion thread
+ * (inside a callback) a wait that would block returns `TPU_SYNC_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ * `stats_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_copy_wait(const struct tpu_sync_copy *copy,
+                                        int64_t timeout_ms,
+                                        struct tpu_sync_copy_stats *stats_out);
+
+/**
+ * Stops issuing the batch's remaining chunks (chunks in flight still complete). The batch then
+ * completes with `TPU_SYNC_CANCELLED` unless every chunk had already been issued. Returns at once.
+ */
+enum tpu_sync_status tpu_sync_copy_cancel(const struct tpu_sync_copy *copy);
+
+/**
+ * Registers `callback(user_data, status)` to run once when the batch completes (at once, on
+ * the completion thread, if it already has). One callback per batch; a second registration
+ * returns `TPU_SYNC_INVALID_ARGUMENT`. `user_data` is passed through untouched and must stay
+ * valid until the call. See `tpu_sync_callback` for what a callback may do.
+ */
+enum tpu_sync_status tpu_sync_copy_set_callback(const struct tpu_sync_copy *copy,
+                                                tpu_sync_callback callback,
+                                                void *user_data);
+
+/**
+ * Frees a copy handle. If the batch is still running it is cancelled and this call **blocks**
+ * until the chunks in flight complete, so host memory is never touched after it returns (a
+ * registered callback still runs). Inside a callback, freeing an unfinished batch returns
+ * `TPU_SYNC_INVALID_ARGUMENT` and frees nothing.
+ */
+enum tpu_sync_status tpu_sync_copy_free(struct tpu_sync_copy *copy);
+
+/**
+ * Sets the process-wide DMA pacing (TPU Sync's `set_dma_pacing`): copies are split into chunks
+ * of at most `chunk_bytes` bytes (0: not split) and at most `max_inflight_bytes` bytes are in
+ * flight at once (0: unlimited). Applies to chunks issued from now on. Defaults: 16 MiB and 64
+ * MiB, or `$TPU_SYNC_DMA_CHUNK_BYTES` / `$TPU_SYNC_DMA_MAX_INFLIGHT_BYTES`.
+ */
+enum tpu_sync_status tpu_sync_pacing_set(uint64_t chunk_bytes, uint64_t max_inflight_bytes);
+
+/**
+ * Pauses (`paused` true) or resumes the process-wide DMA pacer. While paused no new chunk is
+ * issued: batches submitted meanwhile queue up in order, chunks already in flight complete,
+ * cancellations are still processed. For quiescing device DMA around another operation.
+ */
+enum tpu_sync_status tpu_sync_pacing_pause(bool paused);
+
+/**
+ * Writes the process-wide pacer's configuration and counters as JSON into `buf` (`buf`/
+ * `buf_len`/`len_out` as for `tpu_sync_client_info`): `{"chunk_bytes", "max_inflight_bytes",
+ * "bytes", "chunks", "batches", "failed_batches", "inflight_bytes", "peak_inflight_bytes"}`
+ * (bytes and chunks count completed copies since the process started).
+ *
+ * # Safety
+ * `buf` must have `buf_len` writable bytes (or be NULL with `buf_len` 0); `len_out` NULL or
+ * writable.
+ */
+enum tpu_sync_status tpu_sync_pacing_stats(char *buf, size_t buf_len, size_t *len_out);
+
+/**
+ * Creates a network endpoint from a NUL-terminated JSON configuration (borrowed for the call):
+ *
+ * ```text
+ * {"listen": "127.0.0.1:0",    // listen address (port 0: any free port); null: client only
+ *  "transport": "tcp",          // "tcp" (plain, trusted networks only) | "tls" | "quic"
+ *  "tls": {"cert": "a.pem", "key": "a.key", "ca": "ca.pem", "server_name": "..."},
+ *  "psk_hex": "00ff...",        // or "psk_file": path; tls and quic need tls or a psk
+ *  "name": "prefill-0",         // unique per live process (default tpu-sync-<pid>)
+ *  "timeout_s": 30,             // connect, handshake and I/O limits (or each *_timeout_s)
+ *  "heartbeat_interval_s": 1, "heartbeat_timeout_s": 5,
+ *  "lease_ttl_s": 120,          // how long an unreleased registration is kept without holders
+ *  "chunk_bytes": 1048576, "streams_per_pair": 2, "max_lanes_per_peer": 16}
+ * ```
+ *
+ * Every key is optional. `endpoint_out` receives a new handle owned by the caller.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` (bad JSON or options: TLS/QUIC without credentials,
+ * credentials with plain TCP, zero sizes), `TPU_SYNC_IO` (address in use, unreadable files).
+ *
+ * # Safety
+ * `config_json` NUL-terminated; `endpoint_out` writable.
+ */
+enum tpu_sync_status tpu_sync_endpoint_new(const char *config_json,
+                                           struct tpu_sync_endpoint **endpoint_out);
+
+/**
+ * Frees an endpoint handle. An endpoint not shut down is shut down without draining: its
+ * transfers are cancelled and its registrations end (peers see the connections close).
+ */
+enum tpu_sync_status tpu_sync_endpoint_free(struct tpu_sync_endpoint *endpoint);
+
+/**
+ * Writes the endpoint's listening address (`"IP:PORT"`, the real port when 0 was asked for), or
+ * an empty string for a client-only endpoint, into `buf` (`buf`/`buf_len`/`len_out` as for
+ * `tpu_sync_client_info`).
+ *
+ * # Safety
+ * `buf` must have `buf_len` writable bytes (or be NULL with `buf_len` 0); `len_out` NULL or
+ * writable.
+ */
+enum tpu_sync_status tpu_sync_endpoint_address(const struct tpu_sync_endpoint *endpoint,
+                                               char *buf,
+                                               size_t buf_len,
+                                               size_t *len_out);
+
+/**
+ * Gives the peer `name` (NUL-terminated) the address `addr` (NUL-terminated `host:port`), so
+ * that peer maps may name it; re-adding a name with a new address (a restarted peer) makes the
+ * next transfer connect to the new address. Blocks while the old connection is closed.
+ *
+ * # Safety
+ * Both strings NUL-terminated.
+ */
+enum tpu_sync_status tpu_sync_endpoint_add_peer(const struct tpu_sync_endpoint *endpoint,
+                                                const char *name,
+                                                const char *addr);
+
+/**
+ * Registers a request's blocks for pulling (producer side): copies (D2H, blocking) the
+ * request's blocks of the given ranks' per-layer KV buffers into pinned staging and serves them
+ * to pullers until `expected_releases` consumers released the request, the lease time passes
+ * without a live consumer, or it is unregistered. The device blocks may be reused as soon as
+ * this returns.
+ *
+ * * `placement_json`: where the request's blocks are (NUL-terminated `Placement` JSON, as for
+ *   `tpu_sync_plan_new`); `num_tokens` its tokens; `request_id` in `1..2^53`.
+ * * `ranks[0..num_ranks]`: the global ranks of the placement's replica hosted here;
+ *   `buffers[i * num_layers + l]`: rank `ranks[i]`'s KV buffer of layer `l` (borrowed).
+ * * `expected_releases`: consumers that will pull it (>= 1).
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` (id, duplicate registration, ranks), layout and block
+ * errors of the placement, device copy errors.
+ *
+ * # Safety
+ * `placement_json` NUL-terminated; arrays of the given sizes.
+ */
+enum tpu_sync_status tpu_sync_endpoint_register(const struct tpu_sync_endpoint *endpoint,
+                                                uint64_t request_id,
+                                                const char *placement_json,
+                                                uint32_t num_tokens,
+                                                const uint32_t *ranks,
+                                                size_t num_ranks,
+                                                const struct tpu_sync_buffer *const *buffers,
+                                                size_t num_layers,
+                                                uint32_t expected_releases);
+
+/**
+ * Withdraws a request's registration (pulls in progress fail). `existed_out` (may be NULL)
+ * says whether it was still registered.
+ *
+ * # Safety
+ * `existed_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_endpoint_unregister(const struct tpu_sync_endpoint *endpoint,
+                                                  uint64_t request_id,
+                                                  bool *existed_out);
+
+/**
+ * Writes the state of request `request_id`'s registration (a `tpu_sync_source_state`) to
+ * `state_out`: active, or how it ended (released by its consumers, expired, consumer lost,
+ * unregistered, shut down). The outcomes of the last 65,536 ended registrations are remembered;
+ * their staging memory is freed at the next call that looks at registrations (register,
+ * unregister, this one).
+ *
+ * # Safety
+ * `state_out` writable.
+ */
+enum tpu_sync_status tpu_sync_endpoint_source_state(const struct tpu_sync_endpoint *endpoint,
+                                                    uint64_t request_id,
+                                                    uint32_t *state_out);
+
+/**
+ * Pulls a request (consumer side) and writes it into this side's KV buffers in place.
+ *
+ * Plans the transfer from `src_placement_json` (the producer's placement) to
+ * `dst_placement_json` (this side's) for `num_tokens` tokens, pulls from each producer rank
+ * exactly the spans each of this side's ranks needs into pinned staging, verifies every chunk's
+ * checksum, writes the bytes in place into `buffers` (H2D), and tells the producers to release
+ * the request before reporting success (after a failure or cancel, the release is sent in the
+ * background, best effort: the producers' leases expire otherwise). Returns at once with a transfer handle (owned by the
+ * caller); validation errors (plan, ranks, peers) are returned here, network and device errors
+ * through the transfer.
+ *
+ * * `peers`: NUL-terminated `ADDR` (every producer rank there) or `RANK=ADDR,RANK=ADDR,...`
+ *   (addresses `host:port` or names given to `tpu_sync_endpoint_add_peer`).
+ * * `ranks`, `buffers`, `num_layers`: this side's ranks pulled here and their per-layer KV
+ *   buffers, as for `tpu_sync_endpoint_register` (kept alive by the transfer). No computation
+ *   may use the request's destination blocks until the transfer completes.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT`, `TPU_SYNC_LAYOUT`, `TPU_SYNC_BLOCK_RANGE`,
+ * `TPU_SYNC_MISMATCH`, `TPU_SYNC_UNSUPPORTED` (no in-place H2D path).
+ *
+ * # Safety
+ * Strings NUL-terminated; arrays of the given sizes; `transfer_out` writable.
+ */
+enum tpu_sync_status tpu_sync_endpoint_pull(const struct tpu_sync_endpoint *endpoint,
+                                            uint64_t request_id,
+                                            const char *peers,
+                                            const char *src_placement_json,
+                                            const char *dst_placement_json,
+                                            uint32_t num_tokens,
+                                            const uint32_t *ranks,
+                                            size_t num_ranks,
+                                            const struct tpu_sync_buffer *const *buffers,
+                                            size_t num_layers,
+                                            struct tpu_sync_transfer **transfer_out);
+
+/**
+ * Pushes a request (producer side): copies (D2H, blocking) the request's blocks of `ranks`'
+ * buffers into pinned staging, then sends each destination rank exactly its spans. Returns at
+ * once with a transfer handle owned by the caller; the transfer completes when every
+ * destination endpoint confirmed. The device blocks may be reused as soon as this returns.
+ * `targets`: NUL-terminated `ADDR` or `RANK=ADDR,...` of the destination ranks' endpoints; the
+ * placements, ranks and buffers as for `tpu_sync_endpoint_pull` (with this side as the source).
+ *
+ * # Safety
+ * As `tpu_sync_endpoint_pull`.
+ */
+enum tpu_sync_status tpu_sync_endpoint_push(const struct tpu_sync_endpoint *endpoint,
+                                            uint64_t request_id,
+                                            const char *targets,
+                                            const char *src_placement_json,
+                                            const char *dst_placement_json,
+                                            uint32_t num_tokens,
+                                            const uint32_t *ranks,
+                                            size_t num_ranks,
+                                            const struct tpu_sync_buffer *const *buffers,
+                                            size_t num_layers,
+                                            struct tpu_sync_transfer **transfer_out);
+
+/**
+ * Expects a push of a request (consumer side of a push): registers pinned staging for exactly
+ * the spans the plan from `src_placement_json` (the senders' placement) to
+ * `dst_placement_json` (this side's) writes to `ranks`, and returns a transfer handle (owned by
+ * the caller) that completes once every sender finished, every chunk verified, and the bytes
+ * were written in place into `buffers` (H2D). Arguments as for `tpu_sync_endpoint_pull`.
+ *
+ * # Safety
+ * As `tpu_sync_endpoint_pull`.
+ */
+enum tpu_sync_status tpu_sync_endpoint_expect_push(const struct tpu_sync_endpoint *endpoint,
+                                                   uint64_t request_id,
+                                                   const char *src_placement_json,
+                                                   const char *dst_placement_json,
+                                                   uint32_t num_tokens,
+                                                   const uint32_t *ranks,
+                                                   size_t num_ranks,
+                                                   const struct tpu_sync_buffer *const *buffers,
+                                                   size_t num_layers,
+                                                   struct tpu_sync_transfer **transfer_out);
+
+/**
+ * Non-blocking check: writes whether the transfer is complete (bytes in place, or failed) to
+ * `done_out`, and the leading layers received and verified so far to `layers_out` (may be
+ * NULL; receiving transfers only).
+ *
+ * # Safety
+ * `done_out` writable; `layers_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_transfer_poll(const struct tpu_sync_transfer *transfer,
+                                            bool *done_out,
+                                            uint32_t *layers_out);
+
+/**
+ * Waits up to `timeout_ms` milliseconds (0: do not block; negative: without limit). Returns
+ * `TPU_SYNC_PENDING` while the transfer runs; once complete `TPU_SYNC_OK` with its stats in
+ * `stats_out` (may be NULL), or its error: `TPU_SYNC_PEER_CLOSED`, `TPU_SYNC_TIMEOUT`,
+ * `TPU_SYNC_CHECKSUM`, `TPU_SYNC_REMOTE`, `TPU_SYNC_UNKNOWN_REQUEST`, `TPU_SYNC_CANCELLED`, ...
+ * A failed transfer never reports `TPU_SYNC_OK`. Same rules as `tpu_sync_copy_wait` on the
+ * completion thread.
+ *
+ * # Safety
+ * `stats_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_transfer_wait(const struct tpu_sync_transfer *transfer,
+                                            int64_t timeout_ms,
+                                            struct tpu_sync_transfer_stats *stats_out);
+
+/**
+ * Cancels the transfer: it fails with `TPU_SYNC_CANCELLED` (unless already complete), its lanes
+ * are closed and its peers told to stop. Returns at once.
+ */
+enum tpu_sync_status tpu_sync_transfer_cancel(const struct tpu_sync_transfer *transfer);
+
+/**
+ * Registers `callback(user_data, status)` to run once when the transfer completes; as
+ * `tpu_sync_copy_set_callback`.
+ */
+enum tpu_sync_status tpu_sync_transfer_set_callback(const struct tpu_sync_transfer *transfer,
+                                                    tpu_sync_callback callback,
+                                                    void *user_data);
+
+/**
+ * Frees a transfer handle. An unfinished transfer is cancelled and this call **blocks** until it
+ * has completed (so nothing is written to its buffers afterwards); inside a callback, freeing
+ * an unfinished transfer returns `TPU_SYNC_INVALID_ARGUMENT` and frees nothing.
+ */
+enum tpu_sync_status tpu_sync_transfer_free(struct tpu_sync_transfer *transfer);
+
+/**
+ * Writes the endpoint's counters as JSON into `buf` (`buf`/`buf_len`/`len_out` as for
+ * `tpu_sync_client_info`): gauges `peers`, `sessions`, `lanes_open`, `source_registrations`,
+ * `sink_registrations`, `leases`, `staged_bytes`, `transfers_in_flight`; totals
+ * `lanes_opened`, `bytes_sent`, `bytes_received`, `transfers_completed`, `transfers_failed`,
+ * `checksum_failures`, `peers_lost`, `handshake_failures`; and `address`, `transport`, `name`.
+ *
+ * # Safety
+ * `buf` must have `buf_len` writable bytes (or be NULL with `buf_len` 0); `len_out` NULL or
+ * writable.
+ */
+enum tpu_sync_status tpu_sync_endpoint_stats(const struct tpu_sync_endpoint *endpoint,
+                                             char *buf,
+                                             size_t buf_len,
+                                             size_t *len_out);
+
+/**
+ * Shuts the endpoint down (blocking): stops accepting, waits up to `drain_ms` milliseconds for
+ * in-flight transfers to finish (0 or negative: none; they are cancelled at once), then cancels
+ * what is left, ends every registration and closes every connection. Later registrations and
+ * transfers on it return `TPU_SYNC_INVALID_ARGUMENT`; free the handle afterwards. Calling it
+ * twice is harmless.
+ */
+enum tpu_sync_status tpu_sync_endpoint_shutdown(const struct tpu_sync_endpoint *endpoint,
+                                                int64_t drain_ms);
+
+/**
+ * Creates a host KV store from a NUL-terminated JSON configuration (borrowed for the call):
+ *
+ * ```text
+ * {"namespace": "llama-3.1-8b bf16 tp=1 rank=0 block=16 NHD",  // model/dtype/layout; required
+ *  "block_bytes": 1048576,        // largest block, bytes; required
+ *  "capacity_bytes": 1073741824,  // DRAM bytes of block slots; required
+ *  "shm_name": "kv0",             // keep the segment in /dev/shm under this name (warm restart)
+ *  "shm_dir": "/dev/shm",         // directory of named segments
+ *  "disk_dir": "/var/cache/kv", "disk_capacity_bytes": 1e10,  // disk tier (both or neither)
+ *  "disk_io_uring": true, "disk_direct": true,
+ *  "verify_checksums": true,      // check each block's xxh3 on get
+ *  "background": false,           // prepare memory on a thread; see tpu_sync_store_state
+ *  "lock_memory": true, "huge_pages": true, "populate": true}
+ * ```
+ *
+ * `dma_client`: NULL, or a client whose plugin maps the DRAM slots for DMA
+ * (`PJRT_Client_DmaMap`; refused by the XLA CPU plugin, which is reported in the info, not an
+ * error). Borrowed for the call (the store keeps the client alive). `store_out` receives a new
+ * handle owned by the caller. One process at a time may use a named segment or disk directory.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` (bad JSON, unknown keys, sizes, names);
+ * `TPU_SYNC_HOST_MEMORY`, `TPU_SYNC_IO` (segment or directory unusable or in use; in the
+ * foreground mode only).
+ *
+ * # Safety
+ * `config_json` NUL-terminated; `store_out` writable.
+ */
+enum tpu_sync_status tpu_sync_store_new(const char *config_json,
+                                        const struct tpu_sync_client *dma_client,
+                                        struct tpu_sync_store **store_out);
+
+/**
+ * Frees a store handle. The store closes when no call and no lease uses it any more (its named
+ * segment stays in `/dev/shm` for a warm restart; anonymous memory is returned).
+ */
+enum tpu_sync_status tpu_sync_store_free(struct tpu_sync_store *store);
+
+/**
+ * Writes the store's readiness (a `tpu_sync_tier_state` value) to `state_out`.
+ *
+ * # Safety
+ * `state_out` writable.
+ */
+enum tpu_sync_status tpu_sync_store_state(const struct tpu_sync_store *store, uint32_t *state_out);
+
+/**
+ * Waits up to `timeout_ms` milliseconds (negative: without limit) for the store to be ready.
+ * Errors: `TPU_SYNC_TIMEOUT` when still preparing; `TPU_SYNC_HOST_MEMORY` with the reason when
+ * preparation failed.
+ */
+enum tpu_sync_status tpu_sync_store_wait_ready(const struct tpu_sync_store *store,
+                                               int64_t timeout_ms);
+
+/**
+ * Writes how the store was set up as JSON into `buf` (`buf`/`buf_len`/`len_out` as for
+ * `tpu_sync_client_info`), or `null` while it is not ready: `{"namespace", "attach"
+ * ("anonymous" | "created" | "attached" | "reformatted: why"), "segment" (path or null),
+ * "block_bytes", "slot_bytes", "num_slots", "total_bytes", "lock", "huge_pages", "dma",
+ * "disk" ({"dir", "io", "direct", "capacity_blocks"} or null), "restored_dram_blocks",
+ * "restored_disk_blocks", "prepare_secs"}`.
+ *
+ * # Safety
+ * `buf` must have `buf_len` writable bytes (or be NULL with `buf_len` 0); `len_out` NULL or
+ * writable.
+ */
+enum tpu_sync_status tpu_sync_store_info(const struct tpu_sync_store *store,
+                                         char *buf,
+                                         size_t buf_len,
+                                         size_t *len_out);
+
+/**
+ * Writes the store's counters (since it was opened) and occupancy as JSON into `buf`
+ * (`buf`/`buf_len`/`len_out` as for `tpu_sync_client_info`): `{"dram_blocks", "disk_blocks",
+ * "free_slots", "lookups", "lookup_blocks", "lookup_hits", "put_blocks", "put_present",
+ * "put_full", "get_dram", "get_disk", "evictions", "spills", "spill_failures", "races",
+ * "corrupt_blocks", "bad_files", "bytes_put", "bytes_got"}` (all integers; zeros until ready).
+ *
+ * # Safety
+ * As `tpu_sync_store_info`.
+ */
+enum tpu_sync_status tpu_sync_store_stats(const struct tpu_sync_store *store,
+                                          char *buf,
+                                          size_t buf_len,
+                                          size_t *len_out);
+
+/**
+ * Keys of the full blocks of a token sequence cut into blocks of `block_tokens` tokens, each
+ * chained on the one before it (the first on `parent`, or on nothing when `parent` is NULL), in
+ * the store's namespace. `tokens[0..num_tokens]` are token ids. Writes `num_tokens /
+ * block_tokens` keys to `keys_out` and their number to `len_out`; when `cap` is smaller, returns
+ * `TPU_SYNC_BUFFER_TOO_SMALL` with the needed count in `len_out` and writes no key.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` for `block_tokens` 0.
+ *
+ * # Safety
+ * `tokens` holds `num_tokens` values; `parent` NULL or readable; `keys_out` room for `cap`
+ * keys; `len_out` writable.
+ */
+enum tpu_sync_status tpu_sync_store_chain_keys(const struct tpu_sync_store *store,
+                                               const uint32_t *tokens,
+                                               size_t num_tokens,
+                                               size_t block_tokens,
+                                               const struct tpu_sync_key *parent,
+                                               struct tpu_sync_key *keys_out,
+                                               size_t cap,
+                                               size_t *len_out);
+
+/**
+ * Key of an engine-provided block hash (`hash[0..hash_len]`, opaque bytes already chained by
+ * the engine, e.g. vLLM's block hash bytes, or SGLang's page hash string without NUL) in the
+ * store's namespace, written to `key_out`.
+ *
+ * # Safety
+ * `hash` holds `hash_len` bytes (may be NULL when 0); `key_out` writable.
+ */
+enum tpu_sync_status tpu_sync_store_engine_key(const struct tpu_sync_store *store,
+                                               const void *hash,
+                                               size_t hash_len,
+                                               struct tpu_sync_key *key_out);
+
+/**
+ * Number of leading blocks of the chain `keys[0..num_keys]` present in the store (DRAM or
+ * disk), written to `hits_out`; of those, how many have a DRAM copy (`in_dram_out`) and how
+ * many are on disk only (`disk_only_out`), both optional. Updates their recency. 0 while the
+ * store is not ready.
+ *
+ * # Safety
+ * `keys` holds `num_keys` keys; `hits_out` writable; the others NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_store_lookup(const struct tpu_sync_store *store,
+                                           const struct tpu_sync_key *keys,
+                                           size_t num_keys,
+                                           size_t *hits_out,
+                                           size_t *in_dram_out,
+                                           size_t *disk_only_out);
+
+/**
+ * Stores a chain of blocks from host memory: block `i` (key `keys[i]`, whose parent is
+ * `keys[i-1]`, and `parent` for block 0; `parent` NULL for a sequence's first block or when
+ * unknown) is `lens[i]` bytes at `blocks[i]`, copied during the call (blocks borrowed for the
+ * call). Blocks already present are not written again. A lack of room is not an error: see
+ * `tpu_sync_put_result.full_at`. The result is written to `result_out`.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` for an empty block or one larger than `block_bytes`.
+ *
+ * # Safety
+ * `keys`, `blocks`, `lens` hold `num_blocks` entries; `blocks[i]` points to `lens[i]` readable
+ * bytes; `parent` NULL or readable; `result_out` writable.
+ */
+enum tpu_sync_status tpu_sync_store_put(const struct tpu_sync_store *store,
+                                        const struct tpu_sync_key *parent,
+                                        const struct tpu_sync_key *keys,
+                                        size_t num_blocks,
+                                        const void *const *blocks,
+                                        const size_t *lens,
+                                        struct tpu_sync_put_result *result_out);
+
+/**
+ * Copies the leading blocks of the chain `keys[0..num_keys]` out of the store: block `i` into
+ * `dsts[i]`, which has `lens[i]` bytes and must be exactly as long as the block was stored.
+ * Disk-only blocks are loaded through DRAM. Stops at the first missing block; the result (how
+ * many were delivered, and why it stopped) goes to `result_out`.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` when a destination has the wrong length;
+ * `TPU_SYNC_CHECKSUM` when a block's stored bytes fail their checksum (the block and its chain
+ * below it are dropped from the store).
+ *
+ * # Safety
+ * `keys`, `dsts`, `lens` hold `num_keys` entries; `dsts[i]` points to `lens[i]` writable bytes
+ * not accessed by others during the call; `result_out` writable.
+ */
+enum tpu_sync_status tpu_sync_store_get(const struct tpu_sync_store *store,
+                                        const struct tpu_sync_key *keys,
+                                        size_t num_keys,
+                                        void *const *dsts,
+                                        const size_t *lens,
+                                        struct tpu_sync_get_result *result_out);
+
+/**
+ * Stores a chain of blocks from PJRT device memory (D2H of every piece, issued together and
+ * completed before the call returns): block `i` is the concatenation, in order, of the
+ * `pieces_per_block[i]` next ranges of `pieces` (e.g. one engine block's K and V rows of every
+ * layer). `parent`, keys and the result as for [`tpu_sync_store_put`].
+ *
+ * Errors: as `tpu_sync_store_put`, plus the device layer's (`TPU_SYNC_INVALID_ARGUMENT` for a
+ * range outside a buffer, `TPU_SYNC_PJRT`).
+ *
+ * # Safety
+ * `keys` and `pieces_per_block` hold `num_blocks` entries, `pieces` holds `num_pieces`;
+ * `parent` NULL or readable; `result_out` writable.
+ */
+enum tpu_sync_status tpu_sync_store_put_from_device(const struct tpu_sync_store *store,
+                                                    const struct tpu_sync_key *parent,
+                                                    const struct tpu_sync_key *keys,
+                                                    size_t num_blocks,
+                                                    const struct tpu_sync_device_range *pieces,
+                                                    size_t num_pieces,
+                                                    const size_t *pieces_per_block,
+                                                    struct tpu_sync_put_result *result_out);
+
+/**
+ * Copies the leading blocks of the chain into existing device blocks in place (H2D by the
+ * buffers' client's probed path, completed before the call returns): block `i` goes to the
+ * `pieces_per_block[i]` next ranges of `pieces`, which must add up to the block's stored
+ * length. Result as for [`tpu_sync_store_get`].
+ *
+ * Errors: as `tpu_sync_store_get`, plus `TPU_SYNC_UNSUPPORTED` (no in-place H2D path),
+ * `TPU_SYNC_INVALID_ARGUMENT` (ranges outside a buffer, buffers of different plugins).
+ *
+ * # Safety
+ * `keys` and `pieces_per_block` hold `num_keys` entries, `pieces` holds `num_pieces`;
+ * `result_out` writable. No computation may use the destination ranges during the call.
+ */
+enum tpu_sync_status tpu_sync_store_get_to_device(const struct tpu_sync_store *store,
+                                                  const struct tpu_sync_key *keys,
+                                                  size_t num_keys,
+                                                  const struct tpu_sync_device_range *pieces,
+                                                  size_t num_pieces,
+                                                  const size_t *pieces_per_block,
+                                                  struct tpu_sync_get_result *result_out);
+
+/**
+ * Pins the leading present blocks of the chain `keys[0..num_keys]` (never evicted while the
+ * lease lives, so a get of them cannot miss) and updates their recency. `lease_out` receives a
+ * new lease handle owned by the caller (it may pin 0 blocks: see `tpu_sync_lease_count`); free
+ * it to unpin. The lease keeps the store alive.
+ *
+ * # Safety
+ * `keys` holds `num_keys` keys; `lease_out` writable.
+ */
+enum tpu_sync_status tpu_sync_store_pin(const struct tpu_sync_store *store,
+                                        const struct tpu_sync_key *keys,
+                                        size_t num_keys,
+                                        struct tpu_sync_lease **lease_out);
+
+/**
+ * Number of leading blocks the lease pins, written to `count_out`.
+ *
+ * # Safety
+ * `count_out` writable.
+ */
+enum tpu_sync_status tpu_sync_lease_count(const struct tpu_sync_lease *lease, size_t *count_out);
+
+/**
+ * Frees a lease: unpins its blocks.
+ */
+enum tpu_sync_status tpu_sync_lease_free(struct tpu_sync_lease *lease);
+
+/**
+ * Removes blocks by key, each with every block of its chain below it (no suffix is left
+ * without its prefix); a key whose chain below holds a pinned or in-flight block is left alone.
+ * Writes the number of blocks removed to `removed_out` (may be NULL).
+ *
+ * # Safety
+ * `keys` holds `num_keys` keys; `removed_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_store_remove(const struct tpu_sync_store *store,
+                                           const struct tpu_sync_key *keys,
+                                           size_t num_keys,
+                                           size_t *removed_out);
+
+/**
+ * Removes every block that is not pinned, in flight, or a prefix of one; the number removed
+ * goes to `removed_out` (may be NULL).
+ *
+ * # Safety
+ * `removed_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_store_clear(const struct tpu_sync_store *store, size_t *removed_out);
+
+/**
+ * Writes every DRAM block without a disk copy to the disk tier (e.g. before a shutdown without
+ * a shm segment); the number written goes to `written_out` (may be NULL).
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` without a disk tier; `TPU_SYNC_IO` for the first block that
+ * could not be written (the others are still written).
+ *
+ * # Safety
+ * `written_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_store_flush_to_disk(const struct tpu_sync_store *store,
+                                                  size_t *written_out);
+
+/**
+ * Lists the named store segments in directory `dir` (NUL-terminated, or NULL for `/dev/shm`) as
+ * a JSON array into `buf` (`buf`/`buf_len`/`len_out` as for `tpu_sync_client_info`): `[{"name",
+ * "path", "bytes", "uid", "mode", "in_use", "namespace" (or null), "block_bytes", "num_slots",
+ * "committed_blocks" (null when the header is unreadable)}]`.
+ *
+ * Errors: `TPU_SYNC_IO` when the directory cannot be read.
+ *
+ * # Safety
+ * `dir` NULL or NUL-terminated; `buf` must have `buf_len` writable bytes (or be NULL with
+ * `buf_len` 0); `len_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_shm_list(const char *dir, char *buf, size_t buf_len, size_t *len_out);
+
+/**
+ * Removes the named store segment `name` (NUL-terminated) from directory `dir` (NULL:
+ * `/dev/shm`). Refuses a segment in use by a live process or owned by another user unless
+ * `force`.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` for a bad name; `TPU_SYNC_IO` when it does not exist, is in
+ * use, belongs to someone else, or cannot be removed.
+ *
+ * # Safety
+ * `dir` NULL or NUL-terminated; `name` NUL-terminated.
+ */
+enum tpu_sync_status tpu_sync_shm_remove(const char *dir, const char *name, bool force);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -13,7 +13,7 @@ use crate::status::{boundary, invalid, null, tpu_sync_status, FfiResult};
 // Helpers
 
 /// Reads a NUL-terminated UTF-8 string argument.
-unsafe fn str_arg<'a>(p: *const c_char, name: &str) -> FfiResult<&'a str> {
+pub(crate) unsafe fn str_arg<'a>(p: *const c_char, name: &str) -> FfiResult<&'a str> {
     if p.is_null() {
         return Err(null(name));
     }
@@ -24,7 +24,7 @@ unsafe fn str_arg<'a>(p: *const c_char, name: &str) -> FfiResult<&'a str> {
 }
 
 /// Writes `v` through an out-pointer.
-unsafe fn out<T>(p: *mut T, v: T, name: &str) -> FfiResult {
+pub(crate) unsafe fn out<T>(p: *mut T, v: T, name: &str) -> FfiResult {
     if p.is_null() {
         return Err(null(name));
     }
@@ -35,7 +35,12 @@ unsafe fn out<T>(p: *mut T, v: T, name: &str) -> FfiResult {
 
 /// Copies `s` into a caller buffer (NUL-terminated); `TPU_SYNC_BUFFER_TOO_SMALL` when it does not
 /// fit, with the needed length (without NUL) in `len_out`.
-unsafe fn out_string(s: &str, buf: *mut c_char, buf_len: usize, len_out: *mut usize) -> FfiResult {
+pub(crate) unsafe fn out_string(
+    s: &str,
+    buf: *mut c_char,
+    buf_len: usize,
+    len_out: *mut usize,
+) -> FfiResult {
     if !len_out.is_null() {
         // SAFETY: caller contract: NULL or writable.
         unsafe { *len_out = s.len() };
@@ -222,6 +227,10 @@ pub struct tpu_sync_buffer {
 pub(crate) struct BufferObj {
     pub(crate) buffer: DeviceBuffer,
     pub(crate) caps: Capabilities,
+    /// Index of the buffer's device among its client's addressable devices.
+    pub(crate) device: usize,
+    /// Set for views of caller memory: tells when the plugin released that memory.
+    pub(crate) released: Option<tpu_sync::pjrt::ViewReleased>,
 }
 
 /// Element types of device buffers (values are stable).
@@ -309,6 +318,8 @@ pub unsafe extern "C" fn tpu_sync_buffer_from_host(
             Arc::new(BufferObj {
                 buffer,
                 caps: c.caps.clone(),
+                device: device_index,
+                released: None,
             }),
         );
         // SAFETY: checked non-NULL.

@@ -31,7 +31,16 @@ pub enum tpu_sync_handle_kind {
     TPU_SYNC_HANDLE_TRANSFER = 6,
     /// `tpu_sync_staging`.
     TPU_SYNC_HANDLE_STAGING = 7,
+    /// `tpu_sync_lease` (pinned host-store blocks).
+    TPU_SYNC_HANDLE_LEASE = 8,
+    /// `tpu_sync_copy` (an asynchronous batch of device copies).
+    TPU_SYNC_HANDLE_COPY = 9,
+    /// `tpu_sync_release` (tells when a view's memory was released by the plugin).
+    TPU_SYNC_HANDLE_RELEASE = 10,
 }
+
+/// The last defined kind (for range checks).
+pub(crate) const LAST_KIND: u32 = tpu_sync_handle_kind::TPU_SYNC_HANDLE_RELEASE as u32;
 
 impl tpu_sync_handle_kind {
     fn name(self) -> &'static str {
@@ -45,6 +54,9 @@ impl tpu_sync_handle_kind {
             TPU_SYNC_HANDLE_ENDPOINT => "tpu_sync_endpoint",
             TPU_SYNC_HANDLE_TRANSFER => "tpu_sync_transfer",
             TPU_SYNC_HANDLE_STAGING => "tpu_sync_staging",
+            TPU_SYNC_HANDLE_LEASE => "tpu_sync_lease",
+            TPU_SYNC_HANDLE_COPY => "tpu_sync_copy",
+            TPU_SYNC_HANDLE_RELEASE => "tpu_sync_release",
         }
     }
 }
@@ -139,7 +151,7 @@ pub unsafe extern "C" fn tpu_sync_handle_stats(kind: u32, count_out: *mut u64) -
         if count_out.is_null() {
             return Err(crate::status::null("count_out"));
         }
-        if kind > tpu_sync_handle_kind::TPU_SYNC_HANDLE_STAGING as u32 {
+        if kind > LAST_KIND {
             return Err(crate::status::invalid(format!(
                 "unknown handle kind {kind}"
             )));

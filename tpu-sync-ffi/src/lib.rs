@@ -29,11 +29,19 @@
 #![allow(non_camel_case_types)]
 #![allow(clippy::missing_safety_doc)] // each function's safety contract is in its doc comment.
 
+mod completion;
 mod handle;
 mod status;
 
 pub mod api;
+pub mod device;
+pub mod endpoint;
+pub mod store;
 
 pub use api::*;
+pub use completion::tpu_sync_callback;
+pub use device::*;
+pub use endpoint::*;
 pub use handle::{tpu_sync_handle_kind, tpu_sync_handle_stats};
 pub use status::{tpu_sync_last_error, tpu_sync_status, tpu_sync_status_name};
+pub use store::*;

@@ -50,6 +50,9 @@ pub enum tpu_sync_status {
     TPU_SYNC_CANCELLED = 18,
     /// An output buffer is too small; the needed size was written to `len_out`.
     TPU_SYNC_BUFFER_TOO_SMALL = 19,
+    /// An asynchronous operation has not completed yet (a wait ran out of time, or a poll found
+    /// it running). Not a failure of the operation itself: wait again later.
+    TPU_SYNC_PENDING = 20,
     /// A panic was caught inside the library (a bug; the message says where).
     TPU_SYNC_PANIC = 100,
 }
@@ -79,6 +82,7 @@ impl tpu_sync_status {
             TPU_SYNC_IO => "TPU_SYNC_IO",
             TPU_SYNC_CANCELLED => "TPU_SYNC_CANCELLED",
             TPU_SYNC_BUFFER_TOO_SMALL => "TPU_SYNC_BUFFER_TOO_SMALL",
+            TPU_SYNC_PENDING => "TPU_SYNC_PENDING",
             TPU_SYNC_PANIC => "TPU_SYNC_PANIC",
         }
     }
@@ -116,6 +120,7 @@ pub(crate) fn set_last_error(msg: String) {
 }
 
 /// A failure inside an exported function: status plus message.
+#[derive(Debug, Clone)]
 pub(crate) struct Failure(pub tpu_sync_status, pub String);
 
 impl From<Error> for Failure {
@@ -224,6 +229,7 @@ pub extern "C" fn tpu_sync_status_name(status: u32) -> *const c_char {
         TPU_SYNC_IO,
         TPU_SYNC_CANCELLED,
         TPU_SYNC_BUFFER_TOO_SMALL,
+        TPU_SYNC_PENDING,
         TPU_SYNC_PANIC,
     ];
     let name = all

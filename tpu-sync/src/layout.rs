@@ -13,6 +13,11 @@
 //! (order [`BlockOrder::Nhd`], vLLM's default flash-attention layout) or
 //! `[planes, num_blocks, heads, block_size, head_dim]` ([`BlockOrder::Hnd`]), dense row-major,
 //! of the model's dtype. Offsets in this module are bytes into that buffer.
+//!
+//! A third order, [`BlockOrder::Lbhnc`], is vLLM's per-layer `[num_blocks, heads, block_size,
+//! planes * head_dim]` cache (its `LBHNC` layout, the only one of its CPU attention backend)
+//! whose `(block, head)` interior is packed by the attention kernel: the bytes of one
+//! `(block, head)` are an opaque region, moved whole and never split by token or plane.
 
 use serde::{Deserialize, Serialize};
 
@@ -72,15 +77,29 @@ pub enum BlockOrder {
     Nhd,
     /// Head-major: `[heads, block_size, head_dim]`.
     Hnd,
+    /// vLLM's `LBHNC` per-layer cache: `[num_blocks, heads, opaque region]`, the region of one
+    /// `(block, head)` holding all planes (K and V) of `block_size` tokens of one head,
+    /// `planes * block_size * head_dim` elements packed in a kernel- and dtype-specific order
+    /// (vLLM's CPU backend: fp32 stores K transposed `[head_dim, block_size]` then V; AMX bf16
+    /// uses VNNI tiles; `../shared/recipes/vllm-cpu/REPORT.md` §4). Plans move whole regions:
+    /// whole blocks, or head slices of blocks when TP differs. Both sides must use this order,
+    /// the same block size and the same [`ParallelLayout::block_format`] tag.
+    Lbhnc,
 }
 
 impl BlockOrder {
-    /// `nhd` or `hnd`.
+    /// `nhd`, `hnd` or `lbhnc`.
     pub fn name(self) -> &'static str {
         match self {
             BlockOrder::Nhd => "nhd",
             BlockOrder::Hnd => "hnd",
+            BlockOrder::Lbhnc => "lbhnc",
         }
+    }
+
+    /// Whether the block interior is opaque (moved in whole `(block, head)` regions).
+    pub fn is_opaque(self) -> bool {
+        self == BlockOrder::Lbhnc
     }
 }
 
@@ -237,7 +256,7 @@ impl std::fmt::Display for ParallelSpec {
 
 impl ParallelSpec {
     /// Parses `key=value` pairs separated by commas among `tp`, `pcp`, `dp`, `block`, `order`
-    /// (`nhd`|`hnd`); missing keys keep the values of `base`.
+    /// (`nhd`|`hnd`|`lbhnc`); missing keys keep the values of `base`.
     ///
     /// Example: `tp=2,pcp=2,block=64,order=nhd`.
     pub fn parse_with(spec: &str, base: ParallelSpec) -> Result<ParallelSpec> {
@@ -260,9 +279,10 @@ impl ParallelSpec {
                     out.order = match v.trim().to_ascii_lowercase().as_str() {
                         "nhd" => BlockOrder::Nhd,
                         "hnd" => BlockOrder::Hnd,
+                        "lbhnc" => BlockOrder::Lbhnc,
                         o => {
                             return Err(Error::Layout(format!(
-                                "order `{o}` in layout spec `{spec}`: expected nhd or hnd"
+                                "order `{o}` in layout spec `{spec}`: expected nhd or hnd (or lbhnc, vLLM's opaque blocks)"
                             )))
                         }
                     }
@@ -323,6 +343,12 @@ pub struct ParallelLayout {
     /// unknown (not checked); absent in JSON from peers that predate the field.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub physical_layout: Option<String>,
+    /// What packs the bytes inside a block: the engine, attention kernel and cache dtype that
+    /// wrote them, e.g. `vllm-cpu/vec/float32` (an opaque tag compared for equality). Required
+    /// on both sides, and equal, for [`BlockOrder::Lbhnc`]; for the other orders compared only
+    /// when both sides know it. `None` = unknown; absent in JSON from peers that predate it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_format: Option<String>,
 }
 
 impl ParallelLayout {
@@ -333,6 +359,7 @@ impl ParallelLayout {
             spec,
             num_blocks,
             physical_layout: None,
+            block_format: None,
         };
         l.validate()?;
         Ok(l)
@@ -342,6 +369,66 @@ impl ParallelLayout {
     pub fn with_physical_layout(mut self, physical: impl Into<String>) -> ParallelLayout {
         self.physical_layout = Some(physical.into());
         self
+    }
+
+    /// The same layout with its block format tag recorded (see [`ParallelLayout::block_format`]).
+    pub fn with_block_format(mut self, format: impl Into<String>) -> ParallelLayout {
+        self.block_format = Some(format.into());
+        self
+    }
+
+    /// Errors with [`Error::Mismatch`] unless raw blocks of `self` can be copied into `other`
+    /// without knowing their interior: for [`BlockOrder::Lbhnc`] on either side, both sides must
+    /// use it with the same block size and the same, known [`ParallelLayout::block_format`]
+    /// (fail closed: an unknown tag is refused); for the other orders, two known block format
+    /// tags must be equal.
+    pub fn check_block_format(&self, other: &ParallelLayout) -> Result<()> {
+        let (a, b) = (self.spec.order, other.spec.order);
+        if a.is_opaque() || b.is_opaque() {
+            if a != b {
+                return Err(Error::Mismatch(format!(
+                    "block orders {} and {} differ and {} blocks are opaque (packed by the \
+                     attention kernel), so they cannot be converted",
+                    a.name(),
+                    b.name(),
+                    BlockOrder::Lbhnc.name()
+                )));
+            }
+            if self.spec.block_size != other.spec.block_size {
+                return Err(Error::Mismatch(format!(
+                    "block sizes differ ({} vs {} tokens) and lbhnc blocks are opaque: both \
+                     sides must use the same block size",
+                    self.spec.block_size, other.spec.block_size
+                )));
+            }
+            return match (&self.block_format, &other.block_format) {
+                (Some(x), Some(y)) if x == y => Ok(()),
+                (Some(x), Some(y)) => Err(Error::Mismatch(format!(
+                    "block formats differ: `{x}` vs `{y}` (cache dtype or attention kernel); \
+                     opaque blocks can only be copied between identical formats"
+                ))),
+                (x, y) => Err(Error::Mismatch(format!(
+                    "lbhnc blocks need a known block format on both sides (got {x:?} and \
+                     {y:?})"
+                ))),
+            };
+        }
+        match (&self.block_format, &other.block_format) {
+            (Some(x), Some(y)) if x != y => Err(Error::Mismatch(format!(
+                "block formats differ: `{x}` vs `{y}`"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Tokens whose KV the request's blocks carry: `num_tokens`, rounded up to whole blocks for
+    /// [`BlockOrder::Lbhnc`] (whose last block moves whole, tail included).
+    pub fn covered_tokens(&self, num_tokens: u32) -> u32 {
+        if self.spec.order.is_opaque() {
+            self.request_blocks(num_tokens) * self.spec.block_size
+        } else {
+            num_tokens
+        }
     }
 
     /// Errors with [`Error::Mismatch`] naming both layouts when both sides' physical layouts are
@@ -479,8 +566,10 @@ impl ParallelLayout {
 }
 
 /// One rank's KV buffers: one buffer per layer of shape
-/// `[kv_planes, num_blocks, block_size, num_heads, head_dim]` (NHD) or
-/// `[kv_planes, num_blocks, num_heads, block_size, head_dim]` (HND).
+/// `[kv_planes, num_blocks, block_size, num_heads, head_dim]` (NHD),
+/// `[kv_planes, num_blocks, num_heads, block_size, head_dim]` (HND) or
+/// `[num_blocks, num_heads, block_size, kv_planes * head_dim]` (LBHNC, opaque `(block, head)`
+/// regions of [`KvLayout::region_bytes`]; [`KvLayout::dims`] gives it a leading 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct KvLayout {
     /// Layers (= buffers).
@@ -522,11 +611,32 @@ impl KvLayout {
         self.kv_planes as u64 * self.plane_bytes()
     }
 
-    /// Dimensions of one layer's buffer, in elements.
+    /// Bytes of one `(block, head)` region of an [`BlockOrder::Lbhnc`] buffer: every plane of
+    /// `block_size` tokens of one head.
+    pub fn region_bytes(&self) -> u64 {
+        self.kv_planes as u64 * self.block_size as u64 * self.row_bytes()
+    }
+
+    /// Byte offset of the `(block, head)` region of an [`BlockOrder::Lbhnc`] buffer.
+    pub fn region_offset(&self, block: u32, head: u32) -> u64 {
+        (block as u64 * self.num_heads as u64 + head as u64) * self.region_bytes()
+    }
+
+    /// Dimensions of one layer's buffer, in elements (LBHNC: `[1, num_blocks, num_heads,
+    /// block_size, kv_planes * head_dim]`, vLLM's per-layer shape with a leading 1).
     pub fn dims(&self) -> [i64; 5] {
         let (a, b) = match self.order {
             BlockOrder::Nhd => (self.block_size, self.num_heads),
             BlockOrder::Hnd => (self.num_heads, self.block_size),
+            BlockOrder::Lbhnc => {
+                return [
+                    1,
+                    self.num_blocks as i64,
+                    self.num_heads as i64,
+                    self.block_size as i64,
+                    self.kv_planes as i64 * self.head_dim as i64,
+                ]
+            }
         };
         [
             self.kv_planes as i64,
@@ -538,18 +648,33 @@ impl KvLayout {
     }
 
     /// Byte offset of the row `(plane, block, token_in_block, head)` (element `dim = 0`).
+    ///
+    /// For [`BlockOrder::Lbhnc`] the interior of a `(block, head)` region is opaque; this gives
+    /// the *nominal* position of the logical `[block, head, token, plane * head_dim]` view
+    /// (token-major, planes side by side), which test patterns use. Real kernels pack the
+    /// region differently, which is why plans never split it.
     pub fn row_offset(&self, plane: u32, block: u32, token: u32, head: u32) -> u64 {
         let within = match self.order {
             BlockOrder::Nhd => token as u64 * self.num_heads as u64 + head as u64,
             BlockOrder::Hnd => head as u64 * self.block_size as u64 + token as u64,
+            BlockOrder::Lbhnc => {
+                return self.region_offset(block, head)
+                    + (token as u64 * self.kv_planes as u64 + plane as u64) * self.row_bytes()
+            }
         };
         plane as u64 * self.plane_bytes()
             + block as u64 * self.block_bytes()
             + within * self.row_bytes()
     }
 
-    /// Byte offset of the start of `block` in `plane`.
+    /// Byte offset of the start of `block` in `plane`. For [`BlockOrder::Lbhnc`], where the
+    /// planes of a block are interleaved inside its regions, plane `p` names the `p`-th
+    /// `block_bytes()` slice of the block's `kv_planes * block_bytes()` bytes, so the planes
+    /// together cover the whole block.
     pub fn block_offset(&self, plane: u32, block: u32) -> u64 {
+        if self.order.is_opaque() {
+            return (block as u64 * self.kv_planes as u64 + plane as u64) * self.block_bytes();
+        }
         plane as u64 * self.plane_bytes() + block as u64 * self.block_bytes()
     }
 }
@@ -646,5 +771,39 @@ mod tests {
         };
         assert_eq!(hnd.row_offset(1, 2, 3, 1), 384 + 256 + (4 + 3) * 16);
         assert_eq!(hnd.dims(), [2, 3, 2, 4, 8]);
+    }
+
+    #[test]
+    fn lbhnc_regions() {
+        // vLLM CPU, tiny model: 2 KV heads of 32, fp32, 32-token blocks -> [B, 2, 32, 64].
+        let kv = KvLayout {
+            num_layers: 2,
+            kv_planes: 2,
+            num_blocks: 10,
+            block_size: 32,
+            num_heads: 2,
+            head_dim: 32,
+            dtype: DType::F32,
+            order: BlockOrder::Lbhnc,
+        };
+        assert_eq!(kv.dims(), [1, 10, 2, 32, 64]);
+        assert_eq!(kv.region_bytes(), 2 * 32 * 32 * 4);
+        assert_eq!(kv.region_offset(3, 1), (3 * 2 + 1) * 8192);
+        assert_eq!(kv.buffer_bytes(), 10 * 2 * 8192);
+        // Nominal rows stay inside their region; the planes of a block tile the whole block.
+        let r = kv.row_offset(1, 3, 31, 1);
+        assert!(r >= kv.region_offset(3, 1) && r + kv.row_bytes() <= kv.region_offset(4, 0));
+        assert_eq!(kv.block_offset(0, 3), 3 * 16384);
+        assert_eq!(kv.block_offset(1, 3), 3 * 16384 + 8192);
+        let s = ParallelSpec::parse("order=lbhnc,block=32").unwrap();
+        assert_eq!(s.order, BlockOrder::Lbhnc);
+        assert_eq!(s.to_string(), "TP=1 x PCP=1 x DP=1, block=32, LBHNC");
+        let m = ModelKv {
+            num_layers: 2,
+            ..ModelKv::preset("llama-3.1-8b").unwrap()
+        };
+        let l = ParallelLayout::new(m, s, 4).unwrap();
+        assert_eq!(l.covered_tokens(33), 64);
+        assert_eq!(l.covered_tokens(64), 64);
     }
 }

@@ -5,9 +5,13 @@
 //! every coordinate, so a byte delivered to the wrong place is detected. Bytes outside a request
 //! (other blocks, the tail of a partial last block) get a *background* value derived from a salt,
 //! the rank, the layer and the byte position, so an unintended write is detected too.
+//!
+//! With the opaque block order [`BlockOrder::Lbhnc`] a request owns its blocks whole: the tail
+//! rows of a partial last block are request elements too (their token index runs past the
+//! request), because plans move such blocks whole.
 
 use crate::error::{Error, Result};
-use crate::layout::KvLayout;
+use crate::layout::{BlockOrder, KvLayout};
 use crate::plan::Placement;
 
 /// splitmix64 finaliser (Steele, Lea, Flood 2014): a fast, well-distributed 64-bit mix.
@@ -114,6 +118,7 @@ impl RankContents {
     /// request element, and `f(offset, None)` for every other row.
     fn for_each_row(&self, mut f: impl FnMut(u64, Option<(u32, u32, u32)>)) {
         let kv = &self.kv;
+        let whole_blocks = kv.order == BlockOrder::Lbhnc;
         for plane in 0..kv.kv_planes {
             for block in 0..kv.num_blocks {
                 let rb = self.request_block[block as usize];
@@ -121,7 +126,7 @@ impl RankContents {
                     for h in 0..kv.num_heads {
                         let off = kv.row_offset(plane, block, tok, h);
                         let token = rb.wrapping_mul(kv.block_size).wrapping_add(tok);
-                        if rb != u32::MAX && token < self.num_tokens {
+                        if rb != u32::MAX && (whole_blocks || token < self.num_tokens) {
                             f(off, Some((plane, token, self.first_head + h)));
                         } else {
                             f(off, None);

@@ -212,15 +212,21 @@ pub struct Plan {
 impl Plan {
     /// Plans a request of `num_tokens` tokens from `src` to `dst`.
     ///
-    /// Errors: [`Error::Mismatch`] when the two models' KV geometries differ or both physical
+    /// Errors: [`Error::Mismatch`] when the two models' KV geometries differ, both physical
     /// buffer layouts are known and differ (the plan copies raw bytes at offsets computed for
-    /// one layout; see [`ParallelLayout::check_physical_layout`]), and the errors of
+    /// one layout; see [`ParallelLayout::check_physical_layout`]), or the block formats cannot
+    /// be copied raw ([`ParallelLayout::check_block_format`]: opaque LBHNC blocks need the same
+    /// order, block size and known format tag on both sides), and the errors of
     /// [`Placement::validate`] for either side.
     pub fn build(src: &Placement, dst: &Placement, num_tokens: u32) -> Result<Plan> {
         src.layout.model.check_compatible(&dst.layout.model)?;
         src.layout.check_physical_layout(&dst.layout)?;
+        src.layout.check_block_format(&dst.layout)?;
         src.validate(num_tokens)?;
         dst.validate(num_tokens)?;
+        if src.layout.spec.order.is_opaque() {
+            return Ok(Self::build_regions(src, dst, num_tokens));
+        }
         let sl = &src.layout;
         let dl = &dst.layout;
         let skv = sl.rank_kv();
@@ -278,17 +284,74 @@ impl Plan {
                 }
             }
         }
+        Ok(Self::from_layer_rows(rows, skv.num_layers, num_tokens))
+    }
+
+    /// The plan between two validated [`BlockOrder::Lbhnc`](crate::layout::BlockOrder::Lbhnc)
+    /// placements of equal block size: one whole `(block, head)` region per request block and
+    /// destination head, coalesced.
+    fn build_regions(src: &Placement, dst: &Placement, num_tokens: u32) -> Plan {
+        let sl = &src.layout;
+        let dl = &dst.layout;
+        let skv = sl.rank_kv();
+        let dkv = dl.rank_kv();
+        let t = num_tokens;
+        let mut rows: Vec<Span> = Vec::new();
+        for ld in 0..dl.spec.ranks_per_replica() {
+            let dc = RankCoord {
+                dp: dst.dp_rank,
+                pcp: ld / dl.spec.tp,
+                tp: ld % dl.spec.tp,
+            };
+            let dst_rank = dl.rank(dc);
+            let first_head = dl.first_head(dc.tp);
+            for (i, jd) in dl.pcp_chunk(t, dc.pcp).enumerate() {
+                let dst_block = dst.block_ids[ld as usize][i];
+                // Equal block sizes: request block `jd` is the same block on both sides.
+                let ps = sl.pcp_of_block(t, jd);
+                let idx_s = (jd - sl.pcp_chunk(t, ps).start) as usize;
+                for hl in 0..dl.heads_per_rank() {
+                    let g = first_head + hl;
+                    let reps = sl.tp_ranks_of_head(g);
+                    let ts = reps.start + ld % (reps.end - reps.start);
+                    let ls = ps * sl.spec.tp + ts;
+                    let src_block = src.block_ids[ls as usize][idx_s];
+                    let hs = g - sl.first_head(ts);
+                    rows.push(Span {
+                        src_rank: sl.rank(RankCoord {
+                            dp: src.dp_rank,
+                            pcp: ps,
+                            tp: ts,
+                        }),
+                        src_buffer: 0,
+                        src_offset: skv.region_offset(src_block, hs),
+                        dst_rank,
+                        dst_buffer: 0,
+                        dst_offset: dkv.region_offset(dst_block, hl),
+                        len: skv.region_bytes(),
+                        count: 1,
+                        src_stride: 0,
+                        dst_stride: 0,
+                    });
+                }
+            }
+        }
+        Self::from_layer_rows(rows, skv.num_layers, num_tokens)
+    }
+
+    /// Sorts, coalesces and compresses the spans of layer 0, then repeats them for every layer.
+    fn from_layer_rows(mut rows: Vec<Span>, num_layers: u32, num_tokens: u32) -> Plan {
         rows.sort_unstable_by_key(|s| (s.dst_rank, s.dst_offset));
         let base = compress_strided(coalesce(rows));
 
-        let mut spans = Vec::with_capacity(base.len() * skv.num_layers as usize);
+        let mut spans = Vec::with_capacity(base.len() * num_layers as usize);
         let mut i = 0;
         while i < base.len() {
             let mut j = i;
             while j < base.len() && base[j].dst_rank == base[i].dst_rank {
                 j += 1;
             }
-            for layer in 0..skv.num_layers {
+            for layer in 0..num_layers {
                 spans.extend(base[i..j].iter().map(|s| Span {
                     src_buffer: layer,
                     dst_buffer: layer,
@@ -297,7 +360,7 @@ impl Plan {
             }
             i = j;
         }
-        Ok(Plan { num_tokens, spans })
+        Plan { num_tokens, spans }
     }
 
     /// Total bytes moved.

@@ -2,6 +2,7 @@
 
 import json
 import sys
+import time
 
 import pytest
 
@@ -124,3 +125,48 @@ def test_panic_inside_becomes_an_exception():
     with pytest.raises(errors.InternalError) as e:
         check(lib.tpu_sync_debug_panic())
     assert "panic" in e.value.message
+
+
+def test_every_native_status_has_a_typed_exception():
+    from tpu_sync._native import ffi, lib
+
+    for code, name in errors.STATUS_NAMES.items():
+        assert ffi.string(lib.tpu_sync_status_name(code)).decode() == name
+        if code == 0:
+            continue
+        e = errors.from_status(code, "m")
+        assert type(e) is not errors.TpuSyncError, name  # a specific class per status
+        assert e.status == code and e.message == "m" and name in str(e)
+    # Nothing the library defines is missing from the table.
+    for code in range(0, 128):
+        n = ffi.string(lib.tpu_sync_status_name(code)).decode()
+        assert (n == "TPU_SYNC_UNKNOWN_STATUS") == (code not in errors.STATUS_NAMES), code
+    assert issubclass(errors.PendingError, TimeoutError) and issubclass(errors.TimeoutError, TimeoutError)
+    assert issubclass(errors.InvalidArgumentError, ValueError) and issubclass(errors.PeerClosedError, ConnectionError)
+    assert issubclass(errors.UnknownRequestError, KeyError) and issubclass(errors.HostMemoryError, MemoryError)
+
+
+def test_no_handle_leak_over_10000_copy_and_view_cycles(data):
+    np = pytest.importorskip("numpy")
+    c = tpu_sync.Client(cpu_devices=1)
+    b = c.buffer_from_host(data(4096, 9))
+    host = bytearray(4096)
+    before = tpu_sync.live_handles()
+    for _ in range(10_000):
+        cp = tpu_sync.d2h([(b, 0, host)])
+        cp.wait(10)
+        cp.close()
+    assert bytes(host) == data(4096, 9)
+    a = tpu_sync.aligned_array(4096, np.uint8)
+    for _ in range(1000):
+        v = c.view(a)
+        v.close()
+    assert v.wait_released(5)
+    import tpu_sync.client as tc
+
+    deadline = time.monotonic() + 10
+    while tc._collect_released_views() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tpu_sync.live_handles() == before
+    b.close()
+    c.close()

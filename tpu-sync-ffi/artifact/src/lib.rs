@@ -5,6 +5,8 @@
 #![allow(non_camel_case_types)]
 #![allow(clippy::missing_safety_doc)]
 
+#[path = "../../src/completion.rs"]
+mod completion;
 #[path = "../../src/handle.rs"]
 mod handle;
 #[path = "../../src/status.rs"]
@@ -12,7 +14,17 @@ mod status;
 
 #[path = "../../src/api.rs"]
 pub mod api;
+#[path = "../../src/device.rs"]
+pub mod device;
+#[path = "../../src/endpoint.rs"]
+pub mod endpoint;
+#[path = "../../src/store.rs"]
+pub mod store;
 
 pub use api::*;
+pub use completion::tpu_sync_callback;
+pub use device::*;
+pub use endpoint::*;
 pub use handle::{tpu_sync_handle_kind, tpu_sync_handle_stats};
 pub use status::{tpu_sync_last_error, tpu_sync_status, tpu_sync_status_name};
+pub use store::*;

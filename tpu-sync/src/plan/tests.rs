@@ -109,7 +109,7 @@ fn simulate(src: &Placement, dst: &Placement, num_tokens: u32, plan: &Plan) {
         }
     }
     let model = &src.layout.model;
-    let expect = num_tokens as u64 * model.bytes_per_token();
+    let expect = dst.layout.covered_tokens(num_tokens) as u64 * model.bytes_per_token();
     assert_eq!(total, expect * dst.layout.head_replicas() as u64);
     assert_eq!(plan.total_bytes(), total);
 }
@@ -146,6 +146,7 @@ fn layout(
         spec,
         num_blocks: 1,
         physical_layout: None,
+        block_format: None,
     };
     // Room for the request plus spare blocks so ids are scattered.
     l.num_blocks = l.pcp_chunk(tokens, 0).len() as u32 * 2 + 3;
@@ -302,6 +303,168 @@ proptest! {
         for (a, b) in plan.pairs() {
             let again = Plan::build(&src, &dst, tokens).unwrap();
             prop_assert_eq!(spans_digest(&plan.pair_spans(a, b)), spans_digest(&again.pair_spans(a, b)));
+        }
+    }
+}
+
+/// An LBHNC layout with a block format tag.
+fn lbhnc(
+    m: &ModelKv,
+    tp: u32,
+    pcp: u32,
+    dp: u32,
+    bs: u32,
+    tokens: u32,
+    tag: &str,
+) -> ParallelLayout {
+    layout(m, tp, pcp, dp, bs, BlockOrder::Lbhnc, tokens).with_block_format(tag)
+}
+
+#[test]
+fn lbhnc_same_tp_moves_whole_blocks() {
+    let m = model(4, 2, DType::F32);
+    let t = 70; // 3 blocks of 32, the last one partial: moved whole
+    let l = lbhnc(&m, 1, 1, 1, 32, t, "vllm-cpu/vec/float32");
+    let src = placement(l.clone(), 0, t, 5);
+    let dst = placement(l, 0, t, 6);
+    let plan = Plan::build(&src, &dst, t).unwrap();
+    simulate(&src, &dst, t, &plan);
+    let kv = src.layout.rank_kv();
+    let block = kv.region_bytes() * kv.num_heads as u64;
+    assert_eq!(block, 2 * 32 * 4 * 4 * 4);
+    for s in &plan.spans {
+        assert_eq!(s.len % block, 0, "whole blocks expected: {s:?}");
+        for (so, d) in s.runs() {
+            assert_eq!((so % block, d % block), (0, 0), "block-aligned: {s:?}");
+        }
+    }
+    assert_eq!(plan.total_bytes(), 3 * block * 2);
+}
+
+#[test]
+fn lbhnc_tp_reshard_moves_head_slices() {
+    let m = model(4, 2, DType::Bf16);
+    let t = 100;
+    let tag = "vllm-cpu/amx/bfloat16";
+    // Prefill TP=1 (4 heads per block), decode TP=2 (2 heads per block): each decode rank takes a
+    // contiguous half of every prefill block.
+    let src = placement(lbhnc(&m, 1, 1, 1, 16, t, tag), 0, t, 7);
+    let dst = placement(lbhnc(&m, 2, 1, 1, 16, t, tag), 0, t, 8);
+    let plan = Plan::build(&src, &dst, t).unwrap();
+    simulate(&src, &dst, t, &plan);
+    let skv = src.layout.rank_kv();
+    let dkv = dst.layout.rank_kv();
+    for s in &plan.spans {
+        assert_eq!(s.len % skv.region_bytes(), 0, "whole regions: {s:?}");
+        for (so, d) in s.runs() {
+            assert_eq!(so % skv.region_bytes(), 0, "{s:?}");
+            assert_eq!(d % (dkv.region_bytes() * 2), 0, "decode block start: {s:?}");
+        }
+    }
+    assert_eq!(plan.pairs(), vec![(0, 0), (0, 1)]);
+    // And back: decode TP=2 -> TP=1 gathers the halves.
+    let back = Plan::build(&dst, &src, t).unwrap();
+    simulate(&dst, &src, t, &back);
+}
+
+#[test]
+fn lbhnc_fails_closed_on_format_mismatch() {
+    let m = model(2, 2, DType::F32);
+    let t = 40;
+    let tag = "vllm-cpu/vec/float32";
+    let a = placement(lbhnc(&m, 1, 1, 1, 32, t, tag), 0, t, 1);
+    let mismatch = |dst: ParallelLayout| {
+        let d = placement(dst, 0, t, 2);
+        let e = Plan::build(&a, &d, t).unwrap_err();
+        assert!(matches!(e, Error::Mismatch(_)), "{e}");
+        let e2 = Plan::build(&d, &a, t).unwrap_err();
+        assert!(matches!(e2, Error::Mismatch(_)), "{e2}");
+        e.to_string()
+    };
+    // Another kernel or dtype packs the block differently.
+    let msg = mismatch(lbhnc(&m, 1, 1, 1, 32, t, "vllm-cpu/amx/bfloat16"));
+    assert!(
+        msg.contains("vllm-cpu/amx/bfloat16") && msg.contains(tag),
+        "{msg}"
+    );
+    // Unknown format on one side: refused, not guessed.
+    mismatch(layout(&m, 1, 1, 1, 32, BlockOrder::Lbhnc, t));
+    // Another block size: tokens cannot be re-blocked inside opaque blocks.
+    let msg = mismatch(lbhnc(&m, 1, 1, 1, 16, t, tag));
+    assert!(msg.contains("block size"), "{msg}");
+    // Another order: an opaque block cannot become NHD or HND rows.
+    for order in [BlockOrder::Nhd, BlockOrder::Hnd] {
+        let msg = mismatch(layout(&m, 1, 1, 1, 32, order, t).with_block_format(tag));
+        assert!(msg.contains("opaque"), "{msg}");
+    }
+    // NHD/HND: two known, different formats are refused; an unknown one is not checked.
+    let nhd = |tag: Option<&str>| {
+        let l = layout(&m, 1, 1, 1, 16, BlockOrder::Nhd, t);
+        placement(
+            match tag {
+                Some(x) => l.with_block_format(x),
+                None => l,
+            },
+            0,
+            t,
+            3,
+        )
+    };
+    assert!(matches!(
+        Plan::build(&nhd(Some("a")), &nhd(Some("b")), t),
+        Err(Error::Mismatch(_))
+    ));
+    assert!(Plan::build(&nhd(Some("a")), &nhd(None), t).is_ok());
+    // JSON: the order and the tag round-trip; peers without the tag still parse.
+    let json = serde_json::to_string(&a).unwrap();
+    assert!(json.contains("\"lbhnc\"") && json.contains(tag), "{json}");
+    let back: Placement = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, a);
+    let plain = serde_json::to_string(&nhd(None)).unwrap();
+    assert!(!plain.contains("block_format"), "{plain}");
+}
+
+fn arb_lbhnc_side() -> impl Strategy<Value = (u32, u32, u32)> {
+    (
+        proptest::sample::select(vec![1u32, 2, 4, 8]),
+        1u32..=3,
+        1u32..=2,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
+
+    /// LBHNC on both sides (any TP, PCP, DP; equal block size and format): every destination
+    /// byte of the request's whole blocks arrives exactly once, nothing else is touched, and
+    /// every span is made of whole `(block, head)` regions.
+    #[test]
+    fn lbhnc_every_destination_byte_exactly_once(
+        heads in proptest::sample::select(vec![1u32, 2, 4, 8]),
+        wide in any::<bool>(),
+        tokens in 1u32..120,
+        bs in proptest::sample::select(vec![1u32, 4, 16, 32]),
+        seed in any::<u64>(),
+        s in arb_lbhnc_side(),
+        d in arb_lbhnc_side(),
+    ) {
+        let dtype = if wide { DType::F32 } else { DType::Bf16 };
+        let m = model(heads, 2, dtype);
+        let ok = |tp: u32| heads % tp == 0 || tp % heads == 0;
+        prop_assume!(ok(s.0) && ok(d.0));
+        let tag = format!("test/{}", dtype.name());
+        let sl = lbhnc(&m, s.0, s.1, s.2, bs, tokens, &tag);
+        let dl = lbhnc(&m, d.0, d.1, d.2, bs, tokens, &tag);
+        let src = placement(sl, seed as u32 % s.2, tokens, seed);
+        let dst = placement(dl, (seed >> 8) as u32 % d.2, tokens, !seed);
+        let plan = Plan::build(&src, &dst, tokens).unwrap();
+        simulate(&src, &dst, tokens, &plan);
+        let region = src.layout.rank_kv().region_bytes();
+        for sp in &plan.spans {
+            prop_assert_eq!(sp.len % region, 0);
+            for (so, dd) in sp.runs() {
+                prop_assert_eq!((so % region, dd % region), (0, 0));
+            }
         }
     }
 }

@@ -97,3 +97,16 @@ def view(obj: Any, writable: bool = False) -> ArrayView:
         raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"cannot use {type(obj).__name__} as an array: {e}")
     n = len(buf)
     return ArrayView(int(ffi.cast("uintptr_t", buf)), n, (n,), "u8", False, buf)
+
+
+def aligned_array(shape: Any, dtype: Any = "uint8", align: int = 64) -> Any:
+    """A zero-filled numpy array whose data starts on an ``align``-byte boundary (views need 64).
+    Needs numpy. ``shape`` is an int or a tuple; ``dtype`` anything numpy accepts."""
+    import numpy as np  # imported only when asked for
+
+    dt = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    raw = np.zeros(n + align, dtype=np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off:off + n].view(dt).reshape(shape)

@@ -1,11 +1,13 @@
-"""PJRT clients and device buffers."""
+"""PJRT clients and device buffers: created here, adopted from a framework, or zero-copy views
+of existing memory."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, Optional, Sequence
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ._lib import Handle, check, out_string
+from ._lib import Handle, check, json_out, out_string
 from ._native import ffi, lib
 from .arrays import DTYPES, dtype_name, view
 from .errors import InvalidArgumentError
@@ -31,6 +33,41 @@ class Client(Handle):
         path = ffi.NULL if plugin is None else str(plugin).encode()
         check(lib.tpu_sync_client_new(path, int(cpu_devices or 0), out))
         super().__init__(out[0])
+
+    @classmethod
+    def adopt(cls, api_ptr: int, client_ptr: int) -> "Client":
+        """Adopts a PJRT client created by the caller (e.g. a framework's own client).
+
+        Args:
+            api_ptr: address of the ``const PJRT_Api*`` table the client was created through
+                (``GetPjrtApi()``); must stay valid for the life of the process.
+            client_ptr: address of the live ``PJRT_Client*``. It is never destroyed here: keep
+                it alive until this object and everything made from it are closed.
+
+        Raises:
+            PluginLoadError: the table is too small or of another major version.
+            PjrtError: the client does not answer.
+        """
+        out = ffi.new("tpu_sync_client **")
+        check(lib.tpu_sync_client_adopt(ffi.cast("void *", int(api_ptr)), ffi.cast("void *", int(client_ptr)), out))
+        obj = cls.__new__(cls)
+        Handle.__init__(obj, out[0])
+        return obj
+
+    def _pjrt(self) -> Tuple[int, int]:
+        api, client = ffi.new("void **"), ffi.new("void **")
+        check(lib.tpu_sync_client_pjrt(self._handle(), ffi.cast("const void **", api), client))
+        return int(ffi.cast("uintptr_t", api[0])), int(ffi.cast("uintptr_t", client[0]))
+
+    @property
+    def pjrt_api(self) -> int:
+        """Address of the client's ``const PJRT_Api*`` (borrowed: valid while the client lives)."""
+        return self._pjrt()[0]
+
+    @property
+    def pjrt_client(self) -> int:
+        """Address of the client's ``PJRT_Client*`` (borrowed: never destroy it)."""
+        return self._pjrt()[1]
 
     @property
     def info(self) -> Dict[str, Any]:
@@ -59,11 +96,155 @@ class Client(Handle):
                                             c_dims, len(dims), DTYPES[dt], out))
         return Buffer(out[0])
 
+    def view(self, array: Any, device: int = 0, shape: Optional[Sequence[int]] = None,
+             dtype: Optional[str] = None, memory: Optional[str] = None) -> "Buffer":
+        """A PJRT buffer over ``array``'s memory **without copying**
+        (``PJRT_Client_CreateViewOfDeviceBuffer``).
+
+        ``array`` is a numpy array or torch CPU tensor on the XLA CPU plugin, or an accelerator
+        tensor (through its ``data_ptr()``) on that accelerator's plugin; contiguous and 64-byte
+        aligned (torch's CPU allocator aligns to 64; for numpy see :func:`tpu_sync.aligned_array`).
+        Shape and dtype are read from the object unless given. ``memory`` names the device's
+        memory space (e.g. ``"device"``, ``"pinned_host"``; default: the device's default).
+
+        Reads and writes through the buffer and through ``array`` alias each other. The buffer
+        keeps ``array`` alive; after :meth:`Buffer.close` it is kept until the plugin has let go
+        of the memory (:attr:`Buffer.released`).
+
+        Raises:
+            InvalidArgumentError: misaligned or non-contiguous memory, shape larger than the
+                array, unknown device or memory kind, or a plugin that copied instead of aliasing.
+            UnsupportedError, PjrtError: the plugin cannot make views (libtpu).
+        """
+        _collect_released_views()
+        v = view(array, writable=True)
+        dims = list(shape) if shape is not None else list(v.shape)
+        dt = dtype_name(dtype) if dtype is not None else v.dtype
+        out = ffi.new("tpu_sync_buffer **")
+        rel = ffi.new("tpu_sync_release **")
+        c_dims = ffi.new("int64_t[]", dims)
+        kind = ffi.NULL if memory is None else str(memory).encode()
+        check(lib.tpu_sync_client_view(self._handle(), device, ffi.cast("void *", v.ptr), v.nbytes, c_dims,
+                                       len(dims), DTYPES[dt], kind, out, rel))
+        b = Buffer(out[0])
+        b._release = _Release(rel[0])
+        b._keep = v.keepalive
+        return b
+
+    def adopt_buffer(self, pjrt_buffer: int) -> "Buffer":
+        """Wraps a caller-owned ``PJRT_Buffer*`` (address) of this client. It is never destroyed
+        here; keep it alive until the returned buffer is closed and its copies completed.
+
+        Raises:
+            InvalidArgumentError: a buffer of another client, or an unsupported element type.
+        """
+        out = ffi.new("tpu_sync_buffer **")
+        check(lib.tpu_sync_buffer_adopt(self._handle(), ffi.cast("void *", int(pjrt_buffer)), out))
+        return Buffer(out[0])
+
+
+class _Release(Handle):
+    """Tells when the plugin let go of a view's memory (internal)."""
+
+    _free = lib.tpu_sync_release_free
+
+    def wait(self, timeout_s: float) -> bool:
+        status = lib.tpu_sync_release_wait(self._handle(), int(max(0.0, timeout_s) * 1000))
+        if status == lib.TPU_SYNC_PENDING:
+            return False
+        check(status)
+        return True
+
+
+# Views whose Buffer was closed before the plugin released their memory: (release, keepalive).
+_pending_views: List[Tuple[_Release, Any]] = []
+_pending_lock = threading.Lock()
+
+
+def _collect_released_views() -> int:
+    """Drops the keepalives of closed views whose memory the plugin has released; returns how
+    many views are still pending."""
+    with _pending_lock:
+        still = []
+        for rel, keep in _pending_views:
+            if rel.wait(0):
+                rel.close()
+            else:
+                still.append((rel, keep))
+        _pending_views[:] = still
+        return len(still)
+
 
 class Buffer(Handle):
-    """A PJRT device buffer. Raw copies address bytes ``0 .. size``. Thread-safe."""
+    """A PJRT device buffer: created from host data, adopted, or a zero-copy view. Raw copies
+    address bytes ``0 .. size``. Thread-safe."""
 
     _free = lib.tpu_sync_buffer_free
+    _release: Optional[_Release] = None
+    _keep: Any = None
+
+    def close(self) -> None:
+        """Frees the native handle (idempotent). A view's array stays referenced until the plugin
+        has released its memory."""
+        was_open = self._ptr is not None
+        super().close()
+        if was_open and self._release is not None and not self._release.closed:
+            with _pending_lock:
+                _pending_views.append((self._release, self._keep))
+            self._keep = None
+            _collect_released_views()
+
+    @property
+    def info(self) -> Dict[str, Any]:
+        """``dims``, ``dtype``, ``on_device_size``, ``logical_size``, ``physical_layout``,
+        ``device``, ``owned``, ``view``, ``platform``."""
+        return json_out(lib.tpu_sync_buffer_info, self._handle())
+
+    @property
+    def physical_layout(self) -> Optional[str]:
+        """The plugin's serialization of the buffer's memory layout (e.g. ``{2,1,0}``), or None
+        when the plugin offers none. Raw bytes of two buffers are interchangeable only when dtype,
+        shape and this layout are equal."""
+        return self.info["physical_layout"]
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """Logical dimensions."""
+        return tuple(self.info["dims"])
+
+    @property
+    def dtype(self) -> str:
+        """Element type name (``bf16``, ``f32``, ...)."""
+        return self.info["dtype"]
+
+    @property
+    def device(self) -> int:
+        """Index of the device the buffer lives on."""
+        return int(self.info["device"])
+
+    @property
+    def pjrt_buffer(self) -> int:
+        """Address of the ``PJRT_Buffer*`` (borrowed: valid while this buffer lives)."""
+        out = ffi.new("void **")
+        check(lib.tpu_sync_buffer_pjrt(self._handle(), out))
+        return int(ffi.cast("uintptr_t", out[0]))
+
+    @property
+    def released(self) -> bool:
+        """For a view: whether the plugin has let go of the array's memory (only after
+        :meth:`close`, asynchronously). Always True for buffers that are not views."""
+        if self._release is None:
+            return True
+        return self._release.closed or self._release.wait(0)
+
+    def wait_released(self, timeout: float = 5.0) -> bool:
+        """Waits up to ``timeout`` seconds for :attr:`released`; returns it."""
+        if self._release is None or self._release.closed:
+            return True
+        ok = self._release.wait(timeout)
+        if ok:
+            _collect_released_views()
+        return ok
 
     @property
     def size(self) -> int:

@@ -98,6 +98,12 @@ class BufferTooSmallError(TpuSyncError):
     """An output buffer was too small (handled inside the bindings)."""
 
 
+class PendingError(TpuSyncError, builtins.TimeoutError):
+    """An asynchronous operation has not completed yet: a wait ran out of time (the operation
+    itself goes on; wait again, or cancel it). Distinct from :class:`TimeoutError`, which means
+    the operation itself failed with a deadline."""
+
+
 class InternalError(TpuSyncError, RuntimeError):
     """A panic was caught inside the native library (a bug; please report the message)."""
 
@@ -122,6 +128,7 @@ _BY_STATUS = {
     17: IOError,
     18: CancelledError,
     19: BufferTooSmallError,
+    20: PendingError,
     100: InternalError,
 }
 
@@ -146,6 +153,7 @@ STATUS_NAMES = {
     17: "TPU_SYNC_IO",
     18: "TPU_SYNC_CANCELLED",
     19: "TPU_SYNC_BUFFER_TOO_SMALL",
+    20: "TPU_SYNC_PENDING",
     100: "TPU_SYNC_PANIC",
 }
 

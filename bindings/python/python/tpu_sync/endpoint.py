@@ -1,0 +1,268 @@
+"""The network data plane: an :class:`Endpoint` serves registered requests and pulls or pushes
+KV blocks between serving instances, resharded in transit; each pull or push is a
+:class:`Transfer`."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from typing import Any, Dict, Mapping, Optional, Sequence, Union
+
+from ._lib import AsyncOp, Handle, check, json_out, out_string
+from ._native import ffi, lib
+from .client import Buffer, Client
+from .errors import InvalidArgumentError
+
+#: Names of ``tpu_sync_source_state`` values (:meth:`Endpoint.registration_state`).
+SOURCE_STATES = {0: "active", 1: "released", 2: "expired", 3: "peer_lost", 4: "unregistered", 5: "shutdown",
+                 6: "unknown"}
+
+#: Largest request id (ids must survive JSON as doubles).
+MAX_REQUEST_ID = (1 << 53) - 1
+
+Peers = Union[str, Mapping[int, str]]
+Kv = Mapping[int, Sequence[Buffer]]
+
+
+class Transfer(AsyncOp):
+    """A pull, push or expected push: :attr:`done`, :meth:`wait`, :meth:`cancel`,
+    :meth:`add_done_callback`, :attr:`error`, :attr:`layers_complete`.
+
+    ``wait`` returns ``{"bytes", "spans", "pairs", "stripes", "device_bytes", "elapsed_s"}``
+    (``bytes``: payload moved over the network by this side; ``device_bytes``: written into the
+    KV buffers). A failed transfer raises its typed error (``PeerClosedError``, ``TimeoutError``,
+    ``ChecksumError``, ``RemoteError``, ``UnknownRequestError``, ``CancelledError``, ...) and is
+    never reported as done successfully. Closing an unfinished transfer cancels it and waits for
+    it to end.
+    """
+
+    _free = lib.tpu_sync_transfer_free
+    _poll = lib.tpu_sync_transfer_poll
+    _wait = lib.tpu_sync_transfer_wait
+    _cancel = lib.tpu_sync_transfer_cancel
+    _set_callback = lib.tpu_sync_transfer_set_callback
+    _stats_type = "tpu_sync_transfer_stats"
+
+    def _stats_dict(self, s) -> Dict[str, Any]:
+        return {"bytes": int(s.bytes), "spans": int(s.spans), "pairs": int(s.pairs), "stripes": int(s.stripes),
+                "device_bytes": int(s.device_bytes), "elapsed_s": int(s.elapsed_ns) / 1e9}
+
+    @property
+    def layers_complete(self) -> int:
+        """Leading layers received and verified so far (receiving transfers)."""
+        d, n = ffi.new("bool *"), ffi.new("uint32_t *")
+        check(lib.tpu_sync_transfer_poll(self._handle(), d, n))
+        return int(n[0])
+
+
+def _peers(p: Peers) -> bytes:
+    if isinstance(p, str):
+        return p.encode()
+    if not p:
+        raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, "empty peer map")
+    return ",".join(f"{int(r)}={a}" for r, a in p.items()).encode()
+
+
+def _placement(p: Any) -> bytes:
+    return (p if isinstance(p, str) else json.dumps(p)).encode()
+
+
+def _check_id(request_id: int) -> int:
+    rid = int(request_id)
+    if not 1 <= rid <= MAX_REQUEST_ID:
+        raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"request id {rid} must be in 1..2^53-1")
+    return rid
+
+
+def _kv(kv: Kv):
+    """(ranks array, rank-major buffer handles array, number of ranks, layers, keepalive)."""
+    items = sorted((int(r), list(bufs)) for r, bufs in kv.items())
+    if not items:
+        raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, "kv names no rank")
+    layers = len(items[0][1])
+    for r, bufs in items:
+        if len(bufs) != layers:
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT,
+                                       f"rank {r} has {len(bufs)} layer buffers, rank {items[0][0]} has {layers}")
+        for b in bufs:
+            if not isinstance(b, Buffer):
+                raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"rank {r}: {type(b).__name__} is not a Buffer")
+    ranks = ffi.new("uint32_t[]", [r for r, _ in items])
+    handles = ffi.new("tpu_sync_buffer *[]", [b._handle() for _, bufs in items for b in bufs] or [ffi.NULL])
+    keep = [b for _, bufs in items for b in bufs]
+    return ranks, ffi.cast("const tpu_sync_buffer *const *", handles), len(items), layers, (handles, keep)
+
+
+class Endpoint(Handle):
+    """One process's presence on the network: a listener that serves registered requests and
+    accepts pushes (when ``listen`` is set) and a client side that pulls and pushes.
+
+    Args:
+        listen: ``"IP:PORT"`` to listen on (port 0: any free port; see :attr:`address`); None for
+            a client-only endpoint.
+        transport: ``"tcp"`` (plain TCP: no authentication, trusted networks only), ``"tls"``
+            (TLS 1.3 over TCP) or ``"quic"``; the last two need ``tls`` or ``psk``.
+        tls: ``{"cert": path, "key": path, "ca": path}`` (optionally ``"server_name"``): mutual
+            authentication by certificates signed by the CA.
+        psk: a pre-shared key (bytes) both sides know, instead of certificates.
+        name: endpoint name, unique per live process (peers recognise restarts by it).
+        timeout: seconds allowed to connect, to handshake, and for any read or write to progress.
+        client: accepted for symmetry with the other classes; the endpoint itself needs no PJRT
+            client (the buffers passed to each call carry theirs).
+        heartbeat_interval, heartbeat_timeout: seconds between heartbeats, and of silence after
+            which a peer is declared dead (its transfers fail, its leases end).
+        lease_s: how long a registration is kept without a live consumer (endpoint-wide).
+        chunk_bytes, streams_per_pair, max_lanes_per_peer: network tuning (see the Rust docs).
+
+    Raises:
+        InvalidArgumentError (options), IOError (address in use, unreadable credential files).
+    """
+
+    _free = lib.tpu_sync_endpoint_free
+
+    def __init__(self, *, listen: Optional[str] = "127.0.0.1:0", transport: str = "tcp",
+                 tls: Optional[Dict[str, str]] = None, psk: Optional[bytes] = None, name: Optional[str] = None,
+                 timeout: float = 30.0, client: Optional[Client] = None,
+                 heartbeat_interval: Optional[float] = None, heartbeat_timeout: Optional[float] = None,
+                 lease_s: Optional[float] = None, chunk_bytes: Optional[int] = None,
+                 streams_per_pair: Optional[int] = None, max_lanes_per_peer: Optional[int] = None) -> None:
+        cfg: Dict[str, Any] = {"transport": transport, "timeout_s": float(timeout)}
+        if listen is not None:
+            cfg["listen"] = str(listen)
+        if tls is not None:
+            cfg["tls"] = {k: str(v) for k, v in tls.items()}
+        if psk is not None:
+            cfg["psk_hex"] = bytes(psk).hex()
+        for k, v in dict(name=name, heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout,
+                         lease_ttl_s=lease_s, chunk_bytes=chunk_bytes, streams_per_pair=streams_per_pair,
+                         max_lanes_per_peer=max_lanes_per_peer).items():
+            if v is not None:
+                cfg[k] = v
+        out = ffi.new("tpu_sync_endpoint **")
+        check(lib.tpu_sync_endpoint_new(json.dumps(cfg).encode(), out))
+        super().__init__(out[0])
+        self._timeout = float(timeout)
+        self._lease_s = lease_s
+        self._client = client
+
+    @property
+    def address(self) -> str:
+        """The listening address ``"IP:PORT"`` (the real port), or ``""`` for a client-only
+        endpoint."""
+        return out_string(lib.tpu_sync_endpoint_address, self._handle())
+
+    def add_peer(self, name: str, address: str) -> None:
+        """Names a peer so that peer maps may use the name; re-adding a name with a new address (a
+        restarted peer) makes the next transfer connect there."""
+        check(lib.tpu_sync_endpoint_add_peer(self._handle(), str(name).encode(), str(address).encode()))
+
+    def register(self, request_id: int, placement: Any, num_tokens: int, kv: Kv, lease_s: Optional[float] = None,
+                 expected_releases: int = 1) -> None:
+        """Producer side of a pull: copies (D2H) the request's blocks of the given ranks'
+        per-layer buffers into pinned staging, and serves them until ``expected_releases``
+        consumers released the request, or the lease passes without a live consumer. The device
+        blocks may be reused as soon as this returns.
+
+        Args:
+            request_id: ``1 .. 2^53-1``.
+            placement: where the request's blocks are (``tpu_sync.placement(...)`` dict).
+            num_tokens: tokens of the request.
+            kv: global rank -> that rank's KV buffers, one per layer, for the ranks hosted here.
+            lease_s: not supported per registration (the lease is endpoint-wide: pass ``lease_s``
+                to :class:`Endpoint`); a different value only warns.
+            expected_releases: consumers that will pull it.
+        """
+        if lease_s is not None and lease_s != self._lease_s:
+            warnings.warn("Endpoint.register(lease_s=...) is not supported per registration; the endpoint's "
+                          "lease_s applies", RuntimeWarning, stacklevel=2)
+        ranks, bufs, n, layers, keep = _kv(kv)
+        check(lib.tpu_sync_endpoint_register(self._handle(), _check_id(request_id), _placement(placement),
+                                             int(num_tokens), ranks, n, bufs, layers, int(expected_releases)))
+        del keep
+
+    def unregister(self, request_id: int) -> None:
+        """Withdraws a registration (pulls in progress fail). No error if it already ended."""
+        check(lib.tpu_sync_endpoint_unregister(self._handle(), int(request_id), ffi.NULL))
+
+    def registration_state(self, request_id: int) -> str:
+        """``"active"``, or how the registration ended: ``"released"`` (every consumer finished),
+        ``"expired"``, ``"peer_lost"``, ``"unregistered"``, ``"shutdown"``; ``"unknown"`` for an
+        id never registered here."""
+        s = ffi.new("uint32_t *")
+        check(lib.tpu_sync_endpoint_source_state(self._handle(), int(request_id), s))
+        return SOURCE_STATES.get(int(s[0]), "unknown")
+
+    def pull(self, request_id: int, peers: Peers, src_placement: Any, dst_placement: Any, num_tokens: int,
+             kv: Kv) -> Transfer:
+        """Consumer side: pulls the request from the producers and writes it in place into ``kv``
+        (H2D), resharding from ``src_placement`` to ``dst_placement``; then tells the producers
+        to release it. Asynchronous: returns a :class:`Transfer`. ``peers`` is one address for
+        every producer rank, or ``{source rank: address}``. No computation may use the
+        destination blocks until the transfer is done.
+
+        Raises (before anything is sent): InvalidArgumentError, LayoutError, BlockRangeError,
+        MismatchError, UnsupportedError (no in-place H2D path).
+        """
+        ranks, bufs, n, layers, keep = _kv(kv)
+        out = ffi.new("tpu_sync_transfer **")
+        check(lib.tpu_sync_endpoint_pull(self._handle(), _check_id(request_id), _peers(peers),
+                                         _placement(src_placement), _placement(dst_placement), int(num_tokens),
+                                         ranks, n, bufs, layers, out))
+        return Transfer(out[0], keepalive=keep)
+
+    def push(self, request_id: int, targets: Peers, src_placement: Any, dst_placement: Any, num_tokens: int,
+             kv: Kv) -> Transfer:
+        """Producer-initiated: copies (D2H) the request's blocks of ``kv`` (this side's ranks of
+        ``src_placement``) into staging and sends each destination rank exactly its spans; the
+        destination endpoints must :meth:`expect_push` it. ``targets``: one address for every
+        destination rank, or ``{destination rank: address}``. The device blocks may be reused as
+        soon as this returns."""
+        ranks, bufs, n, layers, keep = _kv(kv)
+        out = ffi.new("tpu_sync_transfer **")
+        check(lib.tpu_sync_endpoint_push(self._handle(), _check_id(request_id), _peers(targets),
+                                         _placement(src_placement), _placement(dst_placement), int(num_tokens),
+                                         ranks, n, bufs, layers, out))
+        return Transfer(out[0], keepalive=keep)
+
+    def expect_push(self, request_id: int, src_placement: Any, dst_placement: Any, num_tokens: int,
+                    kv: Kv) -> Transfer:
+        """Consumer side of a push: accepts the request's pushes into staging and writes them in
+        place into ``kv`` (H2D). The transfer completes when every sender finished and every byte
+        verified and landed."""
+        ranks, bufs, n, layers, keep = _kv(kv)
+        out = ffi.new("tpu_sync_transfer **")
+        check(lib.tpu_sync_endpoint_expect_push(self._handle(), _check_id(request_id), _placement(src_placement),
+                                                _placement(dst_placement), int(num_tokens), ranks, n, bufs, layers,
+                                                out))
+        return Transfer(out[0], keepalive=keep)
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters: gauges ``peers``, ``sessions``, ``lanes_open``, ``source_registrations``,
+        ``sink_registrations``, ``leases``, ``staged_bytes``, ``transfers_in_flight``; totals
+        ``lanes_opened``, ``bytes_sent``, ``bytes_received``, ``transfers_completed``,
+        ``transfers_failed``, ``checksum_failures``, ``peers_lost``, ``handshake_failures``; and
+        ``address``, ``transport``, ``name``."""
+        return json_out(lib.tpu_sync_endpoint_stats, self._handle())
+
+    def close(self, drain: bool = True) -> None:
+        """Shuts the endpoint down and frees it (idempotent): stops accepting, lets in-flight
+        transfers finish for up to ``timeout`` seconds when ``drain`` (else cancels them at once),
+        ends every registration and closes every connection."""
+        if self._ptr is None:
+            return
+        try:
+            check(lib.tpu_sync_endpoint_shutdown(self._ptr, int(self._timeout * 1000) if drain else 0))
+        finally:
+            super().close()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            Handle.close(self)  # no drain from a finaliser: free cancels at once
+        except Exception:
+            pass
+
+
+__all__ = ["Endpoint", "MAX_REQUEST_ID", "SOURCE_STATES", "Transfer"]

@@ -1,0 +1,380 @@
+"""The host KV tier: a prefix-keyed store of KV blocks in pinned host DRAM, optionally kept in
+``/dev/shm`` across restarts (warm restart) and backed by a disk tier.
+
+Blocks are addressed by 16-byte keys (``bytes``) of one namespace (model, dtype, layout): build
+them from token ids with :meth:`Store.chain_keys` or wrap an engine's own block hashes with
+:meth:`Store.engine_key`. Every operation takes a *chain*: keys whose blocks follow each other.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from ._lib import Handle, check, json_out
+from ._native import ffi, lib
+from .arrays import view
+from .client import Buffer, Client
+from .errors import InvalidArgumentError
+
+KEY_BYTES = 16
+_SIZE_MAX = int(ffi.cast("size_t", -1))
+
+#: Why a get stopped early (``GetResult.stop``), by native ``tpu_sync_get_stop`` value.
+STOP_REASONS = {0: None, 1: "not_ready", 2: "missing", 3: "no_space", 4: "raced", 5: "bad_file"}
+
+#: One piece of a block on a device: (buffer, byte offset, bytes).
+DevicePiece = Tuple[Buffer, int, int]
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """Result of a put.
+
+    Attributes:
+        stored: blocks written by the call.
+        present: blocks already present (not written again).
+        full_at: first chain position not stored for lack of room (None: all stored or present).
+        not_ready: the store was not ready; nothing was stored.
+        bytes: bytes written.
+    """
+
+    stored: int
+    present: int
+    full_at: Optional[int]
+    not_ready: bool
+    bytes: int = 0
+
+    @property
+    def complete(self) -> bool:
+        """Every block of the chain is now stored or was already present."""
+        return self.full_at is None and not self.not_ready
+
+
+@dataclass(frozen=True)
+class GetResult:
+    """Result of a get: the leading ``delivered`` blocks are in their destinations, byte-exact.
+
+    Attributes:
+        delivered: leading blocks delivered.
+        from_dram: of those, read from DRAM.
+        from_disk: of those, loaded from disk through DRAM.
+        stop: why it stopped early (``"missing"``, ``"not_ready"``, ``"no_space"``, ``"raced"``,
+            ``"bad_file"``), None when every block was delivered.
+        bytes: bytes delivered.
+        retries: copies redone because a block changed under them.
+    """
+
+    delivered: int
+    from_dram: int
+    from_disk: int
+    stop: Optional[str]
+    bytes: int = 0
+    retries: int = 0
+
+
+def _put_result(r) -> PutResult:
+    full = None if int(r.full_at) == _SIZE_MAX else int(r.full_at)
+    return PutResult(int(r.stored), int(r.present), full, bool(r.not_ready), int(r.bytes))
+
+
+def _get_result(r) -> GetResult:
+    return GetResult(int(r.delivered), int(r.from_dram), int(r.from_disk), STOP_REASONS.get(int(r.stop), "unknown"),
+                     int(r.bytes), int(r.retries))
+
+
+def _keys(keys: Sequence[bytes]):
+    keys = list(keys)
+    arr = ffi.new("tpu_sync_key[]", max(1, len(keys)))
+    for i, k in enumerate(keys):
+        if not isinstance(k, (bytes, bytearray, memoryview)) or len(k) != KEY_BYTES:
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"key {i} is not {KEY_BYTES} bytes: {k!r}")
+        ffi.memmove(arr[i].bytes, bytes(k), KEY_BYTES)
+    return arr, len(keys)
+
+
+def _parent(parent: Optional[bytes]):
+    if parent is None:
+        return ffi.NULL
+    arr, _ = _keys([parent])
+    return arr
+
+
+def _pieces(blocks: Sequence[Sequence[DevicePiece]]):
+    blocks = [list(b) for b in blocks]
+    flat = [p for b in blocks for p in b]
+    arr = ffi.new("tpu_sync_device_range[]", max(1, len(flat)))
+    per = ffi.new("size_t[]", [len(b) for b in blocks] or [0])
+    keep = []
+    for i, p in enumerate(flat):
+        if len(p) != 3 or not isinstance(p[0], Buffer):
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"piece {i} is not (Buffer, offset, length)")
+        arr[i].buffer = p[0]._handle()
+        arr[i].offset = int(p[1])
+        arr[i].len = int(p[2])
+        keep.append(p[0])
+    return arr, len(flat), per, keep
+
+
+class Lease(Handle):
+    """A pin on the leading present blocks of a chain (never evicted while held). Use as a context
+    manager, or :meth:`close` (same as :meth:`Store.unpin`)."""
+
+    _free = lib.tpu_sync_lease_free
+
+    def __init__(self, ptr, keys: Sequence[bytes]) -> None:
+        super().__init__(ptr)
+        self._keys = list(keys)
+
+    @property
+    def count(self) -> int:
+        """Number of leading blocks pinned."""
+        n = ffi.new("size_t *")
+        check(lib.tpu_sync_lease_count(self._handle(), n))
+        return int(n[0])
+
+    def __len__(self) -> int:
+        return self.count
+
+    @property
+    def keys(self) -> List[bytes]:
+        """The pinned keys (a prefix of the chain given to :meth:`Store.pin`)."""
+        return self._keys[: self.count]
+
+
+class Store(Handle):
+    """The host KV tier (``tpu_sync::store::KvStore``). Thread-safe; every method may run
+    concurrently.
+
+    Args:
+        namespace: what the blocks belong to (model, dtype, layout, rank); change it whenever
+            the raw bytes of a block would mean something else.
+        block_bytes: largest block in bytes.
+        capacity_bytes: DRAM bytes of block slots.
+        shm_name: keep the blocks in ``/dev/shm`` (or ``shm_dir``) under this name: a restarted
+            process re-attaches them (warm restart). None: anonymous memory.
+        disk_dir, disk_capacity_bytes: the disk tier (both or neither).
+        verify_checksums: check each block's checksum on get (a mismatch raises ChecksumError).
+        background: prepare memory on a thread; see :attr:`state` and :meth:`wait_ready`.
+        client: a client whose plugin DMA-maps the DRAM slots (``PJRT_Client_DmaMap``), if it can.
+        shm_dir: directory of named segments (default ``/dev/shm``).
+        lock_memory, huge_pages, populate: memory options (default: all on; locking failures are
+            reported in :meth:`info`, not raised).
+
+    Raises:
+        InvalidArgumentError, HostMemoryError, IOError.
+    """
+
+    _free = lib.tpu_sync_store_free
+
+    def __init__(self, *, namespace: str, block_bytes: int, capacity_bytes: int, shm_name: Optional[str] = None,
+                 disk_dir: Optional[str] = None, disk_capacity_bytes: Optional[int] = None,
+                 verify_checksums: bool = True, background: bool = False, client: Optional[Client] = None,
+                 shm_dir: Optional[str] = None, lock_memory: Optional[bool] = None,
+                 huge_pages: Optional[bool] = None, populate: Optional[bool] = None) -> None:
+        cfg: Dict[str, Any] = dict(namespace=namespace, block_bytes=int(block_bytes),
+                                   capacity_bytes=int(capacity_bytes), verify_checksums=bool(verify_checksums),
+                                   background=bool(background))
+        for k, v in dict(shm_name=shm_name, shm_dir=shm_dir, disk_dir=disk_dir,
+                         disk_capacity_bytes=disk_capacity_bytes, lock_memory=lock_memory, huge_pages=huge_pages,
+                         populate=populate).items():
+            if v is not None:
+                cfg[k] = str(v) if k in ("shm_name", "shm_dir", "disk_dir") else v
+        out = ffi.new("tpu_sync_store **")
+        dma = ffi.NULL if client is None else client._handle()
+        check(lib.tpu_sync_store_new(json.dumps(cfg).encode(), dma, out))
+        super().__init__(out[0])
+        self._client = client
+
+    # -- state -----------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """``"preparing"``, ``"ready"`` or ``"failed: <reason>"``."""
+        s = ffi.new("uint32_t *")
+        check(lib.tpu_sync_store_state(self._handle(), s))
+        if s[0] == lib.TPU_SYNC_STORE_READY:
+            return "ready"
+        if s[0] == lib.TPU_SYNC_STORE_PREPARING:
+            return "preparing"
+        from ._lib import last_error
+
+        lib.tpu_sync_store_wait_ready(self._handle(), 0)
+        return "failed: " + last_error()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Waits up to ``timeout`` seconds until the store serves.
+
+        Raises:
+            TimeoutError: still preparing. HostMemoryError: preparation failed (with the reason).
+        """
+        check(lib.tpu_sync_store_wait_ready(self._handle(), int(max(0.0, timeout) * 1000)))
+
+    def info(self) -> Optional[Dict[str, Any]]:
+        """How the store was set up (attach mode, segment, geometry, memory lock, DMA, disk tier,
+        restored blocks), or None while not ready."""
+        return json_out(lib.tpu_sync_store_info, self._handle())
+
+    def stats(self) -> Dict[str, int]:
+        """Counters since open and occupancy: ``dram_blocks``, ``disk_blocks``, ``free_slots``,
+        ``lookups``, ``lookup_blocks``, ``lookup_hits``, ``put_blocks``, ``put_present``,
+        ``put_full``, ``get_dram``, ``get_disk``, ``evictions``, ``spills``, ``spill_failures``,
+        ``races``, ``corrupt_blocks``, ``bad_files``, ``bytes_put``, ``bytes_got``."""
+        return json_out(lib.tpu_sync_store_stats, self._handle())
+
+    # -- keys ------------------------------------------------------------------------------------
+
+    def chain_keys(self, tokens: Sequence[int], block_tokens: int, parent: Optional[bytes] = None) -> List[bytes]:
+        """Keys of the full blocks of a token sequence cut into blocks of ``block_tokens`` tokens,
+        each chained on the one before (the first on ``parent``). ``len(tokens) // block_tokens``
+        keys; a partial last block gets none."""
+        try:
+            toks = ffi.new("uint32_t[]", [int(t) for t in tokens] or [0])
+        except OverflowError as e:
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"token ids must be in 0..2^32: {e}")
+        n_tok = len(tokens)
+        cap = n_tok // block_tokens if block_tokens > 0 else 0
+        keys = ffi.new("tpu_sync_key[]", max(1, cap))
+        n = ffi.new("size_t *")
+        check(lib.tpu_sync_store_chain_keys(self._handle(), toks, n_tok, int(block_tokens), _parent(parent), keys,
+                                            cap, n))
+        raw = ffi.buffer(keys, KEY_BYTES * int(n[0]))[:]
+        return [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+
+    def engine_key(self, h: Union[int, bytes, str]) -> bytes:
+        """Key of an engine's own (already chained) block hash: bytes as given (vLLM's
+        ``BlockHash``), a string's UTF-8 bytes (SGLang's page hashes), an int printed in decimal."""
+        if isinstance(h, int):
+            data = str(h).encode()
+        elif isinstance(h, str):
+            data = h.encode()
+        else:
+            data = bytes(h)
+        key = ffi.new("tpu_sync_key *")
+        check(lib.tpu_sync_store_engine_key(self._handle(), data, len(data), key))
+        return ffi.buffer(key.bytes, KEY_BYTES)[:]
+
+    # -- operations ------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Number of leading blocks of the chain present (DRAM or disk); updates their recency."""
+        arr, n = _keys(keys)
+        hits = ffi.new("size_t *")
+        check(lib.tpu_sync_store_lookup(self._handle(), arr, n, hits, ffi.NULL, ffi.NULL))
+        return int(hits[0])
+
+    def put(self, keys: Sequence[bytes], blocks: Sequence[Any], parent: Optional[bytes] = None) -> PutResult:
+        """Stores a chain of blocks from host arrays (numpy, torch CPU tensors, bytes-like):
+        ``blocks[i]`` is the block of ``keys[i]``, copied during the call. ``parent`` is the key
+        of the block before ``keys[0]`` (None for a sequence's first block, or unknown).
+
+        Raises: InvalidArgumentError (counts differ, an empty or too large block)."""
+        arr, n = _keys(keys)
+        blocks = list(blocks)
+        if len(blocks) != n:
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"{n} keys but {len(blocks)} blocks")
+        views = [view(b) for b in blocks]
+        if any(v.on_device for v in views):
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, "device tensors: use put_from_device")
+        ptrs = ffi.new("void *[]", [ffi.cast("void *", v.ptr) for v in views] or [ffi.NULL])
+        lens = ffi.new("size_t[]", [v.nbytes for v in views] or [0])
+        r = ffi.new("tpu_sync_put_result *")
+        check(lib.tpu_sync_store_put(self._handle(), _parent(parent), arr, n, ptrs, lens, r))
+        return _put_result(r)
+
+    def put_from_device(self, keys: Sequence[bytes], blocks: Sequence[Sequence[DevicePiece]],
+                        parent: Optional[bytes] = None) -> PutResult:
+        """Stores a chain of blocks from device buffers: block ``i`` is the concatenation of the
+        pieces ``blocks[i]`` = ``[(buffer, offset, length), ...]`` (D2H, completed in the call)."""
+        arr, n = _keys(keys)
+        pieces, n_pieces, per, keep = _pieces(blocks)
+        if len(blocks) != n:
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"{n} keys but {len(blocks)} blocks")
+        r = ffi.new("tpu_sync_put_result *")
+        check(lib.tpu_sync_store_put_from_device(self._handle(), _parent(parent), arr, n, pieces, n_pieces, per, r))
+        del keep
+        return _put_result(r)
+
+    def get(self, keys: Sequence[bytes], outs: Sequence[Any]) -> GetResult:
+        """Copies the leading present blocks of the chain into writable host arrays: ``outs[i]``
+        receives block ``keys[i]`` and must be exactly as long as it was stored.
+
+        Raises: InvalidArgumentError (wrong lengths), ChecksumError (a block failed its checksum;
+        it and its chain below it are dropped)."""
+        arr, n = _keys(keys)
+        outs = list(outs)
+        if len(outs) != n:
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"{n} keys but {len(outs)} destinations")
+        views = [view(o, writable=True) for o in outs]
+        if any(v.on_device for v in views):
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, "device tensors: use get_to_device")
+        ptrs = ffi.new("void *[]", [ffi.cast("void *", v.ptr) for v in views] or [ffi.NULL])
+        lens = ffi.new("size_t[]", [v.nbytes for v in views] or [0])
+        r = ffi.new("tpu_sync_get_result *")
+        check(lib.tpu_sync_store_get(self._handle(), arr, n, ptrs, lens, r))
+        return _get_result(r)
+
+    def get_to_device(self, keys: Sequence[bytes], blocks: Sequence[Sequence[DevicePiece]]) -> GetResult:
+        """Copies the leading present blocks into existing device blocks in place: block ``i`` goes
+        to the pieces ``blocks[i]`` (which must add up to its stored length).
+
+        Raises: as :meth:`get`, plus UnsupportedError (no in-place H2D path)."""
+        arr, n = _keys(keys)
+        if len(blocks) != n:
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"{n} keys but {len(blocks)} blocks")
+        pieces, n_pieces, per, keep = _pieces(blocks)
+        r = ffi.new("tpu_sync_get_result *")
+        check(lib.tpu_sync_store_get_to_device(self._handle(), arr, n, pieces, n_pieces, per, r))
+        del keep
+        return _get_result(r)
+
+    def pin(self, keys: Sequence[bytes]) -> Lease:
+        """Pins the leading present blocks of the chain (see :class:`Lease`)."""
+        arr, n = _keys(keys)
+        out = ffi.new("tpu_sync_lease **")
+        check(lib.tpu_sync_store_pin(self._handle(), arr, n, out))
+        return Lease(out[0], keys)
+
+    def unpin(self, lease: Lease) -> None:
+        """Releases a lease (same as ``lease.close()``)."""
+        lease.close()
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Removes blocks by key, each with its chain below it; returns how many were removed."""
+        arr, n = _keys(keys)
+        out = ffi.new("size_t *")
+        check(lib.tpu_sync_store_remove(self._handle(), arr, n, out))
+        return int(out[0])
+
+    def clear(self) -> int:
+        """Removes every block not pinned or in flight; returns how many."""
+        out = ffi.new("size_t *")
+        check(lib.tpu_sync_store_clear(self._handle(), out))
+        return int(out[0])
+
+    def flush_to_disk(self) -> int:
+        """Writes every DRAM block without a disk copy to the disk tier; returns how many.
+
+        Raises: InvalidArgumentError without a disk tier, IOError."""
+        out = ffi.new("size_t *")
+        check(lib.tpu_sync_store_flush_to_disk(self._handle(), out))
+        return int(out[0])
+
+
+def list_segments(dir: Optional[str] = None) -> List[Dict[str, Any]]:  # noqa: A002 - mirrors the CLI
+    """Named store segments in ``dir`` (default ``/dev/shm``): ``name``, ``path``, ``bytes``,
+    ``uid``, ``mode``, ``in_use``, ``namespace``, ``block_bytes``, ``num_slots``,
+    ``committed_blocks``."""
+    d = ffi.NULL if dir is None else str(dir).encode()
+    return json_out(lib.tpu_sync_shm_list, d)
+
+
+def remove_segment(name: str, force: bool = False, dir: Optional[str] = None) -> None:  # noqa: A002
+    """Removes a named segment. Refused (IOError) when in use by a live process or owned by another
+    user, unless ``force``."""
+    d = ffi.NULL if dir is None else str(dir).encode()
+    check(lib.tpu_sync_shm_remove(d, str(name).encode(), bool(force)))
+
+
+__all__ = ["GetResult", "Lease", "PutResult", "Store", "list_segments", "remove_segment"]

@@ -1,0 +1,197 @@
+"""What the connector's worker moves KV with: a host tier (offload) and a P/D transport.
+
+The defaults are tpu_sync's own: :class:`StoreTier` (a :class:`tpu_sync.Store`, the host KV tier)
+and :class:`EndpointTransport` (a :class:`tpu_sync.Endpoint`, the network data plane), both
+reading and writing vLLM's KV tensors in place through zero-copy PJRT views
+(:meth:`tpu_sync.Client.view`). ``kv_connector_extra_config`` may name another factory
+(``"host_tier": "module:callable"``, ``"pd_transport": "module:callable"``), called as
+``factory(config, geometry, caches)`` and returning an object with the same methods.
+
+All methods are called from the worker's model-runner thread.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from .compat import KvGeometry
+from .config import ConnectorConfig
+
+
+@dataclass
+class KvCaches:
+    """The KV tensors one vLLM worker registered, in layer order.
+
+    Attributes:
+        names: layer names, in model layer order.
+        tensors: per-layer tensors ``[num_blocks, heads_per_rank, block_size, 2 * head_dim]``.
+        num_blocks: blocks per layer tensor.
+        layer_block_bytes: bytes of one block of one layer (the tensor's block stride).
+        tp_rank: this worker's tensor-parallel rank.
+        views: per-layer zero-copy tpu_sync buffers over ``tensors`` (filled by the default
+            backends; None until then).
+    """
+
+    names: List[str]
+    tensors: List[Any]
+    num_blocks: int
+    layer_block_bytes: int
+    tp_rank: int
+    views: Optional[List[Any]] = None
+
+    def pieces(self, block_id: int) -> List[Tuple[Any, int, int]]:
+        """``(view, byte offset, length)`` of block ``block_id`` in every layer, in layer order:
+        one host-tier entry is their concatenation."""
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block id {block_id} out of range 0..{self.num_blocks}")
+        assert self.views is not None
+        off = block_id * self.layer_block_bytes
+        return [(v, off, self.layer_block_bytes) for v in self.views]
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """Imports ``"module:callable"``.
+
+    Raises:
+        ValueError: malformed spec or missing attribute; ImportError from the import.
+    """
+    mod, sep, attr = spec.partition(":")
+    if not sep or not mod or not attr:
+        raise ValueError(f"factory must be 'module:callable', got {spec!r}")
+    obj = importlib.import_module(mod)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{spec!r} is not callable")
+    return obj
+
+
+def _client(caches: KvCaches) -> Any:
+    """One tpu_sync PJRT client per worker, with views of the KV tensors (zero-copy)."""
+    import tpu_sync
+
+    client = getattr(caches, "_client", None)
+    if client is None:
+        client = tpu_sync.Client()
+        caches._client = client  # type: ignore[attr-defined]
+        caches.views = [client.view(t) for t in caches.tensors]
+    return client
+
+
+class StoreTier:
+    """The host KV tier backed by :class:`tpu_sync.Store`: one entry per vLLM block holding that
+    block of every layer (``geometry.block_bytes``), keyed by vLLM's block hash inside the
+    geometry's namespace."""
+
+    def __init__(self, cfg: ConnectorConfig, geometry: KvGeometry, caches: KvCaches) -> None:
+        import tpu_sync
+
+        self._caches = caches
+        client = _client(caches)
+        ns = geometry.namespace(cfg.namespace)
+        if caches.tp_rank:
+            ns += f"/rank{caches.tp_rank}"
+        shm = cfg.shm_name
+        if shm and caches.tp_rank:
+            shm = f"{shm}-rank{caches.tp_rank}"
+        kw: Dict[str, Any] = dict(
+            namespace=ns,
+            block_bytes=geometry.block_bytes,
+            capacity_bytes=cfg.host_capacity_bytes,
+            shm_name=shm,
+            verify_checksums=cfg.verify_checksums,
+            client=client,
+        )
+        if cfg.disk_dir:
+            kw["disk_dir"] = cfg.disk_dir
+            kw["disk_capacity_bytes"] = cfg.disk_capacity_bytes
+        self.store = tpu_sync.Store(**kw)
+
+    def key(self, block_hash: bytes) -> bytes:
+        """The store key of a vLLM block hash."""
+        return self.store.engine_key(block_hash)
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """Number of leading blocks of the chain present in the tier."""
+        return int(self.store.lookup([self.key(h) for h in hashes]))
+
+    def pin(self, hashes: Sequence[bytes]) -> Any:
+        """A lease keeping the chain's leading present blocks from eviction (``close()`` ends it)."""
+        return self.store.pin([self.key(h) for h in hashes])
+
+    def put(self, hashes: Sequence[bytes], block_ids: Sequence[int], parent: Optional[bytes] = None) -> int:
+        """Stores blocks ``block_ids`` of the KV tensors under ``hashes`` (``parent``: the hash of
+        the block before ``hashes[0]``, None at the start of a chain); returns how many are in the
+        tier afterwards (stored now or already present)."""
+        r = self.store.put_from_device([self.key(h) for h in hashes], [self._caches.pieces(b) for b in block_ids],
+                                       parent=None if parent is None else self.key(parent))
+        return int(r.stored) + int(r.present)
+
+    def get(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Loads the chain into blocks ``block_ids`` of the KV tensors; returns the number of
+        leading blocks delivered. Raises ``tpu_sync.errors.ChecksumError`` on corrupt data."""
+        r = self.store.get_to_device([self.key(h) for h in hashes], [self._caches.pieces(b) for b in block_ids])
+        return int(r.delivered)
+
+    def stats(self) -> Dict[str, Any]:
+        """The store's counters."""
+        return dict(self.store.stats())
+
+    def close(self) -> None:
+        """Closes the store (a shm segment stays for the next engine)."""
+        self.store.close()
+
+
+class EndpointTransport:
+    """P/D over :class:`tpu_sync.Endpoint`: the producer registers a finished request's blocks
+    (the endpoint stages them and serves them to pullers until released or the lease expires);
+    the consumer pulls them into its own blocks, resharding when TP differs."""
+
+    def __init__(self, cfg: ConnectorConfig, geometry: KvGeometry, caches: KvCaches) -> None:
+        import tpu_sync
+
+        self._caches = caches
+        self._rank = caches.tp_rank
+        client = _client(caches)
+        kw: Dict[str, Any] = dict(listen=cfg.listen, transport=cfg.transport, timeout=cfg.pull_timeout_s,
+                                  client=client, lease_s=cfg.lease_s)
+        if cfg.tls:
+            kw["tls"] = cfg.tls
+        if cfg.psk:
+            kw["psk"] = cfg.psk
+        self.endpoint = tpu_sync.Endpoint(**kw)
+        host, _, port = str(self.endpoint.address).rpartition(":")
+        self.address = f"{cfg.advertise_host or host}:{port}"
+
+    def register(self, xfer_id: int, placement: Dict[str, Any], num_tokens: int, lease_s: float,
+                 pullers: int = 1) -> None:
+        """Producer: stages (D2H) this rank's blocks of ``placement`` and serves them as request
+        ``xfer_id`` until ``pullers`` consumers released them or the endpoint's lease (``lease_s``
+        of the config) passes without a live consumer. vLLM may reuse the blocks once this
+        returns."""
+        self.endpoint.register(xfer_id, placement, num_tokens, {self._rank: self._caches.views},
+                               expected_releases=pullers)
+
+    def pull(self, xfer_id: int, peers: Dict[int, str], src: Dict[str, Any], dst: Dict[str, Any],
+             num_tokens: int) -> Any:
+        """Consumer: starts pulling request ``xfer_id`` into this rank's blocks of ``dst``;
+        returns a handle with ``done``, ``error``, ``cancel()``."""
+        return self.endpoint.pull(xfer_id, peers, src, dst, num_tokens, {self._rank: self._caches.views})
+
+    def close(self) -> None:
+        """Stops serving."""
+        self.endpoint.close(drain=False)
+
+
+def make_host_tier(cfg: ConnectorConfig, geometry: KvGeometry, caches: KvCaches) -> Any:
+    """The configured host tier (default :class:`StoreTier`)."""
+    factory = load_factory(cfg.host_tier) if cfg.host_tier else StoreTier
+    return factory(cfg, geometry, caches)
+
+
+def make_pd_transport(cfg: ConnectorConfig, geometry: KvGeometry, caches: KvCaches) -> Any:
+    """The configured P/D transport (default :class:`EndpointTransport`)."""
+    factory = load_factory(cfg.pd_transport) if cfg.pd_transport else EndpointTransport
+    return factory(cfg, geometry, caches)

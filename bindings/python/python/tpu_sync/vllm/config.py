@@ -1,0 +1,203 @@
+"""Settings of :class:`~tpu_sync.vllm.connector.TpuSyncConnector`, read from vLLM's
+``kv_transfer_config`` (``kv_role``) and ``kv_connector_extra_config`` (a flat dict; unknown keys
+are an error so a typo does not silently fall back to a default).
+
+``kv_connector_extra_config`` keys
+-----------------------------------
+
+P/D (prefill/decode disaggregation; on by default for ``kv_producer`` and ``kv_consumer``):
+
+``pd`` (bool)
+    Enable P/D transfers. Default: True unless ``kv_role`` is ``kv_both``.
+``listen`` (str, ``"host:port"``)
+    Address the worker's tpu_sync endpoint listens on; default ``"127.0.0.1:0"`` (any free port).
+    The producer advertises ``advertise_host`` (default: the listen host) with the bound port in
+    the ``kv_transfer_params`` it returns.
+``advertise_host`` (str)
+    Host name or address consumers dial.
+``transport`` (str)
+    ``"tcp"`` (default), ``"tls"`` or ``"quic"`` (as :class:`tpu_sync.Endpoint`).
+``tls`` (dict)
+    ``{"cert": path, "key": path, "ca": path}`` for TLS/QUIC.
+``psk`` (str)
+    Pre-shared key (hex) authenticating peers.
+``lease_s`` (float)
+    Producer: how long a finished request's KV stays staged without a live consumer. Default 120.
+``decode_tp_size`` (int)
+    Producer: TP size of the decode instances that pull (each decode rank is one puller; a
+    registration ends once all of them released it). Default 1; a prefill request's
+    ``kv_transfer_params["decode_tp_size"]`` overrides it.
+``pull_timeout_s`` (float)
+    Consumer: a pull that has not completed after this many seconds fails the request
+    (``kv_load_failure_policy`` then decides: ``"fail"`` ends it with an error, ``"recompute"``
+    prefills it locally). Default 30.
+``pd_transport`` (str, ``"module:callable"``)
+    Replaces the tpu_sync endpoint (extension point; see :mod:`tpu_sync.vllm.backends`).
+
+Host-DRAM offload (on by default for ``kv_both``):
+
+``offload`` (bool)
+    Enable the host KV tier. Default: True for ``kv_both``.
+``host_capacity_bytes`` (int)
+    Bytes of host DRAM for offloaded blocks. Default 1 GiB.
+``shm_name`` (str)
+    Keep the tier in ``/dev/shm/<name>`` so a restarted engine re-attaches it warm.
+``disk_dir`` (str), ``disk_capacity_bytes`` (int)
+    Spill DRAM victims to files in this directory.
+``verify_checksums`` (bool)
+    Check each block's checksum when loading it (default True). A mismatch makes the connector
+    report the blocks as failed loads, so vLLM recomputes them (set
+    ``kv_load_failure_policy="recompute"``).
+``namespace`` (str)
+    Extra text mixed into the tier's key namespace (default: none; the namespace always includes
+    the model, block format, block size and geometry).
+``host_tier`` (str, ``"module:callable"``)
+    Replaces :class:`tpu_sync.Store` (extension point; see :mod:`tpu_sync.vllm.backends`).
+
+This module imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional
+
+#: Default bytes of host DRAM of the offload tier.
+DEFAULT_HOST_CAPACITY = 1 << 30
+#: Default seconds a producer keeps a finished request's KV for pullers.
+DEFAULT_LEASE_S = 120.0
+#: Default seconds a consumer waits for a pull.
+DEFAULT_PULL_TIMEOUT_S = 30.0
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+_KEYS = {
+    "pd": bool,
+    "listen": str,
+    "advertise_host": str,
+    "transport": str,
+    "tls": dict,
+    "psk": str,
+    "lease_s": (int, float),
+    "decode_tp_size": int,
+    "pull_timeout_s": (int, float),
+    "pd_transport": str,
+    "offload": bool,
+    "host_capacity_bytes": (int, float),
+    "shm_name": str,
+    "disk_dir": str,
+    "disk_capacity_bytes": (int, float),
+    "verify_checksums": bool,
+    "namespace": str,
+    "host_tier": str,
+}
+
+
+class ConfigError(ValueError):
+    """``kv_connector_extra_config`` or ``kv_role`` is invalid."""
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Parsed settings (see the module docstring for the meaning of each field)."""
+
+    role: str
+    pd: bool
+    offload: bool
+    listen: str = "127.0.0.1:0"
+    advertise_host: Optional[str] = None
+    transport: str = "tcp"
+    tls: Optional[Dict[str, str]] = None
+    psk: Optional[bytes] = None
+    lease_s: float = DEFAULT_LEASE_S
+    decode_tp_size: int = 1
+    pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S
+    pd_transport: Optional[str] = None
+    host_capacity_bytes: int = DEFAULT_HOST_CAPACITY
+    shm_name: Optional[str] = None
+    disk_dir: Optional[str] = None
+    disk_capacity_bytes: Optional[int] = None
+    verify_checksums: bool = True
+    namespace: str = ""
+    host_tier: Optional[str] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_producer(self) -> bool:
+        """Serves finished requests' KV to decode instances."""
+        return self.pd and self.role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        """Pulls prefilled KV from prefill instances."""
+        return self.pd and self.role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def parse(cls, role: Optional[str], extra: Optional[Mapping[str, Any]]) -> "ConnectorConfig":
+        """Parses ``kv_role`` and ``kv_connector_extra_config``.
+
+        Raises:
+            ConfigError: unknown role or key, wrong type, or a value out of range.
+        """
+        if role not in ROLES:
+            raise ConfigError(f"kv_role must be one of {', '.join(ROLES)}; got {role!r}")
+        extra = dict(extra or {})
+        for k, v in extra.items():
+            if k not in _KEYS:
+                raise ConfigError(
+                    f"unknown kv_connector_extra_config key {k!r} for TpuSyncConnector "
+                    f"(known: {', '.join(sorted(_KEYS))})"
+                )
+            want = _KEYS[k]
+            # bool is an int subclass: keep numbers and flags apart
+            if (want is bool) != isinstance(v, bool) or not isinstance(v, want):
+                raise ConfigError(f"kv_connector_extra_config[{k!r}] must be {_tname(want)}, got {v!r}")
+        pd = extra.get("pd", role != "kv_both")
+        offload = extra.get("offload", role == "kv_both")
+        psk = extra.get("psk")
+        if psk is not None:
+            try:
+                psk_b = bytes.fromhex(psk)
+            except ValueError:
+                raise ConfigError("kv_connector_extra_config['psk'] must be hex") from None
+        else:
+            psk_b = None
+        cfg = cls(
+            role=role,
+            pd=pd,
+            offload=offload,
+            listen=extra.get("listen", "127.0.0.1:0"),
+            advertise_host=extra.get("advertise_host"),
+            transport=extra.get("transport", "tcp"),
+            tls=extra.get("tls"),
+            psk=psk_b,
+            lease_s=float(extra.get("lease_s", DEFAULT_LEASE_S)),
+            decode_tp_size=int(extra.get("decode_tp_size", 1)),
+            pull_timeout_s=float(extra.get("pull_timeout_s", DEFAULT_PULL_TIMEOUT_S)),
+            pd_transport=extra.get("pd_transport"),
+            host_capacity_bytes=int(extra.get("host_capacity_bytes", DEFAULT_HOST_CAPACITY)),
+            shm_name=extra.get("shm_name"),
+            disk_dir=extra.get("disk_dir"),
+            disk_capacity_bytes=(int(extra["disk_capacity_bytes"]) if "disk_capacity_bytes" in extra else None),
+            verify_checksums=extra.get("verify_checksums", True),
+            namespace=extra.get("namespace", ""),
+            host_tier=extra.get("host_tier"),
+            extra=extra,
+        )
+        if cfg.lease_s <= 0 or cfg.pull_timeout_s <= 0:
+            raise ConfigError("lease_s and pull_timeout_s must be > 0")
+        if cfg.decode_tp_size < 1:
+            raise ConfigError("decode_tp_size must be >= 1")
+        if cfg.offload and cfg.host_capacity_bytes <= 0:
+            raise ConfigError("host_capacity_bytes must be > 0 when offload is on")
+        if ":" not in cfg.listen:
+            raise ConfigError(f"listen must be host:port, got {cfg.listen!r}")
+        if not (cfg.pd or cfg.offload):
+            raise ConfigError("both pd and offload are off: TpuSyncConnector would do nothing")
+        return cfg
+
+
+def _tname(t: Any) -> str:
+    if isinstance(t, tuple):
+        return " or ".join(x.__name__ for x in t)
+    return t.__name__

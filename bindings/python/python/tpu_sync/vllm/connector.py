@@ -1,0 +1,196 @@
+"""``TpuSyncConnector``: vLLM's V1 KV connector interface (``KVConnectorBase_V1``, vLLM 0.32)
+over tpu_sync. One instance per role and process: vLLM builds it with ``role=SCHEDULER`` in the
+engine core and ``role=WORKER`` in each worker; the instance delegates to
+:class:`~tpu_sync.vllm.scheduler.SchedulerSide` or :class:`~tpu_sync.vllm.worker.WorkerSide`.
+See :mod:`tpu_sync.vllm` for how to enable it and :mod:`tpu_sync.vllm.config` for its settings.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .compat import kv_geometry
+from .config import ConnectorConfig
+from .metadata import TpuSyncMetadata
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("tpu_sync.vllm")
+
+__all__ = ["TpuSyncConnector"]
+
+
+class TpuSyncConnector(KVConnectorBase_V1):
+    """KV connector for disaggregated prefill/decode and host-DRAM offload through tpu_sync.
+
+    Args:
+        vllm_config: the engine's configuration; ``kv_transfer_config.kv_role`` and
+            ``kv_connector_extra_config`` select what the connector does.
+        role: scheduler or worker.
+        kv_cache_config: the engine's KV cache configuration (block count).
+
+    Raises:
+        tpu_sync.vllm.config.ConfigError: bad settings; ValueError: a KV cache dtype or layout
+        tpu_sync cannot move.
+    """
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.config = ConnectorConfig.parse(ktc.kv_role, ktc.kv_connector_extra_config)
+        self.geometry = kv_geometry(vllm_config)
+        self.scheduler_side = None
+        self.worker_side = None
+        if role == KVConnectorRole.SCHEDULER:
+            from .scheduler import SchedulerSide
+
+            self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.config, self.geometry)
+        else:
+            from .worker import WorkerSide
+
+            self.worker_side = WorkerSide(vllm_config, self.config, self.geometry)
+
+    # ---- class-level ---------------------------------------------------------------------
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
+        """``LBHNC`` (head-major blocks, so a TP reshard moves contiguous head slices); vLLM's CPU
+        backend uses it anyway. None for MLA models (no heads to slice)."""
+        mc = getattr(vllm_config, "model_config", None)
+        if mc is None or getattr(mc, "use_mla", False):
+            return None
+        return "LBHNC"
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Producers hand KV off; a pure offload cache is best effort."""
+        return self.config.is_producer
+
+    # ---- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Dict[str, "torch.Tensor"]) -> None:
+        """See :meth:`tpu_sync.vllm.worker.WorkerSide.register_kv_caches`."""
+        assert self.worker_side is not None
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
+        """This worker's endpoint address and block format, for the scheduler side."""
+        if self.worker_side is None or self.worker_side.caches is None:
+            return None
+        return self.worker_side.handshake()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Runs this step's lookups and host-tier loads (synchronous), registrations, and starts
+        pulls (asynchronous)."""
+        meta = self._connector_metadata
+        if self.worker_side is not None and isinstance(meta, TpuSyncMetadata):
+            self.worker_side.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """No-op: loads finish in :meth:`start_load_kv`, before the forward."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+        """No-op: blocks are saved whole, every layer at once, in :meth:`wait_for_save`."""
+
+    def wait_for_save(self) -> None:
+        """Saves the prompt blocks this step filled to the host tier (synchronously)."""
+        meta = self._connector_metadata
+        if self.worker_side is not None and isinstance(meta, TpuSyncMetadata):
+            self.worker_side.wait_for_save(meta)
+
+    def get_transfer_results(self, finished_req_ids: set) -> KVConnectorTransferResults:
+        """Registrations done, pulls finished (and which of them failed)."""
+        if self.worker_side is None:
+            return KVConnectorTransferResults()
+        return self.worker_side.get_transfer_results(finished_req_ids)
+
+    def get_finished(self, finished_req_ids: set) -> Tuple[Optional[set], Optional[set]]:
+        """``(finished_sending, finished_recving)`` (for vLLM versions without
+        :meth:`get_transfer_results`)."""
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set:
+        """Blocks a host-tier load or a pull did not fill (vLLM recomputes them)."""
+        if self.worker_side is None:
+            return set()
+        return self.worker_side.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
+        """Host-tier lookup answers and counters for the scheduler side."""
+        if self.worker_side is None:
+            return None
+        return self.worker_side.build_worker_meta()
+
+    def shutdown(self) -> None:
+        """Closes the host tier and the endpoint."""
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+
+    # ---- scheduler side ------------------------------------------------------------------
+
+    def set_xfer_handshake_metadata(self, metadata: Dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Records the workers' endpoint addresses (keyed by TP rank)."""
+        if self.scheduler_side is not None:
+            self.scheduler_side.set_handshake(metadata)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """Keeps the cache manager (to read a request's block ids)."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler_side is not None:
+            self.scheduler_side.kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request: Any) -> None:
+        """Starts tracking a request."""
+        if self.scheduler_side is not None:
+            self.scheduler_side.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        """See :meth:`tpu_sync.vllm.scheduler.SchedulerSide.get_num_new_matched_tokens`."""
+        assert self.scheduler_side is not None
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plans the pull or host-tier load into the allocated blocks."""
+        assert self.scheduler_side is not None
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> Dict[CacheHitSource, int]:
+        """HOST for host-tier hits, P2P for KV pulled from a prefill instance."""
+        assert self.scheduler_side is not None
+        return self.scheduler_side.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """This step's work for the workers."""
+        assert self.scheduler_side is not None
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Takes the workers' reports."""
+        if self.scheduler_side is not None:
+            self.scheduler_side.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """Producer: ``(True, kv_transfer_params)`` for a prefilled request to hand off."""
+        assert self.scheduler_side is not None
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    def has_pending_block_frees(self) -> bool:
+        """Blocks held for pullers are freed once registered (next step), not by preemption."""
+        return bool(self.scheduler_side and self.scheduler_side.pending_sends())

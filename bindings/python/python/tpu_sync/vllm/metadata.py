@@ -1,0 +1,140 @@
+"""Messages between the connector's scheduler side and its workers (picklable: they cross
+process boundaries in vLLM's multiprocess executors). Needs vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class SendSpec:
+    """Producer: serve a finished request's blocks.
+
+    Attributes:
+        req_id: vLLM request id.
+        xfer_id: transfer id (< 2**53) the consumer pulls by.
+        block_ids: the request's blocks, in order (same ids on every TP rank).
+        num_tokens: tokens whose KV the blocks hold.
+        lease_s: seconds to keep serving if nobody pulls.
+        decode_tp: TP size of the decode instance that pulls (its ranks are the pullers).
+    """
+
+    req_id: str
+    xfer_id: int
+    block_ids: List[int]
+    num_tokens: int
+    lease_s: float
+    decode_tp: int = 1
+
+
+@dataclass
+class RecvSpec:
+    """Consumer: pull a prefilled request's blocks into local blocks.
+
+    Attributes:
+        req_id: vLLM request id.
+        xfer_id: the producer's transfer id.
+        peers: producer endpoint address per producer TP rank.
+        src_layout: the producer's tpu_sync layout.
+        src_block_ids: producer blocks to pull (a contiguous run of the request's blocks).
+        dst_block_ids: local blocks to write, same length and order.
+        num_tokens: tokens covered by these blocks (the last block may be partial).
+        timeout_s: the pull fails after this many seconds.
+    """
+
+    req_id: str
+    xfer_id: int
+    peers: Dict[int, str]
+    src_layout: Dict[str, Any]
+    src_block_ids: List[int]
+    dst_block_ids: List[int]
+    num_tokens: int
+    timeout_s: float
+
+
+@dataclass
+class TierOp:
+    """Offload: save blocks to, or load blocks from, the host tier.
+
+    Attributes:
+        req_id: vLLM request id.
+        hashes: vLLM block hashes (bytes), one per block, a contiguous run of the request's chain.
+        block_ids: local blocks, same length and order.
+        parent: hash of the block before ``hashes[0]`` (None when the run starts the chain).
+    """
+
+    req_id: str
+    hashes: List[bytes]
+    block_ids: List[int]
+    parent: Optional[bytes] = None
+
+
+@dataclass
+class TpuSyncMetadata(KVConnectorMetadata):
+    """What the workers do in one engine step."""
+
+    lookups: Dict[str, List[bytes]] = field(default_factory=dict)
+    loads: List[TierOp] = field(default_factory=list)
+    saves: List[TierOp] = field(default_factory=list)
+    sends: List[SendSpec] = field(default_factory=list)
+    recvs: List[RecvSpec] = field(default_factory=list)
+
+
+@dataclass
+class TpuSyncWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler after a step.
+
+    Attributes:
+        lookup_hits: leading blocks found in the host tier per looked-up request (pinned until
+            the request finishes).
+        failed_loads: requests whose host-tier load failed (their blocks were reported as load
+            errors; vLLM recomputes them, and the scheduler saves them again).
+        saved_blocks, loaded_blocks: host-tier blocks saved / loaded this step.
+    """
+
+    lookup_hits: Dict[str, int] = field(default_factory=dict)
+    failed_loads: Set[str] = field(default_factory=set)
+    saved_blocks: int = 0
+    loaded_blocks: int = 0
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TpuSyncWorkerMetadata":
+        """Combines two workers' reports: a block is usable only if every rank has it (minimum
+        of the hits), a load failed if it failed anywhere; counters are per-rank maxima."""
+        assert isinstance(other, TpuSyncWorkerMetadata)
+        hits = dict(self.lookup_hits)
+        for k, v in other.lookup_hits.items():
+            hits[k] = min(v, hits.get(k, v))
+        return TpuSyncWorkerMetadata(
+            lookup_hits=hits,
+            failed_loads=self.failed_loads | other.failed_loads,
+            saved_blocks=max(self.saved_blocks, other.saved_blocks),
+            loaded_blocks=max(self.loaded_blocks, other.loaded_blocks),
+        )
+
+    def is_empty(self) -> bool:
+        """Nothing to report."""
+        return not (self.lookup_hits or self.failed_loads or self.saved_blocks or self.loaded_blocks)
+
+
+@dataclass
+class TpuSyncHandshake(KVConnectorHandshakeMetadata):
+    """One worker's P/D endpoint, collected by vLLM at start-up and handed to the scheduler.
+
+    Attributes:
+        tp_rank: the worker's TP rank.
+        address: ``host:port`` consumers dial (None without P/D).
+        block_format: the worker's block format tag (checked against the scheduler's).
+        num_blocks: blocks per layer tensor.
+    """
+
+    tp_rank: int
+    address: Optional[str]
+    block_format: str
+    num_blocks: int

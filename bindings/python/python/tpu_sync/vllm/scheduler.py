@@ -1,0 +1,353 @@
+"""The connector's scheduler side: decides per request what to pull, load, save and serve, and
+returns the ``kv_transfer_params`` of finished prefill requests. Needs vLLM.
+
+Per request (vLLM calls, in order):
+
+* **P/D consumer** (``kv_transfer_params.do_remote_prefill``): ``get_num_new_matched_tokens``
+  answers ``(prompt tokens, True)`` when the producer's params are valid and its KV geometry
+  matches (else ``(0, False)``: the request is prefilled locally). The producer serves whole
+  requests, so after a local prefix-cache hit the rest of the prompt is computed locally too
+  (pulling it would write into blocks shared with other requests);
+  ``update_state_after_alloc`` plans the pull into the allocated blocks; the worker pulls
+  asynchronously and reports the request in ``finished_recving`` (and ``failed_recving`` plus
+  the block ids on failure, so vLLM recomputes or fails it per ``kv_load_failure_policy``).
+* **P/D producer** (``do_remote_decode``): ``request_finished`` returns ``(True, params)``:
+  vLLM keeps the blocks until the worker reports the request in ``finished_sending``, once the
+  endpoint has staged them (or the registration failed).
+* **Offload** (host tier): a new request's block hashes are looked up in the workers' tiers
+  (``get_num_new_matched_tokens`` answers ``None`` for the one step the lookup takes, then the
+  hit); hits load synchronously before the forward (``(n, False)``, leaving at least one prompt
+  token to compute); every prompt block that becomes full is saved after the step that computed
+  it. Hits are reported as ``CacheHitSource.HOST``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .compat import PARAMS_VERSION, KvGeometry, check_params, peers_from_params, prompt_digest
+from .config import ConnectorConfig
+from .metadata import RecvSpec, SendSpec, TierOp, TpuSyncHandshake, TpuSyncMetadata, TpuSyncWorkerMetadata
+
+log = logging.getLogger("tpu_sync.vllm")
+
+#: Largest transfer id (the tpu_sync endpoint's request ids are 1 ..= 2**53 - 1).
+MAX_XFER_ID = 2**53 - 1
+
+
+@dataclass
+class _OffloadState:
+    """Host-tier bookkeeping of one request."""
+
+    request: Any
+    #: leading blocks known to be in the tier (saved, loaded or found by lookup)
+    in_tier: int = 0
+    #: block-aligned local hit when the load was planned
+    load_start: int = 0
+
+
+class SchedulerSide:
+    """Scheduler-side state of :class:`~tpu_sync.vllm.connector.TpuSyncConnector`. Not
+    thread-safe (vLLM calls it from the scheduler thread only)."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, geometry: KvGeometry) -> None:
+        self.cfg = cfg
+        self.geometry = geometry
+        self.block_size = geometry.block_size
+        self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        self.num_blocks = int(kv_cache_config.num_blocks)
+        self.layout = geometry.tpu_sync_layout(self.num_blocks)
+        self.kv_cache_manager: Any = None
+        #: P/D endpoint address per TP rank (from the workers' handshake metadata)
+        self.peers: Dict[int, str] = {}
+        # Random start: a restarted producer does not reuse the ids of its predecessor.
+        self._next_xfer = 1 + secrets.randbits(48)
+        # P/D
+        self._sends: List[SendSpec] = []
+        self._recvs: Dict[str, RecvSpec] = {}
+        self._sending: Dict[str, float] = {}
+        self._pd_local_hit_logged: Set[str] = set()
+        # Offload
+        self._off: Dict[str, _OffloadState] = {}
+        self._lookup_wanted: Dict[str, List[bytes]] = {}
+        self._lookup_sent: Set[str] = set()
+        self._hits: Dict[str, int] = {}
+        self._loads: List[TierOp] = []
+        # Hit source per request (for get_external_cache_hit_sources) and counters.
+        self._source: Dict[str, CacheHitSource] = {}
+        #: counters: tokens loaded from the host tier / pulled from producers, host-tier blocks
+        #: saved and loaded (as reported by the workers), failed loads, lookups, KV handed off.
+        self.stats: Dict[str, int] = dict(
+            host_hit_tokens=0, p2p_tokens=0, saved_blocks=0, loaded_blocks=0, failed_loads=0, lookups=0,
+            handed_off=0, refused_params=0,
+        )
+
+    # ---- start-up -----------------------------------------------------------------------
+
+    def set_handshake(self, metadata: Dict[int, Any]) -> None:
+        """Records each TP rank's endpoint address; checks the workers agree with the scheduler
+        on the block format and block count."""
+        for rank, meta in metadata.items():
+            if not isinstance(meta, TpuSyncHandshake):
+                continue
+            if meta.block_format != self.geometry.block_format:
+                raise RuntimeError(
+                    f"TpuSyncConnector: worker {rank} packs blocks as {meta.block_format!r}, the "
+                    f"scheduler expected {self.geometry.block_format!r}"
+                )
+            if meta.num_blocks != self.num_blocks:
+                log.warning("tpu_sync: worker %s has %s blocks, scheduler %s", rank, meta.num_blocks, self.num_blocks)
+            if meta.address:
+                self.peers[int(meta.tp_rank)] = meta.address
+
+    # ---- admission -----------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        """Starts host-tier bookkeeping of a request."""
+        if self.cfg.offload:
+            self._off[request.request_id] = _OffloadState(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        """Tokens the connector can provide beyond ``num_computed_tokens`` (block-aligned local
+        hit), and whether they arrive asynchronously. Side-effect free except for queueing one
+        host-tier lookup per request."""
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill") and self.cfg.is_consumer:
+            if num_computed_tokens > 0:
+                # A local prefix-cache hit: the producer serves the whole request only, and its
+                # first blocks would land in blocks shared with other requests. Compute the rest
+                # of the prompt here instead.
+                if request.request_id not in self._pd_local_hit_logged:
+                    self._pd_local_hit_logged.add(request.request_id)
+                    log.info("tpu_sync: request %s hit %d tokens locally; prefilling the rest locally",
+                             request.request_id, num_computed_tokens)
+                return 0, False
+            n = self._remote_tokens(request, params)
+            if n is not None and n > 0:
+                return n, True
+            return 0, False
+        st = self._off.get(request.request_id)
+        if st is None or getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False
+        bs = self.block_size
+        # Look up every full prompt block (those found need no save), but load at most up to the
+        # last block that leaves one prompt token to compute: vLLM samples from its logits.
+        prompt_blocks = min(len(request.block_hashes), request.num_prompt_tokens // bs)
+        max_blocks = min(prompt_blocks, (request.num_tokens - 1) // bs)
+        start = num_computed_tokens // bs
+        if max_blocks <= start:
+            return 0, False
+        hits = self._hits.get(request.request_id)
+        if hits is None:
+            if request.request_id not in self._lookup_sent:
+                self._lookup_wanted[request.request_id] = [bytes(h) for h in request.block_hashes[:prompt_blocks]]
+            return None, False
+        st.in_tier = max(st.in_tier, hits)
+        n = min(hits, max_blocks)
+        if n <= start:
+            return 0, False
+        st.load_start = start
+        return (n - start) * bs, False
+
+    def _remote_tokens(self, request: Any, params: Dict[str, Any]) -> Optional[int]:
+        """Tokens the producer's params offer for this request, or None when they are unusable
+        (logged; the request is then prefilled locally)."""
+        why = check_params(params)
+        if why is None:
+            why = self.geometry.mismatch(params["remote_geometry"])
+            if why:
+                why = "KV geometry differs: " + why
+        n = int(params.get("remote_num_tokens") or 0)
+        prompt = list(request.prompt_token_ids or [])
+        if why is None and n > len(prompt):
+            why = f"producer has {n} tokens, the prompt {len(prompt)}"
+        if why is None and params.get("remote_prompt_digest") != prompt_digest(prompt[:n]):
+            why = "the producer's prompt tokens differ from this request's"
+        if why is not None:
+            self.stats["refused_params"] += 1
+            log.warning("tpu_sync: request %s: not pulling KV (%s); prefilling locally", request.request_id, why)
+            return None
+        return n
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plans the pull or load into the blocks vLLM allocated."""
+        req_id = request.request_id
+        params = request.kv_transfer_params
+        is_pd = bool(params and params.get("do_remote_prefill") and self.cfg.is_consumer)
+        if num_external_tokens <= 0:
+            if is_pd:
+                params["do_remote_prefill"] = False  # one transfer per request
+            return
+        bs = self.block_size
+        block_ids = list(blocks.get_block_ids()[0])
+        if is_pd:
+            params["do_remote_prefill"] = False
+            n = int(params["remote_num_tokens"])
+            nb = -(-n // bs)
+            # The whole request (no local hit: see get_num_new_matched_tokens).
+            self._recvs[req_id] = RecvSpec(
+                req_id=req_id,
+                xfer_id=int(params["remote_request_id"]),
+                peers=peers_from_params(params),
+                src_layout=_remote_layout(params),
+                src_block_ids=[int(b) for b in params["remote_block_ids"]],
+                dst_block_ids=block_ids[:nb],
+                num_tokens=n,
+                timeout_s=self.cfg.pull_timeout_s,
+            )
+            self._source[req_id] = CacheHitSource.P2P
+            self.stats["p2p_tokens"] += num_external_tokens
+            return
+        st = self._off.get(req_id)
+        if st is None:
+            return
+        start = st.load_start
+        n = num_external_tokens // bs
+        hashes = [bytes(h) for h in st.request.block_hashes[start:start + n]]
+        self._loads.append(TierOp(req_id, hashes, block_ids[start:start + n]))
+        st.in_tier = max(st.in_tier, start + n)
+        self._source[req_id] = CacheHitSource.HOST
+        self.stats["host_hit_tokens"] += num_external_tokens
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> Dict[CacheHitSource, int]:
+        """All of a request's external tokens come from one source: HOST (the host tier) or P2P
+        (a prefill instance)."""
+        if num_external_tokens <= 0:
+            return {}
+        return {self._source.get(request.request_id, CacheHitSource.EXTERNAL_UNSPECIFIED): num_external_tokens}
+
+    # ---- per step ------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> TpuSyncMetadata:
+        """This step's work for the workers: lookups, loads, pulls, registrations, and saves of
+        prompt blocks that this step fills."""
+        meta = TpuSyncMetadata(
+            lookups=self._lookup_wanted,
+            loads=self._loads,
+            sends=self._sends,
+            recvs=list(self._recvs.values()),
+        )
+        self._lookup_sent.update(self._lookup_wanted)
+        self.stats["lookups"] += len(self._lookup_wanted)
+        self._lookup_wanted, self._loads, self._sends, self._recvs = {}, [], [], {}
+        if self.cfg.offload:
+            meta.saves = self._plan_saves(scheduler_output)
+        return meta
+
+    def _plan_saves(self, scheduler_output: Any) -> List[TierOp]:
+        bs = self.block_size
+        saves: List[TierOp] = []
+        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+            st = self._off.get(req_id)
+            if st is None:
+                continue
+            req = st.request
+            # num_computed_tokens is advanced only after build_connector_meta.
+            done = min(req.num_computed_tokens + n_sched, req.num_prompt_tokens)
+            full = min(done // bs, len(req.block_hashes))
+            if full <= st.in_tier:
+                continue
+            ids = self._block_ids(scheduler_output, req_id)
+            if ids is None or len(ids) < full:
+                continue
+            parent = bytes(req.block_hashes[st.in_tier - 1]) if st.in_tier else None
+            saves.append(TierOp(req_id, [bytes(h) for h in req.block_hashes[st.in_tier:full]], ids[st.in_tier:full],
+                                parent))
+            st.in_tier = full
+        return saves
+
+    def _block_ids(self, scheduler_output: Any, req_id: str) -> Optional[List[int]]:
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        try:
+            if state is not None:
+                return list(state.resolve_block_ids(req_id)[0])
+            if self.kv_cache_manager is not None:
+                return list(self.kv_cache_manager.get_block_ids(req_id)[0])
+        except Exception as e:  # request gone (aborted) between schedule and here
+            log.debug("tpu_sync: no block ids for %s: %s", req_id, e)
+        return None
+
+    def update_connector_output(self, output: Any) -> None:
+        """Takes the workers' lookup answers and failed loads; forgets finished sends."""
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, TpuSyncWorkerMetadata):
+            for req_id, hits in meta.lookup_hits.items():
+                if req_id in self._lookup_sent:
+                    self._lookup_sent.discard(req_id)
+                    self._hits[req_id] = int(hits)
+            for req_id in meta.failed_loads:
+                st = self._off.get(req_id)
+                if st is not None:
+                    # vLLM recomputes from the first bad block; save the recomputed blocks again.
+                    st.in_tier = min(st.in_tier, st.load_start)
+            self.stats["failed_loads"] += len(meta.failed_loads)
+            self.stats["saved_blocks"] += meta.saved_blocks
+            self.stats["loaded_blocks"] += meta.loaded_blocks
+        for req_id in output.finished_sending or ():
+            self._sending.pop(req_id, None)
+
+    # ---- completion ----------------------------------------------------------------------
+
+    def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """Producer: keeps a prefilled request's blocks and returns the params a decode instance
+        pulls with. Everyone: drops the request's state."""
+        req_id = request.request_id
+        for d in (self._off, self._hits, self._lookup_wanted, self._recvs, self._source):
+            d.pop(req_id, None)
+        self._lookup_sent.discard(req_id)
+        self._pd_local_hit_logged.discard(req_id)
+        params = request.kv_transfer_params
+        if not (params and params.get("do_remote_decode") and self.cfg.is_producer):
+            return False, None
+        from vllm.v1.request import RequestStatus
+
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted: nothing to hand off
+        n = int(request.num_computed_tokens)
+        nb = -(-n // self.block_size)
+        if n <= 0 or len(block_ids) < nb:
+            return False, None
+        if len(self.peers) < self.geometry.tp:
+            log.error("tpu_sync: request %s: no P/D endpoint address from the workers; not handing off KV", req_id)
+            return False, None
+        ids = [int(b) for b in block_ids[:nb]]
+        xfer_id = self._next_xfer
+        self._next_xfer = self._next_xfer % MAX_XFER_ID + 1
+        try:
+            decode_tp = max(1, int(params.get("decode_tp_size") or self.cfg.decode_tp_size))
+        except (TypeError, ValueError):
+            decode_tp = self.cfg.decode_tp_size
+        self._sends.append(SendSpec(req_id, xfer_id, ids, n, self.cfg.lease_s, decode_tp))
+        self._sending[req_id] = time.monotonic() + self.cfg.lease_s
+        self.stats["handed_off"] += 1
+        prompt = list(request.prompt_token_ids or [])
+        return True, dict(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            tpu_sync_version=PARAMS_VERSION,
+            remote_engine_id=self.engine_id,
+            remote_request_id=xfer_id,
+            remote_addresses={str(r): a for r, a in sorted(self.peers.items())},
+            remote_block_ids=ids,
+            remote_num_tokens=n,
+            remote_num_blocks=self.num_blocks,
+            remote_geometry=self.geometry.to_dict(),
+            remote_prompt_digest=prompt_digest(prompt[:n]),
+            tp_size=self.geometry.tp,
+        )
+
+    def pending_sends(self) -> int:
+        """Finished requests whose blocks are still held for pullers."""
+        return len(self._sending)
+
+
+def _remote_layout(params: Dict[str, Any]) -> Dict[str, Any]:
+    g = params["remote_geometry"]
+    geom = KvGeometry(**{k: g[k] for k in KvGeometry.__dataclass_fields__})
+    return geom.tpu_sync_layout(int(params["remote_num_blocks"]))

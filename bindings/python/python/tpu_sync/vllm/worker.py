@@ -1,0 +1,324 @@
+"""The connector's worker side: moves KV between vLLM's per-layer tensors and the host tier or
+other engines, as the scheduler side's :class:`~tpu_sync.vllm.metadata.TpuSyncMetadata` says.
+Needs vLLM and torch.
+
+Hooks (vLLM's order within a step): ``start_load_kv`` (before the forward when the step has
+synchronous loads, else after it) runs host-tier lookups, host-tier loads, registrations of
+finished prefill requests and starts pulls; ``wait_for_save`` (after the forward) saves the prompt
+blocks the step filled; ``get_transfer_results`` reports registrations done, pulls finished or
+failed; ``get_block_ids_with_load_errors`` the blocks a load or pull did not deliver;
+``build_connector_worker_meta`` the lookup answers. The per-layer hooks are no-ops: loads
+complete before the forward and saves run after it, whole blocks at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Set
+
+from . import compat
+from .backends import KvCaches, make_host_tier, make_pd_transport
+from .compat import KvGeometry
+from .config import ConnectorConfig
+from .metadata import RecvSpec, TpuSyncHandshake, TpuSyncMetadata, TpuSyncWorkerMetadata
+
+log = logging.getLogger("tpu_sync.vllm")
+
+#: How long a consumer retries a pull that the producer does not know yet (the producer
+#: registers the request one engine step after it finished).
+UNKNOWN_REQUEST_RETRY_S = 0.05
+
+
+@dataclass
+class _Pull:
+    spec: RecvSpec
+    deadline: float
+    handle: Any = None
+    next_try: float = 0.0
+
+
+class WorkerSide:
+    """Worker-side state of :class:`~tpu_sync.vllm.connector.TpuSyncConnector`. Called from
+    the model-runner thread only."""
+
+    def __init__(self, vllm_config: Any, cfg: ConnectorConfig, geometry: KvGeometry) -> None:
+        self.cfg = cfg
+        self.geometry = geometry
+        self.vllm_config = vllm_config
+        self.caches: Optional[KvCaches] = None
+        self.tier: Any = None
+        self.transport: Any = None
+        self._leases: Dict[str, Any] = {}
+        self._pulls: Dict[str, _Pull] = {}
+        self._sent: Set[str] = set()
+        self._load_errors: Set[int] = set()
+        self._report = TpuSyncWorkerMetadata()
+        self._src_layouts: Dict[str, Dict[str, Any]] = {}
+        #: counters: blocks saved / loaded, pulls done / failed, registrations, failed loads.
+        self.stats: Dict[str, int] = dict(saved_blocks=0, loaded_blocks=0, pulls_done=0, pulls_failed=0, pulls_cancelled=0,
+                                          registered=0, register_failed=0, failed_loads=0, lookups=0)
+
+    # ---- start-up -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+        """Checks vLLM's tensors are the LBHNC per-layer cache this connector moves, orders them
+        by layer, and opens the host tier and the P/D endpoint over zero-copy views of them.
+
+        Raises:
+            ValueError: another cache layout (e.g. a GPU backend's ``[2, blocks, ...]``), tensors
+                that differ from each other or from the model's geometry, non-contiguous tensors.
+        """
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        g = self.geometry
+        names = sorted(kv_caches, key=lambda n: (extract_layer_index(n), n))
+        tensors = [kv_caches[n] for n in names]
+        if len(tensors) != g.num_layers:
+            raise ValueError(f"TpuSyncConnector: {len(tensors)} KV tensors for {g.num_layers} layers")
+        want = (g.heads_per_rank, g.block_size, g.kv_planes * g.head_dim)
+        first = tensors[0]
+        for n, t in zip(names, tensors):
+            if isinstance(t, (list, tuple)):
+                raise ValueError(f"TpuSyncConnector: layer {n} has a list of KV tensors; expected one tensor")
+            shape = tuple(int(s) for s in t.shape)
+            if len(shape) != 4 or shape[1:] != want:
+                raise ValueError(
+                    f"TpuSyncConnector needs vLLM's LBHNC per-layer KV cache [num_blocks, {want[0]}, {want[1]}, "
+                    f"{want[2]}] (the CPU backend's); layer {n} has shape {list(shape)}"
+                )
+            if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
+                raise ValueError(f"TpuSyncConnector: layer {n} differs from layer {names[0]} or is not contiguous")
+            if compat.TORCH_TO_TPU_SYNC_DTYPE.get(str(t.dtype)) != g.dtype:
+                raise ValueError(f"TpuSyncConnector: layer {n} is {t.dtype}, the model's KV dtype is {g.dtype}")
+        layer_block_bytes = int(first.stride(0)) * int(first.element_size())
+        if layer_block_bytes != g.layer_block_bytes:
+            raise ValueError(f"TpuSyncConnector: block stride {layer_block_bytes} B, expected {g.layer_block_bytes} B")
+        try:
+            rank = int(get_tensor_model_parallel_rank())
+        except Exception:  # no TP group (single process)
+            rank = 0
+        self.caches = KvCaches(names=names, tensors=tensors, num_blocks=int(first.shape[0]),
+                               layer_block_bytes=layer_block_bytes, tp_rank=rank)
+        if self.cfg.offload:
+            self.tier = make_host_tier(self.cfg, g, self.caches)
+        if self.cfg.pd:
+            self.transport = make_pd_transport(self.cfg, g, self.caches)
+        log.info("tpu_sync: %d layers x %d blocks of %d B (%s), offload=%s, endpoint=%s", len(names),
+                 self.caches.num_blocks, layer_block_bytes, g.block_format, self.tier is not None,
+                 getattr(self.transport, "address", None))
+
+    def handshake(self) -> TpuSyncHandshake:
+        """This worker's endpoint, for the scheduler side."""
+        assert self.caches is not None
+        return TpuSyncHandshake(tp_rank=self.caches.tp_rank, address=getattr(self.transport, "address", None),
+                                block_format=self.geometry.block_format, num_blocks=self.caches.num_blocks)
+
+    # ---- per step ------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: TpuSyncMetadata) -> None:
+        """Lookups, synchronous host-tier loads, registrations and pull starts of this step."""
+        if self.tier is not None:
+            for req_id, hashes in meta.lookups.items():
+                self._report.lookup_hits[req_id] = self._lookup(req_id, hashes)
+            for op in meta.loads:
+                self._load(op)
+        if self.transport is not None:
+            for s in meta.sends:
+                self._register(s)
+            now = time.monotonic()
+            for r in meta.recvs:
+                self._pulls[r.req_id] = _Pull(spec=r, deadline=now + r.timeout_s)
+            self._poll_starts()
+
+    def _lookup(self, req_id: str, hashes: List[bytes]) -> int:
+        self.stats["lookups"] += 1
+        old = self._leases.pop(req_id, None)
+        if old is not None:
+            _close(old)
+        try:
+            hits = self.tier.lookup(hashes)
+            if hits:
+                self._leases[req_id] = self.tier.pin(hashes[:hits])
+            return int(hits)
+        except Exception as e:  # a broken tier is a miss, never a crash
+            log.warning("tpu_sync: host-tier lookup for %s failed: %s", req_id, e)
+            return 0
+
+    def _load(self, op: Any) -> None:
+        delivered = 0
+        try:
+            delivered = int(self.tier.get(op.hashes, op.block_ids))
+        except Exception as e:  # ChecksumError, missing blocks, device errors
+            log.warning("tpu_sync: host-tier load of %d blocks for %s failed: %s", len(op.block_ids), op.req_id, e)
+            delivered = 0
+        if delivered < len(op.block_ids):
+            self._load_errors.update(op.block_ids[delivered:])
+            self._report.failed_loads.add(op.req_id)
+            self.stats["failed_loads"] += 1
+        self.stats["loaded_blocks"] += delivered
+        self._report.loaded_blocks += delivered
+        lease = self._leases.pop(op.req_id, None)
+        if lease is not None:
+            _close(lease)
+
+    def _register(self, s: Any) -> None:
+        assert self.caches is not None
+        layout = self.geometry.tpu_sync_layout(self.caches.num_blocks)
+        try:
+            placement = compat.placement(layout, s.block_ids)
+            pullers = compat.pullers_of_rank(placement, self.caches.tp_rank, s.num_tokens, s.decode_tp)
+            self.transport.register(s.xfer_id, placement, s.num_tokens, s.lease_s, pullers)
+            self.stats["registered"] += 1
+        except Exception as e:  # the consumer's pull fails and it recomputes; blocks are freed
+            log.error("tpu_sync: registering %s (transfer %s) failed: %s", s.req_id, s.xfer_id, e)
+            self.stats["register_failed"] += 1
+        # The endpoint staged the blocks (or failed): vLLM may free them.
+        self._sent.add(s.req_id)
+
+    def _poll_starts(self) -> None:
+        """Starts pulls not started yet (retrying while the producer does not know the request)."""
+        assert self.caches is not None
+        now = time.monotonic()
+        for p in self._pulls.values():
+            if p.handle is not None or now < p.next_try or now >= p.deadline:
+                continue
+            s = p.spec
+            dst = compat.placement(self.geometry.tpu_sync_layout(self.caches.num_blocks), s.dst_block_ids)
+            src = compat.placement(s.src_layout, s.src_block_ids)
+            try:
+                p.handle = self.transport.pull(s.xfer_id, s.peers, src, dst, s.num_tokens)
+            except Exception as e:
+                if _is_unknown_request(e):
+                    p.next_try = now + UNKNOWN_REQUEST_RETRY_S
+                else:
+                    p.handle = _Failed(e)
+
+    def wait_for_save(self, meta: Optional[TpuSyncMetadata]) -> None:
+        """Saves this step's newly full prompt blocks to the host tier (synchronously: vLLM may
+        reuse the blocks after the step)."""
+        if self.tier is None or meta is None:
+            return
+        for op in meta.saves:
+            try:
+                n = int(self.tier.put(op.hashes, op.block_ids, op.parent))
+            except Exception as e:  # a failed save is a future miss
+                log.warning("tpu_sync: saving %d blocks of %s failed: %s", len(op.block_ids), op.req_id, e)
+                continue
+            self.stats["saved_blocks"] += n
+            self._report.saved_blocks += n
+
+    def get_transfer_results(self, finished_req_ids: Set[str]):
+        """Registrations done (``finished_sending``), pulls done or failed (``finished_recving``,
+        ``failed_recving``), pulls of aborted requests cancelled (``finished_recving``); ends
+        host-tier leases of finished requests."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        for req_id in finished_req_ids:
+            lease = self._leases.pop(req_id, None)
+            if lease is not None:
+                _close(lease)
+        res = KVConnectorTransferResults()
+        if self._sent:
+            res.finished_sending, self._sent = self._sent, set()
+        for req_id in finished_req_ids & self._pulls.keys():
+            # Aborted while its KV was arriving: vLLM holds the blocks until we report the
+            # request; stop writing into them first. Its blocks are no load error (it is gone).
+            p = self._pulls.pop(req_id)
+            if p.handle is not None and not p.handle.done:
+                _cancel(p.handle)
+            res.finished_recving.add(req_id)
+            self.stats["pulls_cancelled"] += 1
+        if self._pulls:
+            self._poll_starts()
+            now = time.monotonic()
+            for req_id, p in list(self._pulls.items()):
+                err = None
+                if p.handle is None:
+                    if now < p.deadline:
+                        continue
+                    err = TimeoutError(f"producer did not serve transfer {p.spec.xfer_id} within {p.spec.timeout_s} s")
+                elif not p.handle.done:
+                    if now < p.deadline:
+                        continue
+                    _cancel(p.handle)
+                    err = TimeoutError(f"pull of transfer {p.spec.xfer_id} took over {p.spec.timeout_s} s")
+                else:
+                    err = getattr(p.handle, "error", None)
+                    if err is not None and _is_unknown_request(err) and now < p.deadline:
+                        # The producer registers one engine step after the request finished.
+                        p.handle, p.next_try = None, now + UNKNOWN_REQUEST_RETRY_S
+                        continue
+                del self._pulls[req_id]
+                res.finished_recving.add(req_id)
+                if err is None:
+                    self.stats["pulls_done"] += 1
+                else:
+                    log.error("tpu_sync: pull for %s failed: %s", req_id, err)
+                    self.stats["pulls_failed"] += 1
+                    res.failed_recving.add(req_id)
+                    self._load_errors.update(p.spec.dst_block_ids)
+        return res
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        """Blocks that a load or pull reported since the last call did not fill."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def build_worker_meta(self) -> Optional[TpuSyncWorkerMetadata]:
+        """Lookup answers and counters of this step (None when there is nothing to say)."""
+        rep, self._report = self._report, TpuSyncWorkerMetadata()
+        return None if rep.is_empty() else rep
+
+    def shutdown(self) -> None:
+        """Ends leases and pulls, closes the tier (a shm segment stays) and the endpoint."""
+        for lease in self._leases.values():
+            _close(lease)
+        self._leases.clear()
+        for p in self._pulls.values():
+            if p.handle is not None:
+                _cancel(p.handle)
+        self._pulls.clear()
+        for obj in (self.tier, self.transport):
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception as e:
+                    log.warning("tpu_sync: close failed: %s", e)
+        self.tier = self.transport = None
+
+
+class _Failed:
+    """A pull that failed to start."""
+
+    done = True
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def cancel(self) -> None:
+        pass
+
+
+def _is_unknown_request(e: BaseException) -> bool:
+    try:
+        from tpu_sync.errors import UnknownRequestError
+    except Exception:  # pragma: no cover
+        return False
+    return isinstance(e, UnknownRequestError)
+
+
+def _close(lease: Any) -> None:
+    try:
+        lease.close()
+    except Exception as e:
+        log.debug("tpu_sync: closing a lease failed: %s", e)
+
+
+def _cancel(handle: Any) -> None:
+    try:
+        handle.cancel()
+    except Exception as e:
+        log.debug("tpu_sync: cancelling a pull failed: %s", e)

@@ -1,0 +1,133 @@
+"""A minimal prefill/decode proxy for vLLM's OpenAI-compatible servers with TpuSyncConnector.
+
+Each completion request is sent first to a prefill instance (``kv_role=kv_producer``) with
+``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``; the prefill instance
+returns the ``kv_transfer_params`` that locate the request's KV (its endpoint address, transfer
+id, block ids, geometry). The proxy then sends the original request to a decode instance
+(``kv_role=kv_consumer``) with those params: the decode instance pulls the KV instead of
+recomputing the prompt, and its answer (streamed or not) is the proxy's answer. Instances are
+picked round-robin.
+
+    python examples/vllm/proxy.py --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \
+        --port 8000
+
+Needs ``fastapi``, ``uvicorn`` and ``httpx`` (all installed with vLLM). Endpoints:
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``.
+A failed prefill is answered with its status and body (502 when unreachable); the decode
+instance's errors pass through.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+from typing import Any, Dict, List
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+log = logging.getLogger("tpu_sync.proxy")
+
+
+def prefill_body(body: Dict[str, Any], decode_tp: int = 1) -> Dict[str, Any]:
+    """The request sent to the prefill instance: one token, not streamed, asking it to keep the
+    KV for a decode instance of TP ``decode_tp`` (each of its ranks pulls)."""
+    p = dict(body)
+    p.update(max_tokens=1, stream=False,
+             kv_transfer_params={"do_remote_decode": True, "decode_tp_size": int(decode_tp)})
+    if "max_completion_tokens" in p:
+        p["max_completion_tokens"] = 1
+    p.pop("stream_options", None)
+    p["n"] = 1
+    return p
+
+
+def decode_body(body: Dict[str, Any], params: Dict[str, Any]) -> Dict[str, Any]:
+    """The request sent to the decode instance: the client's request plus the prefill's params."""
+    d = dict(body)
+    d["kv_transfer_params"] = params
+    return d
+
+
+def make_app(prefill: List[str], decode: List[str], timeout: float = 600.0, decode_tp: int = 1) -> FastAPI:
+    """The proxy application over the given instance base URLs (``decode_tp``: the decode
+    instances' TP size)."""
+    app = FastAPI()
+    next_p = itertools.cycle(prefill)
+    next_d = itertools.cycle(decode)
+    client = httpx.AsyncClient(timeout=timeout)
+
+    async def forward(path: str, request: Request) -> Response:
+        body = await request.json()
+        p_url = next(next_p) + path
+        try:
+            pr = await client.post(p_url, json=prefill_body(body, decode_tp))
+        except httpx.HTTPError as e:
+            return JSONResponse({"error": f"prefill instance {p_url} unreachable: {e}"}, status_code=502)
+        if pr.status_code != 200:
+            return Response(pr.content, status_code=pr.status_code, media_type="application/json")
+        params = pr.json().get("kv_transfer_params")
+        if not params:
+            # The prefill instance has no TpuSyncConnector producer: let decode prefill itself.
+            log.warning("prefill instance returned no kv_transfer_params; decode recomputes the prompt")
+            params = None
+        d_url = next(next_d) + path
+        d_body = decode_body(body, params) if params else dict(body)
+        if body.get("stream"):
+            req = client.build_request("POST", d_url, json=d_body)
+            resp = await client.send(req, stream=True)
+
+            async def chunks():
+                try:
+                    async for c in resp.aiter_raw():
+                        yield c
+                finally:
+                    await resp.aclose()
+
+            return StreamingResponse(chunks(), status_code=resp.status_code,
+                                     media_type=resp.headers.get("content-type", "text/event-stream"))
+        try:
+            dr = await client.post(d_url, json=d_body)
+        except httpx.HTTPError as e:
+            return JSONResponse({"error": f"decode instance {d_url} unreachable: {e}"}, status_code=502)
+        return Response(dr.content, status_code=dr.status_code, media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await forward("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await forward("/v1/chat/completions", request)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        r = await client.get(decode[0] + "/v1/models")
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"prefill": prefill, "decode": decode})
+
+    return app
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prefill", action="append", required=True, help="prefill instance base URL (repeatable)")
+    ap.add_argument("--decode", action="append", required=True, help="decode instance base URL (repeatable)")
+    ap.add_argument("--decode-tp", type=int, default=1, help="TP size of the decode instances")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    strip = lambda urls: [u.rstrip("/") for u in urls]  # noqa: E731
+    uvicorn.run(make_app(strip(a.prefill), strip(a.decode), decode_tp=a.decode_tp), host=a.host, port=a.port,
+                log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

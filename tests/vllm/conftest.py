@@ -1,0 +1,45 @@
+"""Shared fixtures of the vLLM connector tests (run with the vLLM virtualenv: ``make e2e-vllm``).
+
+Environment: ``TPU_SYNC_VLLM_WORKDIR`` (default ``target/vllm-e2e``) holds the tiny model (built
+once), engine specs, outputs and logs. The vLLM and Hugging Face offline settings are forced here
+so no test reaches the network.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+WORKDIR = os.environ.get("TPU_SYNC_VLLM_WORKDIR", os.path.join(ROOT, "target", "vllm-e2e"))
+
+ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+os.environ.update(ENV)
+
+
+def build_model(path: str, layers: int = 2, max_len: int = 4096) -> str:
+    """Builds the tiny model at ``path`` unless it is there."""
+    if not os.path.exists(os.path.join(path, "config.json")):
+        subprocess.run([sys.executable, os.path.join(HERE, "build_tiny_model.py"), path, "--layers", str(layers),
+                        "--max-len", str(max_len)], check=True, timeout=300, env=dict(os.environ, **ENV))
+    return path
+
+
+@pytest.fixture(scope="session")
+def workdir() -> str:
+    os.makedirs(WORKDIR, exist_ok=True)
+    return WORKDIR
+
+
+@pytest.fixture(scope="session")
+def tiny_model(workdir) -> str:
+    return build_model(os.path.join(workdir, "tiny-llama"))

@@ -1,0 +1,161 @@
+"""One real vLLM engine (CPU backend, tiny model, greedy) in this process; writes what it did as
+JSON. The engine tests (test_engine.py) run several of these as separate processes.
+
+Usage: python run_engine.py SPEC.json OUT.json
+
+SPEC keys:
+    model (path), prompts (list of token-id lists), max_tokens (16), tp (1; > 1 runs one worker
+    process per rank, whose counters are then not in OUT), repeat (1: generate the
+    prompts this many times in the same engine), max_model_len (4096), dtype ("float32"),
+    connector (None | {"kv_role": ..., "extra": {...}, "policy": "fail"|"recompute",
+    "by_name": bool}), remote_decode (bool: send kv_transfer_params {"do_remote_decode": true},
+    i.e. act as the prefill instance of a P/D pair), params (list of kv_transfer_params per
+    prompt), params_file (a producer's OUT.json: once the engine is up, wait for it and use the
+    kv_transfer_params of its outputs), go_file (then wait for this file before generating),
+    hold_file (producer: after writing OUT.json, keep
+    serving until this file exists or hold_s passes), hold_s (120), ttft (bool: record each
+    request's wall time to its first token when max_tokens is 1).
+
+OUT: {"runs": [{"outputs": [{"token_ids", "num_cached_tokens", "finish_reason",
+"kv_transfer_params", "prompt_len"}], "wall_s"}], "scheduler_stats", "worker_stats",
+"tier_stats", "t_engine_s", "metrics"}; metrics holds vLLM's own prefix-cache counters
+(``vllm:external_prefix_cache_hits``, ``vllm:prompt_tokens_cached_by_source{source=host|p2p}``, ...),
+i.e. what the engine itself reports about the connector's hits.
+
+Environment: HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 (one
+process: the tests read the connector's counters from both sides) VLLM_CPU_KVCACHE_SPACE=1.
+"""
+
+import json
+import os
+import sys
+import time
+
+
+def connectors(llm):
+    """The scheduler-side and worker-side connectors (in-process engine only)."""
+    sched = None
+    try:
+        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    except AttributeError:
+        pass
+    worker = None
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if has_kv_transfer_group():
+            worker = get_kv_transfer_group()
+    except Exception:
+        pass
+    return sched, worker
+
+
+def main() -> None:
+    spec = json.load(open(sys.argv[1]))
+    out_path = sys.argv[2]
+    from vllm import LLM, SamplingParams
+
+    kw = dict(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True,
+              max_model_len=spec.get("max_model_len", 4096), max_num_seqs=4,
+              max_num_batched_tokens=spec.get("max_model_len", 4096), block_size=32,
+              enable_prefix_caching=False, seed=0, distributed_executor_backend="uni",
+              disable_log_stats=False)
+    if spec.get("tp", 1) > 1:
+        # One worker process per TP rank (bind them to cores with VLLM_CPU_OMP_THREADS_BIND).
+        kw.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
+    c = spec.get("connector")
+    if c:
+        ktc = dict(kv_connector="TpuSyncConnector", kv_role=c["kv_role"],
+                   kv_connector_extra_config=c.get("extra", {}),
+                   kv_load_failure_policy=c.get("policy", "recompute"))
+        if not c.get("by_name"):
+            ktc["kv_connector_module_path"] = "tpu_sync.vllm"
+        kw["kv_transfer_config"] = ktc
+    t0 = time.time()
+    llm = LLM(**kw)
+    t_engine = time.time() - t0
+    sched, worker = connectors(llm)
+    prompts = [{"prompt_token_ids": list(p)} for p in spec["prompts"]]
+    params = spec.get("params")
+    if spec.get("params_file"):
+        deadline = time.time() + 600
+        while not os.path.exists(spec["params_file"]):
+            if time.time() > deadline:
+                raise SystemExit(f"no producer output at {spec['params_file']}")
+            time.sleep(0.1)
+        produced = json.load(open(spec["params_file"]))
+        params = [o["kv_transfer_params"] for o in produced["runs"][0]["outputs"]]
+    if spec.get("go_file"):
+        deadline = time.time() + 600
+        while not os.path.exists(spec["go_file"]):
+            if time.time() > deadline:
+                raise SystemExit(f"no go file {spec['go_file']}")
+            time.sleep(0.05)
+    runs = []
+    for _ in range(spec.get("repeat", 1)):
+        if spec.get("remote_decode"):
+            sps = [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+                                  extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+                   for _ in prompts]
+        elif params:
+            sps = [SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True,
+                                  extra_args={"kv_transfer_params": dict(p)} if p else None)
+                   for p in params]
+        else:
+            sps = [SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
+                   for _ in prompts]
+        outs = []
+        t1 = time.time()
+        if spec.get("ttft"):
+            # One request at a time: the wall time of a max_tokens=1 request is its TTFT.
+            res = []
+            for p, sp in zip(prompts, sps):
+                t = time.perf_counter()
+                res += llm.generate([p], sp, use_tqdm=False)
+                outs_t = time.perf_counter() - t
+                res[-1].ttft_s = outs_t
+        else:
+            res = llm.generate(prompts, sps, use_tqdm=False)
+        wall = time.time() - t1
+        for o in res:
+            outs.append(dict(prompt_len=len(o.prompt_token_ids), token_ids=list(o.outputs[0].token_ids),
+                             num_cached_tokens=o.num_cached_tokens, finish_reason=o.outputs[0].finish_reason,
+                             kv_transfer_params=o.kv_transfer_params, ttft_s=getattr(o, "ttft_s", None)))
+        runs.append(dict(outputs=outs, wall_s=round(wall, 3)))
+    if spec.get("remote_decode") and sched is not None and sched.scheduler_side is not None:
+        # Finished prefill requests hold their blocks until the workers registered them with
+        # the endpoint: step the engine until that happened.
+        deadline = time.time() + 30
+        while sched.scheduler_side.pending_sends() and time.time() < deadline:
+            llm.llm_engine.step()
+    metrics = {}
+    for m in llm.get_metrics():
+        if "prefix_cache" in m.name or "by_source" in m.name or m.name.startswith("vllm:kv"):
+            value = getattr(m, "value", None)
+            if isinstance(value, (int, float)):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name"))
+                metrics[m.name + ("{" + labels + "}" if labels else "")] = value
+    res = dict(runs=runs, t_engine_s=round(t_engine, 2), metrics=metrics,
+               scheduler_stats=dict(sched.scheduler_side.stats) if sched is not None and sched.scheduler_side else None,
+               worker_stats=dict(worker.worker_side.stats) if worker is not None and worker.worker_side else None)
+    try:
+        res["tier_stats"] = worker.worker_side.tier.stats() if worker.worker_side.tier is not None else None
+    except Exception as e:  # no worker in this process (tp > 1), or no tier
+        res["tier_stats"] = {"error": str(e)}
+    tmp = out_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(res, f, default=str)
+    os.replace(tmp, out_path)
+    print("RESULT " + json.dumps(res, default=str)[:2000], flush=True)
+    hold = spec.get("hold_file")
+    if hold:
+        deadline = time.time() + spec.get("hold_s", 120)
+        while not os.path.exists(hold) and time.time() < deadline:
+            time.sleep(0.05)
+    if worker is not None:
+        worker.shutdown()
+    del llm
+
+
+if __name__ == "__main__":  # vLLM may spawn processes: keep the guard
+    main()

@@ -1,0 +1,379 @@
+"""Unit tests of TpuSyncConnector's scheduler and worker logic against vLLM's real classes
+(VllmConfig, KVConnectorFactory, Request with real block hashes, KVCacheBlocks,
+KVConnectorOutput), without running an engine."""
+
+import pickle
+import time
+from types import SimpleNamespace
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+import tpu_sync.vllm as tsv  # noqa: E402
+from tpu_sync.vllm.compat import KvGeometry, prompt_digest  # noqa: E402
+from tpu_sync.vllm.config import ConfigError, ConnectorConfig  # noqa: E402
+from tpu_sync.vllm.metadata import RecvSpec, TpuSyncHandshake, TpuSyncMetadata, TpuSyncWorkerMetadata  # noqa: E402
+
+BS = 32
+NUM_BLOCKS = 64
+init_none_hash(sha256)
+HASHER = get_request_block_hasher(BS, sha256)
+
+
+def vllm_config(model, role, extra=None, by_name=False):
+    ktc = KVTransferConfig(kv_connector="TpuSyncConnector", kv_role=role, kv_connector_extra_config=extra or {},
+                           kv_connector_module_path=None if by_name else "tpu_sync.vllm")
+    return VllmConfig(model_config=ModelConfig(model=model, dtype="float32", max_model_len=2048),
+                      cache_config=CacheConfig(block_size=BS), device_config=DeviceConfig("cpu"),
+                      kv_transfer_config=ktc)
+
+
+@pytest.fixture(scope="module")
+def configs(tiny_model):
+    return {r: vllm_config(tiny_model, r) for r in ("kv_producer", "kv_consumer", "kv_both")}
+
+
+def connector(cfg, role=KVConnectorRole.SCHEDULER):
+    cls = KVConnectorFactory.get_connector_class(cfg.kv_transfer_config)
+    return cls(cfg, role, KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[]))
+
+
+def request(rid, tokens, params=None, max_tokens=4):
+    sp = SamplingParams(max_tokens=max_tokens, extra_args={"kv_transfer_params": params} if params else None)
+    return Request(rid, list(tokens), sp, None, block_hasher=HASHER)
+
+
+def blocks(ids):
+    return KVCacheBlocks((tuple(KVCacheBlock(block_id=i) for i in ids),))
+
+
+def tokens(n, seed=0):
+    return [(seed * 7919 + i * 131) % 1000 + 3 for i in range(n)]
+
+
+def sched_out(num_scheduled):
+    return SimpleNamespace(num_scheduled_tokens=dict(num_scheduled), kv_connector_block_state=None)
+
+
+class FakeManager:
+    def __init__(self):
+        self.ids = {}
+
+    def get_block_ids(self, rid):
+        return (self.ids[rid],)
+
+
+# ---- loading and configuration ---------------------------------------------------------------
+
+
+def test_loads_by_module_path_and_by_registered_name(configs, tiny_model):
+    cls = KVConnectorFactory.get_connector_class(configs["kv_both"].kv_transfer_config)
+    assert cls.__name__ == "TpuSyncConnector" and cls.__module__ == "tpu_sync.vllm.connector"
+    # The entry point's function registers the name; calling it twice is harmless.
+    tsv.register()
+    tsv.register()
+    by_name = vllm_config(tiny_model, "kv_both", by_name=True)
+    assert KVConnectorFactory.get_connector_class(by_name.kv_transfer_config) is cls
+    c = connector(by_name)
+    assert c.role == KVConnectorRole.SCHEDULER and c.scheduler_side is not None
+    assert cls.get_required_kvcache_layout(by_name) == "LBHNC"
+    import importlib.metadata as md
+
+    eps = [e for e in md.entry_points(group="vllm.general_plugins") if e.value == "tpu_sync.vllm:register"]
+    assert len(eps) == 1, "the wheel must declare the vllm.general_plugins entry point"
+
+
+def test_geometry_and_block_format(configs):
+    g = connector(configs["kv_both"]).geometry
+    assert (g.num_layers, g.num_kv_heads, g.heads_per_rank, g.head_dim, g.dtype, g.block_size, g.tp) == (
+        2, 2, 2, 32, "f32", 32, 1)
+    assert g.block_format.startswith("vllm-cpu/") and g.block_format.endswith("/float32"), g.block_format
+    assert g.layer_block_bytes == 2 * 32 * 64 * 4 and g.block_bytes == 2 * g.layer_block_bytes
+    other = dict(g.to_dict(), block_format="vllm-cpu/amx/bfloat16", dtype="bf16")
+    why = g.mismatch(other)
+    assert "block_format" in why and "dtype" in why
+    assert g.mismatch(dict(g.to_dict(), tp=4, heads_per_rank=1)) is None  # TP differences reshard
+
+
+def test_config_is_checked():
+    c = ConnectorConfig.parse("kv_both", {"shm_name": "x", "host_capacity_bytes": 1 << 20})
+    assert c.offload and not c.pd and c.shm_name == "x"
+    assert ConnectorConfig.parse("kv_producer", {}).is_producer
+    assert ConnectorConfig.parse("kv_consumer", {}).is_consumer
+    for role, extra in [("kv_both", {"shm_nme": "x"}), ("kv_both", {"verify_checksums": 1}),
+                        ("kv_both", {"host_capacity_bytes": True}), ("kv_sender", {}),
+                        ("kv_producer", {"lease_s": 0}), ("kv_producer", {"psk": "zz"}),
+                        ("kv_both", {"offload": False})]:
+        with pytest.raises(ConfigError):
+            ConnectorConfig.parse(role, extra)
+
+
+# ---- P/D -------------------------------------------------------------------------------------
+
+
+def producer_params(configs, n_tokens=100, status=RequestStatus.FINISHED_LENGTH_CAPPED):
+    p = connector(configs["kv_producer"])
+    p.set_xfer_handshake_metadata({0: TpuSyncHandshake(0, "10.0.0.1:7001", p.geometry.block_format, NUM_BLOCKS)})
+    toks = tokens(n_tokens)
+    r = request("p1", toks, {"do_remote_decode": True}, max_tokens=1)
+    r.num_computed_tokens = n_tokens
+    r.status = status
+    delay, params = p.request_finished(r, [9, 4, 7, 30, 31])
+    return p, toks, delay, params
+
+
+def test_producer_keeps_blocks_and_returns_params(configs):
+    p, toks, delay, params = producer_params(configs)
+    assert delay is True
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_block_ids"] == [9, 4, 7, 30]  # ceil(100 / 32) blocks
+    assert params["remote_num_tokens"] == 100 and params["remote_addresses"] == {"0": "10.0.0.1:7001"}
+    assert params["remote_prompt_digest"] == prompt_digest(toks)
+    assert 1 <= params["remote_request_id"] < 2**53
+    # The workers are told to serve exactly these blocks, once.
+    meta = p.build_connector_meta(sched_out({}))
+    assert [(s.req_id, s.block_ids, s.num_tokens) for s in meta.sends] == [("p1", [9, 4, 7, 30], 100)]
+    assert p.build_connector_meta(sched_out({})).sends == []
+    assert p.scheduler_side.pending_sends() == 1
+    p.update_connector_output(KVConnectorOutput(finished_sending={"p1"}))
+    assert p.scheduler_side.pending_sends() == 0
+    pickle.loads(pickle.dumps(meta))  # crosses process boundaries
+
+
+def test_producer_does_not_hand_off_aborted_or_unaddressed(configs):
+    _, _, delay, params = producer_params(configs, status=RequestStatus.FINISHED_ABORTED)
+    assert (delay, params) == (False, None)
+    p = connector(configs["kv_producer"])  # no handshake: no address to advertise
+    r = request("p2", tokens(40), {"do_remote_decode": True}, max_tokens=1)
+    r.num_computed_tokens, r.status = 40, RequestStatus.FINISHED_LENGTH_CAPPED
+    assert p.request_finished(r, [1, 2]) == (False, None)
+    # A plain request on a producer is not handed off.
+    r = request("p3", tokens(40))
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert p.request_finished(r, [1, 2]) == (False, None)
+
+
+def test_consumer_pulls_asynchronously_into_allocated_blocks(configs):
+    _, toks, _, params = producer_params(configs)
+    c = connector(configs["kv_consumer"])
+    r = request("d1", toks, dict(params))
+    assert c.get_num_new_matched_tokens(r, 0) == (100, True)
+    assert c.get_num_new_matched_tokens(r, 0) == (100, True)  # side-effect free
+    c.update_state_after_alloc(r, blocks([50, 51, 52, 53]), 100)
+    assert c.get_external_cache_hit_sources(r, 100) == {CacheHitSource.P2P: 100}
+    meta = c.build_connector_meta(sched_out({}))
+    (spec,) = meta.recvs
+    assert isinstance(spec, RecvSpec)
+    assert spec.src_block_ids == [9, 4, 7, 30] and spec.dst_block_ids == [50, 51, 52, 53]
+    assert spec.num_tokens == 100 and spec.peers == {0: "10.0.0.1:7001"}
+    assert spec.src_layout["spec"]["order"] == "lbhnc" and spec.src_layout["block_format"] == c.geometry.block_format
+    assert c.build_connector_meta(sched_out({})).recvs == []
+    # The request is pulled once: a second admission (after a preemption) does not pull again.
+    assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+
+
+def test_consumer_with_local_prefix_hit_computes_locally(configs):
+    # The producer serves whole requests; the first blocks are shared prefix-cache blocks here.
+    _, toks, _, params = producer_params(configs)
+    c = connector(configs["kv_consumer"])
+    r = request("d2", toks, dict(params))
+    assert c.get_num_new_matched_tokens(r, 64) == (0, False)
+    c.update_state_after_alloc(r, blocks([50, 51, 52, 53]), 0)
+    assert c.build_connector_meta(sched_out({})).recvs == []
+
+
+@pytest.mark.parametrize("tamper", ["geometry", "prompt", "version", "blocks"])
+def test_consumer_refuses_unusable_params(configs, tamper):
+    _, toks, _, params = producer_params(configs)
+    params = dict(params)
+    if tamper == "geometry":
+        params["remote_geometry"] = dict(params["remote_geometry"], block_format="vllm-cpu/amx/bfloat16")
+    elif tamper == "prompt":
+        toks = toks[:-1] + [toks[-1] + 1]
+    elif tamper == "version":
+        params["tpu_sync_version"] = 99
+    else:
+        params["remote_block_ids"] = params["remote_block_ids"][:-1]
+    c = connector(configs["kv_consumer"])
+    r = request("d3", toks, params)
+    assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert c.scheduler_side.stats["refused_params"] == 1
+
+
+# ---- offload ---------------------------------------------------------------------------------
+
+
+def test_offload_lookup_then_sync_load_and_saves(configs):
+    c = connector(configs["kv_both"])
+    mgr = FakeManager()
+    c.bind_kv_cache_manager(SimpleNamespace(block_pool=None, **{"get_block_ids": mgr.get_block_ids}))
+    toks = tokens(200, seed=3)  # 6 full blocks + 8 tokens
+    r = request("o1", toks)
+    c.on_new_request(r)
+    # The lookup takes one step: "not known yet", and the lookup is queued once.
+    assert c.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert c.get_num_new_matched_tokens(r, 0) == (None, False)
+    meta = c.build_connector_meta(sched_out({}))
+    assert list(meta.lookups) == ["o1"] and meta.lookups["o1"] == [bytes(h) for h in r.block_hashes[:6]]
+    assert c.build_connector_meta(sched_out({})).lookups == {}
+    c.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TpuSyncWorkerMetadata(lookup_hits={"o1": 4})))
+    assert c.get_num_new_matched_tokens(r, 0) == (128, False)  # synchronous
+    c.update_state_after_alloc(r, blocks(list(range(10, 17))), 128)
+    assert c.get_external_cache_hit_sources(r, 128) == {CacheHitSource.HOST: 128}
+    mgr.ids["o1"] = list(range(10, 17))
+    r.num_computed_tokens = 128
+    meta = c.build_connector_meta(sched_out({"o1": 72}))
+    (load,) = meta.loads
+    assert load.block_ids == [10, 11, 12, 13] and load.hashes == [bytes(h) for h in r.block_hashes[:4]]
+    # This step fills prompt blocks 4 and 5: saved, not the loaded ones, not the partial tail.
+    (save,) = meta.saves
+    assert save.block_ids == [14, 15] and save.hashes == [bytes(h) for h in r.block_hashes[4:6]]
+    r.num_computed_tokens = 200
+    assert c.build_connector_meta(sched_out({"o1": 1})).saves == []
+
+
+def test_offload_full_hit_leaves_one_token_and_failed_load_is_saved_again(configs):
+    c = connector(configs["kv_both"])
+    mgr = FakeManager()
+    c.bind_kv_cache_manager(SimpleNamespace(block_pool=None, get_block_ids=mgr.get_block_ids))
+    r = request("o2", tokens(128, seed=5))  # exactly 4 blocks
+    c.on_new_request(r)
+    c.get_num_new_matched_tokens(r, 0)
+    c.build_connector_meta(sched_out({}))
+    c.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TpuSyncWorkerMetadata(lookup_hits={"o2": 4})))
+    assert c.get_num_new_matched_tokens(r, 0) == (96, False)  # 3 blocks: the last token is computed
+    c.update_state_after_alloc(r, blocks([1, 2, 3, 4]), 96)
+    mgr.ids["o2"] = [1, 2, 3, 4]
+    c.build_connector_meta(sched_out({}))
+    # The load failed (checksum): vLLM recomputes; the recomputed blocks are saved again.
+    c.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TpuSyncWorkerMetadata(failed_loads={"o2"})))
+    meta = c.build_connector_meta(sched_out({"o2": 128}))
+    assert [s.block_ids for s in meta.saves] == [[1, 2, 3, 4]]
+    assert c.scheduler_side.stats["failed_loads"] == 1
+    # Finishing drops the state; nothing is handed off.
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert c.request_finished(r, [1, 2, 3, 4]) == (False, None)
+    assert c.build_connector_meta(sched_out({"o2": 1})).saves == []
+
+
+def test_pullers_follow_the_plan():
+    from tpu_sync.vllm.compat import placement, pullers_of_rank
+
+    g1 = KvGeometry("m", 2, 2, 2, 32, "f32", 32, 1, "vllm-cpu/vec/float32")
+    g2 = KvGeometry("m", 2, 2, 1, 32, "f32", 32, 2, "vllm-cpu/vec/float32")
+    src1 = placement(g1.tpu_sync_layout(16), [3, 4, 5])
+    assert [pullers_of_rank(src1, 0, 70, tp) for tp in (1, 2, 4)] == [1, 2, 4]  # 4 > heads: replicas
+    src2 = placement(g2.tpu_sync_layout(16), [3, 4, 5])
+    assert [pullers_of_rank(src2, r, 70, 1) for r in (0, 1)] == [1, 1]
+    assert [pullers_of_rank(src2, r, 70, 2) for r in (0, 1)] == [1, 1]
+
+
+def test_worker_metadata_aggregates_to_the_minimum():
+    a = TpuSyncWorkerMetadata(lookup_hits={"x": 5, "y": 2}, saved_blocks=3)
+    b = TpuSyncWorkerMetadata(lookup_hits={"x": 3}, failed_loads={"y"}, saved_blocks=3)
+    m = a.aggregate(b)
+    assert m.lookup_hits == {"x": 3, "y": 2} and m.failed_loads == {"y"} and m.saved_blocks == 3
+    assert TpuSyncWorkerMetadata().is_empty()
+
+
+# ---- worker: pull completion, failure, timeout -----------------------------------------------
+
+
+class FakeTransport:
+    address = "127.0.0.1:1"
+
+    def __init__(self, outcome):
+        self.outcome = outcome
+        self.registered = []
+
+    def register(self, xfer_id, placement, num_tokens, lease_s, pullers=1):
+        if self.outcome == "register-fails":
+            raise RuntimeError("staging failed")
+        self.registered.append((xfer_id, placement["block_ids"], num_tokens, pullers))
+
+    def pull(self, xfer_id, peers, src, dst, num_tokens):
+        self.pulls = getattr(self, "pulls", 0) + 1
+        h = SimpleNamespace(done=self.outcome != "hang", error=None, cancelled=False)
+        if self.outcome == "error":
+            h.error = ConnectionError("peer closed")
+        if self.outcome == "unknown-then-ok" and self.pulls == 1:
+            from tpu_sync.errors import UnknownRequestError
+
+            h.error = UnknownRequestError(15, "request 7 is not registered")
+        h.cancel = lambda: setattr(h, "cancelled", True)
+        self.handle = h
+        return h
+
+
+def worker(configs, outcome, role="kv_consumer"):
+    from tpu_sync.vllm.backends import KvCaches
+    from tpu_sync.vllm.worker import WorkerSide
+
+    w = WorkerSide(configs[role], ConnectorConfig.parse(role, {}), connector(configs[role]).geometry)
+    w.caches = KvCaches(names=["l0", "l1"], tensors=[], num_blocks=NUM_BLOCKS,
+                        layer_block_bytes=w.geometry.layer_block_bytes, tp_rank=0)
+    w.transport = FakeTransport(outcome)
+    return w
+
+
+def recv(timeout=30.0):
+    layout = KvGeometry("m", 2, 2, 2, 32, "f32", 32, 1, "vllm-cpu/vec/float32").tpu_sync_layout(NUM_BLOCKS)
+    return RecvSpec("d1", 7, {0: "h:1"}, layout, [3, 4], [8, 9], 40, timeout)
+
+
+@pytest.mark.parametrize("outcome", ["ok", "error", "hang", "unknown-then-ok"])
+def test_worker_reports_pulls(configs, outcome):
+    w = worker(configs, outcome)
+    w.start_load_kv(TpuSyncMetadata(recvs=[recv(timeout=0.2)]))
+    res = w.get_transfer_results(set())
+    if outcome == "unknown-then-ok":  # the producer had not registered yet: retried, not failed
+        assert res.finished_recving == set() and w.transport.pulls == 1
+        time.sleep(0.06)
+        res = w.get_transfer_results(set())
+        assert w.transport.pulls == 2
+    if outcome == "hang":
+        assert res.finished_recving == set()
+        time.sleep(0.25)
+        res = w.get_transfer_results(set())
+        assert w.transport.handle.cancelled
+    assert res.finished_recving == {"d1"}
+    if outcome in ("ok", "unknown-then-ok"):
+        assert res.failed_recving == set() and w.get_block_ids_with_load_errors() == set()
+    else:  # failed: reported in both sets, blocks reported, so vLLM recomputes or fails it
+        assert res.failed_recving == {"d1"} and w.get_block_ids_with_load_errors() == {8, 9}
+    assert w.get_transfer_results(set()).finished_recving == set()
+
+
+def test_worker_cancels_pull_of_aborted_request(configs):
+    w = worker(configs, "hang")
+    w.start_load_kv(TpuSyncMetadata(recvs=[recv()]))
+    assert w.get_transfer_results(set()).finished_recving == set()
+    res = w.get_transfer_results({"d1"})  # vLLM says the request finished (aborted)
+    assert res.finished_recving == {"d1"} and res.failed_recving == set()
+    assert w.transport.handle.cancelled and w.get_block_ids_with_load_errors() == set()
+    assert w.stats["pulls_cancelled"] == 1
+
+
+@pytest.mark.parametrize("outcome", ["ok", "register-fails"])
+def test_worker_registers_and_releases(configs, outcome):
+    from tpu_sync.vllm.metadata import SendSpec
+
+    w = worker(configs, outcome, role="kv_producer")
+    w.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 11, [5, 6], 40, 60.0, decode_tp=2)]))
+    assert w.get_transfer_results({"p1"}).finished_sending == {"p1"}
+    if outcome == "ok":  # a TP=2 decode instance pulls each block's two heads with two ranks
+        assert w.transport.registered == [(11, [[5, 6]], 40, 2)]
+    assert w.stats["registered" if outcome == "ok" else "register_failed"] == 1

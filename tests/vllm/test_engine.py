@@ -1,0 +1,462 @@
+"""Engine tests of TpuSyncConnector: real vLLM engines (CPU backend, tiny model, greedy), each in
+its own process, compared token for token with a plain engine.
+
+(a) P/D through a producer and a consumer engine; (b) host-tier offload hits on a second pass;
+(c) a restarted engine hits the warm /dev/shm tier at once; (d) poisoned tier blocks change the
+output, corrupted ones fail their checksum and are recomputed; (e) a producer killed before the
+pull makes the consumer fail the request cleanly within its timeout. Plus the P/D proxy over two
+OpenAI-compatible servers (``TPU_SYNC_E2E_SERVE=0`` skips it).
+
+``TPU_SYNC_VLLM_BACKEND=ref`` swaps tpu_sync's data path for the plain-torch reference backends of
+``ref_backends.py`` (checks the connector's vLLM logic alone; (e) is skipped there).
+"""
+
+import glob
+import hashlib
+import json
+import os
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import ENV, HERE, ROOT
+
+BACKEND = os.environ.get("TPU_SYNC_VLLM_BACKEND", "tpu_sync")
+BS = 32
+LENS = (107, 149, 64, 200)  # partial last blocks, and one prompt of exactly 2 blocks
+_rng = random.Random(20261129)
+PROMPTS = [[_rng.randrange(3, 1024) for _ in range(n)] for n in LENS]
+HOST_CAPACITY = 64 << 20
+ENGINE_TIMEOUT = 420
+
+
+def expected_host_hits(n):
+    """Tokens a second run loads from the host tier: every full prompt block but the one holding
+    the last prompt token (vLLM computes at least one token)."""
+    return (n - 1) // BS * BS
+
+
+def pd_extra(**kw):
+    return dict(kw, pd_transport="ref_backends:FileTransport") if BACKEND == "ref" else kw
+
+
+def offload_extra(**kw):
+    return dict(kw, host_tier="ref_backends:FileTier") if BACKEND == "ref" else kw
+
+
+class Engines:
+    """Runs run_engine.py processes under a work directory."""
+
+    def __init__(self, workdir, model):
+        self.dir = os.path.join(workdir, "runs")
+        os.makedirs(self.dir, exist_ok=True)
+        self.model = model
+        self.env = dict(os.environ, **ENV, TPU_SYNC_REF_DIR=os.path.join(workdir, "ref"),
+                        PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+
+    def spec(self, **kw):
+        return dict(model=self.model, prompts=PROMPTS, max_tokens=16, **kw)
+
+    def start(self, tag, spec):
+        out = os.path.join(self.dir, tag + ".json")
+        for p in (out, out + ".tmp"):
+            if os.path.exists(p):
+                os.remove(p)
+        sp = os.path.join(self.dir, tag + ".spec.json")
+        json.dump(spec, open(sp, "w"))
+        log = open(os.path.join(self.dir, tag + ".log"), "w")
+        proc = subprocess.Popen([sys.executable, os.path.join(HERE, "run_engine.py"), sp, out], env=self.env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc.tag, proc.out = tag, out
+        return proc
+
+    def finish(self, proc, timeout=ENGINE_TIMEOUT):
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"engine {proc.tag} did not finish in {timeout} s:\n{self.tail(proc.tag)}")
+        if rc != 0:
+            pytest.fail(f"engine {proc.tag} exited {rc}:\n{self.tail(proc.tag)}")
+        return json.load(open(proc.out))
+
+    def run(self, tag, spec, timeout=ENGINE_TIMEOUT):
+        return self.finish(self.start(tag, spec), timeout)
+
+    def tail(self, tag, n=4000):
+        try:
+            return open(os.path.join(self.dir, tag + ".log")).read()[-n:]
+        except OSError:
+            return "(no log)"
+
+
+def toks(res, i=0):
+    return [o["token_ids"] for o in res["runs"][i]["outputs"]]
+
+
+def cached(res, i=0):
+    return [o["num_cached_tokens"] for o in res["runs"][i]["outputs"]]
+
+
+@pytest.fixture(scope="module")
+def engines(workdir, tiny_model):
+    return Engines(workdir, tiny_model)
+
+
+@pytest.fixture(scope="module")
+def plain(engines):
+    res = engines.run("plain", engines.spec())
+    assert all(len(t) == 16 for t in toks(res))
+    assert len({tuple(t) for t in toks(res)}) == len(PROMPTS), "the model must not be degenerate"
+    return res
+
+
+# ---- (a) P/D ---------------------------------------------------------------------------------
+
+
+def test_pd_decode_matches_plain_and_reports_external_tokens(engines, plain, workdir):
+    hold = os.path.join(engines.dir, "pd.hold")
+    if os.path.exists(hold):
+        os.remove(hold)
+    prod = engines.start("pd_producer", engines.spec(
+        remote_decode=True, hold_file=hold,
+        connector=dict(kv_role="kv_producer", extra=pd_extra(lease_s=120.0))))
+    cons = engines.start("pd_consumer", engines.spec(
+        params_file=prod.out,
+        connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=60.0))))
+    try:
+        c = engines.finish(cons)
+    finally:
+        open(hold, "w").close()
+    p = engines.finish(prod)
+    # The prefill instance computed one token per prompt and handed every prompt off.
+    assert [t[:1] for t in toks(plain)] == toks(p)
+    params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
+    assert all(x and x["do_remote_prefill"] and x["remote_num_tokens"] == n for x, n in zip(params, LENS))
+    assert p["scheduler_stats"]["handed_off"] == len(LENS) and p["worker_stats"]["registered"] == len(LENS)
+    # The decode instance's output is token-identical to a plain engine's.
+    assert toks(c) == toks(plain)
+    assert all(o["finish_reason"] == "length" for o in c["runs"][0]["outputs"])
+    # It computed no prompt token itself: vLLM's own counters put every prompt token under
+    # external KV transfer from a peer (p2p), and every pull completed.
+    m = c["metrics"]
+    assert m["vllm:external_prefix_cache_hits"] == sum(LENS), m
+    assert m["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(LENS), m
+    assert m["vllm:prompt_tokens_by_source{source=external_kv_transfer}"] == sum(LENS), m
+    assert c["worker_stats"]["pulls_done"] == len(LENS) and c["worker_stats"]["pulls_failed"] == 0
+    assert c["scheduler_stats"]["p2p_tokens"] == sum(LENS)
+
+
+def test_pd_reshards_tp1_prefill_into_tp2_decode(engines, plain):
+    """A TP=1 prefill instance hands off to a TP=2 decode instance (two worker processes, one KV
+    head each): each decode rank pulls its head slice of every block (LBHNC regions)."""
+    if BACKEND == "ref":
+        pytest.skip("the reference transport does not reshard")
+    hold = os.path.join(engines.dir, "pd_tp2.hold")
+    if os.path.exists(hold):
+        os.remove(hold)
+    prod = engines.start("pd_tp1_producer", engines.spec(
+        remote_decode=True, hold_file=hold,
+        connector=dict(kv_role="kv_producer", extra=pd_extra(lease_s=120.0, decode_tp_size=2))))
+    engines_env = dict(engines.env)
+    engines.env = dict(engines_env, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    try:
+        cons = engines.start("pd_tp2_consumer", engines.spec(
+            tp=2, params_file=prod.out,
+            connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=60.0))))
+    finally:
+        engines.env = engines_env
+    try:
+        c = engines.finish(cons)
+    finally:
+        open(hold, "w").close()
+    engines.finish(prod)
+    assert toks(c) == toks(plain)
+    m = c["metrics"]
+    assert m["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(LENS), m
+    assert m["vllm:prompt_tokens_by_source{source=external_kv_transfer}"] == sum(LENS), m
+
+
+# ---- (b) (c) (d) host-tier offload -----------------------------------------------------------
+
+SHM = f"tpusync-vllm-e2e-{os.getpid()}"
+
+
+@pytest.fixture(scope="module")
+def offload_state():
+    state = {}
+    yield state
+    if BACKEND != "ref":
+        try:
+            import tpu_sync
+
+            tpu_sync.remove_segment(SHM, force=True)
+        except Exception:
+            pass
+
+
+def offload_spec(engines, **kw):
+    extra = offload_extra(shm_name=SHM, host_capacity_bytes=HOST_CAPACITY)
+    return engines.spec(connector=dict(kv_role="kv_both", policy="recompute", extra=extra), **kw)
+
+
+def test_offload_second_pass_hits_host_tier(engines, plain, offload_state, workdir):
+    if BACKEND == "ref":
+        import shutil
+
+        shutil.rmtree(os.path.join(workdir, "ref"), ignore_errors=True)
+    res = engines.run("offload", offload_spec(engines, repeat=2))
+    assert toks(res, 0) == toks(plain), "first pass (saves) differs from plain"
+    assert toks(res, 1) == toks(plain), "second pass (loads) differs from plain"
+    want = [expected_host_hits(n) for n in LENS]
+    assert cached(res, 0) == [0] * len(LENS)
+    assert cached(res, 1) == want
+    m = res["metrics"]
+    assert m["vllm:prompt_tokens_cached_by_source{source=host}"] == sum(want), m
+    s = res["scheduler_stats"]
+    assert s["host_hit_tokens"] == sum(want) and s["failed_loads"] == 0
+    assert res["worker_stats"]["saved_blocks"] == sum(n // BS for n in LENS)
+    assert res["worker_stats"]["loaded_blocks"] == sum(want) // BS
+    offload_state["b"] = True
+
+
+def test_offload_restart_hits_warm_shm_tier(engines, plain, offload_state):
+    if not offload_state.get("b"):
+        pytest.skip("needs the offload test's tier")
+    res = engines.run("offload_restart", offload_spec(engines))
+    want = [expected_host_hits(n) for n in LENS]
+    assert cached(res) == want, "a restarted engine must hit the warm tier at once"
+    assert toks(res) == toks(plain)
+    assert res["metrics"]["vllm:prompt_tokens_cached_by_source{source=host}"] == sum(want)
+    assert res["worker_stats"]["loaded_blocks"] == sum(want) // BS
+    offload_state["c"] = True
+
+
+def test_offload_poisoned_and_corrupted_tier(engines, plain, offload_state, tiny_model):
+    if not offload_state.get("c"):
+        pytest.skip("needs the warm tier")
+    tier = TierAccess(tiny_model)
+    n_poisoned = tier.poison()
+    assert n_poisoned == sum(expected_host_hits(n) // BS for n in LENS)
+    res = engines.run("offload_poisoned", offload_spec(engines))
+    assert cached(res) == [expected_host_hits(n) for n in LENS]
+    changed = [a != b for a, b in zip(toks(res), toks(plain))]
+    assert all(changed), f"poisoned KV must change every output (proves the loaded KV is used): {changed}"
+    # Flip one byte of each stored block: the checksums fail, the connector reports the blocks
+    # as load errors, vLLM recomputes them, and the output is right again.
+    assert tier.corrupt() == n_poisoned
+    res = engines.run("offload_corrupted", offload_spec(engines))
+    assert toks(res) == toks(plain)
+    assert res["worker_stats"]["failed_loads"] == len(LENS)
+    assert res["worker_stats"]["loaded_blocks"] == 0
+    assert res["scheduler_stats"]["failed_loads"] == len(LENS)
+
+
+class TierAccess:
+    """Reads and rewrites the offload test's stored blocks from outside the engine."""
+
+    def __init__(self, model):
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import Request
+        from vllm.sampling_params import SamplingParams
+
+        init_none_hash(sha256)
+        hasher = get_request_block_hasher(BS, sha256)
+        self.chains = []
+        for p in PROMPTS:
+            r = Request("x", list(p), SamplingParams(max_tokens=1), None, block_hasher=hasher)
+            self.chains.append([bytes(h) for h in r.block_hashes[: expected_host_hits(len(p)) // BS]])
+        self.model = model
+
+    def _geometry(self):
+        import torch
+        from tpu_sync.vllm.compat import KvGeometry, cpu_block_format
+
+        return KvGeometry(model=self.model, num_layers=2, num_kv_heads=2, heads_per_rank=2, head_dim=32, dtype="f32",
+                          block_size=BS, tp=1, block_format=cpu_block_format(torch.float32, BS, 32, "auto"))
+
+    def _ref_files(self):
+        g = self._geometry()
+        d = glob.glob(os.path.join(os.environ.get("TPU_SYNC_VLLM_WORKDIR", os.path.join(ROOT, "target", "vllm-e2e")),
+                                   "ref", "tier-" + hashlib.sha256(g.namespace("").encode()).hexdigest()[:12]))
+        assert d, "reference tier not found"
+        return [os.path.join(d[0], h.hex()[:40]) for c in self.chains for h in c]
+
+    def poison(self):
+        """Replaces every stored block with random floats (stored properly: valid checksums)."""
+        rng = random.Random(7)
+        if BACKEND == "ref":
+            files = self._ref_files()
+            for f in files:
+                n = len(open(f, "rb").read()) - 32
+                data = b"".join(struct.pack("<f", rng.gauss(0, 3)) for _ in range(n // 4))
+                open(f, "wb").write(hashlib.sha256(data).digest() + data)
+            return len(files)
+        import tpu_sync
+
+        g = self._geometry()
+        st = tpu_sync.Store(namespace=g.namespace(""), block_bytes=g.block_bytes, capacity_bytes=HOST_CAPACITY,
+                            shm_name=SHM)
+        try:
+            n = 0
+            for chain in self.chains:
+                keys = [st.engine_key(h) for h in chain]
+                assert st.lookup(keys) == len(keys), "the tier lost blocks"
+                st.remove(keys)
+                blocks = [struct.pack(f"<{g.block_bytes // 4}f", *(rng.gauss(0, 3) for _ in range(g.block_bytes // 4)))
+                          for _ in keys]
+                r = st.put(keys, blocks)
+                assert r.stored == len(keys), r
+                n += r.stored
+            self.poisoned = [b for chain in self.chains for b in self._read(st, chain)]
+            return n
+        finally:
+            st.close()
+
+    def _read(self, st, chain):
+        outs = [bytearray(self._geometry().block_bytes) for _ in chain]
+        r = st.get([st.engine_key(h) for h in chain], outs)
+        assert r.delivered == len(chain), r
+        return [bytes(o) for o in outs]
+
+    def corrupt(self):
+        """Flips one byte inside each stored block's bytes, behind the tier's back."""
+        if BACKEND == "ref":
+            files = self._ref_files()
+            for f in files:
+                raw = bytearray(open(f, "rb").read())
+                raw[100] ^= 0xFF
+                open(f, "wb").write(raw)
+            return len(files)
+        import mmap
+
+        import tpu_sync
+
+        seg = [s for s in tpu_sync.list_segments() if s.get("name") == SHM]
+        path = seg[0].get("path") if seg and seg[0].get("path") else os.path.join("/dev/shm", SHM)
+        n = 0
+        with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+            for block in self.poisoned:
+                at = mm.find(block[:4096])
+                assert at >= 0, "stored block not found in the segment"
+                mm[at + 100] ^= 0xFF
+                n += 1
+        return n
+
+
+# ---- (e) producer dies -----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(BACKEND == "ref", reason="the reference transport has no peer to lose")
+def test_producer_dies_before_pull_fails_request_within_timeout(engines):
+    timeout = 8.0
+    go = os.path.join(engines.dir, "orphan.go")
+    if os.path.exists(go):
+        os.remove(go)
+    prod = engines.start("dead_producer", engines.spec(
+        remote_decode=True, hold_file=os.path.join(engines.dir, "never"), hold_s=600,
+        connector=dict(kv_role="kv_producer", extra=pd_extra())))
+    # The consumer engine starts meanwhile, and sends its requests only once the producer is dead.
+    cons = engines.start("orphan_consumer", engines.spec(
+        params_file=prod.out, go_file=go,
+        connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=timeout))))
+    deadline = time.time() + ENGINE_TIMEOUT
+    while not os.path.exists(prod.out):
+        assert prod.poll() is None, engines.tail("dead_producer")
+        assert time.time() < deadline, "producer never answered"
+        time.sleep(0.1)
+    os.killpg(prod.pid, signal.SIGKILL)  # dies holding the KV, before anyone pulled
+    prod.wait()
+    open(go, "w").close()
+    res = engines.finish(cons)
+    outs = res["runs"][0]["outputs"]
+    assert [o["finish_reason"] for o in outs] == ["error"] * len(LENS), outs
+    assert all(o["token_ids"] == [] for o in outs)
+    assert res["runs"][0]["wall_s"] < timeout + 10, "the failure must come within the pull timeout"
+    assert res["worker_stats"]["pulls_failed"] == len(LENS) and res["worker_stats"]["pulls_done"] == 0
+
+
+# ---- the proxy over OpenAI-compatible servers ------------------------------------------------
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url, body=None, timeout=120):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read()
+    return json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
+
+
+@pytest.mark.skipif(os.environ.get("TPU_SYNC_E2E_SERVE", "1") == "0", reason="TPU_SYNC_E2E_SERVE=0")
+def test_proxy_routes_prefill_then_decode_over_http(engines, plain, tiny_model):
+    ports = dict(p=free_port(), d=free_port(), proxy=free_port())
+    procs = []
+
+    def serve(name, port, role, extra, policy="fail"):
+        ktc = dict(kv_connector="TpuSyncConnector", kv_role=role, kv_connector_extra_config=extra,
+                   kv_load_failure_policy=policy)
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model, "--port", str(port),
+               "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--block-size", "32",
+               "--no-enable-prefix-caching", "--distributed-executor-backend", "uni", "--seed", "0",
+               "--kv-transfer-config", json.dumps(ktc)]
+        log = open(os.path.join(engines.dir, f"serve_{name}.log"), "w")
+        procs.append(subprocess.Popen(cmd, env=engines.env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+
+    try:
+        # By registered name (the vllm.general_plugins entry point), no module path.
+        serve("prefill", ports["p"], "kv_producer", pd_extra())
+        serve("decode", ports["d"], "kv_consumer", pd_extra())
+        log = open(os.path.join(engines.dir, "proxy.log"), "w")
+        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", "vllm", "proxy.py"),
+                                       "--prefill", f"http://127.0.0.1:{ports['p']}",
+                                       "--decode", f"http://127.0.0.1:{ports['d']}", "--port", str(ports["proxy"])],
+                                      env=engines.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.time() + ENGINE_TIMEOUT
+        for port in (ports["p"], ports["d"], ports["proxy"]):
+            while True:
+                try:
+                    http_json(f"http://127.0.0.1:{port}/health", timeout=5)
+                    break
+                except Exception:
+                    assert all(p.poll() is None for p in procs), "a server died; see runs/serve_*.log"
+                    assert time.time() < deadline, "servers did not come up"
+                    time.sleep(1)
+        got = []
+        for p in PROMPTS[:2]:
+            r = http_json(f"http://127.0.0.1:{ports['proxy']}/v1/completions",
+                          dict(model=tiny_model, prompt=p, max_tokens=16, temperature=0, ignore_eos=True,
+                               return_token_ids=True))
+            got.append(r["choices"][0]["token_ids"])
+        assert got == toks(plain)[:2]
+        metrics = http_json(f"http://127.0.0.1:{ports['d']}/metrics")
+        p2p = [ln for ln in metrics.splitlines()
+               if ln.startswith("vllm:prompt_tokens_cached_by_source_total") and 'source="p2p"' in ln]
+        assert p2p and float(p2p[0].rsplit(" ", 1)[1]) == sum(LENS[:2]), p2p
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
