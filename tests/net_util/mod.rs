@@ -71,6 +71,16 @@ pub fn placement(layout: ParallelLayout, dp_rank: u32, tokens: u32, seed: u64) -
 
 /// Source staging of `ranks` (default: the whole replica) filled with the request's pattern.
 pub fn source_staging(p: &Placement, tokens: u32, ranks: Option<&[u32]>) -> Arc<Staging> {
+    source_staging_with(p, tokens, ranks, &arena_opts())
+}
+
+/// [`source_staging`] with the given arena options (e.g. locked memory, to count pinned bytes).
+pub fn source_staging_with(
+    p: &Placement,
+    tokens: u32,
+    ranks: Option<&[u32]>,
+    opts: &ArenaOptions,
+) -> Arc<Staging> {
     let all: Vec<u32> = (0..p.layout.spec.ranks_per_replica())
         .map(|l| p.global_rank(l))
         .collect();
@@ -79,7 +89,7 @@ pub fn source_staging(p: &Placement, tokens: u32, ranks: Option<&[u32]>) -> Arc<
         .iter()
         .map(|&r| (r, p.block_ranges(p.local_rank(r).unwrap())))
         .collect();
-    let st = Staging::new(ranges, &arena_opts()).unwrap();
+    let st = Staging::new(ranges, opts).unwrap();
     let kv = p.layout.rank_kv();
     let mut buf = vec![0u8; kv.buffer_bytes() as usize];
     for &r in &ranks {
@@ -99,11 +109,21 @@ pub fn source_staging(p: &Placement, tokens: u32, ranks: Option<&[u32]>) -> Arc<
 
 /// Destination staging (zeroed) for the destination ranks `ranks` (default: all of the replica).
 pub fn dest_staging(plan: &Plan, dst: &Placement, ranks: Option<&[u32]>) -> Arc<Staging> {
+    dest_staging_with(plan, dst, ranks, &arena_opts())
+}
+
+/// [`dest_staging`] with the given arena options.
+pub fn dest_staging_with(
+    plan: &Plan,
+    dst: &Placement,
+    ranks: Option<&[u32]>,
+    opts: &ArenaOptions,
+) -> Arc<Staging> {
     let mut m = tpu_sync::net::plan_staging(plan, dst);
     if let Some(r) = ranks {
         m.retain(|k, _| r.contains(k));
     }
-    Arc::new(Staging::new(m, &arena_opts()).unwrap())
+    Arc::new(Staging::new(m, opts).unwrap())
 }
 
 /// Checks every staged byte of `ranks` against the pattern; returns the bytes checked.

@@ -38,6 +38,13 @@ pub const DATA_HEADER_LEN: usize = 16;
 pub const MAX_CONTROL_BODY: u32 = 16 << 20;
 /// Largest data payload accepted per frame (bytes).
 pub const MAX_DATA_PAYLOAD: u32 = 64 << 20;
+/// Largest control body accepted as the first frame of a lane, before the peer has said
+/// [`Control::Hello`] (bytes). A hello is a few hundred bytes; this keeps a peer that has not
+/// identified itself from making the receiver buffer and parse megabytes.
+pub const MAX_HELLO_BODY: u32 = 4 << 10;
+/// Most stripes (parallel lanes) one pair's stream may be split over. A receiver allocates
+/// per-stripe state, so the count a peer declares must be bounded.
+pub const MAX_STRIPES: u32 = 1024;
 
 /// What a frame carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -181,7 +188,7 @@ pub struct Stripe {
 }
 
 impl Stripe {
-    /// Checks `index < count`, `count >= 1` and the chunk size limit.
+    /// Checks `index < count`, `1 <= count <= MAX_STRIPES` and the chunk size limit.
     pub fn validate(&self) -> Result<()> {
         if self.count == 0 || self.index >= self.count {
             return Err(Error::Protocol(format!(
@@ -189,10 +196,32 @@ impl Stripe {
                 self.index, self.count
             )));
         }
+        if self.count > MAX_STRIPES {
+            return Err(Error::Protocol(format!(
+                "{} stripes declared, at most {MAX_STRIPES} are accepted",
+                self.count
+            )));
+        }
         if self.chunk_bytes == 0 || self.chunk_bytes > MAX_DATA_PAYLOAD as u64 {
             return Err(Error::Protocol(format!(
                 "chunk size {} outside 1..={MAX_DATA_PAYLOAD}",
                 self.chunk_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// [`Stripe::validate`], plus what a receiver checks against its own plan of a `total`-byte
+    /// stream: a sender splits a stream over at most as many stripes as it has chunks
+    /// (`ceil(total / chunk_bytes)`, at least 1), so a larger count is refused.
+    pub fn validate_for(&self, total: u64) -> Result<()> {
+        self.validate()?;
+        let chunks = total.div_ceil(self.chunk_bytes).max(1);
+        if self.count as u64 > chunks {
+            return Err(Error::Protocol(format!(
+                "{} stripes declared for a stream of {total} bytes in chunks of {} ({chunks} \
+                 chunks)",
+                self.count, self.chunk_bytes
             )));
         }
         Ok(())
@@ -207,30 +236,76 @@ impl Stripe {
     /// (non-decreasing; the last is the stream length): each segment is cut into chunks of at
     /// most `chunk_bytes`, so no chunk spans two layers; chunks are numbered across segments and
     /// chunk `c` belongs to stripe `c % count`.
+    ///
+    /// Lazy: memory is O(1) and time O(chunks of this stripe + segments), whatever `chunk_bytes`
+    /// and `count` a peer declared.
     pub fn chunks_in(&self, bounds: Vec<u64>) -> impl Iterator<Item = (u64, u64)> + '_ {
-        let c = self.chunk_bytes.max(1);
-        let count = self.count.max(1) as u64;
-        let mut start = 0u64;
-        let mut n = 0u64;
-        let mut out = Vec::new();
-        for end in bounds {
-            let mut a = start;
-            while a < end {
-                let b = (a + c).min(end);
-                if n % count == self.index as u64 {
-                    out.push((a, b));
-                }
-                n += 1;
-                a = b;
-            }
-            start = start.max(end);
+        Chunks {
+            chunk: self.chunk_bytes.max(1),
+            count: self.count.max(1) as u64,
+            index: self.index as u64,
+            bounds: bounds.into_iter(),
+            seg_start: 0,
+            seg_end: 0,
+            first_n: 0,
+            a: 0,
         }
-        out.into_iter()
     }
 
     /// Bytes this stripe carries of a `total`-byte stream.
     pub fn bytes(&self, total: u64) -> u64 {
         self.chunks(total).map(|(a, b)| b - a).sum()
+    }
+}
+
+/// The lazy iterator of [`Stripe::chunks_in`].
+struct Chunks {
+    chunk: u64,
+    count: u64,
+    index: u64,
+    bounds: std::vec::IntoIter<u64>,
+    /// Current segment `[seg_start, seg_end)`.
+    seg_start: u64,
+    seg_end: u64,
+    /// Global number of the current segment's first chunk.
+    first_n: u64,
+    /// Start of the next chunk of this stripe in the current segment (>= seg_end: none left).
+    a: u64,
+}
+
+impl Chunks {
+    /// Start offset of the first chunk at or after global chunk number `n0` that belongs to this
+    /// stripe, in the current segment (may lie past its end).
+    fn first_from(&self, n0: u64) -> u64 {
+        let skip = (self.index + self.count - n0 % self.count) % self.count;
+        let k = (n0 - self.first_n).saturating_add(skip);
+        self.seg_start.saturating_add(k.saturating_mul(self.chunk))
+    }
+}
+
+impl Iterator for Chunks {
+    type Item = (u64, u64);
+
+    fn next(&mut self) -> Option<(u64, u64)> {
+        loop {
+            if self.a < self.seg_end {
+                let a = self.a;
+                let b = a.saturating_add(self.chunk).min(self.seg_end);
+                // The next chunk of this stripe is `count` chunks further on.
+                self.a = a.saturating_add(self.chunk.saturating_mul(self.count));
+                if self.a <= a {
+                    self.a = u64::MAX;
+                }
+                return Some((a, b));
+            }
+            // Next segment: number its chunks after the previous segment's.
+            let end = self.bounds.next()?;
+            let prev_chunks = (self.seg_end - self.seg_start).div_ceil(self.chunk);
+            self.first_n += prev_chunks;
+            self.seg_start = self.seg_end.max(self.seg_start);
+            self.seg_end = end.max(self.seg_start);
+            self.a = self.first_from(self.first_n);
+        }
     }
 }
 
@@ -381,6 +456,11 @@ pub enum Control {
     Cancel {
         /// The request.
         request_id: u64,
+        /// Sent by a push sender whose push ended without finishing: the receiver fails its
+        /// registration of the request even if none of this sender's stripes reached it yet.
+        /// Absent (false) in older peers' messages.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        push: bool,
     },
     /// An error for one request (or for the connection when `request_id` is 0).
     Failed {
@@ -537,6 +617,78 @@ mod tests {
             chunk_bytes: 0,
         };
         assert!(bad.validate().is_err());
+    }
+
+    /// The eager definition of `chunks_in` the lazy iterator must match.
+    fn chunks_reference(s: &Stripe, bounds: &[u64]) -> Vec<(u64, u64)> {
+        let (c, count) = (s.chunk_bytes.max(1), s.count.max(1) as u64);
+        let (mut start, mut n, mut out) = (0u64, 0u64, Vec::new());
+        for &end in bounds {
+            let mut a = start;
+            while a < end {
+                let b = (a + c).min(end);
+                if n % count == s.index as u64 {
+                    out.push((a, b));
+                }
+                n += 1;
+                a = b;
+            }
+            start = start.max(end);
+        }
+        out
+    }
+
+    #[test]
+    fn lazy_chunks_match_the_definition() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = |m: u64| {
+            x = crate::pattern::mix64(x);
+            x % m
+        };
+        for _ in 0..3000 {
+            let count = 1 + rnd(6) as u32;
+            let s = Stripe {
+                index: rnd(count as u64) as u32,
+                count,
+                chunk_bytes: 1 + rnd(40),
+            };
+            let mut bounds: Vec<u64> = (0..rnd(6)).map(|_| rnd(300)).collect();
+            if rnd(3) > 0 {
+                bounds.sort_unstable();
+            }
+            let got: Vec<_> = s.chunks_in(bounds.clone()).collect();
+            assert_eq!(got, chunks_reference(&s, &bounds), "{s:?} {bounds:?}");
+        }
+        // Huge declared geometry costs nothing until iterated.
+        let s = Stripe {
+            index: 3,
+            count: MAX_STRIPES,
+            chunk_bytes: 1,
+        };
+        let mut it = s.chunks_in(vec![u64::MAX / 2, u64::MAX]);
+        assert_eq!(it.next(), Some((3, 4)));
+        assert_eq!(
+            it.next(),
+            Some((3 + MAX_STRIPES as u64, 4 + MAX_STRIPES as u64))
+        );
+    }
+
+    #[test]
+    fn stripe_counts_are_bounded() {
+        let s = |index, count, chunk_bytes| Stripe {
+            index,
+            count,
+            chunk_bytes,
+        };
+        assert!(s(0, MAX_STRIPES, 1).validate().is_ok());
+        let e = s(0, MAX_STRIPES + 1, 1).validate().unwrap_err();
+        assert!(e.to_string().contains("at most"), "{e}");
+        assert!(s(u32::MAX - 1, u32::MAX, 1).validate().is_err());
+        // A receiver refuses more stripes than the stream has chunks.
+        assert!(s(0, 2, 100).validate_for(101).is_ok());
+        assert!(s(0, 3, 100).validate_for(200).is_err());
+        assert!(s(0, 1, 100).validate_for(0).is_ok());
+        assert!(s(1, 2, 100).validate_for(0).is_err());
     }
 
     #[test]

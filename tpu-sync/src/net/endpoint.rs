@@ -296,7 +296,10 @@ impl Transfer {
                     self.shared.request_id
                 ))),
             );
-            inner.send_cancel(self.shared.request_id);
+            inner.send_cancel(
+                self.shared.request_id,
+                self.shared.kind == TransferKind::Push,
+            );
         }
         self.shared.cancel.fire("cancelled");
     }
@@ -435,6 +438,21 @@ struct SinkState {
     finished_ranks: BTreeSet<u32>,
     senders: HashMap<u32, SessionKey>,
     stripes: u64,
+    /// Stripes being received now.
+    active: u32,
+    /// Registration, or the last stripe start or end or `PushFinish`.
+    last_activity: Instant,
+}
+
+/// Counts a stripe being received into a sink; on drop (every way out) it is done.
+struct ActiveStripe(Arc<SinkReg>);
+
+impl Drop for ActiveStripe {
+    fn drop(&mut self) {
+        let mut st = lock(&self.0.st);
+        st.active = st.active.saturating_sub(1);
+        st.last_activity = Instant::now();
+    }
 }
 
 struct Session {
@@ -589,6 +607,13 @@ impl Endpoint {
                 "streams_per_pair and max_lanes_per_peer must be >= 1".into(),
             ));
         }
+        if opts.streams_per_pair > wire::MAX_STRIPES {
+            return Err(Error::InvalidArgument(format!(
+                "streams_per_pair {} exceeds {}",
+                opts.streams_per_pair,
+                wire::MAX_STRIPES
+            )));
+        }
         if opts.heartbeat_interval.is_zero() || opts.heartbeat_timeout <= opts.heartbeat_interval {
             return Err(Error::InvalidArgument(
                 "heartbeat_timeout must exceed a non-zero heartbeat_interval".into(),
@@ -732,7 +757,11 @@ impl Endpoint {
 
     /// Registers destination staging for pushes of a request. The returned transfer completes
     /// when every source rank of the senders' replica has declared itself finished and every
-    /// planned pair for the destination ranks hosted here arrived and verified.
+    /// planned pair for the destination ranks hosted here arrived and verified. It fails with
+    /// [`Error::Timeout`] when no stripe is being received and nothing happened (registration,
+    /// a stripe starting or ending, a sender declaring itself finished) for
+    /// [`super::EndpointOptions::lease_ttl`]: a sender that never comes, or dies before its
+    /// first stripe reaches this endpoint, does not keep the registration forever.
     ///
     /// Errors: as [`Endpoint::register_source`]; plan errors when `src` is given.
     pub fn expect_push(&self, reg: SinkRegistration) -> Result<Transfer> {
@@ -773,6 +802,8 @@ impl Endpoint {
                 finished_ranks: BTreeSet::new(),
                 senders: HashMap::new(),
                 stripes: 0,
+                active: 0,
+                last_activity: Instant::now(),
             }),
         });
         if let Some(src) = &reg.src {
@@ -939,7 +970,13 @@ impl Endpoint {
         let sh = shared.clone();
         self.inner.spawn(async move {
             let r = inner.drive_push(&sh, req, src_ranks, pairs, targets).await;
+            let failed = r.is_err();
             inner.finish(&sh, r);
+            if failed {
+                // The receivers' registrations would otherwise wait for a `PushFinish` that never
+                // comes: tell them the push is over.
+                inner.send_cancel(sh.request_id, true);
+            }
         });
         Ok(Transfer {
             shared,
@@ -1318,6 +1355,26 @@ impl Inner {
                 log::info!("lease of request {id} expired");
                 self.end_source(id, SourceOutcome::Expired);
             }
+            // A push registration nobody works on (its senders never came, or died before
+            // reaching us) fails instead of waiting forever.
+            let idle: Vec<Arc<SinkReg>> = lock(&self.sinks)
+                .values()
+                .filter(|k| {
+                    let st = lock(&k.st);
+                    st.active == 0 && now.duration_since(st.last_activity) > o.lease_ttl
+                })
+                .cloned()
+                .collect();
+            for k in idle {
+                self.finish(
+                    &k.transfer,
+                    Err(Error::Timeout(format!(
+                        "request {}: no push activity for {:?} (no sender came, or every \
+                         sender died before reaching this endpoint)",
+                        k.request_id, o.lease_ttl
+                    ))),
+                );
+            }
         }
     }
 
@@ -1388,9 +1445,11 @@ impl Inner {
         p.conn.close();
     }
 
-    fn send_cancel(&self, request_id: u64) {
+    /// Tells every connected peer to stop work on `request_id` (`push`: we were pushing it, so
+    /// its receivers fail their registrations).
+    fn send_cancel(&self, request_id: u64, push: bool) {
         for p in lock(&self.peers).values() {
-            let _ = p.ctl.send(Control::Cancel { request_id });
+            let _ = p.ctl.send(Control::Cancel { request_id, push });
         }
     }
 }
@@ -1408,8 +1467,8 @@ async fn read_ctl<R: AsyncRead + Unpin>(r: &mut R) -> Result<Control> {
     if h.kind != FrameKind::Control {
         return Err(Error::Protocol("data frame on the control lane".into()));
     }
-    let mut body = vec![0u8; h.body_len as usize];
-    r.read_exact(&mut body)
+    // The caller bounds the whole read by the heartbeat timeout.
+    let body = super::framed::read_body(r, h.body_len, FOREVER)
         .await
         .map_err(|e| Error::PeerClosed(format!("control lane closed: {e}")))?;
     Control::decode(&body)
@@ -1451,7 +1510,7 @@ impl Inner {
             let mut f = Framed::new(lane, self.opts.io_timeout);
             let count = LaneCount::new(&self.counters);
             f.send(&self.hello(role), 0).await?;
-            match f.recv(t).await? {
+            match f.recv_hello(t).await? {
                 (_, Control::HelloAck { protocol, .. }) if protocol == wire::PROTOCOL_VERSION => {
                     Ok(CountedLane { f, _count: count })
                 }
@@ -1484,6 +1543,22 @@ impl Inner {
             }
         }
         let gate = lock(&self.connecting).entry(sa).or_default().clone();
+        let r = self.connect_peer(sa, &gate).await;
+        // Forget the gate unless another caller is waiting on it (clones are made under the
+        // map's lock), so addresses of peers that came and went do not accumulate.
+        let mut m = lock(&self.connecting);
+        if m.get(&sa).is_some_and(|g| Arc::ptr_eq(g, &gate)) && Arc::strong_count(&gate) == 2 {
+            m.remove(&sa);
+        }
+        r
+    }
+
+    /// Connects to `sa` (one caller per address at a time: `gate`) unless a live peer is there.
+    async fn connect_peer(
+        self: &Arc<Self>,
+        sa: SocketAddr,
+        gate: &tokio::sync::Mutex<()>,
+    ) -> Result<Arc<Peer>> {
         let _g = gate.lock().await;
         if let Some(p) = lock(&self.peers).get(&sa) {
             if !p.dead.is_set() {
@@ -1912,7 +1987,7 @@ impl Inner {
         let count = LaneCount::new(&self.counters);
         let peer = lane.peer();
         let mut f = Framed::new(lane, self.opts.io_timeout);
-        let (name, incarnation, role) = match f.recv(self.opts.handshake_timeout).await {
+        let (name, incarnation, role) = match f.recv_hello(self.opts.handshake_timeout).await {
             Ok((
                 _,
                 Control::Hello {
@@ -2026,9 +2101,9 @@ impl Inner {
                             let _ = tx.send(Control::Pong { seq });
                         }
                     }
-                    Ok(Ok(Control::Cancel { request_id })) => {
+                    Ok(Ok(Control::Cancel { request_id, push })) => {
                         s.touch();
-                        self.remote_cancel(&s, request_id);
+                        self.remote_cancel(&s, request_id, push);
                     }
                     Ok(Ok(m)) => log::debug!("control message from {}: {m:?}", s.key.0),
                 }
@@ -2051,9 +2126,10 @@ impl Inner {
         self.session_died(&s, why);
     }
 
-    /// A peer cancelled a request: a push it was making into us fails here too.
-    fn remote_cancel(&self, s: &Arc<Session>, request_id: u64) {
-        if !lock(&s.pushing).contains(&request_id) {
+    /// A peer cancelled a request: a push it was making into us fails here too, also when none of
+    /// its stripes reached us yet (`push`; the request cannot complete without its ranks).
+    fn remote_cancel(&self, s: &Arc<Session>, request_id: u64, push: bool) {
+        if !push && !lock(&s.pushing).contains(&request_id) {
             return;
         }
         let sink = lock(&self.sinks).get(&request_id).cloned();
@@ -2246,6 +2322,7 @@ impl Inner {
                      {total_bytes} (digest {digest:016x})"
                 )));
             }
+            stripe.validate_for(bytes)?;
             let cursor = SpanCursor::new(spans, reg.num_layers);
             Ok((reg, cursor))
         })();
@@ -2324,6 +2401,7 @@ impl Inner {
                     slot.digest
                 )));
             }
+            stripe.validate_for(total_bytes)?;
             if slot.count == 0 {
                 slot.count = stripe.count;
                 slot.chunk = stripe.chunk_bytes;
@@ -2346,12 +2424,14 @@ impl Inner {
             let (cursor, idx) = (slot.cursor.clone(), slot.idx);
             st.senders.insert(src_rank, s.key.clone());
             st.stripes += 1;
+            st.active += 1;
+            st.last_activity = Instant::now();
             drop(st);
             lock(&s.pushing).insert(request_id);
             Ok((sink, cursor, progress, idx))
         })();
         let (sink, cursor, progress, idx) = match prep {
-            Ok(x) => x,
+            Ok(x) => (ActiveStripe(x.0.clone()), x.1, x.2, x.3),
             Err(e) => {
                 // A protocol violation fails the request at the receiver as well.
                 if matches!(e, Error::Protocol(_) | Error::Mismatch(_)) {
@@ -2378,7 +2458,7 @@ impl Inner {
             let recv = recv_stripe(
                 f,
                 request_id,
-                &sink.staging,
+                &sink.0.staging,
                 dst_rank,
                 &cursor,
                 stripe,
@@ -2391,9 +2471,9 @@ impl Inner {
             loop {
                 tokio::select! {
                     r = &mut recv => break Some(r),
-                    _ = sink.transfer.cancel.wait(), if !draining => {
+                    _ = sink.0.transfer.cancel.wait(), if !draining => {
                         let soft = matches!(
-                            lock(&sink.transfer.result).as_ref(),
+                            lock(&sink.0.transfer.result).as_ref(),
                             Some(Err(Error::Checksum(_)))
                         );
                         if soft {
@@ -2409,8 +2489,8 @@ impl Inner {
         match r {
             None => Next::Close,
             Some(Ok(n)) => {
-                sink.transfer.bytes.fetch_add(n, Ordering::Relaxed);
-                if let Some(slot) = lock(&sink.st).slots.get_mut(&(src_rank, dst_rank)) {
+                sink.0.transfer.bytes.fetch_add(n, Ordering::Relaxed);
+                if let Some(slot) = lock(&sink.0.st).slots.get_mut(&(src_rank, dst_rank)) {
                     slot.done[stripe.index as usize] = true;
                 }
                 match f
@@ -2428,7 +2508,7 @@ impl Inner {
                 }
             }
             Some(Err(fail)) => {
-                self.finish(&sink.transfer, Err(clone_error(&fail.error)));
+                self.finish(&sink.0.transfer, Err(clone_error(&fail.error)));
                 if fail.lane_ok
                     && f.send(&failed(request_id, &fail.error), request_id)
                         .await
@@ -2454,6 +2534,7 @@ impl Inner {
             Error::UnknownRequest(format!("request {request_id} expects no push here"))
         })?;
         let mut st = lock(&sink.st);
+        st.last_activity = Instant::now();
         if let Err(e) = sink_plan(&sink, &mut st, src, num_tokens) {
             drop(st);
             self.finish(&sink.transfer, Err(clone_error(&e)));

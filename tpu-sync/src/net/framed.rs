@@ -40,7 +40,9 @@ fn read_err(e: std::io::Error, what: &str) -> Error {
         std::io::ErrorKind::UnexpectedEof
         | std::io::ErrorKind::ConnectionReset
         | std::io::ErrorKind::ConnectionAborted
-        | std::io::ErrorKind::BrokenPipe => {
+        | std::io::ErrorKind::BrokenPipe
+        // quinn: the QUIC connection was lost or closed under the stream.
+        | std::io::ErrorKind::NotConnected => {
             Error::PeerClosed(format!("connection closed ({what}): {e}"))
         }
         _ => Error::io(what.to_string(), e),
@@ -97,10 +99,39 @@ impl Framed {
         if h.kind != FrameKind::Control {
             return Err(Error::Protocol("expected a control frame, got data".into()));
         }
-        let mut body = vec![0u8; h.body_len as usize];
         let t = self.io_timeout;
-        self.read_exact(&mut body, t, "control message").await?;
+        let body = read_body(&mut self.lane, h.body_len, t).await?;
         Control::decode(&body)
+    }
+
+    /// Reads the first frame of a lane, which must be a control frame of at most
+    /// [`wire::MAX_HELLO_BODY`] bytes, all within `wait` (a peer that has not identified itself
+    /// gets neither megabytes of buffer nor more than the handshake time).
+    pub(crate) async fn recv_hello(&mut self, wait: Duration) -> Result<(u64, Control)> {
+        let r = tokio::time::timeout(wait, async {
+            let mut hb = [0u8; HEADER_LEN];
+            self.lane
+                .read_exact(&mut hb)
+                .await
+                .map_err(|e| read_err(e, "hello"))?;
+            let h = FrameHeader::decode(&hb)?;
+            if h.kind != FrameKind::Control || h.body_len > wire::MAX_HELLO_BODY {
+                return Err(Error::Protocol(format!(
+                    "first frame of a lane is a {:?} frame of {} bytes, expected a hello of at \
+                     most {}",
+                    h.kind,
+                    h.body_len,
+                    wire::MAX_HELLO_BODY
+                )));
+            }
+            let body = read_body(&mut self.lane, h.body_len, wait).await?;
+            Ok((h.request_id, Control::decode(&body)?))
+        })
+        .await;
+        match r {
+            Err(_) => Err(timeout_err(wait, "hello")),
+            Ok(r) => r,
+        }
     }
 
     /// Reads the next frame, which must be a control frame, waiting at most `wait` for it.
@@ -261,6 +292,24 @@ impl Framed {
         }
         self.bounce = b;
         Ok((d, out?))
+    }
+}
+
+/// Reads a `len`-byte body from `r` within `t`. The buffer grows with the bytes that actually
+/// arrive, so a header that announces a large body costs nothing until the peer sends it.
+pub(crate) async fn read_body<R: tokio::io::AsyncRead + Unpin>(
+    r: &mut R,
+    len: u32,
+    t: Duration,
+) -> Result<Vec<u8>> {
+    let mut body = Vec::with_capacity((len as usize).min(64 << 10));
+    match tokio::time::timeout(t, (&mut *r).take(len as u64).read_to_end(&mut body)).await {
+        Err(_) => Err(timeout_err(t, "control message")),
+        Ok(Err(e)) => Err(read_err(e, "control message")),
+        Ok(Ok(n)) if n < len as usize => Err(Error::PeerClosed(format!(
+            "connection closed in the middle of a control message ({n} of {len} bytes)"
+        ))),
+        Ok(Ok(_)) => Ok(body),
     }
 }
 

@@ -125,7 +125,8 @@ pub struct EndpointOptions {
     pub heartbeat_interval: Duration,
     /// A peer silent for this long (no heartbeat or answer) is declared dead.
     pub heartbeat_timeout: Duration,
-    /// How long a source registration without a live lease holder is kept.
+    /// How long a source registration without a live lease holder is kept, and how long a push
+    /// registration waits without any push activity before it fails.
     pub lease_ttl: Duration,
     /// Payload bytes per data frame (chunk), at most [`crate::wire::MAX_DATA_PAYLOAD`].
     pub chunk_bytes: u64,

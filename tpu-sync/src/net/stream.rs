@@ -321,14 +321,16 @@ pub(crate) async fn recv_stripe(
     let mut bad: Option<Error> = None;
     progress.start(pair, &stripe);
     let wait = f.io_timeout;
-    let chunks: Vec<(u64, u64)> = stripe.chunks_in(cursor.bounds()).collect();
-    let planned: u64 = chunks.iter().map(|(a, b)| b - a).sum();
+    // Lazy: the stripe geometry may come from the peer (pushes), so nothing proportional to its
+    // chunk count is allocated. `planned` is only needed for error messages.
+    let mut chunks = stripe.chunks_in(cursor.bounds()).peekable();
+    let planned = || -> u64 { stripe.chunks_in(cursor.bounds()).map(|(a, b)| b - a).sum() };
     progress.advance(
         pair,
         stripe.index,
-        chunks.first().map(|c| c.0).unwrap_or(total),
+        chunks.peek().map(|c| c.0).unwrap_or(total),
     );
-    for (j, &(a, b)) in chunks.iter().enumerate() {
+    while let Some((a, b)) = chunks.next() {
         let h = f.recv_header(wait).await.map_err(|e| fail(e, false))?;
         if h.request_id != request_id {
             return Err(fail(
@@ -345,8 +347,10 @@ pub(crate) async fn recv_stripe(
                 Control::Failed { message, .. } => fail(Error::Remote(message), true),
                 Control::StreamDone { bytes, .. } => fail(
                     Error::Protocol(format!(
-                        "sender ended stripe {}/{} after {got} of {planned} bytes (claims {bytes})",
-                        stripe.index, stripe.count
+                        "sender ended stripe {}/{} after {got} of {} bytes (claims {bytes})",
+                        stripe.index,
+                        stripe.count,
+                        planned()
                     )),
                     true,
                 ),
@@ -409,7 +413,7 @@ pub(crate) async fn recv_stripe(
             DataOutcome::Ok => {
                 got += n;
                 if bad.is_none() {
-                    let next = chunks.get(j + 1).map(|c| c.0).unwrap_or(total);
+                    let next = chunks.peek().map(|c| c.0).unwrap_or(total);
                     progress.advance(pair, stripe.index, next);
                 }
             }
@@ -428,8 +432,10 @@ pub(crate) async fn recv_stripe(
     if h.kind == FrameKind::Data {
         return Err(fail(
             Error::Protocol(format!(
-                "over-delivery: data beyond the {planned} bytes of stripe {}/{}",
-                stripe.index, stripe.count
+                "over-delivery: data beyond the {} bytes of stripe {}/{}",
+                planned(),
+                stripe.index,
+                stripe.count
             )),
             false,
         ));

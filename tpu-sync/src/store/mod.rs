@@ -859,7 +859,15 @@ impl Core {
             }
             let end = (start + w).min(chain.len());
             let (fills, mut rep, present) = self.reserve(parent, chain, start..end);
-            let sums = match fill(self, &fills) {
+            // A copy that panics (a device layer bug, a caller's callback) must not leave the
+            // window's slots reserved and its keys "being stored" forever: abort on unwind.
+            let guard = AbortFills {
+                core: self,
+                fills: &fills,
+            };
+            let r = fill(self, &fills);
+            std::mem::forget(guard);
+            let sums = match r {
                 Ok(s) => s,
                 Err(e) => {
                     self.abort_fills(&fills);
@@ -1141,7 +1149,14 @@ impl Core {
             let r = if items.is_empty() {
                 Ok((0, false))
             } else {
-                copy(self, &items)
+                // Promoted blocks are pinned until copied, also when the copy panics.
+                let guard = UnpinItems {
+                    core: self,
+                    items: &items,
+                };
+                let r = copy(self, &items);
+                std::mem::forget(guard);
+                r
             };
             self.unpin_items(&items);
             let (ok, raced) = r?;
@@ -1207,6 +1222,30 @@ impl Core {
         add(&self.c.get_disk, rep.from_disk as u64);
         add(&self.c.bytes_got, rep.bytes);
         Ok(rep)
+    }
+}
+
+/// Aborts a put window's reserved slots if the copy into them unwinds.
+struct AbortFills<'a> {
+    core: &'a Core,
+    fills: &'a [Fill],
+}
+
+impl Drop for AbortFills<'_> {
+    fn drop(&mut self) {
+        self.core.abort_fills(self.fills);
+    }
+}
+
+/// Unpins a get window's promoted blocks if the copy out of them unwinds.
+struct UnpinItems<'a> {
+    core: &'a Core,
+    items: &'a [Item],
+}
+
+impl Drop for UnpinItems<'_> {
+    fn drop(&mut self) {
+        self.core.unpin_items(self.items);
     }
 }
 

@@ -1,0 +1,822 @@
+//! Faults injected deterministically through the transport seam (`tests/fault_util`): every
+//! fault of the fault-injecting transport, on each transport (TCP, TLS, QUIC), in pulls and in
+//! pushes, while a second request shares the connection; and a peer dying at every point (before
+//! the first transfer, in the transport handshake, in the protocol hello, between transfers,
+//! mid-transfer, either side) followed by a restart at a new address.
+//!
+//! Each fault must end in an explicit error for the affected request within its timeout, the
+//! other request must arrive byte-exact, the producer must still serve the failed request
+//! afterwards (nothing it stored is lost), and at the end no fd, socket, thread, locked byte,
+//! mapping, lane, registration, lease or staged byte may be left. `tests/net_faults.rs` covers
+//! the faults the endpoint's own test hooks inject (stalls, corrupt chunks, hung peers, leases).
+//!
+//! The tests share the process's fd table and threads, so they run one at a time.
+
+mod fault_util;
+mod net_util;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fault_util::*;
+use net_util::*;
+use tpu_sync::arena::{ArenaOptions, LockStatus};
+use tpu_sync::net::{
+    Endpoint, EndpointOptions, PeerMap, PullRequest, PushRequest, SinkRegistration, SourceHandle,
+    SourceOutcome, SourceRegistration, Transfer, TransferStats, TransportKind,
+};
+use tpu_sync::plan::{Placement, Plan};
+use tpu_sync::staging::Staging;
+use tpu_sync::Error;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// io_timeout of these tests: a stalled lane fails its request after this long.
+const IO: Duration = Duration::from_millis(1000);
+/// Bound on any single request's outcome (faults included).
+const BOUND: Duration = Duration::from_secs(6);
+
+struct Fx {
+    src: Placement,
+    dst: Placement,
+    tokens: u32,
+    plan: Plan,
+}
+
+fn fx() -> Fx {
+    let m = model(2);
+    let tokens = 256;
+    let src = placement(layout(&m, "tp=2,block=16", tokens), 0, tokens, 11);
+    let dst = placement(layout(&m, "tp=1,block=32,order=hnd", tokens), 0, tokens, 12);
+    let plan = Plan::build(&src, &dst, tokens).unwrap();
+    Fx {
+        src,
+        dst,
+        tokens,
+        plan,
+    }
+}
+
+/// Locked, pre-faulted staging (so pinned bytes show in `VmLck`).
+fn locked() -> ArenaOptions {
+    ArenaOptions {
+        lock: true,
+        huge_pages: false,
+        populate: true,
+    }
+}
+
+fn o(kind: TransportKind, pki: &Pki, name: &str, listen: bool) -> EndpointOptions {
+    let mut o = opts(kind, security(kind, pki, name), name, listen);
+    o.io_timeout = IO;
+    o.connect_timeout = Duration::from_millis(800);
+    o.handshake_timeout = Duration::from_millis(800);
+    o.chunk_bytes = 32 << 10;
+    // Deaths here are noticed by closed lanes, not by missed heartbeats (tests/net_faults.rs
+    // covers those): a generous heartbeat timeout keeps a loaded machine from losing a peer.
+    o.heartbeat_timeout = Duration::from_secs(3);
+    o
+}
+
+async fn ep(kind: TransportKind, pki: &Pki, name: &str, listen: bool) -> (Endpoint, Arc<Faults>) {
+    fault_endpoint(o(kind, pki, name, listen)).await
+}
+
+fn register(ep: &Endpoint, f: &Fx, rid: u64) -> SourceHandle {
+    ep.register_source(SourceRegistration {
+        request_id: rid,
+        num_tokens: f.tokens,
+        placement: f.src.clone(),
+        staging: source_staging_with(&f.src, f.tokens, None, &locked()),
+        layers_ready: None,
+        expected_releases: 1,
+    })
+    .unwrap()
+}
+
+fn pull(ep: &Endpoint, f: &Fx, rid: u64, addr: &str) -> (Transfer, Arc<Staging>) {
+    let st = dest_staging_with(&f.plan, &f.dst, None, &locked());
+    let t = ep
+        .pull(PullRequest {
+            request_id: rid,
+            num_tokens: f.tokens,
+            src: f.src.clone(),
+            sources: PeerMap::single(addr),
+            dst: f.dst.clone(),
+            staging: st.clone(),
+            dst_ranks: None,
+            plan: None,
+        })
+        .unwrap();
+    (t, st)
+}
+
+fn expect(ep: &Endpoint, f: &Fx, rid: u64) -> (Transfer, Arc<Staging>) {
+    let st = dest_staging_with(&f.plan, &f.dst, None, &locked());
+    let t = ep
+        .expect_push(SinkRegistration {
+            request_id: rid,
+            num_tokens: f.tokens,
+            placement: f.dst.clone(),
+            staging: st.clone(),
+            dst_ranks: None,
+            src: None,
+            plan: None,
+        })
+        .unwrap();
+    (t, st)
+}
+
+fn push(ep: &Endpoint, f: &Fx, rid: u64, addr: &str) -> Transfer {
+    ep.push(PushRequest {
+        request_id: rid,
+        num_tokens: f.tokens,
+        src: f.src.clone(),
+        staging: source_staging_with(&f.src, f.tokens, None, &locked()),
+        src_ranks: None,
+        dst: f.dst.clone(),
+        targets: PeerMap::single(addr),
+        layers_ready: None,
+        plan: None,
+    })
+    .unwrap()
+}
+
+/// The outcome of `t`, which must come within `limit` (a hang fails the test).
+async fn outcome(t: &Transfer, limit: Duration, what: &str) -> Result<TransferStats, Error> {
+    match tokio::time::timeout(limit, t.wait()).await {
+        Ok(r) => r,
+        Err(_) => panic!("{what}: no outcome within {limit:?}"),
+    }
+}
+
+/// `t` succeeded and every byte of `st` is the pattern.
+async fn arrives(f: &Fx, t: &Transfer, st: &Staging, what: &str) {
+    let r = outcome(t, BOUND, what).await;
+    assert!(r.is_ok(), "{what}: {r:?}");
+    verify_dest(&f.dst, f.tokens, st, None);
+}
+
+/// Nothing held by `ep`: registrations, leases, staged bytes, transfers.
+async fn clean(ep: &Endpoint, what: &str) {
+    eventually(Duration::from_secs(5), what, || {
+        let s = ep.stats();
+        s.source_registrations == 0
+            && s.sink_registrations == 0
+            && s.leases == 0
+            && s.staged_bytes == 0
+            && s.transfers_in_flight == 0
+    })
+    .await;
+}
+
+/// The process's resources after one clean pull on every transport (the allocator's arenas,
+/// the runtime's threads and the TLS/QUIC statics exist from then on).
+async fn warm_baseline(pki: &Pki, f: &Fx) -> Resources {
+    for kind in KINDS {
+        let (prefill, _) = ep(kind, pki, "prefill", true).await;
+        let (decode, _) = ep(kind, pki, "decode", false).await;
+        let addr = prefill.local_addr().unwrap().to_string();
+        register(&prefill, f, 99);
+        let (t, st) = pull(&decode, f, 99, &addr);
+        arrives(f, &t, &st, "warm-up").await;
+        decode.release(&addr, 99).await.unwrap();
+        clean(&prefill, "warm-up").await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    Resources::sample()
+}
+
+type Check = fn(&Error) -> bool;
+
+fn injected(e: &Error) -> bool {
+    e.to_string().contains("injected")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Every fault, one request affected
+// ---------------------------------------------------------------------------------------------
+
+/// Which endpoint a rule goes on.
+#[derive(Clone, Copy, Debug)]
+enum On {
+    /// The puller / push receiver (decode).
+    Decode,
+    /// The producer / pusher (prefill).
+    Prefill,
+}
+
+struct Case {
+    name: &'static str,
+    on: On,
+    rule: fn(u64) -> Rule,
+    /// `None`: the affected request must still succeed (a delay within the timeouts).
+    err: Option<Check>,
+    /// Whether the fault takes the whole connection (so the other request may fail too, with an
+    /// explicit error, and the consumer's session ends).
+    whole_connection: bool,
+}
+
+fn pull_cases() -> Vec<Case> {
+    vec![
+        Case {
+            name: "corrupt data frame",
+            on: On::Decode,
+            rule: |a| Rule::nth(Point::Recv(FrameSel::data(a)), 2, Action::Corrupt),
+            err: Some(|e| matches!(e, Error::Checksum(_))),
+            whole_connection: false,
+        },
+        Case {
+            name: "truncated data frame",
+            on: On::Decode,
+            rule: |a| Rule::nth(Point::Recv(FrameSel::data(a)), 1, Action::Truncate),
+            err: Some(|e| e.is_peer_failure()),
+            whole_connection: false,
+        },
+        Case {
+            name: "lane dropped mid-stream",
+            on: On::Decode,
+            rule: |a| Rule::nth(Point::Recv(FrameSel::data(a)), 3, Action::DropLane),
+            err: Some(|e| e.is_peer_failure()),
+            whole_connection: false,
+        },
+        Case {
+            name: "sender's lane dropped",
+            on: On::Prefill,
+            rule: |a| Rule::nth(Point::Send(FrameSel::data(a)), 2, Action::DropLane),
+            err: Some(|e| e.is_peer_failure()),
+            whole_connection: false,
+        },
+        Case {
+            name: "completed stripe turned into a failure",
+            on: On::Decode,
+            rule: |a| {
+                Rule::once(
+                    Point::Recv(FrameSel::msg_of("stream_done", a)),
+                    Action::ReplaceWithFailed,
+                )
+            },
+            err: Some(|e| matches!(e, Error::Remote(_)) && injected(e)),
+            whole_connection: false,
+        },
+        Case {
+            name: "failed submit of the pull",
+            on: On::Decode,
+            rule: |a| Rule::once(Point::Send(FrameSel::msg_of("pull", a)), Action::Fail),
+            err: Some(injected),
+            whole_connection: false,
+        },
+        Case {
+            name: "delay within the timeout",
+            on: On::Decode,
+            rule: |a| {
+                Rule::nth(
+                    Point::Recv(FrameSel::data(a)),
+                    1,
+                    Action::Delay(Duration::from_millis(150)),
+                )
+            },
+            err: None,
+            whole_connection: false,
+        },
+        Case {
+            name: "stalled lane (delay past the timeout)",
+            on: On::Decode,
+            rule: |a| Rule::nth(Point::Recv(FrameSel::data(a)), 1, Action::Stall),
+            err: Some(|e| matches!(e, Error::Timeout(_))),
+            whole_connection: false,
+        },
+        Case {
+            name: "connection dropped",
+            on: On::Decode,
+            rule: |a| Rule::nth(Point::Recv(FrameSel::data(a)), 2, Action::DropConnection),
+            err: Some(|e| e.is_peer_failure()),
+            whole_connection: true,
+        },
+    ]
+}
+
+/// Pulls A and B at once over one connection with `case`'s fault aimed at A.
+async fn pull_case(kind: TransportKind, pki: &Pki, f: &Fx, case: &Case) {
+    let what = format!("{kind} pull: {}", case.name);
+    let (prefill, pf) = ep(kind, pki, "prefill", true).await;
+    let (decode, df) = ep(kind, pki, "decode", false).await;
+    let addr = prefill.local_addr().unwrap().to_string();
+    let (a, b) = (1, 2);
+    let ha = register(&prefill, f, a);
+    let _hb = register(&prefill, f, b);
+    // Connect first, so both requests share the peer's connection and lane pool.
+    decode.describe(&addr, b).await.unwrap();
+    match case.on {
+        On::Decode => df.add((case.rule)(a)),
+        On::Prefill => pf.add((case.rule)(a)),
+    };
+    let t0 = Instant::now();
+    let (ta, sa) = pull(&decode, f, a, &addr);
+    let (tb, sb) = pull(&decode, f, b, &addr);
+    let ra = outcome(&ta, BOUND, &what).await;
+    let took = t0.elapsed();
+    match (case.err, &ra) {
+        (None, Ok(_)) => {
+            verify_dest(&f.dst, f.tokens, &sa, None);
+        }
+        (Some(check), Err(e)) => {
+            assert!(check(e), "{what}: unexpected error {e}");
+            assert!(
+                ta.poll().unwrap().is_err(),
+                "{what}: a failed transfer stays failed"
+            );
+        }
+        (_, r) => panic!("{what}: unexpected outcome {r:?}"),
+    }
+    assert!(
+        took < IO + Duration::from_secs(2),
+        "{what}: the outcome took {took:?}"
+    );
+    let fired = [pf.fired(), df.fired()].concat();
+    assert_eq!(
+        fired.len(),
+        1,
+        "{what}: the fault must fire once: {fired:?}"
+    );
+    // The other request on the same connection is unaffected (or, when the whole connection
+    // went, fails explicitly).
+    let rb = outcome(&tb, BOUND, &what).await;
+    match rb {
+        Ok(_) => {
+            verify_dest(&f.dst, f.tokens, &sb, None);
+        }
+        Err(e) if case.whole_connection => assert!(e.is_peer_failure(), "{what}: B: {e}"),
+        Err(e) => panic!("{what}: the other request failed: {e}"),
+    }
+    // Nothing stored is lost: the producer still serves A (re-registered if the consumer's
+    // session ended with the connection).
+    if case.whole_connection {
+        // The consumer's session ended with its connection: the producer released both.
+        let h = ha;
+        eventually(Duration::from_secs(3), &what, || h.outcome().is_some()).await;
+        eventually(Duration::from_secs(3), &what, || {
+            prefill.stats().source_registrations == 0
+        })
+        .await;
+        register(&prefill, f, a);
+        register(&prefill, f, b);
+    } else {
+        assert_eq!(ha.outcome(), None, "{what}");
+    }
+    let (ta, sa) = pull(&decode, f, a, &addr);
+    arrives(f, &ta, &sa, &format!("{what}: retry of A")).await;
+    decode.release(&addr, a).await.unwrap();
+    decode.release(&addr, b).await.unwrap();
+    clean(&decode, &what).await;
+    clean(&prefill, &what).await;
+    drop(decode);
+    drop(prefill);
+    eventually(Duration::from_secs(5), &format!("{what}: lanes"), || {
+        pf.live_lanes() + df.live_lanes() == 0
+    })
+    .await;
+}
+
+fn push_cases() -> Vec<Case> {
+    vec![
+        Case {
+            name: "corrupt data frame",
+            on: On::Decode,
+            rule: |a| Rule::nth(Point::Recv(FrameSel::data(a)), 2, Action::Corrupt),
+            err: Some(|e| e.to_string().contains("checksum")),
+            whole_connection: false,
+        },
+        Case {
+            name: "truncated data frame",
+            on: On::Decode,
+            rule: |a| Rule::nth(Point::Recv(FrameSel::data(a)), 1, Action::Truncate),
+            err: Some(|e| e.is_peer_failure()),
+            whole_connection: false,
+        },
+        Case {
+            name: "acknowledged stripe turned into a failure",
+            on: On::Prefill,
+            rule: |a| {
+                Rule::once(
+                    Point::Recv(FrameSel::msg_of("stream_ack", a)),
+                    Action::ReplaceWithFailed,
+                )
+            },
+            err: Some(injected),
+            whole_connection: false,
+        },
+        Case {
+            name: "failed submit of the push",
+            on: On::Prefill,
+            rule: |a| Rule::once(Point::Send(FrameSel::msg_of("push", a)), Action::Fail),
+            err: Some(injected),
+            whole_connection: false,
+        },
+        Case {
+            name: "stalled lane",
+            on: On::Decode,
+            rule: |a| Rule::nth(Point::Recv(FrameSel::data(a)), 1, Action::Stall),
+            err: Some(|e| e.is_peer_failure() || matches!(e, Error::Cancelled(_))),
+            whole_connection: false,
+        },
+        Case {
+            name: "delay within the timeout",
+            on: On::Prefill,
+            rule: |a| {
+                Rule::once(
+                    Point::Send(FrameSel::msg_of("push_finish", a)),
+                    Action::Delay(Duration::from_millis(150)),
+                )
+            },
+            err: None,
+            whole_connection: false,
+        },
+    ]
+}
+
+/// Pushes A and B at once over one connection with `case`'s fault aimed at A. Both ends of A
+/// (the pusher's transfer and the receiver's registration) must end explicitly.
+async fn push_case(kind: TransportKind, pki: &Pki, f: &Fx, case: &Case) {
+    let what = format!("{kind} push: {}", case.name);
+    let (decode, df) = ep(kind, pki, "decode", true).await;
+    let (prefill, pf) = ep(kind, pki, "prefill", false).await;
+    let addr = decode.local_addr().unwrap().to_string();
+    let (a, b) = (1, 2);
+    let (sink_a, sa) = expect(&decode, f, a);
+    let (sink_b, sb) = expect(&decode, f, b);
+    decode_connects(&prefill, &addr, f).await;
+    match case.on {
+        On::Decode => df.add((case.rule)(a)),
+        On::Prefill => pf.add((case.rule)(a)),
+    };
+    let pa = push(&prefill, f, a, &addr);
+    let pb = push(&prefill, f, b, &addr);
+    let ra = outcome(&pa, BOUND, &what).await;
+    let rs = outcome(&sink_a, BOUND, &format!("{what} (receiver)")).await;
+    match case.err {
+        None => {
+            assert!(ra.is_ok() && rs.is_ok(), "{what}: {ra:?} {rs:?}");
+            verify_dest(&f.dst, f.tokens, &sa, None);
+        }
+        Some(check) => {
+            let e = ra.expect_err(&what);
+            assert!(check(&e), "{what}: unexpected error {e}");
+            let e = rs.expect_err(&format!("{what}: receiver"));
+            assert!(
+                e.is_peer_failure() || matches!(e, Error::Checksum(_) | Error::Cancelled(_)),
+                "{what}: receiver: {e}"
+            );
+        }
+    }
+    let fired = [pf.fired(), df.fired()].concat();
+    assert_eq!(
+        fired.len(),
+        1,
+        "{what}: the fault must fire once: {fired:?}"
+    );
+    outcome(&pb, BOUND, &what).await.unwrap();
+    arrives(f, &sink_b, &sb, &format!("{what}: B")).await;
+    // The pusher still has A: a new registration receives it whole.
+    if case.err.is_some() {
+        let (sink, st) = expect(&decode, f, a);
+        let p = push(&prefill, f, a, &addr);
+        outcome(&p, BOUND, &what).await.unwrap();
+        arrives(f, &sink, &st, &format!("{what}: retry of A")).await;
+    }
+    clean(&decode, &what).await;
+    clean(&prefill, &what).await;
+    drop(decode);
+    drop(prefill);
+    eventually(Duration::from_secs(5), &format!("{what}: lanes"), || {
+        pf.live_lanes() + df.live_lanes() == 0
+    })
+    .await;
+}
+
+/// Opens the pusher's connection to the receiver before the faults are armed.
+async fn decode_connects(prefill: &Endpoint, addr: &str, f: &Fx) {
+    let e = prefill.describe_sink(addr, 1).await.unwrap();
+    assert_eq!(e.1, f.tokens);
+}
+
+#[test]
+fn every_fault_fails_only_its_request() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    run(Duration::from_secs(240), async {
+        let pki = pki(&["prefill", "decode"]);
+        let f = fx();
+        let base = warm_baseline(&pki, &f).await;
+        for kind in KINDS {
+            for case in pull_cases() {
+                pull_case(kind, &pki, &f, &case).await;
+            }
+            for case in push_cases() {
+                push_case(kind, &pki, &f, &case).await;
+            }
+        }
+        assert_back_to(&base, Duration::from_secs(5), "after every fault").await;
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Peer death at every point
+// ---------------------------------------------------------------------------------------------
+
+/// A peer that dies in the transport handshake: a TCP listener that reads a few bytes of the
+/// client's first flight and closes (`hang`: never answers), or a UDP socket that never answers
+/// (QUIC). Returns its address and the task serving it.
+async fn dying_listener(kind: TransportKind, hang: bool) -> (String, tokio::task::JoinHandle<()>) {
+    use tokio::io::AsyncReadExt;
+    if kind == TransportKind::Quic {
+        let u = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = u.local_addr().unwrap().to_string();
+        let task = tokio::spawn(async move {
+            let mut b = [0u8; 2048];
+            while u.recv_from(&mut b).await.is_ok() {}
+        });
+        return (addr, task);
+    }
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let task = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((mut s, _)) = l.accept().await {
+            if hang {
+                held.push(s);
+                continue;
+            }
+            let mut b = [0u8; 10];
+            let _ = s.read_exact(&mut b).await;
+            drop(s);
+        }
+    });
+    (addr, task)
+}
+
+#[test]
+fn peer_death_at_every_point_leaks_nothing() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    run(Duration::from_secs(240), async {
+        let pki = pki(&["prefill", "decode", "doomed", "receiver"]);
+        let f = fx();
+        let base = warm_baseline(&pki, &f).await;
+        let mut peak_locked = 0;
+        let mut locks = false;
+        for kind in KINDS {
+            let (decode, df) = ep(kind, &pki, "decode", false).await;
+
+            // 1. Before the first transfer: the prefill is gone before anyone connects.
+            let (prefill, pf) = ep(kind, &pki, "prefill", true).await;
+            let addr = prefill.local_addr().unwrap().to_string();
+            pf.kill();
+            drop(prefill);
+            let (t, st) = pull(&decode, &f, 1, &addr);
+            let e = outcome(&t, BOUND, "kill before first").await.unwrap_err();
+            assert!(
+                e.is_peer_failure() || matches!(e, Error::Io { .. }),
+                "{kind}: {e}"
+            );
+            assert!(
+                !any_nonzero(&st),
+                "{kind}: nothing arrives from a dead peer"
+            );
+            clean(&decode, "kill before first").await;
+
+            // 2. In the transport handshake: the peer dies after the client's first bytes, or
+            // hangs without answering (bounded by the handshake timeout).
+            // (A QUIC peer that dies in the handshake looks like one that hangs: no answer.)
+            let hangs: &[bool] = if kind == TransportKind::Quic {
+                &[true]
+            } else {
+                &[false, true]
+            };
+            for &hang in hangs {
+                let (addr, task) = dying_listener(kind, hang).await;
+                let t0 = Instant::now();
+                let (t, st) = pull(&decode, &f, 2, &addr);
+                let e = outcome(&t, BOUND, "death in handshake").await.unwrap_err();
+                assert!(
+                    e.is_peer_failure() || matches!(e, Error::Io { .. }),
+                    "{kind} hang={hang}: {e}"
+                );
+                assert!(
+                    t0.elapsed() < Duration::from_millis(2500),
+                    "{kind}: {:?}",
+                    t0.elapsed()
+                );
+                assert!(!any_nonzero(&st));
+                task.abort();
+                clean(&decode, "death in handshake").await;
+            }
+
+            // 3. In the protocol hello: the prefill dies when the hello arrives.
+            let (prefill, pf) = ep(kind, &pki, "prefill", true).await;
+            let addr = prefill.local_addr().unwrap().to_string();
+            register(&prefill, &f, 3);
+            pf.add(Rule::once(
+                Point::Recv(FrameSel::msg("hello")),
+                Action::kill(&pf),
+            ));
+            let (t, _) = pull(&decode, &f, 3, &addr);
+            let e = outcome(&t, BOUND, "death in hello").await.unwrap_err();
+            assert!(
+                e.is_peer_failure() || matches!(e, Error::Io { .. }),
+                "{kind}: {e}"
+            );
+            assert_eq!(pf.fired().len(), 1);
+            drop(prefill);
+            clean(&decode, "death in hello").await;
+
+            // 4. The consumer dies in its own hello (after the producer answered): the
+            // producer's session ends at once.
+            let (prefill, _pf) = ep(kind, &pki, "prefill", true).await;
+            let addr = prefill.local_addr().unwrap().to_string();
+            let (doomed, dd) = ep(kind, &pki, "doomed", false).await;
+            dd.add(Rule::once(
+                Point::Recv(FrameSel::msg("hello_ack")),
+                Action::kill(&dd),
+            ));
+            let h = register(&prefill, &f, 4);
+            let (t, _) = pull(&doomed, &f, 4, &addr);
+            outcome(&t, BOUND, "consumer death in hello")
+                .await
+                .unwrap_err();
+            eventually(Duration::from_secs(3), "session ended", || {
+                prefill.stats().sessions == 0
+            })
+            .await;
+            drop(doomed);
+            eventually(Duration::from_secs(3), "doomed lanes closed", || {
+                dd.live_lanes() == 0
+            })
+            .await;
+            assert_eq!(
+                h.outcome(),
+                None,
+                "no lease was taken, the registration stays"
+            );
+            prefill.unregister_source(4);
+
+            // 5. Between transfers: one pull, then the producer dies; noticed without a new
+            // transfer; the next pull fails explicitly.
+            register(&prefill, &f, 5);
+            let (t, st) = pull(&decode, &f, 5, &addr);
+            arrives(&f, &t, &st, "before death").await;
+            peak_locked = peak_locked.max(Resources::sample().locked_kib);
+            decode.release(&addr, 5).await.unwrap();
+            let lost = decode.stats().peers_lost;
+            drop(prefill);
+            drop(_pf);
+            eventually(Duration::from_secs(3), "death noticed", || {
+                decode.stats().peers_lost > lost && decode.stats().peers == 0
+            })
+            .await;
+            let (t, _) = pull(&decode, &f, 6, &addr);
+            outcome(&t, BOUND, "pull after death").await.unwrap_err();
+            clean(&decode, "kill between").await;
+
+            // 6. Mid-pull: the producer dies as it sends its 5th data frame.
+            let (prefill, pf) = ep(kind, &pki, "prefill", true).await;
+            let addr = prefill.local_addr().unwrap().to_string();
+            register(&prefill, &f, 7);
+            pf.add(Rule::nth(
+                Point::Send(FrameSel::data(7)),
+                4,
+                Action::kill(&pf),
+            ));
+            let t0 = Instant::now();
+            let (t, _) = pull(&decode, &f, 7, &addr);
+            let e = outcome(&t, BOUND, "kill mid-pull").await.unwrap_err();
+            assert!(
+                e.is_peer_failure() || matches!(e, Error::Io { .. }),
+                "{kind}: {e}"
+            );
+            assert!(
+                t0.elapsed() < Duration::from_secs(3),
+                "{kind}: {:?}",
+                t0.elapsed()
+            );
+            assert!(t.poll().unwrap().is_err(), "never reported done");
+            assert!(
+                pf.fired().iter().any(|x| x.starts_with("kill")),
+                "{:?}",
+                pf.fired()
+            );
+            drop(prefill);
+            clean(&decode, "kill mid-pull").await;
+
+            // 7. Mid-push: the sender dies as it sends its 5th data frame.
+            let (receiver, rf) = ep(kind, &pki, "receiver", true).await;
+            let (pusher, pf) = ep(kind, &pki, "prefill", false).await;
+            let raddr = receiver.local_addr().unwrap().to_string();
+            let (sink, st) = expect(&receiver, &f, 8);
+            pf.add(Rule::nth(
+                Point::Send(FrameSel::data(8)),
+                4,
+                Action::kill(&pf),
+            ));
+            let p = push(&pusher, &f, 8, &raddr);
+            let e = outcome(&sink, BOUND, "kill mid-push").await.unwrap_err();
+            assert!(
+                e.is_peer_failure() || matches!(e, Error::Cancelled(_)),
+                "{kind}: {e}"
+            );
+            outcome(&p, BOUND, "pusher after its own death")
+                .await
+                .unwrap_err();
+            drop(st);
+            drop(pusher);
+            clean(&receiver, "kill mid-push").await;
+
+            // 7b. The sender dies before its first stripe reaches the receiver (its connect
+            // fails): the receiver's registration fails after `lease_ttl` without activity.
+            let mut ro = o(kind, &pki, "doomed", true);
+            ro.lease_ttl = Duration::from_millis(500);
+            let (idle_receiver, _) = fault_endpoint(ro).await;
+            let iaddr = idle_receiver.local_addr().unwrap().to_string();
+            let (pusher, pf) = ep(kind, &pki, "prefill", false).await;
+            pf.add(Rule::once(Point::Connect, Action::Fail));
+            let (sink, _st) = expect(&idle_receiver, &f, 12);
+            let p = push(&pusher, &f, 12, &iaddr);
+            let e = outcome(&p, BOUND, "pusher that cannot connect")
+                .await
+                .unwrap_err();
+            assert!(injected(&e), "{kind}: {e}");
+            let t0 = Instant::now();
+            let e = outcome(&sink, BOUND, "receiver of a dead sender")
+                .await
+                .unwrap_err();
+            assert!(matches!(e, Error::Timeout(_)), "{kind}: {e}");
+            assert!(
+                t0.elapsed() < Duration::from_secs(2),
+                "{kind}: {:?}",
+                t0.elapsed()
+            );
+            clean(&idle_receiver, "idle receiver").await;
+            drop((pusher, idle_receiver));
+
+            // 8. The consumer dies mid-pull: the producer releases the request at once.
+            let (doomed, dd) = ep(kind, &pki, "doomed", false).await;
+            register(&receiver, &f, 9);
+            dd.add(Rule::nth(
+                Point::Recv(FrameSel::data(9)),
+                2,
+                Action::kill(&dd),
+            ));
+            let (t, _) = pull(&doomed, &f, 9, &raddr);
+            outcome(&t, BOUND, "consumer killed").await.unwrap_err();
+            eventually(Duration::from_secs(3), "producer released", || {
+                receiver.stats().leases == 0 && receiver.stats().source_registrations == 0
+            })
+            .await;
+            drop(doomed);
+            clean(&receiver, "consumer death").await;
+
+            // 9. Restart with new addresses: the producer comes back under its name on a new
+            // port; the consumer is pointed at it and pulls every byte.
+            drop(receiver);
+            eventually(Duration::from_secs(3), "receiver's lanes closed", || {
+                rf.live_lanes() == 0
+            })
+            .await;
+            let (prefill, pf) = ep(kind, &pki, "prefill", true).await;
+            let old = prefill.local_addr().unwrap();
+            decode.add_peer("prefill", &old.to_string()).await.unwrap();
+            register(&prefill, &f, 10);
+            let (t, st) = pull(&decode, &f, 10, "prefill");
+            arrives(&f, &t, &st, "before restart").await;
+            pf.kill();
+            drop(prefill);
+            let (prefill, pf2) = ep(kind, &pki, "prefill", true).await;
+            assert_ne!(prefill.local_addr().unwrap(), old);
+            decode
+                .add_peer("prefill", &prefill.local_addr().unwrap().to_string())
+                .await
+                .unwrap();
+            let h = register(&prefill, &f, 11);
+            let (t, st) = pull(&decode, &f, 11, "prefill");
+            arrives(&f, &t, &st, "after restart").await;
+            if let LockStatus::Locked = st.arena().lock_status() {
+                locks = true;
+            }
+            decode.release("prefill", 11).await.unwrap();
+            assert_eq!(h.wait(BOUND).await.unwrap(), SourceOutcome::Released);
+            clean(&prefill, "restarted producer").await;
+            clean(&decode, "consumer after restart").await;
+            drop(prefill);
+            drop(decode);
+            eventually(Duration::from_secs(5), "no lane left", || {
+                df.live_lanes() + pf.live_lanes() + pf2.live_lanes() == 0
+            })
+            .await;
+        }
+        if locks {
+            assert!(
+                peak_locked > base.locked_kib,
+                "pinned staging shows in VmLck"
+            );
+        }
+        assert_back_to(&base, Duration::from_secs(5), "after every death").await;
+    });
+}
