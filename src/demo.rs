@@ -106,7 +106,17 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
     // tls/quic without credentials: an ephemeral CA and one certificate per side, in a private
     // temporary directory removed at the end.
     let pki_dir = std::env::temp_dir().join(format!("tpu-sync-demo-{}", std::process::id()));
-    let _cleanup = DirGuard(pki_dir.clone());
+    let mut _cleanup = None;
+    if kind != TransportKind::Tcp && job.tls_cert.is_none() && job.psk_file.is_none() {
+        // A fresh 0700 directory: refuse one that already exists (it could belong to someone
+        // else, or be a symlink) rather than write private keys into it.
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&pki_dir)
+            .map_err(|e| tpu_sync::Error::io(format!("create {}", pki_dir.display()), e))?;
+        _cleanup = Some(DirGuard(pki_dir.clone()));
+    }
     let mut creds: [Vec<String>; 2] = [Vec::new(), Vec::new()];
     let given = job.tls_cert.is_some() || job.psk_file.is_some();
     if kind != TransportKind::Tcp && !given {

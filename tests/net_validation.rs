@@ -297,3 +297,55 @@ fn receiver_bounds_what_a_peer_declares() {
         sink.cancel();
     });
 }
+
+/// A flood of connections cannot exhaust the receiver: beyond `max_inbound_lanes` a lane is
+/// closed as soon as it is accepted (counted in `lanes_refused`), the lanes already served keep
+/// working, and once they close new lanes are served again.
+#[test]
+fn inbound_lanes_are_bounded() {
+    run(Duration::from_secs(60), async {
+        let pki = pki(&["decode"]);
+        let mut o = opts(
+            TransportKind::Tcp,
+            security(TransportKind::Tcp, &pki, "decode"),
+            "decode",
+            true,
+        );
+        o.max_inbound_lanes = 2;
+        let decode = Endpoint::bind(o).await.unwrap();
+        let addr = decode.local_addr().unwrap();
+        // Two lanes take both permits: one said hello, one is still silent.
+        let mut served = Raw::open(addr).await;
+        let silent = TcpStream::connect(addr).await.unwrap();
+        eventually(Duration::from_secs(5), "two lanes open", || {
+            decode.stats().lanes_open == 2
+        })
+        .await;
+        // A third is closed at once, long before the handshake timeout.
+        let mut third = TcpStream::connect(addr).await.unwrap();
+        let mut b = [0u8; 1];
+        let n = tokio::time::timeout(Duration::from_secs(2), third.read(&mut b))
+            .await
+            .expect("the refused lane is closed at once")
+            .unwrap_or(0);
+        assert_eq!(n, 0);
+        assert_eq!(decode.stats().lanes_refused, 1);
+        // The served lane still answers (an unknown request is refused, with a message).
+        served
+            .send(&Control::Describe {
+                request_id: 0x5eed_0001,
+                sink: false,
+            })
+            .await;
+        failed_with(served.recv().await, "");
+        // Freed permits serve new lanes.
+        drop(silent);
+        drop(served);
+        eventually(Duration::from_secs(5), "lanes closed", || {
+            decode.stats().lanes_open == 0
+        })
+        .await;
+        let _again = Raw::open(addr).await;
+        assert_eq!(decode.stats().lanes_refused, 1);
+    });
+}

@@ -10,16 +10,21 @@
 #   3. AddressSanitizer + LeakSanitizer over the library's unit tests and the fault, validation
 #      and store tests (RUSTC_BOOTSTRAP=1 on the stable toolchain; std itself is not
 #      instrumented).
-#   4. ThreadSanitizer: run only where a nightly toolchain with rust-src exists (a sound TSan build
-#      needs std rebuilt with -Zbuild-std); otherwise the command is printed and the step skipped.
+#   4. ThreadSanitizer over the concurrency tests: needs a nightly toolchain with rust-src (a
+#      sound TSan build rebuilds std instrumented with -Zbuild-std); `rustup component add` is
+#      tried, and without them the command is printed and the step skipped.
+#   5. Miri over the pure modules (layout, planner, wire codec, store keys, index and checksums,
+#      data patterns): undefined behaviour, out-of-bounds and alignment errors. Needs the nightly
+#      `miri` component (tried as for TSan; skipped with the command printed otherwise).
 #
-# Environment: SANITIZE_STEPS (default "c python asan tsan"), VALGRIND (default valgrind).
+# Environment: SANITIZE_STEPS (default "c python asan tsan miri"), VALGRIND (default valgrind),
+# MIRI_CASES (proptest cases per property under Miri, default 4: Miri runs ~1000x slower).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 SUPP=$ROOT/scripts/sanitize/valgrind.supp
 VALGRIND=${VALGRIND:-valgrind}
-STEPS=${SANITIZE_STEPS:-c python asan tsan}
+STEPS=${SANITIZE_STEPS:-c python asan tsan miri}
 TARGET=x86_64-unknown-linux-gnu
 LOGS=$ROOT/target/sanitize
 mkdir -p "$LOGS"
@@ -40,6 +45,16 @@ memcheck() { # name, command... (extra valgrind options in $VG_EXTRA)
     grep -E "Invalid|uninitialised|definitely lost|ERROR SUMMARY" "$log" | head -20 || true
     fail=1
   fi
+}
+
+# Whether the nightly toolchain has these components (installing them when rustup can).
+have_nightly() {
+  rustup toolchain list 2>/dev/null | grep -q nightly || return 1
+  local c
+  for c in "$@"; do
+    rustup component list --installed --toolchain nightly 2>/dev/null | grep -q "^$c" ||
+      timeout 300 rustup component add "$c" --toolchain nightly >/dev/null 2>&1 || return 1
+  done
 }
 
 if [[ " $STEPS " == *" c "* ]]; then
@@ -84,8 +99,7 @@ if [[ " $STEPS " == *" tsan "* ]]; then
   TSAN_CMD="RUSTFLAGS='-Zsanitizer=thread' RUSTDOCFLAGS='-Zsanitizer=thread' \
 cargo +nightly test -Zbuild-std --release --target $TARGET --target-dir target/tsan \
 -p tpu-sync --lib -p tpu-sync-cli --test net_chaos --test store_race --test store_basic"
-  if rustup toolchain list 2>/dev/null | grep -q nightly &&
-    rustup component list --installed --toolchain nightly 2>/dev/null | grep -q rust-src; then
+  if have_nightly rust-src; then
     if eval "TSAN_OPTIONS=halt_on_error=1 $TSAN_CMD" >"$LOGS/tsan.log" 2>&1; then
       echo "  ok   tsan"
     else
@@ -97,6 +111,24 @@ cargo +nightly test -Zbuild-std --release --target $TARGET --target-dir target/t
     echo "  std rebuilt instrumented (-Zbuild-std needs rust-src); without it every Mutex/Arc in std"
     echo "  is invisible to TSan and it reports false races. Where available, run:"
     echo "    $TSAN_CMD"
+  fi
+fi
+
+if [[ " $STEPS " == *" miri "* ]]; then
+  echo "== Miri: pure modules (layout, plan, wire, store key/index/checksum, pattern)"
+  MIRI_FILTERS="layout:: plan:: wire:: store::key:: store::index:: store::checksum:: pattern::"
+  MIRI_CMD="PROPTEST_CASES=${MIRI_CASES:-4} cargo +nightly miri test -p tpu-sync --lib -- $MIRI_FILTERS"
+  if have_nightly rust-src miri; then
+    if eval "$MIRI_CMD" >"$LOGS/miri.log" 2>&1; then
+      echo "  ok   miri: $(grep -oE '[0-9]+ passed' "$LOGS/miri.log" | tail -1) tests"
+    else
+      echo "  FAIL miri: see $LOGS/miri.log"
+      grep -E "Undefined Behavior|error:|panicked|FAILED" "$LOGS/miri.log" | head -20 || true
+      fail=1
+    fi
+  else
+    echo "  SKIPPED: no nightly toolchain with the miri component here. Where available, run:"
+    echo "    $MIRI_CMD"
   fi
 fi
 

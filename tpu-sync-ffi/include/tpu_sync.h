@@ -1107,7 +1107,8 @@ enum tpu_sync_status tpu_sync_pacing_stats(char *buf, size_t buf_len, size_t *le
  *  "timeout_s": 30,             // connect, handshake and I/O limits (or each *_timeout_s)
  *  "heartbeat_interval_s": 1, "heartbeat_timeout_s": 5,
  *  "lease_ttl_s": 120,          // how long an unreleased registration is kept without holders
- *  "chunk_bytes": 1048576, "streams_per_pair": 2, "max_lanes_per_peer": 16}
+ *  "chunk_bytes": 1048576, "streams_per_pair": 2, "max_lanes_per_peer": 16,
+ *  "max_inbound_lanes": 4096}  // inbound sockets/streams served at once; more are closed
  * ```
  *
  * Every key is optional. `endpoint_out` receives a new handle owned by the caller.
@@ -1340,7 +1341,7 @@ enum tpu_sync_status tpu_sync_transfer_free(struct tpu_sync_transfer *transfer);
  * `tpu_sync_client_info`): gauges `peers`, `sessions`, `lanes_open`, `source_registrations`,
  * `sink_registrations`, `leases`, `staged_bytes`, `transfers_in_flight`; totals
  * `lanes_opened`, `bytes_sent`, `bytes_received`, `transfers_completed`, `transfers_failed`,
- * `checksum_failures`, `peers_lost`, `handshake_failures`; and `address`, `transport`, `name`.
+ * `checksum_failures`, `peers_lost`, `handshake_failures`, `lanes_refused`; and `address`, `transport`, `name`.
  *
  * # Safety
  * `buf` must have `buf_len` writable bytes (or be NULL with `buf_len` 0); `len_out` NULL or

@@ -194,6 +194,7 @@ struct EndpointJson {
     chunk_bytes: Option<u64>,
     streams_per_pair: Option<u32>,
     max_lanes_per_peer: Option<u32>,
+    max_inbound_lanes: Option<u32>,
 }
 
 fn secs(v: f64, what: &str) -> FfiResult<Duration> {
@@ -276,6 +277,9 @@ fn options(j: EndpointJson) -> FfiResult<EndpointOptions> {
     if let Some(n) = j.max_lanes_per_peer {
         o.max_lanes_per_peer = n;
     }
+    if let Some(n) = j.max_inbound_lanes {
+        o.max_inbound_lanes = n;
+    }
     Ok(o)
 }
 
@@ -290,7 +294,8 @@ fn options(j: EndpointJson) -> FfiResult<EndpointOptions> {
 ///  "timeout_s": 30,             // connect, handshake and I/O limits (or each *_timeout_s)
 ///  "heartbeat_interval_s": 1, "heartbeat_timeout_s": 5,
 ///  "lease_ttl_s": 120,          // how long an unreleased registration is kept without holders
-///  "chunk_bytes": 1048576, "streams_per_pair": 2, "max_lanes_per_peer": 16}
+///  "chunk_bytes": 1048576, "streams_per_pair": 2, "max_lanes_per_peer": 16,
+///  "max_inbound_lanes": 4096}  // inbound sockets/streams served at once; more are closed
 /// ```
 ///
 /// Every key is optional. `endpoint_out` receives a new handle owned by the caller.
@@ -1030,7 +1035,7 @@ pub extern "C" fn tpu_sync_transfer_free(transfer: *mut tpu_sync_transfer) -> tp
 /// `tpu_sync_client_info`): gauges `peers`, `sessions`, `lanes_open`, `source_registrations`,
 /// `sink_registrations`, `leases`, `staged_bytes`, `transfers_in_flight`; totals
 /// `lanes_opened`, `bytes_sent`, `bytes_received`, `transfers_completed`, `transfers_failed`,
-/// `checksum_failures`, `peers_lost`, `handshake_failures`; and `address`, `transport`, `name`.
+/// `checksum_failures`, `peers_lost`, `handshake_failures`, `lanes_refused`; and `address`, `transport`, `name`.
 ///
 /// # Safety
 /// `buf` must have `buf_len` writable bytes (or be NULL with `buf_len` 0); `len_out` NULL or
@@ -1054,6 +1059,7 @@ pub unsafe extern "C" fn tpu_sync_endpoint_stats(
             "transfers_completed": s.transfers_completed, "transfers_failed": s.transfers_failed,
             "checksum_failures": s.checksum_failures, "peers_lost": s.peers_lost,
             "handshake_failures": s.handshake_failures,
+            "lanes_refused": s.lanes_refused,
             "address": e.ep.local_addr().map(|a| a.to_string()),
             "transport": e.ep.transport_kind().to_string(),
             "name": e.ep.name(),

@@ -502,6 +502,8 @@ struct CountedLane {
 }
 
 pub(crate) struct Inner {
+    /// One permit per inbound lane being served ([`EndpointOptions::max_inbound_lanes`]).
+    inbound: Arc<Semaphore>,
     opts: EndpointOptions,
     transport: Arc<dyn Transport>,
     incarnation: u64,
@@ -602,9 +604,10 @@ impl Endpoint {
                 wire::MAX_DATA_PAYLOAD
             )));
         }
-        if opts.streams_per_pair == 0 || opts.max_lanes_per_peer == 0 {
+        if opts.streams_per_pair == 0 || opts.max_lanes_per_peer == 0 || opts.max_inbound_lanes == 0
+        {
             return Err(Error::InvalidArgument(
-                "streams_per_pair and max_lanes_per_peer must be >= 1".into(),
+                "streams_per_pair, max_lanes_per_peer and max_inbound_lanes must be >= 1".into(),
             ));
         }
         if opts.streams_per_pair > wire::MAX_STRIPES {
@@ -624,7 +627,9 @@ impl Endpoint {
             None => None,
         };
         let local_addr = acceptor.as_ref().map(|a| a.local_addr());
+        let inbound = Arc::new(Semaphore::new(opts.max_inbound_lanes as usize));
         let inner = Arc::new(Inner {
+            inbound,
             opts,
             transport,
             incarnation: random_u64() & super::MAX_REQUEST_ID,
@@ -1204,6 +1209,7 @@ impl Inner {
             checksum_failures: c.checksum_failures.load(Ordering::Relaxed),
             peers_lost: c.peers_lost.load(Ordering::Relaxed),
             handshake_failures: hs,
+            lanes_refused: c.lanes_refused.load(Ordering::Relaxed),
         }
     }
 
@@ -1972,8 +1978,25 @@ impl Inner {
             };
             match lane {
                 Ok(lane) => {
+                    let Ok(permit) = self.inbound.clone().try_acquire_owned() else {
+                        let n = self.counters.lanes_refused.fetch_add(1, Ordering::Relaxed);
+                        if n.is_power_of_two() || n == 0 {
+                            log::warn!(
+                                "refused an inbound lane from {}: {} lanes already served \
+                                 (max_inbound_lanes; {} refused so far)",
+                                lane.peer().addr,
+                                self.opts.max_inbound_lanes,
+                                n + 1
+                            );
+                        }
+                        drop(lane);
+                        continue;
+                    };
                     let me = self.clone();
-                    self.spawn(async move { me.serve_lane(lane).await });
+                    self.spawn(async move {
+                        me.serve_lane(lane).await;
+                        drop(permit);
+                    });
                 }
                 Err(e) => {
                     log::info!("listener ended: {e}");

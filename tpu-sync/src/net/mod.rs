@@ -134,6 +134,12 @@ pub struct EndpointOptions {
     pub streams_per_pair: u32,
     /// Most data lanes (sockets or QUIC streams) open to one peer at once (>= 1).
     pub max_lanes_per_peer: u32,
+    /// Most inbound lanes (accepted sockets or QUIC streams, from all peers together, including
+    /// ones still in their hello) this endpoint serves at once (>= 1). A lane beyond it is closed
+    /// as soon as it is accepted and counted in [`Stats::lanes_refused`], so a flood of
+    /// connections cannot exhaust tasks or file descriptors. Size it to at least
+    /// `peers x (max_lanes_per_peer + 1)` of the peers expected to connect.
+    pub max_inbound_lanes: u32,
     /// Test-only faults injected by this endpoint when it sends.
     #[doc(hidden)]
     pub faults: FaultHooks,
@@ -155,6 +161,7 @@ impl Default for EndpointOptions {
             chunk_bytes: 1 << 20,
             streams_per_pair: 2,
             max_lanes_per_peer: 16,
+            max_inbound_lanes: 4096,
             faults: FaultHooks::default(),
         }
     }
@@ -281,6 +288,9 @@ pub struct Stats {
     pub peers_lost: u64,
     /// Total: incoming handshakes refused (authentication failures, timeouts).
     pub handshake_failures: u64,
+    /// Total: inbound lanes closed unserved because
+    /// [`EndpointOptions::max_inbound_lanes`] were already being served.
+    pub lanes_refused: u64,
 }
 
 #[derive(Debug, Default)]
@@ -293,6 +303,7 @@ pub(crate) struct Counters {
     pub(crate) transfers_failed: AtomicU64,
     pub(crate) checksum_failures: AtomicU64,
     pub(crate) peers_lost: AtomicU64,
+    pub(crate) lanes_refused: AtomicU64,
     pub(crate) corrupted: AtomicBool,
 }
 

@@ -465,13 +465,26 @@ pub fn generate_test_pki(dir: &Path, names: &[&str]) -> Result<TestPki> {
         .push(DnType::CommonName, "tpu-sync ephemeral CA");
     let ca_cert = ca.self_signed(&ca_key).map_err(e)?;
     let write = |p: &Path, s: &str, secret: bool| -> Result<()> {
-        std::fs::write(p, s).map_err(|x| Error::io(format!("write {}", p.display()), x))?;
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        // Secrets are created 0600 (never readable by others, not even briefly), and an existing
+        // file or a planted symlink at the path is replaced by neither: O_NOFOLLOW, truncate of
+        // our own file only.
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(if secret { 0o600 } else { 0o644 })
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(p)
+            .map_err(|x| Error::io(format!("write {}", p.display()), x))?;
         if secret {
             use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600))
+            f.set_permissions(std::fs::Permissions::from_mode(0o600))
                 .map_err(|x| Error::io(format!("chmod {}", p.display()), x))?;
         }
-        Ok(())
+        f.write_all(s.as_bytes())
+            .map_err(|x| Error::io(format!("write {}", p.display()), x))
     };
     let ca_path = dir.join("ca.pem");
     write(&ca_path, &ca_cert.pem(), false)?;

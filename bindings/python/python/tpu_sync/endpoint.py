@@ -113,6 +113,8 @@ class Endpoint(Handle):
             which a peer is declared dead (its transfers fail, its leases end).
         lease_s: how long a registration is kept without a live consumer (endpoint-wide).
         chunk_bytes, streams_per_pair, max_lanes_per_peer: network tuning (see the Rust docs).
+        max_inbound_lanes: inbound sockets/streams served at once (default 4096); a connection
+            beyond it is closed at once and counted in ``stats()["lanes_refused"]``.
 
     Raises:
         InvalidArgumentError (options), IOError (address in use, unreadable credential files).
@@ -125,7 +127,8 @@ class Endpoint(Handle):
                  timeout: float = 30.0, client: Optional[Client] = None,
                  heartbeat_interval: Optional[float] = None, heartbeat_timeout: Optional[float] = None,
                  lease_s: Optional[float] = None, chunk_bytes: Optional[int] = None,
-                 streams_per_pair: Optional[int] = None, max_lanes_per_peer: Optional[int] = None) -> None:
+                 streams_per_pair: Optional[int] = None, max_lanes_per_peer: Optional[int] = None,
+                 max_inbound_lanes: Optional[int] = None) -> None:
         cfg: Dict[str, Any] = {"transport": transport, "timeout_s": float(timeout)}
         if listen is not None:
             cfg["listen"] = str(listen)
@@ -135,7 +138,7 @@ class Endpoint(Handle):
             cfg["psk_hex"] = bytes(psk).hex()
         for k, v in dict(name=name, heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout,
                          lease_ttl_s=lease_s, chunk_bytes=chunk_bytes, streams_per_pair=streams_per_pair,
-                         max_lanes_per_peer=max_lanes_per_peer).items():
+                         max_lanes_per_peer=max_lanes_per_peer, max_inbound_lanes=max_inbound_lanes).items():
             if v is not None:
                 cfg[k] = v
         out = ffi.new("tpu_sync_endpoint **")
