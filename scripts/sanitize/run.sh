@@ -117,7 +117,7 @@ fi
 if [[ " $STEPS " == *" miri "* ]]; then
   echo "== Miri: pure modules (layout, plan, wire, store key/index/checksum, pattern)"
   MIRI_FILTERS="layout:: plan:: wire:: store::key:: store::index:: store::checksum:: pattern::"
-  MIRI_CMD="PROPTEST_CASES=${MIRI_CASES:-4} cargo +nightly miri test -p tpu-sync --lib -- $MIRI_FILTERS"
+  MIRI_CMD="PROPTEST_CASES=${MIRI_CASES:-4} MIRIFLAGS=-Zmiri-disable-isolation cargo +nightly miri test -p tpu-sync --lib -- $MIRI_FILTERS"
   if have_nightly rust-src miri; then
     if eval "$MIRI_CMD" >"$LOGS/miri.log" 2>&1; then
       echo "  ok   miri: $(grep -oE '[0-9]+ passed' "$LOGS/miri.log" | tail -1) tests"

@@ -43,3 +43,23 @@ def workdir() -> str:
 @pytest.fixture(scope="session")
 def tiny_model(workdir) -> str:
     return build_model(os.path.join(workdir, "tiny-llama"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def clean_vllm_shm():
+    """Removes the ``/dev/shm/vllm_dist_*`` broadcast segments that vLLM's TP>1 workers leave
+    behind when an engine is killed (as the producer-death test does), so repeated runs do not
+    accumulate them. Only segments that appeared during this session are touched."""
+    def segments():
+        try:
+            return {n for n in os.listdir("/dev/shm") if n.startswith("vllm_dist_")}
+        except OSError:
+            return set()
+
+    before = segments()
+    yield
+    for n in segments() - before:
+        try:
+            os.unlink(os.path.join("/dev/shm", n))
+        except OSError:
+            pass

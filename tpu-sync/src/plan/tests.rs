@@ -154,6 +154,7 @@ fn layout(
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "simulates megabytes byte by byte: hours under Miri")]
 fn demo_default_pair() {
     let m = ModelKv::preset("llama-3.1-8b").unwrap();
     let m = ModelKv { num_layers: 2, ..m };
