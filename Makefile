@@ -38,7 +38,7 @@ LIBDIR := $(CURDIR)/target/release
 
 # C ABI tests: compiled with the committed header and the C compiler only, linked to libtpu_sync.
 test-c: plugin
-	$(CARGO) build --release -p tpu-sync-cdylib
+	$(CARGO) build --release --workspace
 	mkdir -p target/c
 	set -e; for t in tpu-sync-ffi/tests/c/*.c; do \
 	  n=$$(basename $$t .c); \
@@ -48,7 +48,7 @@ test-c: plugin
 
 # C examples: built with the committed header and the C compiler only, linked to libtpu_sync, run.
 examples-c: plugin
-	$(CARGO) build --release -p tpu-sync-cdylib
+	$(CARGO) build --release --workspace
 	mkdir -p target/c
 	set -e; for e in examples/c/*.c; do \
 	  n=example_$$(basename $$e .c); \
@@ -83,6 +83,7 @@ clean:
 # installed into a project-local virtualenv without torch.
 PYVENV := $(CURDIR)/.venv-py
 $(PYVENV)/bin/maturin:
+	./scripts/bootstrap-python.sh >/dev/null
 	python3 -m venv $(PYVENV)
 	$(PYVENV)/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" "cffi>=1.15" pytest numpy
 
@@ -127,7 +128,7 @@ sanitize: test-c examples-c python
 VLLM_VENV := $(CURDIR)/.venv-vllm
 vllm-env: python
 	./scripts/install-vllm.sh
-	python3 -m uv pip install -q --python $(VLLM_VENV)/bin/python --force-reinstall --no-deps target/wheels/tpu_sync-*.whl
+	"$$(./scripts/bootstrap-python.sh)/bin/uv" pip install -q --python $(VLLM_VENV)/bin/python --force-reinstall --no-deps target/wheels/tpu_sync-*.whl
 
 # Engine tests (P/D, offload, warm restart, poisoned/corrupted tier, producer death, proxy) and the
 # connector's unit tests against vLLM's classes; every engine runs in its own process.

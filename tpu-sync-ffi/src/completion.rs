@@ -13,6 +13,7 @@ use std::ffi::c_void;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::task::{Context, Poll, Wake, Waker};
@@ -118,6 +119,52 @@ fn completion_thread(rx: mpsc::Receiver<Msg>, tx: mpsc::Sender<Msg>) {
     }
 }
 
+/// Stops delivering completion callbacks, process-wide and for good. Callbacks already due when
+/// it is called (their operation had completed) are delivered first; then callbacks are turned
+/// off: no callback registered with `tpu_sync_copy_set_callback` or
+/// `tpu_sync_transfer_set_callback` is called any more. Registrations of operations that
+/// complete later are dropped without a call (their `user_data` is not touched), and later
+/// registrations are accepted and never called. Operations themselves are unaffected: they still
+/// complete and can be polled, waited on and freed.
+///
+/// Waits up to `timeout_ms` milliseconds in all for the due callbacks and for a callback running
+/// at the time of the call to return; returns `TPU_SYNC_TIMEOUT` if they did not (callbacks are
+/// off regardless; a running one finishes on its own). Called from inside a callback it turns
+/// callbacks off and returns at once, without waiting.
+///
+/// Meant for language runtimes that shut down while the process lives on: a runtime that tears
+/// down its threads (CPython at interpreter exit) must not be entered from the library's
+/// completion thread afterwards. The Python package calls it from `atexit`. Thread-safe.
+#[no_mangle]
+pub extern "C" fn tpu_sync_callbacks_disable(timeout_ms: u64) -> tpu_sync_status {
+    crate::status::boundary("tpu_sync_callbacks_disable", || {
+        if on_completion_thread() {
+            CALLBACKS_OFF.store(true, Ordering::SeqCst);
+            return Ok(());
+        }
+        let deadline = Instant::now() + Duration::from_millis(timeout_ms);
+        // Everything queued on the completion thread before a marker has run once the marker
+        // runs. First marker: the callbacks already due are delivered. Second (after turning
+        // callbacks off): one scheduled in between has been dropped, and none is running.
+        let flush = || -> FfiResult {
+            let (tx, rx) = mpsc::channel::<()>();
+            run_on_completion_thread(move || {
+                let _ = tx.send(());
+            });
+            rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                .map_err(|_| {
+                    Failure(
+                        tpu_sync_status::TPU_SYNC_TIMEOUT,
+                        format!("completion callbacks were still running after {timeout_ms} ms"),
+                    )
+                })
+        };
+        let delivered = flush();
+        CALLBACKS_OFF.store(true, Ordering::SeqCst);
+        delivered.and_then(|_| flush())
+    })
+}
+
 /// Runs `f` on the completion thread.
 pub(crate) fn run_on_completion_thread(f: impl FnOnce() + Send + 'static) {
     send(Msg::Run(Box::new(f)));
@@ -129,8 +176,16 @@ struct Callback {
     user: usize,
 }
 
+/// Set for good by [`tpu_sync_callbacks_disable`]: callbacks are dropped instead of called.
+static CALLBACKS_OFF: AtomicBool = AtomicBool::new(false);
+
 impl Callback {
     fn call(self, status: tpu_sync_status) {
+        // Checked on the completion thread right before the call: a callback queued before
+        // `tpu_sync_callbacks_disable` but not yet started is dropped too.
+        if CALLBACKS_OFF.load(Ordering::SeqCst) {
+            return;
+        }
         // SAFETY: the caller registered `f` with `user` and promised both stay valid until the
         // one call (tpu_sync_*_set_callback contract).
         unsafe { (self.f)(self.user as *mut c_void, status) }

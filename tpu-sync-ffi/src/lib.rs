@@ -39,7 +39,7 @@ pub mod endpoint;
 pub mod store;
 
 pub use api::*;
-pub use completion::tpu_sync_callback;
+pub use completion::{tpu_sync_callback, tpu_sync_callbacks_disable};
 pub use device::*;
 pub use endpoint::*;
 pub use handle::{tpu_sync_handle_kind, tpu_sync_handle_stats};

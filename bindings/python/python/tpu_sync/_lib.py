@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import threading
@@ -119,6 +120,16 @@ def _dispatch(user_data, status) -> None:
 
 
 _native_callback = ffi.callback("tpu_sync_callback", _dispatch)
+
+
+@atexit.register
+def _stop_callbacks() -> None:
+    # At interpreter exit the library's completion thread must not enter Python any more: a
+    # native thread taking the GIL during finalization is terminated by CPython (pthread_exit),
+    # which unwinds through the library and aborts the process. atexit runs while the
+    # interpreter is still whole, so a callback running now can finish; callbacks not yet
+    # delivered are dropped (their operations still complete).
+    lib.tpu_sync_callbacks_disable(2000)
 
 
 def register_callback(fn: Callable[[int], None]):
