@@ -231,12 +231,14 @@ impl<T: Clone + Send + 'static> Completion<T> {
             Err(f) => f.0,
         };
         g.result = Some(r);
-        let cb = g.callback.take();
-        drop(g);
-        self.cv.notify_all();
-        if let Some(cb) = cb {
+        // The callback is queued before anyone can see the outcome (still under the lock): a
+        // caller that saw the operation done and then calls `tpu_sync_callbacks_disable` finds
+        // it due and has it delivered. Queueing only sends on a channel; it never blocks.
+        if let Some(cb) = g.callback.take() {
             run_on_completion_thread(move || cb.call(status));
         }
+        drop(g);
+        self.cv.notify_all();
     }
 
     /// Whether the outcome is known.

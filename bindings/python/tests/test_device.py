@@ -298,3 +298,21 @@ def test_interpreter_exit_with_callbacks_registered(case):
             assert "callback None" in r.stdout, r.stdout
         else:
             assert "callback" not in r.stdout, r.stdout
+
+
+def test_dtype_override_for_arrays_without_a_tpu_sync_dtype(client):
+    """bf16 KV often lives in uint16 arrays (numpy has no bf16): ``dtype=`` names the device
+    type; without it the error says what to pass. Bytes arrive unchanged either way."""
+    import numpy as np
+
+    a = (np.arange(4096, dtype=np.uint32) * 2654435761 % 65521 + 1).astype(np.uint16)
+    b = client.buffer_from_host(a, dtype="bf16")
+    assert b.size == a.nbytes and b.read() == a.tobytes()
+    b.close()
+    with pytest.raises(errors.InvalidArgumentError, match="pass dtype="):
+        client.buffer_from_host(a)
+    v = tpu_sync.aligned_array(4096, "uint16")
+    v[:] = a
+    vb = client.view(v, dtype="bf16")
+    assert vb.read() == a.tobytes()
+    vb.close()

@@ -4,7 +4,7 @@ numpy (they are used only if the caller passes their objects)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 from ._native import ffi, lib
 from .errors import InvalidArgumentError
@@ -42,6 +42,28 @@ def dtype_name(d: Any) -> str:
     return s
 
 
+def _known_dtype(d: Any) -> Optional[str]:
+    """The tpu_sync name of an array's own dtype, or None when it has none (raw bytes are still
+    usable: copies and stores only need the address and size; a device buffer needs ``dtype=``)."""
+    try:
+        return dtype_name(d)
+    except InvalidArgumentError:
+        return None
+
+
+def resolve_dtype(v: "ArrayView", override: Any, obj: Any) -> str:
+    """``override`` (any dtype spelling) if given, else the array's own dtype; an array whose
+    dtype tpu_sync lacks needs the override."""
+    if override is not None:
+        return dtype_name(override)
+    if v.dtype is None:
+        raise InvalidArgumentError(
+            lib.TPU_SYNC_INVALID_ARGUMENT,
+            f"unsupported dtype {getattr(obj, 'dtype', '?')!r}: pass dtype= (e.g. dtype='bf16' for "
+            "bf16 data held in a uint16 array)")
+    return v.dtype
+
+
 @dataclass
 class ArrayView:
     """Where an array's bytes are.
@@ -50,7 +72,8 @@ class ArrayView:
         ptr: address of the first byte (host address, or device address when ``on_device``).
         nbytes: size in bytes.
         shape: dimensions.
-        dtype: tpu_sync dtype name (``"bf16"``, ``"f32"``, ...).
+        dtype: tpu_sync dtype name (``"bf16"``, ``"f32"``, ...), or None when the array's dtype
+            has none (e.g. ``uint16``; see :func:`resolve_dtype`).
         on_device: True for accelerator tensors (the pointer is a device pointer).
         keepalive: the object (or cffi buffer) that must stay alive while ``ptr`` is used.
     """
@@ -58,7 +81,7 @@ class ArrayView:
     ptr: int
     nbytes: int
     shape: Tuple[int, ...]
-    dtype: str
+    dtype: Optional[str]
     on_device: bool
     keepalive: Any
 
@@ -74,7 +97,7 @@ def view(obj: Any, writable: bool = False) -> ArrayView:
             ptr=int(obj.data_ptr()),
             nbytes=int(obj.numel()) * int(obj.element_size()),
             shape=tuple(int(s) for s in obj.shape),
-            dtype=dtype_name(obj.dtype),
+            dtype=_known_dtype(obj.dtype),
             on_device=obj.device.type != "cpu",
             keepalive=obj,
         )
@@ -87,7 +110,7 @@ def view(obj: Any, writable: bool = False) -> ArrayView:
             ptr=int(obj.__array_interface__["data"][0]),
             nbytes=int(obj.nbytes),
             shape=tuple(int(s) for s in obj.shape),
-            dtype=dtype_name(obj.dtype),
+            dtype=_known_dtype(obj.dtype),
             on_device=False,
             keepalive=obj,
         )

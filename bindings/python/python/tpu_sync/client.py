@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._lib import Handle, check, json_out, out_string
 from ._native import ffi, lib
-from .arrays import DTYPES, dtype_name, view
+from .arrays import DTYPES, resolve_dtype, view
 from .errors import InvalidArgumentError
 
 
@@ -89,7 +89,7 @@ class Client(Handle):
         if v.on_device:
             raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, "buffer_from_host needs host memory")
         dims = list(shape) if shape is not None else list(v.shape)
-        dt = dtype_name(dtype) if dtype is not None else v.dtype
+        dt = resolve_dtype(v, dtype, data)
         out = ffi.new("tpu_sync_buffer **")
         c_dims = ffi.new("int64_t[]", dims)
         check(lib.tpu_sync_buffer_from_host(self._handle(), device, ffi.cast("void *", v.ptr), v.nbytes,
@@ -119,7 +119,7 @@ class Client(Handle):
         _collect_released_views()
         v = view(array, writable=True)
         dims = list(shape) if shape is not None else list(v.shape)
-        dt = dtype_name(dtype) if dtype is not None else v.dtype
+        dt = resolve_dtype(v, dtype, array)
         out = ffi.new("tpu_sync_buffer **")
         rel = ffi.new("tpu_sync_release **")
         c_dims = ffi.new("int64_t[]", dims)
