@@ -2,9 +2,12 @@
  * into the host KV store, are found again by their prompt's chained block keys, and are loaded
  * back into other device blocks; every byte is checked.
  *
- * Build (only the header and a C compiler):
+ * Build (only the header and a C compiler), from the repository root:
  *   cc -std=c11 -I tpu-sync-ffi/include examples/c/kv_offload.c -L target/release -ltpu_sync \
- *      -Wl,-rpath,target/release -o kv_offload
+ *      -Wl,-rpath,$PWD/target/release -o kv_offload
+ * (the rpath must be absolute for the binary to find libtpu_sync.so from any directory).
+ * Statically: replace `-L target/release -ltpu_sync -Wl,-rpath,...` with
+ * `target/release/libtpu_sync.a -lpthread -ldl -lm -lgcc_s` (see docs/c-abi.md).
  * `make examples-c` builds and runs every example here. */
 #include <inttypes.h>
 #include <stdio.h>

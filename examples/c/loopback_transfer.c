@@ -4,9 +4,12 @@
  * transit; then the same request is pushed by the prefill instead. Every byte the plan moves is
  * compared with its source, and every other byte must be unchanged.
  *
- * Build (only the header and a C compiler):
+ * Build (only the header and a C compiler), from the repository root:
  *   cc -std=c11 -I tpu-sync-ffi/include examples/c/loopback_transfer.c -L target/release \
- *      -ltpu_sync -Wl,-rpath,target/release -o loopback_transfer
+ *      -ltpu_sync -Wl,-rpath,$PWD/target/release -o loopback_transfer
+ * (the rpath must be absolute for the binary to find libtpu_sync.so from any directory).
+ * Statically: replace `-L target/release -ltpu_sync -Wl,-rpath,...` with
+ * `target/release/libtpu_sync.a -lpthread -ldl -lm -lgcc_s` (see docs/c-abi.md).
  * `make examples-c` builds and runs every example here. */
 #define _POSIX_C_SOURCE 200809L
 #include <inttypes.h>

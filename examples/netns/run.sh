@@ -4,8 +4,9 @@
 #   sudo examples/netns/run.sh [tcp|tls|quic ...]      (default: tcp tls quic)
 #
 # Creates namespaces tsync-<pid>-p (10.77.0.1/24) and tsync-<pid>-d (10.77.0.2/24), runs
-# `tpu-sync prefill` in the first and `tpu-sync decode` in the second for each transport (with an
-# ephemeral CA for tls/quic), and removes everything on exit, also on failure or Ctrl-C.
+# `tpu-sync prefill` in the first and `tpu-sync decode` in the second for each transport (tls and
+# quic authenticate with a fresh random 32-byte pre-shared key), and removes everything on exit,
+# also on failure or Ctrl-C.
 # Traffic flows only over the veth pair. Needs root and iproute2.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -4,7 +4,8 @@ engine tests without the Hugging Face hub.
 Usage: python build_tiny_model.py OUT_DIR [--layers N] [--max-len TOKENS] [--hidden H --heads Q
        --kv-heads K --head-dim D --intermediate I]
 
-Shape constraints of vLLM's CPU attention backend (``../shared/recipes/vllm-cpu/REPORT.md`` §2):
+Shape constraints of vLLM's CPU attention backend (``docs/plugins-and-engines.md``, "vLLM CPU
+backend: KV cache shape and model constraints"):
 head size in {32, 64, 80, ...} and blocks a multiple of 32 tokens; this model has 2 KV heads of 32
 and 4 query heads by default. Weights are N(0, 0.2) so greedy output is not constant. Deterministic (seeded).
 """

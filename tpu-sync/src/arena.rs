@@ -22,7 +22,8 @@ use crate::error::{Error, Result};
 use crate::pjrt::Client;
 
 /// Alignment of every region handed out by [`RegionAllocator`] (bytes). 64 B is the alignment the
-/// PJRT CPU plugin needs for zero-copy aliasing (`../shared/docs/pjrt-plugins.md` §1).
+/// PJRT CPU plugin needs for zero-copy aliasing (`docs/plugins-and-engines.md`, "CPU plugin:
+/// zero-copy and alignment").
 pub const REGION_ALIGN: u64 = 64;
 
 /// How to allocate an arena.

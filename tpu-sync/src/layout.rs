@@ -81,7 +81,8 @@ pub enum BlockOrder {
     /// `(block, head)` holding all planes (K and V) of `block_size` tokens of one head,
     /// `planes * block_size * head_dim` elements packed in a kernel- and dtype-specific order
     /// (vLLM's CPU backend: fp32 stores K transposed `[head_dim, block_size]` then V; AMX bf16
-    /// uses VNNI tiles; `../shared/recipes/vllm-cpu/REPORT.md` §4). Plans move whole regions:
+    /// uses VNNI tiles; `docs/plugins-and-engines.md`, "vLLM CPU backend: block interior").
+    /// Plans move whole regions:
     /// whole blocks, or head slices of blocks when TP differs. Both sides must use this order,
     /// the same block size and the same [`ParallelLayout::block_format`] tag.
     Lbhnc,

@@ -18,7 +18,8 @@
 //!
 //! * **D2H** is `PJRT_Buffer_CopyRawToHost(offset, size)` per chunk, every chunk issued before
 //!   any is awaited, so the plugin runs them in parallel (16 concurrent chunks reach about twice
-//!   single-thread `memcpy` on the CPU plugin: `../shared/docs/pjrt-plugins.md` §2).
+//!   single-thread `memcpy` on the CPU plugin: `docs/plugins-and-engines.md`, "CPU plugin: copy
+//!   speed").
 //! * **In-place H2D** uses the path [`crate::pjrt::Capabilities`] probed: the
 //!   RawBuffer extension (`CreateRawAliasOfBuffer` + `CopyRawHostToDevice`, libtpu), else
 //!   host-addressable device memory (the XLA CPU plugin), else [`Error::Unsupported`](crate::Error::Unsupported) naming the

@@ -7,7 +7,8 @@
 //! earlier ones has been issued (FIFO across callers). This is the pacing production TPU DMA
 //! needs: Google's TPU Sync issues raw copies in 16 MiB pieces with at most 64 MiB outstanding
 //! per process, FIFO, so that one large transfer does not flood the in-order DMA queue
-//! (`set_dma_pacing`, `../shared/docs/engine-interfaces.md` §4). Those are the defaults here.
+//! (`set_dma_pacing`, `docs/plugins-and-engines.md`, "TPU DMA pacing defaults"). Those are the
+//! defaults here.
 //!
 //! Completion arrives through `PJRT_Event_OnReady` callbacks, which run either inline (inside
 //! the `OnReady` call on the issuer thread, when the event is already ready) or on a plugin

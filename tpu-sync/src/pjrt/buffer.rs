@@ -165,7 +165,8 @@ impl Event {
     /// Runs `f` once the event is ready, with its result (`PJRT_Event_OnReady`).
     ///
     /// `f` may run inline on this thread, inside this call (when the event is already ready),
-    /// or later on a plugin worker thread (`../shared/docs/pjrt-plugins.md` §1). It must not
+    /// or later on a plugin worker thread (`docs/plugins-and-engines.md`, "CPU plugin: callbacks
+    /// and their threads"). It must not
     /// block and must not take a lock that the caller of `on_ready` holds. A panic in `f` is
     /// caught (it never unwinds into the plugin) and logged.
     ///
@@ -637,7 +638,8 @@ pub(crate) struct ReleaseInner {
 ///
 /// The plugin calls the view's `on_delete_callback` once the buffer is destroyed and no longer
 /// uses the memory; on the XLA CPU plugin that happens asynchronously on a plugin thread, up to
-/// about 100 ms after `PJRT_Buffer_Destroy` (`../shared/docs/pjrt-plugins.md` §1). The memory
+/// about 100 ms after `PJRT_Buffer_Destroy` (`docs/plugins-and-engines.md`, "CPU plugin:
+/// callbacks and their threads"). The memory
 /// may be freed or reused only after [`ViewReleased::is_released`] is true. Cloning is cheap;
 /// `Send + Sync`.
 #[derive(Clone)]

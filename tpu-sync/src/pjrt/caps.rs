@@ -3,7 +3,8 @@
 //!
 //! The strategy is explicit: [`Capabilities::probe`] decides once per client and every copy uses
 //! the recorded path, or fails with [`Error::Unsupported`] naming the plugin and what is missing.
-//! Sources for what each plugin has: `../shared/docs/pjrt-plugins.md` §1 and §6 (libtpu ships the
+//! Sources for what each plugin has: `docs/plugins-and-engines.md`, "Extensions per plugin",
+//! "CPU plugin: calls that work" and "CPU plugin compared with TPU and GPU" (libtpu ships the
 //! RawBuffer extension; the CUDA and CPU plugins do not; only the CPU plugin's device memory is
 //! host-addressable; DmaMap is UNIMPLEMENTED on CPU).
 

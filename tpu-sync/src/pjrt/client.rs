@@ -9,14 +9,14 @@ use crate::error::{Error, Result};
 
 /// Alignment in bytes that [`Client::view_of_device_memory`] requires of a device pointer: the
 /// XLA CPU plugin aliases only 64-byte aligned memory and silently copies anything else
-/// (`../shared/docs/pjrt-plugins.md` §1).
+/// (`docs/plugins-and-engines.md`, "CPU plugin: zero-copy and alignment").
 pub const VIEW_ALIGN: usize = 64;
 
 /// Options for [`Client::create`], passed as `PJRT_NamedValue` create options.
 ///
 /// Only options whose name and type the plugin is known to accept should be set: the measured CPU
-/// plugins abort the process on a wrongly typed option (`../shared/docs/pjrt-plugins.md` §1), so
-/// typed fields are offered instead of free-form values.
+/// plugins abort the process on a wrongly typed option (`docs/plugins-and-engines.md`, "CPU
+/// plugin: inputs that crash it"), so typed fields are offered instead of free-form values.
 #[derive(Debug, Clone, Default)]
 pub struct ClientOptions {
     /// XLA CPU plugin only: number of CPU "devices" (`cpu_device_count`, kInt64). `None` leaves the
@@ -317,7 +317,8 @@ impl Client {
     /// dense row-major array of shape `dims` and element type `ty`; `memory` optionally names
     /// the memory space (one of `device`'s; default: the device's default memory).
     ///
-    /// Guards (`../shared/docs/pjrt-plugins.md` §1): the plugin is always given an
+    /// Guards (`docs/plugins-and-engines.md`, "CPU plugin: inputs that crash it" and "CPU
+    /// plugin: zero-copy and alignment"): the plugin is always given an
     /// `on_delete_callback` (a NULL one aborts the CPU plugin at destroy); `ptr` must be 64-byte
     /// aligned (the CPU plugin silently *copies* less aligned memory, which would break
     /// zero-copy without a word); where the plugin reports the buffer's device address it must

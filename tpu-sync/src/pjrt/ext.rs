@@ -8,7 +8,7 @@
 //!   and 3 all share one append-only field order: CreateRawAliasOfBuffer, Destroy,
 //!   GetOnDeviceSizeInBytes, GetMemorySpace, CopyRawHostToDevice, CopyRawDeviceToHost (v1 ends
 //!   here), GetHostPointer (v2), DefineBuffer (v3)). libtpu 0.0.52 ships v2 (7 functions, struct
-//!   size 80: `../shared/docs/pjrt-plugins.md` §1).
+//!   size 80: `docs/plugins-and-engines.md`, "Extensions per plugin").
 //! * `xla/pjrt/c/pjrt_c_api_layouts_extension.h` (version 1 has MemoryLayout_Destroy,
 //!   MemoryLayout_Serialize, Client_GetDefaultLayout, Buffer_MemoryLayout; version 4 appends
 //!   Topology_GetDefaultLayout, Executable_GetOutputLayouts, Executable_GetParameterLayouts). The
@@ -228,8 +228,8 @@ impl ExtTable {
 /// buffer's device memory with in-place `CopyRawHostToDevice` at a byte offset.
 ///
 /// Cloning is cheap. `Send + Sync`. Present on libtpu; absent on the XLA CPU and CUDA plugins
-/// (`../shared/docs/pjrt-plugins.md` §1), so on this machine it is only exercised through fake
-/// tables in tests.
+/// (`docs/plugins-and-engines.md`, "Extensions per plugin"), so on this machine it is only
+/// exercised through fake tables in tests.
 #[derive(Clone)]
 pub struct RawBufferExt {
     table: ExtTable,

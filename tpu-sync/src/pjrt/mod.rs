@@ -22,7 +22,8 @@
 //! handles as thread-safe (XLA's `PjRtClient`/`PjRtBuffer` are internally synchronised). An
 //! [`Event`] is `Send` but not `Sync`.
 //!
-//! Inputs that the measured plugins abort, hang or crash on (`../shared/docs/pjrt-plugins.md` §1)
+//! Inputs that the measured plugins abort, hang or crash on (`docs/plugins-and-engines.md`, "CPU
+//! plugin: inputs that crash it")
 //! are refused here with [`Error::InvalidArgument`] before any call is made, or cannot be
 //! expressed through this API:
 //!
@@ -149,7 +150,7 @@ unsafe impl Send for Extension {}
 unsafe impl Sync for Extension {}
 
 /// Name of a `PJRT_Extension_Type` id. Ids 0-15 are from the 0.81 header; 16-24 from newer XLA
-/// headers (as listed in `../shared/docs/pjrt-plugins.md` §1).
+/// headers (as listed in `docs/plugins-and-engines.md`, "Extension type ids").
 pub fn extension_name(id: i32) -> &'static str {
     match id {
         0 => "Gpu_Custom_Call",

@@ -3,8 +3,9 @@
 //! A block's key covers its own tokens **and every token before it** (a chained hash), exactly like
 //! the serving engines' prefix-cache block hashes: vLLM's `BlockHash` (`hash(parent_hash,
 //! token_ids, extra_keys)`, bytes; the offload key appends the KV-cache group index as 4
-//! big-endian bytes, `../shared/docs/engine-interfaces.md` §1.7) and SGLang's HiCache page keys
-//! (a chain hash per page, passed as hex strings, §3.1). Two ways in:
+//! big-endian bytes, `docs/plugins-and-engines.md`, "vLLM: block hashes and offload keys") and
+//! SGLang's HiCache page keys (a chain hash per page, passed as hex strings; "SGLang HiCache
+//! storage interface" there). Two ways in:
 //!
 //! * [`Namespace::chain_key`] / [`Namespace::chain_keys`] build keys from token ids
 //!   (xxh3-128 over `namespace id || parent key || token ids as u32 little endian`), for callers

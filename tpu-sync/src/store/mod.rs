@@ -2,7 +2,8 @@
 //! `/dev/shm` across restarts and backed by a disk tier.
 //!
 //! This is the host-DRAM offload that vLLM's `OffloadingConnector` (CPU offloading spec) and
-//! SGLang's HiCache L2/L3 do (`../shared/docs/engine-interfaces.md` §1.7, §3.1): blocks evicted from
+//! SGLang's HiCache L2/L3 do (`docs/plugins-and-engines.md`, "vLLM: block hashes and offload
+//! keys" and "SGLang HiCache storage interface"): blocks evicted from
 //! device memory are kept here, found again by prefix, and loaded back instead of recomputing the
 //! prefill.
 //!
@@ -30,13 +31,15 @@
 //!
 //! # How the engines' interfaces map onto it
 //!
-//! * **SGLang HiCache storage** (`HiCacheStorage`, `../shared/docs/engine-interfaces.md` §3.1):
+//! * **SGLang HiCache storage** (`HiCacheStorage`, `docs/plugins-and-engines.md`, "SGLang
+//!   HiCache storage interface"):
 //!   `batch_exists(keys)` is [`KvStore::lookup`] of the page keys ([`Namespace::engine_key_str`]
 //!   of each page hash string); `batch_set_v1(keys, host_indices)` is [`KvStore::put_from_host`]
 //!   of the pages (with the last prefix key as `parent` when `prefix_keys` are passed);
 //!   `batch_get_v1` is [`KvStore::get_to_host`], page `i` succeeding iff `i <
 //!   GetReport::delivered`. Batches of up to 128 pages are single calls.
-//! * **vLLM offloading** (`OffloadingManager` / `OffloadingWorker`, §1.7): `lookup` is
+//! * **vLLM offloading** (`OffloadingManager` / `OffloadingWorker`, "vLLM: block hashes and
+//!   offload keys" there): `lookup` is
 //!   [`KvStore::lookup`] of [`Namespace::engine_key`]`(block_hash + group_idx)` keys;
 //!   `prepare_load` takes a [`Lease`] ([`KvStore::pin`]), the worker's `submit_load` is
 //!   [`KvStore::get_to_device`] and `complete_load` drops the lease; `prepare_store` /

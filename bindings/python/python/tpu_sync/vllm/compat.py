@@ -3,10 +3,11 @@
 vLLM's CPU attention backend (the only per-layer layout this connector accepts, vLLM's
 ``LBHNC``) hands each layer as a tensor ``[num_blocks, num_kv_heads, block_size,
 2 * head_size]`` whose ``(block, head)`` interior is packed by the attention kernel: fp32 ("vec"
-ISA) stores K transposed then V, AMX bf16 uses VNNI tiles (``../shared/recipes/vllm-cpu/REPORT.md``
-§4). Blocks are therefore opaque: they move whole (or as head slices when TP differs), and two
-engines exchange them only when their :class:`KvGeometry` matches, including the
-:attr:`KvGeometry.block_format` tag naming the platform, kernel and cache dtype.
+ISA) stores K transposed then V, AMX bf16 uses VNNI tiles (``docs/plugins-and-engines.md``,
+"vLLM CPU backend: block interior"). Blocks are therefore opaque: they move whole (or as head
+slices when TP differs), and two engines exchange them only when their :class:`KvGeometry`
+matches, including the :attr:`KvGeometry.block_format` tag naming the platform, kernel and cache
+dtype.
 
 :func:`kv_geometry` needs vLLM; the rest of this module imports neither vLLM nor torch.
 """
