@@ -2,7 +2,7 @@
 //! only by the network, then prints what moved and whether every byte verified.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use tpu_sync::net::tls::generate_test_pki;
@@ -78,10 +78,33 @@ fn read_report(lines: impl Iterator<Item = String>) -> Option<Report> {
         if let Some(j) = l.strip_prefix("REPORT ") {
             rep = serde_json::from_str(j).ok();
         } else {
-            println!("{l}");
+            outln!("{l}");
         }
     }
     rep
+}
+
+/// "with status 2", "on signal 9 (SIGKILL)": how a child process ended, for messages.
+pub fn exit_text(s: &ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    if let Some(c) = s.code() {
+        return format!("with status {c}");
+    }
+    match s.signal() {
+        Some(sig) => {
+            let name = match sig {
+                libc::SIGINT => " (SIGINT)",
+                libc::SIGTERM => " (SIGTERM)",
+                libc::SIGKILL => " (SIGKILL)",
+                libc::SIGSEGV => " (SIGSEGV)",
+                libc::SIGABRT => " (SIGABRT)",
+                libc::SIGPIPE => " (SIGPIPE)",
+                _ => "",
+            };
+            format!("on signal {sig}{name}")
+        }
+        None => format!("({s})"),
+    }
 }
 
 fn gbps(bytes: u64, secs: f64) -> String {
@@ -95,14 +118,10 @@ fn gbps(bytes: u64, secs: f64) -> String {
 /// Runs the demo; exit code 0 only when every byte verified.
 pub fn run(job: &JobArgs) -> Result<ExitCode> {
     let t0 = Instant::now();
-    // Fail fast, before spawning anything, on bad presets, specs and transports.
+    // Fail fast, before spawning anything, on bad presets, specs, ranks, streams and transports.
+    kvproc::validate(job)?;
     let m = kvproc::model(job)?;
-    let ps = kvproc::prefill_spec(job)?;
-    let ds = kvproc::decode_spec(job)?;
-    tpu_sync::layout::ParallelLayout::new(m.clone(), ps, 1)?;
-    tpu_sync::layout::ParallelLayout::new(m.clone(), ds, 1)?;
     let kind = kvproc::transport_kind(job)?;
-    kvproc::security(job)?;
     // tls/quic without credentials: an ephemeral CA and one certificate per side, in a private
     // temporary directory removed at the end.
     let pki_dir = std::env::temp_dir().join(format!("tpu-sync-demo-{}", std::process::id()));
@@ -145,7 +164,7 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
         }
     }
     let exe = std::env::current_exe().map_err(|e| Error::io("current_exe", e))?;
-    println!(
+    outln!(
         "tpu-sync demo: {} ({} layers, {} KV heads x {}, {} planes, {}), {} tokens = {} of KV",
         m.name,
         m.num_layers,
@@ -179,13 +198,20 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
                 if let Some(a) = l.strip_prefix("LISTENING ") {
                     break a.trim().to_string();
                 }
-                println!("{l}");
+                outln!("{l}");
             }
             None => {
                 let status = prefill.0.take().map(|mut c| c.wait());
-                return Err(Error::PeerClosed(format!(
-                    "prefill process exited before listening ({status:?})"
-                )));
+                let how = match status {
+                    Some(Ok(s)) => exit_text(&s),
+                    Some(Err(e)) => format!("with an unknown status ({e})"),
+                    None => "with an unknown status".into(),
+                };
+                errln!(
+                    "error: the prefill process exited {how} before listening (its error is \
+                     printed above)"
+                );
+                return Ok(ExitCode::from(2));
             }
         }
     };
@@ -227,28 +253,44 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
     };
     drop(prefill);
     let prep = prefill_lines.join().ok().flatten();
+    let (prep_ok, drep_ok) = (prep.is_some(), drep.is_some());
 
     let (Some(p), Some(d)) = (prep, drep) else {
-        eprintln!(
-            "demo FAILED: prefill exit {:?}, decode exit {:?} (a side did not report)",
-            pstatus.map(|s| s.to_string()),
-            dstatus.to_string()
+        let side = |name: &str, reported: bool, status: Option<String>| {
+            format!(
+                "the {name} process {} and exited {}",
+                if reported {
+                    "reported"
+                } else {
+                    "did not report"
+                },
+                status.unwrap_or_else(|| "(still running after 15 s, killed)".into())
+            )
+        };
+        errln!(
+            "demo FAILED: {}; {} (errors are printed above)",
+            side("prefill", prep_ok, pstatus.as_ref().map(exit_text)),
+            side("decode", drep_ok, Some(exit_text(&dstatus)))
         );
         return Ok(ExitCode::from(1));
     };
-    println!("  PJRT {} plugin, API {}", p.platform, p.api_version);
-    println!("  prefill: {}  ({} devices)", p.layout, p.devices);
-    println!("  decode:  {}  ({} devices)", d.layout, d.devices);
-    println!("  transport: {} via {addr}", d.transport);
-    println!("  D2H path: {}", p.d2h_path);
-    println!("  H2D path: {}", d.h2d_path);
-    println!("  staging: prefill {}, decode {}", p.lock, d.lock);
-    println!();
-    println!(
+    outln!("  PJRT {} plugin, API {}", p.platform, p.api_version);
+    outln!("  prefill: {}  ({} devices)", p.layout, p.devices);
+    outln!("  decode:  {}  ({} devices)", d.layout, d.devices);
+    outln!("  transport: {} via {addr}", d.transport);
+    outln!("  D2H path: {}", p.d2h_path);
+    outln!("  H2D path: {}", d.h2d_path);
+    outln!("  staging: prefill {}, decode {}", p.lock, d.lock);
+    outln!();
+    outln!(
         "  {:<9} {:>10} {:>30} {:>10} {:>8}",
-        "phase", "bytes", "ops", "seconds", "GB/s"
+        "phase",
+        "bytes",
+        "ops",
+        "seconds",
+        "GB/s"
     );
-    println!(
+    outln!(
         "  {:<9} {:>10} {:>30} {:>10.3} {:>8}",
         "D2H",
         fmt_bytes(p.device_bytes),
@@ -256,7 +298,7 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
         p.device_secs,
         gbps(p.device_bytes, p.device_secs)
     );
-    println!(
+    outln!(
         "  {:<9} {:>10} {:>30} {:>10.3} {:>8}",
         format!("net/{kind}"),
         fmt_bytes(d.net_bytes),
@@ -267,7 +309,7 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
         d.net_secs,
         gbps(d.net_bytes, d.net_secs)
     );
-    println!(
+    outln!(
         "  {:<9} {:>10} {:>30} {:>10.3} {:>8}",
         "H2D",
         fmt_bytes(d.device_bytes),
@@ -275,30 +317,38 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
         d.device_secs,
         gbps(d.device_bytes, d.device_secs)
     );
-    println!(
+    outln!(
         "  checked: {} of request KV element by element, {} outside the request unchanged",
         fmt_bytes(d.verified_request_bytes),
         fmt_bytes(d.verified_background_bytes)
     );
-    println!("  wall time: {:.2} s", t0.elapsed().as_secs_f64());
+    outln!("  wall time: {:.2} s", t0.elapsed().as_secs_f64());
     let ok = dstatus.success()
         && pstatus.map(|s| s.success()).unwrap_or(false)
         && d.mismatches == 0
         && d.verified_request_bytes > 0
         && d.verified_request_bytes == d.net_bytes;
     if ok {
-        println!(
+        outln!(
             "verified: {} bytes, {} blocks, {} layers: prefill {} -> decode {} over {}",
-            d.verified_request_bytes, d.request_blocks, d.layers, p.layout, d.layout, kind
+            d.verified_request_bytes,
+            d.request_blocks,
+            d.layers,
+            p.layout,
+            d.layout,
+            kind
         );
         Ok(ExitCode::SUCCESS)
     } else {
-        println!(
-            "FAILED: {} mismatching elements (first: {}), decode exit {}, prefill exit {:?}",
+        outln!(
+            "FAILED: {} mismatching elements (first: {}), decode exited {}, prefill exited {}",
             d.mismatches,
             d.first_mismatch.as_deref().unwrap_or("-"),
-            dstatus,
-            pstatus.map(|s| s.to_string())
+            exit_text(&dstatus),
+            pstatus
+                .as_ref()
+                .map(exit_text)
+                .unwrap_or_else(|| "(still running after 15 s, killed)".into())
         );
         Ok(ExitCode::from(1))
     }

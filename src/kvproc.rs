@@ -23,7 +23,7 @@ use tpu_sync::pjrt::{Capabilities, Client, ClientOptions, DeviceBuffer, Plugin};
 use tpu_sync::plan::{Placement, Plan};
 use tpu_sync::staging::Staging;
 use tpu_sync::util::fmt_bytes;
-use tpu_sync::{Error, Result};
+use tpu_sync::{wire, Error, Result};
 
 use crate::JobArgs;
 
@@ -86,6 +86,74 @@ pub fn prefill_spec(job: &JobArgs) -> Result<ParallelSpec> {
 
 pub fn decode_spec(job: &JobArgs) -> Result<ParallelSpec> {
     ParallelSpec::parse(&job.decode)
+}
+
+/// The decode side's DP rank: `--decode-dp-rank`, else 1 (0 when the decode layout has DP=1).
+pub fn decode_dp_rank(job: &JobArgs, spec: &ParallelSpec) -> Result<u32> {
+    let r = job
+        .decode_dp_rank
+        .unwrap_or(if spec.dp > 1 { 1 } else { 0 });
+    if r >= spec.dp {
+        return Err(Error::InvalidArgument(format!(
+            "--decode-dp-rank {r}: the decode layout `{}` has DP={}, so the rank must be {}",
+            job.decode,
+            spec.dp,
+            if spec.dp == 1 {
+                "0".to_string()
+            } else {
+                format!("0 to {}", spec.dp - 1)
+            }
+        )));
+    }
+    Ok(r)
+}
+
+/// Checks every flag of `demo` and `prefill` that needs neither a plugin nor a peer, so `demo`
+/// fails before spawning anything and `prefill` before opening devices.
+pub fn validate(job: &JobArgs) -> Result<()> {
+    let m = model(job)?;
+    if job.tokens == 0 {
+        return Err(Error::InvalidArgument(
+            "--tokens 0: the prompt needs at least one token".into(),
+        ));
+    }
+    sized_layout(&m, prefill_spec(job)?, job.tokens)?;
+    sized_layout(&m, decode_spec(job)?, job.tokens)?;
+    validate_decode(job)
+}
+
+/// The checks of [`validate`] that apply to `decode` (whose token count and prefill layout come
+/// from the prefill): run before connecting or opening devices.
+pub fn validate_decode(job: &JobArgs) -> Result<()> {
+    let m = model(job)?;
+    let spec = decode_spec(job)?;
+    ParallelLayout::new(m, spec, 1)?;
+    decode_dp_rank(job, &spec)?;
+    transport_kind(job)?;
+    security(job)?;
+    if job.streams == 0 || job.streams > wire::MAX_STRIPES {
+        return Err(Error::InvalidArgument(format!(
+            "--streams {}: must be 1 to {} (parallel lanes per prefill/decode rank pair)",
+            job.streams,
+            wire::MAX_STRIPES
+        )));
+    }
+    if job.chunk_bytes == 0 || job.chunk_bytes > wire::MAX_DATA_PAYLOAD as u64 {
+        return Err(Error::InvalidArgument(format!(
+            "--chunk-bytes {}: must be 1 to {} ({})",
+            job.chunk_bytes,
+            wire::MAX_DATA_PAYLOAD,
+            fmt_bytes(wire::MAX_DATA_PAYLOAD as u64)
+        )));
+    }
+    net::check_request_id(job.request_id).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "--request-id {}: must be 1 to 2^53 - 1 ({})",
+            job.request_id,
+            net::MAX_REQUEST_ID
+        ))
+    })?;
+    Ok(())
 }
 
 /// The transport named by `--transport`.
@@ -291,7 +359,7 @@ fn endpoint_options(
         connect_timeout: t,
         handshake_timeout: t,
         io_timeout: t,
-        streams_per_pair: job.streams.max(1),
+        streams_per_pair: job.streams,
         chunk_bytes: job.chunk_bytes,
         faults: net::FaultHooks {
             close_after_bytes: job.fault_close_after,
@@ -303,7 +371,7 @@ fn endpoint_options(
 }
 
 fn print_report(r: &Report) {
-    println!(
+    outln!(
         "REPORT {}",
         serde_json::to_string(r).expect("report serialises")
     );
@@ -312,15 +380,20 @@ fn print_report(r: &Report) {
 /// `tpu-sync prefill`.
 pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Result<ExitCode> {
     let t0 = Instant::now();
-    transport_kind(job)?;
-    security(job)?;
+    // Validate everything (the decode side's spec too, so a bad pair fails on both sides).
+    validate(job)?;
     let m = model(job)?;
     let spec = prefill_spec(job)?;
     let layout = sized_layout(&m, spec, job.tokens)?;
-    // Validate the decode side's spec early so a bad pair fails on both sides.
-    sized_layout(&m, decode_spec(job)?, job.tokens)?;
     let place = placement(layout.clone(), 0, job.tokens, 0x5052_4546);
     place.validate(job.tokens)?;
+    // Before opening devices: a bad --ranks fails at once.
+    if let Some(r) = ranks.and_then(|v| v.iter().find(|r| place.local_rank(**r).is_none())) {
+        return Err(Error::InvalidArgument(format!(
+            "--ranks: prefill rank {r} does not exist ({} ranks)",
+            spec.ranks_per_replica()
+        )));
+    }
     let (client, caps) = open_client(job.plugin.as_deref(), Some(layout.num_ranks() as i64))?;
     let contents = (0..layout.num_ranks())
         .map(|r| RankContents::new(&place, r, job.tokens, PREFILL_SALT))
@@ -334,12 +407,6 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Re
     }
 
     // D2H: stage the request's blocks of every hosted rank in one pinned arena.
-    if let Some(r) = ranks.and_then(|v| v.iter().find(|r| place.local_rank(**r).is_none())) {
-        return Err(Error::InvalidArgument(format!(
-            "--ranks: prefill rank {r} does not exist ({} ranks)",
-            spec.ranks_per_replica()
-        )));
-    }
     let ranges: BTreeMap<u32, _> = (0..spec.ranks_per_replica())
         .map(|l| (place.global_rank(l), place.block_ranges(l)))
         .filter(|(r, _)| ranks.map(|v| v.contains(r)).unwrap_or(true))
@@ -375,11 +442,15 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Re
             layers_ready: None,
             expected_releases: 1,
         })?;
-        println!("LISTENING {local}");
-        eprintln!(
-            "prefill: {} ranks {:?}, request {} ({} tokens, {} staged) on {local} over {}",
+        outln!("LISTENING {local}");
+        errln!(
+            "prefill: {} ranks {}, request {} ({} tokens, {} staged) on {local} over {}",
             layout.describe(),
-            staging.ranks().collect::<Vec<_>>(),
+            staging
+                .ranks()
+                .map(|r| r.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
             job.request_id,
             job.tokens,
             fmt_bytes(staging.total_bytes()),
@@ -387,13 +458,28 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Re
         );
         let r = handle.wait(Duration::from_secs(job.serve_timeout)).await;
         ep.shutdown(Some(Duration::from_secs(1))).await;
-        match r? {
-            SourceOutcome::Released => Ok(()),
-            o => Err(Error::PeerClosed(format!(
-                "request {} ended without being released: {o:?}",
-                job.request_id
-            ))),
-        }
+        let why = match r {
+            Ok(SourceOutcome::Released) => return Ok(()),
+            Err(Error::Timeout(_)) => {
+                return Err(Error::Timeout(format!(
+                    "request {}: the decode side did not release the request within \
+                     --serve-timeout {} s of registration (the timeout counts from when the \
+                     prefill registered the request, including the decode side's startup)",
+                    job.request_id, job.serve_timeout
+                )))
+            }
+            Err(e) => return Err(e),
+            Ok(SourceOutcome::Expired) => {
+                "no decode side held a lease on it for the lease time".to_string()
+            }
+            Ok(SourceOutcome::PeerLost(w)) => format!("the decode side holding it was lost ({w})"),
+            Ok(SourceOutcome::Unregistered) => "it was unregistered".to_string(),
+            Ok(SourceOutcome::Shutdown) => "the endpoint shut down".to_string(),
+        };
+        Err(Error::PeerClosed(format!(
+            "request {} ended without being released: {why}",
+            job.request_id
+        )))
     });
     rt.shutdown_timeout(Duration::from_secs(1));
     served?;
@@ -418,14 +504,15 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Re
 }
 
 /// `tpu-sync decode`.
-pub fn decode(job: &JobArgs, connect: &str) -> Result<ExitCode> {
+///
+/// `tokens`: `--tokens` when given on the command line; the count otherwise comes from the
+/// prefill, and a given one must match it.
+pub fn decode(job: &JobArgs, connect: &str, tokens: Option<u32>) -> Result<ExitCode> {
     let t0 = Instant::now();
-    transport_kind(job)?;
+    validate_decode(job)?;
     let m = model(job)?;
     let spec = decode_spec(job)?;
-    let dp_rank = job
-        .decode_dp_rank
-        .unwrap_or(if spec.dp > 1 { 1 } else { 0 });
+    let dp_rank = decode_dp_rank(job, &spec)?;
     let sources = PeerMap::parse(connect)?;
     let opts = endpoint_options(job, "decode", None)?;
     let rt = runtime()?;
@@ -437,18 +524,32 @@ pub fn decode(job: &JobArgs, connect: &str) -> Result<ExitCode> {
             .or_else(|| sources.by_rank.values().next().cloned())
             .expect("non-empty peer map");
         let (src, num_tokens) = ep.describe(&first, job.request_id).await?;
-        let r = decode_request(
-            job,
-            &ep,
-            &sources,
-            m,
-            spec,
-            dp_rank,
-            src.clone(),
-            num_tokens,
-            t0,
-        )
-        .await;
+        let r = match tokens {
+            Some(t) if t != num_tokens => Err(Error::InvalidArgument(format!(
+                "--tokens {t}: the prefill at {first} serves request {} with {num_tokens} tokens \
+                 (decode takes the count from the prefill: drop --tokens or pass \
+                 --tokens {num_tokens})",
+                job.request_id
+            ))),
+            _ => Ok(()),
+        };
+        let r = match r {
+            Err(e) => Err(e),
+            Ok(()) => {
+                decode_request(
+                    job,
+                    &ep,
+                    &sources,
+                    m,
+                    spec,
+                    dp_rank,
+                    src.clone(),
+                    num_tokens,
+                    t0,
+                )
+                .await
+            }
+        };
         // Release on success and on failure (then the prefill frees the request at once instead
         // of at its lease expiry).
         let ranks = (0..src.layout.spec.ranks_per_replica()).map(|l| src.global_rank(l));
@@ -456,7 +557,7 @@ pub fn decode(job: &JobArgs, connect: &str) -> Result<ExitCode> {
         // succeeded and was verified, and the prefill side frees the request at lease expiry.
         for a in sources.addresses(ranks).unwrap_or_default() {
             if let Err(e) = ep.release(&a, job.request_id).await {
-                eprintln!(
+                errln!(
                     "decode: warning: release of request {} at {a}: {e}",
                     job.request_id
                 );
@@ -578,7 +679,7 @@ async fn decode_request(
         wall_secs: t0.elapsed().as_secs_f64(),
     });
     if !ok {
-        eprintln!(
+        errln!(
             "decode: verification FAILED: {} mismatching elements, {} request bytes checked, {} \
              received, {} planned; first: {}",
             check.mismatches,
@@ -629,24 +730,24 @@ fn verify(dst: &Placement, num_tokens: u32, buffers: &[Vec<DeviceBuffer>]) -> Re
 pub fn info(plugin: Option<&Path>, devices: Option<i64>) -> Result<ExitCode> {
     let (client, caps) = open_client(plugin, devices)?;
     let p = client.plugin();
-    println!("plugin:            {}", p.path().display());
-    println!(
+    outln!("plugin:            {}", p.path().display());
+    outln!(
         "PJRT API version:  {}.{} (PJRT_Api.struct_size {})",
         caps.api_version.0,
         caps.api_version.1,
         p.api_struct_size()
     );
-    println!(
+    outln!(
         "platform:          {} ({})",
         client.platform_name(),
         client.platform_version()
     );
     if let Ok(attrs) = p.attributes() {
         for (k, v) in attrs {
-            println!("attribute:         {k} = {v}");
+            outln!("attribute:         {k} = {v}");
         }
     }
-    println!(
+    outln!(
         "extensions:        {}",
         if caps.extensions.is_empty() {
             "none".into()
@@ -655,7 +756,7 @@ pub fn info(plugin: Option<&Path>, devices: Option<i64>) -> Result<ExitCode> {
         }
     );
     let devs = client.addressable_devices();
-    println!("devices:           {}", devs.len());
+    outln!("devices:           {}", devs.len());
     for d in &devs {
         let kinds = d
             .memories()?
@@ -667,18 +768,18 @@ pub fn info(plugin: Option<&Path>, devices: Option<i64>) -> Result<ExitCode> {
             .default_memory()
             .map(|m| m.kind().to_string())
             .unwrap_or_else(|_| "-".into());
-        println!(
+        outln!(
             "  device {} (id {}, kind {}): memories [{kinds}], default {default}",
             d.index(),
             d.id()?,
             d.kind()?
         );
     }
-    println!("capabilities:");
-    println!("  D2H path:        {}", caps.d2h);
-    println!("  in-place H2D:    {}", caps.h2d);
-    println!("  DMA map:         {}", caps.dma_map);
-    println!(
+    outln!("capabilities:");
+    outln!("  D2H path:        {}", caps.d2h);
+    outln!("  in-place H2D:    {}", caps.h2d);
+    outln!("  DMA map:         {}", caps.dma_map);
+    outln!(
         "  device views:    {}",
         if caps.view {
             "PJRT_Client_CreateViewOfDeviceBuffer (64-byte aligned pointers; on_delete_callback always set)"
@@ -686,8 +787,8 @@ pub fn info(plugin: Option<&Path>, devices: Option<i64>) -> Result<ExitCode> {
             "not in this plugin's API table"
         }
     );
-    println!("  buffer layouts:  {}", caps.layouts);
-    println!(
+    outln!("  buffer layouts:  {}", caps.layouts);
+    outln!(
         "  probe buffer:    bf16[2,8,16] -> {}",
         caps.probe_layout
             .as_deref()
@@ -701,7 +802,7 @@ pub fn info(plugin: Option<&Path>, devices: Option<i64>) -> Result<ExitCode> {
             fmt_bytes(v)
         }
     };
-    println!(
+    outln!(
         "  DMA pacing:      chunks of {}, at most {} in flight per process, FIFO ({} / {})",
         limit(pacing.chunk_bytes),
         limit(pacing.max_inflight_bytes),

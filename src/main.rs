@@ -4,6 +4,24 @@
 //! `decode` (the two halves, e.g. on two hosts), `info` (plugin, devices, capabilities),
 //! `store-demo` (the host KV tier across a process restart) and `shm` (list/remove its segments).
 
+/// `println!` that never panics: when stdout is closed (the `demo` parent is gone, `| head`),
+/// the line is dropped. SIGPIPE stays ignored (Rust's default; network code relies on EPIPE errors), so a plain
+/// `println!` would panic with "failed printing to stdout: Broken pipe".
+macro_rules! outln {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($t)*);
+    }};
+}
+
+/// `eprintln!` that never panics (see [`outln!`]).
+macro_rules! errln {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($t)*);
+    }};
+}
+
 mod demo;
 mod kvproc;
 mod store_demo;
@@ -11,7 +29,8 @@ mod store_demo;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand};
+use clap::parser::ValueSource;
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// Move KV caches between PJRT devices, pinned host memory and the network, resharded.
 #[derive(Parser, Debug)]
@@ -71,16 +90,32 @@ pub struct JobArgs {
     /// Model KV geometry preset: llama-3.1-8b, qwen3-32b, llama-3.1-70b, deepseek-v3.
     #[arg(long, default_value = "llama-3.1-8b")]
     pub preset: String,
-    /// Prompt length in tokens.
+    /// Prompt length in tokens. `decode` takes the count from the prefill; given to `decode`, it
+    /// must match the prefill's.
     #[arg(long, default_value_t = 2048)]
     pub tokens: u32,
-    /// Prefill layout: comma-separated key=value among tp, pcp, dp, block, order (nhd|hnd).
-    #[arg(long, default_value = "tp=2,pcp=2,block=64,order=nhd")]
+    /// Prefill layout SPEC: comma-separated key=value among tp, pcp, dp, block, order (nhd|hnd).
+    /// A SPEC replaces the whole default layout, not just the keys it names: keys not given take
+    /// the single-rank defaults tp=1, pcp=1, dp=1, block=16, order=nhd (so `--prefill tp=4` is
+    /// tp=4,pcp=1,dp=1,block=16,order=nhd). Ignored by decode (it learns the prefill's layout
+    /// from the prefill).
+    #[arg(
+        long,
+        value_name = "SPEC",
+        default_value = "tp=2,pcp=2,block=64,order=nhd"
+    )]
     pub prefill: String,
-    /// Decode layout: comma-separated key=value among tp, pcp, dp, block, order (nhd|hnd).
-    #[arg(long, default_value = "tp=1,dp=2,block=16,order=hnd")]
+    /// Decode layout SPEC: comma-separated key=value among tp, pcp, dp, block, order (nhd|hnd).
+    /// A SPEC replaces the whole default layout, not just the keys it names: keys not given take
+    /// the single-rank defaults tp=1, pcp=1, dp=1, block=16, order=nhd.
+    #[arg(
+        long,
+        value_name = "SPEC",
+        default_value = "tp=1,dp=2,block=16,order=hnd"
+    )]
     pub decode: String,
-    /// DP rank of the decode instance that receives the request (default: 1, or 0 when DP=1).
+    /// DP rank of the decode instance that receives the request, below the decode layout's dp
+    /// (default: 1, or 0 when DP=1).
     #[arg(long)]
     pub decode_dp_rank: Option<u32>,
     /// Transport between prefill and decode: tcp (plain, trusted networks only), tls (TLS 1.3
@@ -101,28 +136,31 @@ pub struct JobArgs {
     /// certificates for tls/quic.
     #[arg(long)]
     pub psk_file: Option<PathBuf>,
-    /// Parallel streams (lanes) per (prefill rank, decode rank) pair.
+    /// Parallel streams (lanes) per (prefill rank, decode rank) pair (1 to 1024).
     #[arg(long, default_value_t = 2)]
     pub streams: u32,
-    /// Payload bytes per data frame (chunk).
+    /// Payload bytes per data frame (chunk), 1 to 64 MiB.
     #[arg(long, default_value_t = 1 << 20)]
     pub chunk_bytes: u64,
     /// PJRT plugin shared library (default: $TPU_SYNC_PJRT_PLUGIN, else the one `make` installed).
     #[arg(long)]
     pub plugin: Option<PathBuf>,
-    /// TCP port of the prefill listener (0 = any free port).
+    /// TCP port of the prefill listener (0 = any free port). Prefill and demo only; ignored by
+    /// decode.
     #[arg(long, default_value_t = 0)]
     pub port: u16,
     /// Use only the first N layers of the preset (smaller runs for tests).
     #[arg(long)]
     pub layers: Option<u32>,
-    /// Request id (below 2^53).
+    /// Request id (1 to 2^53 - 1).
     #[arg(long, default_value_t = 4242)]
     pub request_id: u64,
     /// Seconds a connect, a read or a write may stall before the transfer fails.
     #[arg(long, default_value_t = 30)]
     pub timeout: u64,
-    /// Seconds the prefill side waits for the decode side to release the request.
+    /// Seconds the prefill side waits for the decode side to release the request, counted from
+    /// when the prefill registered it (so including the decode side's startup). Prefill and demo
+    /// only; ignored by decode.
     #[arg(long, default_value_t = 300)]
     pub serve_timeout: u64,
     /// Test hook: prefill closes its connection after this many payload bytes.
@@ -136,15 +174,50 @@ pub struct JobArgs {
     pub fault_block_id: Option<u32>,
 }
 
+/// A panic prints one line to stderr (ignoring a closed stderr) instead of a panic trace, unless
+/// RUST_BACKTRACE asks for the standard report. The exit code stays non-zero (101).
+fn quiet_panics() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if std::env::var_os("RUST_BACKTRACE").is_some_and(|v| v != "0") {
+            default(info);
+            return;
+        }
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown cause".into());
+        let at = info
+            .location()
+            .map(|l| format!(" at {}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        errln!("error: internal error{at}: {msg}");
+    }));
+}
+
 fn main() -> ExitCode {
+    quiet_panics();
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    // `decode --tokens` counts only when given on the command line (the default is prefill's).
+    let decode_tokens_given = matches
+        .subcommand_matches("decode")
+        .and_then(|m| m.value_source("tokens"))
+        == Some(ValueSource::CommandLine);
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
     let r = match cli.cmd {
         Cmd::Demo(job) => demo::run(&job),
         Cmd::Prefill { job, listen, ranks } => {
             kvproc::prefill(&job, listen.as_deref(), ranks.as_deref())
         }
-        Cmd::Decode { job, connect } => kvproc::decode(&job, &connect),
+        Cmd::Decode { job, connect } => {
+            kvproc::decode(&job, &connect, decode_tokens_given.then_some(job.tokens))
+        }
         Cmd::Info { plugin, devices } => kvproc::info(plugin.as_deref(), devices),
         Cmd::StoreDemo(a) => store_demo::run(&a),
         Cmd::Shm { cmd } => store_demo::shm(&cmd),
@@ -152,7 +225,7 @@ fn main() -> ExitCode {
     match r {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             ExitCode::from(2)
         }
     }

@@ -38,7 +38,8 @@ use tpu_sync::pattern::{mix64, LayerCheck, RankContents};
 use tpu_sync::pjrt::{Capabilities, Client, ClientOptions, DeviceBuffer, Plugin};
 use tpu_sync::plan::Placement;
 use tpu_sync::store::{
-    self, Attach, BlockKey, DeviceBlock, DiskOptions, DmaStatus, KvStore, Namespace, StoreConfig,
+    self, Attach, BlockKey, DeviceBlock, DiskOptions, DmaStatus, KvStore, Namespace, StopReason,
+    StoreConfig,
 };
 use tpu_sync::util::fmt_bytes;
 use tpu_sync::{Error, Result};
@@ -61,11 +62,13 @@ pub struct StoreDemoArgs {
     /// Disk tier directory.
     #[arg(long)]
     pub disk: Option<PathBuf>,
-    /// One rank's layout: comma-separated key=value among block and order (nhd|hnd).
-    #[arg(long, default_value = "block=16,order=nhd")]
+    /// One rank's layout SPEC: comma-separated key=value among block and order (nhd|hnd). A SPEC
+    /// replaces the whole default layout, not just the keys it names: keys not given take the
+    /// defaults block=16, order=nhd.
+    #[arg(long, value_name = "SPEC", default_value = "block=16,order=nhd")]
     pub layout: String,
-    /// DRAM capacity of the tier in blocks (default: the whole prompt, or half of it with both
-    /// --shm and --disk).
+    /// DRAM capacity of the tier in blocks, at least 1 (default: the whole prompt, or half of it
+    /// with both --shm and --disk).
     #[arg(long)]
     pub capacity_blocks: Option<u64>,
     /// PJRT plugin shared library (default: $TPU_SYNC_PJRT_PLUGIN, else the one `make` installed).
@@ -154,6 +157,11 @@ fn setup(a: &StoreDemoArgs) -> Result<Setup> {
             )));
         }
         model.num_layers = l;
+    }
+    if a.capacity_blocks == Some(0) {
+        return Err(Error::InvalidArgument(
+            "--capacity-blocks 0: the tier's DRAM must hold at least one block".into(),
+        ));
     }
     let spec = ParallelSpec::parse(&a.layout)?;
     if spec.num_ranks() != 1 {
@@ -270,7 +278,7 @@ fn store_config(a: &StoreDemoArgs, s: &Setup, ns: Namespace, client: &Client) ->
         } else {
             blocks
         });
-    let mut c = StoreConfig::new(ns, bb, slot * dram_blocks.max(1));
+    let mut c = StoreConfig::new(ns, bb, slot * dram_blocks);
     c.shm_name = a.shm.clone();
     c.disk = a.disk.as_ref().map(|d| {
         DiskOptions::new(
@@ -323,7 +331,7 @@ fn open_store(cfg: StoreConfig, r: &mut PhaseReport) -> Result<KvStore> {
 }
 
 fn report(r: &PhaseReport) {
-    println!(
+    outln!(
         "REPORT {}",
         serde_json::to_string(r).expect("report serialises")
     );
@@ -354,10 +362,26 @@ fn phase_put(a: &StoreDemoArgs) -> Result<ExitCode> {
     let t = Instant::now();
     let put = st.put_from_device(None, &keys, &blocks)?;
     r.secs = t.elapsed().as_secs_f64();
-    if !put.complete() {
+    if put.not_ready {
+        return Err(Error::HostMemory(
+            "the tier was not ready for the put".into(),
+        ));
+    }
+    if let Some(at) = put.full_at {
+        let cap = match a.capacity_blocks {
+            Some(n) => format!("--capacity-blocks {n}"),
+            None => "the default DRAM capacity".into(),
+        };
         return Err(Error::HostMemory(format!(
-            "the tier is full at block {:?} of {}",
-            put.full_at, s.blocks
+            "the tier is full: {at} of the prompt's {} blocks were stored, block {} and later did \
+             not fit ({cap}{})",
+            s.blocks,
+            at + 1,
+            if a.disk.is_some() {
+                ", and no block could spill to disk"
+            } else {
+                "; give a larger --capacity-blocks or a --disk tier to spill to"
+            }
         )));
     }
     r.stored = put.stored as u64;
@@ -377,7 +401,7 @@ fn phase_put(a: &StoreDemoArgs) -> Result<ExitCode> {
     r.lookup_dram = stats.dram_blocks;
     r.lookup_disk = stats.disk_blocks;
     report(&r);
-    println!("WAITING-FOR-SIGKILL");
+    outln!("WAITING-FOR-SIGKILL");
     // The parent kills this process now; nothing below is meant to run.
     std::thread::sleep(Duration::from_secs(120));
     Err(Error::Timeout(
@@ -421,7 +445,13 @@ fn phase_get(a: &StoreDemoArgs) -> Result<ExitCode> {
     r.from_dram = g.from_dram as u64;
     r.from_disk = g.from_disk as u64;
     r.bytes = g.bytes;
-    r.stop = g.stop.map(|s| format!("{s:?}"));
+    r.stop = g.stop.map(|s| match s {
+        StopReason::NotReady => "the tier was not ready".to_string(),
+        StopReason::Missing => "a block is not in the tier".to_string(),
+        StopReason::NoSpace => "no DRAM slot could be freed to load a block from disk".to_string(),
+        StopReason::Raced => "a block kept changing under the copy".to_string(),
+        StopReason::BadFile(w) => format!("a block's disk file is bad ({w})"),
+    });
     drop(dst);
     // Read every device buffer back and check every element.
     let c = RankContents::new(&place, 0, a.tokens, GET_SALT)?;
@@ -521,7 +551,7 @@ fn spawn_phase(a: &StoreDemoArgs, phase: &str) -> Result<(KillOnDrop, Option<Pha
                 } else if l == "WAITING-FOR-SIGKILL" {
                     break;
                 } else {
-                    println!("  [{phase}] {l}");
+                    outln!("  [{phase}] {l}");
                 }
             }
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
@@ -531,6 +561,15 @@ fn spawn_phase(a: &StoreDemoArgs, phase: &str) -> Result<(KillOnDrop, Option<Pha
         }
     }
     Ok((guard, rep))
+}
+
+/// The first few block ids, comma-separated.
+fn ids_text(ids: &[u32]) -> String {
+    ids[..ids.len().min(6)]
+        .iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 fn gbps(bytes: u64, secs: f64) -> String {
@@ -571,7 +610,7 @@ pub fn run(args: &StoreDemoArgs) -> Result<ExitCode> {
     }
     let _cleanup = RemoveSegment(per_run.then(|| a.shm.clone()).flatten());
     let total = s.block_bytes() * s.blocks as u64;
-    println!(
+    outln!(
         "tpu-sync store-demo: {} ({} layers, {} KV heads x {}, {} planes, {}), {} tokens = {} \
          of KV in {} blocks of {}",
         s.model.name,
@@ -592,12 +631,19 @@ pub fn run(args: &StoreDemoArgs) -> Result<ExitCode> {
         (Some(n), Some(d)) => format!("shm segment {n} + disk tier {}", d.display()),
         (None, None) => unreachable!("a per-run segment is chosen"),
     };
-    println!("  the prompt survives the restart in: {survives}");
+    outln!("  the prompt survives the restart in: {survives}");
 
     let (mut put_proc, put) = spawn_phase(&a, "put")?;
     let Some(put) = put else {
-        let status = put_proc.0.take().map(|mut c| c.wait());
-        eprintln!("store-demo FAILED: the put phase did not report ({status:?})");
+        let how = match put_proc.0.take().map(|mut c| c.wait()) {
+            Some(Ok(s)) => crate::demo::exit_text(&s),
+            Some(Err(e)) => format!("with an unknown status ({e})"),
+            None => "with an unknown status".into(),
+        };
+        errln!(
+            "store-demo FAILED: the put phase exited {how} without reporting (its error is \
+             printed above)"
+        );
         return Ok(ExitCode::from(1));
     };
     // Restart for real: kill the put process without any shutdown.
@@ -616,15 +662,20 @@ pub fn run(args: &StoreDemoArgs) -> Result<ExitCode> {
         .wait()
         .map_err(|e| Error::io("wait for the get phase", e))?;
     let Some(get) = get else {
-        eprintln!("store-demo FAILED: the get phase did not report (exit {gstatus})");
+        errln!(
+            "store-demo FAILED: the get phase exited {} without reporting (its error is printed \
+             above)",
+            crate::demo::exit_text(&gstatus)
+        );
         return Ok(ExitCode::from(1));
     };
 
-    println!(
+    outln!(
         "  PJRT {} plugin; DMA map of the tier: {}",
-        put.platform, put.dma
+        put.platform,
+        put.dma
     );
-    println!(
+    outln!(
         "  process 1 (pid {}): tier {} after {:.0} ms (prepared in the background): {}{}",
         put.pid,
         put.attach,
@@ -635,22 +686,26 @@ pub fn run(args: &StoreDemoArgs) -> Result<ExitCode> {
             .map(|d| format!(", disk {d}"))
             .unwrap_or_default()
     );
-    println!(
-        "  process 1: put {} blocks from device block ids {:?}.. ({} new, {} already present, {} \
+    outln!(
+        "  process 1: put {} blocks from device block ids {}.. ({} new, {} already present, {} \
          spilled to disk, {} flushed to disk), then deleted the device buffers and was killed \
          ({killed})",
         put.blocks,
-        &put.block_ids[..put.block_ids.len().min(6)],
+        ids_text(&put.block_ids),
         put.stored,
         put.present,
         put.spilled,
         put.flushed
     );
-    println!(
+    outln!(
         "  process 2 (pid {}): tier {} after {:.0} ms: {} blocks found in DRAM, {} on disk",
-        get.pid, get.attach, get.ready_ms, get.restored_dram, get.restored_disk
+        get.pid,
+        get.attach,
+        get.ready_ms,
+        get.restored_dram,
+        get.restored_disk
     );
-    println!(
+    outln!(
         "  lookup: {}/{} blocks hit ({}): {} in DRAM, {} on disk",
         get.lookup_hits,
         get.blocks,
@@ -658,12 +713,16 @@ pub fn run(args: &StoreDemoArgs) -> Result<ExitCode> {
         get.lookup_dram,
         get.lookup_disk
     );
-    println!();
-    println!(
+    outln!();
+    outln!(
         "  {:<10} {:>8} {:>10} {:>10} {:>8}",
-        "phase", "blocks", "bytes", "seconds", "GB/s"
+        "phase",
+        "blocks",
+        "bytes",
+        "seconds",
+        "GB/s"
     );
-    println!(
+    outln!(
         "  {:<10} {:>8} {:>10} {:>10.4} {:>8}",
         "put (D2H)",
         put.stored,
@@ -671,7 +730,7 @@ pub fn run(args: &StoreDemoArgs) -> Result<ExitCode> {
         put.secs,
         gbps(put.bytes, put.secs)
     );
-    println!(
+    outln!(
         "  {:<10} {:>8} {:>10} {:>10.4} {:>8}",
         "get (H2D)",
         get.delivered,
@@ -679,7 +738,7 @@ pub fn run(args: &StoreDemoArgs) -> Result<ExitCode> {
         get.secs,
         gbps(get.bytes, get.secs)
     );
-    println!(
+    outln!(
         "  get: {} blocks from DRAM, {} loaded from disk through DRAM{}",
         get.from_dram,
         get.from_disk,
@@ -688,17 +747,17 @@ pub fn run(args: &StoreDemoArgs) -> Result<ExitCode> {
             .map(|s| format!(", stopped: {s}"))
             .unwrap_or_default()
     );
-    println!(
-        "  checked: {} of prompt KV element by element in device blocks {:?}.., {} outside the \
+    outln!(
+        "  checked: {} of prompt KV element by element in device blocks {}.., {} outside the \
          prompt unchanged",
         fmt_bytes(get.verified_request_bytes),
-        &get.block_ids[..get.block_ids.len().min(6)],
+        ids_text(&get.block_ids),
         fmt_bytes(get.verified_background_bytes)
     );
-    println!("  wall time: {:.2} s", t0.elapsed().as_secs_f64());
+    outln!("  wall time: {:.2} s", t0.elapsed().as_secs_f64());
     if !per_run {
         if let Some(n) = &a.shm {
-            println!("  segment {n} kept: `tpu-sync shm list`, `tpu-sync shm rm {n}`");
+            outln!("  segment {n} kept: `tpu-sync shm list`, `tpu-sync shm rm {n}`");
         }
     }
     let ok = gstatus.success()
@@ -708,20 +767,27 @@ pub fn run(args: &StoreDemoArgs) -> Result<ExitCode> {
         && get.verified_request_bytes == total
         && get.bytes == total;
     if ok {
-        println!(
+        outln!(
             "verified: {} bytes, {} blocks, {} layers: put from device blocks in process {}, \
              killed, reloaded into other device blocks in process {} ({} from DRAM, {} from disk)",
-            total, s.blocks, s.model.num_layers, put.pid, get.pid, get.from_dram, get.from_disk
+            total,
+            s.blocks,
+            s.model.num_layers,
+            put.pid,
+            get.pid,
+            get.from_dram,
+            get.from_disk
         );
         Ok(ExitCode::SUCCESS)
     } else {
-        println!(
-            "FAILED: {} of {} blocks delivered, {} mismatching elements (first: {}), get exit {}",
+        outln!(
+            "FAILED: {} of {} blocks delivered, {} mismatching elements (first: {}), get phase \
+             exited {}",
             get.delivered,
             s.blocks,
             get.mismatches,
             get.first_mismatch.as_deref().unwrap_or("-"),
-            gstatus
+            crate::demo::exit_text(&gstatus)
         );
         Ok(ExitCode::from(1))
     }
@@ -733,19 +799,24 @@ pub fn shm(cmd: &ShmCmd) -> Result<ExitCode> {
         ShmCmd::List { dir } => {
             let l = store::list_segments(dir)?;
             if l.is_empty() {
-                println!("no tpu-sync KV segments in {}", dir.display());
+                outln!("no tpu-sync KV segments in {}", dir.display());
                 return Ok(ExitCode::SUCCESS);
             }
-            println!(
+            outln!(
                 "{:<28} {:>10} {:>6} {:>5} {:>7} {:>16}  namespace",
-                "name", "size", "uid", "mode", "in use", "blocks/slots"
+                "name",
+                "size",
+                "uid",
+                "mode",
+                "in use",
+                "blocks/slots"
             );
             for s in l {
                 let blocks = s
                     .blocks
                     .map(|(bb, slots, used)| format!("{used}/{slots} x {}", fmt_bytes(bb)))
                     .unwrap_or_else(|| "-".into());
-                println!(
+                outln!(
                     "{:<28} {:>10} {:>6} {:>5o} {:>7} {:>16}  {}",
                     s.name,
                     fmt_bytes(s.bytes),
@@ -760,7 +831,7 @@ pub fn shm(cmd: &ShmCmd) -> Result<ExitCode> {
         }
         ShmCmd::Rm { name, dir, force } => {
             store::remove_segment(dir, name, *force)?;
-            println!("removed {}", store::shm::segment_path(dir, name).display());
+            outln!("removed {}", store::shm::segment_path(dir, name).display());
             Ok(ExitCode::SUCCESS)
         }
     }

@@ -257,6 +257,10 @@ fn store_demo_runs_on_the_io_fallback_and_refuses_bad_flags() {
             "multiple of the block size",
         ),
         (&["store-demo", "--layout", "tp=2"][..], "one rank"),
+        (
+            &["store-demo", "--capacity-blocks", "0"][..],
+            "--capacity-blocks 0",
+        ),
         (&["store-demo", "--shm", "a/b"][..], "segment name"),
         (
             &["store-demo", "--preset", "gpt-9"][..],

@@ -111,6 +111,11 @@ fn fails(args: &[&str], needle: &str) {
         !t.contains("panicked") && !t.contains("RUST_BACKTRACE"),
         "{args:?} panicked:\n{t}"
     );
+    // Human messages: no Rust Debug output.
+    assert!(
+        !t.contains("Some(") && !t.contains("ExitStatus("),
+        "{args:?}: Debug output in:\n{t}"
+    );
 }
 
 #[test]
@@ -118,6 +123,10 @@ fn bad_inputs_are_clear_errors() {
     fails(
         &["demo", "--plugin", "/nonexistent/pjrt.so", "--layers", "1"],
         "cannot load PJRT plugin",
+    );
+    fails(
+        &["demo", "--plugin", "/nonexistent/pjrt.so", "--layers", "1"],
+        "prefill process exited with status 2 before listening",
     );
     fails(
         &["info", "--plugin", "/etc/hostname"],
@@ -130,6 +139,32 @@ fn bad_inputs_are_clear_errors() {
     );
     fails(&["demo", "--preset", "gpt-5"], "unknown model preset");
     fails(&["demo", "--transport", "carrier-pigeon"], "not available");
+    // Checked in the parent, before any child starts (so no prefill output).
+    for (args, needle) in [
+        (
+            &["demo", "--decode-dp-rank", "5"][..],
+            "--decode-dp-rank 5: the decode layout",
+        ),
+        (&["demo", "--streams", "0"][..], "--streams 0: must be 1 to"),
+        (&["demo", "--chunk-bytes", "0"][..], "--chunk-bytes 0"),
+        (&["demo", "--request-id", "0"][..], "--request-id 0"),
+        (
+            &[
+                "decode",
+                "--connect",
+                "127.0.0.1:1",
+                "--decode-dp-rank",
+                "2",
+            ][..],
+            "--decode-dp-rank 2",
+        ),
+    ] {
+        let o = tpu_sync(args, LIMIT);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {t}");
+        assert!(t.contains(needle), "{args:?}: expected `{needle}` in:\n{t}");
+        assert!(!t.contains("LISTENING") && !t.contains("prefill:"), "{t}");
+    }
 }
 
 #[test]
@@ -279,6 +314,46 @@ fn prefill_and_decode_as_separate_commands() {
     .unwrap();
     assert_eq!(rep["mismatches"], 0);
     assert_eq!(rep["verified_request_bytes"], 200 * 3 * 2 * 8 * 128 * 2);
+    assert!(p.wait().unwrap().success());
+}
+
+#[test]
+fn decode_tokens_given_must_match_the_prefill() {
+    let mut p = Command::new(env!("CARGO_BIN_EXE_tpu-sync"))
+        .args([
+            "prefill",
+            "--layers",
+            "1",
+            "--tokens",
+            "200",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .env("TPU_SYNC_PJRT_PLUGIN", common::plugin_path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let l = lines.next().expect("prefill output").unwrap();
+        if let Some(a) = l.strip_prefix("LISTENING ") {
+            break a.to_string();
+        }
+    };
+    fails(
+        &[
+            "decode",
+            "--connect",
+            &addr,
+            "--layers",
+            "1",
+            "--tokens",
+            "300",
+        ],
+        "--tokens 300: the prefill at",
+    );
+    // The failed decode released the request: the prefill ends at once.
     assert!(p.wait().unwrap().success());
 }
 

@@ -56,6 +56,27 @@ pub enum FrameKind {
     Data = 2,
 }
 
+/// Bytes as space-separated hex plus their printable-ASCII rendering (`.` for the rest), for
+/// messages: `48 54 54 50 ("HTTP")`.
+fn magic_text(b: &[u8]) -> String {
+    let hex = b
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let ascii: String = b
+        .iter()
+        .map(|&x| {
+            if x.is_ascii_graphic() || x == b' ' {
+                x as char
+            } else {
+                '.'
+            }
+        })
+        .collect();
+    format!("{hex} (\"{ascii}\")")
+}
+
 /// The fixed frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FrameHeader {
@@ -90,8 +111,8 @@ impl FrameHeader {
         }
         if b[0..4] != MAGIC {
             return Err(Error::Protocol(format!(
-                "bad frame magic {:02x?}",
-                &b[0..4]
+                "bad frame magic {}: not a tpu-sync peer?",
+                magic_text(&b[0..4])
             )));
         }
         if b[4] != PROTOCOL_VERSION {
@@ -528,6 +549,18 @@ mod tests {
         let mut bad = b;
         bad[0] = b'X';
         assert!(FrameHeader::decode(&bad).is_err());
+        let mut http = b;
+        http[0..4].copy_from_slice(b"HTTP");
+        assert_eq!(
+            FrameHeader::decode(&http).unwrap_err().to_string(),
+            "protocol error: bad frame magic 48 54 54 50 (\"HTTP\"): not a tpu-sync peer?"
+        );
+        let mut bin = b;
+        bin[0..4].copy_from_slice(&[0x16, 0x03, 0x01, 0x41]);
+        assert!(FrameHeader::decode(&bin)
+            .unwrap_err()
+            .to_string()
+            .contains("16 03 01 41 (\"...A\")"));
         let mut bad = b;
         bad[4] = 9;
         assert!(FrameHeader::decode(&bad)

@@ -1399,15 +1399,26 @@ impl Inner {
             return;
         }
         s.dead.fire(why.clone());
+        let leased: Vec<u64> = lock(&s.leases).drain().collect();
+        let pushing: Vec<u64> = lock(&s.pushing).drain().collect();
         if !self.shutdown.is_set() {
             self.counters.peers_lost.fetch_add(1, Ordering::Relaxed);
-            log::warn!("peer session {} lost: {why}", s.key.0);
+            // A warning only when the loss affects something (leases it held, pushes it was
+            // sending); a peer that simply went away after its work is routine.
+            if leased.is_empty() && pushing.is_empty() {
+                log::info!("peer session {} lost (nothing in flight): {why}", s.key.0);
+            } else {
+                log::warn!(
+                    "peer session {} lost with {} leased and {} pushed requests: {why}",
+                    s.key.0,
+                    leased.len(),
+                    pushing.len()
+                );
+            }
         }
-        let leased: Vec<u64> = lock(&s.leases).drain().collect();
         for id in leased {
             self.end_source(id, SourceOutcome::PeerLost(why.clone()));
         }
-        let pushing: Vec<u64> = lock(&s.pushing).drain().collect();
         for id in pushing {
             let sink = lock(&self.sinks).get(&id).cloned();
             if let Some(sink) = sink {
@@ -1444,7 +1455,26 @@ impl Inner {
         }
         if count && !self.shutdown.is_set() {
             self.counters.peers_lost.fetch_add(1, Ordering::Relaxed);
-            log::warn!("peer {} lost: {why}", p.addr);
+            // A warning only when a transfer is unfinished on this endpoint (its stripes may have
+            // used the peer; endpoint-wide, so conservative). A peer that closes after serving
+            // everything (a prefill exiting after the release) is routine: info. Requests on
+            // lanes still checked out (a describe or release awaiting its answer) fail with their
+            // own error to their caller.
+            let lanes_busy = (self.opts.max_lanes_per_peer as usize)
+                .saturating_sub(p.permits.available_permits());
+            let transfers = lock(&self.transfers).len();
+            if transfers == 0 {
+                log::info!(
+                    "peer {} lost (no transfer in flight, {lanes_busy} lanes in use): {why}",
+                    p.addr
+                );
+            } else {
+                log::warn!(
+                    "peer {} lost with {transfers} transfers unfinished and {lanes_busy} lanes \
+                     in use: {why}",
+                    p.addr
+                );
+            }
         }
         p.dead.fire(why);
         lock(&p.idle).clear();
