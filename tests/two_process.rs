@@ -12,6 +12,34 @@ use common::{text, tpu_sync};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
+/// A started `tpu-sync prefill` (stdout piped, stderr dropped), its listening address, and the
+/// rest of its stdout.
+struct Prefill {
+    child: std::process::Child,
+    addr: String,
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
+}
+
+/// Starts `tpu-sync prefill ARGS...` and waits for its `LISTENING` line.
+fn spawn_prefill<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Prefill {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tpu-sync"))
+        .arg("prefill")
+        .args(args)
+        .env("TPU_SYNC_PJRT_PLUGIN", common::plugin_path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let l = lines.next().expect("prefill output").unwrap();
+        if let Some(a) = l.strip_prefix("LISTENING ") {
+            break a.to_string();
+        }
+    };
+    Prefill { child, addr, lines }
+}
+
 fn demo(extra: &[&str]) -> String {
     let mut args = vec!["demo", "--layers", "2"];
     if !extra.contains(&"--tokens") {
@@ -211,30 +239,20 @@ fn peer_closing_mid_transfer_fails_the_decode() {
 
 #[test]
 fn out_of_range_block_id_is_refused_and_prefill_released() {
-    let mut p = Command::new(env!("CARGO_BIN_EXE_tpu-sync"))
-        .args([
-            "prefill",
-            "--layers",
-            "1",
-            "--tokens",
-            "100",
-            "--listen",
-            "127.0.0.1:0",
-            "--serve-timeout",
-            "60",
-        ])
-        .env("TPU_SYNC_PJRT_PLUGIN", common::plugin_path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
-    let addr = loop {
-        let l = lines.next().expect("prefill output").unwrap();
-        if let Some(a) = l.strip_prefix("LISTENING ") {
-            break a.to_string();
-        }
-    };
+    let Prefill {
+        child: mut p,
+        addr,
+        lines: _lines,
+    } = spawn_prefill(&[
+        "--layers",
+        "1",
+        "--tokens",
+        "100",
+        "--listen",
+        "127.0.0.1:0",
+        "--serve-timeout",
+        "60",
+    ]);
     fails(
         &[
             "decode",
@@ -281,28 +299,18 @@ fn info_reports_capabilities() {
 
 #[test]
 fn prefill_and_decode_as_separate_commands() {
-    let mut p = Command::new(env!("CARGO_BIN_EXE_tpu-sync"))
-        .args([
-            "prefill",
-            "--layers",
-            "3",
-            "--tokens",
-            "200",
-            "--listen",
-            "127.0.0.1:0",
-        ])
-        .env("TPU_SYNC_PJRT_PLUGIN", common::plugin_path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
-    let addr = loop {
-        let l = lines.next().expect("prefill output").unwrap();
-        if let Some(a) = l.strip_prefix("LISTENING ") {
-            break a.to_string();
-        }
-    };
+    let Prefill {
+        child: mut p,
+        addr,
+        lines: _lines,
+    } = spawn_prefill(&[
+        "--layers",
+        "3",
+        "--tokens",
+        "200",
+        "--listen",
+        "127.0.0.1:0",
+    ]);
     let o = tpu_sync(&["decode", "--connect", &addr, "--layers", "3"], LIMIT);
     let t = text(&o);
     assert!(o.status.success(), "{t}");
@@ -319,28 +327,18 @@ fn prefill_and_decode_as_separate_commands() {
 
 #[test]
 fn decode_tokens_given_must_match_the_prefill() {
-    let mut p = Command::new(env!("CARGO_BIN_EXE_tpu-sync"))
-        .args([
-            "prefill",
-            "--layers",
-            "1",
-            "--tokens",
-            "200",
-            "--listen",
-            "127.0.0.1:0",
-        ])
-        .env("TPU_SYNC_PJRT_PLUGIN", common::plugin_path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
-    let addr = loop {
-        let l = lines.next().expect("prefill output").unwrap();
-        if let Some(a) = l.strip_prefix("LISTENING ") {
-            break a.to_string();
-        }
-    };
+    let Prefill {
+        child: mut p,
+        addr,
+        lines: _lines,
+    } = spawn_prefill(&[
+        "--layers",
+        "1",
+        "--tokens",
+        "200",
+        "--listen",
+        "127.0.0.1:0",
+    ]);
     fails(
         &[
             "decode",
@@ -385,32 +383,26 @@ fn prefill_and_decode_with_a_pre_shared_key_and_a_wrong_one() {
     let bad = dir.join("bad.key");
     std::fs::write(&good, b"0123456789abcdef0123456789abcdef").unwrap();
     std::fs::write(&bad, b"fedcba9876543210fedcba9876543210").unwrap();
-    let mut p = Command::new(env!("CARGO_BIN_EXE_tpu-sync"))
-        .args([
-            "prefill",
-            "--layers",
-            "1",
-            "--tokens",
-            "100",
-            "--listen",
-            "127.0.0.1:0",
-            "--transport",
-            "quic",
-            "--psk-file",
-        ])
-        .arg(&good)
-        .env("TPU_SYNC_PJRT_PLUGIN", common::plugin_path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
-    let addr = loop {
-        let l = lines.next().expect("prefill output").unwrap();
-        if let Some(a) = l.strip_prefix("LISTENING ") {
-            break a.to_string();
-        }
-    };
+    let mut a: Vec<std::ffi::OsString> = [
+        "--layers",
+        "1",
+        "--tokens",
+        "100",
+        "--listen",
+        "127.0.0.1:0",
+        "--transport",
+        "quic",
+        "--psk-file",
+    ]
+    .iter()
+    .map(Into::into)
+    .collect();
+    a.push(good.clone().into());
+    let Prefill {
+        child: mut p,
+        addr,
+        lines: _lines,
+    } = spawn_prefill(&a);
     let args = |key: &std::path::Path| {
         vec![
             "decode".to_string(),
@@ -453,34 +445,28 @@ fn prefill_and_decode_with_a_pre_shared_key_and_a_wrong_one() {
 #[test]
 fn prefill_ranks_in_two_processes() {
     let spawn = |ranks: &str| {
-        let mut p = Command::new(env!("CARGO_BIN_EXE_tpu-sync"))
-            .args([
-                "prefill",
-                "--layers",
-                "2",
-                "--tokens",
-                "300",
-                "--listen",
-                "127.0.0.1:0",
-                "--ranks",
-                ranks,
-                "--transport",
-                "quic",
-                "--psk-file",
-            ])
-            .arg(psk_path())
-            .env("TPU_SYNC_PJRT_PLUGIN", common::plugin_path())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
-        let addr = loop {
-            let l = lines.next().expect("prefill output").unwrap();
-            if let Some(a) = l.strip_prefix("LISTENING ") {
-                break a.to_string();
-            }
-        };
+        let mut a: Vec<std::ffi::OsString> = [
+            "--layers",
+            "2",
+            "--tokens",
+            "300",
+            "--listen",
+            "127.0.0.1:0",
+            "--ranks",
+            ranks,
+            "--transport",
+            "quic",
+            "--psk-file",
+        ]
+        .iter()
+        .map(Into::into)
+        .collect();
+        a.push(psk_path().into());
+        let Prefill {
+            child: p,
+            addr,
+            lines,
+        } = spawn_prefill(&a);
         // Keep reading its stdout (its final REPORT line) so it never writes to a closed pipe.
         let drain = std::thread::spawn(move || lines.count());
         (p, addr, drain)
@@ -531,7 +517,6 @@ fn prefill_killed_mid_transfer_fails_the_decode() {
     for t in ["tcp", "quic"] {
         let psk = psk_path().display().to_string();
         let mut args = vec![
-            "prefill",
             "--layers",
             "4",
             "--tokens",
@@ -546,20 +531,11 @@ fn prefill_killed_mid_transfer_fails_the_decode() {
         if t != "tcp" {
             args.extend(["--psk-file", &psk]);
         }
-        let mut p = Command::new(env!("CARGO_BIN_EXE_tpu-sync"))
-            .args(&args)
-            .env("TPU_SYNC_PJRT_PLUGIN", common::plugin_path())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
-        let addr = loop {
-            let l = lines.next().expect("prefill output").unwrap();
-            if let Some(a) = l.strip_prefix("LISTENING ") {
-                break a.to_string();
-            }
-        };
+        let Prefill {
+            child: mut p,
+            addr,
+            lines,
+        } = spawn_prefill(&args);
         let pid = p.id();
         // Kill the prefill once the decode is well into the transfer (the prefill stalls after
         // 200 KB, so the transfer is in flight when the kill lands).
