@@ -426,8 +426,8 @@ mod tests {
         api.PJRT_Client_AddressableDevices = Some(fake_devices);
         api.PJRT_Client_DmaMap = Some(fake_map);
         api.PJRT_Client_DmaUnmap = Some(fake_unmap);
-        let api: &'static sys::PJRT_Api = Box::leak(Box::new(api));
-        // SAFETY: the fake table is leaked (process lifetime).
+        let api: &'static sys::PJRT_Api = crate::pjrt::keep_for_process(api);
+        // SAFETY: the fake table is kept for the process (keep_for_process).
         let plugin = unsafe { Plugin::adopt(api, "fake-dma") }.unwrap();
         let fake_client = 0x1000 as *mut sys::PJRT_Client; // never dereferenced by the fakes
                                                            // SAFETY: the fake functions never dereference the client.

@@ -774,14 +774,14 @@ mod tests {
         ext.PJRT_RawBuffer_CreateRawAliasOfBuffer = Some(fake_alias);
         ext.PJRT_RawBuffer_Destroy = Some(fake_destroy);
         ext.PJRT_RawBuffer_CopyRawHostToDevice = if with_h2d { Some(fake_h2d) } else { None };
-        let ext: &'static mut PJRT_RawBuffer_Extension = Box::leak(Box::new(ext));
+        let ext: &'static mut PJRT_RawBuffer_Extension = crate::pjrt::keep_for_process(ext);
         let mut api = sys::PJRT_Api::new();
         api.extension_start = ext as *mut _ as *mut sys::PJRT_Extension_Base;
         api.pjrt_api_version = sys::PJRT_Api_Version::new();
         api.pjrt_api_version.major_version = 0;
         api.pjrt_api_version.minor_version = 81;
-        let api: &'static sys::PJRT_Api = Box::leak(Box::new(api));
-        // SAFETY: the fake table is leaked, so it lives for the process.
+        let api: &'static sys::PJRT_Api = crate::pjrt::keep_for_process(api);
+        // SAFETY: the fake table is kept for the process (keep_for_process).
         unsafe { Plugin::adopt(api, "fake-rawbuffer") }.expect("adopt the fake plugin")
     }
 

@@ -562,3 +562,18 @@ fn named_value_to_strings(nv: &sys::PJRT_NamedValue) -> (String, String) {
     };
     (name, value)
 }
+
+/// Test support: gives `v` a `'static` home for fake plugin tables (an adopted `PJRT_Api` must
+/// live for the process, as a real plugin's does). The allocation stays referenced from a static
+/// list, so leak checkers (LeakSanitizer, valgrind) see it as reachable, not lost.
+#[cfg(test)]
+pub(crate) fn keep_for_process<T: 'static>(v: T) -> &'static mut T {
+    static KEPT: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+    let p = Box::into_raw(Box::new(v));
+    KEPT.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(p as usize);
+    // SAFETY: `p` comes from `Box::into_raw` and is never freed, so the reference is valid for
+    // the rest of the process; it is the only reference made from it.
+    unsafe { &mut *p }
+}
