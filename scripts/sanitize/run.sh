@@ -103,7 +103,7 @@ if [[ " $STEPS " == *" tsan "* ]]; then
 cargo +nightly test -Zbuild-std --release --target $TARGET --target-dir target/tsan \
 -p tpu-sync --lib -p tpu-sync-cli --test net_chaos --test store_race --test store_basic"
   if have_nightly rust-src; then
-    if eval "TPU_SYNC_SANITIZER=tsan TSAN_OPTIONS=halt_on_error=1 $TSAN_CMD" >"$LOGS/tsan.log" 2>&1; then
+    if eval "TPU_SYNC_SANITIZER=tsan TSAN_OPTIONS='halt_on_error=1 suppressions=$ROOT/scripts/sanitize/tsan.supp' $TSAN_CMD" >"$LOGS/tsan.log" 2>&1; then
       echo "  ok   tsan"
     else
       echo "  FAIL tsan: see $LOGS/tsan.log"
