@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make sanitize` (not part of `make test`): memory and thread checkers over what this toolchain
 # and machine allow. See docs/security.md ("Sanitizers and leak checks") for what each step
-# covers and what is not possible here.
+# covers, its suppressions, and measured durations.
 #
 #   1. valgrind memcheck over every C ABI test and C example (built by `make test-c examples-c`):
 #      no invalid reads or writes, no uninitialised values in decisions, no definite leaks.
@@ -101,7 +101,8 @@ if [[ " $STEPS " == *" tsan "* ]]; then
   echo "== ThreadSanitizer"
   TSAN_CMD="RUSTFLAGS='-Zsanitizer=thread' RUSTDOCFLAGS='-Zsanitizer=thread' \
 cargo +nightly test -Zbuild-std --release --target $TARGET --target-dir target/tsan \
--p tpu-sync --lib -p tpu-sync-cli --test net_chaos --test store_race --test store_basic"
+-p tpu-sync --lib -p tpu-sync-cli --test net_chaos --test net_faults --test net_transfer \
+--test device_pacing --test store_race --test store_basic"
   if have_nightly rust-src; then
     if eval "TPU_SYNC_SANITIZER=tsan TSAN_OPTIONS='halt_on_error=1 suppressions=$ROOT/scripts/sanitize/tsan.supp' $TSAN_CMD" >"$LOGS/tsan.log" 2>&1; then
       echo "  ok   tsan"

@@ -1,6 +1,7 @@
 //! PJRT device buffers, events and external references.
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -190,12 +191,25 @@ impl Event {
         struct Ctx {
             plugin: Arc<Plugin>,
             f: Box<dyn FnOnce(Result<()>) + Send>,
+            /// Set (release) before the context is handed to the plugin and read (acquire)
+            /// first thing in the callback: the hand-off to the plugin's thread is then ordered
+            /// by our own atomics, not only by the plugin's internal synchronization (which
+            /// ThreadSanitizer cannot see in an uninstrumented plugin).
+            published: AtomicBool,
         }
         unsafe extern "C" fn trampoline(err: *mut sys::PJRT_Error, user: *mut c_void) {
             // A panic must not unwind into the plugin's C++ frames.
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                let ctx = user as *mut Ctx;
+                // SAFETY: `user` is the live Box<Ctx> leaked below; `published` is an atomic,
+                // read before anything else of the context.
+                let published = unsafe { (*ctx).published.load(Ordering::Acquire) };
+                debug_assert!(
+                    published,
+                    "PJRT_Event_OnReady context used before published"
+                );
                 // SAFETY: `user` is the Box<Ctx> leaked below; the plugin calls this exactly once.
-                let ctx = unsafe { Box::from_raw(user as *mut Ctx) };
+                let ctx = unsafe { Box::from_raw(ctx) };
                 // SAFETY: the callback owns `err` (NULL or a live error), per the C API.
                 let r = unsafe { ctx.plugin.check(err, "PJRT_Event_OnReady callback") };
                 (ctx.f)(r);
@@ -204,10 +218,13 @@ impl Event {
                 log::error!("a PJRT_Event_OnReady callback panicked (caught)");
             }
         }
-        let ctx = Box::into_raw(Box::new(Ctx {
+        let ctx = Box::new(Ctx {
             plugin: self.plugin.clone(),
             f,
-        }));
+            published: AtomicBool::new(false),
+        });
+        ctx.published.store(true, Ordering::Release);
+        let ctx = Box::into_raw(ctx);
         let mut a = sys::PJRT_Event_OnReady_Args::new();
         a.event = self.raw;
         a.callback = Some(trampoline);
