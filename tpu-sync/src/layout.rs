@@ -121,6 +121,9 @@ pub struct ModelKv {
     pub dtype: DType,
 }
 
+/// Most ranks (TP x PCP x DP) a parallel layout may have.
+pub const MAX_RANKS: u32 = 4096;
+
 /// Preset names accepted by [`ModelKv::preset`].
 pub const PRESETS: &[&str] = &["llama-3.1-8b", "qwen3-32b", "llama-3.1-70b", "deepseek-v3"];
 
@@ -305,12 +308,13 @@ impl ParallelSpec {
 
     /// Number of ranks: `dp * pcp * tp`.
     pub fn num_ranks(&self) -> u32 {
-        self.dp * self.pcp * self.tp
+        // Saturating: a spec not yet validated (at most MAX_RANKS ranks) never wraps around.
+        self.dp.saturating_mul(self.pcp).saturating_mul(self.tp)
     }
 
     /// Ranks per DP replica: `pcp * tp`.
     pub fn ranks_per_replica(&self) -> u32 {
-        self.pcp * self.tp
+        self.pcp.saturating_mul(self.tp)
     }
 }
 
@@ -457,10 +461,13 @@ impl ParallelLayout {
                 s.tp, s.pcp, s.dp, s.block_size
             )));
         }
-        if s.num_ranks() > 4096 {
+        // In u64: TP x PCP x DP of three u32 values from a peer or a config must not wrap into
+        // a small count (found by the layout_validate fuzz target).
+        let ranks = u64::from(s.tp) * u64::from(s.pcp) * u64::from(s.dp);
+        if ranks > MAX_RANKS as u64 {
             return Err(Error::Layout(format!(
-                "{} ranks is more than 4096",
-                s.num_ranks()
+                "TP={} x PCP={} x DP={} is {ranks} ranks, more than {MAX_RANKS}",
+                s.tp, s.pcp, s.dp
             )));
         }
         let h = self.model.num_kv_heads;
@@ -700,6 +707,44 @@ mod tests {
         assert!(ParallelSpec::parse("xp=1").is_err());
         assert!(ParallelSpec::parse("order=abc").is_err());
         assert!(ParallelSpec::parse("tp").is_err());
+    }
+
+    /// TP x PCP x DP whose u32 product wraps to 0 (2^32 divides it) or to a small number is
+    /// refused, not taken for a tiny layout (seed `fuzz/regressions/layout_validate/rank-product-wraps`).
+    #[test]
+    fn rank_count_that_wraps_u32_is_refused() {
+        let m = ModelKv::preset("llama-3.1-8b").unwrap();
+        for (tp, pcp, dp) in [
+            (1 << 16, 1 << 16, 1),
+            (8, 1 << 29, 1),
+            (1, 3, 1_431_655_766),
+        ] {
+            let spec = ParallelSpec {
+                tp,
+                pcp,
+                dp,
+                ..ParallelSpec::default()
+            };
+            let e = ParallelLayout::new(m.clone(), spec, 4).unwrap_err();
+            assert!(
+                e.to_string().contains("more than 4096"),
+                "{tp}x{pcp}x{dp}: {e}"
+            );
+            assert!(
+                spec.num_ranks() > MAX_RANKS,
+                "saturates instead of wrapping"
+            );
+        }
+        let ok = ParallelSpec {
+            tp: 8,
+            pcp: 8,
+            dp: 64,
+            ..ParallelSpec::default()
+        };
+        assert!(
+            ParallelLayout::new(m, ok, 4).is_ok(),
+            "exactly 4096 ranks are allowed"
+        );
     }
 
     #[test]
