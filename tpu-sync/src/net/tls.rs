@@ -201,10 +201,11 @@ impl Security {
         !matches!(self, Security::None)
     }
 
-    /// Short description for logs and reports (`none`, `mutual TLS (CA)`, `pre-shared key`).
+    /// Short description for logs and reports (`no authentication, no encryption`, `mutual TLS
+    /// (CA)`, `pre-shared key`).
     pub fn describe(&self) -> &'static str {
         match self {
-            Security::None => "none",
+            Security::None => "no authentication, no encryption",
             Security::Ca { .. } => "mutual TLS (CA)",
             Security::Psk { .. } => "pre-shared key",
         }
