@@ -25,7 +25,6 @@ use tpu_sync::net::{
     Endpoint, EndpointOptions, PeerMap, PullRequest, PushRequest, SinkRegistration, SourceHandle,
     SourceOutcome, SourceRegistration, Transfer, TransferStats, TransportKind,
 };
-use tpu_sync::plan::{Placement, Plan};
 use tpu_sync::staging::Staging;
 use tpu_sync::Error;
 
@@ -36,25 +35,8 @@ const IO: Duration = Duration::from_millis(1000);
 /// Bound on any single request's outcome (faults included).
 const BOUND: Duration = Duration::from_secs(6);
 
-struct Fx {
-    src: Placement,
-    dst: Placement,
-    tokens: u32,
-    plan: Plan,
-}
-
 fn fx() -> Fx {
-    let m = model(2);
-    let tokens = 256;
-    let src = placement(layout(&m, "tp=2,block=16", tokens), 0, tokens, 11);
-    let dst = placement(layout(&m, "tp=1,block=32,order=hnd", tokens), 0, tokens, 12);
-    let plan = Plan::build(&src, &dst, tokens).unwrap();
-    Fx {
-        src,
-        dst,
-        tokens,
-        plan,
-    }
+    reshard_fixture(2, 256, 11)
 }
 
 /// Locked, pre-faulted staging (so pinned bytes show in `VmLck`).

@@ -15,30 +15,12 @@ use tpu_sync::net::{
     Endpoint, EndpointOptions, FaultHooks, PeerMap, PullRequest, PushRequest, Security,
     SinkRegistration, SourceOutcome, SourceRegistration, Transfer, TransportKind,
 };
-use tpu_sync::plan::{Placement, Plan};
 use tpu_sync::Error;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
-struct Fx {
-    src: Placement,
-    dst: Placement,
-    tokens: u32,
-    plan: Plan,
-}
-
 fn fx() -> Fx {
-    let m = model(4);
-    let tokens = 400;
-    let src = placement(layout(&m, "tp=2,block=16", tokens), 0, tokens, 1);
-    let dst = placement(layout(&m, "tp=1,block=32,order=hnd", tokens), 0, tokens, 2);
-    let plan = Plan::build(&src, &dst, tokens).unwrap();
-    Fx {
-        src,
-        dst,
-        tokens,
-        plan,
-    }
+    reshard_fixture(4, 400, 1)
 }
 
 fn o(kind: TransportKind, pki: &Pki, name: &str, listen: bool) -> EndpointOptions {

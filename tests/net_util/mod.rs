@@ -286,3 +286,32 @@ pub async fn eventually(limit: Duration, what: &str, mut f: impl FnMut() -> bool
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// A request's two placements and plan: `layers` layers of the small test model, `tokens`
+/// tokens, a TP=2 NHD source with 16-token blocks and a TP=1 HND destination with 32-token blocks
+/// (a reshard with a block-size and order change), block ids scattered by `seed` and `seed + 1`.
+pub struct Fx {
+    pub src: Placement,
+    pub dst: Placement,
+    pub tokens: u32,
+    pub plan: Plan,
+}
+
+/// See [`Fx`].
+pub fn reshard_fixture(layers: u32, tokens: u32, seed: u64) -> Fx {
+    let m = model(layers);
+    let src = placement(layout(&m, "tp=2,block=16", tokens), 0, tokens, seed);
+    let dst = placement(
+        layout(&m, "tp=1,block=32,order=hnd", tokens),
+        0,
+        tokens,
+        seed + 1,
+    );
+    let plan = Plan::build(&src, &dst, tokens).unwrap();
+    Fx {
+        src,
+        dst,
+        tokens,
+        plan,
+    }
+}
