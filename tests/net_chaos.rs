@@ -22,8 +22,8 @@ use fault_util::*;
 use net_util::*;
 use tpu_sync::arena::{ArenaOptions, LockStatus};
 use tpu_sync::net::{
-    Endpoint, EndpointOptions, PeerMap, PullRequest, PushRequest, SinkRegistration, SourceHandle,
-    SourceOutcome, SourceRegistration, Transfer, TransferStats, TransportKind,
+    Endpoint, EndpointOptions, PeerMap, PushRequest, SinkRegistration, SourceHandle, SourceOutcome,
+    SourceRegistration, Transfer, TransferStats, TransportKind,
 };
 use tpu_sync::staging::Staging;
 use tpu_sync::Error;
@@ -78,19 +78,7 @@ fn register(ep: &Endpoint, f: &Fx, rid: u64) -> SourceHandle {
 
 fn pull(ep: &Endpoint, f: &Fx, rid: u64, addr: &str) -> (Transfer, Arc<Staging>) {
     let st = dest_staging_with(&f.plan, &f.dst, None, &locked());
-    let t = ep
-        .pull(PullRequest {
-            request_id: rid,
-            num_tokens: f.tokens,
-            src: f.src.clone(),
-            sources: PeerMap::single(addr),
-            dst: f.dst.clone(),
-            staging: st.clone(),
-            dst_ranks: None,
-            plan: None,
-        })
-        .unwrap();
-    (t, st)
+    (pull_fx(ep, f, rid, addr, st.clone()), st)
 }
 
 fn expect(ep: &Endpoint, f: &Fx, rid: u64) -> (Transfer, Arc<Staging>) {

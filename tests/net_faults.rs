@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use net_util::*;
 use tpu_sync::net::{
-    Endpoint, EndpointOptions, FaultHooks, PeerMap, PullRequest, PushRequest, Security,
-    SinkRegistration, SourceOutcome, SourceRegistration, Transfer, TransportKind,
+    Endpoint, EndpointOptions, FaultHooks, PeerMap, PushRequest, Security, SinkRegistration,
+    SourceOutcome, SourceRegistration, Transfer, TransportKind,
 };
 use tpu_sync::Error;
 
@@ -46,19 +46,7 @@ fn pull(
     addr: &str,
 ) -> (Transfer, std::sync::Arc<tpu_sync::staging::Staging>) {
     let st = dest_staging(&f.plan, &f.dst, None);
-    let t = ep
-        .pull(PullRequest {
-            request_id: rid,
-            num_tokens: f.tokens,
-            src: f.src.clone(),
-            sources: PeerMap::single(addr),
-            dst: f.dst.clone(),
-            staging: st.clone(),
-            dst_ranks: None,
-            plan: None,
-        })
-        .unwrap();
-    (t, st)
+    (pull_fx(ep, f, rid, addr, st.clone()), st)
 }
 
 /// Waits for `t` to fail within `limit`; returns the error.

@@ -315,3 +315,25 @@ pub fn reshard_fixture(layers: u32, tokens: u32, seed: u64) -> Fx {
         plan,
     }
 }
+
+/// Starts pulling `f`'s request `rid` from the endpoint at `addr` into `staging` (all of `f`'s
+/// destination ranks, the plan built by the endpoint).
+pub fn pull_fx(
+    ep: &Endpoint,
+    f: &Fx,
+    rid: u64,
+    addr: &str,
+    staging: Arc<Staging>,
+) -> tpu_sync::net::Transfer {
+    ep.pull(tpu_sync::net::PullRequest {
+        request_id: rid,
+        num_tokens: f.tokens,
+        src: f.src.clone(),
+        sources: tpu_sync::net::PeerMap::single(addr),
+        dst: f.dst.clone(),
+        staging,
+        dst_ranks: None,
+        plan: None,
+    })
+    .unwrap()
+}
