@@ -4,32 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tpu_sync.h"
-
-static int failures = 0;
-
-#define CHECK(cond, ...)                                                   \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);      \
-      fprintf(stderr, __VA_ARGS__);                                        \
-      fprintf(stderr, "\n");                                               \
-      failures++;                                                          \
-    }                                                                      \
-  } while (0)
-
-static const char *last_error(void) {
-  static char buf[1024];
-  size_t len = 0;
-  tpu_sync_last_error(buf, sizeof buf, &len);
-  return buf;
-}
-
-static uint64_t live_handles(void) {
-  uint64_t n = 0;
-  tpu_sync_handle_stats(TPU_SYNC_HANDLE_ALL, &n);
-  return n;
-}
+#include "check.h"
 
 int main(void) {
   CHECK(tpu_sync_abi_version() == TPU_SYNC_ABI_VERSION, "abi %u", tpu_sync_abi_version());
@@ -48,12 +23,12 @@ int main(void) {
         "forged handle");
   CHECK(tpu_sync_client_free(NULL) == TPU_SYNC_INVALID_HANDLE, "free null");
 
-  uint64_t before = live_handles();
+  uint64_t before = live_handles(TPU_SYNC_HANDLE_ALL);
   tpu_sync_client *client = NULL;
   tpu_sync_status st = tpu_sync_client_new(NULL, 2, &client);
   CHECK(st == TPU_SYNC_OK, "client_new: %s", last_error());
   if (st != TPU_SYNC_OK) return 1;
-  CHECK(live_handles() == before + 1, "one more live handle");
+  CHECK(live_handles(TPU_SYNC_HANDLE_ALL) == before + 1, "one more live handle");
   CHECK(tpu_sync_client_device_count(client, &n) == TPU_SYNC_OK && n == 2, "2 devices, got %zu", n);
   CHECK(tpu_sync_client_device_count(client, NULL) == TPU_SYNC_NULL_POINTER, "null out-pointer");
 
@@ -101,7 +76,7 @@ int main(void) {
   CHECK(tpu_sync_buffer_free(buf) == TPU_SYNC_INVALID_HANDLE, "double free");
   CHECK(tpu_sync_client_free(client) == TPU_SYNC_OK, "free client");
   CHECK(tpu_sync_client_free(client) == TPU_SYNC_INVALID_HANDLE, "double free client");
-  CHECK(live_handles() == before, "no leaked handles");
+  CHECK(live_handles(TPU_SYNC_HANDLE_ALL) == before, "no leaked handles");
 
   /* A plugin that cannot be loaded. */
   CHECK(tpu_sync_client_new("/nonexistent/plugin.so", 1, &client) == TPU_SYNC_PLUGIN_LOAD, "bad plugin");

@@ -8,42 +8,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "tpu_sync.h"
-
-static int failures = 0;
-
-#define CHECK(cond, ...)                                                   \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);      \
-      fprintf(stderr, __VA_ARGS__);                                        \
-      fprintf(stderr, "\n");                                               \
-      failures++;                                                          \
-    }                                                                      \
-  } while (0)
-
-static const char *last_error(void) {
-  static char buf[2048];
-  tpu_sync_last_error(buf, sizeof buf, NULL);
-  return buf;
-}
-
-static uint64_t live(uint32_t kind) {
-  uint64_t n = 0;
-  tpu_sync_handle_stats(kind, &n);
-  return n;
-}
-
-/* Non-zero, non-repeating bytes. */
-static void fill(uint8_t *p, size_t n, uint32_t seed) {
-  uint64_t x = 0x9E3779B97F4A7C15ull * (seed + 1);
-  for (size_t i = 0; i < n; i++) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    p[i] = (uint8_t)(x | 1u);
-  }
-}
+#include "check.h"
 
 static char *info_of(const tpu_sync_buffer *b) {
   static char buf[4096];
@@ -57,11 +22,6 @@ static atomic_int callback_status;
 static void on_done(void *user, tpu_sync_status status) {
   atomic_store(&callback_status, (int)status);
   atomic_fetch_add(&callback_calls, *(int *)user);
-}
-
-static void sleep_ms(long ms) {
-  struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
-  nanosleep(&t, NULL);
 }
 
 static void test_adoption(tpu_sync_client *client) {
@@ -264,13 +224,13 @@ int main(void) {
     fprintf(stderr, "client_new: %s\n", last_error());
     return 1;
   }
-  uint64_t before = live(TPU_SYNC_HANDLE_ALL);
+  uint64_t before = live_handles(TPU_SYNC_HANDLE_ALL);
   test_adoption(client);
   test_view(client);
   test_copies(client);
-  CHECK(live(TPU_SYNC_HANDLE_ALL) == before, "no leaked handles: %llu vs %llu",
-        (unsigned long long)live(TPU_SYNC_HANDLE_ALL), (unsigned long long)before);
-  CHECK(live(TPU_SYNC_HANDLE_COPY) == 0 && live(TPU_SYNC_HANDLE_RELEASE) == 0, "per-kind counts");
+  CHECK(live_handles(TPU_SYNC_HANDLE_ALL) == before, "no leaked handles: %llu vs %llu",
+        (unsigned long long)live_handles(TPU_SYNC_HANDLE_ALL), (unsigned long long)before);
+  CHECK(live_handles(TPU_SYNC_HANDLE_COPY) == 0 && live_handles(TPU_SYNC_HANDLE_RELEASE) == 0, "per-kind counts");
   uint64_t n = 0;
   CHECK(tpu_sync_handle_stats(TPU_SYNC_HANDLE_RELEASE + 1, &n) == TPU_SYNC_INVALID_ARGUMENT, "unknown kind");
   tpu_sync_client_free(client);

@@ -13,37 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "tpu_sync.h"
-
-static int failures = 0;
-
-#define CHECK(cond, ...)                                                   \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);      \
-      fprintf(stderr, __VA_ARGS__);                                        \
-      fprintf(stderr, "\n");                                               \
-      failures++;                                                          \
-    }                                                                      \
-  } while (0)
-
-static const char *last_error(void) {
-  static char buf[2048];
-  tpu_sync_last_error(buf, sizeof buf, NULL);
-  return buf;
-}
-
-static uint64_t live(void) {
-  uint64_t n = 0;
-  tpu_sync_handle_stats(TPU_SYNC_HANDLE_ALL, &n);
-  return n;
-}
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
+#include "check.h"
 
 #define MODEL "{\"name\":\"toy\",\"num_layers\":1,\"num_kv_heads\":2,\"head_dim\":8,\"kv_planes\":2,\"dtype\":\"bf16\"}"
 /* One layer, TP=1, 4 blocks of 16 tokens: 2 x 4 x 16 x 2 x 8 x 2 = 4096 bytes per buffer. */
@@ -69,7 +39,7 @@ static tpu_sync_status finish(tpu_sync_transfer *t, double limit_s, double *took
 }
 
 int main(void) {
-  uint64_t before = live();
+  uint64_t before = live_handles(TPU_SYNC_HANDLE_ALL);
   tpu_sync_endpoint *ep = NULL;
   /* Configuration errors. */
   CHECK(tpu_sync_endpoint_new("{\"listen\":", &ep) == TPU_SYNC_INVALID_ARGUMENT, "bad JSON");
@@ -182,10 +152,7 @@ int main(void) {
   CHECK(tpu_sync_transfer_cancel(t) == TPU_SYNC_OK, "cancel");
   s = finish(t, 10, &took);
   CHECK(s == TPU_SYNC_CANCELLED && took < 5, "cancelled in %.2f s: %s", took, tpu_sync_status_name(s));
-  for (int i = 0; i < 500 && atomic_load(&cb_status) < 0; i++) {
-    struct timespec ts = {0, 10 * 1000000L};
-    nanosleep(&ts, NULL);
-  }
+  for (int i = 0; i < 500 && atomic_load(&cb_status) < 0; i++) sleep_ms(10);
   CHECK(atomic_load(&cb_status) == TPU_SYNC_CANCELLED, "callback saw %d", atomic_load(&cb_status));
   CHECK(tpu_sync_transfer_free(t) == TPU_SYNC_OK, "free");
   CHECK(tpu_sync_transfer_free(t) == TPU_SYNC_INVALID_HANDLE, "double free");
@@ -203,8 +170,7 @@ int main(void) {
 
   for (int i = 0; i < 500 && state != TPU_SYNC_SOURCE_RELEASED; i++) {
     tpu_sync_endpoint_source_state(prefill, 1, &state);
-    struct timespec ts = {0, 10 * 1000000L};
-    nanosleep(&ts, NULL);
+    sleep_ms(10);
   }
   CHECK(state == TPU_SYNC_SOURCE_RELEASED, "the pull released request 1: state %u", state);
 
@@ -235,7 +201,7 @@ int main(void) {
         "a buffer is not an endpoint");
   tpu_sync_buffer_free(buf);
   tpu_sync_client_free(client);
-  CHECK(live() == before, "no leaked handles: %llu vs %llu", (unsigned long long)live(), (unsigned long long)before);
+  CHECK(live_handles(TPU_SYNC_HANDLE_ALL) == before, "no leaked handles: %llu vs %llu", (unsigned long long)live_handles(TPU_SYNC_HANDLE_ALL), (unsigned long long)before);
   if (failures) {
     fprintf(stderr, "%d endpoint checks FAILED\n", failures);
     return 1;

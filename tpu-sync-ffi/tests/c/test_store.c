@@ -7,41 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "tpu_sync.h"
-
-static int failures = 0;
-
-#define CHECK(cond, ...)                                                   \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);      \
-      fprintf(stderr, __VA_ARGS__);                                        \
-      fprintf(stderr, "\n");                                               \
-      failures++;                                                          \
-    }                                                                      \
-  } while (0)
-
-static const char *last_error(void) {
-  static char buf[2048];
-  tpu_sync_last_error(buf, sizeof buf, NULL);
-  return buf;
-}
-
-static uint64_t live(void) {
-  uint64_t n = 0;
-  tpu_sync_handle_stats(TPU_SYNC_HANDLE_ALL, &n);
-  return n;
-}
-
-static void fill(uint8_t *p, size_t n, uint32_t seed) {
-  uint64_t x = 0x9E3779B97F4A7C15ull * (seed + 1);
-  for (size_t i = 0; i < n; i++) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    p[i] = (uint8_t)(x | 1u);
-  }
-}
+#include "check.h"
 
 enum { BLOCK = 4096, BLOCKS = 8, TOKENS_PER_BLOCK = 16 };
 
@@ -267,12 +233,12 @@ static void test_segments(void) {
 }
 
 int main(void) {
-  uint64_t before = live();
+  uint64_t before = live_handles(TPU_SYNC_HANDLE_ALL);
   test_config_errors();
   test_host_round_trip();
   test_device_round_trip();
   test_segments();
-  CHECK(live() == before, "no leaked handles: %llu vs %llu", (unsigned long long)live(), (unsigned long long)before);
+  CHECK(live_handles(TPU_SYNC_HANDLE_ALL) == before, "no leaked handles: %llu vs %llu", (unsigned long long)live_handles(TPU_SYNC_HANDLE_ALL), (unsigned long long)before);
   if (failures) {
     fprintf(stderr, "%d store checks FAILED\n", failures);
     return 1;
