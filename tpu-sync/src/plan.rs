@@ -18,7 +18,7 @@ use std::collections::BTreeSet;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::layout::{ParallelLayout, RankCoord};
+use crate::layout::ParallelLayout;
 
 /// Where one request's KV blocks live on one side of a transfer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -240,12 +240,8 @@ impl Plan {
         // Rows of layer 0; every layer has the same spans with another buffer index.
         let mut rows: Vec<Span> = Vec::new();
         for ld in 0..dl.spec.ranks_per_replica() {
-            let dc = RankCoord {
-                dp: dst.dp_rank,
-                pcp: ld / dl.spec.tp,
-                tp: ld % dl.spec.tp,
-            };
-            let dst_rank = dl.rank(dc);
+            let dst_rank = dst.global_rank(ld);
+            let dc = dl.coord(dst_rank);
             let first_head = dl.first_head(dc.tp);
             let chunk = dl.pcp_chunk(t, dc.pcp);
             for (i, jd) in chunk.enumerate() {
@@ -261,11 +257,7 @@ impl Plan {
                         let ls = ps * sl.spec.tp + ts;
                         let src_block = src.block_ids[ls as usize][idx_s];
                         let hs = g - sl.first_head(ts);
-                        let src_rank = sl.rank(RankCoord {
-                            dp: src.dp_rank,
-                            pcp: ps,
-                            tp: ts,
-                        });
+                        let src_rank = src.global_rank(ls);
                         for p in 0..planes {
                             rows.push(Span {
                                 src_rank,
@@ -298,12 +290,8 @@ impl Plan {
         let t = num_tokens;
         let mut rows: Vec<Span> = Vec::new();
         for ld in 0..dl.spec.ranks_per_replica() {
-            let dc = RankCoord {
-                dp: dst.dp_rank,
-                pcp: ld / dl.spec.tp,
-                tp: ld % dl.spec.tp,
-            };
-            let dst_rank = dl.rank(dc);
+            let dst_rank = dst.global_rank(ld);
+            let dc = dl.coord(dst_rank);
             let first_head = dl.first_head(dc.tp);
             for (i, jd) in dl.pcp_chunk(t, dc.pcp).enumerate() {
                 let dst_block = dst.block_ids[ld as usize][i];
@@ -318,11 +306,7 @@ impl Plan {
                     let src_block = src.block_ids[ls as usize][idx_s];
                     let hs = g - sl.first_head(ts);
                     rows.push(Span {
-                        src_rank: sl.rank(RankCoord {
-                            dp: src.dp_rank,
-                            pcp: ps,
-                            tp: ts,
-                        }),
+                        src_rank: src.global_rank(ls),
                         src_buffer: 0,
                         src_offset: skv.region_offset(src_block, hs),
                         dst_rank,
