@@ -461,6 +461,32 @@ fn stage_source(place: &Placement, kv: &Kv) -> FfiResult<Arc<Staging>> {
     Ok(staging)
 }
 
+/// Plans `src` -> `dst` for `num_tokens` tokens and allocates pinned staging for exactly the
+/// spans the plan writes to `kv`'s ranks (each must be in `dst`'s DP replica). Fails with
+/// `TPU_SYNC_UNSUPPORTED` before any allocation when the buffers have no in-place H2D path.
+fn stage_destination(
+    src: &Placement,
+    dst: &Placement,
+    num_tokens: u32,
+    kv: &Kv,
+) -> FfiResult<(Arc<Plan>, Arc<Staging>)> {
+    let caps = kv.caps.as_ref().ok_or_else(|| invalid("no rank given"))?;
+    caps.require_h2d()?;
+    let plan = Arc::new(Plan::build(src, dst, num_tokens)?);
+    let mut ranges = BTreeMap::new();
+    for &r in kv.by_rank.keys() {
+        if dst.local_rank(r).is_none() {
+            return Err(invalid(format!(
+                "rank {r} is not in the destination placement's DP replica {}",
+                dst.dp_rank
+            )));
+        }
+        ranges.insert(r, plan.dst_ranges(r));
+    }
+    let staging = Arc::new(Staging::new(ranges, &ArenaOptions::default())?);
+    Ok((plan, staging))
+}
+
 /// Registers a request's blocks for pulling (producer side): copies (D2H, blocking) the
 /// request's blocks of the given ranks' per-layer KV buffers into pinned staging and serves them
 /// to pullers until `expected_releases` consumers released the request, the lease time passes
@@ -691,22 +717,9 @@ pub unsafe extern "C" fn tpu_sync_endpoint_pull(
                 kv_arg(ranks, num_ranks, buffers, num_layers)?,
             )
         };
-        let caps = kv.caps.clone().ok_or_else(|| invalid("no rank given"))?;
-        caps.require_h2d()?;
-        let plan = Arc::new(Plan::build(&src, &dst, num_tokens)?);
-        let mut ranges = BTreeMap::new();
-        for &r in kv.by_rank.keys() {
-            if dst.local_rank(r).is_none() {
-                return Err(invalid(format!(
-                    "rank {r} is not in the destination placement's DP replica {}",
-                    dst.dp_rank
-                )));
-            }
-            ranges.insert(r, plan.dst_ranges(r));
-        }
+        let (plan, staging) = stage_destination(&src, &dst, num_tokens, &kv)?;
         let src_addrs = sources
             .addresses((0..src.layout.spec.ranks_per_replica()).map(|l| src.global_rank(l)))?;
-        let staging = Arc::new(Staging::new(ranges, &ArenaOptions::default())?);
         let rt = runtime()?;
         let started = std::time::Instant::now();
         let t = {
@@ -860,20 +873,7 @@ pub unsafe extern "C" fn tpu_sync_endpoint_expect_push(
                 kv_arg(ranks, num_ranks, buffers, num_layers)?,
             )
         };
-        let caps = kv.caps.clone().ok_or_else(|| invalid("no rank given"))?;
-        caps.require_h2d()?;
-        let plan = Arc::new(Plan::build(&src, &dst, num_tokens)?);
-        let mut ranges = BTreeMap::new();
-        for &r in kv.by_rank.keys() {
-            if dst.local_rank(r).is_none() {
-                return Err(invalid(format!(
-                    "rank {r} is not in the destination placement's DP replica {}",
-                    dst.dp_rank
-                )));
-            }
-            ranges.insert(r, plan.dst_ranges(r));
-        }
-        let staging = Arc::new(Staging::new(ranges, &ArenaOptions::default())?);
+        let (plan, staging) = stage_destination(&src, &dst, num_tokens, &kv)?;
         let rt = runtime()?;
         let started = std::time::Instant::now();
         let t = {
