@@ -106,6 +106,17 @@ pub(crate) struct ClientObj {
     pub(crate) caps: Capabilities,
 }
 
+impl ClientObj {
+    /// Probes `client`'s copy paths and registers it as a new client handle (owned by the caller).
+    pub(crate) fn into_handle(client: Client) -> FfiResult<*mut tpu_sync_client> {
+        let caps = Capabilities::probe(&client)?;
+        Ok(handle::insert(
+            K::TPU_SYNC_HANDLE_CLIENT,
+            Arc::new(ClientObj { client, caps }),
+        ))
+    }
+}
+
 /// Loads a PJRT plugin and creates a client.
 ///
 /// * `plugin_path`: NUL-terminated path of the plugin shared library, or NULL for the default
@@ -142,11 +153,7 @@ pub unsafe extern "C" fn tpu_sync_client_new(
                 cpu_device_count: (cpu_device_count > 0).then_some(cpu_device_count),
             },
         )?;
-        let caps = Capabilities::probe(&client)?;
-        let h = handle::insert(
-            K::TPU_SYNC_HANDLE_CLIENT,
-            Arc::new(ClientObj { client, caps }),
-        );
+        let h = ClientObj::into_handle(client)?;
         // SAFETY: checked non-NULL.
         unsafe { out(client_out, h, "client_out") }
     })

@@ -10,7 +10,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tpu_sync::device::{CopyBatch, CopyHandle, Pacer, PacingConfig};
-use tpu_sync::pjrt::{sys, Capabilities, Client, DeviceBuffer, Plugin, ViewReleased};
+use tpu_sync::pjrt::{sys, Client, DeviceBuffer, Plugin, ViewReleased};
 
 use crate::api::{
     element_type, out, out_string, str_arg, tpu_sync_buffer, tpu_sync_client, BufferObj, ClientObj,
@@ -91,11 +91,7 @@ pub unsafe extern "C" fn tpu_sync_client_adopt(
         let plugin = unsafe { Plugin::adopt(pjrt_api as *const sys::PJRT_Api, "caller") }?;
         // SAFETY: caller contract: a live client of this API.
         let client = unsafe { Client::adopt(&plugin, pjrt_client as *mut sys::PJRT_Client) }?;
-        let caps = Capabilities::probe(&client)?;
-        let h = handle::insert(
-            K::TPU_SYNC_HANDLE_CLIENT,
-            Arc::new(ClientObj { client, caps }),
-        );
+        let h = ClientObj::into_handle(client)?;
         // SAFETY: checked non-NULL.
         unsafe { out(client_out, h, "client_out") }
     })
