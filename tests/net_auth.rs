@@ -10,8 +10,7 @@ use std::time::Duration;
 use net_util::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tpu_sync::net::{
-    Endpoint, PeerMap, PullRequest, PushRequest, Security, SinkRegistration, SourceRegistration,
-    TransportKind,
+    Endpoint, PeerMap, PullRequest, PushRequest, Security, SinkRegistration, TransportKind,
 };
 use tpu_sync::plan::{Placement, Plan};
 use tpu_sync::wire::{Control, LaneRole, PROTOCOL_VERSION};
@@ -50,15 +49,7 @@ async fn server(
     let ep = Endpoint::bind(opts(kind, sec, "server", true))
         .await
         .unwrap();
-    ep.register_source(SourceRegistration {
-        request_id: 1,
-        num_tokens: f.tokens,
-        placement: f.src.clone(),
-        staging: source_staging(&f.src, f.tokens, None),
-        layers_ready: None,
-        expected_releases: 1,
-    })
-    .unwrap();
+    register_whole(&ep, &f.src, f.tokens, 1);
     let sink_st = dest_staging(&f.plan, &f.dst, None);
     let sink = ep
         .expect_push(SinkRegistration {

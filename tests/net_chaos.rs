@@ -23,7 +23,7 @@ use net_util::*;
 use tpu_sync::arena::{ArenaOptions, LockStatus};
 use tpu_sync::net::{
     Endpoint, EndpointOptions, PeerMap, PushRequest, SinkRegistration, SourceHandle, SourceOutcome,
-    SourceRegistration, Transfer, TransferStats, TransportKind,
+    Transfer, TransferStats, TransportKind,
 };
 use tpu_sync::staging::Staging;
 use tpu_sync::Error;
@@ -65,15 +65,7 @@ async fn ep(kind: TransportKind, pki: &Pki, name: &str, listen: bool) -> (Endpoi
 }
 
 fn register(ep: &Endpoint, f: &Fx, rid: u64) -> SourceHandle {
-    ep.register_source(SourceRegistration {
-        request_id: rid,
-        num_tokens: f.tokens,
-        placement: f.src.clone(),
-        staging: source_staging_with(&f.src, f.tokens, None, &locked()),
-        layers_ready: None,
-        expected_releases: 1,
-    })
-    .unwrap()
+    register_whole_with(ep, &f.src, f.tokens, rid, &locked())
 }
 
 fn pull(ep: &Endpoint, f: &Fx, rid: u64, addr: &str) -> (Transfer, Arc<Staging>) {

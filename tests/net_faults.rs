@@ -28,15 +28,7 @@ fn o(kind: TransportKind, pki: &Pki, name: &str, listen: bool) -> EndpointOption
 }
 
 fn register(ep: &Endpoint, f: &Fx, rid: u64) -> tpu_sync::net::SourceHandle {
-    ep.register_source(SourceRegistration {
-        request_id: rid,
-        num_tokens: f.tokens,
-        placement: f.src.clone(),
-        staging: source_staging(&f.src, f.tokens, None),
-        layers_ready: None,
-        expected_releases: 1,
-    })
-    .unwrap()
+    register_whole(ep, &f.src, f.tokens, rid)
 }
 
 fn pull(

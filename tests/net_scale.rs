@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use net_util::*;
-use tpu_sync::net::{PeerMap, PullRequest, SourceRegistration, TransportKind};
+use tpu_sync::net::{PeerMap, PullRequest, TransportKind};
 use tpu_sync::plan::Plan;
 
 const TRANSFERS: usize = 50_000;
@@ -27,16 +27,7 @@ fn fifty_thousand_small_transfers_use_bounded_sockets() {
         let base = fds();
         let prefill = endpoint(kind, &pki, "prefill", true).await;
         let decode = Arc::new(endpoint(kind, &pki, "decode", false).await);
-        prefill
-            .register_source(SourceRegistration {
-                request_id: 1,
-                num_tokens: tokens,
-                placement: src.clone(),
-                staging: source_staging(&src, tokens, None),
-                layers_ready: None,
-                expected_releases: 1,
-            })
-            .unwrap();
+        register_whole(&prefill, &src, tokens, 1);
         let addr = prefill.local_addr().unwrap().to_string();
         let t0 = Instant::now();
         let max_sockets = Arc::new(std::sync::atomic::AtomicUsize::new(0));

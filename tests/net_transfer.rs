@@ -48,17 +48,7 @@ fn case(m: &tpu_sync::layout::ModelKv, s: &str, d: &str, tokens: u32, dp: u32, s
 }
 
 async fn pull_once(prefill: &Endpoint, decode: &Endpoint, c: &Case, rid: u64) -> u64 {
-    let src_st = source_staging(&c.src, c.tokens, None);
-    let h = prefill
-        .register_source(SourceRegistration {
-            request_id: rid,
-            num_tokens: c.tokens,
-            placement: c.src.clone(),
-            staging: src_st,
-            layers_ready: None,
-            expected_releases: 1,
-        })
-        .unwrap();
+    let h = register_whole(prefill, &c.src, c.tokens, rid);
     let addr = prefill.local_addr().unwrap().to_string();
     let (p, n) = decode.describe(&addr, rid).await.unwrap();
     assert_eq!((p, n), (c.src.clone(), c.tokens));
@@ -376,15 +366,7 @@ fn a_rank_with_no_bytes_still_completes() {
         );
         // Pull side: a destination rank list without bytes completes at once.
         let p = endpoint(kind, &pki, "a", true).await;
-        p.register_source(SourceRegistration {
-            request_id: 6,
-            num_tokens: c.tokens,
-            placement: c.src.clone(),
-            staging: source_staging(&c.src, c.tokens, None),
-            layers_ready: None,
-            expected_releases: 1,
-        })
-        .unwrap();
+        register_whole(&p, &c.src, c.tokens, 6);
         let t = decode
             .pull(PullRequest {
                 request_id: 6,

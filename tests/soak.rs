@@ -477,15 +477,7 @@ async fn warm_up(pki: &Pki) -> Resources {
     for kind in KINDS {
         let (p, _) = fault_endpoint(options(kind, pki, "prefill")).await;
         let (c, _) = fault_endpoint(options(kind, pki, "decode")).await;
-        p.register_source(SourceRegistration {
-            request_id: 1,
-            num_tokens: tokens,
-            placement: src.clone(),
-            staging: source_staging(&src, tokens, None),
-            layers_ready: None,
-            expected_releases: 1,
-        })
-        .unwrap();
+        register_whole(&p, &src, tokens, 1);
         let st = dest_staging(&plan, &dst, None);
         let addr = p.local_addr().unwrap().to_string();
         c.pull(PullRequest {

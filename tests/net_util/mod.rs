@@ -9,7 +9,9 @@ use std::time::Duration;
 use tpu_sync::arena::ArenaOptions;
 use tpu_sync::layout::{ModelKv, ParallelLayout, ParallelSpec};
 use tpu_sync::net::tls::{generate_test_pki, TestPki};
-use tpu_sync::net::{Endpoint, EndpointOptions, Security, TransportKind};
+use tpu_sync::net::{
+    Endpoint, EndpointOptions, Security, SourceHandle, SourceRegistration, TransportKind,
+};
 use tpu_sync::pattern::{mix64, RankContents};
 use tpu_sync::plan::{Placement, Plan};
 use tpu_sync::staging::Staging;
@@ -105,6 +107,31 @@ pub fn source_staging_with(
         }
     }
     Arc::new(st)
+}
+
+/// Registers request `rid` at `ep`: every rank of `p`'s replica staged with the request's
+/// pattern in an arena with `opts`, every layer ready, one expected consumer.
+pub fn register_whole_with(
+    ep: &Endpoint,
+    p: &Placement,
+    tokens: u32,
+    rid: u64,
+    opts: &ArenaOptions,
+) -> SourceHandle {
+    ep.register_source(SourceRegistration {
+        request_id: rid,
+        num_tokens: tokens,
+        placement: p.clone(),
+        staging: source_staging_with(p, tokens, None, opts),
+        layers_ready: None,
+        expected_releases: 1,
+    })
+    .unwrap()
+}
+
+/// [`register_whole_with`] in the default test arena.
+pub fn register_whole(ep: &Endpoint, p: &Placement, tokens: u32, rid: u64) -> SourceHandle {
+    register_whole_with(ep, p, tokens, rid, &arena_opts())
 }
 
 /// Destination staging (zeroed) for the destination ranks `ranks` (default: all of the replica).
