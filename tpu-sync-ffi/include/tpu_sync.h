@@ -117,6 +117,11 @@ typedef enum tpu_sync_status {
    */
   TPU_SYNC_PENDING = 20,
   /**
+   * Staging memory would exceed its byte budget: the request was refused at once and nothing
+   * already staged was touched (free staged requests, or raise the budget).
+   */
+  TPU_SYNC_STAGING_EXHAUSTED = 21,
+  /**
    * A panic was caught inside the library (a bug; the message says where).
    */
   TPU_SYNC_PANIC = 100,

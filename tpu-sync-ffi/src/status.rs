@@ -3,7 +3,7 @@
 use std::cell::RefCell;
 use std::ffi::c_char;
 
-use tpu_sync::Error;
+use tpu_sync::{Error, ErrorKind};
 
 /// Result of every fallible function. Values are stable: new codes are appended, retired codes are
 /// never reused.
@@ -53,6 +53,9 @@ pub enum tpu_sync_status {
     /// An asynchronous operation has not completed yet (a wait ran out of time, or a poll found
     /// it running). Not a failure of the operation itself: wait again later.
     TPU_SYNC_PENDING = 20,
+    /// Staging memory would exceed its byte budget: the request was refused at once and nothing
+    /// already staged was touched (free staged requests, or raise the budget).
+    TPU_SYNC_STAGING_EXHAUSTED = 21,
     /// A panic was caught inside the library (a bug; the message says where).
     TPU_SYNC_PANIC = 100,
 }
@@ -83,6 +86,7 @@ impl tpu_sync_status {
             TPU_SYNC_CANCELLED => "TPU_SYNC_CANCELLED",
             TPU_SYNC_BUFFER_TOO_SMALL => "TPU_SYNC_BUFFER_TOO_SMALL",
             TPU_SYNC_PENDING => "TPU_SYNC_PENDING",
+            TPU_SYNC_STAGING_EXHAUSTED => "TPU_SYNC_STAGING_EXHAUSTED",
             TPU_SYNC_PANIC => "TPU_SYNC_PANIC",
         }
     }
@@ -91,23 +95,24 @@ impl tpu_sync_status {
 /// The status code of a library error (one exhaustive mapping).
 pub(crate) fn status_of(e: &Error) -> tpu_sync_status {
     use tpu_sync_status::*;
-    match e {
-        Error::PluginLoad { .. } => TPU_SYNC_PLUGIN_LOAD,
-        Error::Pjrt { .. } => TPU_SYNC_PJRT,
-        Error::Unsupported { .. } => TPU_SYNC_UNSUPPORTED,
-        Error::InvalidArgument(_) => TPU_SYNC_INVALID_ARGUMENT,
-        Error::Layout(_) => TPU_SYNC_LAYOUT,
-        Error::BlockRange(_) => TPU_SYNC_BLOCK_RANGE,
-        Error::Mismatch(_) => TPU_SYNC_MISMATCH,
-        Error::Protocol(_) => TPU_SYNC_PROTOCOL,
-        Error::Checksum(_) => TPU_SYNC_CHECKSUM,
-        Error::Remote(_) => TPU_SYNC_REMOTE,
-        Error::PeerClosed(_) => TPU_SYNC_PEER_CLOSED,
-        Error::Timeout(_) => TPU_SYNC_TIMEOUT,
-        Error::UnknownRequest(_) => TPU_SYNC_UNKNOWN_REQUEST,
-        Error::HostMemory(_) => TPU_SYNC_HOST_MEMORY,
-        Error::Io { .. } => TPU_SYNC_IO,
-        Error::Cancelled(_) => TPU_SYNC_CANCELLED,
+    match e.kind() {
+        ErrorKind::PluginLoad => TPU_SYNC_PLUGIN_LOAD,
+        ErrorKind::Pjrt => TPU_SYNC_PJRT,
+        ErrorKind::Unsupported => TPU_SYNC_UNSUPPORTED,
+        ErrorKind::InvalidArgument => TPU_SYNC_INVALID_ARGUMENT,
+        ErrorKind::Layout => TPU_SYNC_LAYOUT,
+        ErrorKind::BlockRange => TPU_SYNC_BLOCK_RANGE,
+        ErrorKind::Mismatch => TPU_SYNC_MISMATCH,
+        ErrorKind::Protocol => TPU_SYNC_PROTOCOL,
+        ErrorKind::Checksum => TPU_SYNC_CHECKSUM,
+        ErrorKind::Remote => TPU_SYNC_REMOTE,
+        ErrorKind::PeerClosed => TPU_SYNC_PEER_CLOSED,
+        ErrorKind::Timeout => TPU_SYNC_TIMEOUT,
+        ErrorKind::UnknownRequest => TPU_SYNC_UNKNOWN_REQUEST,
+        ErrorKind::HostMemory => TPU_SYNC_HOST_MEMORY,
+        ErrorKind::Io => TPU_SYNC_IO,
+        ErrorKind::Cancelled => TPU_SYNC_CANCELLED,
+        ErrorKind::StagingExhausted => TPU_SYNC_STAGING_EXHAUSTED,
     }
 }
 
@@ -230,6 +235,7 @@ pub extern "C" fn tpu_sync_status_name(status: u32) -> *const c_char {
         TPU_SYNC_CANCELLED,
         TPU_SYNC_BUFFER_TOO_SMALL,
         TPU_SYNC_PENDING,
+        TPU_SYNC_STAGING_EXHAUSTED,
         TPU_SYNC_PANIC,
     ];
     let name = all

@@ -34,4 +34,4 @@ pub mod store;
 pub mod util;
 pub mod wire;
 
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};

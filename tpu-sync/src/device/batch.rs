@@ -71,37 +71,10 @@ impl std::error::Error for CopyError {
 }
 
 impl From<CopyError> for Error {
-    /// The same error variant with the span prefixed to its message.
+    /// The same error kind with the span prefixed to its message.
     fn from(c: CopyError) -> Error {
         let ctx = c.span();
-        let p = |m: String| format!("{ctx}: {m}");
-        match c.error {
-            Error::InvalidArgument(m) => Error::InvalidArgument(p(m)),
-            Error::Pjrt {
-                call,
-                code,
-                code_name,
-                message,
-            } => Error::Pjrt {
-                call,
-                code,
-                code_name,
-                message: p(message),
-            },
-            Error::Unsupported { plugin, what } => Error::Unsupported {
-                plugin,
-                what: p(what),
-            },
-            Error::Cancelled(m) => Error::Cancelled(p(m)),
-            Error::BlockRange(m) => Error::BlockRange(p(m)),
-            Error::HostMemory(m) => Error::HostMemory(p(m)),
-            Error::Timeout(m) => Error::Timeout(p(m)),
-            Error::Io { context, source } => Error::Io {
-                context: p(context),
-                source,
-            },
-            other => other,
-        }
+        c.error.context(ctx)
     }
 }
 

@@ -15,8 +15,8 @@ use super::quic::QuicTransport;
 use super::stream::{recv_stripe, send_stripe, Progress, Side, SpanCursor};
 use super::tcp::TcpTransport;
 use super::transport::{Acceptor, Connection, Lane, Transport, TransportKind, TransportTimeouts};
-use super::{check_request_id, clone_error, Counters, EndpointOptions, PeerMap, Signal, Stats};
-use crate::error::{Error, Result};
+use super::{check_request_id, Counters, EndpointOptions, PeerMap, Signal, Stats};
+use crate::error::{Error, ErrorKind, Result};
 use crate::plan::{spans_digest, Placement, Plan, Span};
 use crate::staging::Staging;
 use crate::wire::{self, Control, FrameHeader, FrameKind, LaneRole, Stripe, HEADER_LEN};
@@ -263,7 +263,7 @@ impl Transfer {
     pub fn poll(&self) -> Option<Result<TransferStats>> {
         lock(&self.shared.result).as_ref().map(|r| match r {
             Ok(s) => Ok(s.clone()),
-            Err(e) => Err(clone_error(e)),
+            Err(e) => Err(e.clone()),
         })
     }
 
@@ -820,7 +820,7 @@ impl Endpoint {
             };
             if let Err(e) = r {
                 drop(st);
-                self.inner.finish(&shared, Err(clone_error(&e)));
+                self.inner.finish(&shared, Err(e.clone()));
                 return Err(e);
             }
         }
@@ -1121,11 +1121,11 @@ async fn join_stripes(set: &mut JoinSet<Result<u64>>) -> Result<u64> {
             Ok(Ok(n)) => bytes += n,
             Ok(Err(e)) => {
                 let soft = matches!(
-                    e,
-                    Error::Checksum(_)
-                        | Error::Remote(_)
-                        | Error::Mismatch(_)
-                        | Error::UnknownRequest(_)
+                    e.kind(),
+                    ErrorKind::Checksum
+                        | ErrorKind::Remote
+                        | ErrorKind::Mismatch
+                        | ErrorKind::UnknownRequest
                 );
                 if !soft {
                     set.abort_all();
@@ -1133,9 +1133,9 @@ async fn join_stripes(set: &mut JoinSet<Result<u64>>) -> Result<u64> {
                 }
                 // The most telling error wins: a corrupt chunk over its consequences (a
                 // receiver that already dropped the failed request).
-                let telling = e.to_string().contains("checksum");
+                let telling = e.kind() == ErrorKind::Checksum;
                 match &first {
-                    Some(f) if !telling || f.to_string().contains("checksum") => {}
+                    Some(f) if !telling || f.kind() == ErrorKind::Checksum => {}
                     _ => first = Some(e),
                 }
             }
@@ -2490,7 +2490,7 @@ impl Inner {
                 if matches!(e, Error::Protocol(_) | Error::Mismatch(_)) {
                     let k = lock(&self.sinks).get(&request_id).cloned();
                     if let Some(k) = k {
-                        self.finish(&k.transfer, Err(clone_error(&e)));
+                        self.finish(&k.transfer, Err(e.clone()));
                     }
                 }
                 return match f.send(&failed(request_id, &e), request_id).await {
@@ -2561,7 +2561,7 @@ impl Inner {
                 }
             }
             Some(Err(fail)) => {
-                self.finish(&sink.0.transfer, Err(clone_error(&fail.error)));
+                self.finish(&sink.0.transfer, Err(fail.error.clone()));
                 if fail.lane_ok
                     && f.send(&failed(request_id, &fail.error), request_id)
                         .await
@@ -2590,7 +2590,7 @@ impl Inner {
         st.last_activity = Instant::now();
         if let Err(e) = sink_plan(&sink, &mut st, src, num_tokens) {
             drop(st);
-            self.finish(&sink.transfer, Err(clone_error(&e)));
+            self.finish(&sink.transfer, Err(e.clone()));
             return Err(e);
         }
         for &r in src_ranks {
@@ -2619,7 +2619,7 @@ impl Inner {
                      delivering its bytes for destination ranks {incomplete:?}"
                 ));
                 drop(st);
-                self.finish(&sink.transfer, Err(clone_error(&e)));
+                self.finish(&sink.transfer, Err(e.clone()));
                 return Err(e);
             }
             st.senders.insert(r, s.key.clone());

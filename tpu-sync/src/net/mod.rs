@@ -352,49 +352,6 @@ impl Signal {
     }
 }
 
-/// A copy of an error for a second reader (errors hold `io::Error`, which is not `Clone`).
-pub(crate) fn clone_error(e: &Error) -> Error {
-    match e {
-        Error::Io { context, source } => Error::Io {
-            context: context.clone(),
-            source: std::io::Error::new(source.kind(), source.to_string()),
-        },
-        Error::PluginLoad { path, reason } => Error::PluginLoad {
-            path: path.clone(),
-            reason: reason.clone(),
-        },
-        Error::Pjrt {
-            call,
-            code,
-            code_name,
-            message,
-        } => Error::Pjrt {
-            call,
-            code: *code,
-            code_name,
-            message: message.clone(),
-        },
-        Error::Unsupported { plugin, what } => Error::Unsupported {
-            plugin: plugin.clone(),
-            what: what.clone(),
-        },
-        Error::InvalidArgument(s) => Error::InvalidArgument(s.clone()),
-        Error::Layout(s) => Error::Layout(s.clone()),
-        Error::BlockRange(s) => Error::BlockRange(s.clone()),
-        Error::Mismatch(s) => Error::Mismatch(s.clone()),
-        Error::Protocol(s) => Error::Protocol(s.clone()),
-        Error::Checksum(s) => Error::Checksum(s.clone()),
-        Error::Remote(s) => Error::Remote(s.clone()),
-        Error::PeerClosed(s) => Error::PeerClosed(s.clone()),
-        Error::Timeout(s) => Error::Timeout(s.clone()),
-        Error::UnknownRequest(s) => Error::UnknownRequest(s.clone()),
-        Error::HostMemory(s) => Error::HostMemory(s.clone()),
-        Error::Cancelled(s) => Error::Cancelled(s.clone()),
-        #[allow(unreachable_patterns)]
-        other => Error::Remote(other.to_string()),
-    }
-}
-
 /// The device ranges a receiver must stage for `plan`: per destination rank of `dst`, the merged
 /// bytes the plan writes ([`crate::plan::Plan::dst_ranges`]).
 pub fn plan_staging(

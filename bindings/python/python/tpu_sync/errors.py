@@ -104,6 +104,11 @@ class PendingError(TpuSyncError, builtins.TimeoutError):
     the operation itself failed with a deadline."""
 
 
+class StagingExhaustedError(TpuSyncError, MemoryError):
+    """Staging memory would exceed its byte budget: the request was refused at once, and nothing
+    already staged was touched."""
+
+
 class InternalError(TpuSyncError, RuntimeError):
     """A panic was caught inside the native library (a bug; please report the message)."""
 
@@ -129,6 +134,7 @@ _BY_STATUS = {
     18: CancelledError,
     19: BufferTooSmallError,
     20: PendingError,
+    21: StagingExhaustedError,
     100: InternalError,
 }
 
@@ -154,6 +160,7 @@ STATUS_NAMES = {
     18: "TPU_SYNC_CANCELLED",
     19: "TPU_SYNC_BUFFER_TOO_SMALL",
     20: "TPU_SYNC_PENDING",
+    21: "TPU_SYNC_STAGING_EXHAUSTED",
     100: "TPU_SYNC_PANIC",
 }
 
