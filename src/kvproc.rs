@@ -182,7 +182,7 @@ fn sized_layout(m: &ModelKv, spec: ParallelSpec, tokens: u32) -> Result<Parallel
         physical_layout: None,
         block_format: None,
     };
-    let per_rank = probe.pcp_chunk(tokens, 0).len() as u32;
+    let per_rank = probe.pcp_chunk(tokens, 0)?.len() as u32;
     ParallelLayout::new(m.clone(), spec, per_rank * 2 + 5)
 }
 
@@ -198,19 +198,23 @@ fn scattered_ids(num_blocks: u32, n: u32, seed: u64) -> Vec<u32> {
     ids
 }
 
-fn placement(layout: ParallelLayout, dp_rank: u32, tokens: u32, seed: u64) -> Placement {
+fn placement(layout: ParallelLayout, dp_rank: u32, tokens: u32, seed: u64) -> Result<Placement> {
     let s = layout.spec;
     let block_ids = (0..s.ranks_per_replica())
         .map(|local| {
-            let n = layout.pcp_chunk(tokens, local / s.tp).len() as u32;
-            scattered_ids(layout.num_blocks, n, seed ^ (local as u64) << 20)
+            let n = layout.pcp_chunk(tokens, local / s.tp)?.len() as u32;
+            Ok(scattered_ids(
+                layout.num_blocks,
+                n,
+                seed ^ (local as u64) << 20,
+            ))
         })
-        .collect();
-    Placement {
+        .collect::<Result<_>>()?;
+    Ok(Placement {
         layout,
         dp_rank,
         block_ids,
-    }
+    })
 }
 
 fn open_client(job_plugin: Option<&Path>, devices: Option<i64>) -> Result<(Client, Capabilities)> {
@@ -385,7 +389,7 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Re
     let m = model(job)?;
     let spec = prefill_spec(job)?;
     let layout = sized_layout(&m, spec, job.tokens)?;
-    let place = placement(layout.clone(), 0, job.tokens, 0x5052_4546);
+    let place = placement(layout.clone(), 0, job.tokens, 0x5052_4546)?;
     place.validate(job.tokens)?;
     // Before opening devices: a bad --ranks fails at once.
     if let Some(r) = ranks.and_then(|v| v.iter().find(|r| place.local_rank(**r).is_none())) {
@@ -402,7 +406,7 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Re
     // The buffers' physical layout travels with the placement: the decode side refuses a
     // transfer between different layouts.
     let mut place = place;
-    if let Some(p) = physical_layout(&buffers, &layout.rank_kv())? {
+    if let Some(p) = physical_layout(&buffers, &layout.rank_kv()?)? {
         place.layout = place.layout.with_physical_layout(p);
     }
 
@@ -583,7 +587,7 @@ async fn decode_request(
     t0: Instant,
 ) -> Result<ExitCode> {
     let layout = sized_layout(&m, spec, num_tokens)?;
-    let mut dst = placement(layout.clone(), dp_rank, num_tokens, 0x4445_434f);
+    let mut dst = placement(layout.clone(), dp_rank, num_tokens, 0x4445_434f)?;
     if let Some(id) = job.fault_block_id {
         if let Some(first) = dst.block_ids.iter_mut().find(|v| !v.is_empty()) {
             first[0] = id;
@@ -605,7 +609,7 @@ async fn decode_request(
     let buffers = make_buffers(&client, &initial)?;
     // Record the real buffers' physical layout and re-plan: a layout that differs from the
     // prefill side's fails closed here (and again on the prefill side, which re-plans too).
-    let plan = match physical_layout(&buffers, &layout.rank_kv())? {
+    let plan = match physical_layout(&buffers, &layout.rank_kv()?)? {
         Some(p) => {
             dst.layout = dst.layout.with_physical_layout(p);
             Plan::build(&src, &dst, num_tokens)?

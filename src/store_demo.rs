@@ -179,7 +179,7 @@ fn setup(a: &StoreDemoArgs) -> Result<Setup> {
     }
     let blocks = a.tokens / spec.block_size;
     let layout = ParallelLayout::new(model.clone(), spec, blocks * 2 + 5)?;
-    let kv = layout.rank_kv();
+    let kv = layout.rank_kv()?;
     Ok(Setup {
         model,
         kv,

@@ -31,7 +31,7 @@ fn dev() -> Dev {
     m.num_layers = 3;
     let spec = ParallelSpec::parse("block=16,order=hnd").unwrap();
     let layout = ParallelLayout::new(m, spec, 24).unwrap();
-    let kv = layout.rank_kv();
+    let kv = layout.rank_kv().unwrap();
     assert_eq!(kv.order, BlockOrder::Hnd);
     assert_eq!(kv.dtype, DType::Bf16);
     Dev {

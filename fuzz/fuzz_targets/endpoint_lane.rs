@@ -157,7 +157,7 @@ fn world() -> &'static World {
         // Source staging filled with the pattern.
         let ranges: BTreeMap<u32, _> = (0..2).map(|r| (r, src.block_ranges(r))).collect();
         let src_staging = Arc::new(Staging::new(ranges, &arena()).unwrap());
-        let kv = src.layout.rank_kv();
+        let kv = src.layout.rank_kv().unwrap();
         let mut buf = vec![0u8; kv.buffer_bytes() as usize];
         for r in 0..2 {
             let c = RankContents::new(&src, r, TOKENS, 5).unwrap();
@@ -245,7 +245,7 @@ impl World {
     fn check_sink(&self) {
         let t = self.sink.lock().unwrap().clone().unwrap();
         if let Some(Ok(_)) = t.poll() {
-            let kv = self.dst.layout.rank_kv();
+            let kv = self.dst.layout.rank_kv().unwrap();
             let c = RankContents::new(&self.dst, 0, TOKENS, 6).unwrap();
             let mut buf = vec![0u8; kv.buffer_bytes() as usize];
             for layer in 0..kv.num_layers {

@@ -60,7 +60,7 @@ fuzz_target!(|inp: Input| {
     let rpr = s.ranks_per_replica();
     assert!(rpr >= 1 && layout.num_ranks() >= rpr);
     for r in 0..layout.num_ranks().min(64) {
-        assert_eq!(layout.rank(layout.coord(r)), r);
+        assert_eq!(layout.rank(layout.coord(r).unwrap()), r);
     }
     let tokens = if raw { inp.tokens } else { inp.tokens % 512 };
     let p = Placement {
@@ -71,12 +71,12 @@ fuzz_target!(|inp: Input| {
     if p.validate(tokens).is_err() {
         return;
     }
-    let kv = layout.rank_kv();
+    let kv = layout.rank_kv().unwrap();
     let mut covered = 0u64;
     for pcp in 0..s.pcp {
-        covered += layout.pcp_chunk(tokens, pcp).len() as u64;
+        covered += layout.pcp_chunk(tokens, pcp).unwrap().len() as u64;
     }
-    assert_eq!(covered, layout.request_blocks(tokens) as u64, "PCP chunks partition the blocks");
+    assert_eq!(covered, layout.request_blocks(tokens).unwrap() as u64, "PCP chunks partition the blocks");
     for local in 0..rpr.min(64) {
         let g = p.global_rank(local);
         assert_eq!(p.local_rank(g), Some(local));

@@ -11,7 +11,7 @@ fuzz_target!(|data: &[u8]| {
             continue;
         }
         // Bound the work: the fuzzer must not spend seconds on huge but valid layouts.
-        let kv = p.layout.rank_kv();
+        let kv = p.layout.rank_kv().unwrap();
         if kv.num_layers > 8 || p.layout.num_ranks() > 16 || kv.buffer_bytes() > 1 << 24 {
             continue;
         }

@@ -51,9 +51,9 @@ fuzz_target!(|inp: Input| {
     let (Some(src), Some(dst)) = (side(&m, &inp.src), side(&m, &inp.dst)) else { return };
     let tokens = inp.tokens as u32;
     let Ok(plan) = Plan::build(&src, &dst, tokens) else { return };
-    let expect = tokens as u64 * m.bytes_per_token() * dst.layout.head_replicas() as u64;
+    let expect = tokens as u64 * m.bytes_per_token() * dst.layout.head_replicas().unwrap() as u64;
     assert_eq!(plan.total_bytes(), expect);
-    let dkv = dst.layout.rank_kv();
+    let dkv = dst.layout.rank_kv().unwrap();
     let mut written = std::collections::HashMap::<(u32, u32, u64), u8>::new();
     for s in &plan.spans {
         for (_, d) in s.runs() {

@@ -42,7 +42,7 @@ pub fn layout(m: &ModelKv, spec: &str, tokens: u32) -> ParallelLayout {
         physical_layout: None,
         block_format: None,
     };
-    let per_rank = probe.pcp_chunk(tokens, 0).len() as u32;
+    let per_rank = probe.pcp_chunk(tokens, 0).unwrap().len() as u32;
     ParallelLayout::new(m.clone(), spec, per_rank * 2 + 3).unwrap()
 }
 
@@ -60,7 +60,7 @@ pub fn placement(layout: ParallelLayout, dp_rank: u32, tokens: u32, seed: u64) -
     let s = layout.spec;
     let block_ids = (0..s.ranks_per_replica())
         .map(|local| {
-            let n = layout.pcp_chunk(tokens, local / s.tp).len();
+            let n = layout.pcp_chunk(tokens, local / s.tp).unwrap().len();
             scattered(layout.num_blocks, n, seed ^ ((local as u64) << 20))
         })
         .collect();
@@ -92,7 +92,7 @@ pub fn source_staging_with(
         .map(|&r| (r, p.block_ranges(p.local_rank(r).unwrap())))
         .collect();
     let st = Staging::new(ranges, opts).unwrap();
-    let kv = p.layout.rank_kv();
+    let kv = p.layout.rank_kv().unwrap();
     let mut buf = vec![0u8; kv.buffer_bytes() as usize];
     for &r in &ranks {
         let c = RankContents::new(p, r, tokens, SALT).unwrap();
@@ -155,7 +155,7 @@ pub fn dest_staging_with(
 
 /// Checks every staged byte of `ranks` against the pattern; returns the bytes checked.
 pub fn verify_dest(dst: &Placement, tokens: u32, st: &Staging, ranks: Option<&[u32]>) -> u64 {
-    let kv = dst.layout.rank_kv();
+    let kv = dst.layout.rank_kv().unwrap();
     let mut buf = vec![0u8; kv.buffer_bytes() as usize];
     let mut checked = 0;
     let all: Vec<u32> = st.ranks().collect();

@@ -106,6 +106,7 @@ impl BlockOrder {
 
 /// A model's KV-cache geometry, independent of parallelism.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelKv {
     /// Model name (informational; not part of compatibility).
     pub name: String,
@@ -219,6 +220,7 @@ impl ModelKv {
 
 /// How one serving instance splits the KV cache: the `--prefill`/`--decode` SPEC of the CLI.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ParallelSpec {
     /// Tensor parallelism (splits KV heads).
     pub tp: u32,
@@ -320,6 +322,7 @@ impl ParallelSpec {
 
 /// Coordinates of one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct RankCoord {
     /// DP replica.
     pub dp: u32,
@@ -333,6 +336,7 @@ pub struct RankCoord {
 ///
 /// Ranks are numbered `rank = (dp * pcp_size + pcp) * tp_size + tp`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ParallelLayout {
     /// The model's KV geometry.
     pub model: ModelKv,
@@ -428,11 +432,16 @@ impl ParallelLayout {
 
     /// Tokens whose KV the request's blocks carry: `num_tokens`, rounded up to whole blocks for
     /// [`BlockOrder::Lbhnc`] (whose last block moves whole, tail included).
-    pub fn covered_tokens(&self, num_tokens: u32) -> u32 {
+    ///
+    /// Errors: [`Error::Layout`] for a zero block size (or another zero field).
+    pub fn covered_tokens(&self, num_tokens: u32) -> Result<u32> {
         if self.spec.order.is_opaque() {
-            self.request_blocks(num_tokens) * self.spec.block_size
+            Ok(self
+                .request_blocks(num_tokens)?
+                .saturating_mul(self.spec.block_size))
         } else {
-            num_tokens
+            self.check_nonzero()?;
+            Ok(num_tokens)
         }
     }
 
@@ -481,7 +490,7 @@ impl ParallelLayout {
         if self.num_blocks == 0 {
             return Err(Error::Layout("num_blocks must be > 0".into()));
         }
-        let bytes = self.rank_kv().buffer_bytes();
+        let bytes = self.rank_kv()?.buffer_bytes();
         if bytes > i64::MAX as u64 / 2 {
             return Err(Error::Layout(format!(
                 "per-layer buffer of {bytes} bytes is too large"
@@ -495,12 +504,30 @@ impl ParallelLayout {
         self.spec.num_ranks()
     }
 
+    /// Errors with [`Error::Layout`] when a field this type divides by is zero (TP, PCP, DP,
+    /// block size, KV heads). Every geometry function below checks it first, so a layout that
+    /// was never [validated](ParallelLayout::validate) gets an error, never a division by zero.
+    pub fn check_nonzero(&self) -> Result<()> {
+        let s = &self.spec;
+        if s.tp == 0 || s.pcp == 0 || s.dp == 0 || s.block_size == 0 || self.model.num_kv_heads == 0
+        {
+            return Err(Error::Layout(format!(
+                "tp ({}), pcp ({}), dp ({}), block ({}) and KV heads ({}) must all be > 0",
+                s.tp, s.pcp, s.dp, s.block_size, self.model.num_kv_heads
+            )));
+        }
+        Ok(())
+    }
+
     /// Coordinates of `rank`.
-    pub fn coord(&self, rank: u32) -> RankCoord {
+    ///
+    /// Errors: [`Error::Layout`] for a zero TP or PCP ([`ParallelLayout::check_nonzero`]).
+    pub fn coord(&self, rank: u32) -> Result<RankCoord> {
+        self.check_nonzero()?;
         let tp = rank % self.spec.tp;
         let pcp = (rank / self.spec.tp) % self.spec.pcp;
-        let dp = rank / (self.spec.tp * self.spec.pcp);
-        RankCoord { dp, pcp, tp }
+        let dp = rank / self.spec.tp.saturating_mul(self.spec.pcp);
+        Ok(RankCoord { dp, pcp, tp })
     }
 
     /// Global rank of coordinates.
@@ -509,62 +536,81 @@ impl ParallelLayout {
     }
 
     /// KV heads held by each rank (1 when heads are replicated).
-    pub fn heads_per_rank(&self) -> u32 {
-        (self.model.num_kv_heads / self.spec.tp).max(1)
+    ///
+    /// Errors: [`Error::Layout`] for a zero TP or head count.
+    pub fn heads_per_rank(&self) -> Result<u32> {
+        self.check_nonzero()?;
+        Ok((self.model.num_kv_heads / self.spec.tp).max(1))
     }
 
     /// How many TP ranks hold each head (1 unless TP > num_kv_heads).
-    pub fn head_replicas(&self) -> u32 {
-        (self.spec.tp / self.model.num_kv_heads).max(1)
+    ///
+    /// Errors: [`Error::Layout`] for a zero TP or head count.
+    pub fn head_replicas(&self) -> Result<u32> {
+        self.check_nonzero()?;
+        Ok((self.spec.tp / self.model.num_kv_heads).max(1))
     }
 
     /// Global index of the first KV head held by TP rank `tp`.
-    pub fn first_head(&self, tp: u32) -> u32 {
-        tp / self.head_replicas() * self.heads_per_rank()
+    ///
+    /// Errors: [`Error::Layout`] for a zero TP or head count.
+    pub fn first_head(&self, tp: u32) -> Result<u32> {
+        Ok(tp / self.head_replicas()? * self.heads_per_rank()?)
     }
 
     /// The TP ranks that hold global head `head` (several when replicated).
-    pub fn tp_ranks_of_head(&self, head: u32) -> std::ops::Range<u32> {
-        let rep = self.head_replicas();
-        let group = head / self.heads_per_rank();
-        group * rep..(group + 1) * rep
+    ///
+    /// Errors: [`Error::Layout`] for a zero TP or head count.
+    pub fn tp_ranks_of_head(&self, head: u32) -> Result<std::ops::Range<u32>> {
+        let rep = self.head_replicas()?;
+        let group = head / self.heads_per_rank()?;
+        Ok(group * rep..(group + 1) * rep)
     }
 
     /// Number of request blocks for `num_tokens` tokens at this layout's block size.
-    pub fn request_blocks(&self, num_tokens: u32) -> u32 {
-        num_tokens.div_ceil(self.spec.block_size)
+    ///
+    /// Errors: [`Error::Layout`] for a zero block size (or another zero field).
+    pub fn request_blocks(&self, num_tokens: u32) -> Result<u32> {
+        self.check_nonzero()?;
+        Ok(num_tokens.div_ceil(self.spec.block_size))
     }
 
     /// The request blocks (indices into the request's block sequence) held by PCP rank `pcp`:
     /// the blocks are divided into `pcp_size` contiguous chunks of `ceil(n / pcp_size)` blocks
     /// (the last chunks may be shorter or empty).
-    pub fn pcp_chunk(&self, num_tokens: u32, pcp: u32) -> std::ops::Range<u32> {
-        let n = self.request_blocks(num_tokens);
+    ///
+    /// Errors: [`Error::Layout`] for a zero PCP or block size.
+    pub fn pcp_chunk(&self, num_tokens: u32, pcp: u32) -> Result<std::ops::Range<u32>> {
+        let n = self.request_blocks(num_tokens)?;
         let chunk = n.div_ceil(self.spec.pcp);
-        let start = (pcp * chunk).min(n);
-        let end = ((pcp + 1) * chunk).min(n);
-        start..end
+        let start = pcp.saturating_mul(chunk).min(n);
+        let end = pcp.saturating_add(1).saturating_mul(chunk).min(n);
+        Ok(start..end)
     }
 
     /// The PCP rank holding request block `block` (an index into the request's blocks).
-    pub fn pcp_of_block(&self, num_tokens: u32, block: u32) -> u32 {
-        let n = self.request_blocks(num_tokens);
+    ///
+    /// Errors: [`Error::Layout`] for a zero PCP or block size.
+    pub fn pcp_of_block(&self, num_tokens: u32, block: u32) -> Result<u32> {
+        let n = self.request_blocks(num_tokens)?;
         let chunk = n.div_ceil(self.spec.pcp).max(1);
-        block / chunk
+        Ok(block / chunk)
     }
 
     /// The per-rank buffer layout (same for every rank).
-    pub fn rank_kv(&self) -> KvLayout {
-        KvLayout {
+    ///
+    /// Errors: [`Error::Layout`] for a zero TP or head count.
+    pub fn rank_kv(&self) -> Result<KvLayout> {
+        Ok(KvLayout {
             num_layers: self.model.num_layers,
             kv_planes: self.model.kv_planes,
             num_blocks: self.num_blocks,
             block_size: self.spec.block_size,
-            num_heads: self.heads_per_rank(),
+            num_heads: self.heads_per_rank()?,
             head_dim: self.model.head_dim,
             dtype: self.model.dtype,
             order: self.spec.order,
-        }
+        })
     }
 
     /// A one-line description, e.g. `TP=2 x PCP=2 x DP=1, block=64, NHD`.
@@ -579,6 +625,7 @@ impl ParallelLayout {
 /// `[num_blocks, num_heads, block_size, kv_planes * head_dim]` (LBHNC, opaque `(block, head)`
 /// regions of [`KvLayout::region_bytes`]; [`KvLayout::dims`] gives it a leading 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct KvLayout {
     /// Layers (= buffers).
     pub num_layers: u32,
@@ -751,20 +798,20 @@ mod tests {
     fn heads_split_and_replicate() {
         let m = ModelKv::preset("llama-3.1-8b").unwrap();
         let l = ParallelLayout::new(m.clone(), ParallelSpec::parse("tp=2").unwrap(), 4).unwrap();
-        assert_eq!(l.heads_per_rank(), 4);
-        assert_eq!(l.first_head(1), 4);
-        assert_eq!(l.tp_ranks_of_head(5), 1..2);
+        assert_eq!(l.heads_per_rank().unwrap(), 4);
+        assert_eq!(l.first_head(1).unwrap(), 4);
+        assert_eq!(l.tp_ranks_of_head(5).unwrap(), 1..2);
         let l = ParallelLayout::new(m.clone(), ParallelSpec::parse("tp=16").unwrap(), 4).unwrap();
-        assert_eq!(l.heads_per_rank(), 1);
-        assert_eq!(l.head_replicas(), 2);
-        assert_eq!(l.first_head(5), 2);
-        assert_eq!(l.tp_ranks_of_head(2), 4..6);
+        assert_eq!(l.heads_per_rank().unwrap(), 1);
+        assert_eq!(l.head_replicas().unwrap(), 2);
+        assert_eq!(l.first_head(5).unwrap(), 2);
+        assert_eq!(l.tp_ranks_of_head(2).unwrap(), 4..6);
         let e = ParallelLayout::new(m, ParallelSpec::parse("tp=3").unwrap(), 4).unwrap_err();
         assert!(e.to_string().contains("cannot be split"), "{e}");
         let mla = ModelKv::preset("deepseek-v3").unwrap();
         let l = ParallelLayout::new(mla, ParallelSpec::parse("tp=4").unwrap(), 4).unwrap();
-        assert_eq!(l.heads_per_rank(), 1);
-        assert_eq!(l.tp_ranks_of_head(0), 0..4);
+        assert_eq!(l.heads_per_rank().unwrap(), 1);
+        assert_eq!(l.tp_ranks_of_head(0).unwrap(), 0..4);
     }
 
     #[test]
@@ -777,10 +824,10 @@ mod tests {
         )
         .unwrap();
         for r in 0..l.num_ranks() {
-            assert_eq!(l.rank(l.coord(r)), r);
+            assert_eq!(l.rank(l.coord(r).unwrap()), r);
         }
         assert_eq!(
-            l.coord(7),
+            l.coord(7).unwrap(),
             RankCoord {
                 dp: 1,
                 pcp: 0,
@@ -788,11 +835,11 @@ mod tests {
             }
         );
         // 100 tokens at block 16 -> 7 blocks -> chunks of 3: 0..3, 3..6, 6..7
-        assert_eq!(l.pcp_chunk(100, 0), 0..3);
-        assert_eq!(l.pcp_chunk(100, 2), 6..7);
-        assert_eq!(l.pcp_of_block(100, 6), 2);
+        assert_eq!(l.pcp_chunk(100, 0).unwrap(), 0..3);
+        assert_eq!(l.pcp_chunk(100, 2).unwrap(), 6..7);
+        assert_eq!(l.pcp_of_block(100, 6).unwrap(), 2);
         // 10 tokens -> 1 block; pcp ranks 1 and 2 hold nothing
-        assert_eq!(l.pcp_chunk(10, 1), 1..1);
+        assert_eq!(l.pcp_chunk(10, 1).unwrap(), 1..1);
     }
 
     #[test]
@@ -849,7 +896,7 @@ mod tests {
             ..ModelKv::preset("llama-3.1-8b").unwrap()
         };
         let l = ParallelLayout::new(m, s, 4).unwrap();
-        assert_eq!(l.covered_tokens(33), 64);
-        assert_eq!(l.covered_tokens(64), 64);
+        assert_eq!(l.covered_tokens(33).unwrap(), 64);
+        assert_eq!(l.covered_tokens(64).unwrap(), 64);
     }
 }

@@ -90,20 +90,24 @@ impl RankContents {
                 l.num_ranks()
             )));
         }
-        let kv = l.rank_kv();
+        let kv = l.rank_kv()?;
         let mut request_block = vec![u32::MAX; kv.num_blocks as usize];
-        let c = l.coord(rank);
+        let c = l.coord(rank)?;
         if let Some(local) = placement.local_rank(rank) {
-            let chunk = l.pcp_chunk(num_tokens, c.pcp);
-            for (i, &id) in placement.block_ids[local as usize].iter().enumerate() {
-                request_block[id as usize] = chunk.start + i as u32;
+            let chunk = l.pcp_chunk(num_tokens, c.pcp)?;
+            let ids = placement.block_ids.get(local as usize).map(Vec::as_slice);
+            for (i, &id) in ids.unwrap_or_default().iter().enumerate() {
+                let slot = request_block.get_mut(id as usize).ok_or_else(|| {
+                    Error::BlockRange(format!("block id {id} >= num_blocks {}", kv.num_blocks))
+                })?;
+                *slot = chunk.start + i as u32;
             }
         }
         Ok(RankContents {
             kv,
             rank,
             num_tokens,
-            first_head: l.first_head(c.tp),
+            first_head: l.first_head(c.tp)?,
             request_block,
             salt,
         })

@@ -22,6 +22,7 @@ use crate::layout::ParallelLayout;
 
 /// Where one request's KV blocks live on one side of a transfer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Placement {
     /// The instance's layout.
     pub layout: ParallelLayout,
@@ -40,9 +41,11 @@ impl Placement {
     }
 
     /// Local index of a global rank, if it belongs to this placement's replica.
+    ///
+    /// `None` also for a layout without ranks (TP or PCP zero: never valid).
     pub fn local_rank(&self, global: u32) -> Option<u32> {
         let rpr = self.layout.spec.ranks_per_replica();
-        (global / rpr == self.dp_rank).then_some(global % rpr)
+        (global.checked_div(rpr)? == self.dp_rank).then_some(global % rpr)
     }
 
     /// Checks the placement against its layout for a request of `num_tokens` tokens.
@@ -75,7 +78,7 @@ impl Placement {
         let nb = self.layout.num_blocks;
         for (local, ids) in self.block_ids.iter().enumerate() {
             let pcp = local as u32 / s.tp;
-            let want = self.layout.pcp_chunk(num_tokens, pcp).len();
+            let want = self.layout.pcp_chunk(num_tokens, pcp)?.len();
             if ids.len() != want {
                 return Err(Error::BlockRange(format!(
                     "rank {} (pcp {pcp}, tp {}) lists {} block ids; {num_tokens} tokens at block \
@@ -107,12 +110,30 @@ impl Placement {
 
     /// Whole-block byte ranges of local rank `local`'s request blocks in one layer buffer
     /// (every plane), merged. These are the bytes a sender stages.
+    ///
+    /// For a placement that passed [`Placement::validate`]; an invalid layout or a `local` rank
+    /// the placement does not list yields no ranges (use [`Placement::try_block_ranges`] to get
+    /// the reason).
     pub fn block_ranges(&self, local: u32) -> Vec<ByteRange> {
-        let kv = self.layout.rank_kv();
+        self.try_block_ranges(local).unwrap_or_default()
+    }
+
+    /// [`Placement::block_ranges`], or why there are none.
+    ///
+    /// Errors: [`Error::Layout`] for a layout with a zero field, [`Error::InvalidArgument`]
+    /// for a `local` rank the placement does not list.
+    pub fn try_block_ranges(&self, local: u32) -> Result<Vec<ByteRange>> {
+        let kv = self.layout.rank_kv()?;
+        let ids = self.block_ids.get(local as usize).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "local rank {local}: the placement lists {} ranks",
+                self.block_ids.len()
+            ))
+        })?;
         let mut v = Vec::new();
         for layer in 0..kv.num_layers {
             for plane in 0..kv.kv_planes {
-                for &id in &self.block_ids[local as usize] {
+                for &id in ids {
                     v.push(ByteRange {
                         buffer: layer,
                         offset: kv.block_offset(plane, id),
@@ -121,12 +142,13 @@ impl Placement {
                 }
             }
         }
-        merge_ranges(v)
+        Ok(merge_ranges(v))
     }
 }
 
 /// A byte range of one buffer (buffer index = layer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ByteRange {
     /// Buffer (layer) index.
     pub buffer: u32,
@@ -160,6 +182,7 @@ pub fn merge_ranges(mut v: Vec<ByteRange>) -> Vec<ByteRange> {
 /// rank `src_rank`'s buffer `src_buffer` to `dst_offset + i * dst_stride` of destination rank
 /// `dst_rank`'s buffer `dst_buffer`. When `count == 1` the strides are 0.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Span {
     /// Global source rank.
     pub src_rank: u32,
@@ -202,6 +225,7 @@ impl Span {
 
 /// A transfer plan: spans ordered by (destination rank, layer, destination offset).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Plan {
     /// Tokens of the request.
     pub num_tokens: u32,
@@ -225,12 +249,12 @@ impl Plan {
         src.validate(num_tokens)?;
         dst.validate(num_tokens)?;
         if src.layout.spec.order.is_opaque() {
-            return Ok(Self::build_regions(src, dst, num_tokens));
+            return Self::build_regions(src, dst, num_tokens);
         }
         let sl = &src.layout;
         let dl = &dst.layout;
-        let skv = sl.rank_kv();
-        let dkv = dl.rank_kv();
+        let skv = sl.rank_kv()?;
+        let dkv = dl.rank_kv()?;
         let row = skv.row_bytes();
         let planes = skv.kv_planes;
         let sbs = sl.spec.block_size;
@@ -241,22 +265,23 @@ impl Plan {
         let mut rows: Vec<Span> = Vec::new();
         for ld in 0..dl.spec.ranks_per_replica() {
             let dst_rank = dst.global_rank(ld);
-            let dc = dl.coord(dst_rank);
-            let first_head = dl.first_head(dc.tp);
-            let chunk = dl.pcp_chunk(t, dc.pcp);
+            let dc = dl.coord(dst_rank)?;
+            let first_head = dl.first_head(dc.tp)?;
+            let chunk = dl.pcp_chunk(t, dc.pcp)?;
+            let dst_heads = dl.heads_per_rank()?;
             for (i, jd) in chunk.enumerate() {
                 let dst_block = dst.block_ids[ld as usize][i];
                 for tok in jd * dbs..((jd + 1) * dbs).min(t) {
                     let js = tok / sbs;
-                    let ps = sl.pcp_of_block(t, js);
-                    let idx_s = (js - sl.pcp_chunk(t, ps).start) as usize;
-                    for hl in 0..dl.heads_per_rank() {
+                    let ps = sl.pcp_of_block(t, js)?;
+                    let idx_s = (js - sl.pcp_chunk(t, ps)?.start) as usize;
+                    for hl in 0..dst_heads {
                         let g = first_head + hl;
-                        let reps = sl.tp_ranks_of_head(g);
+                        let reps = sl.tp_ranks_of_head(g)?;
                         let ts = reps.start + ld % (reps.end - reps.start);
                         let ls = ps * sl.spec.tp + ts;
                         let src_block = src.block_ids[ls as usize][idx_s];
-                        let hs = g - sl.first_head(ts);
+                        let hs = g - sl.first_head(ts)?;
                         let src_rank = src.global_rank(ls);
                         for p in 0..planes {
                             rows.push(Span {
@@ -282,29 +307,30 @@ impl Plan {
     /// The plan between two validated [`BlockOrder::Lbhnc`](crate::layout::BlockOrder::Lbhnc)
     /// placements of equal block size: one whole `(block, head)` region per request block and
     /// destination head, coalesced.
-    fn build_regions(src: &Placement, dst: &Placement, num_tokens: u32) -> Plan {
+    fn build_regions(src: &Placement, dst: &Placement, num_tokens: u32) -> Result<Plan> {
         let sl = &src.layout;
         let dl = &dst.layout;
-        let skv = sl.rank_kv();
-        let dkv = dl.rank_kv();
+        let skv = sl.rank_kv()?;
+        let dkv = dl.rank_kv()?;
         let t = num_tokens;
         let mut rows: Vec<Span> = Vec::new();
         for ld in 0..dl.spec.ranks_per_replica() {
             let dst_rank = dst.global_rank(ld);
-            let dc = dl.coord(dst_rank);
-            let first_head = dl.first_head(dc.tp);
-            for (i, jd) in dl.pcp_chunk(t, dc.pcp).enumerate() {
+            let dc = dl.coord(dst_rank)?;
+            let first_head = dl.first_head(dc.tp)?;
+            let dst_heads = dl.heads_per_rank()?;
+            for (i, jd) in dl.pcp_chunk(t, dc.pcp)?.enumerate() {
                 let dst_block = dst.block_ids[ld as usize][i];
                 // Equal block sizes: request block `jd` is the same block on both sides.
-                let ps = sl.pcp_of_block(t, jd);
-                let idx_s = (jd - sl.pcp_chunk(t, ps).start) as usize;
-                for hl in 0..dl.heads_per_rank() {
+                let ps = sl.pcp_of_block(t, jd)?;
+                let idx_s = (jd - sl.pcp_chunk(t, ps)?.start) as usize;
+                for hl in 0..dst_heads {
                     let g = first_head + hl;
-                    let reps = sl.tp_ranks_of_head(g);
+                    let reps = sl.tp_ranks_of_head(g)?;
                     let ts = reps.start + ld % (reps.end - reps.start);
                     let ls = ps * sl.spec.tp + ts;
                     let src_block = src.block_ids[ls as usize][idx_s];
-                    let hs = g - sl.first_head(ts);
+                    let hs = g - sl.first_head(ts)?;
                     rows.push(Span {
                         src_rank: src.global_rank(ls),
                         src_buffer: 0,
@@ -320,7 +346,7 @@ impl Plan {
                 }
             }
         }
-        Self::from_layer_rows(rows, skv.num_layers, num_tokens)
+        Ok(Self::from_layer_rows(rows, skv.num_layers, num_tokens))
     }
 
     /// Sorts, coalesces and compresses the spans of layer 0, then repeats them for every layer.

@@ -22,7 +22,7 @@ fn placement(layout: ParallelLayout, dp_rank: u32, num_tokens: u32, seed: u64) -
     let block_ids = (0..s.ranks_per_replica())
         .map(|local| {
             let pcp = local / s.tp;
-            let n = layout.pcp_chunk(num_tokens, pcp).len();
+            let n = layout.pcp_chunk(num_tokens, pcp).unwrap().len();
             scattered(layout.num_blocks, n, seed ^ local as u64)
         })
         .collect();
@@ -36,8 +36,8 @@ fn placement(layout: ParallelLayout, dp_rank: u32, num_tokens: u32, seed: u64) -
 /// Applies `plan` to simulated buffers and checks the destination byte by byte, including that
 /// each destination byte is written exactly once and nothing outside the request is touched.
 fn simulate(src: &Placement, dst: &Placement, num_tokens: u32, plan: &Plan) {
-    let skv = src.layout.rank_kv();
-    let dkv = dst.layout.rank_kv();
+    let skv = src.layout.rank_kv().unwrap();
+    let dkv = dst.layout.rank_kv().unwrap();
     let layers = skv.num_layers;
     let src_bufs: Vec<Vec<Vec<u8>>> = (0..src.layout.num_ranks())
         .map(|r| {
@@ -109,8 +109,8 @@ fn simulate(src: &Placement, dst: &Placement, num_tokens: u32, plan: &Plan) {
         }
     }
     let model = &src.layout.model;
-    let expect = dst.layout.covered_tokens(num_tokens) as u64 * model.bytes_per_token();
-    assert_eq!(total, expect * dst.layout.head_replicas() as u64);
+    let expect = dst.layout.covered_tokens(num_tokens).unwrap() as u64 * model.bytes_per_token();
+    assert_eq!(total, expect * dst.layout.head_replicas().unwrap() as u64);
     assert_eq!(plan.total_bytes(), total);
 }
 
@@ -149,7 +149,7 @@ fn layout(
         block_format: None,
     };
     // Room for the request plus spare blocks so ids are scattered.
-    l.num_blocks = l.pcp_chunk(tokens, 0).len() as u32 * 2 + 3;
+    l.num_blocks = l.pcp_chunk(tokens, 0).unwrap().len() as u32 * 2 + 3;
     l
 }
 
@@ -331,7 +331,7 @@ fn lbhnc_same_tp_moves_whole_blocks() {
     let dst = placement(l, 0, t, 6);
     let plan = Plan::build(&src, &dst, t).unwrap();
     simulate(&src, &dst, t, &plan);
-    let kv = src.layout.rank_kv();
+    let kv = src.layout.rank_kv().unwrap();
     let block = kv.region_bytes() * kv.num_heads as u64;
     assert_eq!(block, 2 * 32 * 4 * 4 * 4);
     for s in &plan.spans {
@@ -355,8 +355,8 @@ fn lbhnc_tp_reshard_moves_head_slices() {
     let dst = placement(lbhnc(&m, 2, 1, 1, 16, t, tag), 0, t, 8);
     let plan = Plan::build(&src, &dst, t).unwrap();
     simulate(&src, &dst, t, &plan);
-    let skv = src.layout.rank_kv();
-    let dkv = dst.layout.rank_kv();
+    let skv = src.layout.rank_kv().unwrap();
+    let dkv = dst.layout.rank_kv().unwrap();
     for s in &plan.spans {
         assert_eq!(s.len % skv.region_bytes(), 0, "whole regions: {s:?}");
         for (so, d) in s.runs() {
@@ -462,7 +462,7 @@ proptest! {
         let dst = placement(dl, (seed >> 8) as u32 % d.2, tokens, !seed);
         let plan = Plan::build(&src, &dst, tokens).unwrap();
         simulate(&src, &dst, tokens, &plan);
-        let region = src.layout.rank_kv().region_bytes();
+        let region = src.layout.rank_kv().unwrap().region_bytes();
         for sp in &plan.spans {
             prop_assert_eq!(sp.len % region, 0);
             for (so, dd) in sp.runs() {
