@@ -22,6 +22,7 @@
 //! warm restart from `/dev/shm`, disk tier): [`store`].
 
 pub mod arena;
+pub mod budget;
 pub mod device;
 pub mod error;
 pub mod layout;
@@ -31,6 +32,7 @@ pub mod pjrt;
 pub mod plan;
 pub mod staging;
 pub mod store;
+pub mod transfer;
 pub mod util;
 pub mod wire;
 

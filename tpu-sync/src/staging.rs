@@ -8,7 +8,11 @@
 
 use std::collections::BTreeMap;
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use crate::arena::{ArenaOptions, PinnedArena, Region, RegionAllocator};
+use crate::budget::{Reservation, StagingBudget};
 use crate::device::{self, CopyStats, RawCopy};
 use crate::error::{Error, Result};
 use crate::pjrt::{Capabilities, DeviceBuffer};
@@ -29,6 +33,8 @@ pub struct Staging {
     arena: PinnedArena,
     ranks: BTreeMap<u32, Vec<StagedRange>>,
     total: u64,
+    /// The arena's bytes taken from a budget (returned when the staging drops, after the arena).
+    reservation: Option<Reservation>,
 }
 
 impl Staging {
@@ -38,6 +44,35 @@ impl Staging {
     /// Errors: [`Error::InvalidArgument`] for overlapping ranges of one rank,
     /// [`Error::HostMemory`] if the arena cannot be mapped.
     pub fn new(ranges: BTreeMap<u32, Vec<ByteRange>>, opts: &ArenaOptions) -> Result<Staging> {
+        Self::build(ranges, opts, None)
+    }
+
+    /// [`Staging::new`], with the arena's bytes (page-rounded) reserved from `budget` first:
+    /// nothing is allocated when they do not fit. `what` names the request in the error; `wait`
+    /// as for [`StagingBudget::reserve`]. The bytes return to the budget when the staging drops.
+    ///
+    /// Errors: [`Error::StagingExhausted`], and those of [`Staging::new`].
+    pub fn new_in(
+        ranges: BTreeMap<u32, Vec<ByteRange>>,
+        opts: &ArenaOptions,
+        budget: &Arc<StagingBudget>,
+        what: &str,
+        wait: Option<Duration>,
+    ) -> Result<Staging> {
+        Self::build(ranges, opts, Some((budget, what, wait)))
+    }
+
+    /// Bytes [`Staging::new`] would map for `ranges` (64-byte aligned regions, whole pages).
+    pub fn bytes_for(ranges: &BTreeMap<u32, Vec<ByteRange>>) -> u64 {
+        let need = RegionAllocator::bytes_needed(ranges.values().flatten().map(|r| r.len)).max(1);
+        need.div_ceil(4096) * 4096
+    }
+
+    fn build(
+        ranges: BTreeMap<u32, Vec<ByteRange>>,
+        opts: &ArenaOptions,
+        budget: Option<(&Arc<StagingBudget>, &str, Option<Duration>)>,
+    ) -> Result<Staging> {
         let mut sorted = BTreeMap::new();
         for (rank, mut v) in ranges {
             v.sort_unstable();
@@ -52,6 +87,10 @@ impl Staging {
             sorted.insert(rank, v);
         }
         let need = RegionAllocator::bytes_needed(sorted.values().flatten().map(|r| r.len)).max(1);
+        let reservation = match budget {
+            Some((b, what, wait)) => Some(b.reserve(Self::bytes_for(&sorted), what, wait)?),
+            None => None,
+        };
         let arena = PinnedArena::new(need as usize, opts)?;
         let mut alloc = RegionAllocator::new(arena.len() as u64);
         let mut ranks = BTreeMap::new();
@@ -71,6 +110,7 @@ impl Staging {
             arena,
             ranks,
             total,
+            reservation,
         })
     }
 
@@ -82,6 +122,11 @@ impl Staging {
     /// Total staged bytes.
     pub fn total_bytes(&self) -> u64 {
         self.total
+    }
+
+    /// Bytes of the arena reserved from a budget (0 when made with [`Staging::new`]).
+    pub fn reserved_bytes(&self) -> u64 {
+        self.reservation.as_ref().map_or(0, Reservation::bytes)
     }
 
     /// Staged ranges of `rank` (sorted), empty if none.

@@ -400,6 +400,13 @@ impl DeviceBuffer {
         &self.inner.client.plugin
     }
 
+    /// The client that owns the buffer (a shared handle; an adopted client stays adopted).
+    pub fn client(&self) -> super::Client {
+        super::Client {
+            inner: self.inner.client.clone(),
+        }
+    }
+
     /// The client's platform name (`cpu`, `cuda`, `tpu`, ...).
     pub fn platform_name(&self) -> &str {
         self.inner.client.platform()

@@ -1,0 +1,508 @@
+//! `tpu_sync::transfer` end to end on the real XLA CPU plugin: two pipelines in one process over
+//! loopback TCP, real device buffers filled with `tpu_sync::pattern` contents, every request
+//! element verified after the H2D write (and every byte outside the request unchanged).
+//!
+//! * every kind of buffer/layout disagreement is refused with `Mismatch` before anything is
+//!   staged or sent, on both sides; a correct transfer on the same pipelines is byte-exact;
+//! * the DMA map is attempted for every staging (skipped on the CPU plugin) and reported;
+//! * a registration past the staging budget fails with `StagingExhausted` while earlier ones
+//!   still pull byte-exact, and the budget returns to zero when they end.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tpu_sync::layout::{DType, ModelKv, ParallelLayout, ParallelSpec};
+use tpu_sync::net::{EndpointOptions, PeerMap};
+use tpu_sync::pattern::RankContents;
+use tpu_sync::pjrt::{Capabilities, Client, DeviceBuffer, ElementType};
+use tpu_sync::plan::Placement;
+use tpu_sync::transfer::{
+    DmaOutcome, ExpectPush, KvBuffers, Offer, OfferState, Pipeline, PullInto, PushFrom,
+    TransferOptions,
+};
+use tpu_sync::{ErrorKind, Result};
+
+const SRC_SALT: u64 = 0x5352_4300;
+const DST_SALT: u64 = 0x4453_5400;
+const TOKENS: u32 = 100;
+
+fn model() -> ModelKv {
+    ModelKv {
+        name: "toy".into(),
+        num_layers: 2,
+        num_kv_heads: 4,
+        head_dim: 8,
+        kv_planes: 2,
+        dtype: DType::Bf16,
+    }
+}
+
+/// Producer TP=2 (16-token NHD blocks), consumer TP=1 (32-token HND blocks): a reshard.
+fn placements() -> (Placement, Placement) {
+    let src = Placement {
+        layout: ParallelLayout::new(model(), ParallelSpec::parse("tp=2,block=16").unwrap(), 9)
+            .unwrap(),
+        dp_rank: 0,
+        block_ids: vec![vec![7, 2, 5, 0, 3, 6, 1], vec![1, 4, 0, 6, 2, 8, 5]],
+    };
+    let dst = Placement {
+        layout: ParallelLayout::new(
+            model(),
+            ParallelSpec::parse("tp=1,block=32,order=hnd").unwrap(),
+            6,
+        )
+        .unwrap(),
+        dp_rank: 0,
+        block_ids: vec![vec![5, 1, 3, 0]],
+    };
+    (src, dst)
+}
+
+struct Side {
+    client: Client,
+    caps: Capabilities,
+}
+
+fn side(devices: i64) -> Side {
+    let client = common::client(devices);
+    let caps = Capabilities::probe(&client).unwrap();
+    Side { client, caps }
+}
+
+/// Per-layer buffers of `rank` holding `place`'s pattern contents (request or background).
+fn buffers(s: &Side, place: &Placement, rank: u32, salt: u64) -> Vec<DeviceBuffer> {
+    let c = RankContents::new(place, rank, TOKENS, salt).unwrap();
+    let kv = *c.kv();
+    let dev = s.client.device(rank as usize).unwrap();
+    let mut host = vec![0u8; kv.buffer_bytes() as usize];
+    (0..kv.num_layers)
+        .map(|l| {
+            c.fill_layer(l, &mut host).unwrap();
+            s.client
+                .buffer_from_host(&host, kv.dtype.element_type(), &kv.dims(), &dev)
+                .unwrap()
+        })
+        .collect()
+}
+
+fn kv(s: &Side, by_rank: Vec<(u32, Vec<DeviceBuffer>)>) -> KvBuffers {
+    KvBuffers::new(&s.caps, by_rank.into_iter().collect::<BTreeMap<_, _>>()).unwrap()
+}
+
+/// Checks every element of the destination rank: the request's from the source pattern, the
+/// rest unchanged background. Returns the request bytes checked.
+fn verify(dst: &Placement, rank: u32, bufs: &[DeviceBuffer]) -> u64 {
+    let c = RankContents::new(dst, rank, TOKENS, DST_SALT).unwrap();
+    let mut host = vec![0u8; c.kv().buffer_bytes() as usize];
+    let mut request = 0;
+    for (l, b) in bufs.iter().enumerate() {
+        b.to_host(&mut host).unwrap();
+        let r = c.verify_layer(l as u32, &host).unwrap();
+        assert_eq!(r.mismatches, 0, "layer {l}: {:?}", r.first_mismatch);
+        request += r.request_bytes;
+    }
+    request
+}
+
+/// The destination rank's buffers before the pull: background only (its placement's request
+/// blocks hold background until written).
+fn background(s: &Side, dst: &Placement, rank: u32) -> Vec<DeviceBuffer> {
+    let bg = Placement {
+        block_ids: vec![],
+        dp_rank: u32::MAX,
+        ..dst.clone()
+    };
+    buffers(s, &bg, rank, DST_SALT)
+}
+
+fn raw(s: &Side, ty: ElementType, dims: &[i64], fill: u8) -> DeviceBuffer {
+    let n = ty.shape_bytes(dims).unwrap() as usize;
+    s.client
+        .buffer_from_host(&vec![fill; n], ty, dims, &s.client.device(0).unwrap())
+        .unwrap()
+}
+
+/// One buffer list per kind of disagreement with `layout`'s per-rank buffers.
+fn bad_kinds(s: &Side, layout: &ParallelLayout) -> Vec<(&'static str, Vec<DeviceBuffer>)> {
+    let kv = layout.rank_kv().unwrap();
+    let d = kv.dims();
+    let layers = kv.num_layers as usize;
+    let many = |ty: ElementType, dims: &[i64]| -> Vec<DeviceBuffer> {
+        (0..layers).map(|_| raw(s, ty, dims, 0xA5)).collect()
+    };
+    let mut more_blocks = d;
+    more_blocks[1] += 2;
+    let mut padded = d;
+    padded[4] += 4;
+    let mut fewer = d;
+    fewer[1] -= 1;
+    let mut f32_dims = d;
+    f32_dims[4] /= 2;
+    let flat = [kv.buffer_bytes() as i64 / 2];
+    vec![
+        ("more blocks", many(ElementType::BF16, &more_blocks)),
+        ("padded block stride", many(ElementType::BF16, &padded)),
+        ("f16 under bf16", many(ElementType::F16, &d)),
+        ("f32 of the same size", many(ElementType::F32, &f32_dims)),
+        ("fewer blocks", many(ElementType::BF16, &fewer)),
+        ("flat", many(ElementType::BF16, &flat)),
+        (
+            "u8 bytes",
+            many(ElementType::U8, &[kv.buffer_bytes() as i64]),
+        ),
+        ("a layer missing", many(ElementType::BF16, &d)[..1].to_vec()),
+        (
+            "a layer too many",
+            many(ElementType::BF16, &d)
+                .into_iter()
+                .chain([raw(s, ElementType::BF16, &d, 1)])
+                .collect(),
+        ),
+    ]
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A pipeline with its own budget (1 GiB unless `opts` names one): the tests of this file run
+/// in parallel and must not share the process-wide budget's counters.
+async fn pipeline(name: &str, listen: bool, mut opts: TransferOptions) -> Result<Pipeline> {
+    opts.staging_budget_bytes.get_or_insert(1 << 30);
+    Pipeline::bind(
+        EndpointOptions {
+            name: name.into(),
+            listen: listen.then(|| "127.0.0.1:0".parse().unwrap()),
+            io_timeout: Duration::from_secs(10),
+            ..EndpointOptions::default()
+        },
+        opts,
+    )
+    .await
+}
+
+fn addr(p: &Pipeline) -> String {
+    p.endpoint().local_addr().unwrap().to_string()
+}
+
+#[test]
+fn every_disagreement_is_refused_before_any_byte_moves_then_a_pull_is_exact() {
+    let (src, dst) = placements();
+    let prod = side(2);
+    let cons = side(1);
+    let rt = rt();
+    rt.block_on(async {
+        let p = pipeline("val-prod", true, TransferOptions::default())
+            .await
+            .unwrap();
+        let c = pipeline("val-cons", false, TransferOptions::default())
+            .await
+            .unwrap();
+        let src_kv = kv(
+            &prod,
+            (0..2)
+                .map(|r| (r, buffers(&prod, &src, r, SRC_SALT)))
+                .collect(),
+        );
+        let offered = p
+            .offer(Offer {
+                request_id: 5,
+                num_tokens: TOKENS,
+                placement: src.clone(),
+                kv: src_kv.clone(),
+                expected_releases: 1,
+            })
+            .unwrap();
+        assert_eq!(
+            offered.report().device_bytes,
+            2 * 2 * 2 * 7 * 16 * 2 * 8 * 2
+        );
+        assert!(
+            matches!(offered.report().dma, DmaOutcome::Skipped(_)),
+            "CPU: UNIMPLEMENTED"
+        );
+        let staged = p.budget().used();
+        assert!(staged >= offered.report().device_bytes);
+
+        // Producer side: every disagreement refused, nothing staged, request 5 untouched.
+        for (name, bad) in bad_kinds(&prod, &src.layout) {
+            let e = p
+                .offer(Offer {
+                    request_id: 6,
+                    num_tokens: TOKENS,
+                    placement: src.clone(),
+                    kv: kv(&prod, vec![(0, bad.clone())]),
+                    expected_releases: 1,
+                })
+                .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Mismatch, "{name}: {e}");
+            assert!(e.to_string().contains("rank 0"), "{name}: {e}");
+            let e = p
+                .push(PushFrom {
+                    request_id: 6,
+                    num_tokens: TOKENS,
+                    src: src.clone(),
+                    kv: kv(&prod, vec![(0, bad)]),
+                    dst: dst.clone(),
+                    targets: PeerMap::single("127.0.0.1:9"),
+                })
+                .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Mismatch, "{name}: {e}");
+            assert_eq!(p.offer_state(6), OfferState::Unknown, "{name}");
+            assert_eq!(p.budget().used(), staged, "{name}: nothing staged");
+        }
+        assert_eq!(p.offer_state(5), OfferState::Active);
+
+        // Consumer side: every disagreement refused before anything is sent.
+        for (name, bad) in bad_kinds(&cons, &dst.layout) {
+            let before: Vec<Vec<u8>> = bad
+                .iter()
+                .map(|b| {
+                    let mut v = vec![0u8; b.on_device_size() as usize];
+                    b.to_host(&mut v).unwrap();
+                    v
+                })
+                .collect();
+            for expect in [false, true] {
+                let k = kv(&cons, vec![(0, bad.clone())]);
+                let e = if expect {
+                    c.expect_push(ExpectPush {
+                        request_id: 5,
+                        num_tokens: TOKENS,
+                        src: src.clone(),
+                        dst: dst.clone(),
+                        kv: k,
+                    })
+                    .unwrap_err()
+                } else {
+                    c.pull(PullInto {
+                        request_id: 5,
+                        num_tokens: TOKENS,
+                        src: src.clone(),
+                        sources: PeerMap::single(addr(&p)),
+                        dst: dst.clone(),
+                        kv: k,
+                        wait_for_registration: None,
+                    })
+                    .unwrap_err()
+                };
+                assert_eq!(e.kind(), ErrorKind::Mismatch, "{name}: {e}");
+                assert!(e.to_string().contains("layer"), "{name}: {e}");
+            }
+            for (b, want) in bad.iter().zip(before) {
+                let mut v = vec![0u8; b.on_device_size() as usize];
+                b.to_host(&mut v).unwrap();
+                assert_eq!(v, want, "{name}: nothing written");
+            }
+        }
+        let st = c.stats();
+        assert_eq!(st.endpoint.bytes_received, 0);
+        assert_eq!(st.budget.used_bytes, 0);
+        assert!(st.refused >= 18, "{st:?}");
+
+        // A correct pull on the same pipelines is byte-exact, and releases request 5.
+        let dst_bufs = background(&cons, &dst, 0);
+        let t = c
+            .pull(PullInto {
+                request_id: 5,
+                num_tokens: TOKENS,
+                src: src.clone(),
+                sources: PeerMap::single(addr(&p)),
+                dst: dst.clone(),
+                kv: kv(&cons, vec![(0, dst_bufs.clone())]),
+                wait_for_registration: None,
+            })
+            .unwrap();
+        let rep = t.wait().await.unwrap();
+        let want = TOKENS as u64 * model().bytes_per_token();
+        assert_eq!((rep.net_bytes, rep.device_bytes), (want, want), "{rep:?}");
+        assert!(matches!(rep.dma, DmaOutcome::Skipped(_)), "{rep:?}");
+        assert_eq!(verify(&dst, 0, &dst_bufs), want);
+        assert_eq!(
+            offered.wait(Duration::from_secs(10)).await.unwrap(),
+            OfferState::Released
+        );
+        drop(offered);
+        let st = c.stats();
+        assert!(st.dma_skipped >= 1 && st.dma_last.is_some(), "{st:?}");
+        assert_eq!(st.budget.used_bytes, 0, "destination staging freed");
+        // The producer's staging is freed once the registration ended.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while p.budget().used() != 0 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(p.budget().used(), 0);
+        assert_eq!(p.offer_state(5), OfferState::Released);
+        p.shutdown(None).await;
+        c.shutdown(None).await;
+    });
+}
+
+#[test]
+fn push_through_the_pipeline_is_exact() {
+    let (src, dst) = placements();
+    let prod = side(2);
+    let cons = side(1);
+    let rt = rt();
+    rt.block_on(async {
+        let p = pipeline("push-prod", false, TransferOptions::default())
+            .await
+            .unwrap();
+        let c = pipeline("push-cons", true, TransferOptions::default())
+            .await
+            .unwrap();
+        let dst_bufs = background(&cons, &dst, 0);
+        let rx = c
+            .expect_push(ExpectPush {
+                request_id: 9,
+                num_tokens: TOKENS,
+                src: src.clone(),
+                dst: dst.clone(),
+                kv: kv(&cons, vec![(0, dst_bufs.clone())]),
+            })
+            .unwrap();
+        let tx = p
+            .push(PushFrom {
+                request_id: 9,
+                num_tokens: TOKENS,
+                src: src.clone(),
+                kv: kv(
+                    &prod,
+                    (0..2)
+                        .map(|r| (r, buffers(&prod, &src, r, SRC_SALT)))
+                        .collect(),
+                ),
+                dst: dst.clone(),
+                targets: PeerMap::single(addr(&c)),
+            })
+            .unwrap();
+        let sent = tx.wait().await.unwrap();
+        let got = rx.wait().await.unwrap();
+        let want = TOKENS as u64 * model().bytes_per_token();
+        assert_eq!(
+            (sent.net_bytes, got.net_bytes, got.device_bytes),
+            (want, want, want)
+        );
+        assert!(sent.device_bytes > 0 && sent.device_ops > 0);
+        assert_eq!(verify(&dst, 0, &dst_bufs), want);
+        p.shutdown(None).await;
+        c.shutdown(None).await;
+    });
+}
+
+#[test]
+fn a_registration_past_the_budget_fails_and_earlier_ones_still_pull_exact() {
+    let (src, dst) = placements();
+    let prod = side(2);
+    let cons = side(1);
+    let rt = rt();
+    rt.block_on(async {
+        let src_kv = kv(
+            &prod,
+            (0..2)
+                .map(|r| (r, buffers(&prod, &src, r, SRC_SALT)))
+                .collect(),
+        );
+        let offer = |id| Offer {
+            request_id: id,
+            num_tokens: TOKENS,
+            placement: src.clone(),
+            kv: src_kv.clone(),
+            expected_releases: 1,
+        };
+        // Room for exactly two registrations of this request.
+        let probe = pipeline("budget-probe", true, TransferOptions::default())
+            .await
+            .unwrap();
+        let one = probe.offer(offer(1)).unwrap().report().staged_bytes;
+        probe.shutdown(None).await;
+        let p = pipeline(
+            "budget-prod",
+            true,
+            TransferOptions {
+                staging_budget_bytes: Some(2 * one),
+                ..TransferOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+        let c = pipeline("budget-cons", false, TransferOptions::default())
+            .await
+            .unwrap();
+        let a = p.offer(offer(1)).unwrap();
+        let b = p.offer(offer(2)).unwrap();
+        let e = p.offer(offer(3)).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::StagingExhausted, "{e}");
+        assert_eq!(p.offer_state(3), OfferState::Unknown);
+        let st = p.stats();
+        assert_eq!(
+            (st.budget.used_bytes, st.budget.refused),
+            (2 * one, 1),
+            "{st:?}"
+        );
+        // The earlier registrations still pull byte-exact.
+        for (id, h) in [(1u64, a), (2, b)] {
+            let dst_bufs = background(&cons, &dst, 0);
+            c.pull(PullInto {
+                request_id: id,
+                num_tokens: TOKENS,
+                src: src.clone(),
+                sources: PeerMap::single(addr(&p)),
+                dst: dst.clone(),
+                kv: kv(&cons, vec![(0, dst_bufs.clone())]),
+                wait_for_registration: None,
+            })
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+            assert_eq!(
+                verify(&dst, 0, &dst_bufs),
+                TOKENS as u64 * model().bytes_per_token()
+            );
+            assert_eq!(
+                h.wait(Duration::from_secs(10)).await.unwrap(),
+                OfferState::Released
+            );
+        }
+        // Their staging went back to the budget: a third registration fits now.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while p.budget().used() != 0 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(p.budget().used(), 0);
+        p.offer(offer(3)).unwrap();
+        // A registration that waits for budget gets it once an earlier one ends.
+        let w = Arc::new(
+            pipeline(
+                "budget-wait",
+                true,
+                TransferOptions {
+                    staging_budget_bytes: Some(one),
+                    staging_wait: Some(Duration::from_secs(30)),
+                    ..TransferOptions::default()
+                },
+            )
+            .await
+            .unwrap(),
+        );
+        w.offer(offer(1)).unwrap();
+        let w2 = w.clone();
+        let o2 = offer(2);
+        let waiting = std::thread::spawn(move || w2.offer(o2).map(|h| h.report().staged_bytes));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(w.withdraw(1));
+        assert_eq!(waiting.join().unwrap().unwrap(), one);
+        assert_eq!(w.budget().stats().waited, 1);
+        p.shutdown(None).await;
+        c.shutdown(None).await;
+        w.shutdown(None).await;
+    });
+}

@@ -1,0 +1,327 @@
+//! Byte budgets for pinned host memory.
+//!
+//! Staging memory ([`crate::staging::Staging`]) and the host tier's slots
+//! ([`crate::store::KvStore`]) are pre-faulted and, where `RLIMIT_MEMLOCK` allows, locked: the
+//! kernel can neither swap nor reclaim them. A producer that registers requests faster than its
+//! consumers pull them would grow without bound until an OOM killer ends the process, and every
+//! staged request with it. A [`StagingBudget`] bounds that: each allocation first takes a
+//! [`Reservation`] of its bytes, which is returned when the allocation is dropped. A reservation
+//! that does not fit fails at once with [`Error::StagingExhausted`] (or, by option, waits up to a
+//! deadline for earlier reservations to be returned); nothing already reserved is touched.
+//!
+//! Every [`crate::transfer::Pipeline`] uses the process-wide budget
+//! ([`StagingBudget::process`]) unless it is given its own, and so does the host tier. The
+//! process-wide limit is [`default_limit`]: a quarter of the memory this process may use, capped
+//! by the hard `RLIMIT_MEMLOCK` where that is finite (and at least 64 MiB), or the value of
+//! `TPU_SYNC_STAGING_BUDGET_BYTES`.
+//!
+//! Thread-safety: `Send + Sync`; reservations may be taken and dropped from any thread.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::util::fmt_bytes;
+
+/// Environment variable overriding [`default_limit`] (a byte count, e.g. `1073741824`).
+pub const ENV_STAGING_BUDGET: &str = "TPU_SYNC_STAGING_BUDGET_BYTES";
+
+/// Smallest finite hard `RLIMIT_MEMLOCK` that caps the default budget. A smaller limit (8 MiB
+/// is common for unprivileged users) means locking is effectively unavailable; staging then runs
+/// unlocked ([`crate::arena::LockStatus::Failed`]) and capping the budget at it would refuse
+/// ordinary requests.
+pub const MIN_MEMLOCK_CAP: u64 = 64 << 20;
+
+/// Counters of a budget ([`StagingBudget::stats`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BudgetStats {
+    /// The limit in bytes.
+    pub limit_bytes: u64,
+    /// Gauge: bytes reserved now.
+    pub used_bytes: u64,
+    /// Largest `used_bytes` seen.
+    pub peak_bytes: u64,
+    /// Gauge: live reservations.
+    pub reservations: u64,
+    /// Total: reservations refused ([`Error::StagingExhausted`]).
+    pub refused: u64,
+    /// Total: reservations that had to wait for bytes to be returned (and then got them).
+    pub waited: u64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    used: u64,
+    peak: u64,
+    reservations: u64,
+}
+
+/// A byte budget for pinned memory. See the [module docs](self).
+#[derive(Debug)]
+pub struct StagingBudget {
+    name: String,
+    limit: u64,
+    state: Mutex<State>,
+    freed: Condvar,
+    refused: AtomicU64,
+    waited: AtomicU64,
+}
+
+/// Bytes taken from a [`StagingBudget`]; returned when dropped.
+#[derive(Debug)]
+pub struct Reservation {
+    budget: Arc<StagingBudget>,
+    bytes: u64,
+}
+
+impl Reservation {
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The budget the bytes belong to.
+    pub fn budget(&self) -> &Arc<StagingBudget> {
+        &self.budget
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let mut s = self
+            .budget
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        s.used = s.used.saturating_sub(self.bytes);
+        s.reservations = s.reservations.saturating_sub(1);
+        drop(s);
+        self.budget.freed.notify_all();
+    }
+}
+
+impl StagingBudget {
+    /// A budget of `limit_bytes` (0 refuses every non-empty reservation). `name` appears in
+    /// error messages (e.g. `endpoint prefill-0`).
+    pub fn new(name: impl Into<String>, limit_bytes: u64) -> Arc<StagingBudget> {
+        Arc::new(StagingBudget {
+            name: name.into(),
+            limit: limit_bytes,
+            state: Mutex::new(State::default()),
+            freed: Condvar::new(),
+            refused: AtomicU64::new(0),
+            waited: AtomicU64::new(0),
+        })
+    }
+
+    /// The process-wide budget (limit [`default_limit`], read once), shared by every pipeline
+    /// and host tier not given their own.
+    pub fn process() -> &'static Arc<StagingBudget> {
+        static P: OnceLock<Arc<StagingBudget>> = OnceLock::new();
+        P.get_or_init(|| StagingBudget::new("process", default_limit()))
+    }
+
+    /// The budget's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The limit in bytes.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// Bytes reserved now.
+    pub fn used(&self) -> u64 {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .used
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> BudgetStats {
+        let s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        BudgetStats {
+            limit_bytes: self.limit,
+            used_bytes: s.used,
+            peak_bytes: s.peak,
+            reservations: s.reservations,
+            refused: self.refused.load(Ordering::Relaxed),
+            waited: self.waited.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Reserves `bytes` for `what` (a phrase for the error message, e.g. `staging of request
+    /// 7`). With `wait` `None` a reservation that does not fit fails at once; with `Some(d)` it
+    /// blocks the calling thread up to `d` for other reservations to be returned.
+    ///
+    /// Errors: [`Error::StagingExhausted`] naming the budget, the bytes asked for, the bytes in
+    /// use and the limit; at once (whatever `wait` says) when `bytes` exceeds the limit itself.
+    pub fn reserve(
+        self: &Arc<Self>,
+        bytes: u64,
+        what: &str,
+        wait: Option<Duration>,
+    ) -> Result<Reservation> {
+        let refuse = |used: u64, waited: Option<Duration>| {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            Error::StagingExhausted(format!(
+                "{what}: {} more would exceed the {} budget `{}` ({} in use by earlier \
+                 requests{}); release or reject staged requests, or raise the budget \
+                 (staging_budget_bytes, {ENV_STAGING_BUDGET})",
+                fmt_bytes(bytes),
+                fmt_bytes(self.limit),
+                self.name,
+                fmt_bytes(used),
+                match waited {
+                    Some(d) => format!(", waited {d:?}"),
+                    None => String::new(),
+                }
+            ))
+        };
+        let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if bytes > self.limit {
+            return Err(refuse(s.used, None));
+        }
+        let fits = |s: &State| s.used.saturating_add(bytes) <= self.limit;
+        if !fits(&s) {
+            let Some(d) = wait else {
+                return Err(refuse(s.used, None));
+            };
+            let deadline = Instant::now() + d;
+            loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(refuse(s.used, Some(d)));
+                }
+                s = self
+                    .freed
+                    .wait_timeout(s, left)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+                if fits(&s) {
+                    self.waited.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+            }
+        }
+        s.used += bytes;
+        s.peak = s.peak.max(s.used);
+        s.reservations += 1;
+        Ok(Reservation {
+            budget: self.clone(),
+            bytes,
+        })
+    }
+}
+
+/// Memory this process may use: physical memory (`sysconf(_SC_PHYS_PAGES)`), or the cgroup's
+/// limit (`memory.max` of cgroup v2, `memory.limit_in_bytes` of v1) when that is lower.
+pub fn process_memory() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
+    // SAFETY: as above.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    let phys = if pages > 0 && page > 0 {
+        (pages as u64).saturating_mul(page as u64)
+    } else {
+        8 << 30
+    };
+    let cgroup = [
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    ]
+    .iter()
+    .filter_map(|p| std::fs::read_to_string(p).ok())
+    .filter_map(|s| s.trim().parse::<u64>().ok())
+    .min();
+    match cgroup {
+        Some(c) if c > 0 => phys.min(c),
+        _ => phys,
+    }
+}
+
+/// The hard `RLIMIT_MEMLOCK`, `None` when unlimited or unreadable.
+pub fn memlock_hard_limit() -> Option<u64> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we pass.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0 {
+        return None;
+    }
+    (r.rlim_max != libc::RLIM_INFINITY).then_some(r.rlim_max)
+}
+
+/// The default limit of the process-wide budget: `TPU_SYNC_STAGING_BUDGET_BYTES` when set to a
+/// number; else a quarter of [`process_memory`], capped by the hard `RLIMIT_MEMLOCK` when that
+/// is finite and at least [`MIN_MEMLOCK_CAP`] (pinned memory beyond it could not be locked).
+pub fn default_limit() -> u64 {
+    if let Some(v) = std::env::var(ENV_STAGING_BUDGET)
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+    {
+        return v;
+    }
+    let quarter = process_memory() / 4;
+    match memlock_hard_limit() {
+        Some(m) if m >= MIN_MEMLOCK_CAP => quarter.min(m),
+        _ => quarter,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reservations_are_refused_past_the_limit_and_returned_on_drop() {
+        let b = StagingBudget::new("test", 1000);
+        let a = b.reserve(600, "a", None).unwrap();
+        let e = b.reserve(500, "request 7", None).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::StagingExhausted);
+        assert!(e.to_string().contains("request 7"), "{e}");
+        let c = b.reserve(400, "c", None).unwrap();
+        assert_eq!(b.used(), 1000);
+        drop(a);
+        assert_eq!(b.used(), 400);
+        let s = b.stats();
+        assert_eq!((s.peak_bytes, s.reservations, s.refused), (1000, 1, 1));
+        drop(c);
+        assert_eq!(b.stats().reservations, 0);
+        assert!(b
+            .reserve(1001, "too big", Some(Duration::from_secs(5)))
+            .is_err());
+    }
+
+    #[test]
+    fn a_waiting_reservation_gets_bytes_returned_by_another_thread() {
+        let b = StagingBudget::new("test", 100);
+        let a = b.reserve(100, "a", None).unwrap();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            drop(a);
+        });
+        let r = b.reserve(60, "b", Some(Duration::from_secs(30))).unwrap();
+        t.join().unwrap();
+        assert_eq!(r.bytes(), 60);
+        assert_eq!(b.stats().waited, 1);
+        let e = b
+            .reserve(60, "c", Some(Duration::from_millis(20)))
+            .unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::StagingExhausted);
+    }
+
+    #[test]
+    fn default_limit_is_a_fraction_of_memory() {
+        let m = process_memory();
+        assert!(m > 0);
+        if std::env::var_os(ENV_STAGING_BUDGET).is_none() {
+            let d = default_limit();
+            assert!(d > 0 && d <= m / 4, "{d} of {m}");
+        }
+    }
+}

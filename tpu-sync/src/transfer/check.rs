@@ -1,0 +1,180 @@
+//! Device buffers against the layout they are moved under: the one place that decides whether
+//! the byte offsets a plan computes are valid in a rank's buffers.
+
+use crate::error::{Error, Result};
+use crate::layout::{KvLayout, ParallelLayout};
+use crate::pjrt::DeviceBuffer;
+
+/// `dims` without leading dimensions of size 1 (so `[1, B, H, N, C]` equals `[B, H, N, C]`:
+/// vLLM hands its per-layer LBHNC cache without the layout's leading 1).
+fn squeezed(dims: &[i64]) -> &[i64] {
+    let first = dims.iter().position(|&d| d != 1).unwrap_or(dims.len());
+    &dims[first..]
+}
+
+/// Whether `layout` (the plugin's serialization, XLA notation `{minor_to_major}` possibly with
+/// tiling after a `:`) is the dense row-major layout of an `ndims`-dimensional array:
+/// `{ndims-1, ..., 1, 0}` without tiling or memory-space annotations.
+pub fn is_dense_row_major(layout: &str, ndims: usize) -> bool {
+    let t = layout.trim();
+    let Some(inner) = t.strip_prefix('{').and_then(|x| x.strip_suffix('}')) else {
+        return false;
+    };
+    if inner.contains(':') {
+        return false;
+    }
+    let parsed: Option<Vec<usize>> = if inner.trim().is_empty() {
+        Some(Vec::new())
+    } else {
+        inner.split(',').map(|p| p.trim().parse().ok()).collect()
+    };
+    match parsed {
+        Some(v) => v.len() == ndims && v.iter().enumerate().all(|(i, &d)| d == ndims - 1 - i),
+        None => false,
+    }
+}
+
+fn describe(b: &DeviceBuffer) -> String {
+    format!(
+        "{}{:?}, {} bytes on device, layout {}",
+        b.element_type().name(),
+        b.dims(),
+        b.on_device_size(),
+        b.physical_layout().unwrap_or("unknown")
+    )
+}
+
+/// What the layout's byte offsets assume about one layer's buffer, as text.
+fn expected(kv: &KvLayout) -> String {
+    let d = kv.dims();
+    format!(
+        "{}{:?} ({} order: {}), {} dense bytes, row-major",
+        kv.dtype.element_type().name(),
+        d,
+        kv.order.name(),
+        match kv.order {
+            crate::layout::BlockOrder::Nhd => "[planes, blocks, block tokens, heads, head_dim]",
+            crate::layout::BlockOrder::Hnd => "[planes, blocks, heads, block tokens, head_dim]",
+            crate::layout::BlockOrder::Lbhnc =>
+                "[1, blocks, heads, block tokens, planes * head_dim]",
+        },
+        kv.buffer_bytes()
+    )
+}
+
+/// Checks the per-layer buffers of global rank `rank` against `layout`'s per-rank buffer
+/// ([`ParallelLayout::rank_kv`]): one buffer per layer, each live, of the layout's element type,
+/// of its dims (leading 1s ignored), with `PJRT_Buffer_OnDeviceSizeInBytes` equal to the dense
+/// size the byte offsets assume, and a physical layout that is dense row-major (when the plugin
+/// reports one) and equal to `layout.physical_layout` (when the placement names one).
+///
+/// Errors: [`Error::Mismatch`] naming the rank, the layer, the buffer and what was expected;
+/// [`Error::Layout`] for a layout with a zero field; [`Error::InvalidArgument`] for a deleted
+/// buffer.
+pub fn check_rank_buffers(
+    rank: u32,
+    layout: &ParallelLayout,
+    buffers: &[DeviceBuffer],
+) -> Result<()> {
+    let kv = layout.rank_kv()?;
+    if buffers.len() != kv.num_layers as usize {
+        return Err(Error::Mismatch(format!(
+            "rank {rank}: {} layer buffers given, the layout has {} layers (one buffer per layer, \
+             in layer order)",
+            buffers.len(),
+            kv.num_layers
+        )));
+    }
+    let want_dims = kv.dims();
+    let want_ty = kv.dtype.element_type();
+    for (layer, b) in buffers.iter().enumerate() {
+        b.check_live()
+            .map_err(|e| e.context(format!("rank {rank} layer {layer}")))?;
+        let what = || {
+            format!(
+                "rank {rank} layer {layer}: buffer {} does not match the layout {} ({})",
+                describe(b),
+                layout.describe(),
+                expected(&kv)
+            )
+        };
+        if b.element_type() != want_ty {
+            return Err(Error::Mismatch(format!(
+                "{}: element type {}, the layout's KV dtype {} needs {}",
+                what(),
+                b.element_type().name(),
+                kv.dtype.name(),
+                want_ty.name()
+            )));
+        }
+        if squeezed(b.dims()) != squeezed(&want_dims) {
+            return Err(Error::Mismatch(format!(
+                "{}: dims {:?}, expected {:?} ({} blocks of {} tokens, {} heads of {})",
+                what(),
+                b.dims(),
+                want_dims,
+                kv.num_blocks,
+                kv.block_size,
+                kv.num_heads,
+                kv.head_dim
+            )));
+        }
+        if b.on_device_size() != kv.buffer_bytes() {
+            return Err(Error::Mismatch(format!(
+                "{}: {} bytes on device (PJRT_Buffer_OnDeviceSizeInBytes), the layout's byte \
+                 offsets assume {} dense bytes (a padded or tiled device layout)",
+                what(),
+                b.on_device_size(),
+                kv.buffer_bytes()
+            )));
+        }
+        if let Some(p) = b.physical_layout() {
+            if !is_dense_row_major(p, b.dims().len()) {
+                return Err(Error::Mismatch(format!(
+                    "{}: physical layout `{p}`, the layout's byte offsets assume dense row-major \
+                     `{{{}}}`",
+                    what(),
+                    (0..b.dims().len())
+                        .rev()
+                        .map(|d| d.to_string())
+                        .collect::<Vec<_>>()
+                        .join(",")
+                )));
+            }
+            if let Some(named) = &layout.physical_layout {
+                if named != p {
+                    return Err(Error::Mismatch(format!(
+                        "{}: physical layout `{p}`, the placement names `{named}`",
+                        what()
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dense_row_major_layouts() {
+        assert!(is_dense_row_major("{4,3,2,1,0}", 5));
+        assert!(is_dense_row_major(" {3, 2, 1, 0} ", 4));
+        assert!(is_dense_row_major("{0}", 1));
+        assert!(is_dense_row_major("{}", 0));
+        assert!(!is_dense_row_major("{0,1}", 2), "column-major");
+        assert!(!is_dense_row_major("{1,0:T(8,128)(2,1)}", 2), "tiled");
+        assert!(!is_dense_row_major("{2,1,0}", 4), "rank differs");
+        assert!(!is_dense_row_major("4,3,2,1,0", 5));
+        assert!(!is_dense_row_major("{x}", 1));
+    }
+
+    #[test]
+    fn leading_ones_are_ignored() {
+        assert_eq!(squeezed(&[1, 6, 2, 16, 64]), &[6, 2, 16, 64]);
+        assert_eq!(squeezed(&[2, 6, 1]), &[2, 6, 1]);
+        assert_eq!(squeezed(&[1, 1]), &[] as &[i64]);
+    }
+}

@@ -1,0 +1,1143 @@
+//! The transfer pipeline: the one place that turns "these device buffers hold this request in
+//! this layout" into staged, DMA-mapped pinned memory, network transfers and in-place device
+//! writes. The CLI, the C ABI (and through it the Python package and the engine connectors)
+//! and the benchmarks call it; nothing else stages KV for the network.
+//!
+//! A [`Pipeline`] wraps one [`Endpoint`] with a staging [budget](crate::budget) and
+//! [`TransferOptions`]:
+//!
+//! * **Producer side of a pull**: [`Pipeline::offer`] checks the buffers against the
+//!   placement's layout, reserves staging from the budget, maps it for DMA with the buffers'
+//!   client, copies the request's blocks D2H, and registers them. The device blocks may be
+//!   reused as soon as it returns. [`Pipeline::offer_state`] tells how the registration ended.
+//! * **Consumer side**: [`Pipeline::pull`] (decode-initiated) checks, plans, stages exactly the
+//!   bytes the plan writes, pulls them, writes them in place into the device buffers (H2D) and
+//!   only then releases the request at the producers (a delivering release); a failed pull
+//!   sends a release that does not count as delivered, so a retry can still succeed, and
+//!   [`Pipeline::reject`] tells the producers that this consumer will not pull the request.
+//! * **Push**: [`Pipeline::push`] (producer-initiated: check, stage D2H, send) and
+//!   [`Pipeline::expect_push`] (its consumer side: check, plan, stage, receive, H2D).
+//!
+//! Every buffer of every rank and layer is checked against the layout before any byte moves
+//! ([`check_rank_buffers`]: element type, dims, `PJRT_Buffer_OnDeviceSizeInBytes`, physical
+//! layout); a disagreement is [`Error::Mismatch`] before staging or network traffic, and nothing
+//! else on the endpoint is touched. Every operation reports the same [`Report`] (staged,
+//! device and network bytes, spans, pairs, stripes, times, the DMA-map outcome).
+//!
+//! Threading: a [`Pipeline`] is `Send + Sync`. It must be created inside a tokio runtime (it
+//! keeps that runtime's handle for its tasks); its methods may then be called from any thread.
+//! [`Pipeline::offer`], [`Pipeline::push`] and the submissions of [`Pipeline::pull`] and
+//! [`Pipeline::expect_push`] block the calling thread for device copies and, with
+//! [`TransferOptions::staging_wait`], for budget; call them where blocking is allowed (not
+//! from the only thread of a current-thread runtime).
+
+mod check;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+pub use check::{check_rank_buffers, is_dense_row_major};
+
+use crate::arena::{ArenaOptions, DmaRegistration};
+use crate::budget::{BudgetStats, StagingBudget};
+use crate::error::{Error, Result};
+use crate::net::{
+    self, Endpoint, EndpointOptions, PeerMap, PullRequest, PushRequest, SinkRegistration,
+    SourceHandle, SourceOutcome, SourceRegistration, Transfer, TransferStats,
+};
+use crate::pjrt::{Capabilities, Client, DeviceBuffer};
+use crate::plan::{ByteRange, Placement, Plan};
+use crate::staging::Staging;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Most ended offers whose outcome a pipeline remembers (oldest forgotten first).
+pub const MAX_ENDED_OFFERS: usize = 1 << 16;
+
+/// Options of a [`Pipeline`], the same for every operation on it.
+#[derive(Debug, Clone)]
+pub struct TransferOptions {
+    /// Memory of staging arenas (default: locked, huge pages, pre-faulted).
+    pub arena: ArenaOptions,
+    /// Map each staging arena for DMA with the buffers' PJRT client (`PJRT_Client_DmaMap`) so
+    /// the device copies it directly (default true). Plugins without it (the XLA CPU plugin
+    /// answers UNIMPLEMENTED) are skipped with a debug log: [`DmaOutcome::Skipped`].
+    pub dma_map: bool,
+    /// Byte budget of this pipeline's staging: `None` (default) shares the process-wide budget
+    /// ([`StagingBudget::process`], limit [`crate::budget::default_limit`]); `Some(n)` gives the
+    /// pipeline its own budget of `n` bytes.
+    pub staging_budget_bytes: Option<u64>,
+    /// How long an operation waits for budget before it fails with
+    /// [`Error::StagingExhausted`] (`None`, default: it fails at once).
+    pub staging_wait: Option<Duration>,
+    /// Most D2H copies in flight per rank while staging (default 256).
+    pub d2h_max_outstanding: usize,
+}
+
+impl Default for TransferOptions {
+    fn default() -> Self {
+        TransferOptions {
+            arena: ArenaOptions::default(),
+            dma_map: true,
+            staging_budget_bytes: None,
+            staging_wait: None,
+            d2h_max_outstanding: 256,
+        }
+    }
+}
+
+/// Whether an operation's staging was DMA-mapped with the buffers' client.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum DmaOutcome {
+    /// `PJRT_Client_DmaMap` mapped the staging arena (unmapped when it is freed).
+    Mapped,
+    /// The plugin does not implement DMA mapping (its message); copies go through the plugin's
+    /// own staging.
+    Skipped(String),
+    /// [`TransferOptions::dma_map`] is off.
+    #[default]
+    Disabled,
+}
+
+impl std::fmt::Display for DmaOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DmaOutcome::Mapped => f.write_str("DMA-mapped"),
+            DmaOutcome::Skipped(why) => write!(f, "DMA map skipped ({why})"),
+            DmaOutcome::Disabled => f.write_str("DMA map disabled"),
+        }
+    }
+}
+
+/// What one operation did (this side's part). Every field is zero where it does not apply.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Report {
+    /// Pinned bytes staged for the operation (the arena, page-rounded).
+    pub staged_bytes: u64,
+    /// Bytes copied between device buffers and staging: D2H for offers and pushes, H2D for
+    /// pulls and expected pushes.
+    pub device_bytes: u64,
+    /// Device copies issued (adjacent blocks merged).
+    pub device_ops: u64,
+    /// Wall time of the device copies.
+    pub device_time: Duration,
+    /// Payload bytes moved over the network by this side (received or sent).
+    pub net_bytes: u64,
+    /// Plan spans handled.
+    pub spans: u64,
+    /// `(source rank, destination rank)` pairs handled.
+    pub pairs: u64,
+    /// Stripes (lane exchanges) used.
+    pub stripes: u64,
+    /// Wall time of the network part.
+    pub net_time: Duration,
+    /// Wall time from the call to completion, device copies included.
+    pub elapsed: Duration,
+    /// The DMA-map outcome of the staging.
+    pub dma: DmaOutcome,
+}
+
+impl Report {
+    fn add_net(&mut self, s: &TransferStats) {
+        self.net_bytes = s.bytes;
+        self.spans = s.spans;
+        self.pairs = s.pairs;
+        self.stripes = s.stripes;
+        self.net_time = s.elapsed;
+    }
+}
+
+/// The device buffers of the ranks one call moves: global rank -> one buffer per layer, in
+/// layer order, all of one PJRT client. Cheap to clone (buffers are shared handles).
+#[derive(Debug, Clone)]
+pub struct KvBuffers {
+    caps: Capabilities,
+    client: Client,
+    by_rank: BTreeMap<u32, Vec<DeviceBuffer>>,
+}
+
+impl KvBuffers {
+    /// Buffers of the client `caps` was probed on ([`Capabilities::probe`]).
+    ///
+    /// Errors: [`Error::InvalidArgument`] when no rank is given, a rank has no buffers, or the
+    /// buffers belong to different clients or to a client of another platform than `caps`.
+    pub fn new(caps: &Capabilities, by_rank: BTreeMap<u32, Vec<DeviceBuffer>>) -> Result<Self> {
+        let first = by_rank
+            .values()
+            .flat_map(|v| v.first())
+            .next()
+            .ok_or_else(|| Error::InvalidArgument("no rank with KV buffers given".into()))?;
+        let client = first.client();
+        for (r, bufs) in &by_rank {
+            if bufs.is_empty() {
+                return Err(Error::InvalidArgument(format!(
+                    "rank {r} has no layer buffers"
+                )));
+            }
+            for (l, b) in bufs.iter().enumerate() {
+                if b.client().raw() != client.raw() {
+                    return Err(Error::InvalidArgument(format!(
+                        "rank {r} layer {l}: a buffer of another PJRT client (all buffers of one \
+                         call must share a client)"
+                    )));
+                }
+            }
+        }
+        if client.platform_name() != caps.platform {
+            return Err(Error::InvalidArgument(format!(
+                "capabilities of a `{}` client given for buffers of a `{}` client",
+                caps.platform,
+                client.platform_name()
+            )));
+        }
+        Ok(KvBuffers {
+            caps: caps.clone(),
+            client,
+            by_rank,
+        })
+    }
+
+    /// The global ranks, ascending.
+    pub fn ranks(&self) -> Vec<u32> {
+        self.by_rank.keys().copied().collect()
+    }
+
+    /// The buffers of `rank`, in layer order.
+    pub fn get(&self, rank: u32) -> Option<&[DeviceBuffer]> {
+        self.by_rank.get(&rank).map(Vec::as_slice)
+    }
+
+    /// The client's probed capabilities.
+    pub fn caps(&self) -> &Capabilities {
+        &self.caps
+    }
+
+    /// The buffers' client.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Checks every rank against `placement`: in its DP replica, and every buffer against its
+    /// layout ([`check_rank_buffers`]).
+    ///
+    /// Errors: [`Error::InvalidArgument`] for a rank outside the replica; [`Error::Mismatch`]
+    /// for a buffer that disagrees with the layout.
+    pub fn check(&self, placement: &Placement, side: &str) -> Result<()> {
+        for (&r, bufs) in &self.by_rank {
+            if placement.local_rank(r).is_none() {
+                return Err(Error::InvalidArgument(format!(
+                    "rank {r} is not in the {side} placement's DP replica {} ({} ranks per \
+                     replica)",
+                    placement.dp_rank,
+                    placement.layout.spec.ranks_per_replica()
+                )));
+            }
+            check_rank_buffers(r, &placement.layout, bufs)
+                .map_err(|e| e.context(format!("{side} side")))?;
+        }
+        Ok(())
+    }
+}
+
+/// A request's blocks offered for pulling ([`Pipeline::offer`]).
+#[derive(Debug, Clone)]
+pub struct Offer {
+    /// Request id, `1..=2^53-1`.
+    pub request_id: u64,
+    /// Tokens of the request.
+    pub num_tokens: u32,
+    /// Where the request's blocks are on this side.
+    pub placement: Placement,
+    /// This side's ranks of the placement's replica, with their buffers.
+    pub kv: KvBuffers,
+    /// Consumers that must pull it (>= 1; one per decode rank that pulls from these ranks).
+    pub expected_releases: u32,
+}
+
+/// A pull into this side's buffers ([`Pipeline::pull`]).
+#[derive(Debug, Clone)]
+pub struct PullInto {
+    /// Request id.
+    pub request_id: u64,
+    /// Tokens of the request.
+    pub num_tokens: u32,
+    /// The producers' placement.
+    pub src: Placement,
+    /// Which endpoint hosts each source rank.
+    pub sources: PeerMap,
+    /// This side's placement.
+    pub dst: Placement,
+    /// This side's ranks pulled here, with their buffers (written in place).
+    pub kv: KvBuffers,
+    /// How long the producers may take to register the request (`None`: a producer that does
+    /// not know it fails the pull with [`Error::UnknownRequest`] at once).
+    pub wait_for_registration: Option<Duration>,
+}
+
+/// A push from this side's buffers ([`Pipeline::push`]).
+#[derive(Debug, Clone)]
+pub struct PushFrom {
+    /// Request id.
+    pub request_id: u64,
+    /// Tokens of the request.
+    pub num_tokens: u32,
+    /// This side's placement.
+    pub src: Placement,
+    /// This side's ranks of `src`'s replica, with their buffers.
+    pub kv: KvBuffers,
+    /// The destination placement.
+    pub dst: Placement,
+    /// Which endpoint hosts each destination rank.
+    pub targets: PeerMap,
+}
+
+/// A push expected into this side's buffers ([`Pipeline::expect_push`]).
+#[derive(Debug, Clone)]
+pub struct ExpectPush {
+    /// Request id.
+    pub request_id: u64,
+    /// Tokens of the request.
+    pub num_tokens: u32,
+    /// The senders' placement.
+    pub src: Placement,
+    /// This side's placement.
+    pub dst: Placement,
+    /// This side's ranks that receive, with their buffers (written in place).
+    pub kv: KvBuffers,
+}
+
+/// The state of an offered request ([`Pipeline::offer_state`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OfferState {
+    /// Registered and served.
+    Active,
+    /// Every expected consumer released it after a complete pull.
+    Released,
+    /// The consumers rejected it (they will not pull it); the first reason.
+    Rejected(String),
+    /// No live consumer held a lease for the lease time.
+    Expired,
+    /// A consumer holding a lease died.
+    PeerLost(String),
+    /// Withdrawn ([`Pipeline::withdraw`]).
+    Unregistered,
+    /// The endpoint shut down.
+    Shutdown,
+    /// Never offered here, or forgotten (more than [`MAX_ENDED_OFFERS`] ended since).
+    Unknown,
+}
+
+impl OfferState {
+    fn of(o: SourceOutcome) -> OfferState {
+        match o {
+            SourceOutcome::Released => OfferState::Released,
+            SourceOutcome::Expired => OfferState::Expired,
+            SourceOutcome::PeerLost(w) => OfferState::PeerLost(w),
+            SourceOutcome::Unregistered => OfferState::Unregistered,
+            SourceOutcome::Shutdown => OfferState::Shutdown,
+        }
+    }
+
+    /// `active`, `released`, `rejected`, `expired`, `peer_lost`, `unregistered`, `shutdown`,
+    /// `unknown`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            OfferState::Active => "active",
+            OfferState::Released => "released",
+            OfferState::Rejected(_) => "rejected",
+            OfferState::Expired => "expired",
+            OfferState::PeerLost(_) => "peer_lost",
+            OfferState::Unregistered => "unregistered",
+            OfferState::Shutdown => "shutdown",
+            OfferState::Unknown => "unknown",
+        }
+    }
+}
+
+struct OfferEntry {
+    handle: SourceHandle,
+    report: Report,
+}
+
+/// The producer's handle of an offered request. Holding it keeps the staging alive until the
+/// registration ends; drop it to let the pipeline free the staging as soon as it does.
+#[derive(Clone)]
+pub struct OfferHandle {
+    entry: Arc<OfferEntry>,
+}
+
+impl std::fmt::Debug for OfferHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OfferHandle")
+            .field("request_id", &self.entry.handle.request_id())
+            .finish()
+    }
+}
+
+impl OfferHandle {
+    /// The request id.
+    pub fn request_id(&self) -> u64 {
+        self.entry.handle.request_id()
+    }
+
+    /// What staging the request did.
+    pub fn report(&self) -> &Report {
+        &self.entry.report
+    }
+
+    /// How the registration ended, if it did.
+    pub fn state(&self) -> OfferState {
+        self.entry
+            .handle
+            .outcome()
+            .map(OfferState::of)
+            .unwrap_or(OfferState::Active)
+    }
+
+    /// Waits until the registration ends or `timeout` passes ([`Error::Timeout`]).
+    pub async fn wait(&self, timeout: Duration) -> Result<OfferState> {
+        self.entry.handle.wait(timeout).await.map(OfferState::of)
+    }
+}
+
+#[derive(Default)]
+struct Offers {
+    live: HashMap<u64, Arc<OfferEntry>>,
+    ended: HashMap<u64, OfferState>,
+    order: VecDeque<u64>,
+}
+
+impl Offers {
+    fn end(&mut self, id: u64, entry: &Arc<OfferEntry>, state: OfferState) {
+        if !self.live.get(&id).is_some_and(|e| Arc::ptr_eq(e, entry)) {
+            return;
+        }
+        self.live.remove(&id);
+        if self.ended.insert(id, state).is_none() {
+            self.order.push_back(id);
+        }
+        while self.order.len() > MAX_ENDED_OFFERS {
+            if let Some(old) = self.order.pop_front() {
+                self.ended.remove(&old);
+            }
+        }
+    }
+
+    /// Moves every ended registration from `live` to `ended` (for registrations whose watcher
+    /// has not run yet).
+    fn sweep(&mut self) {
+        let done: Vec<(u64, Arc<OfferEntry>, SourceOutcome)> = self
+            .live
+            .iter()
+            .filter_map(|(id, e)| e.handle.outcome().map(|o| (*id, e.clone(), o)))
+            .collect();
+        for (id, e, o) in done {
+            self.end(id, &e, OfferState::of(o));
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    offers: AtomicU64,
+    pulls: AtomicU64,
+    pushes: AtomicU64,
+    expected_pushes: AtomicU64,
+    refused: AtomicU64,
+    rejects_sent: AtomicU64,
+    dma_mapped: AtomicU64,
+    dma_skipped: AtomicU64,
+    dma_last: Mutex<Option<String>>,
+}
+
+/// A pipeline's counters ([`Pipeline::stats`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PipelineStats {
+    /// The endpoint's counters.
+    pub endpoint: net::Stats,
+    /// The staging budget's counters.
+    pub budget: BudgetStats,
+    /// Gauge: offers registered and not ended.
+    pub offers_live: u64,
+    /// Totals: offers, pulls, pushes and expected pushes submitted.
+    pub offers: u64,
+    /// See `offers`.
+    pub pulls: u64,
+    /// See `offers`.
+    pub pushes: u64,
+    /// See `offers`.
+    pub expected_pushes: u64,
+    /// Total: operations refused before any byte moved (checks, plan, budget).
+    pub refused: u64,
+    /// Total: rejects sent to producers.
+    pub rejects_sent: u64,
+    /// Total: staging arenas DMA-mapped with their client.
+    pub dma_mapped: u64,
+    /// Total: staging arenas whose DMA map the plugin does not implement.
+    pub dma_skipped: u64,
+    /// The last DMA-map outcome, as text (`None` before the first staging).
+    pub dma_last: Option<String>,
+}
+
+struct Job {
+    request_id: u64,
+    net: Transfer,
+    result: watch::Sender<Option<Result<Report>>>,
+    cancelled: AtomicBool,
+}
+
+impl Job {
+    /// Sets the result once (later calls do nothing).
+    fn complete(&self, r: Result<Report>) {
+        self.result.send_if_modified(|v| {
+            if v.is_none() {
+                *v = Some(r);
+                true
+            } else {
+                false
+            }
+        });
+    }
+}
+
+/// Completes its job with [`Error::Cancelled`] if the task holding it ends (or is dropped with
+/// its runtime) before setting a result, so that no waiter waits forever.
+struct Completer(Arc<Job>);
+
+impl Drop for Completer {
+    fn drop(&mut self) {
+        self.0.complete(Err(Error::Cancelled(format!(
+            "request {}: the transfer task ended without a result (runtime shut down?)",
+            self.0.request_id
+        ))));
+    }
+}
+
+/// A submitted pull, push or expected push: await, poll or cancel it. `Send + Sync`, cheap to
+/// clone; dropping it does not cancel the operation.
+#[derive(Clone)]
+pub struct TransferHandle {
+    job: Arc<Job>,
+}
+
+impl std::fmt::Debug for TransferHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferHandle")
+            .field("request_id", &self.job.request_id)
+            .field("net", &self.job.net)
+            .finish()
+    }
+}
+
+impl TransferHandle {
+    /// The request.
+    pub fn request_id(&self) -> u64 {
+        self.job.request_id
+    }
+
+    /// The result once complete: `Ok` only when every byte arrived, verified and (for pulls and
+    /// expected pushes) was written into the device buffers.
+    pub fn poll(&self) -> Option<Result<Report>> {
+        self.job.result.borrow().clone()
+    }
+
+    /// Whether it completed (successfully or not).
+    pub fn is_done(&self) -> bool {
+        self.job.result.borrow().is_some()
+    }
+
+    /// Waits for the result.
+    pub async fn wait(&self) -> Result<Report> {
+        let mut rx = self.job.result.subscribe();
+        let r = match rx.wait_for(Option::is_some).await {
+            Ok(v) => v.clone(),
+            Err(_) => None,
+        };
+        r.unwrap_or_else(|| Err(Error::Cancelled("transfer task ended".into())))
+    }
+
+    /// Cancels it: it fails with [`Error::Cancelled`] unless already complete; nothing more is
+    /// written into the device buffers once the network part was cancelled. Returns at once.
+    pub fn cancel(&self) {
+        self.job.cancelled.store(true, Ordering::SeqCst);
+        self.job.net.cancel();
+    }
+
+    /// Leading layers received and verified so far (pulls and expected pushes).
+    pub fn layers_complete(&self) -> u32 {
+        self.job.net.layers_complete()
+    }
+}
+
+/// One endpoint with its staging budget and options: the transfer pipeline. See the
+/// [module docs](self).
+pub struct Pipeline {
+    ep: Arc<Endpoint>,
+    rt: tokio::runtime::Handle,
+    opts: TransferOptions,
+    budget: Arc<StagingBudget>,
+    offers: Arc<Mutex<Offers>>,
+    counters: Arc<Counters>,
+}
+
+impl std::fmt::Debug for Pipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pipeline")
+            .field("endpoint", &self.ep)
+            .field("budget", &self.budget)
+            .finish()
+    }
+}
+
+impl Pipeline {
+    /// A pipeline over `endpoint`. Must be called inside a tokio runtime, whose handle the
+    /// pipeline keeps for its tasks.
+    ///
+    /// Errors: [`Error::InvalidArgument`] outside a runtime or for `d2h_max_outstanding == 0`.
+    pub fn new(endpoint: Arc<Endpoint>, opts: TransferOptions) -> Result<Pipeline> {
+        let rt = tokio::runtime::Handle::try_current().map_err(|_| {
+            Error::InvalidArgument(
+                "a transfer pipeline must be created inside a tokio runtime".into(),
+            )
+        })?;
+        if opts.d2h_max_outstanding == 0 {
+            return Err(Error::InvalidArgument(
+                "d2h_max_outstanding must be >= 1".into(),
+            ));
+        }
+        let budget = match opts.staging_budget_bytes {
+            Some(n) => StagingBudget::new(format!("endpoint {}", endpoint.name()), n),
+            None => StagingBudget::process().clone(),
+        };
+        Ok(Pipeline {
+            ep: endpoint,
+            rt,
+            opts,
+            budget,
+            offers: Arc::default(),
+            counters: Arc::default(),
+        })
+    }
+
+    /// Binds an endpoint ([`Endpoint::bind`]) and wraps it.
+    pub async fn bind(endpoint: EndpointOptions, opts: TransferOptions) -> Result<Pipeline> {
+        let ep = Endpoint::bind(endpoint).await?;
+        Pipeline::new(Arc::new(ep), opts)
+    }
+
+    /// The endpoint (addresses, peers, its own stats, shutdown).
+    pub fn endpoint(&self) -> &Arc<Endpoint> {
+        &self.ep
+    }
+
+    /// The staging budget.
+    pub fn budget(&self) -> &Arc<StagingBudget> {
+        &self.budget
+    }
+
+    /// The options.
+    pub fn options(&self) -> &TransferOptions {
+        &self.opts
+    }
+
+    fn refused<T>(&self, r: Result<T>) -> Result<T> {
+        if r.is_err() {
+            self.counters.refused.fetch_add(1, Ordering::Relaxed);
+        }
+        r
+    }
+
+    /// Reserves and allocates staging for `ranges`, and DMA-maps it with `client`.
+    fn stage(
+        &self,
+        ranges: BTreeMap<u32, Vec<ByteRange>>,
+        client: &Client,
+        what: &str,
+    ) -> Result<(Arc<Staging>, DmaOutcome)> {
+        let staging = Staging::new_in(
+            ranges,
+            &self.opts.arena,
+            &self.budget,
+            what,
+            self.opts.staging_wait,
+        )?;
+        let dma = if self.opts.dma_map {
+            match staging.arena().register_dma(client)? {
+                DmaRegistration::Mapped => {
+                    self.counters.dma_mapped.fetch_add(1, Ordering::Relaxed);
+                    DmaOutcome::Mapped
+                }
+                DmaRegistration::Skipped(why) => {
+                    self.counters.dma_skipped.fetch_add(1, Ordering::Relaxed);
+                    DmaOutcome::Skipped(why)
+                }
+            }
+        } else {
+            DmaOutcome::Disabled
+        };
+        *lock(&self.counters.dma_last) = Some(dma.to_string());
+        Ok((Arc::new(staging), dma))
+    }
+
+    /// D2H of every rank of `kv` into `staging`; adds the copies to `report`.
+    fn fill(&self, staging: &Staging, kv: &KvBuffers, report: &mut Report) -> Result<()> {
+        let t = Instant::now();
+        for r in kv.ranks() {
+            let bufs = kv.get(r).unwrap_or_default();
+            let s = staging
+                .fill_from_device(r, bufs, self.opts.d2h_max_outstanding)
+                .map_err(|e| e.context(format!("D2H of rank {r}")))?;
+            report.device_bytes += s.bytes;
+            report.device_ops += s.ops;
+        }
+        report.device_time = t.elapsed();
+        Ok(())
+    }
+
+    /// Producer side of a pull: checks every buffer against the placement's layout, stages the
+    /// request's blocks of `offer.kv`'s ranks (budget, DMA map, D2H) and registers them until
+    /// `expected_releases` consumers released (or rejected) them, the lease passes without a
+    /// live consumer, or [`Pipeline::withdraw`]. Blocks for the D2H copies; the device blocks
+    /// may be reused as soon as it returns. The staging is freed when the registration ends.
+    ///
+    /// Errors (nothing staged or registered, other offers untouched): [`Error::InvalidArgument`]
+    /// (id, ranks, `expected_releases == 0`, a duplicate id), the placement's errors,
+    /// [`Error::Mismatch`] (a buffer disagrees with the layout), [`Error::StagingExhausted`],
+    /// device copy errors.
+    pub fn offer(&self, offer: Offer) -> Result<OfferHandle> {
+        self.refused(self.offer_inner(offer))
+    }
+
+    fn offer_inner(&self, o: Offer) -> Result<OfferHandle> {
+        let t0 = Instant::now();
+        net::check_request_id(o.request_id)?;
+        if o.expected_releases == 0 {
+            return Err(Error::InvalidArgument(
+                "expected_releases must be >= 1".into(),
+            ));
+        }
+        o.placement.validate(o.num_tokens)?;
+        o.kv.check(&o.placement, "producer")?;
+        if lock(&self.offers).live.contains_key(&o.request_id) {
+            return Err(Error::InvalidArgument(format!(
+                "request {} is already registered",
+                o.request_id
+            )));
+        }
+        let mut ranges = BTreeMap::new();
+        for r in o.kv.ranks() {
+            let local = o.placement.local_rank(r).unwrap_or_default();
+            ranges.insert(r, o.placement.try_block_ranges(local)?);
+        }
+        let (staging, dma) = self.stage(
+            ranges,
+            o.kv.client(),
+            &format!("staging of request {}", o.request_id),
+        )?;
+        let mut report = Report {
+            staged_bytes: staging.reserved_bytes(),
+            dma,
+            ..Report::default()
+        };
+        self.fill(&staging, &o.kv, &mut report)?;
+        let handle = {
+            let _g = self.rt.enter();
+            self.ep.register_source(SourceRegistration {
+                request_id: o.request_id,
+                num_tokens: o.num_tokens,
+                placement: o.placement,
+                staging,
+                layers_ready: None,
+                expected_releases: o.expected_releases,
+            })?
+        };
+        report.elapsed = t0.elapsed();
+        let entry = Arc::new(OfferEntry { handle, report });
+        {
+            let mut m = lock(&self.offers);
+            m.sweep();
+            m.ended.remove(&o.request_id);
+            m.live.insert(o.request_id, entry.clone());
+        }
+        self.counters.offers.fetch_add(1, Ordering::Relaxed);
+        // Drop the registry's reference (and with it the staging) as soon as it ends.
+        let weak: Weak<Mutex<Offers>> = Arc::downgrade(&self.offers);
+        let e = entry.clone();
+        let id = o.request_id;
+        self.rt.spawn(async move {
+            let state = match e.handle.wait(Duration::from_secs(365 * 24 * 3600)).await {
+                Ok(o) => OfferState::of(o),
+                Err(_) => return,
+            };
+            if let Some(offers) = weak.upgrade() {
+                lock(&offers).end(id, &e, state);
+            }
+        });
+        Ok(OfferHandle { entry })
+    }
+
+    /// The state of an offered request: active, how it ended, or unknown.
+    pub fn offer_state(&self, request_id: u64) -> OfferState {
+        let mut m = lock(&self.offers);
+        m.sweep();
+        if m.live.contains_key(&request_id) {
+            return OfferState::Active;
+        }
+        m.ended
+            .get(&request_id)
+            .cloned()
+            .unwrap_or(OfferState::Unknown)
+    }
+
+    /// Withdraws an offer (pulls in progress fail). Returns whether it was still registered.
+    pub fn withdraw(&self, request_id: u64) -> bool {
+        let existed = self.ep.unregister_source(request_id);
+        lock(&self.offers).sweep();
+        existed
+    }
+
+    /// Consumer side: checks, plans `src -> dst`, stages exactly the bytes the plan writes to
+    /// `pull.kv`'s ranks (budget, DMA map), and starts pulling. Once every byte arrived and
+    /// verified it is written in place into the buffers (H2D); only then is the request
+    /// released at the producers (a delivering release) and the transfer reported done. A
+    /// failed or cancelled pull releases without delivery (the producer keeps the request for
+    /// a retry, until its lease passes or the consumer [rejects](Pipeline::reject) it).
+    ///
+    /// No computation may use the destination blocks until the transfer completes.
+    ///
+    /// Errors (before anything is sent): [`Error::InvalidArgument`], the placements' and the
+    /// plan's errors, [`Error::Mismatch`], [`Error::Unsupported`] (no in-place H2D path),
+    /// [`Error::StagingExhausted`]. Network and device errors come through the handle.
+    pub fn pull(&self, pull: PullInto) -> Result<TransferHandle> {
+        self.refused(self.pull_inner(pull))
+    }
+
+    fn plan_destination(
+        &self,
+        src: &Placement,
+        dst: &Placement,
+        num_tokens: u32,
+        kv: &KvBuffers,
+        what: String,
+    ) -> Result<(Arc<Plan>, Arc<Staging>, Report)> {
+        let plan = Arc::new(Plan::build(src, dst, num_tokens)?);
+        kv.check(dst, "destination")?;
+        kv.caps().require_h2d()?;
+        let ranges = kv
+            .ranks()
+            .into_iter()
+            .map(|r| (r, plan.dst_ranges(r)))
+            .collect();
+        let (staging, dma) = self.stage(ranges, kv.client(), &what)?;
+        let report = Report {
+            staged_bytes: staging.reserved_bytes(),
+            dma,
+            ..Report::default()
+        };
+        Ok((plan, staging, report))
+    }
+
+    fn pull_inner(&self, p: PullInto) -> Result<TransferHandle> {
+        let t0 = Instant::now();
+        net::check_request_id(p.request_id)?;
+        let (plan, staging, report) = self.plan_destination(
+            &p.src,
+            &p.dst,
+            p.num_tokens,
+            &p.kv,
+            format!("destination staging of request {}", p.request_id),
+        )?;
+        let src_addrs = p
+            .sources
+            .addresses((0..p.src.layout.spec.ranks_per_replica()).map(|l| p.src.global_rank(l)))?;
+        let t = {
+            let _g = self.rt.enter();
+            let _ = p.wait_for_registration; // TODO(net-core): PullRequest::wait_for_registration
+            self.ep.pull(PullRequest {
+                request_id: p.request_id,
+                num_tokens: p.num_tokens,
+                src: p.src,
+                sources: p.sources,
+                dst: p.dst,
+                staging: staging.clone(),
+                dst_ranks: Some(p.kv.ranks()),
+                plan: Some(plan),
+            })?
+        };
+        self.counters.pulls.fetch_add(1, Ordering::Relaxed);
+        let (handle, job) = self.job(p.request_id, t.clone());
+        let ep = self.ep.clone();
+        let kv = p.kv;
+        self.rt.spawn(async move {
+            let job = Completer(job);
+            let r = receive(&job.0, &t, staging, kv, report, t0).await;
+            let delivered = r.is_ok();
+            if delivered {
+                // The producers free the request now instead of at its lease expiry.
+                release_all(&ep, &src_addrs, job.0.request_id, true).await;
+                job.0.complete(r);
+            } else {
+                // A failed pull completes at once; the release (no delivery: the producer keeps
+                // the request for a retry) is best effort and must not delay the failure.
+                job.0.complete(r);
+                release_all(&ep, &src_addrs, job.0.request_id, false).await;
+            }
+        });
+        Ok(handle)
+    }
+
+    fn job(&self, request_id: u64, net: Transfer) -> (TransferHandle, Arc<Job>) {
+        let (tx, _) = watch::channel(None);
+        let job = Arc::new(Job {
+            request_id,
+            net,
+            result: tx,
+            cancelled: AtomicBool::new(false),
+        });
+        (TransferHandle { job: job.clone() }, job)
+    }
+
+    /// Producer-initiated: checks, stages (budget, DMA map, D2H; blocking) the request's blocks
+    /// of `push.kv`'s ranks and sends each destination rank exactly its spans. The device
+    /// blocks may be reused as soon as it returns; the transfer completes when every
+    /// destination endpoint confirmed.
+    ///
+    /// Errors (before anything is sent): as [`Pipeline::pull`], plus device copy errors.
+    pub fn push(&self, push: PushFrom) -> Result<TransferHandle> {
+        self.refused(self.push_inner(push))
+    }
+
+    fn push_inner(&self, p: PushFrom) -> Result<TransferHandle> {
+        let t0 = Instant::now();
+        net::check_request_id(p.request_id)?;
+        let plan = Arc::new(Plan::build(&p.src, &p.dst, p.num_tokens)?);
+        p.kv.check(&p.src, "source")?;
+        let mut ranges = BTreeMap::new();
+        for r in p.kv.ranks() {
+            let local = p.src.local_rank(r).unwrap_or_default();
+            ranges.insert(r, p.src.try_block_ranges(local)?);
+        }
+        // Every destination rank needs an address before anything is staged.
+        p.targets
+            .addresses((0..p.dst.layout.spec.ranks_per_replica()).map(|l| p.dst.global_rank(l)))?;
+        let (staging, dma) = self.stage(
+            ranges,
+            p.kv.client(),
+            &format!("staging of request {}", p.request_id),
+        )?;
+        let mut report = Report {
+            staged_bytes: staging.reserved_bytes(),
+            dma,
+            ..Report::default()
+        };
+        self.fill(&staging, &p.kv, &mut report)?;
+        let t = {
+            let _g = self.rt.enter();
+            self.ep.push(PushRequest {
+                request_id: p.request_id,
+                num_tokens: p.num_tokens,
+                src: p.src,
+                staging,
+                src_ranks: Some(p.kv.ranks()),
+                dst: p.dst,
+                targets: p.targets,
+                layers_ready: None,
+                plan: Some(plan),
+            })?
+        };
+        self.counters.pushes.fetch_add(1, Ordering::Relaxed);
+        let (handle, job) = self.job(p.request_id, t.clone());
+        self.rt.spawn(async move {
+            let job = Completer(job);
+            let r = t.wait().await.map(|s| {
+                let mut rep = report;
+                rep.add_net(&s);
+                rep.elapsed = t0.elapsed();
+                rep
+            });
+            job.0.complete(r);
+        });
+        Ok(handle)
+    }
+
+    /// Consumer side of a push: checks, plans, stages exactly the bytes the plan writes to
+    /// `expect.kv`'s ranks and registers them for the senders. The transfer completes once
+    /// every sender finished, every chunk verified, and the bytes were written in place into
+    /// the buffers (H2D).
+    ///
+    /// Errors: as [`Pipeline::pull`].
+    pub fn expect_push(&self, expect: ExpectPush) -> Result<TransferHandle> {
+        self.refused(self.expect_inner(expect))
+    }
+
+    fn expect_inner(&self, e: ExpectPush) -> Result<TransferHandle> {
+        let t0 = Instant::now();
+        net::check_request_id(e.request_id)?;
+        let (plan, staging, report) = self.plan_destination(
+            &e.src,
+            &e.dst,
+            e.num_tokens,
+            &e.kv,
+            format!("destination staging of request {}", e.request_id),
+        )?;
+        let t = {
+            let _g = self.rt.enter();
+            self.ep.expect_push(SinkRegistration {
+                request_id: e.request_id,
+                num_tokens: e.num_tokens,
+                placement: e.dst,
+                staging: staging.clone(),
+                dst_ranks: Some(e.kv.ranks()),
+                src: Some(e.src),
+                plan: Some(plan),
+            })?
+        };
+        self.counters
+            .expected_pushes
+            .fetch_add(1, Ordering::Relaxed);
+        let (handle, job) = self.job(e.request_id, t.clone());
+        let kv = e.kv;
+        self.rt.spawn(async move {
+            let job = Completer(job);
+            let r = receive(&job.0, &t, staging, kv, report, t0).await;
+            job.0.complete(r);
+        });
+        Ok(handle)
+    }
+
+    /// Tells every producer endpoint in `sources` (its default and per-rank addresses) that this
+    /// consumer will not pull `request_id` (the decode side refused or aborted it): each frees
+    /// this consumer's part at once and, when no consumer remains, ends the registration as
+    /// rejected with `reason` (instead of waiting for the lease). Cancel this consumer's pulls
+    /// of the request first.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for a bad id or an empty peer map; the first
+    /// endpoint's error (every endpoint is tried).
+    pub async fn reject(&self, request_id: u64, sources: &PeerMap, reason: &str) -> Result<()> {
+        net::check_request_id(request_id)?;
+        let mut addrs: Vec<String> = sources.default.iter().cloned().collect();
+        for a in sources.by_rank.values() {
+            if !addrs.contains(a) {
+                addrs.push(a.clone());
+            }
+        }
+        if addrs.is_empty() {
+            return Err(Error::InvalidArgument("empty peer map".into()));
+        }
+        let mut first = None;
+        for a in &addrs {
+            self.counters.rejects_sent.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = reject_at(&self.ep, a, request_id, reason).await {
+                first.get_or_insert(e.context(format!("reject of request {request_id} at {a}")));
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Asks the endpoint at `addr` for a registration's placement and token count (and takes a
+    /// lease on it): a consumer that does not know the producer's placement yet.
+    pub async fn describe(&self, addr: &str, request_id: u64) -> Result<(Placement, u32)> {
+        self.ep.describe(addr, request_id).await
+    }
+
+    /// Counters of the pipeline, its budget and its endpoint.
+    pub fn stats(&self) -> PipelineStats {
+        let offers_live = {
+            let mut m = lock(&self.offers);
+            m.sweep();
+            m.live.len() as u64
+        };
+        let c = &self.counters;
+        let rd = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        PipelineStats {
+            endpoint: self.ep.stats(),
+            budget: self.budget.stats(),
+            offers_live,
+            offers: rd(&c.offers),
+            pulls: rd(&c.pulls),
+            pushes: rd(&c.pushes),
+            expected_pushes: rd(&c.expected_pushes),
+            refused: rd(&c.refused),
+            rejects_sent: rd(&c.rejects_sent),
+            dma_mapped: rd(&c.dma_mapped),
+            dma_skipped: rd(&c.dma_skipped),
+            dma_last: lock(&c.dma_last).clone(),
+        }
+    }
+
+    /// Shuts the endpoint down ([`Endpoint::shutdown`]): every offer ends
+    /// ([`OfferState::Shutdown`]) and its staging is freed.
+    pub async fn shutdown(&self, drain: Option<Duration>) {
+        self.ep.shutdown(drain).await;
+        lock(&self.offers).sweep();
+    }
+}
+
+/// Waits for a receiving transfer, then writes its staging into the device buffers (H2D, on
+/// the blocking pool) unless it was cancelled first.
+async fn receive(
+    job: &Job,
+    t: &Transfer,
+    staging: Arc<Staging>,
+    kv: KvBuffers,
+    mut report: Report,
+    t0: Instant,
+) -> Result<Report> {
+    let s = t.wait().await?;
+    report.add_net(&s);
+    if job.cancelled.load(Ordering::SeqCst) {
+        return Err(Error::Cancelled(format!(
+            "request {} cancelled by the caller before its bytes were written to the device",
+            job.request_id
+        )));
+    }
+    let dev = tokio::task::spawn_blocking(move || -> Result<(u64, u64, Duration)> {
+        let t = Instant::now();
+        let (mut bytes, mut ops) = (0, 0);
+        for r in staging.ranks().collect::<Vec<_>>() {
+            if let Some(bufs) = kv.get(r) {
+                let s = staging
+                    .drain_to_device(kv.caps(), r, bufs)
+                    .map_err(|e| e.context(format!("H2D of rank {r}")))?;
+                bytes += s.bytes;
+                ops += s.ops;
+            }
+        }
+        Ok((bytes, ops, t.elapsed()))
+    })
+    .await
+    .map_err(|e| Error::Cancelled(format!("device copy task ended: {e}")))??;
+    report.device_bytes = dev.0;
+    report.device_ops = dev.1;
+    report.device_time = dev.2;
+    report.elapsed = t0.elapsed();
+    Ok(report)
+}
+
+/// Releases `request_id` at every address; failures are logged (the producers' leases end them).
+async fn release_all(ep: &Endpoint, addrs: &[String], request_id: u64, delivered: bool) {
+    for a in addrs {
+        // TODO(net-core): Endpoint::release_with(a, request_id, delivered).
+        if !delivered {
+            continue;
+        }
+        if let Err(e) = ep.release(a, request_id).await {
+            log::debug!("release of request {request_id} at {a}: {e}");
+        }
+    }
+}
+
+/// TODO(net-core): Endpoint::reject.
+async fn reject_at(ep: &Endpoint, addr: &str, request_id: u64, reason: &str) -> Result<()> {
+    let _ = (ep, addr, request_id, reason);
+    Err(Error::Unsupported {
+        plugin: "endpoint".into(),
+        what: "reject needs the net-core protocol change".into(),
+    })
+}
