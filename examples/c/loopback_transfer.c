@@ -92,17 +92,20 @@ static long verify(const tpu_sync_plan *plan, tpu_sync_buffer *const *dst, uint6
 int main(void) {
   tpu_sync_client *client = NULL;
   TRY(tpu_sync_client_new(NULL, 3, &client));
-  int64_t sdims[1] = {SRC_BYTES}, ddims[1] = {DST_BYTES};
+  /* Each buffer has exactly its layout's shape and element type (refused otherwise):
+   * bf16 [planes, blocks, tokens, heads, head_dim] (NHD), [planes, blocks, heads, tokens,
+   * head_dim] (HND). */
+  int64_t sdims[5] = {2, 8, 16, 2, 8}, ddims[5] = {2, 6, 4, 32, 8};
   tpu_sync_buffer *src[SRC_RANKS * LAYERS], *dst[LAYERS];
   for (int r = 0; r < SRC_RANKS; r++)
     for (int l = 0; l < LAYERS; l++) {
       fill(src_host[r][l], SRC_BYTES, 10 + r * LAYERS + l);
-      TRY(tpu_sync_buffer_from_host(client, (size_t)r, src_host[r][l], SRC_BYTES, sdims, 1, TPU_SYNC_DTYPE_U8,
+      TRY(tpu_sync_buffer_from_host(client, (size_t)r, src_host[r][l], SRC_BYTES, sdims, 5, TPU_SYNC_DTYPE_BF16,
                                     &src[r * LAYERS + l]));
     }
   for (int l = 0; l < LAYERS; l++) {
     fill(dst_init[l], DST_BYTES, 100 + l);
-    TRY(tpu_sync_buffer_from_host(client, 2, dst_init[l], DST_BYTES, ddims, 1, TPU_SYNC_DTYPE_U8, &dst[l]));
+    TRY(tpu_sync_buffer_from_host(client, 2, dst_init[l], DST_BYTES, ddims, 5, TPU_SYNC_DTYPE_BF16, &dst[l]));
   }
   tpu_sync_plan *plan = NULL;
   TRY(tpu_sync_plan_new(SRC, DST, TOKENS, &plan));

@@ -364,6 +364,11 @@ enum tpu_sync_source_state
    * The request id is not (or no longer) known to this endpoint.
    */
   TPU_SYNC_SOURCE_UNKNOWN = 6,
+  /**
+   * The consumers rejected it (`tpu_sync_endpoint_reject`: they will not pull it; the decode
+   * side refused or aborted the request), so its staging was freed at once.
+   */
+  TPU_SYNC_SOURCE_REJECTED = 7,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -1133,10 +1138,20 @@ enum tpu_sync_status tpu_sync_pacing_stats(char *buf, size_t buf_len, size_t *le
  *  "heartbeat_interval_s": 1, "heartbeat_timeout_s": 5,
  *  "lease_ttl_s": 120,          // how long an unreleased registration is kept without holders
  *  "chunk_bytes": 1048576, "streams_per_pair": 2, "max_lanes_per_peer": 16,
- *  "max_inbound_lanes": 4096}  // inbound sockets/streams served at once; more are closed
+ *  "max_inbound_lanes": 4096,  // inbound sockets/streams served at once; more are closed
+ *  "staging_budget_bytes": 1073741824, // this endpoint's own budget of pinned staging bytes
+ *                               // (default: the process-wide budget, a quarter of the memory
+ *                               // the process may use, capped by RLIMIT_MEMLOCK; env
+ *                               // TPU_SYNC_STAGING_BUDGET_BYTES)
+ *  "staging_wait_s": 1,         // wait this long for budget (default: fail at once with
+ *                               // TPU_SYNC_STAGING_EXHAUSTED)
+ *  "dma_map": true,             // DMA-map staging with the buffers' client (default true)
+ *  "wait_for_registration_s": 5} // pulls wait this long for the producer to register a
+ *                               // request it does not know yet (default: no wait)
  * ```
  *
- * Every key is optional. `endpoint_out` receives a new handle owned by the caller.
+ * Every key is optional; an unknown key is an error. `endpoint_out` receives a new handle
+ * owned by the caller.
  *
  * Errors: `TPU_SYNC_INVALID_ARGUMENT` (bad JSON or options: TLS/QUIC without credentials,
  * credentials with plain TCP, zero sizes), `TPU_SYNC_IO` (address in use, unreadable files).
@@ -1180,20 +1195,28 @@ enum tpu_sync_status tpu_sync_endpoint_add_peer(const struct tpu_sync_endpoint *
                                                 const char *addr);
 
 /**
- * Registers a request's blocks for pulling (producer side): copies (D2H, blocking) the
- * request's blocks of the given ranks' per-layer KV buffers into pinned staging and serves them
- * to pullers until `expected_releases` consumers released the request, the lease time passes
- * without a live consumer, or it is unregistered. The device blocks may be reused as soon as
- * this returns.
+ * Registers a request's blocks for pulling (producer side): checks every buffer against the
+ * placement's layout, copies (D2H, blocking) the request's blocks of the given ranks'
+ * per-layer KV buffers into pinned staging (reserved from the endpoint's staging budget and
+ * DMA-mapped with the buffers' client where the plugin supports it), and serves them to
+ * pullers until `expected_releases` consumers released or rejected the request, the lease
+ * time passes without a live consumer, or it is unregistered. The device blocks may be reused
+ * as soon as this returns; the staging is freed when the registration ends.
  *
  * * `placement_json`: where the request's blocks are (NUL-terminated `Placement` JSON, as for
- *   `tpu_sync_plan_new`); `num_tokens` its tokens; `request_id` in `1..2^53`.
+ *   `tpu_sync_plan_new`; unknown keys are an error); `num_tokens` its tokens; `request_id` in
+ *   `1..2^53`.
  * * `ranks[0..num_ranks]`: the global ranks of the placement's replica hosted here;
- *   `buffers[i * num_layers + l]`: rank `ranks[i]`'s KV buffer of layer `l` (borrowed).
+ *   `buffers[i * num_layers + l]`: rank `ranks[i]`'s KV buffer of layer `l` (borrowed for the
+ *   call). Each must match the layout exactly: element type, dims (leading 1s ignored),
+ *   on-device size, dense row-major physical layout.
  * * `expected_releases`: consumers that will pull it (>= 1).
  *
- * Errors: `TPU_SYNC_INVALID_ARGUMENT` (id, duplicate registration, ranks), layout and block
- * errors of the placement, device copy errors.
+ * Errors (nothing staged or registered; other registrations untouched):
+ * `TPU_SYNC_INVALID_ARGUMENT` (id, duplicate registration, ranks, JSON), `TPU_SYNC_MISMATCH`
+ * (a buffer disagrees with the layout: the message names rank, layer, buffer and the expected
+ * shape), `TPU_SYNC_STAGING_EXHAUSTED` (the staging budget is used up), layout and block errors
+ * of the placement, device copy errors.
  *
  * # Safety
  * `placement_json` NUL-terminated; arrays of the given sizes.
@@ -1221,10 +1244,9 @@ enum tpu_sync_status tpu_sync_endpoint_unregister(const struct tpu_sync_endpoint
 
 /**
  * Writes the state of request `request_id`'s registration (a `tpu_sync_source_state`) to
- * `state_out`: active, or how it ended (released by its consumers, expired, consumer lost,
- * unregistered, shut down). The outcomes of the last 65,536 ended registrations are remembered;
- * their staging memory is freed at the next call that looks at registrations (register,
- * unregister, this one).
+ * `state_out`: active, or how it ended (released by its consumers after complete pulls,
+ * rejected by them, expired, consumer lost, unregistered, shut down). The outcomes of the last
+ * 65,536 ended registrations are remembered; their staging memory is freed as soon as they end.
  *
  * # Safety
  * `state_out` writable.
@@ -1234,16 +1256,41 @@ enum tpu_sync_status tpu_sync_endpoint_source_state(const struct tpu_sync_endpoi
                                                     uint32_t *state_out);
 
 /**
+ * Tells the producers that this consumer will not pull request `request_id` (the decode side
+ * refused or aborted it before its pull): every endpoint in `peers` (NUL-terminated `ADDR` or
+ * `RANK=ADDR,...`, as for `tpu_sync_endpoint_pull`; each distinct address is told once) ends
+ * this consumer's part at once and, when no consumer remains, frees the request's staging and
+ * reports it `TPU_SYNC_SOURCE_REJECTED` with `reason` (NUL-terminated UTF-8, at most 4 KiB are
+ * kept; may be NULL for none) instead of keeping it for its lease. Cancel this consumer's
+ * pulls of the request first. Blocks until every endpoint answered or failed.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` (id, empty peer map), connection errors, the producer's
+ * errors with their kind (the first one; every endpoint is tried).
+ *
+ * # Safety
+ * `peers` NUL-terminated; `reason` NULL or NUL-terminated.
+ */
+enum tpu_sync_status tpu_sync_endpoint_reject(const struct tpu_sync_endpoint *endpoint,
+                                              uint64_t request_id,
+                                              const char *peers,
+                                              const char *reason);
+
+/**
  * Pulls a request (consumer side) and writes it into this side's KV buffers in place.
  *
- * Plans the transfer from `src_placement_json` (the producer's placement) to
- * `dst_placement_json` (this side's) for `num_tokens` tokens, pulls from each producer rank
- * exactly the spans each of this side's ranks needs into pinned staging, verifies every chunk's
- * checksum, writes the bytes in place into `buffers` (H2D), and tells the producers to release
- * the request before reporting success (after a failure or cancel, the release is sent in the
- * background, best effort: the producers' leases expire otherwise). Returns at once with a transfer handle (owned by the
- * caller); validation errors (plan, ranks, peers) are returned here, network and device errors
- * through the transfer.
+ * Checks every buffer against `dst_placement_json`'s layout, plans the transfer from
+ * `src_placement_json` (the producer's placement) to `dst_placement_json` (this side's) for
+ * `num_tokens` tokens, stages exactly the bytes the plan writes (pinned, reserved from the
+ * endpoint's staging budget, DMA-mapped with the buffers' client where the plugin supports
+ * it), pulls from each producer rank exactly the spans each of this side's ranks needs,
+ * verifies every chunk's checksum, writes the bytes in place into `buffers` (H2D), and tells
+ * the producers it got the request (a delivering release) before reporting success. After a
+ * failure or cancel the release says the request was not delivered (the producers keep it for
+ * a retry until their lease passes, or until `tpu_sync_endpoint_reject`). Returns at once with
+ * a transfer handle (owned by the caller); validation errors are returned here, network and
+ * device errors through the transfer. A producer that does not know the request fails the
+ * pull with `TPU_SYNC_UNKNOWN_REQUEST` unless the endpoint's `wait_for_registration_s` (or
+ * `tpu_sync_endpoint_pull_wait`) lets it wait.
  *
  * * `peers`: NUL-terminated `ADDR` (every producer rank there) or `RANK=ADDR,RANK=ADDR,...`
  *   (addresses `host:port` or names given to `tpu_sync_endpoint_add_peer`).
@@ -1252,7 +1299,8 @@ enum tpu_sync_status tpu_sync_endpoint_source_state(const struct tpu_sync_endpoi
  *   may use the request's destination blocks until the transfer completes.
  *
  * Errors: `TPU_SYNC_INVALID_ARGUMENT`, `TPU_SYNC_LAYOUT`, `TPU_SYNC_BLOCK_RANGE`,
- * `TPU_SYNC_MISMATCH`, `TPU_SYNC_UNSUPPORTED` (no in-place H2D path).
+ * `TPU_SYNC_MISMATCH` (the layouts, or a buffer and its layout, disagree),
+ * `TPU_SYNC_UNSUPPORTED` (no in-place H2D path), `TPU_SYNC_STAGING_EXHAUSTED`.
  *
  * # Safety
  * Strings NUL-terminated; arrays of the given sizes; `transfer_out` writable.
@@ -1270,12 +1318,36 @@ enum tpu_sync_status tpu_sync_endpoint_pull(const struct tpu_sync_endpoint *endp
                                             struct tpu_sync_transfer **transfer_out);
 
 /**
- * Pushes a request (producer side): copies (D2H, blocking) the request's blocks of `ranks`'
- * buffers into pinned staging, then sends each destination rank exactly its spans. Returns at
- * once with a transfer handle owned by the caller; the transfer completes when every
- * destination endpoint confirmed. The device blocks may be reused as soon as this returns.
- * `targets`: NUL-terminated `ADDR` or `RANK=ADDR,...` of the destination ranks' endpoints; the
- * placements, ranks and buffers as for `tpu_sync_endpoint_pull` (with this side as the source).
+ * `tpu_sync_endpoint_pull` that waits up to `wait_for_registration_ms` milliseconds for the
+ * producers to register a request they do not know yet (a decode request that reaches the
+ * producer before the producer's registration step waits and succeeds instead of failing with
+ * `TPU_SYNC_UNKNOWN_REQUEST`). 0: no wait; negative: the endpoint's `wait_for_registration_s`.
+ *
+ * # Safety
+ * As `tpu_sync_endpoint_pull`.
+ */
+enum tpu_sync_status tpu_sync_endpoint_pull_wait(const struct tpu_sync_endpoint *endpoint,
+                                                 uint64_t request_id,
+                                                 const char *peers,
+                                                 const char *src_placement_json,
+                                                 const char *dst_placement_json,
+                                                 uint32_t num_tokens,
+                                                 const uint32_t *ranks,
+                                                 size_t num_ranks,
+                                                 const struct tpu_sync_buffer *const *buffers,
+                                                 size_t num_layers,
+                                                 int64_t wait_for_registration_ms,
+                                                 struct tpu_sync_transfer **transfer_out);
+
+/**
+ * Pushes a request (producer side): checks every buffer against `src_placement_json`'s layout,
+ * copies (D2H, blocking) the request's blocks of `ranks`' buffers into pinned staging (budget,
+ * DMA map as for `tpu_sync_endpoint_register`), then sends each destination rank exactly its
+ * spans. Returns at once with a transfer handle owned by the caller; the transfer completes
+ * when every destination endpoint confirmed. The device blocks may be reused as soon as this
+ * returns. `targets`: NUL-terminated `ADDR` or `RANK=ADDR,...` of the destination ranks'
+ * endpoints; the placements, ranks and buffers as for `tpu_sync_endpoint_pull` (with this side
+ * as the source).
  *
  * # Safety
  * As `tpu_sync_endpoint_pull`.
@@ -1293,11 +1365,12 @@ enum tpu_sync_status tpu_sync_endpoint_push(const struct tpu_sync_endpoint *endp
                                             struct tpu_sync_transfer **transfer_out);
 
 /**
- * Expects a push of a request (consumer side of a push): registers pinned staging for exactly
- * the spans the plan from `src_placement_json` (the senders' placement) to
- * `dst_placement_json` (this side's) writes to `ranks`, and returns a transfer handle (owned by
- * the caller) that completes once every sender finished, every chunk verified, and the bytes
- * were written in place into `buffers` (H2D). Arguments as for `tpu_sync_endpoint_pull`.
+ * Expects a push of a request (consumer side of a push): checks every buffer against
+ * `dst_placement_json`'s layout, registers pinned staging (budget, DMA map) for exactly the
+ * spans the plan from `src_placement_json` (the senders' placement) to `dst_placement_json`
+ * (this side's) writes to `ranks`, and returns a transfer handle (owned by the caller) that
+ * completes once every sender finished, every chunk verified, and the bytes were written in
+ * place into `buffers` (H2D). Arguments as for `tpu_sync_endpoint_pull`.
  *
  * # Safety
  * As `tpu_sync_endpoint_pull`.
@@ -1362,11 +1435,34 @@ enum tpu_sync_status tpu_sync_transfer_set_callback(const struct tpu_sync_transf
 enum tpu_sync_status tpu_sync_transfer_free(struct tpu_sync_transfer *transfer);
 
 /**
+ * Writes what a completed transfer did as JSON into `buf` (`buf`/`buf_len`/`len_out` as for
+ * `tpu_sync_client_info`): `staged_bytes` (pinned staging, page-rounded), `device_bytes`,
+ * `device_ops`, `device_s` (H2D for receiving transfers, D2H for pushes), `net_bytes`,
+ * `spans`, `pairs`, `stripes`, `net_s`, `elapsed_s` and `dma_map` (`"mapped"`, `"skipped:
+ * <the plugin's reason>"` or `"disabled"`). Returns `TPU_SYNC_PENDING` while the transfer
+ * runs, and the transfer's error status if it failed.
+ *
+ * # Safety
+ * `buf` must have `buf_len` writable bytes (or be NULL with `buf_len` 0); `len_out` NULL or
+ * writable.
+ */
+enum tpu_sync_status tpu_sync_transfer_report(const struct tpu_sync_transfer *transfer,
+                                              char *buf,
+                                              size_t buf_len,
+                                              size_t *len_out);
+
+/**
  * Writes the endpoint's counters as JSON into `buf` (`buf`/`buf_len`/`len_out` as for
  * `tpu_sync_client_info`): gauges `peers`, `sessions`, `lanes_open`, `source_registrations`,
  * `sink_registrations`, `leases`, `staged_bytes`, `transfers_in_flight`; totals
  * `lanes_opened`, `bytes_sent`, `bytes_received`, `transfers_completed`, `transfers_failed`,
- * `checksum_failures`, `peers_lost`, `handshake_failures`, `lanes_refused`; and `address`, `transport`, `name`.
+ * `checksum_failures`, `peers_lost`, `handshake_failures`, `lanes_refused`; the pipeline's
+ * `offers_live` (gauge), `offers`, `pulls`, `pushes`, `expected_pushes`, `refused` (operations
+ * refused before any byte moved: checks, plan, budget), `rejects_sent`, `dma_mapped`,
+ * `dma_skipped` (staging arenas whose DMA map the plugin does not implement, e.g. the XLA CPU
+ * plugin), `dma_last` (the last outcome, text or null); `staging_budget` {`limit_bytes`,
+ * `used_bytes`, `peak_bytes`, `reservations`, `refused`, `waited`}; and `address`,
+ * `transport`, `name`.
  *
  * # Safety
  * `buf` must have `buf_len` writable bytes (or be NULL with `buf_len` 0); `len_out` NULL or

@@ -1,25 +1,25 @@
-//! The network data plane over the C ABI (`tpu_sync::net::Endpoint`): a listener that serves
-//! registered requests, pulls and pushes with a reshard plan, completions, stats, shutdown.
+//! The network data plane over the C ABI: a thin translation of arguments, handles and errors
+//! onto [`tpu_sync::transfer::Pipeline`] (one endpoint with its staging budget), which does all
+//! checking, planning, staging, DMA mapping, device copies and releases.
 //!
 //! The endpoint runs on a process-wide tokio runtime owned by this library (started on first
-//! use, two worker threads). Device copies of a transfer (D2H staging on the producer, H2D
-//! writes on the consumer) run on the runtime's blocking pool.
+//! use, two worker threads). Completions of transfers are delivered by the completion thread
+//! ([`crate::completion`]); this module starts no tasks of its own.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::ffi::{c_char, c_void};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use serde::Deserialize;
-use tpu_sync::arena::ArenaOptions;
-use tpu_sync::net::{
-    self, Endpoint, EndpointOptions, PeerMap, PullRequest, PushRequest, Security, SinkRegistration,
-    SourceHandle, SourceOutcome, SourceRegistration, Transfer, TransferStats, TransportKind,
-};
+use tpu_sync::net::{self, EndpointOptions, PeerMap, Security, TransportKind};
 use tpu_sync::pjrt::{Capabilities, DeviceBuffer};
-use tpu_sync::plan::{Placement, Plan};
-use tpu_sync::staging::Staging;
+use tpu_sync::plan::Placement;
+use tpu_sync::transfer::{
+    ExpectPush, KvBuffers, Offer, OfferState, Pipeline, PullInto, PushFrom, Report, TransferHandle,
+    TransferOptions,
+};
 
 use crate::api::{out, out_string, str_arg, tpu_sync_buffer, BufferObj};
 use crate::completion::{self, tpu_sync_callback, Completion};
@@ -94,50 +94,16 @@ pub enum tpu_sync_source_state {
     TPU_SYNC_SOURCE_SHUTDOWN = 5,
     /// The request id is not (or no longer) known to this endpoint.
     TPU_SYNC_SOURCE_UNKNOWN = 6,
+    /// The consumers rejected it (`tpu_sync_endpoint_reject`: they will not pull it; the decode
+    /// side refused or aborted the request), so its staging was freed at once.
+    TPU_SYNC_SOURCE_REJECTED = 7,
 }
 
 struct EndpointObj {
-    ep: Arc<Endpoint>,
-    sources: Mutex<Sources>,
+    pipeline: Arc<Pipeline>,
+    /// Default of `wait_for_registration` for pulls (`wait_for_registration_s`).
+    wait_for_registration: Option<Duration>,
     closed: std::sync::atomic::AtomicBool,
-}
-
-/// Most ended registrations whose outcome is remembered (oldest forgotten first).
-const MAX_ENDED: usize = 1 << 16;
-
-/// This endpoint's registrations: live ones by handle (the handle holds the staging), ended ones
-/// by outcome only, so that the staging of a finished request is freed at the next sweep.
-#[derive(Default)]
-struct Sources {
-    live: HashMap<u64, SourceHandle>,
-    ended: HashMap<u64, SourceOutcome>,
-    ended_order: std::collections::VecDeque<u64>,
-}
-
-impl Sources {
-    /// Moves ended registrations from `live` to `ended` (dropping their staging references).
-    fn sweep(&mut self) {
-        let done: Vec<(u64, SourceOutcome)> = self
-            .live
-            .iter()
-            .filter_map(|(id, h)| h.outcome().map(|o| (*id, o)))
-            .collect();
-        for (id, o) in done {
-            self.live.remove(&id);
-            self.end(id, o);
-        }
-    }
-
-    fn end(&mut self, id: u64, o: SourceOutcome) {
-        if self.ended.insert(id, o).is_none() {
-            self.ended_order.push_back(id);
-        }
-        while self.ended_order.len() > MAX_ENDED {
-            if let Some(old) = self.ended_order.pop_front() {
-                self.ended.remove(&old);
-            }
-        }
-    }
 }
 
 impl EndpointObj {
@@ -153,16 +119,16 @@ impl Drop for EndpointObj {
     fn drop(&mut self) {
         if !self.closed.load(std::sync::atomic::Ordering::Acquire) {
             if let Ok(rt) = runtime() {
-                let ep = self.ep.clone();
+                let p = self.pipeline.clone();
                 // Cancel everything; never block a dropping thread on the network.
-                rt.spawn(async move { ep.shutdown(None).await });
+                rt.spawn(async move { p.shutdown(None).await });
             }
         }
     }
 }
 
 struct TransferObj {
-    transfer: Mutex<Option<Transfer>>,
+    transfer: TransferHandle,
     completion: Arc<Completion<tpu_sync_transfer_stats>>,
 }
 
@@ -195,6 +161,10 @@ struct EndpointJson {
     streams_per_pair: Option<u32>,
     max_lanes_per_peer: Option<u32>,
     max_inbound_lanes: Option<u32>,
+    staging_budget_bytes: Option<u64>,
+    staging_wait_s: Option<f64>,
+    dma_map: Option<bool>,
+    wait_for_registration_s: Option<f64>,
 }
 
 fn secs(v: f64, what: &str) -> FfiResult<Duration> {
@@ -219,7 +189,28 @@ fn hex_bytes(s: &str) -> FfiResult<Vec<u8>> {
         .collect())
 }
 
-fn options(j: EndpointJson) -> FfiResult<EndpointOptions> {
+/// The endpoint, pipeline and pull options of a configuration.
+struct Config {
+    endpoint: EndpointOptions,
+    transfer: TransferOptions,
+    wait_for_registration: Option<Duration>,
+}
+
+fn options(j: EndpointJson) -> FfiResult<Config> {
+    let mut t = TransferOptions {
+        staging_budget_bytes: j.staging_budget_bytes,
+        ..TransferOptions::default()
+    };
+    if let Some(w) = j.staging_wait_s {
+        t.staging_wait = Some(secs(w, "staging_wait_s")?);
+    }
+    if let Some(d) = j.dma_map {
+        t.dma_map = d;
+    }
+    let wait_for_registration = match j.wait_for_registration_s {
+        Some(w) => Some(secs(w, "wait_for_registration_s")?),
+        None => None,
+    };
     let mut o = EndpointOptions::default();
     if let Some(n) = j.name {
         o.name = n;
@@ -280,7 +271,11 @@ fn options(j: EndpointJson) -> FfiResult<EndpointOptions> {
     if let Some(n) = j.max_inbound_lanes {
         o.max_inbound_lanes = n;
     }
-    Ok(o)
+    Ok(Config {
+        endpoint: o,
+        transfer: t,
+        wait_for_registration,
+    })
 }
 
 /// Creates a network endpoint from a NUL-terminated JSON configuration (borrowed for the call):
@@ -295,10 +290,20 @@ fn options(j: EndpointJson) -> FfiResult<EndpointOptions> {
 ///  "heartbeat_interval_s": 1, "heartbeat_timeout_s": 5,
 ///  "lease_ttl_s": 120,          // how long an unreleased registration is kept without holders
 ///  "chunk_bytes": 1048576, "streams_per_pair": 2, "max_lanes_per_peer": 16,
-///  "max_inbound_lanes": 4096}  // inbound sockets/streams served at once; more are closed
+///  "max_inbound_lanes": 4096,  // inbound sockets/streams served at once; more are closed
+///  "staging_budget_bytes": 1073741824, // this endpoint's own budget of pinned staging bytes
+///                               // (default: the process-wide budget, a quarter of the memory
+///                               // the process may use, capped by RLIMIT_MEMLOCK; env
+///                               // TPU_SYNC_STAGING_BUDGET_BYTES)
+///  "staging_wait_s": 1,         // wait this long for budget (default: fail at once with
+///                               // TPU_SYNC_STAGING_EXHAUSTED)
+///  "dma_map": true,             // DMA-map staging with the buffers' client (default true)
+///  "wait_for_registration_s": 5} // pulls wait this long for the producer to register a
+///                               // request it does not know yet (default: no wait)
 /// ```
 ///
-/// Every key is optional. `endpoint_out` receives a new handle owned by the caller.
+/// Every key is optional; an unknown key is an error. `endpoint_out` receives a new handle
+/// owned by the caller.
 ///
 /// Errors: `TPU_SYNC_INVALID_ARGUMENT` (bad JSON or options: TLS/QUIC without credentials,
 /// credentials with plain TCP, zero sizes), `TPU_SYNC_IO` (address in use, unreadable files).
@@ -318,14 +323,14 @@ pub unsafe extern "C" fn tpu_sync_endpoint_new(
         }
         let j: EndpointJson = serde_json::from_str(text)
             .map_err(|e| invalid(format!("endpoint configuration: {e}")))?;
-        let opts = options(j)?;
+        let c = options(j)?;
         let rt = runtime()?;
-        let ep = rt.block_on(Endpoint::bind(opts))?;
+        let pipeline = rt.block_on(Pipeline::bind(c.endpoint, c.transfer))?;
         let h = handle::insert(
             K::TPU_SYNC_HANDLE_ENDPOINT,
             Arc::new(EndpointObj {
-                ep: Arc::new(ep),
-                sources: Mutex::new(Sources::default()),
+                pipeline: Arc::new(pipeline),
+                wait_for_registration: c.wait_for_registration,
                 closed: Default::default(),
             }),
         );
@@ -364,7 +369,12 @@ pub unsafe extern "C" fn tpu_sync_endpoint_address(
 ) -> tpu_sync_status {
     boundary("tpu_sync_endpoint_address", || {
         let e = get_ep(endpoint)?;
-        let a = e.ep.local_addr().map(|a| a.to_string()).unwrap_or_default();
+        let a = e
+            .pipeline
+            .endpoint()
+            .local_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
         // SAFETY: forwarded caller contract.
         unsafe { out_string(&a, buf, buf_len, len_out) }
     })
@@ -386,23 +396,18 @@ pub unsafe extern "C" fn tpu_sync_endpoint_add_peer(
         let e = get_ep(endpoint)?;
         // SAFETY: caller contract.
         let (name, addr) = unsafe { (str_arg(name, "name")?, str_arg(addr, "addr")?) };
-        Ok(runtime()?.block_on(e.ep.add_peer(name, addr))?)
+        Ok(runtime()?.block_on(e.pipeline.endpoint().add_peer(name, addr))?)
     })
 }
 
 /// The per-rank KV buffers of a call: `ranks[i]` (global rank) has `buffers[i * num_layers ..
 /// (i + 1) * num_layers]` (one per layer, in layer order).
-struct Kv {
-    by_rank: BTreeMap<u32, Vec<DeviceBuffer>>,
-    caps: Option<Capabilities>,
-}
-
 unsafe fn kv_arg(
     ranks: *const u32,
     num_ranks: usize,
     buffers: *const *const tpu_sync_buffer,
     num_layers: usize,
-) -> FfiResult<Kv> {
+) -> FfiResult<KvBuffers> {
     // SAFETY: caller contract.
     let ranks = unsafe { slice_arg(ranks, num_ranks, "ranks") }?;
     let n = num_ranks
@@ -410,7 +415,7 @@ unsafe fn kv_arg(
         .ok_or_else(|| invalid("num_ranks * num_layers overflows"))?;
     // SAFETY: caller contract.
     let bufs = unsafe { slice_arg(buffers, n, "buffers") }?;
-    let mut by_rank = BTreeMap::new();
+    let mut by_rank: BTreeMap<u32, Vec<DeviceBuffer>> = BTreeMap::new();
     let mut caps: Option<Capabilities> = None;
     for (i, &r) in ranks.iter().enumerate() {
         let mut layers = Vec::with_capacity(num_layers);
@@ -433,7 +438,8 @@ unsafe fn kv_arg(
             return Err(invalid(format!("rank {r} given twice")));
         }
     }
-    Ok(Kv { by_rank, caps })
+    let caps = caps.ok_or_else(|| invalid("no rank given"))?;
+    Ok(KvBuffers::new(&caps, by_rank)?)
 }
 
 unsafe fn placement_arg(p: *const c_char, name: &str) -> FfiResult<Placement> {
@@ -442,65 +448,33 @@ unsafe fn placement_arg(p: *const c_char, name: &str) -> FfiResult<Placement> {
     serde_json::from_str(s).map_err(|e| invalid(format!("{name}: {e}")))
 }
 
-/// Stages (D2H, blocking) the request's blocks of `kv`'s ranks of `place`'s replica.
-fn stage_source(place: &Placement, kv: &Kv) -> FfiResult<Arc<Staging>> {
-    let mut ranges = BTreeMap::new();
-    for &r in kv.by_rank.keys() {
-        let local = place.local_rank(r).ok_or_else(|| {
-            invalid(format!(
-                "rank {r} is not in the placement's DP replica {}",
-                place.dp_rank
-            ))
-        })?;
-        ranges.insert(r, place.block_ranges(local));
-    }
-    let staging = Arc::new(Staging::new(ranges, &ArenaOptions::default())?);
-    for (r, bufs) in &kv.by_rank {
-        staging.fill_from_device(*r, bufs, 256)?;
-    }
-    Ok(staging)
+unsafe fn peers_arg(p: *const c_char, name: &str) -> FfiResult<PeerMap> {
+    // SAFETY: caller contract.
+    Ok(PeerMap::parse(unsafe { str_arg(p, name) }?)?)
 }
 
-/// Plans `src` -> `dst` for `num_tokens` tokens and allocates pinned staging for exactly the
-/// spans the plan writes to `kv`'s ranks (each must be in `dst`'s DP replica). Fails with
-/// `TPU_SYNC_UNSUPPORTED` before any allocation when the buffers have no in-place H2D path.
-fn stage_destination(
-    src: &Placement,
-    dst: &Placement,
-    num_tokens: u32,
-    kv: &Kv,
-) -> FfiResult<(Arc<Plan>, Arc<Staging>)> {
-    let caps = kv.caps.as_ref().ok_or_else(|| invalid("no rank given"))?;
-    caps.require_h2d()?;
-    let plan = Arc::new(Plan::build(src, dst, num_tokens)?);
-    let mut ranges = BTreeMap::new();
-    for &r in kv.by_rank.keys() {
-        if dst.local_rank(r).is_none() {
-            return Err(invalid(format!(
-                "rank {r} is not in the destination placement's DP replica {}",
-                dst.dp_rank
-            )));
-        }
-        ranges.insert(r, plan.dst_ranges(r));
-    }
-    let staging = Arc::new(Staging::new(ranges, &ArenaOptions::default())?);
-    Ok((plan, staging))
-}
-
-/// Registers a request's blocks for pulling (producer side): copies (D2H, blocking) the
-/// request's blocks of the given ranks' per-layer KV buffers into pinned staging and serves them
-/// to pullers until `expected_releases` consumers released the request, the lease time passes
-/// without a live consumer, or it is unregistered. The device blocks may be reused as soon as
-/// this returns.
+/// Registers a request's blocks for pulling (producer side): checks every buffer against the
+/// placement's layout, copies (D2H, blocking) the request's blocks of the given ranks'
+/// per-layer KV buffers into pinned staging (reserved from the endpoint's staging budget and
+/// DMA-mapped with the buffers' client where the plugin supports it), and serves them to
+/// pullers until `expected_releases` consumers released or rejected the request, the lease
+/// time passes without a live consumer, or it is unregistered. The device blocks may be reused
+/// as soon as this returns; the staging is freed when the registration ends.
 ///
 /// * `placement_json`: where the request's blocks are (NUL-terminated `Placement` JSON, as for
-///   `tpu_sync_plan_new`); `num_tokens` its tokens; `request_id` in `1..2^53`.
+///   `tpu_sync_plan_new`; unknown keys are an error); `num_tokens` its tokens; `request_id` in
+///   `1..2^53`.
 /// * `ranks[0..num_ranks]`: the global ranks of the placement's replica hosted here;
-///   `buffers[i * num_layers + l]`: rank `ranks[i]`'s KV buffer of layer `l` (borrowed).
+///   `buffers[i * num_layers + l]`: rank `ranks[i]`'s KV buffer of layer `l` (borrowed for the
+///   call). Each must match the layout exactly: element type, dims (leading 1s ignored),
+///   on-device size, dense row-major physical layout.
 /// * `expected_releases`: consumers that will pull it (>= 1).
 ///
-/// Errors: `TPU_SYNC_INVALID_ARGUMENT` (id, duplicate registration, ranks), layout and block
-/// errors of the placement, device copy errors.
+/// Errors (nothing staged or registered; other registrations untouched):
+/// `TPU_SYNC_INVALID_ARGUMENT` (id, duplicate registration, ranks, JSON), `TPU_SYNC_MISMATCH`
+/// (a buffer disagrees with the layout: the message names rank, layer, buffer and the expected
+/// shape), `TPU_SYNC_STAGING_EXHAUSTED` (the staging budget is used up), layout and block errors
+/// of the placement, device copy errors.
 ///
 /// # Safety
 /// `placement_json` NUL-terminated; arrays of the given sizes.
@@ -521,28 +495,16 @@ pub unsafe extern "C" fn tpu_sync_endpoint_register(
         e.check_open()?;
         net::check_request_id(request_id)?;
         // SAFETY: caller contract.
-        let place = unsafe { placement_arg(placement_json, "placement_json") }?;
+        let placement = unsafe { placement_arg(placement_json, "placement_json") }?;
         // SAFETY: caller contract.
         let kv = unsafe { kv_arg(ranks, num_ranks, buffers, num_layers) }?;
-        if kv.by_rank.is_empty() {
-            return Err(invalid("no rank given"));
-        }
-        place.validate(num_tokens)?;
-        let staging = stage_source(&place, &kv)?;
-        let rt = runtime()?;
-        let _g = rt.enter();
-        let h = e.ep.register_source(SourceRegistration {
+        e.pipeline.offer(Offer {
             request_id,
             num_tokens,
-            placement: place,
-            staging,
-            layers_ready: None,
+            placement,
+            kv,
             expected_releases,
         })?;
-        let mut m = e.sources.lock().unwrap_or_else(|p| p.into_inner());
-        m.sweep();
-        m.ended.remove(&request_id);
-        m.live.insert(request_id, h);
         Ok(())
     })
 }
@@ -560,12 +522,7 @@ pub unsafe extern "C" fn tpu_sync_endpoint_unregister(
 ) -> tpu_sync_status {
     boundary("tpu_sync_endpoint_unregister", || {
         let e = get_ep(endpoint)?;
-        let existed = e.ep.unregister_source(request_id);
-        let mut m = e.sources.lock().unwrap_or_else(|p| p.into_inner());
-        m.sweep();
-        if m.live.remove(&request_id).is_some() {
-            m.end(request_id, SourceOutcome::Unregistered);
-        }
+        let existed = e.pipeline.withdraw(request_id);
         if !existed_out.is_null() {
             // SAFETY: non-NULL, writable per contract.
             unsafe { *existed_out = existed };
@@ -575,10 +532,9 @@ pub unsafe extern "C" fn tpu_sync_endpoint_unregister(
 }
 
 /// Writes the state of request `request_id`'s registration (a `tpu_sync_source_state`) to
-/// `state_out`: active, or how it ended (released by its consumers, expired, consumer lost,
-/// unregistered, shut down). The outcomes of the last 65,536 ended registrations are remembered;
-/// their staging memory is freed at the next call that looks at registrations (register,
-/// unregister, this one).
+/// `state_out`: active, or how it ended (released by its consumers after complete pulls,
+/// rejected by them, expired, consumer lost, unregistered, shut down). The outcomes of the last
+/// 65,536 ended registrations are remembered; their staging memory is freed as soon as they end.
 ///
 /// # Safety
 /// `state_out` writable.
@@ -591,76 +547,87 @@ pub unsafe extern "C" fn tpu_sync_endpoint_source_state(
     boundary("tpu_sync_endpoint_source_state", || {
         use tpu_sync_source_state::*;
         let e = get_ep(endpoint)?;
-        let mut m = e.sources.lock().unwrap_or_else(|p| p.into_inner());
-        m.sweep();
-        let s = if m.live.contains_key(&request_id) {
-            TPU_SYNC_SOURCE_ACTIVE
-        } else {
-            match m.ended.get(&request_id) {
-                None => TPU_SYNC_SOURCE_UNKNOWN,
-                Some(SourceOutcome::Released) => TPU_SYNC_SOURCE_RELEASED,
-                Some(SourceOutcome::Expired) => TPU_SYNC_SOURCE_EXPIRED,
-                Some(SourceOutcome::PeerLost(_)) => TPU_SYNC_SOURCE_PEER_LOST,
-                Some(SourceOutcome::Unregistered) => TPU_SYNC_SOURCE_UNREGISTERED,
-                Some(SourceOutcome::Shutdown) => TPU_SYNC_SOURCE_SHUTDOWN,
-            }
+        let s = match e.pipeline.offer_state(request_id) {
+            OfferState::Active => TPU_SYNC_SOURCE_ACTIVE,
+            OfferState::Released => TPU_SYNC_SOURCE_RELEASED,
+            OfferState::Rejected(_) => TPU_SYNC_SOURCE_REJECTED,
+            OfferState::Expired => TPU_SYNC_SOURCE_EXPIRED,
+            OfferState::PeerLost(_) => TPU_SYNC_SOURCE_PEER_LOST,
+            OfferState::Unregistered => TPU_SYNC_SOURCE_UNREGISTERED,
+            OfferState::Shutdown => TPU_SYNC_SOURCE_SHUTDOWN,
+            OfferState::Unknown => TPU_SYNC_SOURCE_UNKNOWN,
         };
         // SAFETY: forwarded caller contract.
         unsafe { out(state_out, s as u32, "state_out") }
     })
 }
 
-fn transfer_stats(
-    s: &TransferStats,
-    device_bytes: u64,
-    elapsed: Duration,
-) -> tpu_sync_transfer_stats {
+/// Tells the producers that this consumer will not pull request `request_id` (the decode side
+/// refused or aborted it before its pull): every endpoint in `peers` (NUL-terminated `ADDR` or
+/// `RANK=ADDR,...`, as for `tpu_sync_endpoint_pull`; each distinct address is told once) ends
+/// this consumer's part at once and, when no consumer remains, frees the request's staging and
+/// reports it `TPU_SYNC_SOURCE_REJECTED` with `reason` (NUL-terminated UTF-8, at most 4 KiB are
+/// kept; may be NULL for none) instead of keeping it for its lease. Cancel this consumer's
+/// pulls of the request first. Blocks until every endpoint answered or failed.
+///
+/// Errors: `TPU_SYNC_INVALID_ARGUMENT` (id, empty peer map), connection errors, the producer's
+/// errors with their kind (the first one; every endpoint is tried).
+///
+/// # Safety
+/// `peers` NUL-terminated; `reason` NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_endpoint_reject(
+    endpoint: *const tpu_sync_endpoint,
+    request_id: u64,
+    peers: *const c_char,
+    reason: *const c_char,
+) -> tpu_sync_status {
+    boundary("tpu_sync_endpoint_reject", || {
+        let e = get_ep(endpoint)?;
+        e.check_open()?;
+        if completion::on_completion_thread() {
+            return Err(invalid(
+                "cannot reject inside a completion callback (it blocks on the network)",
+            ));
+        }
+        net::check_request_id(request_id)?;
+        // SAFETY: caller contract.
+        let peers = unsafe { peers_arg(peers, "peers") }?;
+        let reason = if reason.is_null() {
+            ""
+        } else {
+            // SAFETY: caller contract (non-NULL: NUL-terminated).
+            unsafe { str_arg(reason, "reason") }?
+        };
+        Ok(runtime()?.block_on(e.pipeline.reject(request_id, &peers, reason))?)
+    })
+}
+
+fn transfer_stats(r: &Report) -> tpu_sync_transfer_stats {
     tpu_sync_transfer_stats {
-        bytes: s.bytes,
-        spans: s.spans,
-        pairs: s.pairs,
-        stripes: s.stripes,
-        device_bytes,
-        elapsed_ns: elapsed.as_nanos().min(u64::MAX as u128) as u64,
+        bytes: r.net_bytes,
+        spans: r.spans,
+        pairs: r.pairs,
+        stripes: r.stripes,
+        device_bytes: r.device_bytes,
+        elapsed_ns: r.elapsed.as_nanos().min(u64::MAX as u128) as u64,
     }
 }
 
-fn new_transfer(t: Transfer) -> (Arc<TransferObj>, Arc<Completion<tpu_sync_transfer_stats>>) {
+/// Hands a pipeline transfer to the C caller: a handle whose completion the completion thread
+/// sets from the transfer's result.
+fn insert_transfer(t: TransferHandle, out_ptr: *mut *mut tpu_sync_transfer) -> FfiResult {
     let completion = Completion::new();
-    (
-        Arc::new(TransferObj {
-            transfer: Mutex::new(Some(t)),
-            completion: completion.clone(),
-        }),
-        completion,
-    )
-}
-
-/// H2D of every staged rank, on the blocking pool.
-async fn drain(staging: Arc<Staging>, kv: Kv) -> tpu_sync::Result<u64> {
-    tokio::task::spawn_blocking(move || {
-        let caps = kv
-            .caps
-            .as_ref()
-            .ok_or_else(|| tpu_sync::Error::InvalidArgument("no destination buffers".into()))?;
-        let mut bytes = 0;
-        for r in staging.ranks().collect::<Vec<_>>() {
-            if let Some(bufs) = kv.by_rank.get(&r) {
-                bytes += staging.drain_to_device(caps, r, bufs)?.bytes;
-            }
-        }
-        Ok(bytes)
-    })
-    .await
-    .map_err(|e| tpu_sync::Error::Cancelled(format!("device copy task ended: {e}")))?
-}
-
-unsafe fn peers_arg(p: *const c_char, name: &str) -> FfiResult<PeerMap> {
-    // SAFETY: caller contract.
-    Ok(PeerMap::parse(unsafe { str_arg(p, name) }?)?)
-}
-
-fn insert_transfer(obj: Arc<TransferObj>, out_ptr: *mut *mut tpu_sync_transfer) -> FfiResult {
+    let obj = Arc::new(TransferObj {
+        transfer: t.clone(),
+        completion: completion.clone(),
+    });
+    completion::drive(completion, async move {
+        t.wait()
+            .await
+            .map(|r| transfer_stats(&r))
+            .map_err(Failure::from)
+    });
     let h = handle::insert(K::TPU_SYNC_HANDLE_TRANSFER, obj);
     // SAFETY: checked non-NULL by the callers.
     unsafe { out(out_ptr, h, "transfer_out") }
@@ -668,14 +635,19 @@ fn insert_transfer(obj: Arc<TransferObj>, out_ptr: *mut *mut tpu_sync_transfer) 
 
 /// Pulls a request (consumer side) and writes it into this side's KV buffers in place.
 ///
-/// Plans the transfer from `src_placement_json` (the producer's placement) to
-/// `dst_placement_json` (this side's) for `num_tokens` tokens, pulls from each producer rank
-/// exactly the spans each of this side's ranks needs into pinned staging, verifies every chunk's
-/// checksum, writes the bytes in place into `buffers` (H2D), and tells the producers to release
-/// the request before reporting success (after a failure or cancel, the release is sent in the
-/// background, best effort: the producers' leases expire otherwise). Returns at once with a transfer handle (owned by the
-/// caller); validation errors (plan, ranks, peers) are returned here, network and device errors
-/// through the transfer.
+/// Checks every buffer against `dst_placement_json`'s layout, plans the transfer from
+/// `src_placement_json` (the producer's placement) to `dst_placement_json` (this side's) for
+/// `num_tokens` tokens, stages exactly the bytes the plan writes (pinned, reserved from the
+/// endpoint's staging budget, DMA-mapped with the buffers' client where the plugin supports
+/// it), pulls from each producer rank exactly the spans each of this side's ranks needs,
+/// verifies every chunk's checksum, writes the bytes in place into `buffers` (H2D), and tells
+/// the producers it got the request (a delivering release) before reporting success. After a
+/// failure or cancel the release says the request was not delivered (the producers keep it for
+/// a retry until their lease passes, or until `tpu_sync_endpoint_reject`). Returns at once with
+/// a transfer handle (owned by the caller); validation errors are returned here, network and
+/// device errors through the transfer. A producer that does not know the request fails the
+/// pull with `TPU_SYNC_UNKNOWN_REQUEST` unless the endpoint's `wait_for_registration_s` (or
+/// `tpu_sync_endpoint_pull_wait`) lets it wait.
 ///
 /// * `peers`: NUL-terminated `ADDR` (every producer rank there) or `RANK=ADDR,RANK=ADDR,...`
 ///   (addresses `host:port` or names given to `tpu_sync_endpoint_add_peer`).
@@ -684,7 +656,8 @@ fn insert_transfer(obj: Arc<TransferObj>, out_ptr: *mut *mut tpu_sync_transfer) 
 ///   may use the request's destination blocks until the transfer completes.
 ///
 /// Errors: `TPU_SYNC_INVALID_ARGUMENT`, `TPU_SYNC_LAYOUT`, `TPU_SYNC_BLOCK_RANGE`,
-/// `TPU_SYNC_MISMATCH`, `TPU_SYNC_UNSUPPORTED` (no in-place H2D path).
+/// `TPU_SYNC_MISMATCH` (the layouts, or a buffer and its layout, disagree),
+/// `TPU_SYNC_UNSUPPORTED` (no in-place H2D path), `TPU_SYNC_STAGING_EXHAUSTED`.
 ///
 /// # Safety
 /// Strings NUL-terminated; arrays of the given sizes; `transfer_out` writable.
@@ -703,75 +676,114 @@ pub unsafe extern "C" fn tpu_sync_endpoint_pull(
     transfer_out: *mut *mut tpu_sync_transfer,
 ) -> tpu_sync_status {
     boundary("tpu_sync_endpoint_pull", || {
-        let e = get_ep(endpoint)?;
-        e.check_open()?;
-        if transfer_out.is_null() {
-            return Err(null("transfer_out"));
-        }
-        // SAFETY: caller contract (strings and arrays).
-        let (sources, src, dst, kv) = unsafe {
-            (
-                peers_arg(peers, "peers")?,
-                placement_arg(src_placement_json, "src_placement_json")?,
-                placement_arg(dst_placement_json, "dst_placement_json")?,
-                kv_arg(ranks, num_ranks, buffers, num_layers)?,
-            )
-        };
-        let (plan, staging) = stage_destination(&src, &dst, num_tokens, &kv)?;
-        let src_addrs = sources
-            .addresses((0..src.layout.spec.ranks_per_replica()).map(|l| src.global_rank(l)))?;
-        let rt = runtime()?;
-        let started = std::time::Instant::now();
-        let t = {
-            let _g = rt.enter();
-            e.ep.pull(PullRequest {
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            pull(
+                endpoint,
                 request_id,
+                peers,
+                src_placement_json,
+                dst_placement_json,
                 num_tokens,
-                src,
-                sources,
-                dst,
-                staging: staging.clone(),
-                dst_ranks: Some(kv.by_rank.keys().copied().collect()),
-                plan: Some(plan),
-            })?
-        };
-        let (obj, completion) = new_transfer(t.clone());
-        let ep = e.ep.clone();
-        rt.spawn(async move {
-            let r = match t.wait().await {
-                Ok(s) => drain(staging, kv)
-                    .await
-                    .map(|dev| transfer_stats(&s, dev, started.elapsed())),
-                Err(err) => Err(err),
-            };
-            let release = async move {
-                for a in &src_addrs {
-                    if let Err(err) = ep.release(a, request_id).await {
-                        log::debug!("release of request {request_id} at {a}: {err}");
-                    }
-                }
-            };
-            if r.is_ok() {
-                // The producers free the request now instead of at its lease expiry.
-                release.await;
-                completion.complete(r.map_err(Failure::from));
-            } else {
-                // A failed or cancelled pull completes at once; the release is best effort (a
-                // dead or hung producer must not delay the failure).
-                completion.complete(r.map_err(Failure::from));
-                release.await;
-            }
-        });
-        insert_transfer(obj, transfer_out)
+                (ranks, num_ranks, buffers, num_layers),
+                None,
+                transfer_out,
+            )
+        }
     })
 }
 
-/// Pushes a request (producer side): copies (D2H, blocking) the request's blocks of `ranks`'
-/// buffers into pinned staging, then sends each destination rank exactly its spans. Returns at
-/// once with a transfer handle owned by the caller; the transfer completes when every
-/// destination endpoint confirmed. The device blocks may be reused as soon as this returns.
-/// `targets`: NUL-terminated `ADDR` or `RANK=ADDR,...` of the destination ranks' endpoints; the
-/// placements, ranks and buffers as for `tpu_sync_endpoint_pull` (with this side as the source).
+/// `tpu_sync_endpoint_pull` that waits up to `wait_for_registration_ms` milliseconds for the
+/// producers to register a request they do not know yet (a decode request that reaches the
+/// producer before the producer's registration step waits and succeeds instead of failing with
+/// `TPU_SYNC_UNKNOWN_REQUEST`). 0: no wait; negative: the endpoint's `wait_for_registration_s`.
+///
+/// # Safety
+/// As `tpu_sync_endpoint_pull`.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_endpoint_pull_wait(
+    endpoint: *const tpu_sync_endpoint,
+    request_id: u64,
+    peers: *const c_char,
+    src_placement_json: *const c_char,
+    dst_placement_json: *const c_char,
+    num_tokens: u32,
+    ranks: *const u32,
+    num_ranks: usize,
+    buffers: *const *const tpu_sync_buffer,
+    num_layers: usize,
+    wait_for_registration_ms: i64,
+    transfer_out: *mut *mut tpu_sync_transfer,
+) -> tpu_sync_status {
+    boundary("tpu_sync_endpoint_pull_wait", || {
+        let wait = (wait_for_registration_ms >= 0)
+            .then(|| Duration::from_millis(wait_for_registration_ms as u64));
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            pull(
+                endpoint,
+                request_id,
+                peers,
+                src_placement_json,
+                dst_placement_json,
+                num_tokens,
+                (ranks, num_ranks, buffers, num_layers),
+                Some(wait),
+                transfer_out,
+            )
+        }
+    })
+}
+
+type KvArgs = (*const u32, usize, *const *const tpu_sync_buffer, usize);
+
+/// `wait`: `None` for the endpoint's default, `Some(None)` for no wait.
+#[allow(clippy::too_many_arguments)]
+unsafe fn pull(
+    endpoint: *const tpu_sync_endpoint,
+    request_id: u64,
+    peers: *const c_char,
+    src_placement_json: *const c_char,
+    dst_placement_json: *const c_char,
+    num_tokens: u32,
+    (ranks, num_ranks, buffers, num_layers): KvArgs,
+    wait: Option<Option<Duration>>,
+    transfer_out: *mut *mut tpu_sync_transfer,
+) -> FfiResult {
+    let e = get_ep(endpoint)?;
+    e.check_open()?;
+    if transfer_out.is_null() {
+        return Err(null("transfer_out"));
+    }
+    // SAFETY: caller contract (strings and arrays).
+    let (sources, src, dst, kv) = unsafe {
+        (
+            peers_arg(peers, "peers")?,
+            placement_arg(src_placement_json, "src_placement_json")?,
+            placement_arg(dst_placement_json, "dst_placement_json")?,
+            kv_arg(ranks, num_ranks, buffers, num_layers)?,
+        )
+    };
+    let t = e.pipeline.pull(PullInto {
+        request_id,
+        num_tokens,
+        src,
+        sources,
+        dst,
+        kv,
+        wait_for_registration: wait.unwrap_or(e.wait_for_registration),
+    })?;
+    insert_transfer(t, transfer_out)
+}
+
+/// Pushes a request (producer side): checks every buffer against `src_placement_json`'s layout,
+/// copies (D2H, blocking) the request's blocks of `ranks`' buffers into pinned staging (budget,
+/// DMA map as for `tpu_sync_endpoint_register`), then sends each destination rank exactly its
+/// spans. Returns at once with a transfer handle owned by the caller; the transfer completes
+/// when every destination endpoint confirmed. The device blocks may be reused as soon as this
+/// returns. `targets`: NUL-terminated `ADDR` or `RANK=ADDR,...` of the destination ranks'
+/// endpoints; the placements, ranks and buffers as for `tpu_sync_endpoint_pull` (with this side
+/// as the source).
 ///
 /// # Safety
 /// As `tpu_sync_endpoint_pull`.
@@ -795,7 +807,6 @@ pub unsafe extern "C" fn tpu_sync_endpoint_push(
         if transfer_out.is_null() {
             return Err(null("transfer_out"));
         }
-        net::check_request_id(request_id)?;
         // SAFETY: caller contract (strings and arrays).
         let (targets, src, dst, kv) = unsafe {
             (
@@ -805,44 +816,24 @@ pub unsafe extern "C" fn tpu_sync_endpoint_push(
                 kv_arg(ranks, num_ranks, buffers, num_layers)?,
             )
         };
-        if kv.by_rank.is_empty() {
-            return Err(invalid("no rank given"));
-        }
-        let plan = Arc::new(Plan::build(&src, &dst, num_tokens)?);
-        let staging = stage_source(&src, &kv)?;
-        let rt = runtime()?;
-        let started = std::time::Instant::now();
-        let t = {
-            let _g = rt.enter();
-            e.ep.push(PushRequest {
-                request_id,
-                num_tokens,
-                src,
-                staging,
-                src_ranks: Some(kv.by_rank.keys().copied().collect()),
-                dst,
-                targets,
-                layers_ready: None,
-                plan: Some(plan),
-            })?
-        };
-        let (obj, completion) = new_transfer(t.clone());
-        rt.spawn(async move {
-            let r = t
-                .wait()
-                .await
-                .map(|s| transfer_stats(&s, 0, started.elapsed()));
-            completion.complete(r.map_err(Failure::from));
-        });
-        insert_transfer(obj, transfer_out)
+        let t = e.pipeline.push(PushFrom {
+            request_id,
+            num_tokens,
+            src,
+            kv,
+            dst,
+            targets,
+        })?;
+        insert_transfer(t, transfer_out)
     })
 }
 
-/// Expects a push of a request (consumer side of a push): registers pinned staging for exactly
-/// the spans the plan from `src_placement_json` (the senders' placement) to
-/// `dst_placement_json` (this side's) writes to `ranks`, and returns a transfer handle (owned by
-/// the caller) that completes once every sender finished, every chunk verified, and the bytes
-/// were written in place into `buffers` (H2D). Arguments as for `tpu_sync_endpoint_pull`.
+/// Expects a push of a request (consumer side of a push): checks every buffer against
+/// `dst_placement_json`'s layout, registers pinned staging (budget, DMA map) for exactly the
+/// spans the plan from `src_placement_json` (the senders' placement) to `dst_placement_json`
+/// (this side's) writes to `ranks`, and returns a transfer handle (owned by the caller) that
+/// completes once every sender finished, every chunk verified, and the bytes were written in
+/// place into `buffers` (H2D). Arguments as for `tpu_sync_endpoint_pull`.
 ///
 /// # Safety
 /// As `tpu_sync_endpoint_pull`.
@@ -873,32 +864,14 @@ pub unsafe extern "C" fn tpu_sync_endpoint_expect_push(
                 kv_arg(ranks, num_ranks, buffers, num_layers)?,
             )
         };
-        let (plan, staging) = stage_destination(&src, &dst, num_tokens, &kv)?;
-        let rt = runtime()?;
-        let started = std::time::Instant::now();
-        let t = {
-            let _g = rt.enter();
-            e.ep.expect_push(SinkRegistration {
-                request_id,
-                num_tokens,
-                placement: dst,
-                staging: staging.clone(),
-                dst_ranks: Some(kv.by_rank.keys().copied().collect()),
-                src: Some(src),
-                plan: Some(plan),
-            })?
-        };
-        let (obj, completion) = new_transfer(t.clone());
-        rt.spawn(async move {
-            let r = match t.wait().await {
-                Ok(s) => drain(staging, kv)
-                    .await
-                    .map(|dev| transfer_stats(&s, dev, started.elapsed())),
-                Err(err) => Err(err),
-            };
-            completion.complete(r.map_err(Failure::from));
-        });
-        insert_transfer(obj, transfer_out)
+        let t = e.pipeline.expect_push(ExpectPush {
+            request_id,
+            num_tokens,
+            src,
+            dst,
+            kv,
+        })?;
+        insert_transfer(t, transfer_out)
     })
 }
 
@@ -924,13 +897,7 @@ pub unsafe extern "C" fn tpu_sync_transfer_poll(
             return Err(null("done_out"));
         }
         if !layers_out.is_null() {
-            let n = t
-                .transfer
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .as_ref()
-                .map(|t| t.layers_complete())
-                .unwrap_or(0);
+            let n = t.transfer.layers_complete();
             // SAFETY: non-NULL, writable per contract.
             unsafe { *layers_out = n };
         }
@@ -972,15 +939,8 @@ pub unsafe extern "C" fn tpu_sync_transfer_wait(
 pub extern "C" fn tpu_sync_transfer_cancel(transfer: *const tpu_sync_transfer) -> tpu_sync_status {
     boundary("tpu_sync_transfer_cancel", || {
         let t = get_transfer(transfer)?;
-        if let Some(x) = t
-            .transfer
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-        {
-            let _g = runtime()?.enter();
-            x.cancel();
-        }
+        let _g = runtime()?.enter();
+        t.transfer.cancel();
         Ok(())
     })
 }
@@ -1015,14 +975,9 @@ pub extern "C" fn tpu_sync_transfer_free(transfer: *mut tpu_sync_transfer) -> tp
                     "cannot free an unfinished transfer inside a completion callback",
                 ));
             }
-            if let Some(x) = t
-                .transfer
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .as_ref()
             {
                 let _g = runtime()?.enter();
-                x.cancel();
+                t.transfer.cancel();
             }
             let _ = t.completion.wait(None);
         }
@@ -1031,11 +986,66 @@ pub extern "C" fn tpu_sync_transfer_free(transfer: *mut tpu_sync_transfer) -> tp
     })
 }
 
+/// Writes what a completed transfer did as JSON into `buf` (`buf`/`buf_len`/`len_out` as for
+/// `tpu_sync_client_info`): `staged_bytes` (pinned staging, page-rounded), `device_bytes`,
+/// `device_ops`, `device_s` (H2D for receiving transfers, D2H for pushes), `net_bytes`,
+/// `spans`, `pairs`, `stripes`, `net_s`, `elapsed_s` and `dma_map` (`"mapped"`, `"skipped:
+/// <the plugin's reason>"` or `"disabled"`). Returns `TPU_SYNC_PENDING` while the transfer
+/// runs, and the transfer's error status if it failed.
+///
+/// # Safety
+/// `buf` must have `buf_len` writable bytes (or be NULL with `buf_len` 0); `len_out` NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_transfer_report(
+    transfer: *const tpu_sync_transfer,
+    buf: *mut c_char,
+    buf_len: usize,
+    len_out: *mut usize,
+) -> tpu_sync_status {
+    boundary("tpu_sync_transfer_report", || {
+        let t = get_transfer(transfer)?;
+        let r = match t.transfer.poll() {
+            None => {
+                return Err(Failure(
+                    tpu_sync_status::TPU_SYNC_PENDING,
+                    "the transfer is still running".into(),
+                ))
+            }
+            Some(r) => r?,
+        };
+        let v = report_json(&r);
+        // SAFETY: forwarded caller contract.
+        unsafe { out_string(&v.to_string(), buf, buf_len, len_out) }
+    })
+}
+
+fn report_json(r: &Report) -> serde_json::Value {
+    use tpu_sync::transfer::DmaOutcome;
+    serde_json::json!({
+        "staged_bytes": r.staged_bytes, "device_bytes": r.device_bytes,
+        "device_ops": r.device_ops, "device_s": r.device_time.as_secs_f64(),
+        "net_bytes": r.net_bytes, "spans": r.spans, "pairs": r.pairs, "stripes": r.stripes,
+        "net_s": r.net_time.as_secs_f64(), "elapsed_s": r.elapsed.as_secs_f64(),
+        "dma_map": match &r.dma {
+            DmaOutcome::Mapped => "mapped".to_string(),
+            DmaOutcome::Skipped(w) => format!("skipped: {w}"),
+            DmaOutcome::Disabled => "disabled".to_string(),
+        },
+    })
+}
+
 /// Writes the endpoint's counters as JSON into `buf` (`buf`/`buf_len`/`len_out` as for
 /// `tpu_sync_client_info`): gauges `peers`, `sessions`, `lanes_open`, `source_registrations`,
 /// `sink_registrations`, `leases`, `staged_bytes`, `transfers_in_flight`; totals
 /// `lanes_opened`, `bytes_sent`, `bytes_received`, `transfers_completed`, `transfers_failed`,
-/// `checksum_failures`, `peers_lost`, `handshake_failures`, `lanes_refused`; and `address`, `transport`, `name`.
+/// `checksum_failures`, `peers_lost`, `handshake_failures`, `lanes_refused`; the pipeline's
+/// `offers_live` (gauge), `offers`, `pulls`, `pushes`, `expected_pushes`, `refused` (operations
+/// refused before any byte moved: checks, plan, budget), `rejects_sent`, `dma_mapped`,
+/// `dma_skipped` (staging arenas whose DMA map the plugin does not implement, e.g. the XLA CPU
+/// plugin), `dma_last` (the last outcome, text or null); `staging_budget` {`limit_bytes`,
+/// `used_bytes`, `peak_bytes`, `reservations`, `refused`, `waited`}; and `address`,
+/// `transport`, `name`.
 ///
 /// # Safety
 /// `buf` must have `buf_len` writable bytes (or be NULL with `buf_len` 0); `len_out` NULL or
@@ -1049,7 +1059,10 @@ pub unsafe extern "C" fn tpu_sync_endpoint_stats(
 ) -> tpu_sync_status {
     boundary("tpu_sync_endpoint_stats", || {
         let e = get_ep(endpoint)?;
-        let s = e.ep.stats();
+        let p = e.pipeline.stats();
+        let s = &p.endpoint;
+        let b = &p.budget;
+        let ep = e.pipeline.endpoint();
         let v = serde_json::json!({
             "peers": s.peers, "sessions": s.sessions, "lanes_open": s.lanes_open,
             "lanes_opened": s.lanes_opened, "source_registrations": s.source_registrations,
@@ -1060,9 +1073,18 @@ pub unsafe extern "C" fn tpu_sync_endpoint_stats(
             "checksum_failures": s.checksum_failures, "peers_lost": s.peers_lost,
             "handshake_failures": s.handshake_failures,
             "lanes_refused": s.lanes_refused,
-            "address": e.ep.local_addr().map(|a| a.to_string()),
-            "transport": e.ep.transport_kind().to_string(),
-            "name": e.ep.name(),
+            "offers_live": p.offers_live, "offers": p.offers, "pulls": p.pulls,
+            "pushes": p.pushes, "expected_pushes": p.expected_pushes, "refused": p.refused,
+            "rejects_sent": p.rejects_sent, "dma_mapped": p.dma_mapped,
+            "dma_skipped": p.dma_skipped, "dma_last": p.dma_last,
+            "staging_budget": {
+                "limit_bytes": b.limit_bytes, "used_bytes": b.used_bytes,
+                "peak_bytes": b.peak_bytes, "reservations": b.reservations,
+                "refused": b.refused, "waited": b.waited,
+            },
+            "address": ep.local_addr().map(|a| a.to_string()),
+            "transport": ep.transport_kind().to_string(),
+            "name": ep.name(),
         });
         // SAFETY: forwarded caller contract.
         unsafe { out_string(&v.to_string(), buf, buf_len, len_out) }
@@ -1088,7 +1110,7 @@ pub extern "C" fn tpu_sync_endpoint_shutdown(
         }
         e.closed.store(true, std::sync::atomic::Ordering::Release);
         let drain = (drain_ms > 0).then(|| Duration::from_millis(drain_ms as u64));
-        runtime()?.block_on(e.ep.shutdown(drain));
+        runtime()?.block_on(e.pipeline.shutdown(drain));
         Ok(())
     })
 }

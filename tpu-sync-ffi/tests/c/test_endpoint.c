@@ -71,10 +71,11 @@ int main(void) {
   CHECK(tpu_sync_client_new(NULL, 1, &client) == TPU_SYNC_OK, "client");
   uint8_t data[4096];
   for (int i = 0; i < 4096; i++) data[i] = (uint8_t)(i * 7 + 1);
-  int64_t dims[1] = {4096};
+  /* The layout's buffer exactly: bf16 [planes, blocks, tokens, heads, head_dim]. */
+  int64_t dims[5] = {2, 4, 16, 2, 8};
   tpu_sync_buffer *buf = NULL, *gone = NULL;
-  tpu_sync_buffer_from_host(client, 0, data, 4096, dims, 1, TPU_SYNC_DTYPE_U8, &buf);
-  tpu_sync_buffer_from_host(client, 0, data, 4096, dims, 1, TPU_SYNC_DTYPE_U8, &gone);
+  tpu_sync_buffer_from_host(client, 0, data, 4096, dims, 5, TPU_SYNC_DTYPE_BF16, &buf);
+  tpu_sync_buffer_from_host(client, 0, data, 4096, dims, 5, TPU_SYNC_DTYPE_BF16, &gone);
   tpu_sync_buffer_free(gone);
   const tpu_sync_buffer *bufs[1] = {buf}, *gones[1] = {gone};
   uint32_t rank0[1] = {0}, rank5[1] = {5};
