@@ -158,6 +158,7 @@ struct ConfigJson {
     lock_memory: Option<bool>,
     huge_pages: Option<bool>,
     populate: Option<bool>,
+    staging_budget_bytes: Option<u64>,
 }
 
 /// Creates a host KV store from a NUL-terminated JSON configuration (borrowed for the call):
@@ -172,7 +173,9 @@ struct ConfigJson {
 ///  "disk_io_uring": true, "disk_direct": true,
 ///  "verify_checksums": true,      // check each block's xxh3 on get
 ///  "background": false,           // prepare memory on a thread; see tpu_sync_store_state
-///  "lock_memory": true, "huge_pages": true, "populate": true}
+///  "lock_memory": true, "huge_pages": true, "populate": true,
+///  "staging_budget_bytes": 2147483648}  // the tier's own budget of pinned bytes (default: the
+///                                 // process-wide budget shared with every endpoint's staging)
 /// ```
 ///
 /// `dma_client`: NULL, or a client whose plugin maps the DRAM slots for DMA
@@ -181,6 +184,7 @@ struct ConfigJson {
 /// handle owned by the caller. One process at a time may use a named segment or disk directory.
 ///
 /// Errors: `TPU_SYNC_INVALID_ARGUMENT` (bad JSON, unknown keys, sizes, names);
+/// `TPU_SYNC_STAGING_EXHAUSTED` (the segment does not fit in the pinned-memory budget);
 /// `TPU_SYNC_HOST_MEMORY`, `TPU_SYNC_IO` (segment or directory unusable or in use; in the
 /// foreground mode only).
 ///
@@ -232,6 +236,9 @@ pub unsafe extern "C" fn tpu_sync_store_new(
             let c: Arc<ClientObj> = handle::get(K::TPU_SYNC_HANDLE_CLIENT, dma_client)?;
             cfg.dma_client = Some(c.client.clone());
         }
+        cfg.staging_budget = j.staging_budget_bytes.map(|n| {
+            tpu_sync::budget::StagingBudget::new(format!("host KV tier {}", ns.description()), n)
+        });
         let store = KvStore::open(cfg)?;
         let h = handle::insert(K::TPU_SYNC_HANDLE_STORE, Arc::new(StoreObj { store, ns }));
         // SAFETY: checked non-NULL.

@@ -23,6 +23,9 @@ SRC = tpu_sync.placement(SRC_LAYOUT, [[7, 2, 5, 0, 3, 6, 1], [1, 4, 0, 6, 2, 7, 
 DST = tpu_sync.placement(DST_LAYOUT, [[5, 1, 3, 0]])
 SRC_BYTES = 2 * 8 * 16 * 2 * 8 * 2  # planes x blocks x tokens x heads/rank x dim x bf16
 DST_BYTES = 2 * 6 * 32 * 4 * 8 * 2
+# Buffers have exactly the layouts' shapes (anything else is refused with MismatchError).
+SRC_DIMS = [2, 8, 16, 2, 8]  # NHD: planes, blocks, tokens, heads, head_dim
+DST_DIMS = [2, 6, 4, 32, 8]  # HND: planes, blocks, heads, tokens, head_dim
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -35,7 +38,8 @@ PRODUCER = textwrap.dedent("""
     mode, request_id, src, dst, tokens, target = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), \\
         json.loads(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
     c = tpu_sync.Client(cpu_devices=2)
-    kv = {{r: [c.buffer_from_host(pattern({n}, 10 + r * 2 + l), device=r) for l in range(2)] for r in (0, 1)}}
+    kv = {{r: [c.buffer_from_host(pattern({n}, 10 + r * 2 + l), device=r, shape={dims}, dtype="bf16")
+              for l in range(2)] for r in (0, 1)}}
     ep = tpu_sync.Endpoint(listen="127.0.0.1:0" if mode == "serve" else None, timeout=20, name="producer")
     if mode == "serve":
         ep.register(request_id, src, tokens, kv)
@@ -48,7 +52,7 @@ PRODUCER = textwrap.dedent("""
         t = ep.push(request_id, target, src, dst, tokens, kv)
         print("PUSHED", t.wait(timeout=60)["bytes"], flush=True)
     ep.close()
-""").format(here=HERE, n=SRC_BYTES)
+""").format(here=HERE, n=SRC_BYTES, dims=SRC_DIMS)
 
 
 def start_producer(mode, request_id, target=""):
@@ -74,7 +78,7 @@ def read_line(p, prefix, timeout=60):
 def consumer(data):
     c = tpu_sync.Client(cpu_devices=1)
     init = [data(DST_BYTES, 100 + layer) for layer in range(2)]
-    bufs = [c.buffer_from_host(b) for b in init]
+    bufs = [c.buffer_from_host(b, shape=DST_DIMS, dtype="bf16") for b in init]
     yield c, bufs, init
     for b in bufs:
         b.close()

@@ -101,6 +101,7 @@ pub use key::{BlockKey, Namespace};
 pub use shm::{list_segments, remove_segment, Attach, Geometry, SegmentInfo, DEFAULT_SHM_DIR};
 
 use crate::arena::{ArenaOptions, LockStatus};
+use crate::budget::{Reservation, StagingBudget};
 use crate::device::{self, RawCopy};
 use crate::error::{Error, Result};
 use crate::layout::KvLayout;
@@ -166,6 +167,11 @@ pub struct StoreConfig {
     pub background: bool,
     /// Map the DRAM slots for DMA with this PJRT client (`PJRT_Client_DmaMap`), if it supports it.
     pub dma_client: Option<Client>,
+    /// Budget of pinned memory the segment's bytes are reserved from ([`KvStore::open`] fails
+    /// with [`Error::StagingExhausted`] at once when they do not fit); `None` (default): the
+    /// process-wide budget shared with every transfer pipeline
+    /// ([`crate::budget::StagingBudget::process`]).
+    pub staging_budget: Option<Arc<StagingBudget>>,
     /// Test hooks.
     #[doc(hidden)]
     pub hooks: Hooks,
@@ -186,6 +192,7 @@ impl StoreConfig {
             verify_checksums: true,
             background: false,
             dma_client: None,
+            staging_budget: None,
             hooks: Hooks::default(),
         }
     }
@@ -520,10 +527,12 @@ struct Core {
     verify: bool,
     hooks: Hooks,
     c: Counters,
+    /// The segment's bytes in the pinned-memory budget (returned after `seg` is unmapped).
+    _budget: Option<Reservation>,
 }
 
 impl Core {
-    fn build(cfg: &StoreConfig) -> Result<Core> {
+    fn build(cfg: &StoreConfig, budget: Option<Reservation>) -> Result<Core> {
         let t0 = Instant::now();
         if let Some(h) = &cfg.hooks.before_prepare {
             h(BlockKey(0));
@@ -620,6 +629,7 @@ impl Core {
             verify: cfg.verify_checksums,
             hooks: cfg.hooks.clone(),
             c: Counters::default(),
+            _budget: budget,
         })
     }
 
@@ -1326,6 +1336,19 @@ impl KvStore {
     /// use, or owned by someone else).
     pub fn open(cfg: StoreConfig) -> Result<KvStore> {
         check_config(&cfg)?;
+        let geo = Geometry::new(cfg.block_bytes, cfg.capacity_bytes)?;
+        let budget = cfg
+            .staging_budget
+            .as_ref()
+            .unwrap_or(StagingBudget::process())
+            .reserve(
+                geo.total_bytes,
+                &format!(
+                    "host KV tier of {}",
+                    crate::util::fmt_bytes(geo.total_bytes)
+                ),
+                None,
+            )?;
         let shared = Arc::new(Shared {
             core: OnceLock::new(),
             ready: (Mutex::new(()), Condvar::new()),
@@ -1335,7 +1358,7 @@ impl KvStore {
             std::thread::Builder::new()
                 .name("tpu-sync-store-prepare".into())
                 .spawn(move || {
-                    let r = Core::build(&cfg).map_err(|e| {
+                    let r = Core::build(&cfg, Some(budget)).map_err(|e| {
                         log::error!("host KV tier failed to prepare: {e}");
                         e.to_string()
                     });
@@ -1345,7 +1368,7 @@ impl KvStore {
                 })
                 .map_err(|e| Error::io("spawn the store preparation thread", e))?;
         } else {
-            let core = Core::build(&cfg)?;
+            let core = Core::build(&cfg, Some(budget))?;
             let _ = shared.core.set(Ok(core));
         }
         Ok(KvStore { shared })

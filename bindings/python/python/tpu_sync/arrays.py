@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
+from . import _check as ck
 from ._native import ffi, lib
-from .errors import InvalidArgumentError
+from .errors import HostMemoryError, InvalidArgumentError, UnsupportedError
 
 #: Names used by tpu_sync for element types, and their native ``tpu_sync_dtype`` values.
 DTYPES = {
@@ -35,7 +36,10 @@ _ALIASES = {
 
 def dtype_name(d: Any) -> str:
     """Normalises a dtype given as a tpu_sync name, a numpy dtype or a torch dtype."""
-    s = str(d).replace("torch.", "")
+    try:
+        s = str(d).replace("torch.", "")
+    except Exception:  # an object whose str() raises
+        raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, "unsupported dtype") from None
     s = _ALIASES.get(s, s)
     if s not in DTYPES:
         raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"unsupported dtype {d!r}")
@@ -125,11 +129,31 @@ def view(obj: Any, writable: bool = False) -> ArrayView:
 def aligned_array(shape: Any, dtype: Any = "uint8", align: int = 64) -> Any:
     """A zero-filled numpy array whose data starts on an ``align``-byte boundary (views need 64).
     Needs numpy. ``shape`` is an int or a tuple; ``dtype`` anything numpy accepts."""
-    import numpy as np  # imported only when asked for
-
-    dt = np.dtype(dtype)
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-    raw = np.zeros(n + align, dtype=np.uint8)
+    try:
+        import numpy as np  # imported only when asked for
+    except ImportError:
+        raise UnsupportedError(lib.TPU_SYNC_UNSUPPORTED, "aligned_array needs numpy") from None
+    try:
+        dt = np.dtype(dtype)
+    except Exception as e:  # numpy raises TypeError or ValueError for what it cannot parse
+        raise ck.fail(f"dtype {ck._short(dtype)} is not a numpy dtype: {e}") from None
+    if dt.itemsize == 0 or dt.hasobject:
+        raise ck.fail(f"dtype {dt} has no fixed-size elements")
+    if isinstance(shape, bool) or not isinstance(shape, (list, tuple)):
+        shape = (ck.integer("shape", shape, 0, ck.I64_MAX),)
+    else:
+        shape = tuple(ck.integer(f"shape[{i}]", d, 0, ck.I64_MAX) for i, d in enumerate(shape))
+    align = ck.integer("align", align, 1, 1 << 30)
+    if align & (align - 1):
+        raise ck.fail(f"align = {align} is not a power of two")
+    n = dt.itemsize
+    for d in shape:
+        n *= d
+    if n > 1 << 40:
+        raise ck.fail(f"an array of {n} bytes is too large")
+    try:
+        raw = np.zeros(n + align, dtype=np.uint8)
+    except MemoryError:
+        raise HostMemoryError(lib.TPU_SYNC_HOST_MEMORY, f"cannot allocate {n} bytes") from None
     off = (-raw.ctypes.data) % align
     return raw[off:off + n].view(dt).reshape(shape)

@@ -7,6 +7,7 @@ import json
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from . import _check as ck
 from ._lib import Handle, check, json_out, out_string
 from ._native import ffi, lib
 from .arrays import DTYPES, resolve_dtype, view
@@ -29,9 +30,11 @@ class Client(Handle):
     _free = lib.tpu_sync_client_free
 
     def __init__(self, plugin: Optional[str] = None, cpu_devices: Optional[int] = None) -> None:
+        self._ptr = None
+        path = ffi.NULL if plugin is None else ck.path("plugin", plugin)
+        n = 0 if cpu_devices is None else ck.integer("cpu_devices", cpu_devices, 0, 1024)
         out = ffi.new("tpu_sync_client **")
-        path = ffi.NULL if plugin is None else str(plugin).encode()
-        check(lib.tpu_sync_client_new(path, int(cpu_devices or 0), out))
+        check(lib.tpu_sync_client_new(path, n, out))
         super().__init__(out[0])
 
     @classmethod
@@ -48,8 +51,10 @@ class Client(Handle):
             PluginLoadError: the table is too small or of another major version.
             PjrtError: the client does not answer.
         """
+        api = ck.integer("api_ptr", api_ptr, 0, ck.U64_MAX)
+        cl = ck.integer("client_ptr", client_ptr, 0, ck.U64_MAX)
         out = ffi.new("tpu_sync_client **")
-        check(lib.tpu_sync_client_adopt(ffi.cast("void *", int(api_ptr)), ffi.cast("void *", int(client_ptr)), out))
+        check(lib.tpu_sync_client_adopt(ffi.cast("void *", api), ffi.cast("void *", cl), out))
         obj = cls.__new__(cls)
         Handle.__init__(obj, out[0])
         return obj
@@ -85,13 +90,14 @@ class Client(Handle):
                          dtype: Optional[str] = None) -> "Buffer":
         """Copies a host array (numpy, torch CPU tensor, bytes-like) into a new device buffer on
         ``device``. Shape and dtype are read from the object unless given."""
+        device = ck.usize("device", device)
         v = view(data)
         if v.on_device:
             raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, "buffer_from_host needs host memory")
-        dims = list(shape) if shape is not None else list(v.shape)
+        dims = _dims(shape, v.shape)
         dt = resolve_dtype(v, dtype, data)
         out = ffi.new("tpu_sync_buffer **")
-        c_dims = ffi.new("int64_t[]", dims)
+        c_dims = ffi.new("int64_t[]", dims or [0])
         check(lib.tpu_sync_buffer_from_host(self._handle(), device, ffi.cast("void *", v.ptr), v.nbytes,
                                             c_dims, len(dims), DTYPES[dt], out))
         return Buffer(out[0])
@@ -117,13 +123,14 @@ class Client(Handle):
             UnsupportedError, PjrtError: the plugin cannot make views (libtpu).
         """
         _collect_released_views()
+        device = ck.usize("device", device)
         v = view(array, writable=True)
-        dims = list(shape) if shape is not None else list(v.shape)
+        dims = _dims(shape, v.shape)
         dt = resolve_dtype(v, dtype, array)
         out = ffi.new("tpu_sync_buffer **")
         rel = ffi.new("tpu_sync_release **")
-        c_dims = ffi.new("int64_t[]", dims)
-        kind = ffi.NULL if memory is None else str(memory).encode()
+        c_dims = ffi.new("int64_t[]", dims or [0])
+        kind = ffi.NULL if memory is None else ck.cstr("memory", memory)
         check(lib.tpu_sync_client_view(self._handle(), device, ffi.cast("void *", v.ptr), v.nbytes, c_dims,
                                        len(dims), DTYPES[dt], kind, out, rel))
         b = Buffer(out[0])
@@ -138,9 +145,20 @@ class Client(Handle):
         Raises:
             InvalidArgumentError: a buffer of another client, or an unsupported element type.
         """
+        ptr = ck.integer("pjrt_buffer", pjrt_buffer, 0, ck.U64_MAX)
         out = ffi.new("tpu_sync_buffer **")
-        check(lib.tpu_sync_buffer_adopt(self._handle(), ffi.cast("void *", int(pjrt_buffer)), out))
+        check(lib.tpu_sync_buffer_adopt(self._handle(), ffi.cast("void *", ptr), out))
         return Buffer(out[0])
+
+
+def _dims(shape: Optional[Sequence[int]], own: Sequence[int]) -> List[int]:
+    """``shape`` (each dimension >= 0, at most 16 of them) or the array's own dims."""
+    if shape is None:
+        return [int(d) for d in own]
+    dims = [ck.i64(f"shape[{i}]", d, lo=0) for i, d in enumerate(ck.items("shape", shape))]
+    if len(dims) > 16:
+        raise ck.fail(f"shape has {len(dims)} dimensions (at most 16)")
+    return dims
 
 
 class _Release(Handle):
@@ -149,7 +167,8 @@ class _Release(Handle):
     _free = lib.tpu_sync_release_free
 
     def wait(self, timeout_s: float) -> bool:
-        status = lib.tpu_sync_release_wait(self._handle(), int(max(0.0, timeout_s) * 1000))
+        ms = ck.seconds_ms("timeout", timeout_s)
+        status = lib.tpu_sync_release_wait(self._handle(), max(ms, 0))
         if status == lib.TPU_SYNC_PENDING:
             return False
         check(status)
@@ -239,6 +258,7 @@ class Buffer(Handle):
 
     def wait_released(self, timeout: float = 5.0) -> bool:
         """Waits up to ``timeout`` seconds for :attr:`released`; returns it."""
+        timeout = ck.number("timeout", timeout, lo=0.0)
         if self._release is None or self._release.closed:
             return True
         ok = self._release.wait(timeout)
@@ -256,8 +276,13 @@ class Buffer(Handle):
     def read(self, offset: int = 0, size: Optional[int] = None, out: Any = None) -> Any:
         """D2H: copies ``size`` bytes at ``offset`` into ``out`` (a writable array) or into new
         ``bytes`` when ``out`` is None. Blocks (the GIL is released during the copy)."""
+        offset = ck.u64("offset", offset)
+        size = ck.optional(ck.usize, "size", size)
         if out is None:
-            n = self.size - offset if size is None else size
+            total = self.size
+            if offset > total or (size is not None and size > total - offset):
+                raise ck.fail(f"bytes {offset}..{offset + (size or 0)} are outside the {total}-byte buffer")
+            n = total - offset if size is None else size
             buf = bytearray(n)
             self.read(offset, n, buf)
             return bytes(buf)
@@ -270,5 +295,6 @@ class Buffer(Handle):
 
     def write(self, offset: int, data: Any) -> None:
         """H2D in place: writes the bytes of ``data`` at ``offset`` of this existing buffer."""
+        offset = ck.u64("offset", offset)
         v = view(data)
         check(lib.tpu_sync_buffer_write(self._handle(), offset, ffi.cast("void *", v.ptr), v.nbytes))

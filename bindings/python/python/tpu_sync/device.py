@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
+from . import _check as ck
 from ._lib import AsyncOp, check, json_out
 from ._native import ffi, lib
 from .arrays import view
@@ -44,30 +45,32 @@ class Copy(AsyncOp):
 
 
 def _submit(direction: int, copies: Iterable[CopySpec], max_outstanding_chunks: int) -> Copy:
-    specs = list(copies)
+    specs = ck.items("copies", copies)
+    outstanding = ck.usize("max_outstanding_chunks", max_outstanding_chunks)
     ops = ffi.new("tpu_sync_copy_op[]", max(1, len(specs)))
     keep = []
     for i, spec in enumerate(specs):
-        if len(spec) not in (3, 4):
+        if not isinstance(spec, (tuple, list)) or len(spec) not in (3, 4):
             raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT,
                                        f"copy {i}: expected (buffer, offset, host[, nbytes])")
-        buf, offset, host = spec[0], spec[1], spec[2]
+        buf, host = spec[0], spec[2]
+        offset = ck.u64(f"copy {i} offset", spec[1])
         if not isinstance(buf, Buffer):
             raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"copy {i}: {type(buf).__name__} is not a Buffer")
         v = view(host, writable=(direction == lib.TPU_SYNC_D2H))
         if v.on_device:
             raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"copy {i}: host side is device memory")
-        n = v.nbytes if len(spec) == 3 else int(spec[3])
+        n = v.nbytes if len(spec) == 3 else ck.usize(f"copy {i} nbytes", spec[3])
         if n > v.nbytes:
             raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT,
                                        f"copy {i}: {n} bytes but the host array has {v.nbytes}")
         ops[i].buffer = buf._handle()
-        ops[i].offset = int(offset)
+        ops[i].offset = offset
         ops[i].len = n
         ops[i].host = ffi.cast("void *", v.ptr)
         keep.append((buf, v.keepalive))
     out = ffi.new("tpu_sync_copy **")
-    check(lib.tpu_sync_copy_submit(direction, ops, len(specs), int(max_outstanding_chunks), out))
+    check(lib.tpu_sync_copy_submit(direction, ops, len(specs), outstanding, out))
     return Copy(out[0], keepalive=keep)
 
 
@@ -105,11 +108,11 @@ def set_pacing(chunk_bytes: Optional[int] = None, max_inflight_bytes: Optional[i
     """Sets the process-wide DMA pacing (TPU Sync's ``set_dma_pacing``): copies split into chunks
     of at most ``chunk_bytes`` (0: unsplit), at most ``max_inflight_bytes`` in flight (0:
     unlimited). None keeps the current value. Applies to chunks issued from now on."""
+    c = ck.optional(ck.u64, "chunk_bytes", chunk_bytes)
+    m = ck.optional(ck.u64, "max_inflight_bytes", max_inflight_bytes)
     cur = pacing()
-    c = cur["chunk_bytes"] if chunk_bytes is None else int(chunk_bytes)
-    m = cur["max_inflight_bytes"] if max_inflight_bytes is None else int(max_inflight_bytes)
-    if c < 0 or m < 0:
-        raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, "pacing sizes must be >= 0")
+    c = cur["chunk_bytes"] if c is None else c
+    m = cur["max_inflight_bytes"] if m is None else m
     check(lib.tpu_sync_pacing_set(c, m))
 
 

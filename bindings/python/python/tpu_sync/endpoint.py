@@ -8,6 +8,7 @@ import json
 import warnings
 from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
+from . import _check as ck
 from ._lib import AsyncOp, Handle, check, json_out, out_string
 from ._native import ffi, lib
 from .client import Buffer, Client
@@ -15,7 +16,7 @@ from .errors import InvalidArgumentError
 
 #: Names of ``tpu_sync_source_state`` values (:meth:`Endpoint.registration_state`).
 SOURCE_STATES = {0: "active", 1: "released", 2: "expired", 3: "peer_lost", 4: "unregistered", 5: "shutdown",
-                 6: "unknown"}
+                 6: "unknown", 7: "rejected"}
 
 #: Largest request id (ids must survive JSON as doubles).
 MAX_REQUEST_ID = (1 << 53) - 1
@@ -29,11 +30,12 @@ class Transfer(AsyncOp):
     :meth:`add_done_callback`, :attr:`error`, :attr:`layers_complete`.
 
     ``wait`` returns ``{"bytes", "spans", "pairs", "stripes", "device_bytes", "elapsed_s"}``
-    (``bytes``: payload moved over the network by this side; ``device_bytes``: written into the
-    KV buffers). A failed transfer raises its typed error (``PeerClosedError``, ``TimeoutError``,
-    ``ChecksumError``, ``RemoteError``, ``UnknownRequestError``, ``CancelledError``, ...) and is
-    never reported as done successfully. Closing an unfinished transfer cancels it and waits for
-    it to end.
+    (``bytes``: payload moved over the network by this side; ``device_bytes``: copied between
+    the KV buffers and staging, H2D for pulls and expected pushes, D2H for pushes) plus the
+    :attr:`report` keys. A failed transfer raises its typed error (``PeerClosedError``,
+    ``TimeoutError``, ``ChecksumError``, ``RemoteError``, ``UnknownRequestError``,
+    ``CancelledError``, ...) and is never reported as done successfully. Closing an unfinished
+    transfer cancels it and waits for it to end.
     """
 
     _free = lib.tpu_sync_transfer_free
@@ -44,8 +46,21 @@ class Transfer(AsyncOp):
     _stats_type = "tpu_sync_transfer_stats"
 
     def _stats_dict(self, s) -> Dict[str, Any]:
-        return {"bytes": int(s.bytes), "spans": int(s.spans), "pairs": int(s.pairs), "stripes": int(s.stripes),
-                "device_bytes": int(s.device_bytes), "elapsed_s": int(s.elapsed_ns) / 1e9}
+        d = {"bytes": int(s.bytes), "spans": int(s.spans), "pairs": int(s.pairs), "stripes": int(s.stripes),
+             "device_bytes": int(s.device_bytes), "elapsed_s": int(s.elapsed_ns) / 1e9}
+        for k, v in self.report.items():
+            d.setdefault(k, v)
+        return d
+
+    @property
+    def report(self) -> Dict[str, Any]:
+        """What the completed transfer did: ``staged_bytes`` (pinned staging), ``device_bytes``,
+        ``device_ops``, ``device_s``, ``net_bytes``, ``spans``, ``pairs``, ``stripes``, ``net_s``,
+        ``elapsed_s`` and ``dma_map`` (``"mapped"``, ``"skipped: <reason>"`` on plugins without
+        DMA mapping such as the XLA CPU plugin, or ``"disabled"``).
+
+        Raises: PendingError while it runs; its error if it failed."""
+        return json_out(lib.tpu_sync_transfer_report, self._handle())
 
     @property
     def layers_complete(self) -> int:
@@ -55,20 +70,30 @@ class Transfer(AsyncOp):
         return int(n[0])
 
 
-def _peers(p: Peers) -> bytes:
+def _peers(p: Peers, name: str = "peers") -> bytes:
+    """``"ADDR"``, or ``{rank: "ADDR"}``, as the native peer-map string."""
     if isinstance(p, str):
-        return p.encode()
+        return ck.cstr(name, p)
+    if not isinstance(p, Mapping):
+        raise ck.fail(f"{name} must be an address string or a {{rank: address}} dict, got {type(p).__name__}")
     if not p:
-        raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, "empty peer map")
-    return ",".join(f"{int(r)}={a}" for r, a in p.items()).encode()
+        raise ck.fail(f"empty peer map ({name})")
+    parts = []
+    for r, a in p.items():
+        r = ck.u32(f"{name} rank", r)
+        a = ck.text(f"{name}[{r}]", a)
+        if "," in a or "=" in a:
+            raise ck.fail(f"{name}[{r}] = {a!r} is not an address")
+        parts.append(f"{r}={a}")
+    return ck.cstr(name, ",".join(parts))
 
 
-def _placement(p: Any) -> bytes:
-    return (p if isinstance(p, str) else json.dumps(p)).encode()
+def _placement(p: Any, name: str = "placement") -> bytes:
+    return ck.json_text(name, p)
 
 
-def _check_id(request_id: int) -> int:
-    rid = int(request_id)
+def _check_id(request_id: Any, name: str = "request_id") -> int:
+    rid = ck.integer(name, request_id, 0, ck.U64_MAX)
     if not 1 <= rid <= MAX_REQUEST_ID:
         raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"request id {rid} must be in 1..2^53-1")
     return rid
@@ -76,7 +101,9 @@ def _check_id(request_id: int) -> int:
 
 def _kv(kv: Kv):
     """(ranks array, rank-major buffer handles array, number of ranks, layers, keepalive)."""
-    items = sorted((int(r), list(bufs)) for r, bufs in kv.items())
+    if not isinstance(kv, Mapping):
+        raise ck.fail(f"kv must be a {{rank: [layer buffers]}} dict, got {type(kv).__name__}")
+    items = sorted((ck.u32("kv rank", r), ck.items(f"kv[{r!r}]", bufs)) for r, bufs in kv.items())
     if not items:
         raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, "kv names no rank")
     layers = len(items[0][1])
@@ -115,6 +142,18 @@ class Endpoint(Handle):
         chunk_bytes, streams_per_pair, max_lanes_per_peer: network tuning (see the Rust docs).
         max_inbound_lanes: inbound sockets/streams served at once (default 4096); a connection
             beyond it is closed at once and counted in ``stats()["lanes_refused"]``.
+        staging_budget_bytes: this endpoint's own budget of pinned staging bytes (registrations,
+            pushes and the destination staging of pulls). Default None: the process-wide budget,
+            a quarter of the memory the process may use capped by ``RLIMIT_MEMLOCK`` (or
+            ``$TPU_SYNC_STAGING_BUDGET_BYTES``). A call past it raises
+            ``StagingExhaustedError`` at once; nothing already staged is touched.
+        staging_wait: seconds a call waits for budget before ``StagingExhaustedError`` (default
+            None: it fails at once).
+        dma_map: DMA-map staging with the buffers' PJRT client where the plugin supports it
+            (default True; the XLA CPU plugin does not: see ``stats()["dma_skipped"]``).
+        wait_for_registration: seconds a pull waits for a producer that does not know the
+            request yet (default None: it fails with ``UnknownRequestError``); per call with
+            :meth:`pull`'s argument of the same name.
 
     Raises:
         InvalidArgumentError (options), IOError (address in use, unreadable credential files).
@@ -128,23 +167,44 @@ class Endpoint(Handle):
                  heartbeat_interval: Optional[float] = None, heartbeat_timeout: Optional[float] = None,
                  lease_s: Optional[float] = None, chunk_bytes: Optional[int] = None,
                  streams_per_pair: Optional[int] = None, max_lanes_per_peer: Optional[int] = None,
-                 max_inbound_lanes: Optional[int] = None) -> None:
-        cfg: Dict[str, Any] = {"transport": transport, "timeout_s": float(timeout)}
+                 max_inbound_lanes: Optional[int] = None, staging_budget_bytes: Optional[int] = None,
+                 staging_wait: Optional[float] = None, dma_map: Optional[bool] = None,
+                 wait_for_registration: Optional[float] = None) -> None:
+        self._ptr = None
+        cfg: Dict[str, Any] = {"transport": ck.text("transport", transport),
+                               "timeout_s": ck.number("timeout", timeout, positive=True)}
         if listen is not None:
-            cfg["listen"] = str(listen)
+            cfg["listen"] = ck.text("listen", listen)
         if tls is not None:
-            cfg["tls"] = {k: str(v) for k, v in tls.items()}
+            if not isinstance(tls, Mapping):
+                raise ck.fail(f"tls must be a dict of paths, got {type(tls).__name__}")
+            cfg["tls"] = {ck.text("tls key", k): ck.path(f"tls[{k!r}]", v).decode() for k, v in tls.items()}
         if psk is not None:
+            if not isinstance(psk, (bytes, bytearray, memoryview)):
+                raise ck.fail(f"psk must be bytes, got {type(psk).__name__}")
             cfg["psk_hex"] = bytes(psk).hex()
-        for k, v in dict(name=name, heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout,
-                         lease_ttl_s=lease_s, chunk_bytes=chunk_bytes, streams_per_pair=streams_per_pair,
-                         max_lanes_per_peer=max_lanes_per_peer, max_inbound_lanes=max_inbound_lanes).items():
+        if client is not None:
+            ck.instance("client", client, Client)
+        for k, v in dict(heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout,
+                         lease_ttl_s=lease_s, staging_wait_s=staging_wait,
+                         wait_for_registration_s=wait_for_registration).items():
             if v is not None:
-                cfg[k] = v
+                cfg[k] = ck.number(k, v, positive=True)
+        for k, v in dict(chunk_bytes=chunk_bytes, staging_budget_bytes=staging_budget_bytes).items():
+            if v is not None:
+                cfg[k] = ck.u64(k, v)
+        for k, v in dict(streams_per_pair=streams_per_pair, max_lanes_per_peer=max_lanes_per_peer,
+                         max_inbound_lanes=max_inbound_lanes).items():
+            if v is not None:
+                cfg[k] = ck.u32(k, v)
+        if name is not None:
+            cfg["name"] = ck.text("name", name)
+        if dma_map is not None:
+            cfg["dma_map"] = ck.flag("dma_map", dma_map)
         out = ffi.new("tpu_sync_endpoint **")
-        check(lib.tpu_sync_endpoint_new(json.dumps(cfg).encode(), out))
+        check(lib.tpu_sync_endpoint_new(ck.json_text("endpoint configuration", cfg), out))
         super().__init__(out[0])
-        self._timeout = float(timeout)
+        self._timeout = cfg["timeout_s"]
         self._lease_s = lease_s
         self._client = client
 
@@ -157,7 +217,7 @@ class Endpoint(Handle):
     def add_peer(self, name: str, address: str) -> None:
         """Names a peer so that peer maps may use the name; re-adding a name with a new address (a
         restarted peer) makes the next transfer connect there."""
-        check(lib.tpu_sync_endpoint_add_peer(self._handle(), str(name).encode(), str(address).encode()))
+        check(lib.tpu_sync_endpoint_add_peer(self._handle(), ck.cstr("name", name), ck.cstr("address", address)))
 
     def register(self, request_id: int, placement: Any, num_tokens: int, kv: Kv, lease_s: Optional[float] = None,
                  expected_releases: int = 1) -> None:
@@ -174,43 +234,88 @@ class Endpoint(Handle):
             lease_s: not supported per registration (the lease is endpoint-wide: pass ``lease_s``
                 to :class:`Endpoint`); a different value only warns.
             expected_releases: consumers that will pull it.
+
+        Raises (nothing staged, other registrations untouched): InvalidArgumentError (ids,
+        ranks, a duplicate id, unknown keys in ``placement``), MismatchError (a buffer's element
+        type, dims, on-device size or physical layout disagrees with the layout: the message
+        names rank, layer and both), StagingExhaustedError (the staging budget is used up),
+        LayoutError, BlockRangeError.
         """
+        if lease_s is not None:
+            lease_s = ck.number("lease_s", lease_s, positive=True)
         if lease_s is not None and lease_s != self._lease_s:
             warnings.warn("Endpoint.register(lease_s=...) is not supported per registration; the endpoint's "
                           "lease_s applies", RuntimeWarning, stacklevel=2)
+        rid = _check_id(request_id)
+        place = _placement(placement)
+        tokens = ck.u32("num_tokens", num_tokens)
+        releases = ck.u32("expected_releases", expected_releases)
         ranks, bufs, n, layers, keep = _kv(kv)
-        check(lib.tpu_sync_endpoint_register(self._handle(), _check_id(request_id), _placement(placement),
-                                             int(num_tokens), ranks, n, bufs, layers, int(expected_releases)))
+        check(lib.tpu_sync_endpoint_register(self._handle(), rid, place, tokens, ranks, n, bufs, layers, releases))
         del keep
 
     def unregister(self, request_id: int) -> None:
         """Withdraws a registration (pulls in progress fail). No error if it already ended."""
-        check(lib.tpu_sync_endpoint_unregister(self._handle(), int(request_id), ffi.NULL))
+        check(lib.tpu_sync_endpoint_unregister(self._handle(), ck.u64("request_id", request_id), ffi.NULL))
 
     def registration_state(self, request_id: int) -> str:
-        """``"active"``, or how the registration ended: ``"released"`` (every consumer finished),
-        ``"expired"``, ``"peer_lost"``, ``"unregistered"``, ``"shutdown"``; ``"unknown"`` for an
-        id never registered here."""
+        """``"active"``, or how the registration ended: ``"released"`` (every consumer pulled it
+        completely), ``"rejected"`` (the consumers said they will not pull it:
+        :meth:`reject`), ``"expired"``, ``"peer_lost"``, ``"unregistered"``, ``"shutdown"``;
+        ``"unknown"`` for an id never registered here."""
         s = ffi.new("uint32_t *")
-        check(lib.tpu_sync_endpoint_source_state(self._handle(), int(request_id), s))
+        check(lib.tpu_sync_endpoint_source_state(self._handle(), ck.u64("request_id", request_id), s))
         return SOURCE_STATES.get(int(s[0]), "unknown")
 
+    def reject(self, request_id: int, peers: Peers, reason: str = "") -> None:
+        """Consumer side: tells the producers in ``peers`` (as for :meth:`pull`) that this
+        consumer will not pull ``request_id`` (the decode side refused or aborted it before its
+        pull). Each producer frees its staging of the request at once (once no consumer
+        remains) and reports it ``"rejected"`` with ``reason``, instead of keeping it for its
+        lease. Cancel this side's pulls of the request first. Blocks until the producers
+        answered.
+
+        Raises: InvalidArgumentError, connection errors (``PeerClosedError``,
+        ``TimeoutError``, ...), the producer's errors with their type."""
+        rid = _check_id(request_id)
+        p = _peers(peers)
+        r = ck.cstr("reason", reason)
+        check(lib.tpu_sync_endpoint_reject(self._handle(), rid, p, r))
+
     def pull(self, request_id: int, peers: Peers, src_placement: Any, dst_placement: Any, num_tokens: int,
-             kv: Kv) -> Transfer:
+             kv: Kv, wait_for_registration: Optional[float] = None) -> Transfer:
         """Consumer side: pulls the request from the producers and writes it in place into ``kv``
         (H2D), resharding from ``src_placement`` to ``dst_placement``; then tells the producers
         to release it. Asynchronous: returns a :class:`Transfer`. ``peers`` is one address for
         every producer rank, or ``{source rank: address}``. No computation may use the
         destination blocks until the transfer is done.
 
+        ``wait_for_registration`` (seconds; default: the endpoint's setting): how long a producer
+        that does not know the request yet may take to register it (a decode request that
+        reaches the producer before its registration then waits and succeeds instead of failing
+        with ``UnknownRequestError``); 0: no wait.
+
+        After a failed or cancelled pull the producer keeps the request (a retry, e.g. to the
+        right address, succeeds) until its lease passes or :meth:`reject`.
+
         Raises (before anything is sent): InvalidArgumentError, LayoutError, BlockRangeError,
-        MismatchError, UnsupportedError (no in-place H2D path).
+        MismatchError (the layouts, or a buffer and its layout, disagree), UnsupportedError (no
+        in-place H2D path), StagingExhaustedError.
         """
+        rid = _check_id(request_id)
+        p = _peers(peers)
+        src, dst = _placement(src_placement, "src_placement"), _placement(dst_placement, "dst_placement")
+        tokens = ck.u32("num_tokens", num_tokens)
+        wait = None
+        if wait_for_registration is not None:
+            wait = min(int(ck.number("wait_for_registration", wait_for_registration, lo=0.0) * 1000), ck.I64_MAX)
         ranks, bufs, n, layers, keep = _kv(kv)
         out = ffi.new("tpu_sync_transfer **")
-        check(lib.tpu_sync_endpoint_pull(self._handle(), _check_id(request_id), _peers(peers),
-                                         _placement(src_placement), _placement(dst_placement), int(num_tokens),
-                                         ranks, n, bufs, layers, out))
+        if wait is None:
+            check(lib.tpu_sync_endpoint_pull(self._handle(), rid, p, src, dst, tokens, ranks, n, bufs, layers, out))
+        else:
+            check(lib.tpu_sync_endpoint_pull_wait(self._handle(), rid, p, src, dst, tokens, ranks, n, bufs, layers,
+                                                  wait, out))
         return Transfer(out[0], keepalive=keep)
 
     def push(self, request_id: int, targets: Peers, src_placement: Any, dst_placement: Any, num_tokens: int,
@@ -220,11 +325,13 @@ class Endpoint(Handle):
         destination endpoints must :meth:`expect_push` it. ``targets``: one address for every
         destination rank, or ``{destination rank: address}``. The device blocks may be reused as
         soon as this returns."""
+        rid = _check_id(request_id)
+        t = _peers(targets, "targets")
+        src, dst = _placement(src_placement, "src_placement"), _placement(dst_placement, "dst_placement")
+        tokens = ck.u32("num_tokens", num_tokens)
         ranks, bufs, n, layers, keep = _kv(kv)
         out = ffi.new("tpu_sync_transfer **")
-        check(lib.tpu_sync_endpoint_push(self._handle(), _check_id(request_id), _peers(targets),
-                                         _placement(src_placement), _placement(dst_placement), int(num_tokens),
-                                         ranks, n, bufs, layers, out))
+        check(lib.tpu_sync_endpoint_push(self._handle(), rid, t, src, dst, tokens, ranks, n, bufs, layers, out))
         return Transfer(out[0], keepalive=keep)
 
     def expect_push(self, request_id: int, src_placement: Any, dst_placement: Any, num_tokens: int,
@@ -232,18 +339,24 @@ class Endpoint(Handle):
         """Consumer side of a push: accepts the request's pushes into staging and writes them in
         place into ``kv`` (H2D). The transfer completes when every sender finished and every byte
         verified and landed."""
+        rid = _check_id(request_id)
+        src, dst = _placement(src_placement, "src_placement"), _placement(dst_placement, "dst_placement")
+        tokens = ck.u32("num_tokens", num_tokens)
         ranks, bufs, n, layers, keep = _kv(kv)
         out = ffi.new("tpu_sync_transfer **")
-        check(lib.tpu_sync_endpoint_expect_push(self._handle(), _check_id(request_id), _placement(src_placement),
-                                                _placement(dst_placement), int(num_tokens), ranks, n, bufs, layers,
-                                                out))
+        check(lib.tpu_sync_endpoint_expect_push(self._handle(), rid, src, dst, tokens, ranks, n, bufs, layers, out))
         return Transfer(out[0], keepalive=keep)
 
     def stats(self) -> Dict[str, Any]:
         """Counters: gauges ``peers``, ``sessions``, ``lanes_open``, ``source_registrations``,
         ``sink_registrations``, ``leases``, ``staged_bytes``, ``transfers_in_flight``; totals
         ``lanes_opened``, ``bytes_sent``, ``bytes_received``, ``transfers_completed``,
-        ``transfers_failed``, ``checksum_failures``, ``peers_lost``, ``handshake_failures``; and
+        ``transfers_failed``, ``checksum_failures``, ``peers_lost``, ``handshake_failures``,
+        ``lanes_refused``; the pipeline's ``offers_live``, ``offers``, ``pulls``, ``pushes``,
+        ``expected_pushes``, ``refused`` (calls refused before any byte moved),
+        ``rejects_sent``, ``dma_mapped``, ``dma_skipped`` (staging the plugin could not DMA-map,
+        e.g. on the XLA CPU plugin), ``dma_last``; ``staging_budget`` (``limit_bytes``,
+        ``used_bytes``, ``peak_bytes``, ``reservations``, ``refused``, ``waited``); and
         ``address``, ``transport``, ``name``."""
         return json_out(lib.tpu_sync_endpoint_stats, self._handle())
 
@@ -251,6 +364,7 @@ class Endpoint(Handle):
         """Shuts the endpoint down and frees it (idempotent): stops accepting, lets in-flight
         transfers finish for up to ``timeout`` seconds when ``drain`` (else cancels them at once),
         ends every registration and closes every connection."""
+        drain = ck.flag("drain", drain)
         if self._ptr is None:
             return
         try:

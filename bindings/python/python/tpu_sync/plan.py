@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence
 
+from . import _check as ck
 from ._lib import Handle, check
 from ._native import ffi, lib
 
@@ -20,13 +21,19 @@ PRESETS: Dict[str, Dict[str, Any]] = {
 
 def model(name: str = "custom", *, num_layers: int, num_kv_heads: int, head_dim: int,
           kv_planes: int = 2, dtype: str = "bf16") -> Dict[str, Any]:
-    """A model's KV geometry as the native library's JSON form."""
-    return dict(name=name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                kv_planes=kv_planes, dtype=dtype)
+    """A model's KV geometry as the native library's JSON form (values are checked when used:
+    zero sizes and unknown dtypes are refused by the native library)."""
+    return dict(name=ck.text("name", name), num_layers=ck.u32("num_layers", num_layers),
+                num_kv_heads=ck.u32("num_kv_heads", num_kv_heads), head_dim=ck.u32("head_dim", head_dim),
+                kv_planes=ck.u32("kv_planes", kv_planes), dtype=ck.text("dtype", dtype))
 
 
 def preset(name: str, dtype: str = "bf16") -> Dict[str, Any]:
-    """A preset model geometry (see :data:`PRESETS`)."""
+    """A preset model geometry (see :data:`PRESETS`).
+
+    Raises: InvalidArgumentError for an unknown name."""
+    if not isinstance(name, str) or name not in PRESETS:
+        raise ck.fail(f"unknown preset {ck._short(name)} (known: {', '.join(PRESETS)})")
     return model(name, dtype=dtype, **PRESETS[name])
 
 
@@ -35,14 +42,21 @@ def layout(model: Dict[str, Any], *, tp: int = 1, pcp: int = 1, dp: int = 1, blo
     """How one serving instance splits the KV cache: TP over KV heads, PCP over tokens (block
     chunks), DP replicas; ``num_blocks`` blocks of ``block_size`` tokens per rank; block order
     ``nhd`` (token-major) or ``hnd`` (head-major)."""
-    return dict(model=model, spec=dict(tp=tp, pcp=pcp, dp=dp, block_size=block_size, order=order),
-                num_blocks=num_blocks)
+    if not isinstance(model, dict):
+        raise ck.fail(f"model must be a dict (tpu_sync.model(...)), got {type(model).__name__}")
+    return dict(model=model, spec=dict(tp=ck.u32("tp", tp), pcp=ck.u32("pcp", pcp), dp=ck.u32("dp", dp),
+                                       block_size=ck.u32("block_size", block_size), order=ck.text("order", order)),
+                num_blocks=ck.u32("num_blocks", num_blocks))
 
 
 def placement(layout: Dict[str, Any], block_ids: Sequence[Sequence[int]], dp_rank: int = 0) -> Dict[str, Any]:
     """Where a request's blocks are: for each rank of DP replica ``dp_rank`` (index
     ``pcp * tp + tp_rank``), the device block ids of its request blocks, in order."""
-    return dict(layout=layout, dp_rank=dp_rank, block_ids=[list(map(int, b)) for b in block_ids])
+    if not isinstance(layout, dict):
+        raise ck.fail(f"layout must be a dict (tpu_sync.layout(...)), got {type(layout).__name__}")
+    ids = [[ck.u32(f"block_ids[{i}][{j}]", b) for j, b in enumerate(ck.items(f"block_ids[{i}]", r))]
+           for i, r in enumerate(ck.items("block_ids", block_ids))]
+    return dict(layout=layout, dp_rank=ck.u32("dp_rank", dp_rank), block_ids=ids)
 
 
 @dataclass(frozen=True)
@@ -72,8 +86,11 @@ class Plan(Handle):
     _free = lib.tpu_sync_plan_free
 
     def __init__(self, src: Dict[str, Any], dst: Dict[str, Any], num_tokens: int) -> None:
+        self._ptr = None
+        s, d = ck.json_text("src", src), ck.json_text("dst", dst)
+        n = ck.u32("num_tokens", num_tokens)
         out = ffi.new("tpu_sync_plan **")
-        check(lib.tpu_sync_plan_new(json.dumps(src).encode(), json.dumps(dst).encode(), num_tokens, out))
+        check(lib.tpu_sync_plan_new(s, d, n, out))
         super().__init__(out[0])
 
     def _summary(self):

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from . import _check as ck
 from ._lib import Handle, check, json_out
 from ._native import ffi, lib
 from .arrays import view
@@ -85,7 +86,7 @@ def _get_result(r) -> GetResult:
 
 
 def _keys(keys: Sequence[bytes]):
-    keys = list(keys)
+    keys = ck.items("keys", keys)
     arr = ffi.new("tpu_sync_key[]", max(1, len(keys)))
     for i, k in enumerate(keys):
         if not isinstance(k, (bytes, bytearray, memoryview)) or len(k) != KEY_BYTES:
@@ -102,17 +103,17 @@ def _parent(parent: Optional[bytes]):
 
 
 def _pieces(blocks: Sequence[Sequence[DevicePiece]]):
-    blocks = [list(b) for b in blocks]
+    blocks = [ck.items(f"blocks[{i}]", b) for i, b in enumerate(ck.items("blocks", blocks))]
     flat = [p for b in blocks for p in b]
     arr = ffi.new("tpu_sync_device_range[]", max(1, len(flat)))
     per = ffi.new("size_t[]", [len(b) for b in blocks] or [0])
     keep = []
     for i, p in enumerate(flat):
-        if len(p) != 3 or not isinstance(p[0], Buffer):
+        if not isinstance(p, (tuple, list)) or len(p) != 3 or not isinstance(p[0], Buffer):
             raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"piece {i} is not (Buffer, offset, length)")
         arr[i].buffer = p[0]._handle()
-        arr[i].offset = int(p[1])
-        arr[i].len = int(p[2])
+        arr[i].offset = ck.u64(f"piece {i} offset", p[1])
+        arr[i].len = ck.u64(f"piece {i} length", p[2])
         keep.append(p[0])
     return arr, len(flat), per, keep
 
@@ -161,9 +162,14 @@ class Store(Handle):
         shm_dir: directory of named segments (default ``/dev/shm``).
         lock_memory, huge_pages, populate: memory options (default: all on; locking failures are
             reported in :meth:`info`, not raised).
+        staging_budget_bytes: the tier's own budget of pinned bytes (its slots are pinned
+            memory). Default None: the process-wide budget shared with every endpoint's staging
+            (a quarter of the memory the process may use, capped by ``RLIMIT_MEMLOCK``;
+            ``$TPU_SYNC_STAGING_BUDGET_BYTES``). A tier larger than what is left raises
+            ``StagingExhaustedError``.
 
     Raises:
-        InvalidArgumentError, HostMemoryError, IOError.
+        InvalidArgumentError, HostMemoryError, IOError, StagingExhaustedError.
     """
 
     _free = lib.tpu_sync_store_free
@@ -172,18 +178,31 @@ class Store(Handle):
                  disk_dir: Optional[str] = None, disk_capacity_bytes: Optional[int] = None,
                  verify_checksums: bool = True, background: bool = False, client: Optional[Client] = None,
                  shm_dir: Optional[str] = None, lock_memory: Optional[bool] = None,
-                 huge_pages: Optional[bool] = None, populate: Optional[bool] = None) -> None:
-        cfg: Dict[str, Any] = dict(namespace=namespace, block_bytes=int(block_bytes),
-                                   capacity_bytes=int(capacity_bytes), verify_checksums=bool(verify_checksums),
-                                   background=bool(background))
-        for k, v in dict(shm_name=shm_name, shm_dir=shm_dir, disk_dir=disk_dir,
-                         disk_capacity_bytes=disk_capacity_bytes, lock_memory=lock_memory, huge_pages=huge_pages,
-                         populate=populate).items():
+                 huge_pages: Optional[bool] = None, populate: Optional[bool] = None,
+                 staging_budget_bytes: Optional[int] = None) -> None:
+        self._ptr = None
+        cfg: Dict[str, Any] = dict(namespace=ck.text("namespace", namespace),
+                                   block_bytes=ck.u64("block_bytes", block_bytes),
+                                   capacity_bytes=ck.u64("capacity_bytes", capacity_bytes),
+                                   verify_checksums=ck.flag("verify_checksums", verify_checksums),
+                                   background=ck.flag("background", background))
+        if shm_name is not None:
+            cfg["shm_name"] = ck.text("shm_name", shm_name)
+        for k, v in dict(shm_dir=shm_dir, disk_dir=disk_dir).items():
             if v is not None:
-                cfg[k] = str(v) if k in ("shm_name", "shm_dir", "disk_dir") else v
+                cfg[k] = ck.path(k, v).decode()
+        if disk_capacity_bytes is not None:
+            cfg["disk_capacity_bytes"] = ck.u64("disk_capacity_bytes", disk_capacity_bytes)
+        if staging_budget_bytes is not None:
+            cfg["staging_budget_bytes"] = ck.u64("staging_budget_bytes", staging_budget_bytes)
+        for k, v in dict(lock_memory=lock_memory, huge_pages=huge_pages, populate=populate).items():
+            if v is not None:
+                cfg[k] = ck.flag(k, v)
+        if client is not None:
+            ck.instance("client", client, Client)
         out = ffi.new("tpu_sync_store **")
         dma = ffi.NULL if client is None else client._handle()
-        check(lib.tpu_sync_store_new(json.dumps(cfg).encode(), dma, out))
+        check(lib.tpu_sync_store_new(ck.json_text("store configuration", cfg), dma, out))
         super().__init__(out[0])
         self._client = client
 
@@ -209,7 +228,7 @@ class Store(Handle):
         Raises:
             TimeoutError: still preparing. HostMemoryError: preparation failed (with the reason).
         """
-        check(lib.tpu_sync_store_wait_ready(self._handle(), int(max(0.0, timeout) * 1000)))
+        check(lib.tpu_sync_store_wait_ready(self._handle(), ck.seconds_ms("timeout", timeout)))
 
     def info(self) -> Optional[Dict[str, Any]]:
         """How the store was set up (attach mode, segment, geometry, memory lock, DMA, disk tier,
@@ -229,10 +248,9 @@ class Store(Handle):
         """Keys of the full blocks of a token sequence cut into blocks of ``block_tokens`` tokens,
         each chained on the one before (the first on ``parent``). ``len(tokens) // block_tokens``
         keys; a partial last block gets none."""
-        try:
-            toks = ffi.new("uint32_t[]", [int(t) for t in tokens] or [0])
-        except OverflowError as e:
-            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"token ids must be in 0..2^32: {e}")
+        tokens = [ck.u32(f"tokens[{i}]", t) for i, t in enumerate(ck.items("tokens", tokens))]
+        block_tokens = ck.usize("block_tokens", block_tokens)
+        toks = ffi.new("uint32_t[]", tokens or [0])
         n_tok = len(tokens)
         cap = n_tok // block_tokens if block_tokens > 0 else 0
         keys = ffi.new("tpu_sync_key[]", max(1, cap))
@@ -245,12 +263,16 @@ class Store(Handle):
     def engine_key(self, h: Union[int, bytes, str]) -> bytes:
         """Key of an engine's own (already chained) block hash: bytes as given (vLLM's
         ``BlockHash``), a string's UTF-8 bytes (SGLang's page hashes), an int printed in decimal."""
+        if isinstance(h, bool):
+            raise ck.fail("a block hash must be bytes, str or int, not a bool")
         if isinstance(h, int):
             data = str(h).encode()
         elif isinstance(h, str):
-            data = h.encode()
-        else:
+            data = ck.cstr("hash", h)
+        elif isinstance(h, (bytes, bytearray, memoryview)):
             data = bytes(h)
+        else:
+            raise ck.fail(f"a block hash must be bytes, str or int, got {type(h).__name__}")
         key = ffi.new("tpu_sync_key *")
         check(lib.tpu_sync_store_engine_key(self._handle(), data, len(data), key))
         return ffi.buffer(key.bytes, KEY_BYTES)[:]
@@ -338,7 +360,7 @@ class Store(Handle):
 
     def unpin(self, lease: Lease) -> None:
         """Releases a lease (same as ``lease.close()``)."""
-        lease.close()
+        ck.instance("lease", lease, Lease).close()
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Removes blocks by key, each with its chain below it; returns how many were removed."""
@@ -366,15 +388,15 @@ def list_segments(dir: Optional[str] = None) -> List[Dict[str, Any]]:  # noqa: A
     """Named store segments in ``dir`` (default ``/dev/shm``): ``name``, ``path``, ``bytes``,
     ``uid``, ``mode``, ``in_use``, ``namespace``, ``block_bytes``, ``num_slots``,
     ``committed_blocks``."""
-    d = ffi.NULL if dir is None else str(dir).encode()
+    d = ffi.NULL if dir is None else ck.path("dir", dir)
     return json_out(lib.tpu_sync_shm_list, d)
 
 
 def remove_segment(name: str, force: bool = False, dir: Optional[str] = None) -> None:  # noqa: A002
     """Removes a named segment. Refused (IOError) when in use by a live process or owned by another
     user, unless ``force``."""
-    d = ffi.NULL if dir is None else str(dir).encode()
-    check(lib.tpu_sync_shm_remove(d, str(name).encode(), bool(force)))
+    d = ffi.NULL if dir is None else ck.path("dir", dir)
+    check(lib.tpu_sync_shm_remove(d, ck.cstr("name", name), ck.flag("force", force)))
 
 
 __all__ = ["GetResult", "Lease", "PutResult", "Store", "list_segments", "remove_segment"]
