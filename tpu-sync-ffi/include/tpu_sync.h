@@ -364,6 +364,11 @@ enum tpu_sync_source_state
    * The request id is not (or no longer) known to this endpoint.
    */
   TPU_SYNC_SOURCE_UNKNOWN = 6,
+  /**
+   * Every expected consumer is accounted for and at least one rejected the request (it will
+   * not pull it: the decode side refused or aborted it).
+   */
+  TPU_SYNC_SOURCE_REJECTED = 7,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

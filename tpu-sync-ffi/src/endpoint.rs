@@ -94,6 +94,9 @@ pub enum tpu_sync_source_state {
     TPU_SYNC_SOURCE_SHUTDOWN = 5,
     /// The request id is not (or no longer) known to this endpoint.
     TPU_SYNC_SOURCE_UNKNOWN = 6,
+    /// Every expected consumer is accounted for and at least one rejected the request (it will
+    /// not pull it: the decode side refused or aborted it).
+    TPU_SYNC_SOURCE_REJECTED = 7,
 }
 
 struct EndpointObj {
@@ -599,6 +602,7 @@ pub unsafe extern "C" fn tpu_sync_endpoint_source_state(
             match m.ended.get(&request_id) {
                 None => TPU_SYNC_SOURCE_UNKNOWN,
                 Some(SourceOutcome::Released) => TPU_SYNC_SOURCE_RELEASED,
+                Some(SourceOutcome::Rejected(_)) => TPU_SYNC_SOURCE_REJECTED,
                 Some(SourceOutcome::Expired) => TPU_SYNC_SOURCE_EXPIRED,
                 Some(SourceOutcome::PeerLost(_)) => TPU_SYNC_SOURCE_PEER_LOST,
                 Some(SourceOutcome::Unregistered) => TPU_SYNC_SOURCE_UNREGISTERED,
@@ -733,6 +737,7 @@ pub unsafe extern "C" fn tpu_sync_endpoint_pull(
                 staging: staging.clone(),
                 dst_ranks: Some(kv.by_rank.keys().copied().collect()),
                 plan: Some(plan),
+                wait_for_registration: None,
             })?
         };
         let (obj, completion) = new_transfer(t.clone());

@@ -15,7 +15,7 @@ from .errors import InvalidArgumentError
 
 #: Names of ``tpu_sync_source_state`` values (:meth:`Endpoint.registration_state`).
 SOURCE_STATES = {0: "active", 1: "released", 2: "expired", 3: "peer_lost", 4: "unregistered", 5: "shutdown",
-                 6: "unknown"}
+                 6: "unknown", 7: "rejected"}
 
 #: Largest request id (ids must survive JSON as doubles).
 MAX_REQUEST_ID = (1 << 53) - 1
@@ -189,7 +189,8 @@ class Endpoint(Handle):
 
     def registration_state(self, request_id: int) -> str:
         """``"active"``, or how the registration ended: ``"released"`` (every consumer finished),
-        ``"expired"``, ``"peer_lost"``, ``"unregistered"``, ``"shutdown"``; ``"unknown"`` for an
+        ``"rejected"`` (a consumer said it will not pull it), ``"expired"``, ``"peer_lost"``,
+        ``"unregistered"``, ``"shutdown"``; ``"unknown"`` for an
         id never registered here."""
         s = ffi.new("uint32_t *")
         check(lib.tpu_sync_endpoint_source_state(self._handle(), int(request_id), s))
