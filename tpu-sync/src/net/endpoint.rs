@@ -1994,6 +1994,70 @@ impl Inner {
         }
     }
 
+    /// The stripe fan-out shared by pulls and pushes: spawns every stripe of every pair (each
+    /// on a lane checked out of its peer's pool, guarded by the transfer's cancellation and the
+    /// peer's death) and joins them. `addr_of(src, dst)` names the peer of a pair; `exchange`
+    /// runs the per-stripe protocol (pull: ask, receive; push: offer, send, acknowledge) on the
+    /// lane and gives the lane back when it stays in sync. Returns the bytes moved.
+    async fn fan_out<F, Fut>(
+        self: &Arc<Self>,
+        t: &Arc<TransferShared>,
+        pairs: &[(u32, u32, Arc<SpanCursor>)],
+        addr_of: impl Fn(u32, u32) -> Result<String>,
+        exchange: F,
+    ) -> Result<FanOut>
+    where
+        F: Fn(StripeCtx) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = StripeResult> + Send + 'static,
+    {
+        let exchange = Arc::new(exchange);
+        let mut set: JoinSet<StripeResult> = JoinSet::new();
+        let mut stripes = 0u64;
+        let spans: u64 = pairs.iter().map(|p| p.2.spans().len() as u64).sum();
+        for (pair, (s, d, cursor)) in pairs.iter().enumerate() {
+            let total = cursor.total();
+            let count = stripes_for(total, self.opts.chunk_bytes, self.opts.streams_per_pair);
+            let digest = spans_digest(cursor.spans());
+            let addr = addr_of(*s, *d)?;
+            for index in 0..count {
+                stripes += 1;
+                let job = StripeJob {
+                    pair,
+                    src: *s,
+                    dst: *d,
+                    cursor: cursor.clone(),
+                    digest,
+                    total,
+                    stripe: Stripe {
+                        index,
+                        count,
+                        chunk_bytes: self.opts.chunk_bytes,
+                    },
+                };
+                let (me, t, addr, exchange) =
+                    (self.clone(), t.clone(), addr.clone(), exchange.clone());
+                set.spawn(async move {
+                    let peer = me.peer(&addr).await?;
+                    let lane = Self::guarded(&t, &peer, me.checkout(&peer)).await?;
+                    exchange(StripeCtx {
+                        me,
+                        t,
+                        peer,
+                        lane,
+                        job,
+                    })
+                    .await
+                });
+            }
+        }
+        let bytes = join_stripes(&mut set).await?;
+        Ok(FanOut {
+            bytes,
+            spans,
+            stripes,
+        })
+    }
+
     async fn drive_pull(
         self: &Arc<Self>,
         t: &Arc<TransferShared>,
@@ -2001,109 +2065,27 @@ impl Inner {
         pairs: Vec<(u32, u32, Arc<SpanCursor>)>,
         progress: Arc<Progress>,
     ) -> Result<TransferStats> {
-        let mut set: JoinSet<StripeResult> = JoinSet::new();
-        let mut stripes_used = 0u64;
-        let spans: u64 = pairs.iter().map(|p| p.2.spans().len() as u64).sum();
-        for (i, (s, d, cursor)) in pairs.iter().enumerate() {
-            let total = cursor.total();
-            let count = stripes_for(total, self.opts.chunk_bytes, self.opts.streams_per_pair);
-            let digest = spans_digest(cursor.spans());
-            for k in 0..count {
-                stripes_used += 1;
-                let stripe = Stripe {
-                    index: k,
-                    count,
-                    chunk_bytes: self.opts.chunk_bytes,
-                };
-                let (me, t, cursor, progress) =
-                    (self.clone(), t.clone(), cursor.clone(), progress.clone());
-                let (addr, dst, staging) = (
-                    req.sources.get(*s)?.to_string(),
-                    req.dst.clone(),
-                    req.staging.clone(),
-                );
-                let (s, d, rid) = (*s, *d, req.request_id);
-                let wait_until = req.wait_for_registration.map(|w| t.started + w);
-                set.spawn(async move {
-                    let peer = me.peer(&addr).await?;
-                    let mut lane = Self::guarded(&t, &peer, me.checkout(&peer)).await?;
-                    let msg = Control::Pull {
-                        request_id: rid,
-                        src_rank: s,
-                        dst_rank: d,
-                        dst,
-                        digest,
-                        total_bytes: total,
-                        stripe,
-                    };
-                    let mut backoff = Duration::from_millis(2);
-                    loop {
-                        Self::guarded(&t, &peer, lane.f.send(&msg, rid)).await?;
-                        let r = Self::guarded(&t, &peer, async {
-                            Ok(recv_stripe(
-                                &mut lane.f,
-                                rid,
-                                &staging,
-                                d,
-                                &cursor,
-                                stripe,
-                                &progress,
-                                i,
-                                &me.counters,
-                            )
-                            .await)
-                        })
-                        .await?;
-                        return match r {
-                            Ok(n) => {
-                                t.bytes.fetch_add(n, Ordering::Relaxed);
-                                me.give_back(&peer, lane);
-                                Ok(n)
-                            }
-                            // Not registered there yet: ask again (the lane is in sync).
-                            Err(f)
-                                if f.lane_ok
-                                    && f.error.kind() == ErrorKind::UnknownRequest
-                                    && wait_until.is_some_and(|u| Instant::now() + backoff < u) =>
-                            {
-                                Self::guarded(&t, &peer, async {
-                                    tokio::time::sleep(backoff).await;
-                                    Ok(())
-                                })
-                                .await?;
-                                backoff = (backoff * 2).min(Duration::from_millis(100));
-                                continue;
-                            }
-                            Err(f) => {
-                                if f.lane_ok {
-                                    me.give_back(&peer, lane);
-                                }
-                                if peer.dead.is_set() && f.error.kind() != ErrorKind::Checksum {
-                                    return Err(Error::PeerClosed(format!(
-                                        "peer {} died: {}",
-                                        peer.addr,
-                                        peer.dead.reason()
-                                    ))
-                                    .into());
-                                }
-                                Err(StripeError {
-                                    error: f.error,
-                                    soft: f.lane_ok,
-                                })
-                            }
-                        };
-                    }
-                });
-            }
-        }
-        let bytes = join_stripes(&mut set).await?;
-        Ok(TransferStats {
-            bytes,
-            spans,
-            pairs: pairs.len() as u64,
-            stripes: stripes_used,
-            elapsed: t.started.elapsed(),
-        })
+        let wait_until = req.wait_for_registration.map(|w| t.started + w);
+        let (rid, dst, staging) = (req.request_id, req.dst.clone(), req.staging.clone());
+        let sources = req.sources.clone();
+        let r = self
+            .fan_out(
+                t,
+                &pairs,
+                |s, _| Ok(sources.get(s)?.to_string()),
+                move |c| {
+                    pull_stripe(
+                        c,
+                        rid,
+                        dst.clone(),
+                        staging.clone(),
+                        progress.clone(),
+                        wait_until,
+                    )
+                },
+            )
+            .await?;
+        Ok(r.stats(pairs.len(), t))
     }
 
     async fn drive_push(
@@ -2114,93 +2096,21 @@ impl Inner {
         pairs: Vec<(u32, u32, Arc<SpanCursor>)>,
         targets: Vec<String>,
     ) -> Result<TransferStats> {
-        let mut set: JoinSet<StripeResult> = JoinSet::new();
-        let mut stripes_used = 0u64;
-        let spans: u64 = pairs.iter().map(|p| p.2.spans().len() as u64).sum();
-        for (s, d, cursor) in pairs.iter() {
-            let total = cursor.total();
-            let count = stripes_for(total, self.opts.chunk_bytes, self.opts.streams_per_pair);
-            let digest = spans_digest(cursor.spans());
-            for k in 0..count {
-                stripes_used += 1;
-                let stripe = Stripe {
-                    index: k,
-                    count,
-                    chunk_bytes: self.opts.chunk_bytes,
-                };
-                let (me, t, cursor) = (self.clone(), t.clone(), cursor.clone());
-                let (addr, src, staging) = (
-                    req.targets.get(*d)?.to_string(),
-                    req.src.clone(),
-                    req.staging.clone(),
-                );
-                let (s, d, rid, n_tok) = (*s, *d, req.request_id, req.num_tokens);
-                set.spawn(async move {
-                    let peer = me.peer(&addr).await?;
-                    let mut lane = Self::guarded(&t, &peer, me.checkout(&peer)).await?;
-                    let msg = Control::Push {
-                        request_id: rid,
-                        src_rank: s,
-                        dst_rank: d,
-                        src,
-                        num_tokens: n_tok,
-                        digest,
-                        total_bytes: total,
-                        stripe,
-                    };
-                    let io = me.opts.io_timeout;
-                    Self::guarded(&t, &peer, lane.f.send(&msg, rid)).await?;
-                    match Self::guarded(&t, &peer, lane.f.recv(io)).await? {
-                        (_, Control::Ready { .. }) => {}
-                        (_, Control::Failed { message, kind, .. }) => {
-                            me.give_back(&peer, lane);
-                            return Err(StripeError {
-                                error: remote_error(kind, &message),
-                                soft: true,
-                            });
-                        }
-                        (_, m) => {
-                            return Err(Error::Protocol(format!("expected ready, got {m:?}")).into())
-                        }
-                    }
-                    let gate = t.gate.as_ref().map(|g| g.subscribe());
-                    let n = Self::guarded(
-                        &t,
-                        &peer,
-                        send_stripe(
-                            &mut lane.f,
-                            rid,
-                            &staging,
-                            s,
-                            &cursor,
-                            stripe,
-                            gate,
-                            &me.counters,
-                            &me.opts.faults,
-                        ),
-                    )
-                    .await?;
-                    match Self::guarded(&t, &peer, lane.f.recv(io)).await? {
-                        (_, Control::StreamAck { bytes, .. }) if bytes == n => {
-                            t.bytes.fetch_add(n, Ordering::Relaxed);
-                            me.give_back(&peer, lane);
-                            Ok(n)
-                        }
-                        (_, Control::Failed { message, kind, .. }) => {
-                            me.give_back(&peer, lane);
-                            Err(StripeError {
-                                error: remote_error(kind, &message),
-                                soft: true,
-                            })
-                        }
-                        (_, m) => {
-                            Err(Error::Protocol(format!("expected stream-ack, got {m:?}")).into())
-                        }
-                    }
-                });
-            }
-        }
-        let bytes = join_stripes(&mut set).await?;
+        let (rid, n_tok, src, staging) = (
+            req.request_id,
+            req.num_tokens,
+            req.src.clone(),
+            req.staging.clone(),
+        );
+        let dests = req.targets.clone();
+        let r = self
+            .fan_out(
+                t,
+                &pairs,
+                |_, d| Ok(dests.get(d)?.to_string()),
+                move |c| push_stripe(c, rid, n_tok, src.clone(), staging.clone()),
+            )
+            .await?;
         // Every destination endpoint learns that our ranks are finished (also those that got
         // no bytes from us).
         for addr in targets {
@@ -2222,13 +2132,207 @@ impl Inner {
                 (_, m) => return Err(Error::Protocol(format!("expected finished, got {m:?}"))),
             }
         }
-        Ok(TransferStats {
-            bytes,
-            spans,
-            pairs: pairs.len() as u64,
-            stripes: stripes_used,
+        Ok(r.stats(pairs.len(), t))
+    }
+}
+
+/// One stripe of one pair, as [`Inner::fan_out`] hands it to an exchange.
+struct StripeJob {
+    /// Index of the pair in the transfer (for [`Progress`]).
+    pair: usize,
+    src: u32,
+    dst: u32,
+    cursor: Arc<SpanCursor>,
+    /// [`spans_digest`] of the pair's spans.
+    digest: u64,
+    /// Bytes of the pair's stream.
+    total: u64,
+    stripe: Stripe,
+}
+
+/// What a stripe exchange runs with: the endpoint, the transfer, the peer and a lane of its pool.
+struct StripeCtx {
+    me: Arc<Inner>,
+    t: Arc<TransferShared>,
+    peer: Arc<Peer>,
+    lane: LaneGuard,
+    job: StripeJob,
+}
+
+/// What a fan-out moved.
+struct FanOut {
+    bytes: u64,
+    spans: u64,
+    stripes: u64,
+}
+
+impl FanOut {
+    fn stats(&self, pairs: usize, t: &TransferShared) -> TransferStats {
+        TransferStats {
+            bytes: self.bytes,
+            spans: self.spans,
+            pairs: pairs as u64,
+            stripes: self.stripes,
             elapsed: t.started.elapsed(),
+        }
+    }
+}
+
+/// The pull exchange of one stripe: `Pull` -> data frames -> `StreamDone` (or `Failed`; an
+/// "unknown request" is asked again until `wait_until`).
+async fn pull_stripe(
+    c: StripeCtx,
+    rid: u64,
+    dst: Placement,
+    staging: Arc<Staging>,
+    progress: Arc<Progress>,
+    wait_until: Option<Instant>,
+) -> StripeResult {
+    let StripeCtx {
+        me,
+        t,
+        peer,
+        mut lane,
+        job,
+    } = c;
+    let msg = Control::Pull {
+        request_id: rid,
+        src_rank: job.src,
+        dst_rank: job.dst,
+        dst,
+        digest: job.digest,
+        total_bytes: job.total,
+        stripe: job.stripe,
+    };
+    let mut backoff = Duration::from_millis(2);
+    loop {
+        Inner::guarded(&t, &peer, lane.f.send(&msg, rid)).await?;
+        let r = Inner::guarded(&t, &peer, async {
+            Ok(recv_stripe(
+                &mut lane.f,
+                rid,
+                &staging,
+                job.dst,
+                &job.cursor,
+                job.stripe,
+                &progress,
+                job.pair,
+                &me.counters,
+            )
+            .await)
         })
+        .await?;
+        return match r {
+            Ok(n) => {
+                t.bytes.fetch_add(n, Ordering::Relaxed);
+                me.give_back(&peer, lane);
+                Ok(n)
+            }
+            // Not registered there yet: ask again (the lane is in sync).
+            Err(f)
+                if f.lane_ok
+                    && f.error.kind() == ErrorKind::UnknownRequest
+                    && wait_until.is_some_and(|u| Instant::now() + backoff < u) =>
+            {
+                Inner::guarded(&t, &peer, async {
+                    tokio::time::sleep(backoff).await;
+                    Ok(())
+                })
+                .await?;
+                backoff = (backoff * 2).min(Duration::from_millis(100));
+                continue;
+            }
+            Err(f) => {
+                if f.lane_ok {
+                    me.give_back(&peer, lane);
+                }
+                if peer.dead.is_set() && f.error.kind() != ErrorKind::Checksum {
+                    return Err(Error::PeerClosed(format!(
+                        "peer {} died: {}",
+                        peer.addr,
+                        peer.dead.reason()
+                    ))
+                    .into());
+                }
+                Err(StripeError {
+                    error: f.error,
+                    soft: f.lane_ok,
+                })
+            }
+        };
+    }
+}
+
+/// The push exchange of one stripe: `Push` -> `Ready` (or `Failed`) -> data frames ->
+/// `StreamDone` -> `StreamAck` (or `Failed`).
+async fn push_stripe(
+    c: StripeCtx,
+    rid: u64,
+    num_tokens: u32,
+    src: Placement,
+    staging: Arc<Staging>,
+) -> StripeResult {
+    let StripeCtx {
+        me,
+        t,
+        peer,
+        mut lane,
+        job,
+    } = c;
+    let msg = Control::Push {
+        request_id: rid,
+        src_rank: job.src,
+        dst_rank: job.dst,
+        src,
+        num_tokens,
+        digest: job.digest,
+        total_bytes: job.total,
+        stripe: job.stripe,
+    };
+    let io = me.opts.io_timeout;
+    Inner::guarded(&t, &peer, lane.f.send(&msg, rid)).await?;
+    match Inner::guarded(&t, &peer, lane.f.recv(io)).await? {
+        (_, Control::Ready { .. }) => {}
+        (_, Control::Failed { message, kind, .. }) => {
+            me.give_back(&peer, lane);
+            return Err(StripeError {
+                error: remote_error(kind, &message),
+                soft: true,
+            });
+        }
+        (_, m) => return Err(Error::Protocol(format!("expected ready, got {m:?}")).into()),
+    }
+    let gate = t.gate.as_ref().map(|g| g.subscribe());
+    let n = Inner::guarded(
+        &t,
+        &peer,
+        send_stripe(
+            &mut lane.f,
+            rid,
+            &staging,
+            job.src,
+            &job.cursor,
+            job.stripe,
+            gate,
+            &me.counters,
+            &me.opts.faults,
+        ),
+    )
+    .await?;
+    match Inner::guarded(&t, &peer, lane.f.recv(io)).await? {
+        (_, Control::StreamAck { bytes, .. }) if bytes == n => {
+            t.bytes.fetch_add(n, Ordering::Relaxed);
+            me.give_back(&peer, lane);
+            Ok(n)
+        }
+        (_, Control::Failed { message, kind, .. }) => {
+            me.give_back(&peer, lane);
+            Err(StripeError {
+                error: remote_error(kind, &message),
+                soft: true,
+            })
+        }
+        (_, m) => Err(Error::Protocol(format!("expected stream-ack, got {m:?}")).into()),
     }
 }
 
@@ -2506,14 +2610,12 @@ impl Inner {
                     // consumer ended (the consumer may have their data before the sender marked
                     // them served), bounded well below the consumer's wait for the answer.
                     let limit = tokio::time::Instant::now() + self.opts.io_timeout / 2;
-                    while delivered {
+                    while delivered && !self.shutdown.is_set() {
                         let ended = reg.stripe_ended.notified();
                         tokio::pin!(ended);
                         ended.as_mut().enable();
-                        if lock(&reg.st).serving.get(&s.key).copied().unwrap_or(0) == 0 {
-                            break;
-                        }
-                        if tokio::time::timeout_at(limit, ended).await.is_err() {
+                        let busy = lock(&reg.st).serving.get(&s.key).copied().unwrap_or(0) > 0;
+                        if !busy || tokio::time::timeout_at(limit, ended).await.is_err() {
                             break;
                         }
                     }
