@@ -149,6 +149,7 @@ async fn pull_once(p: &Pair, c: &Case, dst_st: &Arc<Staging>, rid: u64) {
             staging: dst_st.clone(),
             dst_ranks: None,
             plan: Some(c.plan.clone()),
+            wait_for_registration: None,
         })
         .unwrap();
     t.wait().await.unwrap();

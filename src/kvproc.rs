@@ -464,6 +464,12 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Re
         ep.shutdown(Some(Duration::from_secs(1))).await;
         let why = match r {
             Ok(SourceOutcome::Released) => return Ok(()),
+            // The decode side refused the request (its pull failed, or it gave up): the prefill
+            // did its part; the decode side reports the failure.
+            Ok(SourceOutcome::Rejected(why)) => {
+                errln!("prefill: request {}: {why}", job.request_id);
+                return Ok(());
+            }
             Err(Error::Timeout(_)) => {
                 return Err(Error::Timeout(format!(
                     "request {}: the decode side did not release the request within \
@@ -554,13 +560,20 @@ pub fn decode(job: &JobArgs, connect: &str, tokens: Option<u32>) -> Result<ExitC
                 .await
             }
         };
-        // Release on success and on failure (then the prefill frees the request at once instead
-        // of at its lease expiry).
+        // Release on success, reject on failure (this decode will not pull the request again):
+        // either way the prefill frees the request at once instead of at its lease expiry.
         let ranks = (0..src.layout.spec.ranks_per_replica()).map(|l| src.global_rank(l));
         // A release that fails after the bytes arrived is only a warning: the transfer itself
         // succeeded and was verified, and the prefill side frees the request at lease expiry.
         for a in sources.addresses(ranks).unwrap_or_default() {
-            if let Err(e) = ep.release(&a, job.request_id).await {
+            let done = match &r {
+                Ok(_) => ep.release(&a, job.request_id).await,
+                Err(e) => {
+                    ep.reject(&a, job.request_id, &format!("the decode failed: {e}"))
+                        .await
+                }
+            };
+            if let Err(e) = done {
                 errln!(
                     "decode: warning: release of request {} at {a}: {e}",
                     job.request_id
@@ -632,6 +645,7 @@ async fn decode_request(
             staging: staging.clone(),
             dst_ranks: None,
             plan: None,
+            wait_for_registration: None,
         })?
         .wait()
         .await?;

@@ -78,6 +78,7 @@ async fn attempt(client: &Endpoint, addr: &str, f: &Fixture) -> (bool, bool) {
         staging: dst_st.clone(),
         dst_ranks: None,
         plan: None,
+        wait_for_registration: None,
     }) {
         Ok(t) => t.wait_timeout(Duration::from_secs(20)).await.is_ok(),
         Err(_) => false,

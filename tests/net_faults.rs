@@ -464,7 +464,17 @@ fn cancellation_and_leases() {
         tokio::time::sleep(Duration::from_millis(900)).await;
         assert_eq!(h.outcome(), None);
         assert_eq!(prefill.stats().leases, 1);
-        // ...until it releases.
+        // ...and a release after the cancelled pull is no delivery: the registration stays...
+        decode.release(&addr, 1).await.unwrap();
+        assert_eq!(h.outcome(), None);
+        // ...for a retry, whose release ends it.
+        h.publish_layers(f.src.layout.model.num_layers);
+        let (t, st) = pull(&decode, &f, 1, &addr);
+        t.wait().await.unwrap();
+        assert_eq!(
+            verify_dest(&f.dst, f.tokens, &st, None),
+            f.plan.total_bytes()
+        );
         decode.release(&addr, 1).await.unwrap();
         assert_eq!(
             h.wait(Duration::from_secs(2)).await.unwrap(),

@@ -56,6 +56,7 @@ fn fifty_thousand_small_transfers_use_bounded_sockets() {
                             staging: st.clone(),
                             dst_ranks: None,
                             plan: None,
+                            wait_for_registration: None,
                         })
                         .unwrap();
                     let s = t

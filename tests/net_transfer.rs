@@ -63,6 +63,7 @@ async fn pull_once(prefill: &Endpoint, decode: &Endpoint, c: &Case, rid: u64) ->
             staging: dst_st.clone(),
             dst_ranks: None,
             plan: None,
+            wait_for_registration: None,
         })
         .unwrap();
     let stats = t.wait().await.unwrap();
@@ -231,6 +232,7 @@ fn prefill_ranks_in_separate_endpoints_pull_and_push() {
                     staging: dst_st.clone(),
                     dst_ranks: None,
                     plan: None,
+                    wait_for_registration: None,
                 })
                 .unwrap();
             let st = t.wait().await.unwrap();
@@ -377,6 +379,7 @@ fn a_rank_with_no_bytes_still_completes() {
                 staging: dest_staging(&c.plan, &c.dst, None),
                 dst_ranks: Some(vec![]),
                 plan: None,
+                wait_for_registration: None,
             })
             .unwrap();
         let st = t.wait().await.unwrap();
@@ -432,6 +435,7 @@ fn layer_pipelining_pull_and_push() {
                     staging: dst_st.clone(),
                     dst_ranks: None,
                     plan: None,
+                    wait_for_registration: None,
                 })
                 .unwrap();
             tokio::time::sleep(Duration::from_millis(150)).await;
@@ -518,7 +522,10 @@ fn request_ids_must_survive_json() {
         let max = (1u64 << 53) - 1;
         ep.register_source(reg(max)).unwrap();
         assert!(ep.register_source(reg(max)).is_err(), "duplicate id");
-        let msg = tpu_sync::wire::Control::Release { request_id: max };
+        let msg = tpu_sync::wire::Control::Release {
+            request_id: max,
+            delivered: true,
+        };
         let json = serde_json::to_string(&msg).unwrap();
         // A JSON number parsed as a double (as Python or JavaScript do) keeps the id.
         let v: serde_json::Value = serde_json::from_str(&json).unwrap();

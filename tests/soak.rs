@@ -307,6 +307,7 @@ async fn one_request(w: &World, s: &Side, rng: &mut Rng) {
                     staging: st,
                     dst_ranks: None,
                     plan: Some(plan.clone()),
+                    wait_for_registration: None,
                 })
                 .unwrap()
         };
@@ -489,6 +490,7 @@ async fn warm_up(pki: &Pki) -> Resources {
             staging: st.clone(),
             dst_ranks: None,
             plan: None,
+            wait_for_registration: None,
         })
         .unwrap()
         .wait()

@@ -411,7 +411,13 @@ fn script(w: &World, inp: &Input) -> Script {
                 }
             }
             Step::Release { rid } => {
-                out.extend(frame(&Control::Release { request_id: *rid as u64 % 4 }, 0));
+                out.extend(frame(
+                    &Control::Release {
+                        request_id: *rid as u64 % 4,
+                        delivered: *rid % 2 == 0,
+                    },
+                    0,
+                ));
                 if let Some(e) = ex.as_mut() {
                     e.push_back(Exchange::Other);
                 }

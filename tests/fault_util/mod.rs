@@ -624,6 +624,7 @@ fn failed_frame(info: &FrameInfo) -> Vec<u8> {
     Control::Failed {
         request_id: info.request_id,
         message: "injected fault: the exchange was turned into a failure".into(),
+        kind: None,
     }
     .to_frame(info.request_id)
     .unwrap()

@@ -361,6 +361,7 @@ pub fn pull_fx(
         staging,
         dst_ranks: None,
         plan: None,
+        wait_for_registration: None,
     })
     .unwrap()
 }

@@ -1496,7 +1496,9 @@ enum tpu_sync_status tpu_sync_endpoint_shutdown(const struct tpu_sync_endpoint *
  *  "disk_io_uring": true, "disk_direct": true,
  *  "verify_checksums": true,      // check each block's xxh3 on get
  *  "background": false,           // prepare memory on a thread; see tpu_sync_store_state
- *  "lock_memory": true, "huge_pages": true, "populate": true}
+ *  "lock_memory": true, "huge_pages": true, "populate": true,
+ *  "staging_budget_bytes": 2147483648}  // the tier's own budget of pinned bytes (default: the
+ *                                 // process-wide budget shared with every endpoint's staging)
  * ```
  *
  * `dma_client`: NULL, or a client whose plugin maps the DRAM slots for DMA
@@ -1505,6 +1507,7 @@ enum tpu_sync_status tpu_sync_endpoint_shutdown(const struct tpu_sync_endpoint *
  * handle owned by the caller. One process at a time may use a named segment or disk directory.
  *
  * Errors: `TPU_SYNC_INVALID_ARGUMENT` (bad JSON, unknown keys, sizes, names);
+ * `TPU_SYNC_STAGING_EXHAUSTED` (the segment does not fit in the pinned-memory budget);
  * `TPU_SYNC_HOST_MEMORY`, `TPU_SYNC_IO` (segment or directory unusable or in use; in the
  * foreground mode only).
  *

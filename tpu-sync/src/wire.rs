@@ -23,7 +23,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::plan::Placement;
 
 /// Frame magic.
@@ -467,11 +467,34 @@ pub enum Control {
     Release {
         /// The request.
         request_id: u64,
+        /// Whether the receiver got (and verified) everything it pulled from this sender. A
+        /// release with `false` (sent after a failed pull) ends the consumer's lease but is not
+        /// counted as a delivery: the registration stays pullable. Absent (true) in older peers'
+        /// messages.
+        #[serde(default = "yes")]
+        delivered: bool,
     },
     /// Acknowledges a [`Control::Release`].
     Released {
         /// The request.
         request_id: u64,
+    },
+    /// The receiver will not pull the request (decode refused or aborted it before admission):
+    /// the sender ends this consumer's part at once and frees the staging when no consumer
+    /// remains. Answered with [`Control::Rejected`].
+    Reject {
+        /// The request.
+        request_id: u64,
+        /// Why (shown in the sender's registration outcome).
+        reason: String,
+    },
+    /// Acknowledges a [`Control::Reject`].
+    Rejected {
+        /// The request.
+        request_id: u64,
+        /// Whether the request was registered when the reject arrived (false: the sender
+        /// remembers the reject for a registration that comes later).
+        known: bool,
     },
     /// Stop all work on a request (control lane); no answer.
     Cancel {
@@ -487,12 +510,39 @@ pub enum Control {
     Failed {
         /// The request.
         request_id: u64,
-        /// Description.
+        /// Description (the error's [`Error::detail`]).
         message: String,
+        /// The error's kind, so that the receiver rebuilds the same kind ([`remote_error`]).
+        /// Absent in older peers' messages (then the failure arrives as [`Error::Remote`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        kind: Option<ErrorKind>,
     },
 }
 
+fn yes() -> bool {
+    true
+}
+
+/// Rebuilds an error a peer reported in a [`Control::Failed`]: the same [`ErrorKind`] with the
+/// peer's message, marked as coming from the peer (`"unknown request: peer: request 5 is not
+/// registered here"`). A message without a kind (an older peer) becomes [`Error::Remote`].
+pub fn remote_error(kind: Option<ErrorKind>, message: &str) -> Error {
+    match kind {
+        None => Error::Remote(message.to_string()),
+        Some(k) => Error::new(k, format!("peer: {message}")),
+    }
+}
+
 impl Control {
+    /// The [`Control::Failed`] reporting `e` for `request_id` (its kind and detail).
+    pub fn failed(request_id: u64, e: &Error) -> Control {
+        Control::Failed {
+            request_id,
+            message: e.detail(),
+            kind: Some(e.kind()),
+        }
+    }
+
     /// Encodes as a full frame (header + JSON body).
     pub fn to_frame(&self, request_id: u64) -> Result<Vec<u8>> {
         let body = serde_json::to_vec(self)
@@ -586,13 +636,57 @@ mod tests {
 
     #[test]
     fn control_round_trip() {
-        let m = Control::Release { request_id: 42 };
+        let m = Control::Release {
+            request_id: 42,
+            delivered: false,
+        };
         let f = m.to_frame(42).unwrap();
         let h = FrameHeader::decode(&f).unwrap();
         assert_eq!(h.kind, FrameKind::Control);
         assert_eq!(Control::decode(&f[HEADER_LEN..]).unwrap(), m);
         assert!(Control::decode(b"{\"type\":\"nope\"}").is_err());
         assert!(Control::decode(&f[HEADER_LEN..f.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn older_peers_messages_still_parse() {
+        // A release without `delivered` is a delivery (the old meaning).
+        assert_eq!(
+            Control::decode(br#"{"type":"release","request_id":3}"#).unwrap(),
+            Control::Release {
+                request_id: 3,
+                delivered: true
+            }
+        );
+        // A failure without a kind arrives as a remote error.
+        let m = Control::decode(br#"{"type":"failed","request_id":3,"message":"x"}"#).unwrap();
+        let Control::Failed { message, kind, .. } = m else {
+            panic!("{m:?}")
+        };
+        assert_eq!(kind, None);
+        assert_eq!(remote_error(kind, &message).kind(), ErrorKind::Remote);
+    }
+
+    #[test]
+    fn failures_keep_their_kind() {
+        for k in ErrorKind::ALL {
+            let e = Error::new(k, "request 5 is not registered here");
+            let f = Control::failed(5, &e).to_frame(5).unwrap();
+            let Control::Failed {
+                request_id,
+                message,
+                kind,
+            } = Control::decode(&f[HEADER_LEN..]).unwrap()
+            else {
+                panic!("not a failure")
+            };
+            assert_eq!((request_id, kind), (5, Some(k)));
+            let back = remote_error(kind, &message);
+            assert_eq!(back.kind(), k);
+            let text = back.to_string();
+            assert!(text.contains("peer: "), "{text}");
+            assert!(text.contains("request 5 is not registered here"), "{text}");
+        }
     }
 
     #[test]

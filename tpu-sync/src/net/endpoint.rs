@@ -19,7 +19,9 @@ use super::{check_request_id, Counters, EndpointOptions, PeerMap, Signal, Stats}
 use crate::error::{Error, ErrorKind, Result};
 use crate::plan::{spans_digest, Placement, Plan, Span};
 use crate::staging::Staging;
-use crate::wire::{self, Control, FrameHeader, FrameKind, LaneRole, Stripe, HEADER_LEN};
+use crate::wire::{
+    self, remote_error, Control, FrameHeader, FrameKind, LaneRole, Stripe, HEADER_LEN,
+};
 
 /// A very long wait (an idle pooled lane waits for its next request indefinitely; liveness is
 /// the control lane's business).
@@ -57,8 +59,13 @@ pub struct SourceRegistration {
 /// How a source registration ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SourceOutcome {
-    /// Every expected consumer released it.
+    /// Every expected consumer released it after a complete pull (a release that does not
+    /// confirm delivery is not counted: see [`Endpoint::release_with`]).
     Released,
+    /// Every expected consumer is accounted for and at least one of them rejected the request
+    /// ([`Endpoint::reject`]: it will not pull it). The message is the first consumer's reason,
+    /// with its name.
+    Rejected(String),
     /// No live consumer held a lease for [`EndpointOptions::lease_ttl`].
     Expired,
     /// A consumer holding a lease died (the message names it).
@@ -153,6 +160,12 @@ pub struct PullRequest {
     /// `Plan::build(&src, &dst, num_tokens)` if the caller already has it (`None`: planned here).
     /// A plan that differs from the sender's fails with [`Error::Mismatch`] (digest check).
     pub plan: Option<Arc<Plan>>,
+    /// How long to wait for the request to be registered at the sources (`None`: no wait, a
+    /// source that does not know the request fails the pull with [`Error::UnknownRequest`]).
+    /// With `Some(d)`, a stripe answered "unknown request" is asked again (backoff from 2 ms up
+    /// to 100 ms) until `d` after [`Endpoint::pull`] was called; a decode request that reaches
+    /// the producer before the producer registered it then waits and succeeds.
+    pub wait_for_registration: Option<Duration>,
 }
 
 /// A push ([`Endpoint::push`]).
@@ -383,6 +396,8 @@ struct SourceReg {
     /// The last plan built for a puller's placement: every stripe of every pair of one pull uses
     /// the same plan, so it is built once per puller, not once per stripe.
     plans: Mutex<Option<(Placement, Arc<Plan>)>>,
+    /// Notified whenever a stripe served from this registration ends.
+    stripe_ended: tokio::sync::Notify,
 }
 
 impl SourceReg {
@@ -399,11 +414,70 @@ impl SourceReg {
 }
 
 struct SourceState {
+    /// Releases counted as deliveries.
     releases: u32,
+    /// Consumers that rejected the request.
+    rejects: u32,
+    /// The first reject's reason.
+    reject_reason: Option<String>,
     holders: HashSet<SessionKey>,
     deadline: Instant,
     outcome: Option<SourceOutcome>,
+    /// Per consumer session: what it was served, pair by pair (a release is a delivery only when
+    /// every pair the session asked for was served completely).
+    served: HashMap<SessionKey, HashMap<(u32, u32), Served>>,
+    /// Stripes being served now, per consumer session (a release waits for them to end).
+    serving: HashMap<SessionKey, u32>,
 }
+
+impl SourceState {
+    /// Whether every expected consumer is accounted for (released after delivery, or rejected).
+    fn accounted(&self, expected: u32) -> bool {
+        self.releases.saturating_add(self.rejects) >= expected
+    }
+
+    /// The outcome once [`SourceState::accounted`].
+    fn final_outcome(&self) -> SourceOutcome {
+        match (&self.reject_reason, self.rejects) {
+            (_, 0) => SourceOutcome::Released,
+            (Some(r), _) => SourceOutcome::Rejected(r.clone()),
+            (None, _) => SourceOutcome::Rejected(String::new()),
+        }
+    }
+
+    /// Whether session `k` was served every stripe of every pair it asked for.
+    fn served_completely(&self, k: &SessionKey) -> bool {
+        self.served
+            .get(k)
+            .is_none_or(|m| m.values().all(Served::complete))
+    }
+}
+
+/// What one consumer session was served of one pair.
+struct Served {
+    /// Stripes of the pair (0: a pull of the pair was refused before any byte).
+    count: u32,
+    done: Vec<bool>,
+}
+
+impl Served {
+    fn complete(&self) -> bool {
+        self.count > 0 && self.done.iter().all(|&d| d)
+    }
+}
+
+/// A reject that arrived before its registration: counted when the request is registered within
+/// [`EndpointOptions::lease_ttl`].
+struct EarlyReject {
+    until: Instant,
+    count: u32,
+    reason: String,
+}
+
+/// Most early rejects remembered at once.
+const MAX_EARLY_REJECTS: usize = 1 << 16;
+/// Most request ids whose failed pull this endpoint remembers (for [`Endpoint::release`]).
+const MAX_FAILED_PULLS: usize = 1 << 16;
 
 struct PairSlot {
     idx: usize,
@@ -521,6 +595,9 @@ pub(crate) struct Inner {
     tasks: Mutex<JoinSet<()>>,
     shutdown: Signal,
     handshake_failures_seen: AtomicU64,
+    early_rejects: Mutex<HashMap<u64, EarlyReject>>,
+    /// Requests whose last pull on this endpoint failed (oldest forgotten first).
+    failed_pulls: Mutex<(HashSet<u64>, std::collections::VecDeque<u64>)>,
 }
 
 /// One process's network endpoint: listener (optional) + client side. See the [module
@@ -647,6 +724,8 @@ impl Endpoint {
             tasks: Mutex::new(JoinSet::new()),
             shutdown: Signal::default(),
             handshake_failures_seen: AtomicU64::new(0),
+            early_rejects: Mutex::new(HashMap::new()),
+            failed_pulls: Mutex::new(Default::default()),
         });
         if let Some(acc) = acceptor {
             let me = inner.clone();
@@ -736,21 +815,42 @@ impl Endpoint {
             expected_releases: reg.expected_releases,
             st: Mutex::new(SourceState {
                 releases: 0,
+                rejects: 0,
+                reject_reason: None,
                 holders: HashSet::new(),
                 deadline: Instant::now() + self.inner.opts.lease_ttl,
                 outcome: None,
+                served: HashMap::new(),
+                serving: HashMap::new(),
             }),
             done: Signal::default(),
             plans: Mutex::new(None),
+            stripe_ended: tokio::sync::Notify::new(),
         });
-        let mut m = lock(&self.inner.sources);
-        if m.contains_key(&reg.request_id) {
-            return Err(Error::InvalidArgument(format!(
-                "request {} is already registered",
-                reg.request_id
-            )));
+        {
+            let mut m = lock(&self.inner.sources);
+            if m.contains_key(&reg.request_id) {
+                return Err(Error::InvalidArgument(format!(
+                    "request {} is already registered",
+                    reg.request_id
+                )));
+            }
+            m.insert(reg.request_id, sr.clone());
         }
-        m.insert(reg.request_id, sr.clone());
+        // Consumers that rejected the request before it was registered.
+        let early = lock(&self.inner.early_rejects).remove(&reg.request_id);
+        if let Some(e) = early.filter(|e| e.until >= Instant::now()) {
+            let all = {
+                let mut st = lock(&sr.st);
+                st.rejects += e.count;
+                st.reject_reason.get_or_insert(e.reason);
+                st.accounted(sr.expected_releases)
+                    .then(|| st.final_outcome())
+            };
+            if let Some(o) = all {
+                self.inner.end_source(reg.request_id, o);
+            }
+        }
         Ok(SourceHandle { reg: sr })
     }
 
@@ -857,24 +957,64 @@ impl Endpoint {
     }
 
     /// Tells the endpoint at `addr` that this consumer is done with `request_id` (its lease ends;
-    /// the registration is dropped after its expected number of releases).
+    /// the registration is dropped after its expected number of releases). The release says
+    /// whether this consumer got the request: it is a delivery unless the last pull of
+    /// `request_id` on this endpoint failed or was cancelled (then it is
+    /// [`Endpoint::release_with`]`(addr, request_id, false)`).
     pub async fn release(&self, addr: &str, request_id: u64) -> Result<()> {
-        let inner = &self.inner;
-        let peer = inner.peer(addr).await?;
-        let mut lane = inner.checkout(&peer).await?;
-        lane.f
-            .send(&Control::Release { request_id }, request_id)
-            .await?;
-        match lane.f.recv(inner.opts.io_timeout).await? {
-            (_, Control::Released { .. }) => {
-                inner.give_back(&peer, lane);
-                Ok(())
+        let delivered = !lock(&self.inner.failed_pulls).0.contains(&request_id);
+        self.release_with(addr, request_id, delivered).await
+    }
+
+    /// Ends this consumer's lease on `request_id` at `addr`, saying whether it got everything it
+    /// pulled from there (`delivered`). Only a delivered release counts toward the
+    /// registration's [`SourceRegistration::expected_releases`] (and ends it as
+    /// [`SourceOutcome::Released`]); the producer also refuses to count one from a consumer that
+    /// it did not serve every stripe it asked for, and counts it only after the stripes it is
+    /// still serving to that consumer ended. A release that is not a delivery leaves the
+    /// registration pullable (a retry, to the right address, succeeds); without a live lease
+    /// holder it expires [`EndpointOptions::lease_ttl`] later ([`SourceOutcome::Expired`]).
+    /// A consumer that gives up on the request should [`Endpoint::reject`] it instead, which
+    /// frees the producer's staging at once.
+    ///
+    /// Errors: connection errors; the producer's errors with their kind.
+    pub async fn release_with(&self, addr: &str, request_id: u64, delivered: bool) -> Result<()> {
+        let m = Control::Release {
+            request_id,
+            delivered,
+        };
+        match self.inner.exchange(addr, &m, request_id).await? {
+            Control::Released { .. } => Ok(()),
+            m => Err(Error::Protocol(format!("expected released, got {m:?}"))),
+        }
+    }
+
+    /// Tells the endpoint at `addr` that this consumer will not pull `request_id` (the decode
+    /// side refused or aborted the request before admission). The producer ends this consumer's
+    /// part at once: it counts toward [`SourceRegistration::expected_releases`], and when no
+    /// consumer remains the registration ends with [`SourceOutcome::Rejected`] (carrying
+    /// `reason`, at most 4 KiB of it) and its staging is dropped. A reject that reaches the
+    /// producer before the registration is remembered for [`EndpointOptions::lease_ttl`] and
+    /// counted when the request is registered. Pulls of the request in flight from this consumer
+    /// should be cancelled first; stripes still being served are cut off when the registration
+    /// ends.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for a bad id; connection errors; the producer's errors
+    /// with their kind.
+    pub async fn reject(&self, addr: &str, request_id: u64, reason: &str) -> Result<()> {
+        check_request_id(request_id)?;
+        let mut reason = reason.to_string();
+        if reason.len() > 4096 {
+            let mut cut = 4096;
+            while !reason.is_char_boundary(cut) {
+                cut -= 1;
             }
-            (_, Control::Failed { message, .. }) => {
-                inner.give_back(&peer, lane);
-                Err(Error::Remote(message))
-            }
-            (_, m) => Err(Error::Protocol(format!("expected released, got {m:?}"))),
+            reason.truncate(cut);
+        }
+        let m = Control::Reject { request_id, reason };
+        match self.inner.exchange(addr, &m, request_id).await? {
+            Control::Rejected { .. } => Ok(()),
+            m => Err(Error::Protocol(format!("expected rejected, got {m:?}"))),
         }
     }
 
@@ -1110,33 +1250,47 @@ fn sink_plan_with(
     Ok(())
 }
 
-/// Joins a transfer's stripe tasks. A failure that leaves its lane in sync (a checksum mismatch,
-/// an error answered by the peer) lets the other stripes finish, so their lanes stay reusable;
-/// any other failure aborts them at once.
-async fn join_stripes(set: &mut JoinSet<Result<u64>>) -> Result<u64> {
+/// Why a stripe failed, and whether its lane stayed in frame sync (a checksum mismatch, or an
+/// error the peer answered with): then the other stripes of the transfer finish, so that their
+/// lanes stay reusable; any other failure aborts them at once.
+struct StripeError {
+    error: Error,
+    soft: bool,
+}
+
+impl From<Error> for StripeError {
+    fn from(error: Error) -> Self {
+        StripeError { error, soft: false }
+    }
+}
+
+type StripeResult = std::result::Result<u64, StripeError>;
+
+/// How much a stripe's error says about why a transfer failed (higher: more).
+fn telling(e: &Error) -> u8 {
+    match e.kind() {
+        ErrorKind::Checksum => 3,
+        ErrorKind::UnknownRequest | ErrorKind::Cancelled => 1,
+        _ => 2,
+    }
+}
+
+/// Joins a transfer's stripe tasks (see [`StripeError`]).
+async fn join_stripes(set: &mut JoinSet<StripeResult>) -> Result<u64> {
     let mut bytes = 0;
     let mut first: Option<Error> = None;
     while let Some(r) = set.join_next().await {
         match r {
             Ok(Ok(n)) => bytes += n,
-            Ok(Err(e)) => {
-                let soft = matches!(
-                    e.kind(),
-                    ErrorKind::Checksum
-                        | ErrorKind::Remote
-                        | ErrorKind::Mismatch
-                        | ErrorKind::UnknownRequest
-                );
+            Ok(Err(StripeError { error: e, soft })) => {
                 if !soft {
                     set.abort_all();
                     return Err(e);
                 }
-                // The most telling error wins: a corrupt chunk over its consequences (a
-                // receiver that already dropped the failed request).
-                let telling = e.kind() == ErrorKind::Checksum;
-                match &first {
-                    Some(f) if !telling || f.kind() == ErrorKind::Checksum => {}
-                    _ => first = Some(e),
+                // The most telling error wins: a corrupt chunk, then any cause, over its
+                // consequences (a receiver that already dropped the failed request).
+                if first.as_ref().is_none_or(|f| telling(&e) > telling(f)) {
+                    first = Some(e);
                 }
             }
             Err(e) => {
@@ -1260,6 +1414,9 @@ impl Inner {
                         .fetch_add(1, Ordering::Relaxed)
                 }
             };
+            if t.kind == TransferKind::Pull {
+                self.note_pull(t.request_id, r.is_ok());
+            }
             *g = Some(r);
         }
         lock(&self.transfers).remove(&t.id);
@@ -1295,6 +1452,61 @@ impl Inner {
         }
         drop(sessions);
         reg.done.fire("ended");
+        true
+    }
+
+    /// Remembers whether the last pull of `request_id` succeeded (for [`Endpoint::release`]).
+    fn note_pull(&self, request_id: u64, ok: bool) {
+        let mut g = lock(&self.failed_pulls);
+        let (set, order) = &mut *g;
+        if ok {
+            set.remove(&request_id);
+            return;
+        }
+        if set.insert(request_id) {
+            order.push_back(request_id);
+        }
+        while order.len() > MAX_FAILED_PULLS {
+            if let Some(old) = order.pop_front() {
+                set.remove(&old);
+            }
+        }
+    }
+
+    /// A consumer session rejected `request_id`; returns whether it was registered.
+    fn reject_source(&self, s: &Arc<Session>, request_id: u64, reason: &str) -> bool {
+        let why = format!("consumer {} rejected the request: {reason}", s.key.0);
+        let reg = lock(&self.sources).get(&request_id).cloned();
+        let Some(reg) = reg else {
+            let mut m = lock(&self.early_rejects);
+            if m.len() < MAX_EARLY_REJECTS || m.contains_key(&request_id) {
+                let e = m.entry(request_id).or_insert(EarlyReject {
+                    until: Instant::now(),
+                    count: 0,
+                    reason: why,
+                });
+                e.until = Instant::now() + self.opts.lease_ttl;
+                e.count += 1;
+            } else {
+                log::warn!("reject of unregistered request {request_id} not remembered: too many");
+            }
+            return false;
+        };
+        lock(&s.leases).remove(&request_id);
+        let end = {
+            let mut st = lock(&reg.st);
+            st.holders.remove(&s.key);
+            st.served.remove(&s.key);
+            st.rejects += 1;
+            st.reject_reason.get_or_insert(why);
+            st.deadline = Instant::now() + self.opts.lease_ttl;
+            st.accounted(reg.expected_releases)
+                .then(|| st.final_outcome())
+        };
+        log::info!("request {request_id} rejected by {}: {reason}", s.key.0);
+        if let Some(o) = end {
+            self.end_source(request_id, o);
+        }
         true
     }
 
@@ -1361,6 +1573,7 @@ impl Inner {
                 log::info!("lease of request {id} expired");
                 self.end_source(id, SourceOutcome::Expired);
             }
+            lock(&self.early_rejects).retain(|_, e| e.until >= now);
             // A push registration nobody works on (its senders never came, or died before
             // reaching us) fails instead of waiting forever.
             let idle: Vec<Arc<SinkReg>> = lock(&self.sinks)
@@ -1550,7 +1763,7 @@ impl Inner {
                 (_, Control::HelloAck { protocol, .. }) if protocol == wire::PROTOCOL_VERSION => {
                     Ok(CountedLane { f, _count: count })
                 }
-                (_, Control::Failed { message, .. }) => Err(Error::Remote(message)),
+                (_, Control::Failed { message, kind, .. }) => Err(remote_error(kind, &message)),
                 (_, m) => Err(Error::Protocol(format!("expected hello-ack, got {m:?}"))),
             }
         };
@@ -1722,30 +1935,39 @@ struct LaneGuard {
 // ---------------------------------------------------------------------------------------------
 
 impl Inner {
+    /// One request/answer exchange on a data lane to `addr`; a [`Control::Failed`] answer is the
+    /// peer's error with its kind.
+    async fn exchange(
+        self: &Arc<Self>,
+        addr: &str,
+        m: &Control,
+        request_id: u64,
+    ) -> Result<Control> {
+        let peer = self.peer(addr).await?;
+        let mut lane = self.checkout(&peer).await?;
+        lane.f.send(m, request_id).await?;
+        let (_, answer) = lane.f.recv(self.opts.io_timeout).await?;
+        self.give_back(&peer, lane);
+        match answer {
+            Control::Failed { message, kind, .. } => Err(remote_error(kind, &message)),
+            a => Ok(a),
+        }
+    }
+
     async fn describe(
         self: &Arc<Self>,
         addr: &str,
         request_id: u64,
         sink: bool,
     ) -> Result<(Placement, u32)> {
-        let peer = self.peer(addr).await?;
-        let mut lane = self.checkout(&peer).await?;
-        lane.f
-            .send(&Control::Describe { request_id, sink }, request_id)
-            .await?;
-        let r = lane.f.recv(self.opts.io_timeout).await?;
-        self.give_back(&peer, lane);
-        match r {
-            (
-                _,
-                Control::Description {
-                    num_tokens,
-                    placement,
-                    ..
-                },
-            ) => Ok((placement, num_tokens)),
-            (_, Control::Failed { message, .. }) => Err(Error::Remote(message)),
-            (_, m) => Err(Error::Protocol(format!(
+        let m = Control::Describe { request_id, sink };
+        match self.exchange(addr, &m, request_id).await? {
+            Control::Description {
+                num_tokens,
+                placement,
+                ..
+            } => Ok((placement, num_tokens)),
+            m => Err(Error::Protocol(format!(
                 "expected a description, got {m:?}"
             ))),
         }
@@ -1772,6 +1994,70 @@ impl Inner {
         }
     }
 
+    /// The stripe fan-out shared by pulls and pushes: spawns every stripe of every pair (each
+    /// on a lane checked out of its peer's pool, guarded by the transfer's cancellation and the
+    /// peer's death) and joins them. `addr_of(src, dst)` names the peer of a pair; `exchange`
+    /// runs the per-stripe protocol (pull: ask, receive; push: offer, send, acknowledge) on the
+    /// lane and gives the lane back when it stays in sync. Returns the bytes moved.
+    async fn fan_out<F, Fut>(
+        self: &Arc<Self>,
+        t: &Arc<TransferShared>,
+        pairs: &[(u32, u32, Arc<SpanCursor>)],
+        addr_of: impl Fn(u32, u32) -> Result<String>,
+        exchange: F,
+    ) -> Result<FanOut>
+    where
+        F: Fn(StripeCtx) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = StripeResult> + Send + 'static,
+    {
+        let exchange = Arc::new(exchange);
+        let mut set: JoinSet<StripeResult> = JoinSet::new();
+        let mut stripes = 0u64;
+        let spans: u64 = pairs.iter().map(|p| p.2.spans().len() as u64).sum();
+        for (pair, (s, d, cursor)) in pairs.iter().enumerate() {
+            let total = cursor.total();
+            let count = stripes_for(total, self.opts.chunk_bytes, self.opts.streams_per_pair);
+            let digest = spans_digest(cursor.spans());
+            let addr = addr_of(*s, *d)?;
+            for index in 0..count {
+                stripes += 1;
+                let job = StripeJob {
+                    pair,
+                    src: *s,
+                    dst: *d,
+                    cursor: cursor.clone(),
+                    digest,
+                    total,
+                    stripe: Stripe {
+                        index,
+                        count,
+                        chunk_bytes: self.opts.chunk_bytes,
+                    },
+                };
+                let (me, t, addr, exchange) =
+                    (self.clone(), t.clone(), addr.clone(), exchange.clone());
+                set.spawn(async move {
+                    let peer = me.peer(&addr).await?;
+                    let lane = Self::guarded(&t, &peer, me.checkout(&peer)).await?;
+                    exchange(StripeCtx {
+                        me,
+                        t,
+                        peer,
+                        lane,
+                        job,
+                    })
+                    .await
+                });
+            }
+        }
+        let bytes = join_stripes(&mut set).await?;
+        Ok(FanOut {
+            bytes,
+            spans,
+            stripes,
+        })
+    }
+
     async fn drive_pull(
         self: &Arc<Self>,
         t: &Arc<TransferShared>,
@@ -1779,87 +2065,27 @@ impl Inner {
         pairs: Vec<(u32, u32, Arc<SpanCursor>)>,
         progress: Arc<Progress>,
     ) -> Result<TransferStats> {
-        let mut set: JoinSet<Result<u64>> = JoinSet::new();
-        let mut stripes_used = 0u64;
-        let spans: u64 = pairs.iter().map(|p| p.2.spans().len() as u64).sum();
-        for (i, (s, d, cursor)) in pairs.iter().enumerate() {
-            let total = cursor.total();
-            let count = stripes_for(total, self.opts.chunk_bytes, self.opts.streams_per_pair);
-            let digest = spans_digest(cursor.spans());
-            for k in 0..count {
-                stripes_used += 1;
-                let stripe = Stripe {
-                    index: k,
-                    count,
-                    chunk_bytes: self.opts.chunk_bytes,
-                };
-                let (me, t, cursor, progress) =
-                    (self.clone(), t.clone(), cursor.clone(), progress.clone());
-                let (addr, dst, staging) = (
-                    req.sources.get(*s)?.to_string(),
-                    req.dst.clone(),
-                    req.staging.clone(),
-                );
-                let (s, d, rid) = (*s, *d, req.request_id);
-                set.spawn(async move {
-                    let peer = me.peer(&addr).await?;
-                    let mut lane = Self::guarded(&t, &peer, me.checkout(&peer)).await?;
-                    let msg = Control::Pull {
-                        request_id: rid,
-                        src_rank: s,
-                        dst_rank: d,
-                        dst,
-                        digest,
-                        total_bytes: total,
-                        stripe,
-                    };
-                    Self::guarded(&t, &peer, lane.f.send(&msg, rid)).await?;
-                    let r = Self::guarded(&t, &peer, async {
-                        Ok(recv_stripe(
-                            &mut lane.f,
-                            rid,
-                            &staging,
-                            d,
-                            &cursor,
-                            stripe,
-                            &progress,
-                            i,
-                            &me.counters,
-                        )
-                        .await)
-                    })
-                    .await?;
-                    match r {
-                        Ok(n) => {
-                            t.bytes.fetch_add(n, Ordering::Relaxed);
-                            me.give_back(&peer, lane);
-                            Ok(n)
-                        }
-                        Err(f) => {
-                            if f.lane_ok {
-                                me.give_back(&peer, lane);
-                            }
-                            if peer.dead.is_set() && !matches!(f.error, Error::Checksum(_)) {
-                                return Err(Error::PeerClosed(format!(
-                                    "peer {} died: {}",
-                                    peer.addr,
-                                    peer.dead.reason()
-                                )));
-                            }
-                            Err(f.error)
-                        }
-                    }
-                });
-            }
-        }
-        let bytes = join_stripes(&mut set).await?;
-        Ok(TransferStats {
-            bytes,
-            spans,
-            pairs: pairs.len() as u64,
-            stripes: stripes_used,
-            elapsed: t.started.elapsed(),
-        })
+        let wait_until = req.wait_for_registration.map(|w| t.started + w);
+        let (rid, dst, staging) = (req.request_id, req.dst.clone(), req.staging.clone());
+        let sources = req.sources.clone();
+        let r = self
+            .fan_out(
+                t,
+                &pairs,
+                |s, _| Ok(sources.get(s)?.to_string()),
+                move |c| {
+                    pull_stripe(
+                        c,
+                        rid,
+                        dst.clone(),
+                        staging.clone(),
+                        progress.clone(),
+                        wait_until,
+                    )
+                },
+            )
+            .await?;
+        Ok(r.stats(pairs.len(), t))
     }
 
     async fn drive_push(
@@ -1870,85 +2096,21 @@ impl Inner {
         pairs: Vec<(u32, u32, Arc<SpanCursor>)>,
         targets: Vec<String>,
     ) -> Result<TransferStats> {
-        let mut set: JoinSet<Result<u64>> = JoinSet::new();
-        let mut stripes_used = 0u64;
-        let spans: u64 = pairs.iter().map(|p| p.2.spans().len() as u64).sum();
-        for (s, d, cursor) in pairs.iter() {
-            let total = cursor.total();
-            let count = stripes_for(total, self.opts.chunk_bytes, self.opts.streams_per_pair);
-            let digest = spans_digest(cursor.spans());
-            for k in 0..count {
-                stripes_used += 1;
-                let stripe = Stripe {
-                    index: k,
-                    count,
-                    chunk_bytes: self.opts.chunk_bytes,
-                };
-                let (me, t, cursor) = (self.clone(), t.clone(), cursor.clone());
-                let (addr, src, staging) = (
-                    req.targets.get(*d)?.to_string(),
-                    req.src.clone(),
-                    req.staging.clone(),
-                );
-                let (s, d, rid, n_tok) = (*s, *d, req.request_id, req.num_tokens);
-                set.spawn(async move {
-                    let peer = me.peer(&addr).await?;
-                    let mut lane = Self::guarded(&t, &peer, me.checkout(&peer)).await?;
-                    let msg = Control::Push {
-                        request_id: rid,
-                        src_rank: s,
-                        dst_rank: d,
-                        src,
-                        num_tokens: n_tok,
-                        digest,
-                        total_bytes: total,
-                        stripe,
-                    };
-                    let io = me.opts.io_timeout;
-                    Self::guarded(&t, &peer, lane.f.send(&msg, rid)).await?;
-                    match Self::guarded(&t, &peer, lane.f.recv(io)).await? {
-                        (_, Control::Ready { .. }) => {}
-                        (_, Control::Failed { message, .. }) => {
-                            me.give_back(&peer, lane);
-                            return Err(Error::Remote(message));
-                        }
-                        (_, m) => {
-                            return Err(Error::Protocol(format!("expected ready, got {m:?}")))
-                        }
-                    }
-                    let gate = t.gate.as_ref().map(|g| g.subscribe());
-                    let n = Self::guarded(
-                        &t,
-                        &peer,
-                        send_stripe(
-                            &mut lane.f,
-                            rid,
-                            &staging,
-                            s,
-                            &cursor,
-                            stripe,
-                            gate,
-                            &me.counters,
-                            &me.opts.faults,
-                        ),
-                    )
-                    .await?;
-                    match Self::guarded(&t, &peer, lane.f.recv(io)).await? {
-                        (_, Control::StreamAck { bytes, .. }) if bytes == n => {
-                            t.bytes.fetch_add(n, Ordering::Relaxed);
-                            me.give_back(&peer, lane);
-                            Ok(n)
-                        }
-                        (_, Control::Failed { message, .. }) => {
-                            me.give_back(&peer, lane);
-                            Err(Error::Remote(message))
-                        }
-                        (_, m) => Err(Error::Protocol(format!("expected stream-ack, got {m:?}"))),
-                    }
-                });
-            }
-        }
-        let bytes = join_stripes(&mut set).await?;
+        let (rid, n_tok, src, staging) = (
+            req.request_id,
+            req.num_tokens,
+            req.src.clone(),
+            req.staging.clone(),
+        );
+        let dests = req.targets.clone();
+        let r = self
+            .fan_out(
+                t,
+                &pairs,
+                |_, d| Ok(dests.get(d)?.to_string()),
+                move |c| push_stripe(c, rid, n_tok, src.clone(), staging.clone()),
+            )
+            .await?;
         // Every destination endpoint learns that our ranks are finished (also those that got
         // no bytes from us).
         for addr in targets {
@@ -1963,20 +2125,214 @@ impl Inner {
             Self::guarded(t, &peer, lane.f.send(&msg, req.request_id)).await?;
             match Self::guarded(t, &peer, lane.f.recv(self.opts.io_timeout)).await? {
                 (_, Control::Finished { .. }) => self.give_back(&peer, lane),
-                (_, Control::Failed { message, .. }) => {
+                (_, Control::Failed { message, kind, .. }) => {
                     self.give_back(&peer, lane);
-                    return Err(Error::Remote(message));
+                    return Err(remote_error(kind, &message));
                 }
                 (_, m) => return Err(Error::Protocol(format!("expected finished, got {m:?}"))),
             }
         }
-        Ok(TransferStats {
-            bytes,
-            spans,
-            pairs: pairs.len() as u64,
-            stripes: stripes_used,
+        Ok(r.stats(pairs.len(), t))
+    }
+}
+
+/// One stripe of one pair, as [`Inner::fan_out`] hands it to an exchange.
+struct StripeJob {
+    /// Index of the pair in the transfer (for [`Progress`]).
+    pair: usize,
+    src: u32,
+    dst: u32,
+    cursor: Arc<SpanCursor>,
+    /// [`spans_digest`] of the pair's spans.
+    digest: u64,
+    /// Bytes of the pair's stream.
+    total: u64,
+    stripe: Stripe,
+}
+
+/// What a stripe exchange runs with: the endpoint, the transfer, the peer and a lane of its pool.
+struct StripeCtx {
+    me: Arc<Inner>,
+    t: Arc<TransferShared>,
+    peer: Arc<Peer>,
+    lane: LaneGuard,
+    job: StripeJob,
+}
+
+/// What a fan-out moved.
+struct FanOut {
+    bytes: u64,
+    spans: u64,
+    stripes: u64,
+}
+
+impl FanOut {
+    fn stats(&self, pairs: usize, t: &TransferShared) -> TransferStats {
+        TransferStats {
+            bytes: self.bytes,
+            spans: self.spans,
+            pairs: pairs as u64,
+            stripes: self.stripes,
             elapsed: t.started.elapsed(),
+        }
+    }
+}
+
+/// The pull exchange of one stripe: `Pull` -> data frames -> `StreamDone` (or `Failed`; an
+/// "unknown request" is asked again until `wait_until`).
+async fn pull_stripe(
+    c: StripeCtx,
+    rid: u64,
+    dst: Placement,
+    staging: Arc<Staging>,
+    progress: Arc<Progress>,
+    wait_until: Option<Instant>,
+) -> StripeResult {
+    let StripeCtx {
+        me,
+        t,
+        peer,
+        mut lane,
+        job,
+    } = c;
+    let msg = Control::Pull {
+        request_id: rid,
+        src_rank: job.src,
+        dst_rank: job.dst,
+        dst,
+        digest: job.digest,
+        total_bytes: job.total,
+        stripe: job.stripe,
+    };
+    let mut backoff = Duration::from_millis(2);
+    loop {
+        Inner::guarded(&t, &peer, lane.f.send(&msg, rid)).await?;
+        let r = Inner::guarded(&t, &peer, async {
+            Ok(recv_stripe(
+                &mut lane.f,
+                rid,
+                &staging,
+                job.dst,
+                &job.cursor,
+                job.stripe,
+                &progress,
+                job.pair,
+                &me.counters,
+            )
+            .await)
         })
+        .await?;
+        return match r {
+            Ok(n) => {
+                t.bytes.fetch_add(n, Ordering::Relaxed);
+                me.give_back(&peer, lane);
+                Ok(n)
+            }
+            // Not registered there yet: ask again (the lane is in sync).
+            Err(f)
+                if f.lane_ok
+                    && f.error.kind() == ErrorKind::UnknownRequest
+                    && wait_until.is_some_and(|u| Instant::now() + backoff < u) =>
+            {
+                Inner::guarded(&t, &peer, async {
+                    tokio::time::sleep(backoff).await;
+                    Ok(())
+                })
+                .await?;
+                backoff = (backoff * 2).min(Duration::from_millis(100));
+                continue;
+            }
+            Err(f) => {
+                if f.lane_ok {
+                    me.give_back(&peer, lane);
+                }
+                if peer.dead.is_set() && f.error.kind() != ErrorKind::Checksum {
+                    return Err(Error::PeerClosed(format!(
+                        "peer {} died: {}",
+                        peer.addr,
+                        peer.dead.reason()
+                    ))
+                    .into());
+                }
+                Err(StripeError {
+                    error: f.error,
+                    soft: f.lane_ok,
+                })
+            }
+        };
+    }
+}
+
+/// The push exchange of one stripe: `Push` -> `Ready` (or `Failed`) -> data frames ->
+/// `StreamDone` -> `StreamAck` (or `Failed`).
+async fn push_stripe(
+    c: StripeCtx,
+    rid: u64,
+    num_tokens: u32,
+    src: Placement,
+    staging: Arc<Staging>,
+) -> StripeResult {
+    let StripeCtx {
+        me,
+        t,
+        peer,
+        mut lane,
+        job,
+    } = c;
+    let msg = Control::Push {
+        request_id: rid,
+        src_rank: job.src,
+        dst_rank: job.dst,
+        src,
+        num_tokens,
+        digest: job.digest,
+        total_bytes: job.total,
+        stripe: job.stripe,
+    };
+    let io = me.opts.io_timeout;
+    Inner::guarded(&t, &peer, lane.f.send(&msg, rid)).await?;
+    match Inner::guarded(&t, &peer, lane.f.recv(io)).await? {
+        (_, Control::Ready { .. }) => {}
+        (_, Control::Failed { message, kind, .. }) => {
+            me.give_back(&peer, lane);
+            return Err(StripeError {
+                error: remote_error(kind, &message),
+                soft: true,
+            });
+        }
+        (_, m) => return Err(Error::Protocol(format!("expected ready, got {m:?}")).into()),
+    }
+    let gate = t.gate.as_ref().map(|g| g.subscribe());
+    let n = Inner::guarded(
+        &t,
+        &peer,
+        send_stripe(
+            &mut lane.f,
+            rid,
+            &staging,
+            job.src,
+            &job.cursor,
+            job.stripe,
+            gate,
+            &me.counters,
+            &me.opts.faults,
+        ),
+    )
+    .await?;
+    match Inner::guarded(&t, &peer, lane.f.recv(io)).await? {
+        (_, Control::StreamAck { bytes, .. }) if bytes == n => {
+            t.bytes.fetch_add(n, Ordering::Relaxed);
+            me.give_back(&peer, lane);
+            Ok(n)
+        }
+        (_, Control::Failed { message, kind, .. }) => {
+            me.give_back(&peer, lane);
+            Err(StripeError {
+                error: remote_error(kind, &message),
+                soft: true,
+            })
+        }
+        (_, m) => Err(Error::Protocol(format!("expected stream-ack, got {m:?}")).into()),
     }
 }
 
@@ -1985,10 +2341,7 @@ impl Inner {
 // ---------------------------------------------------------------------------------------------
 
 fn failed(request_id: u64, e: &Error) -> Control {
-    Control::Failed {
-        request_id,
-        message: e.to_string(),
-    }
+    Control::failed(request_id, e)
 }
 
 /// What a handler step means for its lane.
@@ -2246,16 +2599,48 @@ impl Inner {
                 };
                 reply(f, m, rid).await
             }
-            Control::Release { request_id } => {
+            Control::Release {
+                request_id,
+                delivered,
+            } => {
                 let reg = lock(&self.sources).get(&request_id).cloned();
-                let mut all = false;
+                let mut end = None;
                 if let Some(reg) = reg {
-                    all = {
+                    // Count a delivery only after the stripes still being served to this
+                    // consumer ended (the consumer may have their data before the sender marked
+                    // them served), bounded well below the consumer's wait for the answer.
+                    let limit = tokio::time::Instant::now() + self.opts.io_timeout / 2;
+                    while delivered && !self.shutdown.is_set() {
+                        let ended = reg.stripe_ended.notified();
+                        tokio::pin!(ended);
+                        ended.as_mut().enable();
+                        let busy = lock(&reg.st).serving.get(&s.key).copied().unwrap_or(0) > 0;
+                        if !busy || tokio::time::timeout_at(limit, ended).await.is_err() {
+                            break;
+                        }
+                    }
+                    end = {
                         let mut st = lock(&reg.st);
                         st.holders.remove(&s.key);
-                        st.releases += 1;
+                        let complete = st.served_completely(&s.key);
+                        st.served.remove(&s.key);
                         st.deadline = Instant::now() + self.opts.lease_ttl;
-                        st.releases >= reg.expected_releases
+                        if delivered && complete {
+                            st.releases += 1;
+                        } else {
+                            log::info!(
+                                "release of request {request_id} by {} is not a delivery ({}): \
+                                 the registration stays pullable",
+                                s.key.0,
+                                if delivered {
+                                    "not every stripe it asked for was served"
+                                } else {
+                                    "the consumer says its pull failed"
+                                }
+                            );
+                        }
+                        st.accounted(reg.expected_releases)
+                            .then(|| st.final_outcome())
                     };
                     lock(&s.leases).remove(&request_id);
                 }
@@ -2263,10 +2648,14 @@ impl Inner {
                 // as soon as it learns the request was released, and the acknowledgement must
                 // already be on its way by then.
                 let r = reply(f, Control::Released { request_id }, rid).await;
-                if all {
-                    self.end_source(request_id, SourceOutcome::Released);
+                if let Some(o) = end {
+                    self.end_source(request_id, o);
                 }
                 r
+            }
+            Control::Reject { request_id, reason } => {
+                let known = self.reject_source(s, request_id, &reason);
+                reply(f, Control::Rejected { request_id, known }, rid).await
             }
             Control::Pull {
                 request_id,
@@ -2350,6 +2739,7 @@ impl Inner {
         total_bytes: u64,
         stripe: Stripe,
     ) -> Next {
+        let mut known: Option<Arc<SourceReg>> = None;
         let prep = (|| -> Result<(Arc<SourceReg>, SpanCursor)> {
             stripe.validate()?;
             let reg = lock(&self.sources)
@@ -2358,7 +2748,7 @@ impl Inner {
                 .ok_or_else(|| {
                     Error::UnknownRequest(format!("request {request_id} is not registered here"))
                 })?;
-            self.take_lease(s, &reg);
+            known = Some(reg.clone());
             if reg.staging.ranges(src_rank).is_empty() {
                 return Err(Error::BlockRange(format!(
                     "source rank {src_rank} of request {request_id} is not hosted here"
@@ -2379,21 +2769,75 @@ impl Inner {
             let cursor = SpanCursor::new(spans, reg.num_layers);
             Ok((reg, cursor))
         })();
+        let pair = (src_rank, dst_rank);
         let (reg, cursor) = match prep {
             Ok(x) => x,
             Err(e) => {
+                // A refused pull of a registered request is not a delivery (a release from this
+                // consumer will not count), but it takes no lease and consumes nothing.
+                if let Some(reg) = known {
+                    lock(&reg.st)
+                        .served
+                        .entry(s.key.clone())
+                        .or_default()
+                        .insert(
+                            pair,
+                            Served {
+                                count: 0,
+                                done: Vec::new(),
+                            },
+                        );
+                }
                 return match f.send(&failed(request_id, &e), request_id).await {
                     Ok(()) => Next::Continue,
                     Err(_) => Next::Close,
-                }
+                };
             }
         };
+        self.take_lease(s, &reg);
+        {
+            let mut st = lock(&reg.st);
+            let served = st
+                .served
+                .entry(s.key.clone())
+                .or_default()
+                .entry(pair)
+                .or_insert(Served {
+                    count: 0,
+                    done: Vec::new(),
+                });
+            if served.count != stripe.count {
+                *served = Served {
+                    count: stripe.count,
+                    done: vec![false; stripe.count as usize],
+                };
+            }
+            served.done[stripe.index as usize] = false;
+            *st.serving.entry(s.key.clone()).or_insert(0) += 1;
+        }
         let gate = (*reg.layers.borrow() < reg.num_layers).then(|| reg.layers.subscribe());
         let r = tokio::select! {
             r = send_stripe(f, request_id, &reg.staging, src_rank, &cursor, stripe, gate, &self.counters, &self.opts.faults) => r,
             _ = reg.done.wait() => Err(Error::Cancelled(format!("request {request_id} was withdrawn"))),
             _ = s.dead.wait() => Err(Error::PeerClosed("session ended".into())),
         };
+        {
+            let mut st = lock(&reg.st);
+            if r.is_ok() {
+                if let Some(x) = st.served.get_mut(&s.key).and_then(|m| m.get_mut(&pair)) {
+                    if x.count == stripe.count {
+                        x.done[stripe.index as usize] = true;
+                    }
+                }
+            }
+            if let Some(n) = st.serving.get_mut(&s.key) {
+                *n -= 1;
+                if *n == 0 {
+                    st.serving.remove(&s.key);
+                }
+            }
+        }
+        reg.stripe_ended.notify_waiters();
         match r {
             Ok(_) => Next::Continue,
             Err(e) => {

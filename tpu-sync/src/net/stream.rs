@@ -344,7 +344,9 @@ pub(crate) async fn recv_stripe(
         if h.kind == FrameKind::Control {
             let m = f.recv_control_body(&h).await.map_err(|e| fail(e, false))?;
             return Err(match m {
-                Control::Failed { message, .. } => fail(Error::Remote(message), true),
+                Control::Failed { message, kind, .. } => {
+                    fail(crate::wire::remote_error(kind, &message), true)
+                }
                 Control::StreamDone { bytes, .. } => fail(
                     Error::Protocol(format!(
                         "sender ended stripe {}/{} after {got} of {} bytes (claims {bytes})",
@@ -449,7 +451,9 @@ pub(crate) async fn recv_stripe(
                 true,
             ))
         }
-        Control::Failed { message, .. } => return Err(fail(Error::Remote(message), true)),
+        Control::Failed { message, kind, .. } => {
+            return Err(fail(crate::wire::remote_error(kind, &message), true))
+        }
         m => {
             return Err(fail(
                 Error::Protocol(format!("expected the end of the stream, got {m:?}")),

@@ -337,6 +337,7 @@ impl OfferState {
     fn of(o: SourceOutcome) -> OfferState {
         match o {
             SourceOutcome::Released => OfferState::Released,
+            SourceOutcome::Rejected(why) => OfferState::Rejected(why),
             SourceOutcome::Expired => OfferState::Expired,
             SourceOutcome::PeerLost(w) => OfferState::PeerLost(w),
             SourceOutcome::Unregistered => OfferState::Unregistered,
@@ -858,7 +859,6 @@ impl Pipeline {
             .addresses((0..p.src.layout.spec.ranks_per_replica()).map(|l| p.src.global_rank(l)))?;
         let t = {
             let _g = self.rt.enter();
-            let _ = p.wait_for_registration; // TODO(net-core): PullRequest::wait_for_registration
             self.ep.pull(PullRequest {
                 request_id: p.request_id,
                 num_tokens: p.num_tokens,
@@ -868,6 +868,7 @@ impl Pipeline {
                 staging: staging.clone(),
                 dst_ranks: Some(p.kv.ranks()),
                 plan: Some(plan),
+                wait_for_registration: p.wait_for_registration,
             })?
         };
         self.counters.pulls.fetch_add(1, Ordering::Relaxed);
@@ -1120,24 +1121,17 @@ async fn receive(
     Ok(report)
 }
 
-/// Releases `request_id` at every address; failures are logged (the producers' leases end them).
+/// Releases `request_id` at every address, saying whether it was `delivered` (only a delivering
+/// release counts toward the producer's expected releases); failures are logged (the producers'
+/// leases end them).
 async fn release_all(ep: &Endpoint, addrs: &[String], request_id: u64, delivered: bool) {
     for a in addrs {
-        // TODO(net-core): Endpoint::release_with(a, request_id, delivered).
-        if !delivered {
-            continue;
-        }
-        if let Err(e) = ep.release(a, request_id).await {
-            log::debug!("release of request {request_id} at {a}: {e}");
+        if let Err(e) = ep.release_with(a, request_id, delivered).await {
+            log::debug!("release (delivered: {delivered}) of request {request_id} at {a}: {e}");
         }
     }
 }
 
-/// TODO(net-core): Endpoint::reject.
 async fn reject_at(ep: &Endpoint, addr: &str, request_id: u64, reason: &str) -> Result<()> {
-    let _ = (ep, addr, request_id, reason);
-    Err(Error::Unsupported {
-        plugin: "endpoint".into(),
-        what: "reject needs the net-core protocol change".into(),
-    })
+    ep.reject(addr, request_id, reason).await
 }
