@@ -506,3 +506,118 @@ fn a_registration_past_the_budget_fails_and_earlier_ones_still_pull_exact() {
         w.shutdown(None).await;
     });
 }
+
+#[test]
+fn a_failed_pull_leaves_the_request_for_a_retry_a_reject_frees_it_and_pulls_wait_for_registration()
+{
+    let (src, dst) = placements();
+    let prod = side(2);
+    let cons = side(1);
+    let rt = rt();
+    rt.block_on(async {
+        let p = pipeline("retry-prod", true, TransferOptions::default())
+            .await
+            .unwrap();
+        let other = pipeline("retry-other", true, TransferOptions::default())
+            .await
+            .unwrap();
+        let c = pipeline("retry-cons", false, TransferOptions::default())
+            .await
+            .unwrap();
+        let src_kv = kv(
+            &prod,
+            (0..2)
+                .map(|r| (r, buffers(&prod, &src, r, SRC_SALT)))
+                .collect(),
+        );
+        let offer = |id| Offer {
+            request_id: id,
+            num_tokens: TOKENS,
+            placement: src.clone(),
+            kv: src_kv.clone(),
+            expected_releases: 1,
+        };
+        let pull = |id, at: String, bufs: &[DeviceBuffer], wait| PullInto {
+            request_id: id,
+            num_tokens: TOKENS,
+            src: src.clone(),
+            sources: PeerMap::single(at),
+            dst: dst.clone(),
+            kv: kv(&cons, vec![(0, bufs.to_vec())]),
+            wait_for_registration: wait,
+        };
+        let want = TOKENS as u64 * model().bytes_per_token();
+
+        // Pulls to wrong addresses (nothing listening; an endpoint without the request) fail
+        // and leave the registration; the retry to the right address is byte-exact.
+        let h = p.offer(offer(11)).unwrap();
+        let dst_bufs = background(&cons, &dst, 0);
+        let e = c
+            .pull(pull(11, "127.0.0.1:1".into(), &dst_bufs, None))
+            .unwrap()
+            .wait()
+            .await
+            .unwrap_err();
+        assert!(e.is_peer_failure() || e.kind() == ErrorKind::Io, "{e}");
+        let e = c
+            .pull(pull(11, addr(&other), &dst_bufs, None))
+            .unwrap()
+            .wait()
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::UnknownRequest, "{e}");
+        assert_eq!(p.offer_state(11), OfferState::Active);
+        let rep = c
+            .pull(pull(11, addr(&p), &dst_bufs, None))
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+        assert_eq!(rep.device_bytes, want);
+        assert_eq!(verify(&dst, 0, &dst_bufs), want);
+        assert_eq!(
+            h.wait(Duration::from_secs(10)).await.unwrap(),
+            OfferState::Released
+        );
+        drop(h);
+
+        // A reject frees the producer's staging at once and says why.
+        let baseline = p.budget().used();
+        let h = p.offer(offer(12)).unwrap();
+        assert!(p.budget().used() > baseline);
+        c.reject(12, &PeerMap::single(addr(&p)), "the decode side aborted it")
+            .await
+            .unwrap();
+        match p.offer_state(12) {
+            OfferState::Rejected(why) => assert!(why.contains("aborted"), "{why}"),
+            s => panic!("state after reject: {s:?}"),
+        }
+        assert_eq!(p.endpoint().stats().staged_bytes, 0);
+        drop(h);
+        let deadline = std::time::Instant::now() + Duration::from_millis(100);
+        while p.budget().used() != baseline && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(p.budget().used(), baseline, "staging freed within 100 ms");
+        assert_eq!(c.stats().rejects_sent, 1);
+
+        // A pull that reaches the producer before the registration waits for it.
+        let dst_bufs = background(&cons, &dst, 0);
+        let t = c
+            .pull(pull(13, addr(&p), &dst_bufs, Some(Duration::from_secs(30))))
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!t.is_done());
+        let h = p.offer(offer(13)).unwrap();
+        let rep = t.wait().await.unwrap();
+        assert_eq!(rep.device_bytes, want);
+        assert_eq!(verify(&dst, 0, &dst_bufs), want);
+        assert_eq!(
+            h.wait(Duration::from_secs(10)).await.unwrap(),
+            OfferState::Released
+        );
+        for x in [&p, &other, &c] {
+            x.shutdown(None).await;
+        }
+    });
+}
