@@ -51,6 +51,9 @@ fn child_args(job: &JobArgs) -> Vec<String> {
     if let Some(f) = job.fault_close_after {
         a.extend(["--fault-close-after".into(), f.to_string()]);
     }
+    if let Some(b) = job.staging_budget {
+        a.extend(["--staging-budget".into(), b.to_string()]);
+    }
     a
 }
 

@@ -7,21 +7,19 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tpu_sync::arena::{ArenaOptions, DmaRegistration, LockStatus, PinnedArena};
+use tpu_sync::arena::LockStatus;
 use tpu_sync::device::Pacer;
-use tpu_sync::layout::{KvLayout, ModelKv, ParallelLayout, ParallelSpec};
-use tpu_sync::net::{
-    self, Endpoint, EndpointOptions, PeerMap, PullRequest, Security, SourceOutcome,
-    SourceRegistration, TransportKind,
-};
+use tpu_sync::layout::{ModelKv, ParallelLayout, ParallelSpec};
+use tpu_sync::net::{self, EndpointOptions, PeerMap, Security, TransportKind};
 use tpu_sync::pattern::{mix64, LayerCheck, RankContents};
 use tpu_sync::pjrt::{Capabilities, Client, ClientOptions, DeviceBuffer, Plugin};
 use tpu_sync::plan::{Placement, Plan};
-use tpu_sync::staging::Staging;
+use tpu_sync::transfer::{
+    KvBuffers, Offer, OfferState, Pipeline, PullInto, Report as TransferReport, TransferOptions,
+};
 use tpu_sync::util::fmt_bytes;
 use tpu_sync::{wire, Error, Result};
 
@@ -285,36 +283,15 @@ fn make_buffers(client: &Client, contents: &[RankContents]) -> Result<Vec<Vec<De
         .collect()
 }
 
-/// The physical layout shared by every rank buffer, read from the plugin. Fails closed when a
-/// buffer's on-device size is not the dense size the KV layout's byte offsets assume (a padded or
-/// tiled layout), or when two buffers report different layouts.
-fn physical_layout(buffers: &[Vec<DeviceBuffer>], kv: &KvLayout) -> Result<Option<String>> {
-    let mut seen: Option<String> = None;
-    for (rank, bufs) in buffers.iter().enumerate() {
-        for (layer, b) in bufs.iter().enumerate() {
-            if b.on_device_size() != kv.buffer_bytes() {
-                return Err(Error::Layout(format!(
-                    "rank {rank} layer {layer}: the device buffer has {} on-device bytes, the \
-                     dense KV layout needs {} (physical layout {}): raw block offsets would be \
-                     wrong",
-                    b.on_device_size(),
-                    kv.buffer_bytes(),
-                    b.physical_layout().unwrap_or("unknown")
-                )));
-            }
-            match (b.physical_layout(), &seen) {
-                (Some(p), None) => seen = Some(p.to_string()),
-                (Some(p), Some(s)) if p != s => {
-                    return Err(Error::Layout(format!(
-                        "rank {rank} layer {layer}: physical layout `{p}` differs from `{s}` of \
-                         the other KV buffers"
-                    )))
-                }
-                _ => {}
-            }
-        }
-    }
-    Ok(seen)
+/// The physical layout the plugin reports for the KV buffers (the first one's; the transfer
+/// pipeline checks every buffer against the layout before anything moves).
+fn physical_layout(buffers: &[Vec<DeviceBuffer>]) -> Option<String> {
+    buffers
+        .iter()
+        .flatten()
+        .next()
+        .and_then(|b| b.physical_layout())
+        .map(str::to_string)
 }
 
 /// `text` followed by the layout's physical layout, when known.
@@ -325,12 +302,14 @@ fn with_physical(text: String, layout: &ParallelLayout) -> String {
     }
 }
 
-/// Registers a staging arena for DMA with the client; describes the outcome for the report.
-fn register_dma(arena: &PinnedArena, client: &Client) -> Result<String> {
-    Ok(match arena.register_dma(client)? {
-        DmaRegistration::Mapped => "DMA-mapped".into(),
-        DmaRegistration::Skipped(why) => format!("DMA map skipped ({why})"),
-    })
+/// The staging's lock and DMA-map outcome, for the report.
+fn lock_and_dma(r: &TransferReport) -> String {
+    let lock = r
+        .lock
+        .as_ref()
+        .map(lock_text)
+        .unwrap_or_else(|| "nothing staged".into());
+    format!("{lock}, {}", r.dma)
 }
 
 fn lock_text(s: &LockStatus) -> String {
@@ -374,6 +353,14 @@ fn endpoint_options(
     })
 }
 
+/// The pipeline options of `--staging-budget`.
+fn transfer_options(job: &JobArgs) -> TransferOptions {
+    TransferOptions {
+        staging_budget_bytes: job.staging_budget,
+        ..TransferOptions::default()
+    }
+}
+
 fn print_report(r: &Report) {
     outln!(
         "REPORT {}",
@@ -406,26 +393,15 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Re
     // The buffers' physical layout travels with the placement: the decode side refuses a
     // transfer between different layouts.
     let mut place = place;
-    if let Some(p) = physical_layout(&buffers, &layout.rank_kv()?)? {
+    if let Some(p) = physical_layout(&buffers) {
         place.layout = place.layout.with_physical_layout(p);
     }
-
-    // D2H: stage the request's blocks of every hosted rank in one pinned arena.
-    let ranges: BTreeMap<u32, _> = (0..spec.ranks_per_replica())
-        .map(|l| (place.global_rank(l), place.block_ranges(l)))
-        .filter(|(r, _)| ranks.map(|v| v.contains(r)).unwrap_or(true))
+    let hosted: BTreeMap<u32, Vec<DeviceBuffer>> = (0..spec.ranks_per_replica())
+        .map(|l| place.global_rank(l))
+        .filter(|r| ranks.map(|v| v.contains(r)).unwrap_or(true))
+        .map(|r| (r, buffers[r as usize].clone()))
         .collect();
-    let staging = Arc::new(Staging::new(ranges, &ArenaOptions::default())?);
-    let dma = register_dma(staging.arena(), &client)?;
-    let t = Instant::now();
-    let mut bytes = 0;
-    let mut ops = 0;
-    for rank in staging.ranks().collect::<Vec<_>>() {
-        let s = staging.fill_from_device(rank, &buffers[rank as usize], 256)?;
-        bytes += s.bytes;
-        ops += s.ops;
-    }
-    let d2h_secs = t.elapsed().as_secs_f64();
+    let kv = KvBuffers::new(&caps, hosted)?;
 
     let rt = runtime()?;
     let addr = listen
@@ -436,39 +412,37 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Re
         .map_err(|_| Error::InvalidArgument(format!("--listen {addr}: not an IP:port address")))?;
     let opts = endpoint_options(job, "prefill", Some(listen))?;
     let served = rt.block_on(async {
-        let ep = Endpoint::bind(opts).await?;
-        let local = ep.local_addr().expect("listening");
-        let handle = ep.register_source(SourceRegistration {
+        let p = Pipeline::bind(opts, transfer_options(job)).await?;
+        let local = p.endpoint().local_addr().expect("listening");
+        // Checks the buffers against the layout, stages (budget, DMA map, D2H), registers.
+        let offer = p.offer(Offer {
             request_id: job.request_id,
             num_tokens: job.tokens,
             placement: place.clone(),
-            staging: staging.clone(),
-            layers_ready: None,
+            kv,
             expected_releases: 1,
         })?;
         outln!("LISTENING {local}");
         errln!(
-            "prefill: {} ranks {}, request {} ({} tokens, {} staged) on {local} over {}",
+            "prefill: {} ranks {}, request {} ({} tokens, {} staged, {}) on {local} over {}",
             layout.describe(),
-            staging
-                .ranks()
-                .map(|r| r.to_string())
-                .collect::<Vec<_>>()
-                .join(","),
+            offer_ranks(ranks, &place),
             job.request_id,
             job.tokens,
-            fmt_bytes(staging.total_bytes()),
-            ep.transport_kind()
+            fmt_bytes(offer.report().device_bytes),
+            offer.report().dma,
+            p.endpoint().transport_kind()
         );
-        let r = handle.wait(Duration::from_secs(job.serve_timeout)).await;
-        ep.shutdown(Some(Duration::from_secs(1))).await;
+        let report = offer.report().clone();
+        let r = offer.wait(Duration::from_secs(job.serve_timeout)).await;
+        p.shutdown(Some(Duration::from_secs(1))).await;
         let why = match r {
-            Ok(SourceOutcome::Released) => return Ok(()),
+            Ok(OfferState::Released) => return Ok(report),
             // The decode side refused the request (its pull failed, or it gave up): the prefill
             // did its part; the decode side reports the failure.
-            Ok(SourceOutcome::Rejected(why)) => {
+            Ok(OfferState::Rejected(why)) => {
                 errln!("prefill: request {}: {why}", job.request_id);
-                return Ok(());
+                return Ok(report);
             }
             Err(Error::Timeout(_)) => {
                 return Err(Error::Timeout(format!(
@@ -479,12 +453,13 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Re
                 )))
             }
             Err(e) => return Err(e),
-            Ok(SourceOutcome::Expired) => {
+            Ok(OfferState::Expired) => {
                 "no decode side held a lease on it for the lease time".to_string()
             }
-            Ok(SourceOutcome::PeerLost(w)) => format!("the decode side holding it was lost ({w})"),
-            Ok(SourceOutcome::Unregistered) => "it was unregistered".to_string(),
-            Ok(SourceOutcome::Shutdown) => "the endpoint shut down".to_string(),
+            Ok(OfferState::PeerLost(w)) => format!("the decode side holding it was lost ({w})"),
+            Ok(OfferState::Unregistered) => "it was unregistered".to_string(),
+            Ok(OfferState::Shutdown) => "the endpoint shut down".to_string(),
+            Ok(s @ (OfferState::Active | OfferState::Unknown)) => format!("state {}", s.name()),
         };
         Err(Error::PeerClosed(format!(
             "request {} ended without being released: {why}",
@@ -492,7 +467,7 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Re
         )))
     });
     rt.shutdown_timeout(Duration::from_secs(1));
-    served?;
+    let report = served?;
     print_report(&Report {
         role: "prefill".into(),
         platform: client.platform_name().into(),
@@ -501,16 +476,26 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Re
         layout: with_physical(layout.describe(), &place.layout),
         d2h_path: caps.d2h.to_string(),
         h2d_path: caps.h2d.to_string(),
-        lock: format!("{}, {dma}", lock_text(staging.arena().lock_status())),
-        device_bytes: bytes,
-        device_ops: ops,
-        device_secs: d2h_secs,
+        lock: lock_and_dma(&report),
+        device_bytes: report.device_bytes,
+        device_ops: report.device_ops,
+        device_secs: report.device_time.as_secs_f64(),
         layers: m.num_layers,
         num_tokens: job.tokens,
         wall_secs: t0.elapsed().as_secs_f64(),
         ..Report::default()
     });
     Ok(ExitCode::SUCCESS)
+}
+
+/// The hosted prefill ranks, for the log line.
+fn offer_ranks(ranks: Option<&[u32]>, place: &Placement) -> String {
+    (0..place.layout.spec.ranks_per_replica())
+        .map(|l| place.global_rank(l))
+        .filter(|r| ranks.map(|v| v.contains(r)).unwrap_or(true))
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// `tpu-sync decode`.
@@ -527,13 +512,13 @@ pub fn decode(job: &JobArgs, connect: &str, tokens: Option<u32>) -> Result<ExitC
     let opts = endpoint_options(job, "decode", None)?;
     let rt = runtime()?;
     let r = rt.block_on(async {
-        let ep = Endpoint::bind(opts).await?;
+        let p = Pipeline::bind(opts, transfer_options(job)).await?;
         let first = sources
             .default
             .clone()
             .or_else(|| sources.by_rank.values().next().cloned())
             .expect("non-empty peer map");
-        let (src, num_tokens) = ep.describe(&first, job.request_id).await?;
+        let (src, num_tokens) = p.describe(&first, job.request_id).await?;
         let r = match tokens {
             Some(t) if t != num_tokens => Err(Error::InvalidArgument(format!(
                 "--tokens {t}: the prefill at {first} serves request {} with {num_tokens} tokens \
@@ -548,7 +533,7 @@ pub fn decode(job: &JobArgs, connect: &str, tokens: Option<u32>) -> Result<ExitC
             Ok(()) => {
                 decode_request(
                     job,
-                    &ep,
+                    &p,
                     &sources,
                     m,
                     spec,
@@ -560,27 +545,24 @@ pub fn decode(job: &JobArgs, connect: &str, tokens: Option<u32>) -> Result<ExitC
                 .await
             }
         };
-        // Release on success, reject on failure (this decode will not pull the request again):
-        // either way the prefill frees the request at once instead of at its lease expiry.
-        let ranks = (0..src.layout.spec.ranks_per_replica()).map(|l| src.global_rank(l));
-        // A release that fails after the bytes arrived is only a warning: the transfer itself
-        // succeeded and was verified, and the prefill side frees the request at lease expiry.
-        for a in sources.addresses(ranks).unwrap_or_default() {
-            let done = match &r {
-                Ok(_) => ep.release(&a, job.request_id).await,
-                Err(e) => {
-                    ep.reject(&a, job.request_id, &format!("the decode failed: {e}"))
-                        .await
-                }
-            };
-            if let Err(e) = done {
-                errln!(
-                    "decode: warning: release of request {} at {a}: {e}",
+        // A successful pull released the request at the prefill (after the bytes were written
+        // to the device). On failure this decode will not pull it again: reject it, so the
+        // prefill frees it at once instead of at its lease expiry (not when the prefill itself
+        // failed: dead or unreachable, it is not waited for). A reject that fails or takes more
+        // than --timeout is only a warning: the prefill's lease frees the request.
+        if let Some(e) = r.as_ref().err().filter(|e| !e.is_peer_failure()) {
+            let why = format!("the decode failed: {e}");
+            let limit = Duration::from_secs(job.timeout.max(1));
+            match tokio::time::timeout(limit, p.reject(job.request_id, &sources, &why)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(w)) => errln!("decode: warning: {w}"),
+                Err(_) => errln!(
+                    "decode: warning: the reject of request {} took over {limit:?}",
                     job.request_id
-                );
+                ),
             }
         }
-        ep.shutdown(None).await;
+        p.shutdown(None).await;
         r
     });
     rt.shutdown_timeout(Duration::from_secs(1));
@@ -590,7 +572,7 @@ pub fn decode(job: &JobArgs, connect: &str, tokens: Option<u32>) -> Result<ExitC
 #[allow(clippy::too_many_arguments)]
 async fn decode_request(
     job: &JobArgs,
-    ep: &Endpoint,
+    p: &Pipeline,
     sources: &PeerMap,
     m: ModelKv,
     spec: ParallelSpec,
@@ -620,52 +602,36 @@ async fn decode_request(
         .map(|r| RankContents::new(&background, r, num_tokens, DECODE_SALT))
         .collect::<Result<Vec<_>>>()?;
     let buffers = make_buffers(&client, &initial)?;
-    // Record the real buffers' physical layout and re-plan: a layout that differs from the
-    // prefill side's fails closed here (and again on the prefill side, which re-plans too).
-    let plan = match physical_layout(&buffers, &layout.rank_kv()?)? {
-        Some(p) => {
-            dst.layout = dst.layout.with_physical_layout(p);
-            Plan::build(&src, &dst, num_tokens)?
-        }
-        None => plan,
-    };
-
-    let staging = Arc::new(Staging::new(
-        net::plan_staging(&plan, &dst),
-        &ArenaOptions::default(),
-    )?);
-    let dma = register_dma(staging.arena(), &client)?;
-    let pulled = ep
-        .pull(PullRequest {
+    // Record the real buffers' physical layout: a layout that differs from the prefill side's
+    // fails closed in the pipeline's plan (and again on the prefill side, which re-plans too).
+    if let Some(l) = physical_layout(&buffers) {
+        dst.layout = dst.layout.with_physical_layout(l);
+    }
+    let replica: BTreeMap<u32, Vec<DeviceBuffer>> = (0..spec.ranks_per_replica())
+        .map(|l| dst.global_rank(l))
+        .map(|r| (r, buffers[r as usize].clone()))
+        .collect();
+    // Checks the buffers, plans, stages (budget, DMA map), pulls, writes H2D, releases.
+    let pulled = p
+        .pull(PullInto {
             request_id: job.request_id,
             num_tokens,
             src: src.clone(),
             sources: sources.clone(),
             dst: dst.clone(),
-            staging: staging.clone(),
-            dst_ranks: None,
-            plan: None,
+            kv: KvBuffers::new(&caps, replica)?,
             wait_for_registration: None,
         })?
         .wait()
         .await?;
 
-    let t = Instant::now();
-    let mut h2d_bytes = 0;
-    let mut h2d_ops = 0;
-    for rank in staging.ranks().collect::<Vec<_>>() {
-        let s = staging.drain_to_device(&caps, rank, &buffers[rank as usize])?;
-        h2d_bytes += s.bytes;
-        h2d_ops += s.ops;
-    }
-    let h2d_secs = t.elapsed().as_secs_f64();
-
     let check = verify(&dst, num_tokens, &buffers)?;
 
     let request_blocks: u64 = dst.block_ids.iter().map(|v| v.len() as u64).sum();
     let ok = check.mismatches == 0
-        && check.request_bytes == pulled.bytes
-        && pulled.bytes == plan.total_bytes();
+        && check.request_bytes == pulled.net_bytes
+        && pulled.net_bytes == plan.total_bytes()
+        && pulled.device_bytes == pulled.net_bytes;
     print_report(&Report {
         role: "decode".into(),
         platform: client.platform_name().into(),
@@ -677,16 +643,20 @@ async fn decode_request(
         ),
         d2h_path: caps.d2h.to_string(),
         h2d_path: caps.h2d.to_string(),
-        lock: format!("{}, {dma}", lock_text(staging.arena().lock_status())),
-        device_bytes: h2d_bytes,
-        device_ops: h2d_ops,
-        device_secs: h2d_secs,
-        net_bytes: pulled.bytes,
+        lock: lock_and_dma(&pulled),
+        device_bytes: pulled.device_bytes,
+        device_ops: pulled.device_ops,
+        device_secs: pulled.device_time.as_secs_f64(),
+        net_bytes: pulled.net_bytes,
         net_spans: pulled.spans,
         net_pairs: pulled.pairs,
         net_stripes: pulled.stripes,
-        net_secs: pulled.elapsed.as_secs_f64(),
-        transport: format!("{} ({})", ep.transport_kind(), security(job)?.describe()),
+        net_secs: pulled.net_time.as_secs_f64(),
+        transport: format!(
+            "{} ({})",
+            p.endpoint().transport_kind(),
+            security(job)?.describe()
+        ),
         verified_request_bytes: check.request_bytes,
         verified_background_bytes: check.background_bytes,
         mismatches: check.mismatches,
@@ -699,10 +669,11 @@ async fn decode_request(
     if !ok {
         errln!(
             "decode: verification FAILED: {} mismatching elements, {} request bytes checked, {} \
-             received, {} planned; first: {}",
+             received, {} written, {} planned; first: {}",
             check.mismatches,
             check.request_bytes,
-            pulled.bytes,
+            pulled.net_bytes,
+            pulled.device_bytes,
             plan.total_bytes(),
             check.first_mismatch.as_deref().unwrap_or("-")
         );

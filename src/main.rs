@@ -163,6 +163,11 @@ pub struct JobArgs {
     /// only; ignored by decode.
     #[arg(long, default_value_t = 300)]
     pub serve_timeout: u64,
+    /// Byte budget of pinned staging memory (default: a quarter of the memory this process may
+    /// use, capped by RLIMIT_MEMLOCK; $TPU_SYNC_STAGING_BUDGET_BYTES). A request whose staging
+    /// does not fit is refused with a staging-exhausted error before anything is copied.
+    #[arg(long, value_name = "BYTES")]
+    pub staging_budget: Option<u64>,
     /// Test hook: prefill closes its connection after this many payload bytes.
     #[arg(long, hide = true)]
     pub fault_close_after: Option<u64>,

@@ -53,7 +53,8 @@ pub struct StoreDemoArgs {
     /// Model KV geometry preset: llama-3.1-8b, qwen3-32b, llama-3.1-70b, deepseek-v3.
     #[arg(long, default_value = "llama-3.1-8b")]
     pub preset: String,
-    /// Prompt length in tokens (a multiple of the block size: engines offload full blocks).
+    /// Prompt length in tokens. Only full blocks are stored (as engines offload): a partial last
+    /// block is left out, and the demo says so.
     #[arg(long, default_value_t = 2048)]
     pub tokens: u32,
     /// Keep the tier in this /dev/shm segment (kept after the demo).
@@ -77,6 +78,11 @@ pub struct StoreDemoArgs {
     /// Use only the first N layers of the preset (smaller runs for tests).
     #[arg(long)]
     pub layers: Option<u32>,
+    /// Byte budget of pinned memory the tier's DRAM is reserved from (default: the process-wide
+    /// budget, a quarter of the memory this process may use capped by RLIMIT_MEMLOCK;
+    /// $TPU_SYNC_STAGING_BUDGET_BYTES). A tier that does not fit is refused at once.
+    #[arg(long, value_name = "BYTES")]
+    pub staging_budget: Option<u64>,
     /// Internal: which half to run (put or get).
     #[arg(long, hide = true)]
     pub phase: Option<String>,
@@ -144,7 +150,10 @@ struct Setup {
     model: ModelKv,
     kv: KvLayout,
     layout: ParallelLayout,
+    /// Full blocks of the prompt (the ones stored).
     blocks: u32,
+    /// Tokens of those blocks (`--tokens` rounded down to whole blocks).
+    tokens: u32,
 }
 
 fn setup(a: &StoreDemoArgs) -> Result<Setup> {
@@ -170,14 +179,20 @@ fn setup(a: &StoreDemoArgs) -> Result<Setup> {
             a.layout
         )));
     }
-    if a.tokens == 0 || a.tokens % spec.block_size != 0 {
-        return Err(Error::InvalidArgument(format!(
-            "--tokens {} must be a positive multiple of the block size {} (engines offload full \
-             blocks only)",
-            a.tokens, spec.block_size
+    if spec.block_size == 0 {
+        return Err(Error::Layout(format!(
+            "--layout {}: block must be > 0",
+            a.layout
         )));
     }
     let blocks = a.tokens / spec.block_size;
+    if blocks == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "--tokens {}: fewer than one full block of {} tokens, so there is nothing to store \
+             (engines offload full blocks only)",
+            a.tokens, spec.block_size
+        )));
+    }
     let layout = ParallelLayout::new(model.clone(), spec, blocks * 2 + 5)?;
     let kv = layout.rank_kv()?;
     Ok(Setup {
@@ -185,6 +200,7 @@ fn setup(a: &StoreDemoArgs) -> Result<Setup> {
         kv,
         layout,
         blocks,
+        tokens: blocks * spec.block_size,
     })
 }
 
@@ -288,6 +304,9 @@ fn store_config(a: &StoreDemoArgs, s: &Setup, ns: Namespace, client: &Client) ->
     });
     c.background = true;
     c.dma_client = Some(client.clone());
+    c.staging_budget = a
+        .staging_budget
+        .map(|n| tpu_sync::budget::StagingBudget::new("store-demo --staging-budget", n));
     c
 }
 
@@ -342,7 +361,7 @@ fn phase_put(a: &StoreDemoArgs) -> Result<ExitCode> {
     let (client, caps) = open_client(a.plugin.as_deref())?;
     let ns = namespace(&s, &client, &caps);
     let place = s.placement(0x0070_7574);
-    let contents = RankContents::new(&place, 0, a.tokens, PUT_SALT)?;
+    let contents = RankContents::new(&place, 0, s.tokens, PUT_SALT)?;
     let buffers = make_buffers(&client, &contents)?;
     let mut r = PhaseReport {
         pid: std::process::id(),
@@ -352,7 +371,7 @@ fn phase_put(a: &StoreDemoArgs) -> Result<ExitCode> {
         ..PhaseReport::default()
     };
     let st = open_store(store_config(a, &s, ns.clone(), &client), &mut r)?;
-    let keys = s.keys(&ns, a.tokens);
+    let keys = s.keys(&ns, s.tokens);
     let before = st.lookup_detail(&keys);
     r.lookup_hits = before.hits as u64;
     let blocks = place.block_ids[0]
@@ -419,7 +438,7 @@ fn phase_get(a: &StoreDemoArgs) -> Result<ExitCode> {
         block_ids: vec![vec![]],
         ..s.placement(0)
     };
-    let buffers = make_buffers(&client, &RankContents::new(&empty, 0, a.tokens, GET_SALT)?)?;
+    let buffers = make_buffers(&client, &RankContents::new(&empty, 0, s.tokens, GET_SALT)?)?;
     let place = s.placement(0x0067_6574);
     let mut r = PhaseReport {
         pid: std::process::id(),
@@ -429,7 +448,7 @@ fn phase_get(a: &StoreDemoArgs) -> Result<ExitCode> {
         ..PhaseReport::default()
     };
     let st = open_store(store_config(a, &s, ns.clone(), &client), &mut r)?;
-    let keys = s.keys(&ns, a.tokens);
+    let keys = s.keys(&ns, s.tokens);
     let l = st.lookup_detail(&keys);
     r.lookup_hits = l.hits as u64;
     r.lookup_dram = l.in_dram as u64;
@@ -454,7 +473,7 @@ fn phase_get(a: &StoreDemoArgs) -> Result<ExitCode> {
     });
     drop(dst);
     // Read every device buffer back and check every element.
-    let c = RankContents::new(&place, 0, a.tokens, GET_SALT)?;
+    let c = RankContents::new(&place, 0, s.tokens, GET_SALT)?;
     let mut host = vec![0u8; s.kv.buffer_bytes() as usize];
     let mut check = LayerCheck::default();
     for (layer, b) in buffers.iter().enumerate() {
@@ -515,6 +534,9 @@ fn child_args(a: &StoreDemoArgs, phase: &str) -> Vec<String> {
     }
     if let Some(l) = a.layers {
         v.extend(["--layers".into(), l.to_string()]);
+    }
+    if let Some(b) = a.staging_budget {
+        v.extend(["--staging-budget".into(), b.to_string()]);
     }
     v
 }
@@ -619,11 +641,23 @@ pub fn run(args: &StoreDemoArgs) -> Result<ExitCode> {
         s.model.head_dim,
         s.model.kv_planes,
         s.model.dtype.name(),
-        a.tokens,
+        s.tokens,
         fmt_bytes(total),
         s.blocks,
         fmt_bytes(s.block_bytes())
     );
+    if s.tokens != a.tokens {
+        outln!(
+            "  note: --tokens {} is not a multiple of the block size {}: storing the {} full \
+             blocks ({} tokens); the last {} tokens are not offloaded (an engine recomputes a \
+             partial block)",
+            a.tokens,
+            s.layout.spec.block_size,
+            s.blocks,
+            s.tokens,
+            a.tokens - s.tokens
+        );
+    }
     let survives = match (&a.shm, &a.disk) {
         (Some(n), None) if per_run => format!("per-run shm segment {n} (removed at the end)"),
         (Some(n), None) => format!("shm segment {n}"),

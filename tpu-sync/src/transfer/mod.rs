@@ -42,7 +42,7 @@ use tokio::sync::watch;
 
 pub use check::{check_rank_buffers, is_dense_row_major};
 
-use crate::arena::{ArenaOptions, DmaRegistration};
+use crate::arena::{ArenaOptions, DmaRegistration, LockStatus};
 use crate::budget::{BudgetStats, StagingBudget};
 use crate::error::{Error, Result};
 use crate::net::{
@@ -141,6 +141,8 @@ pub struct Report {
     pub elapsed: Duration,
     /// The DMA-map outcome of the staging.
     pub dma: DmaOutcome,
+    /// Whether the staging is locked in RAM, or why not (`None` when nothing was staged).
+    pub lock: Option<LockStatus>,
 }
 
 impl Report {
@@ -744,6 +746,7 @@ impl Pipeline {
         let mut report = Report {
             staged_bytes: staging.reserved_bytes(),
             dma,
+            lock: Some(staging.arena().lock_status().clone()),
             ..Report::default()
         };
         self.fill(&staging, &o.kv, &mut report)?;
@@ -808,7 +811,8 @@ impl Pipeline {
     /// verified it is written in place into the buffers (H2D); only then is the request
     /// released at the producers (a delivering release) and the transfer reported done. A
     /// failed or cancelled pull releases without delivery (the producer keeps the request for
-    /// a retry, until its lease passes or the consumer [rejects](Pipeline::reject) it).
+    /// a retry, until its lease passes or the consumer [rejects](Pipeline::reject) it), except
+    /// when the failure is the producer's ([`Error::is_peer_failure`]: dead, unreachable).
     ///
     /// No computation may use the destination blocks until the transfer completes.
     ///
@@ -839,6 +843,7 @@ impl Pipeline {
         let report = Report {
             staged_bytes: staging.reserved_bytes(),
             dma,
+            lock: Some(staging.arena().lock_status().clone()),
             ..Report::default()
         };
         Ok((plan, staging, report))
@@ -885,9 +890,13 @@ impl Pipeline {
                 job.0.complete(r);
             } else {
                 // A failed pull completes at once; the release (no delivery: the producer keeps
-                // the request for a retry) is best effort and must not delay the failure.
+                // the request for a retry, this consumer's lease ends) is best effort and must
+                // not delay the failure. A producer that died or cannot be reached is not told.
+                let peer_gone = r.as_ref().err().is_some_and(Error::is_peer_failure);
                 job.0.complete(r);
-                release_all(&ep, &src_addrs, job.0.request_id, false).await;
+                if !peer_gone {
+                    release_all(&ep, &src_addrs, job.0.request_id, false).await;
+                }
             }
         });
         Ok(handle)
@@ -935,6 +944,7 @@ impl Pipeline {
         let mut report = Report {
             staged_bytes: staging.reserved_bytes(),
             dma,
+            lock: Some(staging.arena().lock_status().clone()),
             ..Report::default()
         };
         self.fill(&staging, &p.kv, &mut report)?;
