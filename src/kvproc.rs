@@ -767,7 +767,29 @@ pub fn info(plugin: Option<&Path>, devices: Option<i64>) -> Result<ExitCode> {
     outln!("capabilities:");
     outln!("  D2H path:        {}", caps.d2h);
     outln!("  in-place H2D:    {}", caps.h2d);
-    outln!("  DMA map:         {}", caps.dma_map);
+    outln!(
+        "  DMA map:         {} (tried for every staging arena)",
+        caps.dma_map
+    );
+    let budget = tpu_sync::budget::StagingBudget::process();
+    outln!(
+        "  staging budget:  {} per process (a quarter of {} of memory{}; {} or \
+         --staging-budget)",
+        fmt_bytes(budget.limit()),
+        fmt_bytes(tpu_sync::budget::process_memory()),
+        match tpu_sync::budget::memlock_hard_limit() {
+            Some(m) if m >= tpu_sync::budget::MIN_MEMLOCK_CAP => {
+                format!(", capped by the hard RLIMIT_MEMLOCK {}", fmt_bytes(m))
+            }
+            Some(m) => format!(
+                "; the hard RLIMIT_MEMLOCK {} is below {} and caps nothing",
+                fmt_bytes(m),
+                fmt_bytes(tpu_sync::budget::MIN_MEMLOCK_CAP)
+            ),
+            None => ", RLIMIT_MEMLOCK unlimited".into(),
+        },
+        tpu_sync::budget::ENV_STAGING_BUDGET
+    );
     outln!(
         "  device views:    {}",
         if caps.view {
