@@ -36,7 +36,7 @@ def integer(name: str, v: Any, lo: int = 0, hi: int = U64_MAX) -> int:
         raise fail(f"{name} must be an integer, got a bool ({v!r})")
     try:
         n = operator.index(v)
-    except TypeError:
+    except Exception:  # TypeError, or whatever a foreign __index__ raises
         raise fail(f"{name} must be an integer, got {type(v).__name__} {_short(v)}") from None
     if not lo <= n <= hi:
         raise fail(f"{name} = {n} is out of range {lo}..={hi}")
@@ -69,7 +69,7 @@ def number(name: str, v: Any, lo: Optional[float] = None, positive: bool = False
         raise fail(f"{name} must be a number, got {type(v).__name__} {_short(v)}")
     try:
         f = float(v)
-    except (TypeError, ValueError, OverflowError):
+    except Exception:  # TypeError, ValueError, OverflowError, or a foreign __float__'s error
         raise fail(f"{name} must be a number, got {_short(v)}") from None
     if not math.isfinite(f):
         raise fail(f"{name} must be finite, got {f}")
@@ -139,7 +139,7 @@ def items(name: str, v: Any) -> List[Any]:
         raise fail(f"{name} must be a sequence, got {type(v).__name__} {_short(v)}")
     try:
         return list(v)
-    except TypeError:
+    except Exception:  # not iterable, or an iterator that raises
         raise fail(f"{name} must be a sequence, got {type(v).__name__} {_short(v)}") from None
 
 

@@ -249,7 +249,10 @@ class AsyncOp(Handle):
                         check(status)
                     self._native_registered = True
         if call_now:
-            fn(self)
+            try:
+                fn(self)
+            except Exception:  # as from the completion thread: printed, never raised
+                traceback.print_exc()
 
     def _on_done(self, _status: int) -> None:
         with self._lock:

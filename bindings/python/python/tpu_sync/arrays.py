@@ -120,7 +120,7 @@ def view(obj: Any, writable: bool = False) -> ArrayView:
         )
     try:
         buf = ffi.from_buffer(obj, require_writable=writable)
-    except TypeError as e:
+    except (TypeError, BufferError, ValueError) as e:
         raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"cannot use {type(obj).__name__} as an array: {e}")
     n = len(buf)
     return ArrayView(int(ffi.cast("uintptr_t", buf)), n, (n,), "u8", False, buf)

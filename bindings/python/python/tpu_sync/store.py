@@ -293,7 +293,7 @@ class Store(Handle):
 
         Raises: InvalidArgumentError (counts differ, an empty or too large block)."""
         arr, n = _keys(keys)
-        blocks = list(blocks)
+        blocks = ck.items("blocks", blocks)
         if len(blocks) != n:
             raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"{n} keys but {len(blocks)} blocks")
         views = [view(b) for b in blocks]
@@ -310,6 +310,7 @@ class Store(Handle):
         """Stores a chain of blocks from device buffers: block ``i`` is the concatenation of the
         pieces ``blocks[i]`` = ``[(buffer, offset, length), ...]`` (D2H, completed in the call)."""
         arr, n = _keys(keys)
+        blocks = ck.items("blocks", blocks)
         pieces, n_pieces, per, keep = _pieces(blocks)
         if len(blocks) != n:
             raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"{n} keys but {len(blocks)} blocks")
@@ -325,7 +326,7 @@ class Store(Handle):
         Raises: InvalidArgumentError (wrong lengths), ChecksumError (a block failed its checksum;
         it and its chain below it are dropped)."""
         arr, n = _keys(keys)
-        outs = list(outs)
+        outs = ck.items("outs", outs)
         if len(outs) != n:
             raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"{n} keys but {len(outs)} destinations")
         views = [view(o, writable=True) for o in outs]
@@ -343,6 +344,7 @@ class Store(Handle):
 
         Raises: as :meth:`get`, plus UnsupportedError (no in-place H2D path)."""
         arr, n = _keys(keys)
+        blocks = ck.items("blocks", blocks)
         if len(blocks) != n:
             raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"{n} keys but {len(blocks)} blocks")
         pieces, n_pieces, per, keep = _pieces(blocks)
