@@ -183,6 +183,60 @@ def test_consumer_pulls_asynchronously_into_allocated_blocks(configs):
     assert c.build_connector_meta(sched_out({})).recvs == []
     # The request is pulled once: a second admission (after a preemption) does not pull again.
     assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+    # Pulled tokens count once the pull succeeded.
+    assert c.scheduler_side.stats["p2p_tokens"] == 0
+    c.update_connector_output(KVConnectorOutput(finished_recving={"d1"}))
+    assert c.scheduler_side.stats["p2p_tokens"] == 100 and c.scheduler_side.stats["p2p_failed_tokens"] == 0
+
+
+def test_tokens_recomputed_after_a_failed_pull_are_not_counted_as_pulled(configs):
+    _, toks, _, params = producer_params(configs)
+    c = connector(configs["kv_consumer"])
+    r = request("d9", toks, dict(params))
+    assert c.get_num_new_matched_tokens(r, 0) == (100, True)
+    c.update_state_after_alloc(r, blocks([50, 51, 52, 53]), 100)
+    c.build_connector_meta(sched_out({}))
+    c.update_connector_output(KVConnectorOutput(finished_recving={"d9"}, failed_recving={"d9"}))
+    st = c.scheduler_side.stats
+    assert st["p2p_tokens"] == 0 and st["p2p_failed_tokens"] == 100
+    # vLLM re-admits it to recompute: nothing of it is attributed to P2P any more.
+    assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+    c.update_state_after_alloc(r, blocks([50, 51, 52, 53]), 0)
+    assert c.get_external_cache_hit_sources(r, 0) == {}
+    assert c.get_external_cache_hit_sources(r, 32) != {CacheHitSource.P2P: 32}
+
+
+def test_consumer_rejects_what_it_will_not_pull(configs):
+    _, toks, _, params = producer_params(configs)
+    c = connector(configs["kv_consumer"])
+    # Aborted before admission.
+    r = request("a1", toks, dict(params))
+    r.status = RequestStatus.FINISHED_ABORTED
+    c.request_finished(r, [])
+    # Admitted, aborted before the workers got the pull.
+    r2 = request("a2", toks, dict(params, remote_request_id=params["remote_request_id"] + 1))
+    assert c.get_num_new_matched_tokens(r2, 0) == (100, True)
+    c.update_state_after_alloc(r2, blocks([50, 51, 52, 53]), 100)
+    r2.status = RequestStatus.FINISHED_ABORTED
+    c.request_finished(r2, [50, 51, 52, 53])
+    meta = c.build_connector_meta(sched_out({}))
+    assert meta.recvs == []
+    assert [(x.req_id, x.xfer_id, x.peers) for x in meta.rejects] == [
+        ("a1", params["remote_request_id"], {0: "10.0.0.1:7001"}),
+        ("a2", params["remote_request_id"] + 1, {0: "10.0.0.1:7001"})]
+    assert "aborted" in meta.rejects[0].reason
+    # Aborted after its pull was handed to the workers: the worker rejects it, not the scheduler.
+    r3 = request("a3", toks, dict(params))
+    c.get_num_new_matched_tokens(r3, 0)
+    c.update_state_after_alloc(r3, blocks([50, 51, 52, 53]), 100)
+    assert len(c.build_connector_meta(sched_out({})).recvs) == 1
+    r3.status = RequestStatus.FINISHED_ABORTED
+    c.request_finished(r3, [50, 51, 52, 53])
+    assert c.build_connector_meta(sched_out({})).rejects == []
+    # Aborted pulls are never counted as pulled.
+    c.update_connector_output(KVConnectorOutput(finished_recving={"a3"}))
+    assert c.scheduler_side.stats["p2p_tokens"] == 0
+    pickle.loads(pickle.dumps(meta))
 
 
 def test_consumer_with_local_prefix_hit_computes_locally(configs):
@@ -192,7 +246,10 @@ def test_consumer_with_local_prefix_hit_computes_locally(configs):
     r = request("d2", toks, dict(params))
     assert c.get_num_new_matched_tokens(r, 64) == (0, False)
     c.update_state_after_alloc(r, blocks([50, 51, 52, 53]), 0)
-    assert c.build_connector_meta(sched_out({})).recvs == []
+    meta = c.build_connector_meta(sched_out({}))
+    assert meta.recvs == []
+    # The producer is told at once that its KV will not be pulled.
+    assert [(x.req_id, x.xfer_id) for x in meta.rejects] == [("d2", params["remote_request_id"])]
 
 
 @pytest.mark.parametrize("tamper", ["geometry", "prompt", "version", "blocks"])
@@ -211,6 +268,9 @@ def test_consumer_refuses_unusable_params(configs, tamper):
     r = request("d3", toks, params)
     assert c.get_num_new_matched_tokens(r, 0) == (0, False)
     assert c.scheduler_side.stats["refused_params"] == 1
+    c.update_state_after_alloc(r, blocks([50, 51, 52, 53]), 0)
+    rejects = c.build_connector_meta(sched_out({})).rejects
+    assert [x.req_id for x in rejects] == ["d3"]  # its params still name the producer's transfer
 
 
 # ---- offload ---------------------------------------------------------------------------------
@@ -298,14 +358,20 @@ class FakeTransport:
     def __init__(self, outcome):
         self.outcome = outcome
         self.registered = []
+        self.rejected = []
+        self.waits = []
+
+    def reject(self, xfer_id, peers, reason):
+        self.rejected.append((xfer_id, dict(peers), reason))
 
     def register(self, xfer_id, placement, num_tokens, lease_s, pullers=1):
         if self.outcome == "register-fails":
             raise RuntimeError("staging failed")
         self.registered.append((xfer_id, placement["block_ids"], num_tokens, pullers))
 
-    def pull(self, xfer_id, peers, src, dst, num_tokens):
+    def pull(self, xfer_id, peers, src, dst, num_tokens, wait_for_registration=None):
         self.pulls = getattr(self, "pulls", 0) + 1
+        self.waits.append(wait_for_registration)
         h = SimpleNamespace(done=self.outcome != "hang", error=None, cancelled=False)
         if self.outcome == "error":
             h.error = ConnectionError("peer closed")
@@ -326,7 +392,16 @@ def worker(configs, outcome, role="kv_consumer"):
     w.caches = KvCaches(names=["l0", "l1"], tensors=[], num_blocks=NUM_BLOCKS,
                         layer_block_bytes=w.geometry.layer_block_bytes, tp_rank=0)
     w.transport = FakeTransport(outcome)
+    w._pull_waits = True
     return w
+
+
+def rejected(w, n, limit=5.0):
+    """The transport's rejects, once the background thread sent `n` of them."""
+    deadline = time.monotonic() + limit
+    while len(w.transport.rejected) < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return w.transport.rejected
 
 
 def recv(timeout=30.0):
@@ -350,11 +425,18 @@ def test_worker_reports_pulls(configs, outcome):
         res = w.get_transfer_results(set())
         assert w.transport.handle.cancelled
     assert res.finished_recving == {"d1"}
+    # The pull waits for a producer that has not registered the request yet.
+    assert w.transport.waits[0] is not None and 0 < w.transport.waits[0] <= 0.2
     if outcome in ("ok", "unknown-then-ok"):
         assert res.failed_recving == set() and w.get_block_ids_with_load_errors() == set()
+        assert w.transport.rejected == []
     else:  # failed: reported in both sets, blocks reported, so vLLM recomputes or fails it
         assert res.failed_recving == {"d1"} and w.get_block_ids_with_load_errors() == {8, 9}
+        # It will not be pulled again: the producer is told to free it.
+        ((xfer, peers, why),) = rejected(w, 1)
+        assert (xfer, peers) == (7, {0: "h:1"}) and "failed" in why
     assert w.get_transfer_results(set()).finished_recving == set()
+    w.shutdown()
 
 
 def test_worker_cancels_pull_of_aborted_request(configs):
@@ -365,6 +447,30 @@ def test_worker_cancels_pull_of_aborted_request(configs):
     assert res.finished_recving == {"d1"} and res.failed_recving == set()
     assert w.transport.handle.cancelled and w.get_block_ids_with_load_errors() == set()
     assert w.stats["pulls_cancelled"] == 1
+    ((xfer, _, why),) = rejected(w, 1)
+    assert xfer == 7 and "aborted" in why
+    w.shutdown()
+
+
+def test_worker_sends_the_schedulers_rejects(configs):
+    from tpu_sync.vllm.metadata import RejectSpec
+
+    w = worker(configs, "ok")
+    w.start_load_kv(TpuSyncMetadata(rejects=[RejectSpec("r1", 12, {0: "h:1", 1: "h:2"}, "aborted before its pull")]))
+    assert rejected(w, 1) == [(12, {0: "h:1", 1: "h:2"}, "aborted before its pull")]
+    assert w.stats["rejects_sent"] == 1
+    w.shutdown()
+
+
+def test_amx_tile_permission_is_requested_for_amx_blocks_only():
+    from tpu_sync.vllm.compat import request_amx_tiles, uses_amx
+
+    assert uses_amx("vllm-cpu/amx/bfloat16") and not uses_amx("vllm-cpu/vec/float32")
+    granted = request_amx_tiles()
+    assert isinstance(granted, bool)
+    has_amx = "amx_tile" in open("/proc/cpuinfo").read()
+    assert granted == has_amx  # a no-op (False) without AMX; asking twice is harmless
+    assert request_amx_tiles() == granted
 
 
 @pytest.mark.parametrize("outcome", ["ok", "register-fails"])

@@ -185,6 +185,38 @@ def test_pd_reshards_tp1_prefill_into_tp2_decode(engines, plain):
     assert m["vllm:prompt_tokens_by_source{source=external_kv_transfer}"] == sum(LENS), m
 
 
+def test_pd_bf16_consumer_whose_first_forward_is_a_decode(engines):
+    """bf16 P/D: the consumer's first forward is a decode step, run (on CPUs with AMX) by vLLM's
+    AMX bf16 attention kernel, which uses AMX tiles without asking Linux for them; the connector
+    requests the permission when it registers AMX-format caches, so the consumer does not die
+    with SIGILL. Without AMX the request is a no-op and the engines run vLLM's other bf16 kernel.
+    Token-identical to a plain bf16 engine."""
+    plain16 = engines.run("plain_bf16", engines.spec(dtype="bfloat16"))
+    hold = os.path.join(engines.dir, "pd_bf16.hold")
+    if os.path.exists(hold):
+        os.remove(hold)
+    prod = engines.start("pd_bf16_producer", engines.spec(
+        dtype="bfloat16", remote_decode=True, hold_file=hold,
+        connector=dict(kv_role="kv_producer", extra=pd_extra(lease_s=120.0))))
+    cons = engines.start("pd_bf16_consumer", engines.spec(
+        dtype="bfloat16", params_file=prod.out,
+        connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=60.0))))
+    try:
+        c = engines.finish(cons)
+    finally:
+        open(hold, "w").close()
+    p = engines.finish(prod)
+    fmt = p["runs"][0]["outputs"][0]["kv_transfer_params"]["remote_geometry"]["block_format"]
+    assert fmt.endswith("/bfloat16"), fmt
+    has_amx = "amx_tile" in open("/proc/cpuinfo").read()
+    assert ("/amx/" in fmt) == has_amx, (fmt, has_amx)
+    assert c["worker_stats"]["amx_permission"] == int(has_amx), c["worker_stats"]
+    assert toks(c) == toks(plain16)
+    assert c["worker_stats"]["pulls_done"] == len(LENS) and c["worker_stats"]["pulls_failed"] == 0
+    assert c["scheduler_stats"]["p2p_tokens"] == sum(LENS)
+    assert c["metrics"]["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(LENS), c["metrics"]
+
+
 # ---- (b) (c) (d) host-tier offload -----------------------------------------------------------
 
 SHM = f"tpusync-vllm-e2e-{os.getpid()}"

@@ -5,7 +5,8 @@ and :class:`EndpointTransport` (a :class:`tpu_sync.Endpoint`, the network data p
 reading and writing vLLM's KV tensors in place through zero-copy PJRT views
 (:meth:`tpu_sync.Client.view`). ``kv_connector_extra_config`` may name another factory
 (``"host_tier": "module:callable"``, ``"pd_transport": "module:callable"``), called as
-``factory(config, geometry, caches)`` and returning an object with the same methods.
+``factory(config, geometry, caches)`` and returning an object with the same methods (a P/D
+transport's ``reject`` and the ``wait_for_registration`` argument of its ``pull`` are optional).
 
 All methods are called from the worker's model-runner thread.
 """
@@ -156,7 +157,8 @@ class EndpointTransport:
         self._rank = caches.tp_rank
         client = _client(caches)
         kw: Dict[str, Any] = dict(listen=cfg.listen, transport=cfg.transport, timeout=cfg.pull_timeout_s,
-                                  client=client, lease_s=cfg.lease_s)
+                                  client=client, lease_s=cfg.lease_s, staging_budget_bytes=cfg.staging_budget_bytes,
+                                  staging_wait=cfg.staging_wait_s)
         if cfg.tls:
             kw["tls"] = cfg.tls
         if cfg.psk:
@@ -175,10 +177,17 @@ class EndpointTransport:
                                expected_releases=pullers)
 
     def pull(self, xfer_id: int, peers: Dict[int, str], src: Dict[str, Any], dst: Dict[str, Any],
-             num_tokens: int) -> Any:
+             num_tokens: int, wait_for_registration: Optional[float] = None) -> Any:
         """Consumer: starts pulling request ``xfer_id`` into this rank's blocks of ``dst``;
-        returns a handle with ``done``, ``error``, ``cancel()``."""
-        return self.endpoint.pull(xfer_id, peers, src, dst, num_tokens, {self._rank: self._caches.views})
+        returns a handle with ``done``, ``error``, ``cancel()``. A producer that has not
+        registered the request yet is waited for up to ``wait_for_registration`` seconds."""
+        return self.endpoint.pull(xfer_id, peers, src, dst, num_tokens, {self._rank: self._caches.views},
+                                  wait_for_registration=wait_for_registration)
+
+    def reject(self, xfer_id: int, peers: Dict[int, str], reason: str) -> None:
+        """Consumer: tells the producers this rank will not pull request ``xfer_id`` (refused or
+        aborted): they free its staged KV at once. Blocks for the network round trip."""
+        self.endpoint.reject(xfer_id, peers, reason)
 
     def close(self) -> None:
         """Stops serving."""

@@ -14,7 +14,11 @@ dtype.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
+import logging
+import platform
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -28,6 +32,47 @@ TORCH_TO_TPU_SYNC_DTYPE = {
 
 #: Version of the ``kv_transfer_params`` this connector produces and accepts.
 PARAMS_VERSION = 1
+
+_log = logging.getLogger("tpu_sync.vllm")
+
+#: ``arch_prctl`` code asking for permission to use a dynamically enabled XSAVE feature
+#: (Linux ``arch/x86/include/uapi/asm/prctl.h``), and the AMX tile data feature number
+#: (``XFEATURE_XTILEDATA``, ``arch/x86/include/asm/fpu/types.h``); ``arch_prctl`` is system
+#: call 158 on x86-64.
+ARCH_REQ_XCOMP_PERM = 0x1023
+XFEATURE_XTILEDATA = 18
+SYS_ARCH_PRCTL_X86_64 = 158
+
+
+def uses_amx(block_format: str) -> bool:
+    """Whether blocks of this format are written by vLLM's AMX attention kernel
+    (``vllm-cpu/amx/...``, the bf16 kernel vLLM picks on CPUs with AMX)."""
+    return "/amx/" in str(block_format)
+
+
+def request_amx_tiles() -> bool:
+    """Asks Linux for permission to use AMX tiles in this process
+    (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``). vLLM's AMX bf16 attention
+    kernel executes AMX instructions without asking; the permission usually comes from a
+    prefill's matmul by luck, but a P/D consumer's first forward is a decode step, which dies
+    with SIGILL without it. Returns whether the permission is granted; on a CPU or kernel
+    without AMX (or not x86-64 Linux) it does nothing and returns False. Never raises."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        r = libc.syscall(ctypes.c_long(SYS_ARCH_PRCTL_X86_64), ctypes.c_long(ARCH_REQ_XCOMP_PERM),
+                         ctypes.c_ulong(XFEATURE_XTILEDATA))
+    except Exception as e:  # no libc syscall(): nothing to ask
+        _log.debug("tpu_sync: AMX permission not requested: %s", e)
+        return False
+    if r != 0:
+        err = ctypes.get_errno()
+        _log.info("tpu_sync: AMX tile permission not granted (%s): this CPU or kernel has no AMX",
+                  errno.errorcode.get(err, err))
+        return False
+    _log.info("tpu_sync: AMX tile permission granted for vLLM's AMX attention kernel")
+    return True
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,15 @@ P/D (prefill/decode disaggregation; on by default for ``kv_producer`` and ``kv_c
     prefills it locally). Default 30.
 ``pd_transport`` (str, ``"module:callable"``)
     Replaces the tpu_sync endpoint (extension point; see :mod:`tpu_sync.vllm.backends`).
+``staging_budget_bytes`` (int)
+    The endpoint's own budget of pinned staging bytes (a producer's registered requests and a
+    consumer's pulls in flight). A registration past it fails at once (the consumer's pull then
+    fails and the request is recomputed or failed per ``kv_load_failure_policy``); nothing
+    already staged is lost. Default: the process-wide budget, a quarter of the memory the
+    process may use capped by ``RLIMIT_MEMLOCK`` (``$TPU_SYNC_STAGING_BUDGET_BYTES``), shared
+    with the host tier.
+``staging_wait_s`` (float)
+    How long a registration waits for budget before it fails. Default: it fails at once.
 
 Host-DRAM offload (on by default for ``kv_both``):
 
@@ -82,6 +91,8 @@ _KEYS = {
     "decode_tp_size": int,
     "pull_timeout_s": (int, float),
     "pd_transport": str,
+    "staging_budget_bytes": int,
+    "staging_wait_s": (int, float),
     "offload": bool,
     "host_capacity_bytes": (int, float),
     "shm_name": str,
@@ -113,6 +124,8 @@ class ConnectorConfig:
     decode_tp_size: int = 1
     pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S
     pd_transport: Optional[str] = None
+    staging_budget_bytes: Optional[int] = None
+    staging_wait_s: Optional[float] = None
     host_capacity_bytes: int = DEFAULT_HOST_CAPACITY
     shm_name: Optional[str] = None
     disk_dir: Optional[str] = None
@@ -175,6 +188,8 @@ class ConnectorConfig:
             decode_tp_size=int(extra.get("decode_tp_size", 1)),
             pull_timeout_s=float(extra.get("pull_timeout_s", DEFAULT_PULL_TIMEOUT_S)),
             pd_transport=extra.get("pd_transport"),
+            staging_budget_bytes=extra.get("staging_budget_bytes"),
+            staging_wait_s=(float(extra["staging_wait_s"]) if "staging_wait_s" in extra else None),
             host_capacity_bytes=int(extra.get("host_capacity_bytes", DEFAULT_HOST_CAPACITY)),
             shm_name=extra.get("shm_name"),
             disk_dir=extra.get("disk_dir"),
@@ -188,6 +203,10 @@ class ConnectorConfig:
             raise ConfigError("lease_s and pull_timeout_s must be > 0")
         if cfg.decode_tp_size < 1:
             raise ConfigError("decode_tp_size must be >= 1")
+        if cfg.staging_budget_bytes is not None and not 0 < cfg.staging_budget_bytes < 2**64:
+            raise ConfigError("staging_budget_bytes must be in 1..2^64-1")
+        if cfg.staging_wait_s is not None and not cfg.staging_wait_s > 0:
+            raise ConfigError("staging_wait_s must be > 0")
         if cfg.offload and cfg.host_capacity_bytes <= 0:
             raise ConfigError("host_capacity_bytes must be > 0 when offload is on")
         if ":" not in cfg.listen:

@@ -60,6 +60,24 @@ class RecvSpec:
 
 
 @dataclass
+class RejectSpec:
+    """Consumer: tell the producers this request will not be pulled (refused or aborted before
+    its pull), so they free its staged KV at once instead of keeping it for the lease.
+
+    Attributes:
+        req_id: vLLM request id.
+        xfer_id: the producer's transfer id.
+        peers: producer endpoint address per producer TP rank.
+        reason: why (sent to the producer, logged there).
+    """
+
+    req_id: str
+    xfer_id: int
+    peers: Dict[int, str]
+    reason: str
+
+
+@dataclass
 class TierOp:
     """Offload: save blocks to, or load blocks from, the host tier.
 
@@ -85,6 +103,7 @@ class TpuSyncMetadata(KVConnectorMetadata):
     saves: List[TierOp] = field(default_factory=list)
     sends: List[SendSpec] = field(default_factory=list)
     recvs: List[RecvSpec] = field(default_factory=list)
+    rejects: List[RejectSpec] = field(default_factory=list)
 
 
 @dataclass

@@ -11,6 +11,11 @@ Per request (vLLM calls, in order):
   ``update_state_after_alloc`` plans the pull into the allocated blocks; the worker pulls
   asynchronously and reports the request in ``finished_recving`` (and ``failed_recving`` plus
   the block ids on failure, so vLLM recomputes or fails it per ``kv_load_failure_policy``).
+  A request whose KV will not be pulled (refused params, a local prefix hit, aborted before its
+  pull, or a failed pull) is *rejected* at the producer, which frees its staged KV at once
+  instead of keeping it for the lease. Tokens count as pulled (``p2p_tokens``, and P2P in
+  :meth:`SchedulerSide.get_external_cache_hit_sources`) only for pulls that succeed; tokens
+  recomputed after a failed pull are ``p2p_failed_tokens``.
 * **P/D producer** (``do_remote_decode``): ``request_finished`` returns ``(True, params)``:
   vLLM keeps the blocks until the worker reports the request in ``finished_sending``, once the
   endpoint has staged them (or the registration failed).
@@ -33,7 +38,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .compat import PARAMS_VERSION, KvGeometry, check_params, peers_from_params, prompt_digest
 from .config import ConnectorConfig
-from .metadata import RecvSpec, SendSpec, TierOp, TpuSyncHandshake, TpuSyncMetadata, TpuSyncWorkerMetadata
+from .metadata import (RecvSpec, RejectSpec, SendSpec, TierOp, TpuSyncHandshake, TpuSyncMetadata,
+                       TpuSyncWorkerMetadata)
 
 log = logging.getLogger("tpu_sync.vllm")
 
@@ -73,6 +79,9 @@ class SchedulerSide:
         self._recvs: Dict[str, RecvSpec] = {}
         self._sending: Dict[str, float] = {}
         self._pd_local_hit_logged: Set[str] = set()
+        self._rejects: List[RejectSpec] = []
+        #: tokens of pulls planned or running, counted as pulled once they succeed
+        self._pulling: Dict[str, int] = {}
         # Offload
         self._off: Dict[str, _OffloadState] = {}
         self._lookup_wanted: Dict[str, List[bytes]] = {}
@@ -81,11 +90,13 @@ class SchedulerSide:
         self._loads: List[TierOp] = []
         # Hit source per request (for get_external_cache_hit_sources) and counters.
         self._source: Dict[str, CacheHitSource] = {}
-        #: counters: tokens loaded from the host tier / pulled from producers, host-tier blocks
-        #: saved and loaded (as reported by the workers), failed loads, lookups, KV handed off.
+        #: counters: tokens loaded from the host tier / pulled from producers (successful pulls
+        #: only) / planned to be pulled but recomputed after a failed pull, host-tier blocks saved
+        #: and loaded (as reported by the workers), failed loads, lookups, KV handed off, params
+        #: refused, requests rejected at their producers.
         self.stats: Dict[str, int] = dict(
-            host_hit_tokens=0, p2p_tokens=0, saved_blocks=0, loaded_blocks=0, failed_loads=0, lookups=0,
-            handed_off=0, refused_params=0,
+            host_hit_tokens=0, p2p_tokens=0, p2p_failed_tokens=0, saved_blocks=0, loaded_blocks=0, failed_loads=0,
+            lookups=0, handed_off=0, refused_params=0, rejects=0,
         )
 
     # ---- start-up -----------------------------------------------------------------------
@@ -183,6 +194,9 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             if is_pd:
                 params["do_remote_prefill"] = False  # one transfer per request
+                # Prefilled locally (refused params or a local prefix hit): the producer's KV
+                # will never be pulled.
+                self._reject(req_id, params, "the decode instance prefills it locally")
             return
         bs = self.block_size
         block_ids = list(blocks.get_block_ids()[0])
@@ -202,7 +216,7 @@ class SchedulerSide:
                 timeout_s=self.cfg.pull_timeout_s,
             )
             self._source[req_id] = CacheHitSource.P2P
-            self.stats["p2p_tokens"] += num_external_tokens
+            self._pulling[req_id] = num_external_tokens
             return
         st = self._off.get(req_id)
         if st is None:
@@ -215,9 +229,23 @@ class SchedulerSide:
         self._source[req_id] = CacheHitSource.HOST
         self.stats["host_hit_tokens"] += num_external_tokens
 
+    def _reject(self, req_id: str, params: Dict[str, Any], reason: str) -> None:
+        """Queues a reject of the producer's transfer named by ``params`` (if it names one)."""
+        try:
+            xfer = int(params["remote_request_id"])
+            peers = peers_from_params(params)
+        except (KeyError, TypeError, ValueError):
+            return  # no usable transfer to reject
+        if not 1 <= xfer < 2**53 or not peers:
+            return
+        self._rejects.append(RejectSpec(req_id, xfer, peers, f"request {req_id}: {reason}"))
+        self.stats["rejects"] += 1
+
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> Dict[CacheHitSource, int]:
         """All of a request's external tokens come from one source: HOST (the host tier) or P2P
-        (a prefill instance)."""
+        (a prefill instance). vLLM asks at admission, before the transfer; a request whose pull
+        failed is never attributed to P2P again (its retry's tokens come from wherever the retry
+        finds them)."""
         if num_external_tokens <= 0:
             return {}
         return {self._source.get(request.request_id, CacheHitSource.EXTERNAL_UNSPECIFIED): num_external_tokens}
@@ -232,10 +260,11 @@ class SchedulerSide:
             loads=self._loads,
             sends=self._sends,
             recvs=list(self._recvs.values()),
+            rejects=self._rejects,
         )
         self._lookup_sent.update(self._lookup_wanted)
         self.stats["lookups"] += len(self._lookup_wanted)
-        self._lookup_wanted, self._loads, self._sends, self._recvs = {}, [], [], {}
+        self._lookup_wanted, self._loads, self._sends, self._recvs, self._rejects = {}, [], [], {}, []
         if self.cfg.offload:
             meta.saves = self._plan_saves(scheduler_output)
         return meta
@@ -291,6 +320,17 @@ class SchedulerSide:
             self.stats["loaded_blocks"] += meta.loaded_blocks
         for req_id in output.finished_sending or ():
             self._sending.pop(req_id, None)
+        failed = set(getattr(output, "failed_recving", None) or ())
+        for req_id in output.finished_recving or ():
+            n = self._pulling.pop(req_id, None)
+            if n is None:
+                continue  # not a pull (or aborted: not counted)
+            if req_id in failed:
+                # Recomputed (or failed) by vLLM: not pulled. Never attribute it to P2P again.
+                self.stats["p2p_failed_tokens"] += n
+                self._source.pop(req_id, None)
+            else:
+                self.stats["p2p_tokens"] += n
 
     # ---- completion ----------------------------------------------------------------------
 
@@ -298,11 +338,18 @@ class SchedulerSide:
         """Producer: keeps a prefilled request's blocks and returns the params a decode instance
         pulls with. Everyone: drops the request's state."""
         req_id = request.request_id
-        for d in (self._off, self._hits, self._lookup_wanted, self._recvs, self._source):
+        params = request.kv_transfer_params
+        if params and self.cfg.is_consumer:
+            if params.get("do_remote_prefill"):
+                # Finished (aborted) before admission: its KV was never pulled.
+                self._reject(req_id, params, "aborted before its KV was pulled")
+            elif req_id in self._recvs:
+                # Admitted, but aborted before the workers started the pull.
+                self._reject(req_id, params, "aborted before its pull started")
+        for d in (self._off, self._hits, self._lookup_wanted, self._recvs, self._source, self._pulling):
             d.pop(req_id, None)
         self._lookup_sent.discard(req_id)
         self._pd_local_hit_logged.discard(req_id)
-        params = request.kv_transfer_params
         if not (params and params.get("do_remote_decode") and self.cfg.is_producer):
             return False, None
         from vllm.v1.request import RequestStatus

@@ -4,7 +4,9 @@ Needs vLLM and torch.
 
 Hooks (vLLM's order within a step): ``start_load_kv`` (before the forward when the step has
 synchronous loads, else after it) runs host-tier lookups, host-tier loads, registrations of
-finished prefill requests and starts pulls; ``wait_for_save`` (after the forward) saves the prompt
+finished prefill requests, starts pulls (which wait, up to the pull timeout, for a producer that
+has not registered the request yet) and queues rejects (sent by a background thread, so a dead
+producer never stalls the model runner); ``wait_for_save`` (after the forward) saves the prompt
 blocks the step filled; ``get_transfer_results`` reports registrations done, pulls finished or
 failed; ``get_block_ids_with_load_errors`` the blocks a load or pull did not deliver;
 ``build_connector_worker_meta`` the lookup answers. The per-layer hooks are no-ops: loads
@@ -13,7 +15,10 @@ complete before the forward and saves run after it, whole blocks at a time.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Set
@@ -22,7 +27,7 @@ from . import compat
 from .backends import KvCaches, make_host_tier, make_pd_transport
 from .compat import KvGeometry
 from .config import ConnectorConfig
-from .metadata import RecvSpec, TpuSyncHandshake, TpuSyncMetadata, TpuSyncWorkerMetadata
+from .metadata import RecvSpec, RejectSpec, TpuSyncHandshake, TpuSyncMetadata, TpuSyncWorkerMetadata
 
 log = logging.getLogger("tpu_sync.vllm")
 
@@ -56,9 +61,15 @@ class WorkerSide:
         self._load_errors: Set[int] = set()
         self._report = TpuSyncWorkerMetadata()
         self._src_layouts: Dict[str, Dict[str, Any]] = {}
-        #: counters: blocks saved / loaded, pulls done / failed, registrations, failed loads.
+        self._reject_queue: "queue.Queue[Optional[RejectSpec]]" = queue.Queue()
+        self._reject_thread: Optional[threading.Thread] = None
+        self._pull_waits = False
+        #: counters: blocks saved / loaded, pulls done / failed / cancelled, registrations,
+        #: failed loads, lookups, rejects sent to producers (and those that failed), whether AMX
+        #: tile permission was granted.
         self.stats: Dict[str, int] = dict(saved_blocks=0, loaded_blocks=0, pulls_done=0, pulls_failed=0, pulls_cancelled=0,
-                                          registered=0, register_failed=0, failed_loads=0, lookups=0)
+                                          registered=0, register_failed=0, failed_loads=0, lookups=0, rejects_sent=0,
+                                          rejects_failed=0, amx_permission=0)
 
     # ---- start-up -----------------------------------------------------------------------
 
@@ -74,6 +85,10 @@ class WorkerSide:
         from vllm.model_executor.models.utils import extract_layer_index
 
         g = self.geometry
+        if compat.uses_amx(g.block_format):
+            # vLLM's AMX bf16 attention kernel uses AMX tiles without asking the kernel for them;
+            # a P/D consumer's first forward is a decode step, which would die with SIGILL.
+            self.stats["amx_permission"] = int(compat.request_amx_tiles())
         names = sorted(kv_caches, key=lambda n: (extract_layer_index(n), n))
         tensors = [kv_caches[n] for n in names]
         if len(tensors) != g.num_layers:
@@ -106,6 +121,10 @@ class WorkerSide:
             self.tier = make_host_tier(self.cfg, g, self.caches)
         if self.cfg.pd:
             self.transport = make_pd_transport(self.cfg, g, self.caches)
+            try:
+                self._pull_waits = "wait_for_registration" in inspect.signature(self.transport.pull).parameters
+            except (TypeError, ValueError):
+                self._pull_waits = False
         log.info("tpu_sync: %d layers x %d blocks of %d B (%s), offload=%s, endpoint=%s", len(names),
                  self.caches.num_blocks, layer_block_bytes, g.block_format, self.tier is not None,
                  getattr(self.transport, "address", None))
@@ -128,6 +147,8 @@ class WorkerSide:
         if self.transport is not None:
             for s in meta.sends:
                 self._register(s)
+            for rj in getattr(meta, "rejects", ()):
+                self._reject(rj)
             now = time.monotonic()
             for r in meta.recvs:
                 self._pulls[r.req_id] = _Pull(spec=r, deadline=now + r.timeout_s)
@@ -189,7 +210,13 @@ class WorkerSide:
             dst = compat.placement(self.geometry.tpu_sync_layout(self.caches.num_blocks), s.dst_block_ids)
             src = compat.placement(s.src_layout, s.src_block_ids)
             try:
-                p.handle = self.transport.pull(s.xfer_id, s.peers, src, dst, s.num_tokens)
+                if self._pull_waits:
+                    # The producer registers one engine step after the request finished: the pull
+                    # waits for the registration (up to the pull's deadline) instead of failing.
+                    p.handle = self.transport.pull(s.xfer_id, s.peers, src, dst, s.num_tokens,
+                                                   wait_for_registration=max(0.0, p.deadline - now))
+                else:
+                    p.handle = self.transport.pull(s.xfer_id, s.peers, src, dst, s.num_tokens)
             except Exception as e:
                 if _is_unknown_request(e):
                     p.next_try = now + UNKNOWN_REQUEST_RETRY_S
@@ -227,8 +254,13 @@ class WorkerSide:
             # Aborted while its KV was arriving: vLLM holds the blocks until we report the
             # request; stop writing into them first. Its blocks are no load error (it is gone).
             p = self._pulls.pop(req_id)
+            delivered = p.handle is not None and p.handle.done and getattr(p.handle, "error", None) is None
             if p.handle is not None and not p.handle.done:
                 _cancel(p.handle)
+            if not delivered:
+                # It will never be pulled now: the producers free its KV at once.
+                self._reject(RejectSpec(req_id, p.spec.xfer_id, p.spec.peers,
+                                        f"request {req_id}: aborted while its KV was being pulled"))
             res.finished_recving.add(req_id)
             self.stats["pulls_cancelled"] += 1
         if self._pulls:
@@ -260,7 +292,34 @@ class WorkerSide:
                     self.stats["pulls_failed"] += 1
                     res.failed_recving.add(req_id)
                     self._load_errors.update(p.spec.dst_block_ids)
+                    # vLLM recomputes (or fails) it: the KV will not be pulled again.
+                    self._reject(RejectSpec(req_id, p.spec.xfer_id, p.spec.peers,
+                                            f"request {req_id}: its pull failed ({type(err).__name__}); recomputed"))
         return res
+
+    def _reject(self, r: RejectSpec) -> None:
+        """Queues a reject for the background thread (it blocks on the network)."""
+        if not hasattr(self.transport, "reject"):
+            return
+        if self._reject_thread is None:
+            self._reject_thread = threading.Thread(target=self._send_rejects, name="tpu-sync-rejects", daemon=True)
+            self._reject_thread.start()
+        self._reject_queue.put(r)
+
+    def _send_rejects(self) -> None:
+        while True:
+            r = self._reject_queue.get()
+            if r is None:
+                return
+            transport = self.transport
+            if transport is None:
+                continue
+            try:
+                transport.reject(r.xfer_id, r.peers, r.reason)
+                self.stats["rejects_sent"] += 1
+            except Exception as e:  # a dead producer frees it at its lease expiry
+                self.stats["rejects_failed"] += 1
+                log.info("tpu_sync: reject of transfer %s (%s) failed: %s", r.xfer_id, r.req_id, e)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         """Blocks that a load or pull reported since the last call did not fill."""
@@ -281,6 +340,10 @@ class WorkerSide:
             if p.handle is not None:
                 _cancel(p.handle)
         self._pulls.clear()
+        if self._reject_thread is not None:
+            self._reject_queue.put(None)
+            self._reject_thread.join(timeout=max(1.0, self.cfg.pull_timeout_s))
+            self._reject_thread = None
         for obj in (self.tier, self.transport):
             if obj is not None:
                 try:
