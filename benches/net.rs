@@ -13,6 +13,12 @@
 //! takes ~36 ms on this machine, comparable to moving it, and is the planner's cost, not the
 //! network's. The producer caches its plan per puller.
 //!
+//! `pipeline_tcp` is what an engine does per request through `tpu_sync::transfer`: a pull from
+//! the producer's registered device blocks into the consumer's device buffers (check, plan,
+//! pinned staging reserved from the budget and DMA-map attempt, the network, H2D in place, the
+//! delivering release), device buffers of the XLA CPU plugin on both sides; the producer
+//! registered (and staged, D2H) once, as `pull_tcp`'s does.
+//!
 //! At the end it prints, from criterion's estimates of this run: GB/s and the ratio to raw TCP
 //! of every variant (1.00 = one raw socket's speed), pull/push ratios (the target: pull within
 //! 10% of push), and the median latency of a 16 KiB block (no fixed per-transfer floor: compare
@@ -34,8 +40,10 @@ use tpu_sync::net::{
     Endpoint, EndpointOptions, PeerMap, PullRequest, PushRequest, Security, SinkRegistration,
     SourceRegistration, TransportKind,
 };
+use tpu_sync::pjrt::{Capabilities, Client, ClientOptions, DeviceBuffer, Plugin};
 use tpu_sync::plan::{Placement, Plan};
 use tpu_sync::staging::Staging;
+use tpu_sync::transfer::{KvBuffers, Offer, Pipeline, PullInto, TransferOptions};
 
 const SIZES: &[(u64, &str)] = &[
     (64 << 10, "64KiB"),
@@ -234,7 +242,85 @@ fn estimate(group: &str, id: &str, stat: &str) -> Option<f64> {
     v[stat]["point_estimate"].as_f64()
 }
 
-const VARIANTS: &[&str] = &["raw_tcp", "pull_tcp", "push_tcp", "pull_quic", "push_quic"];
+const VARIANTS: &[&str] = &[
+    "raw_tcp",
+    "pull_tcp",
+    "push_tcp",
+    "pull_quic",
+    "push_quic",
+    "pipeline_tcp",
+];
+
+/// Two pipelines over TCP and a two-device CPU client for `pipeline_tcp`.
+struct Pipe {
+    prefill: Pipeline,
+    decode: Pipeline,
+    client: Client,
+    caps: Capabilities,
+}
+
+async fn pipe() -> Pipe {
+    let o = |name: &str| EndpointOptions {
+        name: name.into(),
+        listen: Some("127.0.0.1:0".parse().unwrap()),
+        lease_ttl: Duration::from_secs(3600),
+        streams_per_pair: env_u64("TPU_SYNC_BENCH_STREAMS", 2) as u32,
+        chunk_bytes: env_u64("TPU_SYNC_BENCH_CHUNK", 1 << 20),
+        ..EndpointOptions::default()
+    };
+    let t = || TransferOptions {
+        arena: arena(),
+        staging_budget_bytes: Some(4 << 30),
+        ..TransferOptions::default()
+    };
+    let plugin = Plugin::load_default().expect("PJRT plugin (run `make plugin`)");
+    let client = Client::create(
+        &plugin,
+        &ClientOptions {
+            cpu_device_count: Some(2),
+        },
+    )
+    .unwrap();
+    let caps = Capabilities::probe(&client).unwrap();
+    Pipe {
+        prefill: Pipeline::bind(o("pipe-prefill"), t()).await.unwrap(),
+        decode: Pipeline::bind(o("pipe-decode"), t()).await.unwrap(),
+        client,
+        caps,
+    }
+}
+
+/// One rank's layer buffers of `place`'s layout on `device`, filled with a byte pattern.
+fn device_kv(p: &Pipe, place: &Placement, device: usize) -> KvBuffers {
+    let kv = place.layout.rank_kv().unwrap();
+    let host: Vec<u8> = (0..kv.buffer_bytes()).map(|i| (i * 7 + 1) as u8).collect();
+    let dev = p.client.device(device).unwrap();
+    let bufs: Vec<DeviceBuffer> = (0..kv.num_layers)
+        .map(|_| {
+            p.client
+                .buffer_from_host(&host, kv.dtype.element_type(), &kv.dims(), &dev)
+                .unwrap()
+        })
+        .collect();
+    KvBuffers::new(&p.caps, [(0, bufs)].into_iter().collect()).unwrap()
+}
+
+async fn pipeline_once(p: &Pipe, c: &Case, dst: &KvBuffers, rid: u64) {
+    p.decode
+        .pull(PullInto {
+            request_id: rid,
+            num_tokens: c.tokens,
+            src: c.src.clone(),
+            sources: PeerMap::single(p.prefill.endpoint().local_addr().unwrap().to_string()),
+            dst: c.dst.clone(),
+            kv: dst.clone(),
+            wait_for_registration: None,
+        })
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+}
 
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -245,6 +331,7 @@ fn main() {
     let dir = std::env::temp_dir().join(format!("tpu-sync-bench-net-{}", std::process::id()));
     let tcp = rt.block_on(pair(TransportKind::Tcp, &dir));
     let quic = rt.block_on(pair(TransportKind::Quic, &dir));
+    let pipe = rt.block_on(pipe());
     let mut raw_pair = rt.block_on(raw(64 << 20));
     let mut c = Criterion::default().configure_from_args();
     let rid = std::cell::Cell::new(1u64);
@@ -272,6 +359,22 @@ fn main() {
                 })
                 .unwrap();
         }
+        // The pipeline's producer registers device blocks once; every pull releases (delivers)
+        // it, so it expects as many releases as there can be iterations.
+        let src_kv = device_kv(&pipe, &cs.src, 0);
+        let dst_kv = device_kv(&pipe, &cs.dst, 1);
+        {
+            let _g = rt.enter();
+            pipe.prefill
+                .offer(Offer {
+                    request_id: reg,
+                    num_tokens: cs.tokens,
+                    placement: cs.src.clone(),
+                    kv: src_kv,
+                    expected_releases: u32::MAX,
+                })
+                .unwrap();
+        }
         let group = format!("net_{name}");
         let mut g = c.benchmark_group(&group);
         g.throughput(Throughput::Bytes(*bytes));
@@ -291,6 +394,7 @@ fn main() {
                                 "push_tcp" => push_once(&tcp, &cs, &dst_st, next()).await,
                                 "pull_quic" => pull_once(&quic, &cs, &dst_st, reg).await,
                                 "push_quic" => push_once(&quic, &cs, &dst_st, next()).await,
+                                "pipeline_tcp" => pipeline_once(&pipe, &cs, &dst_kv, reg).await,
                                 _ => unreachable!(),
                             }
                         }
@@ -306,8 +410,8 @@ fn main() {
 
     println!("\nthroughput, and ratio to one raw TCP socket moving the same bytes in this run (1.00 = raw socket speed):");
     println!(
-        "  {:<7} {:>16} {:>16} {:>16} {:>16} {:>16}   pull/push tcp  quic",
-        "block", "raw_tcp", "pull_tcp", "push_tcp", "pull_quic", "push_quic"
+        "  {:<7} {:>16} {:>16} {:>16} {:>16} {:>16} {:>16}   pull/push tcp  quic",
+        "block", "raw_tcp", "pull_tcp", "push_tcp", "pull_quic", "push_quic", "pipeline_tcp"
     );
     for (bytes, name) in &sizes {
         let group = format!("net_{name}");
@@ -325,13 +429,14 @@ fn main() {
             _ => "-".into(),
         };
         println!(
-            "  {:<7} {:>16} {:>16} {:>16} {:>16} {:>16}   {:>13} {:>5}",
+            "  {:<7} {:>16} {:>16} {:>16} {:>16} {:>16} {:>16}   {:>13} {:>5}",
             name,
             cell(t[0]),
             cell(t[1]),
             cell(t[2]),
             cell(t[3]),
             cell(t[4]),
+            cell(t[5]),
             pp(t[1], t[2]),
             pp(t[3], t[4])
         );
