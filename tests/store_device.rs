@@ -251,10 +251,24 @@ fn store_demo_runs_on_the_io_fallback_and_refuses_bad_flags() {
         "{t}"
     );
     assert!(t.lines().any(|l| l.starts_with("verified:")), "{t}");
+    // A prompt that does not fill its last block: the full blocks are stored, as an engine does,
+    // and the demo says so.
+    let o = common::tpu_sync(&["store-demo", "--layers", "2", "--tokens", "100"], LIMIT);
+    let t = common::text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(
+        t.contains("--tokens 100 is not a multiple of the block size 16: storing the 6 full blocks (96 tokens)"),
+        "{t}"
+    );
+    assert!(
+        t.lines()
+            .any(|l| l.starts_with("verified:") && l.contains("6 blocks")),
+        "{t}"
+    );
     for (args, msg) in [
         (
-            &["store-demo", "--tokens", "100"][..],
-            "multiple of the block size",
+            &["store-demo", "--tokens", "10"][..],
+            "fewer than one full block",
         ),
         (&["store-demo", "--layout", "tp=2"][..], "one rank"),
         (

@@ -166,6 +166,19 @@ fn bad_inputs_are_clear_errors() {
         "expected nhd or hnd",
     );
     fails(&["demo", "--preset", "gpt-5"], "unknown model preset");
+    // Staging past the budget is refused before anything is copied.
+    fails(
+        &[
+            "demo",
+            "--layers",
+            "1",
+            "--tokens",
+            "64",
+            "--staging-budget",
+            "4096",
+        ],
+        "staging exhausted",
+    );
     fails(&["demo", "--transport", "carrier-pigeon"], "not available");
     // Checked in the parent, before any child starts (so no prefill output).
     for (args, needle) in [
@@ -176,6 +189,21 @@ fn bad_inputs_are_clear_errors() {
         (&["demo", "--streams", "0"][..], "--streams 0: must be 1 to"),
         (&["demo", "--chunk-bytes", "0"][..], "--chunk-bytes 0"),
         (&["demo", "--request-id", "0"][..], "--request-id 0"),
+        // A zero layout field is an error, never a division by zero (it used to panic in
+        // ParallelLayout::request_blocks).
+        (
+            &[
+                "demo",
+                "--prefill",
+                "tp=2,block=0",
+                "--decode",
+                "tp=1,dp=2,block=16",
+            ][..],
+            "block (0)",
+        ),
+        (&["demo", "--decode", "tp=1,pcp=0"][..], "pcp (0)"),
+        (&["demo", "--prefill", "tp=0"][..], "tp (0)"),
+        (&["demo", "--staging-budget", "x"][..], "--staging-budget"),
         (
             &[
                 "decode",
