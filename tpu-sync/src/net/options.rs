@@ -4,6 +4,8 @@
 use std::time::Duration;
 
 use super::{Security, TransportKind};
+#[cfg(doc)]
+use super::{Endpoint, Stats};
 
 /// Configuration of an [`Endpoint`].
 #[derive(Debug, Clone)]

@@ -3,6 +3,8 @@
 use std::collections::BTreeMap;
 
 use crate::error::{Error, Result};
+#[cfg(doc)]
+use super::Endpoint;
 
 /// Which endpoint hosts each rank of the other side: a default address plus per-rank overrides.
 /// Addresses are `host:port` or a name given to [`Endpoint::add_peer`].

@@ -1,4 +1,4 @@
-//! What callers hand an [`Endpoint`](super::Endpoint): source and push registrations, pull and
+//! What callers hand an [`Endpoint`]: source and push registrations, pull and
 //! push requests, and the request-id rule.
 
 use std::collections::BTreeMap;
@@ -9,6 +9,8 @@ use super::PeerMap;
 use crate::error::{Error, Result};
 use crate::plan::{Placement, Plan};
 use crate::staging::Staging;
+#[cfg(doc)]
+use super::{Endpoint, SourceHandle, Transfer};
 
 /// A request's staged blocks offered for pulling ([`Endpoint::register_source`]).
 #[derive(Debug, Clone)]

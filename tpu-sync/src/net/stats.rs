@@ -2,6 +2,9 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64};
 
+#[cfg(doc)]
+use super::{Endpoint, EndpointOptions};
+
 /// A snapshot of an endpoint's counters ([`Endpoint::stats`]). Gauges (current values) and
 /// totals (since creation).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
