@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use super::{Security, TransportKind};
 #[cfg(doc)]
 use super::{Endpoint, Stats};
+use super::{Security, TransportKind};
 
 /// Configuration of an [`Endpoint`].
 #[derive(Debug, Clone)]

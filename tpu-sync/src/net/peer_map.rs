@@ -2,9 +2,9 @@
 
 use std::collections::BTreeMap;
 
-use crate::error::{Error, Result};
 #[cfg(doc)]
 use super::Endpoint;
+use crate::error::{Error, Result};
 
 /// Which endpoint hosts each rank of the other side: a default address plus per-rank overrides.
 /// Addresses are `host:port` or a name given to [`Endpoint::add_peer`].

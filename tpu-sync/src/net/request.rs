@@ -6,11 +6,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::PeerMap;
+#[cfg(doc)]
+use super::{Endpoint, SourceHandle, Transfer};
 use crate::error::{Error, Result};
 use crate::plan::{Placement, Plan};
 use crate::staging::Staging;
-#[cfg(doc)]
-use super::{Endpoint, SourceHandle, Transfer};
 
 /// A request's staged blocks offered for pulling ([`Endpoint::register_source`]).
 #[derive(Debug, Clone)]

@@ -111,9 +111,27 @@ impl Inner {
                 );
             }
         }
+        if count {
+            let mut lost = lock(&self.lost);
+            if lost.len() >= 1024 {
+                lost.clear();
+            }
+            lost.insert(p.addr, why.clone());
+        }
         p.dead.fire(why);
         lock(&p.idle).clear();
         p.conn.close();
+    }
+
+    /// A failed connection to `sa`: when a peer this endpoint was connected to there died, the
+    /// failure says so ([`Error::PeerClosed`] with the death's reason), since that is the cause.
+    fn after_loss(&self, sa: SocketAddr, e: Error) -> Error {
+        match lock(&self.lost).get(&sa) {
+            Some(why) => Error::PeerClosed(format!(
+                "peer {sa} was lost ({why}) and cannot be reached again: {e}"
+            )),
+            None => e,
+        }
     }
 
     /// Tells every connected peer to stop work on `request_id` (`push`: we were pushing it, so
@@ -196,14 +214,18 @@ impl Inner {
                 return Ok(p.clone());
             }
         }
-        let conn = self.transport.connect(sa).await?;
+        let conn = match self.transport.connect(sa).await {
+            Ok(c) => c,
+            Err(e) => return Err(self.after_loss(sa, e)),
+        };
         let ctl = match self.open_lane(&conn, LaneRole::Control).await {
             Ok(l) => l,
             Err(e) => {
                 conn.close();
-                return Err(e);
+                return Err(self.after_loss(sa, e));
             }
         };
+        lock(&self.lost).remove(&sa);
         let (tx, rx) = mpsc::unbounded_channel();
         let id = lock(&self.proto).peer_connected(Instant::now());
         let peer = Arc::new(Peer {

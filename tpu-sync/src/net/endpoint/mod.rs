@@ -120,6 +120,8 @@ pub(crate) struct Inner {
     peer_ids: Mutex<HashMap<PeerId, Arc<Peer>>>,
     connecting: Mutex<HashMap<SocketAddr, Arc<tokio::sync::Mutex<()>>>>,
     names: Mutex<HashMap<String, SocketAddr>>,
+    /// Why the last peer at an address died (until a connection there succeeds again).
+    lost: Mutex<HashMap<SocketAddr, String>>,
     tasks: Mutex<JoinSet<()>>,
     shutdown: Signal,
     handshake_failures_seen: AtomicU64,
@@ -285,6 +287,7 @@ impl Endpoint {
             peer_ids: Mutex::new(HashMap::new()),
             connecting: Mutex::new(HashMap::new()),
             names: Mutex::new(HashMap::new()),
+            lost: Mutex::new(HashMap::new()),
             tasks: Mutex::new(JoinSet::new()),
             shutdown: Signal::default(),
             handshake_failures_seen: AtomicU64::new(0),
@@ -556,7 +559,8 @@ impl Endpoint {
     /// The producer ends this consumer's part at once: it counts toward
     /// [`SourceRegistration::expected_releases`], and when no consumer remains the registration
     /// ends with [`SourceOutcome::Rejected`] (carrying `reason`, at most 4 KiB of it, and this
-    /// endpoint's name) and its staging is dropped before the producer answers. A reject that
+    /// endpoint's name) and its staging is dropped before the producer answers. Rejecting again
+    /// from the same endpoint counts once. A reject that
     /// reaches the producer before the registration is remembered for
     /// [`EndpointOptions::lease_ttl`] and counted when the request is registered. Pulls of the
     /// request in flight from this consumer should be cancelled first; stripes still being

@@ -84,8 +84,9 @@ struct Source {
     generation: u64,
     /// Releases counted as deliveries.
     releases: u32,
-    /// Consumers that rejected the request.
+    /// Consumers that rejected the request (each counts once).
     rejects: u32,
+    rejected_by: BTreeSet<SessionId>,
     reject_reason: Option<String>,
     holders: BTreeSet<SessionId>,
     /// Expiry while no consumer holds a lease.
@@ -157,7 +158,8 @@ impl Source {
 
 struct EarlyReject {
     until: Instant,
-    count: u32,
+    /// The consumers that rejected it (each counts once).
+    by: BTreeSet<SessionId>,
     reason: String,
 }
 
@@ -203,6 +205,7 @@ impl Sources {
             generation,
             releases: 0,
             rejects: 0,
+            rejected_by: BTreeSet::new(),
             reject_reason: None,
             holders: BTreeSet::new(),
             deadline: now + cfg.lease_ttl,
@@ -212,7 +215,8 @@ impl Sources {
         };
         let mut end = None;
         if let Some(e) = self.early.remove(&rid).filter(|e| e.until > now) {
-            src.rejects += e.count;
+            src.rejects += e.by.len() as u32;
+            src.rejected_by = e.by;
             src.reject_reason = Some(e.reason);
             end = src.accounted().then(|| src.final_outcome());
         }
@@ -471,7 +475,7 @@ impl Sources {
             let n = self.early.len();
             match self.early.get_mut(&rid) {
                 Some(e) => {
-                    e.count += 1;
+                    e.by.insert(s);
                     e.until = now + cfg.lease_ttl;
                 }
                 None if n < MAX_EARLY_REJECTS => {
@@ -479,7 +483,7 @@ impl Sources {
                         rid,
                         EarlyReject {
                             until: now + cfg.lease_ttl,
-                            count: 1,
+                            by: [s].into_iter().collect(),
                             reason: why,
                         },
                     );
@@ -488,9 +492,13 @@ impl Sources {
             }
             return (false, Vec::new());
         };
-        log::info!("request {rid} rejected by {name}: {reason}");
         reg.holders.remove(&s);
         reg.served.remove(&s);
+        if !reg.rejected_by.insert(s) {
+            // This consumer's reject is already counted.
+            return (true, Vec::new());
+        }
+        log::info!("request {rid} rejected by {name}: {reason}");
         reg.rejects += 1;
         reg.reject_reason.get_or_insert(why);
         reg.deadline = now + cfg.lease_ttl;

@@ -706,7 +706,17 @@ fn reject() {
     p.send_up(Up::Release(1, true));
     p.drive();
     assert_eq!(p.outcome(1), None);
+    // A consumer's repeated reject counts once.
+    p.register(&f, 7, 2).unwrap();
+    for _ in 0..2 {
+        p.send_up(Up::Reject(7, "twice".into()));
+        p.drive();
+    }
+    assert_eq!(p.outcome(7), None, "one consumer of two rejected");
     let (other, _) = p.prod.handle_hello(p.now, "decode-2", 9);
+    let (_, a) = p.prod.handle_reject(p.now, other, 7, "too");
+    p.prod_actions(a);
+    assert!(matches!(p.outcome(7), Some(SourceOutcome::Rejected(w)) if w.contains("twice")));
     let (known, a) = p.prod.handle_reject(p.now, other, 1, "aborted");
     assert!(known);
     p.prod_actions(a);
