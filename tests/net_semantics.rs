@@ -423,3 +423,33 @@ fn push_to_a_sink_fails_with_the_receivers_kind() {
         assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
     });
 }
+
+#[test]
+fn a_lost_producer_that_cannot_be_reached_again_is_named_as_lost() {
+    run(LIMIT, async {
+        let f = reshard_fixture(1, 60, 97);
+        let prefill = ep("prefill", true).await;
+        let decode = ep("decode", false).await;
+        let a = addr(&prefill);
+        let _h = register_whole(&prefill, &f.src, f.tokens, 40);
+        decode.describe(&a, 40).await.unwrap();
+        // The producer dies (its sockets close); the consumer notices.
+        drop(prefill);
+        eventually(Duration::from_secs(10), "peer lost", || {
+            decode.stats().peers == 0
+        })
+        .await;
+        let (t, st) = pull_with(&decode, &f, 40, PeerMap::single(&a), None);
+        let e = t.wait().await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::PeerClosed, "{e}");
+        assert!(e.to_string().contains("was lost"), "{e}");
+        assert!(!any_nonzero(&st));
+        // An address never connected to fails with the connection's own error.
+        let other = ep("other", true).await;
+        let gone = addr(&other);
+        drop(other);
+        let (t, _) = pull_with(&decode, &f, 41, PeerMap::single(&gone), None);
+        let e = t.wait().await.unwrap_err();
+        assert!(!e.to_string().contains("was lost"), "{e}");
+    });
+}

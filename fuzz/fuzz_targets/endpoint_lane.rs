@@ -1,6 +1,6 @@
 //! A real endpoint's server side fed one lane of (mostly structured) arbitrary traffic: the
 //! handshake decoder (first frame, `Hello`, its size limit), every request handler (`Describe`,
-//! `Pull`, `Push`, `PushFinish`, `Release`), stripe geometry validation (index, count, chunk
+//! `Pull`, `Push`, `PushFinish`, `Release`, `Reject`), stripe geometry validation (index, count, chunk
 //! size against the receiver's own plan), the data-chunk sub-header (offset, length, checksum),
 //! and stream ends (`StreamDone` byte counts). The endpoint runs over an in-memory transport.
 //!
@@ -293,6 +293,8 @@ enum Step {
     Frame { data: bool, rid: u8, body: Vec<u8> },
     Describe { sink: bool, rid: u8 },
     Release { rid: u8 },
+    /// The consumer will not pull the request (ends the registration when it is the last).
+    Reject { rid: u8 },
     Pull(Geometry),
     Push { g: Geometry, tokens_delta: i8 },
     /// A data frame for chunk `k` of the current push stripe.
@@ -422,6 +424,18 @@ fn script(w: &World, inp: &Input) -> Script {
                     e.push_back(Exchange::Other);
                 }
             }
+            Step::Reject { rid } => {
+                out.extend(frame(
+                    &Control::Reject {
+                        request_id: *rid as u64 % 4,
+                        reason: "fuzz".into(),
+                    },
+                    0,
+                ));
+                if let Some(e) = ex.as_mut() {
+                    e.push_back(Exchange::Other);
+                }
+            }
             Step::Pull(g) => {
                 let pair = g.pair as usize;
                 let stripe = stripe_of(g);
@@ -540,7 +554,11 @@ fn check_answers(w: &World, resp: &[u8], mut ex: VecDeque<Exchange>) {
             FrameKind::Control => {
                 let m = Control::decode(body).expect("the endpoint sends valid control messages");
                 match m {
-                    Control::StreamDone { .. } | Control::Failed { .. } | Control::Description { .. } | Control::Released { .. } => {
+                    Control::StreamDone { .. }
+                    | Control::Failed { .. }
+                    | Control::Description { .. }
+                    | Control::Released { .. }
+                    | Control::Rejected { .. } => {
                         ex.pop_front();
                     }
                     _ => {}

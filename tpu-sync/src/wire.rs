@@ -335,7 +335,9 @@ impl Iterator for Chunks {
 /// Every exchange on a data lane is one request followed by its answer; a lane carries one
 /// exchange at a time. Pull: `Pull` -> data frames -> `StreamDone` (or `Failed`). Push: `Push` ->
 /// `Ready` (or `Failed`) -> data frames -> `StreamDone` -> `StreamAck` (or `Failed`); then
-/// `PushFinish` -> `Finished`.
+/// `PushFinish` -> `Finished`. `Describe` -> `Description`, `Release` -> `Released`, `Reject` ->
+/// `Rejected` (each or `Failed`). Fields added since protocol version 2 was first spoken
+/// (`Release::delivered`, `Failed::kind`) have defaults, so older peers' messages still parse.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Control {

@@ -1,0 +1,88 @@
+//! [`EndpointOptions`] (timeouts, heartbeats, leases, chunking, lane limits) and the test-only
+//! [`FaultHooks`].
+
+use std::time::Duration;
+
+#[cfg(doc)]
+use super::{Endpoint, Stats};
+use super::{Security, TransportKind};
+
+/// Configuration of an [`Endpoint`].
+#[derive(Debug, Clone)]
+pub struct EndpointOptions {
+    /// Endpoint name, unique per live process (peers use it to recognise a restart). Default:
+    /// `tpu-sync-<pid>`.
+    pub name: String,
+    /// Transport.
+    pub transport: TransportKind,
+    /// Peer authentication (required for TLS and QUIC; must be [`Security::None`] for TCP).
+    pub security: Security,
+    /// Address to listen on (`None`: client only). Port 0 picks a free port.
+    pub listen: Option<std::net::SocketAddr>,
+    /// Limit for a TCP connect / QUIC connection attempt.
+    pub connect_timeout: Duration,
+    /// Limit for the TLS/QUIC handshake plus the protocol hello.
+    pub handshake_timeout: Duration,
+    /// Limit for any single read or write of a transfer to make progress.
+    pub io_timeout: Duration,
+    /// Interval between heartbeats on each peer's control lane.
+    pub heartbeat_interval: Duration,
+    /// A peer silent for this long (no heartbeat or answer) is declared dead.
+    pub heartbeat_timeout: Duration,
+    /// How long a source registration without a live lease holder is kept, and how long a push
+    /// registration waits without any push activity before it fails.
+    pub lease_ttl: Duration,
+    /// Payload bytes per data frame (chunk), at most [`crate::wire::MAX_DATA_PAYLOAD`].
+    pub chunk_bytes: u64,
+    /// Lanes a single `(source rank, destination rank)` stream is spread over (>= 1).
+    pub streams_per_pair: u32,
+    /// Most data lanes (sockets or QUIC streams) open to one peer at once (>= 1).
+    pub max_lanes_per_peer: u32,
+    /// Most inbound lanes (accepted sockets or QUIC streams, from all peers together, including
+    /// ones still in their hello) this endpoint serves at once (>= 1). A lane beyond it is closed
+    /// as soon as it is accepted and counted in [`Stats::lanes_refused`], so a flood of
+    /// connections cannot exhaust tasks or file descriptors. Size it to at least
+    /// `peers x (max_lanes_per_peer + 1)` of the peers expected to connect.
+    pub max_inbound_lanes: u32,
+    /// Test-only faults injected by this endpoint when it sends.
+    #[doc(hidden)]
+    pub faults: FaultHooks,
+}
+
+impl Default for EndpointOptions {
+    fn default() -> Self {
+        EndpointOptions {
+            name: format!("tpu-sync-{}", std::process::id()),
+            transport: TransportKind::Tcp,
+            security: Security::None,
+            listen: None,
+            connect_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(10),
+            io_timeout: Duration::from_secs(30),
+            heartbeat_interval: Duration::from_secs(1),
+            heartbeat_timeout: Duration::from_secs(5),
+            lease_ttl: Duration::from_secs(120),
+            chunk_bytes: 1 << 20,
+            streams_per_pair: 2,
+            max_lanes_per_peer: 16,
+            max_inbound_lanes: 4096,
+            faults: FaultHooks::default(),
+        }
+    }
+}
+
+/// Faults a sending endpoint injects (tests only; the fault-injection suite wraps the
+/// [`transport::Transport`] instead).
+#[doc(hidden)]
+#[derive(Debug, Clone, Default)]
+pub struct FaultHooks {
+    /// Abort a stripe (closing its lane) once this many payload bytes were sent in total.
+    pub close_after_bytes: Option<u64>,
+    /// Stop sending (without closing) once this many payload bytes were sent in total.
+    pub stall_after_bytes: Option<u64>,
+    /// Corrupt the first chunk sent (once per endpoint) that contains this stream offset: the
+    /// receiver sees a checksum mismatch.
+    pub corrupt_at_offset: Option<u64>,
+    /// Stop answering heartbeats (a peer that hangs without closing its sockets).
+    pub mute_heartbeats: bool,
+}
