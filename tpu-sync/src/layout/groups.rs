@@ -1196,7 +1196,7 @@ impl HybridLayout {
                 nb * gl.slot_bytes.unwrap_or(st.slot_bytes) as u128
             }
             // A rank holds at most every head: bounded by the whole model's bytes per token.
-            kind => nb * self.block_size(g) as u128 * kind.bytes_per_token_layer() as u128,
+            kind => nb * self.u_block_size(g) as u128 * kind.bytes_per_token_layer() as u128,
         }
     }
 
@@ -1210,11 +1210,58 @@ impl HybridLayout {
         self.model.num_layers()
     }
 
+    /// Errors with [`Error::Layout`] when a field the geometry divides by is zero (TP, PCP, DP,
+    /// the spec's or a group's block size) or the group layouts do not match the model's groups.
+    /// Every geometry function below checks it first, so a layout that was never
+    /// [validated](HybridLayout::validate) gets an error, never a division by zero.
+    pub fn check_nonzero(&self) -> Result<()> {
+        let s = &self.spec;
+        if s.tp == 0 || s.pcp == 0 || s.dp == 0 || s.block_size == 0 {
+            return Err(Error::Layout(format!(
+                "tp ({}), pcp ({}), dp ({}) and block ({}) must all be > 0",
+                s.tp, s.pcp, s.dp, s.block_size
+            )));
+        }
+        if self.groups.len() != self.model.groups.len() {
+            return Err(Error::Layout(format!(
+                "{} group layouts for a model of {} KV cache groups",
+                self.groups.len(),
+                self.model.groups.len()
+            )));
+        }
+        if let Some(g) = self.groups.iter().position(|gl| gl.block_size == Some(0)) {
+            return Err(Error::Layout(format!(
+                "group {}: block size must be > 0",
+                self.model.group_name(g)
+            )));
+        }
+        Ok(())
+    }
+
+    /// [`HybridLayout::check_nonzero`], and `g` names a group.
+    fn check_group(&self, g: usize) -> Result<()> {
+        self.check_nonzero()?;
+        if g >= self.groups.len() {
+            return Err(Error::InvalidArgument(format!(
+                "group {g} of a model of {} KV cache groups",
+                self.groups.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// Coordinates of `rank`.
-    pub fn coord(&self, rank: u32) -> RankCoord {
+    ///
+    /// Errors: as [`HybridLayout::check_nonzero`].
+    pub fn coord(&self, rank: u32) -> Result<RankCoord> {
+        self.check_nonzero()?;
+        Ok(self.u_coord(rank))
+    }
+
+    pub(crate) fn u_coord(&self, rank: u32) -> RankCoord {
         let (tp, pcp) = (self.spec.tp.max(1), self.spec.pcp.max(1));
         RankCoord {
-            dp: rank / (tp * pcp),
+            dp: rank / tp.saturating_mul(pcp),
             pcp: (rank / tp) % pcp,
             tp: rank % tp,
         }
@@ -1226,15 +1273,31 @@ impl HybridLayout {
     }
 
     /// Tokens per block of group `g` (paged groups; 1 for state groups, which have none).
-    pub fn block_size(&self, g: usize) -> u32 {
+    ///
+    /// Errors: as [`HybridLayout::check_nonzero`]; [`Error::InvalidArgument`] for a group
+    /// outside the model (as every function below that takes a group).
+    pub fn block_size(&self, g: usize) -> Result<u32> {
+        self.check_group(g)?;
+        Ok(self.u_block_size(g))
+    }
+
+    pub(crate) fn u_block_size(&self, g: usize) -> u32 {
         if self.model.groups[g].kind.is_state() {
             return 1;
         }
-        self.groups[g].block_size.unwrap_or(self.spec.block_size)
+        self.groups[g]
+            .block_size
+            .unwrap_or(self.spec.block_size)
+            .max(1)
     }
 
     /// Block order of group `g` (indexer and state groups: NHD, their interiors are fixed).
-    pub fn order(&self, g: usize) -> BlockOrder {
+    pub fn order(&self, g: usize) -> Result<BlockOrder> {
+        self.check_group(g)?;
+        Ok(self.u_order(g))
+    }
+
+    pub(crate) fn u_order(&self, g: usize) -> BlockOrder {
         match self.model.groups[g].kind {
             GroupKind::Attention { .. } | GroupKind::Mla { .. } => {
                 self.groups[g].order.unwrap_or(self.spec.order)
@@ -1244,13 +1307,23 @@ impl HybridLayout {
     }
 
     /// How group `g`'s heads split over TP (paged groups; MLA and indexer: one replicated head).
-    pub fn head_split(&self, g: usize) -> HeadSplit {
+    pub fn head_split(&self, g: usize) -> Result<HeadSplit> {
+        self.check_group(g)?;
+        Ok(self.u_head_split(g))
+    }
+
+    pub(crate) fn u_head_split(&self, g: usize) -> HeadSplit {
         let heads = self.model.groups[g].kind.paged().map(|p| p.0).unwrap_or(1);
         HeadSplit::of(heads, self.spec.tp)
     }
 
     /// The per-rank buffer geometry of group `g` (the same on every rank).
-    pub fn rank_kv(&self, g: usize) -> GroupRankKv {
+    pub fn rank_kv(&self, g: usize) -> Result<GroupRankKv> {
+        self.check_group(g)?;
+        Ok(self.u_rank_kv(g))
+    }
+
+    pub(crate) fn u_rank_kv(&self, g: usize) -> GroupRankKv {
         let grp = &self.model.groups[g];
         let layers = grp.layers.len() as u32;
         let nb = self.groups[g].num_blocks;
@@ -1263,21 +1336,21 @@ impl HybridLayout {
             } => GroupRankKv::Indexer(IndexerKv {
                 num_layers: layers,
                 num_blocks: nb,
-                block_size: self.block_size(g),
+                block_size: self.u_block_size(g),
                 value_bytes: *head_dim as u64 * dtype.size(),
                 scale_bytes: *scale_bytes as u64,
             }),
             kind => {
-                let (_, head_dim, planes, dtype) = kind.paged().expect("paged kind");
+                let (_, head_dim, planes, dtype) = kind.paged().unwrap_or((1, 1, 1, DType::Bf16));
                 GroupRankKv::Paged(KvLayout {
                     num_layers: layers,
                     kv_planes: planes,
                     num_blocks: nb,
-                    block_size: self.block_size(g),
-                    num_heads: self.head_split(g).per_rank,
+                    block_size: self.u_block_size(g),
+                    num_heads: self.u_head_split(g).per_rank,
                     head_dim,
                     dtype,
-                    order: self.order(g),
+                    order: self.u_order(g),
                 })
             }
         }
@@ -1340,7 +1413,8 @@ impl HybridLayout {
 
     /// The shape every rank's buffer of cache layer `layer` must have.
     ///
-    /// Errors: [`Error::InvalidArgument`] for a layer outside the model.
+    /// Errors: [`Error::InvalidArgument`] for a layer outside the model; as
+    /// [`HybridLayout::check_nonzero`].
     pub fn layer_shape(&self, layer: u32) -> Result<BufferShape> {
         let g = self.model.group_of_layer(layer).ok_or_else(|| {
             Error::InvalidArgument(format!(
@@ -1348,27 +1422,37 @@ impl HybridLayout {
                 self.num_layers()
             ))
         })?;
-        Ok(self.rank_kv(g).shape())
+        Ok(self.rank_kv(g)?.shape())
     }
 
     /// Request blocks of group `g` for `num_tokens` tokens (all its tokens, from block 0; a
     /// sliding-window group holds only [`HybridLayout::window_blocks`] of them; 1 "block" for
     /// a state group, its slot).
-    pub fn request_blocks(&self, g: usize, num_tokens: u32) -> u32 {
+    pub fn request_blocks(&self, g: usize, num_tokens: u32) -> Result<u32> {
+        self.check_group(g)?;
+        Ok(self.u_request_blocks(g, num_tokens))
+    }
+
+    pub(crate) fn u_request_blocks(&self, g: usize, num_tokens: u32) -> u32 {
         if self.model.groups[g].kind.is_state() {
             return 1;
         }
-        num_tokens.div_ceil(self.block_size(g).max(1))
+        num_tokens.div_ceil(self.u_block_size(g))
     }
 
     /// The request blocks of group `g` on PCP rank `pcp`: the blocks divided into `pcp_size`
     /// contiguous chunks of `ceil(n / pcp_size)` blocks, as [`ParallelLayout::pcp_chunk`].
     /// A state group's slot is on every PCP rank (`0..1`).
-    pub fn pcp_chunk(&self, g: usize, num_tokens: u32, pcp: u32) -> Range<u32> {
+    pub fn pcp_chunk(&self, g: usize, num_tokens: u32, pcp: u32) -> Result<Range<u32>> {
+        self.check_group(g)?;
+        Ok(self.u_pcp_chunk(g, num_tokens, pcp))
+    }
+
+    pub(crate) fn u_pcp_chunk(&self, g: usize, num_tokens: u32, pcp: u32) -> Range<u32> {
         if self.model.groups[g].kind.is_state() {
             return 0..1;
         }
-        let n = self.request_blocks(g, num_tokens);
+        let n = self.u_request_blocks(g, num_tokens);
         let chunk = n.div_ceil(self.spec.pcp.max(1));
         let start = pcp.saturating_mul(chunk).min(n);
         let end = pcp.saturating_add(1).saturating_mul(chunk).min(n);
@@ -1376,8 +1460,13 @@ impl HybridLayout {
     }
 
     /// The PCP rank holding request block `block` of group `g`.
-    pub fn pcp_of_block(&self, g: usize, num_tokens: u32, block: u32) -> u32 {
-        let n = self.request_blocks(g, num_tokens);
+    pub fn pcp_of_block(&self, g: usize, num_tokens: u32, block: u32) -> Result<u32> {
+        self.check_group(g)?;
+        Ok(self.u_pcp_of_block(g, num_tokens, block))
+    }
+
+    pub(crate) fn u_pcp_of_block(&self, g: usize, num_tokens: u32, block: u32) -> u32 {
+        let n = self.u_request_blocks(g, num_tokens);
         let chunk = n.div_ceil(self.spec.pcp.max(1)).max(1);
         block / chunk
     }
@@ -1386,7 +1475,12 @@ impl HybridLayout {
     /// them, or for a sliding window of `w` tokens the last `w - 1` (the ones the next token
     /// attends to besides itself; vLLM's `SlidingWindowManager.get_num_skipped_tokens` skips
     /// `num_tokens - w + 1`). Empty for state groups, which hold no tokens.
-    pub fn needed_tokens(&self, g: usize, num_tokens: u32) -> Range<u32> {
+    pub fn needed_tokens(&self, g: usize, num_tokens: u32) -> Result<Range<u32>> {
+        self.check_group(g)?;
+        Ok(self.u_needed_tokens(g, num_tokens))
+    }
+
+    pub(crate) fn u_needed_tokens(&self, g: usize, num_tokens: u32) -> Range<u32> {
         let kind = &self.model.groups[g].kind;
         if kind.is_state() {
             return 0..0;
@@ -1399,24 +1493,34 @@ impl HybridLayout {
 
     /// The request blocks of group `g` that exist: those holding [`HybridLayout::needed_tokens`]
     /// (for a state group, its slot: `0..1`).
-    pub fn window_blocks(&self, g: usize, num_tokens: u32) -> Range<u32> {
+    pub fn window_blocks(&self, g: usize, num_tokens: u32) -> Result<Range<u32>> {
+        self.check_group(g)?;
+        Ok(self.u_window_blocks(g, num_tokens))
+    }
+
+    pub(crate) fn u_window_blocks(&self, g: usize, num_tokens: u32) -> Range<u32> {
         if self.model.groups[g].kind.is_state() {
             return 0..1;
         }
-        let n = self.request_blocks(g, num_tokens);
-        let t = self.needed_tokens(g, num_tokens);
+        let n = self.u_request_blocks(g, num_tokens);
+        let t = self.u_needed_tokens(g, num_tokens);
         if t.is_empty() {
             return n..n;
         }
-        t.start / self.block_size(g).max(1)..n
+        t.start / self.u_block_size(g)..n
     }
 
     /// The request blocks of group `g` held by PCP rank `pcp`:
     /// [`HybridLayout::pcp_chunk`] ∩ [`HybridLayout::window_blocks`]. A placement lists exactly
     /// these blocks' ids for each rank, in order.
-    pub fn held_blocks(&self, g: usize, num_tokens: u32, pcp: u32) -> Range<u32> {
-        let c = self.pcp_chunk(g, num_tokens, pcp);
-        let w = self.window_blocks(g, num_tokens);
+    pub fn held_blocks(&self, g: usize, num_tokens: u32, pcp: u32) -> Result<Range<u32>> {
+        self.check_group(g)?;
+        Ok(self.u_held_blocks(g, num_tokens, pcp))
+    }
+
+    pub(crate) fn u_held_blocks(&self, g: usize, num_tokens: u32, pcp: u32) -> Range<u32> {
+        let c = self.u_pcp_chunk(g, num_tokens, pcp);
+        let w = self.u_window_blocks(g, num_tokens);
         let start = c.start.max(w.start);
         let end = c.end.min(w.end).max(start);
         start..end
@@ -1457,8 +1561,8 @@ impl HybridLayout {
                 dtype,
             },
             spec: ParallelSpec {
-                block_size: self.block_size(g),
-                order: self.order(g),
+                block_size: self.u_block_size(g),
+                order: self.u_order(g),
                 ..self.spec
             },
             num_blocks: gl.num_blocks,
@@ -1478,8 +1582,8 @@ impl HybridLayout {
                     format!(
                         "{}: block={} {}",
                         k.name(),
-                        self.block_size(g),
-                        self.order(g).name().to_uppercase()
+                        self.u_block_size(g),
+                        self.u_order(g).name().to_uppercase()
                     )
                 }
             })

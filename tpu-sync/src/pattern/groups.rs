@@ -48,8 +48,9 @@ impl GroupedContents {
     /// Contents of global rank `rank` of `placement.layout`; ranks outside the placement's DP
     /// replica hold only background. `salt` distinguishes the backgrounds of different sides.
     ///
-    /// Errors: [`Error::InvalidArgument`] for a rank outside the layout; the placement's
-    /// validation errors.
+    /// Errors: [`Error::InvalidArgument`] for a rank outside the layout; [`Error::Layout`] for a
+    /// layout with a zero field; [`Error::BlockRange`] for ids the placement does not have or
+    /// outside the group's blocks.
     pub fn new(
         placement: &HybridPlacement,
         rank: u32,
@@ -57,19 +58,20 @@ impl GroupedContents {
         salt: u64,
     ) -> Result<GroupedContents> {
         let l = &placement.layout;
+        l.check_nonzero()?;
         if rank >= l.num_ranks() {
             return Err(Error::InvalidArgument(format!(
                 "rank {rank} >= {} ranks",
                 l.num_ranks()
             )));
         }
-        let coord = l.coord(rank);
-        let kvs: Vec<GroupRankKv> = (0..l.groups.len()).map(|g| l.rank_kv(g)).collect();
+        let coord = l.u_coord(rank);
+        let kvs: Vec<GroupRankKv> = (0..l.groups.len()).map(|g| l.u_rank_kv(g)).collect();
         let mut request_block = Vec::with_capacity(kvs.len());
         for (g, kv) in kvs.iter().enumerate() {
             let mut rb = vec![u32::MAX; kv.num_blocks() as usize];
             if let Some(local) = placement.local_rank(rank) {
-                let held = l.held_blocks(g, num_tokens, coord.pcp);
+                let held = l.u_held_blocks(g, num_tokens, coord.pcp);
                 let ids = placement
                     .block_ids
                     .get(g)
@@ -116,11 +118,11 @@ impl GroupedContents {
     /// Calls `f(offset, len, element size, element)` for every request row of a layer.
     fn for_each_request_row(&self, g: usize, mut f: impl FnMut(u64, u64, u64, Elem)) {
         let l = &self.layout;
-        let need = l.needed_tokens(g, self.num_tokens);
+        let need = l.u_needed_tokens(g, self.num_tokens);
         let rbs = &self.request_block[g];
         match &self.kvs[g] {
             GroupRankKv::Paged(kv) => {
-                let first = l.head_split(g).first_head(self.coord.tp);
+                let first = l.u_head_split(g).first_head(self.coord.tp);
                 let whole = kv.order.is_opaque();
                 let es = kv.dtype.size();
                 for (block, &rb) in rbs.iter().enumerate() {

@@ -106,7 +106,7 @@ impl HybridPlacement {
             for (local, ids) in per_rank.iter().enumerate() {
                 let rank = self.global_rank(local as u32);
                 let pcp = local as u32 / s.tp;
-                let want = l.held_blocks(g, num_tokens, pcp).len();
+                let want = l.u_held_blocks(g, num_tokens, pcp).len();
                 if ids.len() != want {
                     return Err(Error::BlockRange(if state {
                         format!(
@@ -120,7 +120,7 @@ impl HybridPlacement {
                              {num_tokens} tokens at block size {} need {want} on this rank",
                             local as u32 % s.tp,
                             ids.len(),
-                            l.block_size(g)
+                            l.u_block_size(g)
                         )
                     }));
                 }
@@ -146,10 +146,13 @@ impl HybridPlacement {
     /// Byte ranges of local rank `local`'s request blocks and slots in every layer buffer
     /// (buffer index = cache layer), merged: whole blocks (every plane) of paged groups, the
     /// dense bytes of state slots. These are the bytes a sender stages.
-    pub fn block_ranges(&self, local: u32) -> Vec<ByteRange> {
+    ///
+    /// Errors: as [`HybridLayout::check_nonzero`] (ids are not checked: validate first).
+    pub fn block_ranges(&self, local: u32) -> Result<Vec<ByteRange>> {
+        self.layout.check_nonzero()?;
         let mut v = Vec::new();
         for (g, grp) in self.layout.model.groups.iter().enumerate() {
-            let kv = self.layout.rank_kv(g);
+            let kv = self.layout.u_rank_kv(g);
             let Some(ids) = self.block_ids.get(g).and_then(|r| r.get(local as usize)) else {
                 continue;
             };
@@ -165,26 +168,29 @@ impl HybridPlacement {
                 }
             }
         }
-        merge_ranges(v)
+        Ok(merge_ranges(v))
     }
 
     /// Bytes the ranks of this placement's replica must receive per group (the group's share of
     /// a plan into this placement), from the geometry alone: the needed tokens
     /// ([`HybridLayout::needed_tokens`]) of each rank's held blocks times the rank's bytes per
     /// token of all the group's layers (whole held blocks for the LBHNC order), or the dense slot
-    /// bytes of every layer for a state group. Assumes a valid placement.
-    pub fn needed_bytes(&self, num_tokens: u32) -> Vec<u64> {
+    /// bytes of every layer for a state group.
+    ///
+    /// Errors: as [`HybridLayout::check_nonzero`].
+    pub fn needed_bytes(&self, num_tokens: u32) -> Result<Vec<u64>> {
         let l = &self.layout;
+        l.check_nonzero()?;
         let s = &l.spec;
-        (0..l.groups.len())
+        Ok((0..l.groups.len())
             .map(|g| {
-                let kv = l.rank_kv(g);
+                let kv = l.u_rank_kv(g);
                 let layers = l.model.groups[g].layers.len() as u64;
-                let need = l.needed_tokens(g, num_tokens);
-                let bs = l.block_size(g) as u64;
+                let need = l.u_needed_tokens(g, num_tokens);
+                let bs = l.u_block_size(g) as u64;
                 let mut total = 0u64;
                 for local in 0..s.ranks_per_replica() {
-                    let held = l.held_blocks(g, num_tokens, local / s.tp);
+                    let held = l.u_held_blocks(g, num_tokens, local / s.tp);
                     let tokens = || {
                         let a = (held.start as u64 * bs).max(need.start as u64);
                         let b = (held.end as u64 * bs).min(need.end as u64);
@@ -206,7 +212,7 @@ impl HybridPlacement {
                 }
                 total
             })
-            .collect()
+            .collect())
     }
 }
 
@@ -275,7 +281,7 @@ impl Plan {
 /// rank needs, for the group's first layer (every layer of a group has the same offsets).
 fn group_rows(src: &HybridPlacement, dst: &HybridPlacement, g: usize, t: u32) -> Vec<Span> {
     let (sl, dl) = (&src.layout, &dst.layout);
-    let (skv, dkv) = (sl.rank_kv(g), dl.rank_kv(g));
+    let (skv, dkv) = (sl.u_rank_kv(g), dl.u_rank_kv(g));
     let row = |src_rank, src_offset, dst_rank, dst_offset, len| Span {
         src_rank,
         src_buffer: 0,
@@ -288,18 +294,18 @@ fn group_rows(src: &HybridPlacement, dst: &HybridPlacement, g: usize, t: u32) ->
         src_stride: 0,
         dst_stride: 0,
     };
-    let (ssplit, dsplit) = (sl.head_split(g), dl.head_split(g));
-    let (sbs, dbs) = (sl.block_size(g), dl.block_size(g));
-    let need = dl.needed_tokens(g, t);
+    let (ssplit, dsplit) = (sl.u_head_split(g), dl.u_head_split(g));
+    let (sbs, dbs) = (sl.u_block_size(g), dl.u_block_size(g));
+    let need = dl.u_needed_tokens(g, t);
     let mut rows = Vec::new();
     for ld in 0..dl.spec.ranks_per_replica() {
         let dst_rank = dst.global_rank(ld);
-        let dc = dl.coord(dst_rank);
+        let dc = dl.u_coord(dst_rank);
         let dids = &dst.block_ids[g][ld as usize];
         // Source local rank and index of request block `js` for global head `gh`.
         let source = |js: u32, gh: u32, split: crate::layout::HeadSplit| {
-            let ps = sl.pcp_of_block(g, t, js);
-            let idx = (js - sl.held_blocks(g, t, ps).start) as usize;
+            let ps = sl.u_pcp_of_block(g, t, js);
+            let idx = (js - sl.u_held_blocks(g, t, ps).start) as usize;
             let reps = split.ranks_of_head(gh);
             let ts = reps.start + ld % (reps.end - reps.start);
             let ls = ps * sl.spec.tp + ts;
@@ -309,7 +315,7 @@ fn group_rows(src: &HybridPlacement, dst: &HybridPlacement, g: usize, t: u32) ->
             (GroupRankKv::Paged(s), GroupRankKv::Paged(d)) if s.order.is_opaque() => {
                 // Equal block sizes (checked): request block `jd` is the same block on both
                 // sides; whole (block, head) regions.
-                for (i, jd) in dl.held_blocks(g, t, dc.pcp).enumerate() {
+                for (i, jd) in dl.u_held_blocks(g, t, dc.pcp).enumerate() {
                     for hl in 0..d.num_heads {
                         let gh = dsplit.first_head(dc.tp) + hl;
                         let (ls, idx, hs) = source(jd, gh, ssplit);
@@ -325,7 +331,7 @@ fn group_rows(src: &HybridPlacement, dst: &HybridPlacement, g: usize, t: u32) ->
                 }
             }
             (GroupRankKv::Paged(s), GroupRankKv::Paged(d)) => {
-                for (i, jd) in dl.held_blocks(g, t, dc.pcp).enumerate() {
+                for (i, jd) in dl.u_held_blocks(g, t, dc.pcp).enumerate() {
                     for tok in (jd * dbs).max(need.start)..((jd + 1) * dbs).min(t) {
                         let js = tok / sbs;
                         for hl in 0..d.num_heads {
@@ -347,7 +353,7 @@ fn group_rows(src: &HybridPlacement, dst: &HybridPlacement, g: usize, t: u32) ->
                 }
             }
             (GroupRankKv::Indexer(s), GroupRankKv::Indexer(d)) => {
-                for (i, jd) in dl.held_blocks(g, t, dc.pcp).enumerate() {
+                for (i, jd) in dl.u_held_blocks(g, t, dc.pcp).enumerate() {
                     for tok in (jd * dbs).max(need.start)..((jd + 1) * dbs).min(t) {
                         let js = tok / sbs;
                         let (ls, idx, _) = source(js, 0, ssplit);

@@ -229,7 +229,7 @@ impl StoreGroups {
     ) -> Result<StoreGroups> {
         let mut groups = Vec::with_capacity(layout.groups.len());
         for (g, grp) in layout.model.groups.iter().enumerate() {
-            let kv = layout.rank_kv(g);
+            let kv = layout.rank_kv(g)?;
             let layers = grp.layers.len() as u64;
             let role = match &grp.kind {
                 GroupKind::State { .. } => PartRole::State,
@@ -238,11 +238,11 @@ impl StoreGroups {
                     None => PartRole::Full,
                 },
             };
-            if !grp.kind.is_state() && layout.block_size(g) != block_tokens {
+            let bs = layout.block_size(g)?;
+            if !grp.kind.is_state() && bs != block_tokens {
                 return Err(Error::InvalidArgument(format!(
-                    "group {}: blocks of {} tokens, but store blocks hold {block_tokens}",
+                    "group {}: blocks of {bs} tokens, but store blocks hold {block_tokens}",
                     layout.model.group_name(g),
-                    layout.block_size(g)
                 )));
             }
             let unit = match &kv {
@@ -744,7 +744,7 @@ impl<'a> DeviceBlock<'a> {
                 layout.num_layers()
             )));
         }
-        let kv = layout.rank_kv(g);
+        let kv = layout.rank_kv(g)?;
         if id >= kv.num_blocks() {
             return Err(Error::BlockRange(format!(
                 "block {id} outside group {}'s {} blocks",

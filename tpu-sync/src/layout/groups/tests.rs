@@ -65,7 +65,7 @@ fn state_splits_over_tp_by_heads() {
     let m = HybridModel::preset("qwen3-next-80b").unwrap();
     let dense = |tp| {
         let l = HybridLayout::uniform_blocks(m.clone(), spec(tp, 1), 4).unwrap();
-        match l.rank_kv(1) {
+        match l.rank_kv(1).unwrap() {
             GroupRankKv::State(s) => s,
             other => panic!("{other:?}"),
         }
@@ -117,13 +117,13 @@ fn windows_and_pcp_chunks() {
     let m = HybridModel::preset("gpt-oss-120b").unwrap();
     let l = HybridLayout::uniform_blocks(m, spec(1, 2), 64).unwrap();
     // 300 tokens, window 128: tokens 173..300 (vLLM skips 300 - 128 + 1 = 173), blocks 10..19.
-    assert_eq!(l.needed_tokens(1, 300), 173..300);
-    assert_eq!(l.window_blocks(1, 300), 10..19);
-    assert_eq!(l.needed_tokens(0, 300), 0..300);
+    assert_eq!(l.needed_tokens(1, 300).unwrap(), 173..300);
+    assert_eq!(l.window_blocks(1, 300).unwrap(), 10..19);
+    assert_eq!(l.needed_tokens(0, 300).unwrap(), 0..300);
     // PCP=2: 19 blocks in chunks of 10: the window lives on both ranks.
-    assert_eq!(l.held_blocks(1, 300, 0), 10..10);
-    assert_eq!(l.held_blocks(1, 300, 1), 10..19);
-    assert_eq!(l.held_blocks(0, 300, 0), 0..10);
+    assert_eq!(l.held_blocks(1, 300, 0).unwrap(), 10..10);
+    assert_eq!(l.held_blocks(1, 300, 1).unwrap(), 10..19);
+    assert_eq!(l.held_blocks(0, 300, 0).unwrap(), 0..10);
     // A window of exactly one token needs nothing besides the next token itself.
     let one = HybridModel {
         name: "w1".into(),
@@ -140,8 +140,8 @@ fn windows_and_pcp_chunks() {
         )],
     };
     let l1 = HybridLayout::uniform_blocks(one, spec(1, 1), 4).unwrap();
-    assert!(l1.needed_tokens(0, 10).is_empty());
-    assert!(l1.window_blocks(0, 10).is_empty());
+    assert!(l1.needed_tokens(0, 10).unwrap().is_empty());
+    assert!(l1.window_blocks(0, 10).unwrap().is_empty());
 }
 
 #[test]
@@ -268,8 +268,14 @@ fn json_forms() {
     );
     let l: HybridLayout = serde_json::from_str(&lj).unwrap();
     l.validate().unwrap();
-    assert_eq!((l.block_size(0), l.block_size(1)), (16, 4));
-    assert_eq!((l.order(0), l.order(3)), (BlockOrder::Nhd, BlockOrder::Hnd));
+    assert_eq!(
+        (l.block_size(0).unwrap(), l.block_size(1).unwrap()),
+        (16, 4)
+    );
+    assert_eq!(
+        (l.order(0).unwrap(), l.order(3).unwrap()),
+        (BlockOrder::Nhd, BlockOrder::Hnd)
+    );
     let bad = lj.replacen("\"num_blocks\": 2}", "\"num_blocks\": 2, \"slots\": 1}", 1);
     assert!(serde_json::from_str::<HybridLayout>(&bad).is_err());
 }
@@ -283,11 +289,11 @@ fn uniform_layout_is_one_group() {
     let h = HybridLayout::from_uniform(&pl);
     h.validate().unwrap();
     assert_eq!(h.num_layers(), 61);
-    match h.rank_kv(0) {
+    match h.rank_kv(0).unwrap() {
         GroupRankKv::Paged(kv) => assert_eq!(kv, pl.rank_kv()),
         other => panic!("{other:?}"),
     }
-    assert_eq!(h.pcp_chunk(0, 100, 1), pl.pcp_chunk(100, 1));
+    assert_eq!(h.pcp_chunk(0, 100, 1).unwrap(), pl.pcp_chunk(100, 1));
     assert_eq!(h.layer_shape(7).unwrap().dims, pl.rank_kv().dims().to_vec());
     assert_eq!(h.groups[0].physical_layout.as_deref(), Some("{4,3,2,1,0}"));
     // Compatible with itself; a model with another group count is not.
@@ -297,4 +303,61 @@ fn uniform_layout_is_one_group() {
         h.model.check_compatible(&other).unwrap_err().kind(),
         crate::ErrorKind::Mismatch
     );
+}
+
+/// A layout that was never validated, with a zero field or a missing group layout, gets an
+/// error from every geometry function, never a division by zero or an index panic.
+#[test]
+fn zero_fields_are_errors_not_panics() {
+    let m = HybridModel::preset("gpt-oss-120b").unwrap();
+    let ok = HybridLayout::uniform_blocks(m, spec(2, 1), 8).unwrap();
+    let mut bad = vec![];
+    for f in [
+        |l: &mut HybridLayout| l.spec.tp = 0,
+        |l: &mut HybridLayout| l.spec.pcp = 0,
+        |l: &mut HybridLayout| l.spec.dp = 0,
+        |l: &mut HybridLayout| l.spec.block_size = 0,
+        |l: &mut HybridLayout| l.groups[1].block_size = Some(0),
+        |l: &mut HybridLayout| {
+            l.groups.pop();
+        },
+    ] {
+        let mut l = ok.clone();
+        f(&mut l);
+        bad.push(l);
+    }
+    for l in &bad {
+        assert_eq!(
+            l.check_nonzero().unwrap_err().kind(),
+            crate::ErrorKind::Layout
+        );
+        assert!(l.validate().is_err());
+        assert!(l.coord(3).is_err());
+        for g in 0..2 {
+            assert!(l.block_size(g).is_err());
+            assert!(l.rank_kv(g).is_err());
+            assert!(l.request_blocks(g, 100).is_err());
+            assert!(l.pcp_chunk(g, 100, 0).is_err());
+            assert!(l.pcp_of_block(g, 100, 3).is_err());
+            assert!(l.window_blocks(g, 100).is_err());
+            assert!(l.held_blocks(g, 100, 0).is_err());
+        }
+        assert!(l.layer_shape(0).is_err());
+        let p = crate::plan::HybridPlacement {
+            layout: l.clone(),
+            dp_rank: 0,
+            block_ids: vec![vec![vec![]; 2]; 2],
+        };
+        assert!(p.validate(10).is_err());
+        assert!(p.block_ranges(0).is_err());
+        assert!(p.needed_bytes(10).is_err());
+        assert!(crate::pattern::GroupedContents::new(&p, 0, 10, 1).is_err());
+        assert!(crate::plan::Plan::build_groups(&p, &p, 10).is_err());
+    }
+    // A group index outside the model is an error too.
+    assert_eq!(
+        ok.block_size(2).unwrap_err().kind(),
+        crate::ErrorKind::InvalidArgument
+    );
+    assert!(ok.held_blocks(9, 10, 0).is_err());
 }
