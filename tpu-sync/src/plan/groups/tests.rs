@@ -657,3 +657,14 @@ proptest! {
         simulate(&src, &dst, tokens, &plan);
     }
 }
+
+#[test]
+fn the_documented_json_placement_is_valid() {
+    let doc = include_str!("../../../../docs/hybrid.md");
+    let start = doc.find("```json\n").unwrap() + 8;
+    let end = start + doc[start..].find("```").unwrap();
+    let p: HybridPlacement = serde_json::from_str(&doc[start..end]).unwrap();
+    p.validate(18).unwrap();
+    let plan = Plan::build_groups(&p, &p, 18).unwrap();
+    assert_eq!(plan.group_bytes(&p.layout), p.needed_bytes(18).unwrap());
+}
