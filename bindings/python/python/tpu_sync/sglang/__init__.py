@@ -1,5 +1,6 @@
-"""SGLang integration of tpu_sync (SGLang 0.5.23): HiCache I/O backend, HiCache storage backend
-(L3), unified-cache linker and P/D transfer backend. See ``docs/sglang.md``.
+"""SGLang integration of tpu_sync (SGLang 0.5.23): the HiCache I/O backend and the HiCache storage
+backend (L3). See ``docs/sglang.md`` (which also says what is not done yet: the unified-cache
+linker and the P/D transfer backend).
 
 * :class:`TpuSyncStorage` (``tpu_sync.sglang.storage``): ``--hicache-storage-backend dynamic``
   with ``{"backend_name": "tpu_sync", "module_path": "tpu_sync.sglang.storage",
@@ -22,8 +23,8 @@ __all__ = ["TpuSyncStorage", "register"]
 
 def register() -> None:
     """``sglang.srt.plugins`` entry point: installs the I/O backend hooks when
-    ``TPU_SYNC_HICACHE_IO=1`` and adds the ``tpu_sync`` P/D transfer backend. Idempotent; never
-    raises (a plugin must not break engine start-up; failures are logged)."""
+    ``TPU_SYNC_HICACHE_IO=1``. Idempotent; never raises (a plugin must not break engine start-up;
+    failures are logged)."""
     try:
         import sglang  # noqa: F401
     except Exception:
@@ -32,7 +33,7 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    for name, fn in (("io", _install_io), ("disaggregation", _install_pd)):
+    for name, fn in (("io", _install_io),):
         try:
             fn()
         except Exception as e:  # pragma: no cover - logged, engine goes on without it
@@ -46,14 +47,6 @@ def _install_io() -> None:
     from . import io
 
     io.install_hooks()
-
-
-def _install_pd() -> None:
-    try:
-        from . import disagg
-    except ImportError:
-        return
-    disagg.install()
 
 
 def __getattr__(name: str) -> Any:
