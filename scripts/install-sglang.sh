@@ -20,7 +20,7 @@ link_shim() {
   printf '%s\nimport tpu_sync_sglang_cpu\n' "$shim" > "$site/00-tpu-sync-sglang-cpu.pth"
 }
 
-if [ -f "$stamp" ] && "$venv/bin/python" -c "import sglang" 2>/dev/null; then
+if [ -f "$stamp" ] && "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None)" 2>/dev/null; then
   link_shim
   exit 0
 fi
