@@ -289,12 +289,24 @@ fn uniform_layout_is_one_group() {
     let h = HybridLayout::from_uniform(&pl);
     h.validate().unwrap();
     assert_eq!(h.num_layers(), 61);
+    // The uniform layout's own per-rank buffer: 61 layers of [1, 10, 16, 1, 576] bf16, MLA
+    // replicated over TP=4; 100 tokens at block 16 are 7 blocks in PCP chunks of 4.
+    let want = KvLayout {
+        num_layers: 61,
+        kv_planes: 1,
+        num_blocks: 10,
+        block_size: 16,
+        num_heads: 1,
+        head_dim: 576,
+        dtype: DType::Bf16,
+        order: BlockOrder::Nhd,
+    };
     match h.rank_kv(0).unwrap() {
-        GroupRankKv::Paged(kv) => assert_eq!(kv, pl.rank_kv()),
+        GroupRankKv::Paged(kv) => assert_eq!(kv, want),
         other => panic!("{other:?}"),
     }
-    assert_eq!(h.pcp_chunk(0, 100, 1).unwrap(), pl.pcp_chunk(100, 1));
-    assert_eq!(h.layer_shape(7).unwrap().dims, pl.rank_kv().dims().to_vec());
+    assert_eq!(h.pcp_chunk(0, 100, 1).unwrap(), 4..7);
+    assert_eq!(h.layer_shape(7).unwrap().dims, want.dims().to_vec());
     assert_eq!(h.groups[0].physical_layout.as_deref(), Some("{4,3,2,1,0}"));
     // Compatible with itself; a model with another group count is not.
     h.model.check_compatible(&h.model).unwrap();

@@ -21,6 +21,14 @@ fn scattered(n: u32, take: usize, seed: u64) -> Vec<u32> {
     ids
 }
 
+/// `ParallelLayout::pcp_chunk` through the one-group layout (whose geometry functions return
+/// `Result` whichever form the uniform layout's have).
+fn uniform_chunk(l: &ParallelLayout, tokens: u32, pcp: u32) -> std::ops::Range<u32> {
+    HybridLayout::from_uniform(l)
+        .pcp_chunk(0, tokens, pcp)
+        .unwrap()
+}
+
 /// A placement of a `tokens`-token request at scattered block ids on DP replica `dp_rank`.
 pub(crate) fn hybrid_placement(
     layout: HybridLayout,
@@ -296,13 +304,13 @@ fn uniform_placement_is_one_group_with_the_same_plan() {
             order,
         };
         let mut l = ParallelLayout::new(m.clone(), spec, 1).unwrap();
-        l.num_blocks = l.pcp_chunk(t, 0).len() as u32 * 2 + 3;
+        l.num_blocks = uniform_chunk(&l, t, 0).len() as u32 * 2 + 3;
         l
     };
     let place = |l: ParallelLayout, dp_rank: u32, seed: u64| {
         let block_ids = (0..l.spec.ranks_per_replica())
             .map(|local| {
-                let n = l.pcp_chunk(t, local / l.spec.tp).len();
+                let n = uniform_chunk(&l, t, local / l.spec.tp).len();
                 scattered(l.num_blocks, n, seed ^ local as u64)
             })
             .collect();
@@ -607,7 +615,7 @@ proptest! {
             let order = if lbhnc { BlockOrder::Lbhnc } else { side.3 };
             let spec = ParallelSpec { tp: side.0, pcp: side.1, dp: side.2, block_size: bs, order };
             let mut l = ParallelLayout::new(m.clone(), spec, 1).unwrap().with_block_format("f");
-            l.num_blocks = l.pcp_chunk(tokens, 0).len() as u32 * 2 + 3;
+            l.num_blocks = uniform_chunk(&l, tokens, 0).len() as u32 * 2 + 3;
             l
         };
         let (sbs, dbs) = if lbhnc { (s.4[0], s.4[0]) } else { (s.4[0], d.4[0]) };
@@ -615,7 +623,7 @@ proptest! {
         let dl = mk(&d, dbs);
         let place = |l: ParallelLayout, dp: u32, seed: u64| {
             let ids = (0..l.spec.ranks_per_replica())
-                .map(|local| scattered(l.num_blocks, l.pcp_chunk(tokens, local / l.spec.tp).len(), seed ^ local as u64))
+                .map(|local| scattered(l.num_blocks, uniform_chunk(&l, tokens, local / l.spec.tp).len(), seed ^ local as u64))
                 .collect();
             crate::plan::Placement { layout: l, dp_rank: dp, block_ids: ids }
         };
