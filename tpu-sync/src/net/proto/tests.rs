@@ -37,7 +37,7 @@ fn placement(spec: &str, tokens: u32, seed: u64) -> Placement {
     // Distinct, scattered block ids (at most 8 per rank here, so no wrap-around).
     let block_ids = (0..spec.ranks_per_replica())
         .map(|local| {
-            let n = layout.pcp_chunk(tokens, local / spec.tp).len() as u32;
+            let n = layout.pcp_chunk(tokens, local / spec.tp).unwrap().len() as u32;
             (0..n).map(|i| i * 3 + seed as u32 + local).collect()
         })
         .collect();
