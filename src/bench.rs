@@ -659,17 +659,31 @@ fn device_scenario(b: &mut Bench, a: &BenchArgs, d2h: bool) -> Result<()> {
             }
             Ok(())
         }));
-        systems.push(System::new("tpu-sync d2h", |i, check| {
-            let c = &cases[i];
-            if check {
-                clear(c, 0);
+        // Every D2H path the plugin offers: the probed default (host-addressable memory is
+        // read with memcpy on the copy engine's workers), and PJRT_Buffer_CopyRawToHost.
+        let host_path = tpu_sync::device::d2h_host_addressable();
+        for (name, host) in [
+            ("tpu-sync d2h", host_path),
+            ("tpu-sync d2h (CopyRawToHost)", false),
+        ] {
+            if name != "tpu-sync d2h" && !host_path {
+                continue;
             }
-            c.staging.fill_from_device(0, &c.buffers, 256)?;
-            if check {
-                verify_staging(c, 0)?;
-            }
-            Ok(())
-        }));
+            systems.push(System::new(name, move |i, check| {
+                let c = &cases[i];
+                if check {
+                    clear(c, 0);
+                }
+                tpu_sync::device::set_d2h_host_addressable(host);
+                let r = c.staging.fill_from_device(0, &c.buffers, 256);
+                tpu_sync::device::set_d2h_host_addressable(host_path);
+                r?;
+                if check {
+                    verify_staging(c, 0)?;
+                }
+                Ok(())
+            }));
+        }
     } else {
         for c in cases {
             memcpy(c, true);

@@ -320,13 +320,11 @@ fn plot(r: &Report, path: &Path) -> std::result::Result<(), Box<dyn std::error::
     let panels = root.split_evenly((scenarios.len(), 1));
     for (scn, area) in scenarios.iter().zip(panels.iter()) {
         let rows: Vec<&Row> = r.throughput.iter().filter(|x| x.scenario == *scn).collect();
-        let xmin = rows.iter().map(|x| x.size).min().unwrap_or(1).max(1) as f64;
-        let xmax = rows.iter().map(|x| x.size).max().unwrap_or(2).max(2) as f64;
-        let (xmin, xmax) = if xmin == xmax {
-            (xmin / 2.0, xmax * 2.0)
-        } else {
-            (xmin / 1.3, xmax * 1.3)
-        };
+        // x: log2 of the size, labelled at powers of two.
+        let lx = |v: u64| (v.max(1) as f64).log2();
+        let xmin = rows.iter().map(|x| lx(x.size)).fold(f64::MAX, f64::min);
+        let xmax = rows.iter().map(|x| lx(x.size)).fold(f64::MIN, f64::max);
+        let (xmin, xmax) = (xmin.floor() - 0.3, xmax.ceil() + 0.3);
         let ymax = rows.iter().map(|x| x.gbps_max).fold(0.0f64, f64::max) * 1.1 + 1e-3;
         let kind = rows
             .first()
@@ -348,21 +346,26 @@ fn plot(r: &Report, path: &Path) -> std::result::Result<(), Box<dyn std::error::
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(56)
-            .build_cartesian_2d((xmin..xmax).log_scale(), 0.0..ymax)?;
+            .build_cartesian_2d(xmin..xmax, 0.0..ymax)?;
         let kind2 = kind.clone();
         chart
             .configure_mesh()
+            .x_labels(((xmax - xmin).ceil() as usize + 1).min(24))
             .x_desc(if kind == "tokens" {
-                "tokens per request".to_string()
+                "tokens per request (log scale)".to_string()
             } else {
-                format!("{kind} size (bytes, log scale)")
+                format!("{kind} size (log scale)")
             })
             .y_desc("GB/s (median; bars: min..max)")
             .x_label_formatter(&move |v| {
+                if (v - v.round()).abs() > 0.01 {
+                    return String::new();
+                }
+                let n = 2f64.powf(v.round()) as u64;
                 if kind2 == "tokens" {
-                    format!("{}", v.round() as u64)
+                    format!("{n}")
                 } else {
-                    fmt_bytes(v.round() as u64)
+                    fmt_bytes(n)
                 }
             })
             .draw()?;
@@ -375,7 +378,7 @@ fn plot(r: &Report, path: &Path) -> std::result::Result<(), Box<dyn std::error::
         for (i, sys) in systems.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
             let pts: Vec<&&Row> = rows.iter().filter(|x| x.system == *sys).collect();
-            let line: Vec<(f64, f64)> = pts.iter().map(|x| (x.size as f64, x.gbps)).collect();
+            let line: Vec<(f64, f64)> = pts.iter().map(|x| (lx(x.size), x.gbps)).collect();
             let is_base = pts.first().map(|x| x.system == x.baseline).unwrap_or(false);
             let style = if is_base {
                 ShapeStyle::from(&BLACK).stroke_width(3)
@@ -394,7 +397,7 @@ fn plot(r: &Report, path: &Path) -> std::result::Result<(), Box<dyn std::error::
             chart.draw_series(line.iter().map(|&p| Circle::new(p, 3, style.filled())))?;
             chart.draw_series(pts.iter().map(|x| {
                 PathElement::new(
-                    vec![(x.size as f64, x.gbps_min), (x.size as f64, x.gbps_max)],
+                    vec![(lx(x.size), x.gbps_min), (lx(x.size), x.gbps_max)],
                     style,
                 )
             }))?;
