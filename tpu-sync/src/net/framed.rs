@@ -151,7 +151,7 @@ impl Framed {
         let n: usize = parts.iter().map(|p| p.len()).sum();
         let dh = DataHeader {
             stream_offset,
-            checksum: wire::checksum(parts.iter().copied()),
+            checksum: crate::store::checksum::checksum_parts(parts.iter().copied()),
         };
         let fh = FrameHeader {
             kind: FrameKind::Data,
@@ -262,7 +262,7 @@ impl Framed {
             let mut iov: Vec<IoSliceMut<'_>> = dst.iter_mut().map(|p| IoSliceMut::new(p)).collect();
             read_exact_vectored(&mut self.lane, &mut iov, t).await?;
             drop(iov);
-            let ok = wire::checksum(dst.iter().map(|p| &**p)) == d.checksum;
+            let ok = crate::store::checksum::checksum_parts(dst.iter().map(|p| &**p)) == d.checksum;
             return Ok((
                 d,
                 if ok {
@@ -276,7 +276,7 @@ impl Framed {
         b.resize(n, 0);
         let r = self.read_exact(&mut b, t, "data payload").await;
         let out = r.map(|()| {
-            if wire::checksum([&b[..]]) != d.checksum {
+            if crate::store::checksum::checksum(&b) != d.checksum {
                 return DataOutcome::BadChecksum;
             }
             let mut at = 0;
