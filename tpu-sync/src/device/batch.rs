@@ -487,7 +487,7 @@ pub(crate) struct BufState {
     pub(crate) xref: ExternalRef,
     pub(crate) buffer: DeviceBuffer,
     /// Host-addressable device base address, read once by the first H2D worker chunk.
-    pub(crate) base: OnceLock<std::result::Result<usize, String>>,
+    pub(crate) base: OnceLock<std::result::Result<usize, Error>>,
 }
 
 pub(crate) enum JobKind {

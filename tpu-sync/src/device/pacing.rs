@@ -297,16 +297,23 @@ impl HostChunk {
                 .base
                 .get_or_init(|| match buf.xref.opaque_device_ptr() {
                     Ok(p) if !p.is_null() => Ok(p as usize),
-                    Ok(_) => Err("OpaqueDeviceMemoryDataPointer returned NULL".into()),
-                    Err(e) => Err(e.to_string()),
+                    Ok(_) => Err(Error::Unsupported {
+                        plugin: buf.buffer.platform_name().to_string(),
+                        what: "OpaqueDeviceMemoryDataPointer returned NULL".into(),
+                    }),
+                    // A PJRT error (a buffer deleted after submit) keeps its kind and code.
+                    Err(e @ Error::Pjrt { .. }) => Err(e),
+                    Err(e) => Err(Error::Unsupported {
+                        plugin: buf.buffer.platform_name().to_string(),
+                        what: e.to_string(),
+                    }),
                 })
                 .clone()
-                .map_err(|m| Error::Unsupported {
-                    plugin: buf.buffer.platform_name().to_string(),
-                    what: format!(
-                        "{} through the device pointer: {m}",
+                .map_err(|e| {
+                    e.context(format!(
+                        "{} through the device pointer",
                         if d2h { "D2H" } else { "in-place H2D" }
-                    ),
+                    ))
                 })?;
             if d2h {
                 // SAFETY: as below, reading: the range was validated at push time, the memory
