@@ -125,6 +125,10 @@ pub struct BenchArgs {
     /// No progress bar (it is also hidden when stderr is not a terminal).
     #[arg(long)]
     pub no_progress: bool,
+    /// Measure nothing: draw `--plot` from the throughput rows of this JSON file (a `--json`
+    /// report, or the one benches/peers/run.sh writes).
+    #[arg(long, hide = true)]
+    pub replot: Option<PathBuf>,
 }
 
 /// How one run measures (from the flags).
@@ -369,6 +373,24 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
         cfg,
         report: Report::new(a.scenario.name(), q),
     };
+    if let Some(j) = &a.replot {
+        let text = std::fs::read_to_string(j)
+            .map_err(|e| Error::io(format!("read {}", j.display()), e))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::InvalidArgument(format!("{}: {e}", j.display())))?;
+        b.report.throughput = serde_json::from_value(v["throughput"].clone()).map_err(|e| {
+            Error::InvalidArgument(format!("{}: throughput rows: {e}", j.display()))
+        })?;
+        b.report.scenarios = serde_json::from_value(v["scenarios"].clone()).unwrap_or_default();
+        let Some(p) = &a.plot else {
+            return Err(Error::InvalidArgument(
+                "--replot needs --plot FILE.svg".into(),
+            ));
+        };
+        b.report.write_svg(p)?;
+        outln!("wrote {}", p.display());
+        return Ok(ExitCode::SUCCESS);
+    }
     let m = &b.report.machine;
     outln!(
         "tpu-sync bench {}{}: {} ({} CPUs), kernel {}, load {:.2}",

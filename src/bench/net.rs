@@ -224,11 +224,30 @@ impl Case {
     }
 }
 
-/// The raw socket's byte at position `i`.
-fn raw_bytes(n: usize) -> Vec<u8> {
-    let mut v = vec![0u8; n];
-    fill_pattern(&mut v, RAW_SEED);
-    v
+/// A buffer of the same kind of memory as the staging (a populated arena on transparent huge
+/// pages), so the raw socket copies from and to memory like the endpoints' (`fill`: the raw
+/// socket's pattern, else zeros).
+struct RawBuf(tpu_sync::arena::PinnedArena);
+
+impl RawBuf {
+    fn new(n: usize, fill: bool) -> Result<RawBuf> {
+        let a = tpu_sync::arena::PinnedArena::new(n.max(1), &arena())?;
+        if fill {
+            // SAFETY: just created; nobody else references it.
+            fill_pattern(unsafe { a.slice_mut(0, n as u64)? }, RAW_SEED);
+        }
+        Ok(RawBuf(a))
+    }
+
+    fn get(&self) -> &[u8] {
+        // SAFETY: the arena lives as long as `self`; written only through `get_mut`.
+        unsafe { std::slice::from_raw_parts(self.0.base(), self.0.len()) }
+    }
+
+    fn get_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above; `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.0.base(), self.0.len()) }
+    }
 }
 
 /// Commands from the bench process to its helper, one JSON object per line.
@@ -312,7 +331,8 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 /// Serves the raw baseline on one accepted socket: `G` + u64 LE length -> that many bytes.
-fn raw_serve(mut s: TcpStream, data: Arc<Vec<u8>>) {
+fn raw_serve(mut s: TcpStream, data: Arc<RawBuf>) {
+    let data = data.get();
     let _ = s.set_nodelay(true);
     let mut hdr = [0u8; 9];
     loop {
@@ -414,7 +434,7 @@ pub fn peer_main(a: &PeerArgs) -> Result<ExitCode> {
             .map_err(|e| Error::io("raw listener", e))?
             .to_string(),
     );
-    let data = Arc::new(raw_bytes(a.raw_bytes as usize));
+    let data = Arc::new(RawBuf::new(a.raw_bytes as usize, true)?);
     std::thread::spawn(move || {
         for s in raw.incoming().flatten() {
             let d = data.clone();
@@ -591,8 +611,8 @@ pub(crate) struct Peer {
     stdout: BufReader<ChildStdout>,
     addrs: BTreeMap<String, String>,
     raw: TcpStream,
-    raw_buf: Vec<u8>,
-    raw_want: Vec<u8>,
+    raw_buf: RawBuf,
+    raw_want: RawBuf,
     rt: tokio::runtime::Runtime,
     eps: BTreeMap<String, Endpoint>,
     transports: Vec<String>,
@@ -670,8 +690,8 @@ impl Peer {
             stdout,
             addrs,
             raw,
-            raw_buf: vec![0u8; raw_max.max(16 << 10) as usize],
-            raw_want: raw_bytes(raw_max.max(16 << 10) as usize),
+            raw_buf: RawBuf::new(raw_max.max(16 << 10) as usize, false)?,
+            raw_want: RawBuf::new(raw_max.max(16 << 10) as usize, true)?,
             rt,
             eps,
             transports: a.transports.clone(),
@@ -728,14 +748,14 @@ impl Peer {
         hdr[0] = b'G';
         hdr[1..].copy_from_slice(&(n as u64).to_le_bytes());
         if check {
-            self.raw_buf[..n].fill(0);
+            self.raw_buf.get_mut()[..n].fill(0);
         }
         self.raw
             .write_all(&hdr)
-            .and_then(|_| self.raw.read_exact(&mut self.raw_buf[..n]))
+            .and_then(|_| self.raw.read_exact(&mut self.raw_buf.get_mut()[..n]))
             .map_err(|e| Error::io("raw socket", e))?;
         if check {
-            if let Some(i) = first_diff(&self.raw_buf[..n], &self.raw_want[..n]) {
+            if let Some(i) = first_diff(&self.raw_buf.get()[..n], &self.raw_want.get()[..n]) {
                 return Err(Error::Mismatch(format!("raw socket byte {i} differs")));
             }
         }

@@ -4,13 +4,13 @@
 
 use std::path::Path;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tpu_sync::util::fmt_bytes;
 use tpu_sync::{Error, Result};
 
 /// One (scenario, system, size) throughput measurement: the time of one operation over the
 /// measured rounds, and its throughput relative to the scenario's baseline at the same size.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Row {
     /// Scenario (`d2h`, `h2d`, `net`, `reshard`, `store`).
     pub scenario: String,
