@@ -214,7 +214,8 @@ impl Bench {
                 let mut best = f64::MAX;
                 for _ in 0..self.cfg.warmup.max(1) {
                     let t = Instant::now();
-                    (s.op)(i, false)?;
+                    (s.op)(i, false)
+                        .map_err(|e| e.context(format!("{scenario} {} at {}", s.name, sz.label)))?;
                     best = best.min(t.elapsed().as_secs_f64());
                 }
                 reps[k] = (self.cfg.round.as_secs_f64() / best.max(1e-9))
@@ -229,7 +230,9 @@ impl Bench {
                     pb.set_message(format!("{} {}", s.name, sz.label));
                     let t = Instant::now();
                     for _ in 0..reps[k] {
-                        (s.op)(i, false)?;
+                        (s.op)(i, false).map_err(|e| {
+                            e.context(format!("{scenario} {} at {}", s.name, sz.label))
+                        })?;
                     }
                     samples[k].push(t.elapsed().as_secs_f64() / reps[k] as f64);
                     pb.inc(1);
@@ -290,7 +293,8 @@ impl Bench {
             for j in 0..n {
                 let k = (j + r) % n;
                 let t0 = Instant::now();
-                (systems[k].op)(0, false)?;
+                (systems[k].op)(0, false)
+                    .map_err(|e| e.context(format!("{scenario} {}", systems[k].name)))?;
                 t[k].push(t0.elapsed().as_secs_f64() * 1e6);
             }
             pb.inc(n as u64);

@@ -1,7 +1,8 @@
 //! Frames on a lane: control messages and data chunks, every read and write bounded by a
 //! timeout. Used by both sides of every exchange.
 //!
-//! Reads of frame headers and control bodies go through a small read buffer ([`READ_BUF`]):
+//! On plain TCP lanes (the ones read with `readv`), reads of frame headers and control bodies
+//! go through a small read buffer ([`READ_BUF`]):
 //! one `recv` then typically returns a frame header, its data header and the next control frame
 //! together, instead of one system call (and one readiness wake-up) each. Payload bytes that
 //! arrive in the buffer are copied out of it; the rest of a payload is read straight into its
@@ -88,6 +89,11 @@ impl Framed {
     /// Fills `buf` from the read buffer and the lane (no timeout; the callers bound it). Small
     /// remainders refill the buffer with whatever the lane has; large ones are read directly.
     async fn fill_exact(&mut self, buf: &mut [u8]) -> std::io::Result<()> {
+        if !self.lane.is_read_vectored() {
+            // Encrypted lanes decrypt into their own buffer already.
+            self.lane.read_exact(buf).await?;
+            return Ok(());
+        }
         let mut got = self.take_buffered(buf);
         while got < buf.len() {
             if buf.len() - got < READ_BUF / 2 {
@@ -116,6 +122,9 @@ impl Framed {
     /// the bytes that arrive (64 KiB steps), so a header that announces a large body costs
     /// nothing until the peer sends it.
     async fn read_body_buffered(&mut self, len: u32, t: Duration) -> Result<Vec<u8>> {
+        if !self.lane.is_read_vectored() {
+            return read_body(&mut self.lane, len, t).await;
+        }
         let len = len as usize;
         let r = tokio::time::timeout(t, async {
             let mut body = Vec::with_capacity(len.min(64 << 10));
@@ -425,6 +434,9 @@ pub(crate) async fn read_body<R: tokio::io::AsyncRead + Unpin>(
     }
 }
 
+/// Writes every byte of `bufs` and flushes. The flush matters: a TLS lane (tokio-rustls reports
+/// vectored writes) may keep the last record's bytes until flushed, and a frame that ends an
+/// exchange (a stripe's last data frame carrying its StreamDone) is followed by no other write.
 async fn write_all_vectored(
     s: &mut Box<dyn Lane>,
     mut bufs: &mut [IoSlice<'_>],
@@ -438,7 +450,11 @@ async fn write_all_vectored(
             Ok(Ok(n)) => IoSlice::advance_slices(&mut bufs, n),
         }
     }
-    Ok(())
+    match tokio::time::timeout(t, s.flush()).await {
+        Err(_) => Err(timeout_err(t, "peer accepts no data")),
+        Ok(Err(e)) => Err(read_err(e, "write")),
+        Ok(Ok(())) => Ok(()),
+    }
 }
 
 async fn read_exact_vectored(
