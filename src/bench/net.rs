@@ -731,7 +731,8 @@ impl Peer {
     }
 
     pub fn quit(mut self) -> Result<()> {
-        let _ = writeln!(self.stdin, "{}", r#"{"op":"quit"}"#);
+        let quit = serde_json::to_string(&PeerCmd::Quit).unwrap_or_default();
+        let _ = writeln!(self.stdin, "{quit}");
         let _ = self.stdin.flush();
         for _ in 0..100 {
             if let Ok(Some(_)) = self.child.try_wait() {
