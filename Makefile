@@ -6,7 +6,7 @@ PJRT_INCLUDE := $(CURDIR)/.deps/xla-cpu-pjrt/xla_plugins/xla_cpu_pjrt/include
 export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 
-.PHONY: all build plugin demo test test-rust test-c examples-c test-python python header lint bench bench-net netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm sglang-env e2e-sglang
+.PHONY: all build plugin demo test test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm sglang-env e2e-sglang
 
 all: build
 
@@ -31,6 +31,7 @@ test: plugin
 	$(MAKE) test-python
 	./target/release/tpu-sync demo --tokens 512 --layers 4
 	./target/release/tpu-sync store-demo --tokens 512 --layers 4
+	./target/release/tpu-sync bench all --quick --no-progress
 	$(MAKE) e2e-vllm
 	$(MAKE) e2e-sglang
 
@@ -72,6 +73,16 @@ bench: plugin
 # Network data plane against one raw TCP socket, pull and push, TCP and QUIC (ratios printed).
 bench-net:
 	$(CARGO) bench --bench net
+
+# Every `tpu-sync bench` scenario at full size (ratios against same-run baselines; see
+# docs/performance.md): table on stdout, target/bench.json, target/bench.svg.
+bench-all: build
+	./target/release/tpu-sync bench all --json target/bench.json --plot target/bench.svg
+
+# tpu-sync next to Mooncake TE and NIXL over loopback TCP (installs them into .venv-peers;
+# writes target/peers/peers.md and peers.svg). Not part of `make test`.
+bench-peers: build
+	./benches/peers/run.sh
 
 # Prefill and decode in two network namespaces (root; skipped otherwise).
 netns-example: build

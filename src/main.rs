@@ -2,7 +2,8 @@
 //!
 //! Subcommands: `demo` (prefill and decode as two processes, verified end to end), `prefill` and
 //! `decode` (the two halves, e.g. on two hosts), `info` (plugin, devices, capabilities),
-//! `store-demo` (the host KV tier across a process restart) and `shm` (list/remove its segments).
+//! `store-demo` (the host KV tier across a process restart), `shm` (list/remove its segments)
+//! and `bench` (throughput and latency against same-run baselines).
 
 /// `println!` that never panics: when stdout is closed (the `demo` parent is gone, `| head`),
 /// the line is dropped. SIGPIPE stays ignored (Rust's default; network code relies on EPIPE errors), so a plain
@@ -22,6 +23,7 @@ macro_rules! errln {
     }};
 }
 
+mod bench;
 mod demo;
 mod kvproc;
 mod store_demo;
@@ -82,6 +84,12 @@ enum Cmd {
         #[command(subcommand)]
         cmd: store_demo::ShmCmd,
     },
+    /// Measure D2H, H2D, network, resharding, latency and the host tier against baselines
+    /// measured in the same run (memcpy, one raw TCP socket); `--quick` checks bytes only.
+    Bench(bench::BenchArgs),
+    /// Helper process of `bench` (the remote side of its network scenarios).
+    #[command(hide = true)]
+    BenchPeer(bench::PeerArgs),
 }
 
 /// Flags shared by `demo`, `prefill` and `decode`.
@@ -226,6 +234,8 @@ fn main() -> ExitCode {
         Cmd::Info { plugin, devices } => kvproc::info(plugin.as_deref(), devices),
         Cmd::StoreDemo(a) => store_demo::run(&a),
         Cmd::Shm { cmd } => store_demo::shm(&cmd),
+        Cmd::Bench(a) => bench::run(&a),
+        Cmd::BenchPeer(a) => bench::peer_main(&a),
     };
     match r {
         Ok(code) => code,

@@ -153,6 +153,34 @@ else:
     print("ratios (tpu-sync time / cudaMemcpy time of the same bytes; 1.00 = cudaMemcpy speed):")
     for k, v in summary["ratios"].items():
         print(f"  {k:40}{v:6.2f}")
+    # The same figures as a table for docs/performance.md ("GPU (CUDA PJRT plugin)"), as
+    # throughput ratios (cudaMemcpy time / tpu-sync time: 1.00 = cudaMemcpy speed; target >= 0.9).
+    gpu = "unknown GPU"
+    try:
+        import subprocess
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip() or gpu
+    except Exception:
+        pass
+    print("--- paste into docs/performance.md ---")
+    print(f"Measured by `benches/gpu/run.sh` on {gpu}, {p['platform']} {p['platform_version']}, PJRT API "
+          f"{p['api_version']}, {p['bytes'] / (1 << 20):.0f} MiB per batch in 32 KiB KV blocks, median of {os.environ.get('ITERS', '10')}.")
+    print()
+    print("| copy | tpu-sync GB/s | cudaMemcpyAsync GB/s (same pieces, C loop) | contiguous GB/s | tpu-sync / cudaMemcpy pieces | tpu-sync / contiguous |")
+    print("|---|---|---|---|---|---|")
+    b = n if n and "error" not in n else (c if c and "error" not in c else None)
+    def cells(t, pieces, contig):
+        if not t or not b:
+            return "- | - | - | - | -"
+        return f"{gb / t:.1f} | {gb / pieces:.1f} | {gb / contig:.1f} | {pieces / t:.2f} | {contig / t:.2f}"
+    if b:
+        print(f"| D2H, paced (16 MiB chunks, 64 MiB in flight) | {cells(p['d2h_median_s'], b['pieces_d2h_s'], b['contiguous_d2h_s'])} |")
+        print(f"| D2H, unpaced | {cells(p['d2h_unpaced_median_s'], b['pieces_d2h_s'], b['contiguous_d2h_s'])} |")
+        if p.get("h2d_median_s"):
+            print(f"| H2D in place | {cells(p['h2d_median_s'], b['pieces_h2d_s'], b['contiguous_h2d_s'])} |")
+        else:
+            print(f"| H2D in place | unsupported: {p.get('h2d_unsupported')} | {gb / b['pieces_h2d_s']:.1f} | {gb / b['contiguous_h2d_s']:.1f} | - | - |")
+    print("--- end ---")
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 print(f"(outputs in {out})")
 PYEOF

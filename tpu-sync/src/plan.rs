@@ -493,5 +493,168 @@ fn compress_strided(spans: Vec<Span>) -> Vec<Span> {
     out
 }
 
+/// A copy between two destination ranks' bytes on one host: `len` bytes of layer `buffer` from
+/// `from_offset` on rank `from_rank` to `to_offset` on rank `to_rank` (device byte offsets,
+/// as in [`Span`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LocalCopy {
+    /// Global destination rank whose bytes crossed the network.
+    pub from_rank: u32,
+    /// Global destination rank that receives a copy.
+    pub to_rank: u32,
+    /// Buffer (layer) index, the same on both ranks.
+    pub buffer: u32,
+    /// Device byte offset on `from_rank`.
+    pub from_offset: u64,
+    /// Device byte offset on `to_rank`.
+    pub to_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Delivery of a plan's replicated destination bytes once per destination host.
+///
+/// When the destination's TP exceeds the model's KV heads (MLA's single latent "head" of
+/// DeepSeek-V3, an indexer cache, GQA with TP > KV heads), several TP ranks of one PCP rank hold
+/// identical KV: a [`Plan`] gives each of them its own copy, so a TP=4 decode receives an MLA
+/// request four times. A `FanOut` picks, per host and per group of such replicas, one rank whose
+/// bytes cross the network ([`FanOut::pulled`]) and the local copies that give every other
+/// replica on that host the same bytes ([`FanOut::copies`]). Replicas hold the request's blocks
+/// at their own block ids; a copy maps block `i` of one to block `i` of the other at the same
+/// offset inside the block, so it is exact for every block order.
+///
+/// Use: pull only [`FanOut::pulled`] (`PullRequest::dst_ranks`), then run the copies on the
+/// received staging ([`crate::staging::Staging::apply_fan_out`]) before draining to devices.
+/// Pure computation; `Send + Sync`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FanOut {
+    /// Destination ranks of the plan whose bytes must cross the network, sorted.
+    pub pulled: Vec<u32>,
+    /// Copies from a pulled rank's bytes to each replica on its host, by destination rank then
+    /// offset.
+    pub copies: Vec<LocalCopy>,
+    /// Bytes the pulled ranks receive over the network.
+    pub wire_bytes: u64,
+    /// Bytes the plan delivers in total (every rank).
+    pub plan_bytes: u64,
+}
+
+impl FanOut {
+    /// Plans the fan-out of `plan` (built for destination placement `dst`), where `host_of`
+    /// names the host of each global destination rank: ranks on one host with the same PCP
+    /// coordinate and the same KV heads form a replica group whose lowest rank is pulled.
+    /// Without replicas every rank is pulled and there are no copies.
+    ///
+    /// Errors: [`Error::Mismatch`] if a replica's block ids or staged bytes do not line up with
+    /// its group's pulled rank (a placement that does not match the plan).
+    pub fn build<H: Ord>(
+        plan: &Plan,
+        dst: &Placement,
+        host_of: impl Fn(u32) -> H,
+    ) -> Result<FanOut> {
+        let l = &dst.layout;
+        let rpr = l.spec.ranks_per_replica();
+        let mut groups: std::collections::BTreeMap<(H, u32, u32), Vec<u32>> = Default::default();
+        for local in 0..rpr {
+            let g = dst.global_rank(local);
+            let c = l.coord(g);
+            groups
+                .entry((host_of(g), c.pcp, l.first_head(c.tp)))
+                .or_default()
+                .push(g);
+        }
+        let kv = l.rank_kv();
+        let bb = kv.block_bytes();
+        let mut pulled = Vec::new();
+        let mut copies = Vec::new();
+        for ranks in groups.values() {
+            let primary = ranks[0];
+            pulled.push(primary);
+            let la = dst.local_rank(primary).unwrap_or(0) as usize;
+            for &r in &ranks[1..] {
+                let lb = dst.local_rank(r).unwrap_or(0) as usize;
+                let (ia, ib) = (&dst.block_ids[la], &dst.block_ids[lb]);
+                if ia.len() != ib.len() {
+                    return Err(Error::Mismatch(format!(
+                        "replica ranks {primary} and {r} hold {} and {} request blocks",
+                        ia.len(),
+                        ib.len()
+                    )));
+                }
+                let index: std::collections::HashMap<u32, usize> =
+                    ib.iter().enumerate().map(|(i, &b)| (b, i)).collect();
+                for range in plan.dst_ranges(r) {
+                    let mut o = range.offset;
+                    let end = range.offset + range.len;
+                    while o < end {
+                        let (u, within) = (o / bb, o % bb);
+                        let (plane, block) = if kv.order.is_opaque() {
+                            (
+                                (u % kv.kv_planes as u64) as u32,
+                                (u / kv.kv_planes as u64) as u32,
+                            )
+                        } else {
+                            (
+                                (u / kv.num_blocks as u64) as u32,
+                                (u % kv.num_blocks as u64) as u32,
+                            )
+                        };
+                        let n = (bb - within).min(end - o);
+                        let i = *index.get(&block).ok_or_else(|| {
+                            Error::Mismatch(format!(
+                                "rank {r} receives bytes of block {block}, which is not one of \
+                                 its request blocks"
+                            ))
+                        })?;
+                        copies.push(LocalCopy {
+                            from_rank: primary,
+                            to_rank: r,
+                            buffer: range.buffer,
+                            from_offset: kv.block_offset(plane, ia[i]) + within,
+                            to_offset: o,
+                            len: n,
+                        });
+                        o += n;
+                    }
+                }
+            }
+        }
+        pulled.sort_unstable();
+        // Merge copies contiguous on both sides.
+        let mut merged: Vec<LocalCopy> = Vec::with_capacity(copies.len());
+        for c in copies {
+            if let Some(m) = merged.last_mut() {
+                if m.from_rank == c.from_rank
+                    && m.to_rank == c.to_rank
+                    && m.buffer == c.buffer
+                    && m.from_offset + m.len == c.from_offset
+                    && m.to_offset + m.len == c.to_offset
+                {
+                    m.len += c.len;
+                    continue;
+                }
+            }
+            merged.push(c);
+        }
+        let wire_bytes = plan
+            .spans
+            .iter()
+            .filter(|s| pulled.binary_search(&s.dst_rank).is_ok())
+            .map(Span::bytes)
+            .sum();
+        Ok(FanOut {
+            pulled,
+            copies: merged,
+            wire_bytes,
+            plan_bytes: plan.total_bytes(),
+        })
+    }
+
+    /// Bytes the local copies move.
+    pub fn copy_bytes(&self) -> u64 {
+        self.copies.iter().map(|c| c.len).sum()
+    }
+}
+
 #[cfg(test)]
 mod tests;

@@ -16,7 +16,7 @@ use crate::budget::{Reservation, StagingBudget};
 use crate::device::{self, CopyStats, RawCopy};
 use crate::error::{Error, Result};
 use crate::pjrt::{Capabilities, DeviceBuffer};
-use crate::plan::ByteRange;
+use crate::plan::{ByteRange, FanOut};
 
 /// One staged device range and its place in the arena.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -161,6 +161,33 @@ impl Staging {
                 offset.saturating_add(len)
             ))),
         }
+    }
+
+    /// Runs a [`FanOut`]'s local copies: gives each replica destination rank the bytes its
+    /// pulled rank received (host `memcpy` between staged regions), so the replica can be
+    /// drained to its device without its bytes crossing the network. Returns the bytes copied.
+    ///
+    /// The caller must not access the ranks' staged regions concurrently (run it after the pull
+    /// of [`FanOut::pulled`] completed, before draining).
+    ///
+    /// Errors: [`Error::BlockRange`] (nothing copied) when a copy's source or destination is not
+    /// staged here.
+    pub fn apply_fan_out(&self, fan: &FanOut) -> Result<u64> {
+        let mut ptrs = Vec::with_capacity(fan.copies.len());
+        for c in &fan.copies {
+            let from = self.resolve(c.from_rank, c.buffer, c.from_offset, c.len)?;
+            let to = self.resolve(c.to_rank, c.buffer, c.to_offset, c.len)?;
+            ptrs.push((from as *const u8, to, c.len as usize));
+        }
+        let mut n = 0;
+        for (from, to, len) in ptrs {
+            // SAFETY: both ranges were resolved inside this arena's staged regions; they belong
+            // to different ranks, whose regions never overlap; exclusivity is the caller's
+            // contract.
+            unsafe { std::ptr::copy_nonoverlapping(from, to, len) };
+            n += len as u64;
+        }
+        Ok(n)
     }
 
     fn copies<'a>(&self, rank: u32, buffers: &'a [DeviceBuffer]) -> Result<Vec<RawCopy<'a>>> {

@@ -78,13 +78,17 @@ impl From<CopyError> for Error {
     }
 }
 
-/// One copy as queued: index of its buffer in the batch, device offset, length, host address.
+/// One copy as queued: index of its buffer in the batch, device offset, length, host address,
+/// and which pushed copies it is made of (adjacent pushes are merged into one op: `parts` pushed
+/// copies starting with pushed copy `first`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct OpSpec {
     buf: usize,
     offset: u64,
     len: u64,
     host: usize,
+    first: usize,
+    parts: usize,
 }
 
 /// A chunk to issue: a piece of one op.
@@ -108,6 +112,9 @@ pub struct CopyBatch {
     bufs: Vec<DeviceBuffer>,
     index: HashMap<usize, usize>,
     ops: Vec<OpSpec>,
+    /// Length of every pushed copy, in push order (maps a chunk of a merged op back to the
+    /// pushed copy it belongs to, for errors).
+    pushed: Vec<u64>,
     bytes: u64,
     max_outstanding_chunks: usize,
 }
@@ -130,6 +137,12 @@ fn _assert_send_sync() {
 }
 
 impl CopyBatch {
+    /// Whether every buffer of the batch is host-addressable (`PJRT_Buffer_IsOnCpu`); `false`
+    /// when that cannot be asked.
+    fn all_on_cpu(&self) -> bool {
+        !self.bufs.is_empty() && self.bufs.iter().all(|b| b.is_on_cpu().unwrap_or(false))
+    }
+
     fn new(dir: Direction, h2d: Option<H2dPath>) -> CopyBatch {
         CopyBatch {
             dir,
@@ -137,6 +150,7 @@ impl CopyBatch {
             bufs: Vec::new(),
             index: HashMap::new(),
             ops: Vec::new(),
+            pushed: Vec::new(),
             bytes: 0,
             max_outstanding_chunks: 0,
         }
@@ -170,12 +184,18 @@ impl CopyBatch {
 
     /// Number of copies pushed.
     pub fn len(&self) -> usize {
-        self.ops.len()
+        self.pushed.len()
     }
 
     /// Whether no copy was pushed.
     pub fn is_empty(&self) -> bool {
-        self.ops.is_empty()
+        self.pushed.is_empty()
+    }
+
+    /// Number of copies that will be issued: pushed copies adjacent to the previous one (same
+    /// buffer, device bytes and host bytes both continuing it) are merged into one.
+    pub fn merged_len(&self) -> usize {
+        self.ops.len()
     }
 
     /// Total bytes of the pushed copies.
@@ -185,7 +205,9 @@ impl CopyBatch {
 
     /// Adds a copy of `len` bytes between `buffer`'s on-device bytes at `offset` and host
     /// memory at `host` (destination for D2H, source for H2D). Zero-length copies are allowed
-    /// and skipped.
+    /// and skipped. A copy that continues the previous one on both sides (same buffer, device
+    /// offset and host address right after its end) is merged with it, so per-block pushes of
+    /// adjacent blocks cost one plugin call; errors still name the pushed copy.
     ///
     /// Errors: [`Error::InvalidArgument`] (naming the copy's index) when the range is outside
     /// the buffer's `OnDeviceSizeInBytes`, overflows, or `host` is NULL. Nothing is issued
@@ -197,7 +219,7 @@ impl CopyBatch {
         len: u64,
         host: *mut u8,
     ) -> Result<()> {
-        let i = self.ops.len();
+        let i = self.pushed.len();
         buffer
             .check_range(offset, len)
             .map_err(|e| Error::InvalidArgument(format!("copy {i}: {e}")))?;
@@ -218,13 +240,27 @@ impl CopyBatch {
                 self.bufs.len() - 1
             }
         };
+        self.pushed.push(len);
+        self.bytes += len;
+        if let Some(last) = self.ops.last_mut() {
+            if last.buf == buf
+                && last.offset + last.len == offset
+                && last.host + last.len as usize == host as usize
+                && last.first + last.parts == i
+            {
+                last.len += len;
+                last.parts += 1;
+                return Ok(());
+            }
+        }
         self.ops.push(OpSpec {
             buf,
             offset,
             len,
             host: host as usize,
+            first: i,
+            parts: 1,
         });
-        self.bytes += len;
         Ok(())
     }
 
@@ -241,22 +277,25 @@ impl CopyBatch {
         Ok(n)
     }
 
-    /// The first op that uses buffer `b`.
+    /// The first pushed copy that uses buffer `b`.
     fn first_op_of(&self, b: usize) -> usize {
-        self.ops.iter().position(|o| o.buf == b).unwrap_or(0)
+        self.ops
+            .iter()
+            .find(|o| o.buf == b)
+            .map(|o| o.first)
+            .unwrap_or(0)
     }
 
     fn check_overlaps(&self) -> Result<()> {
         let mut v: Vec<(usize, u64, u64, usize)> = self
             .ops
             .iter()
-            .enumerate()
-            .filter(|(_, o)| o.len > 0)
-            .map(|(i, o)| match self.dir {
+            .filter(|o| o.len > 0)
+            .map(|o| match self.dir {
                 // D2H: two chunks writing the same host bytes race inside the plugin.
-                Direction::D2h => (0, o.host as u64, o.len, i),
+                Direction::D2h => (0, o.host as u64, o.len, o.first),
                 // H2D: two writes to the same device bytes race.
-                Direction::H2d => (o.buf, o.offset, o.len, i),
+                Direction::H2d => (o.buf, o.offset, o.len, o.first),
             })
             .collect();
         v.sort_unstable();
@@ -300,6 +339,12 @@ impl CopyBatch {
     pub unsafe fn submit(self, pacer: &Pacer) -> Result<CopyHandle> {
         self.check_overlaps()?;
         let kind = match (&self.dir, &self.h2d) {
+            // Host-addressable device memory (probed per buffer, PJRT_Buffer_IsOnCpu): read it
+            // with memcpy on the copy engine's workers instead of one CopyRawToHost call per
+            // chunk; any other buffer takes PJRT_Buffer_CopyRawToHost.
+            (Direction::D2h, _) if super::d2h_host_addressable() && self.all_on_cpu() => {
+                JobKind::D2hHost
+            }
             (Direction::D2h, _) => JobKind::D2h,
             (Direction::H2d, Some(H2dPath::RawBufferExtension(ext))) => {
                 ext.check_in_place_h2d()?;
@@ -357,7 +402,7 @@ impl CopyBatch {
                     }
                     None
                 }
-                JobKind::D2h => None,
+                JobKind::D2h | JobKind::D2hHost => None,
             };
             states.push(Arc::new(BufState {
                 alias,
@@ -366,10 +411,12 @@ impl CopyBatch {
                 base: OnceLock::new(),
             }));
         }
-        let shared = Arc::new(BatchShared::new(self.ops.len()));
+        let shared = Arc::new(BatchShared::new(self.pushed.len()));
         let mut events = Vec::new();
-        if self.dir == Direction::H2d {
-            // Gate the batch on every destination buffer being defined.
+        if self.dir == Direction::H2d || matches!(kind, JobKind::D2hHost) {
+            // Gate the batch on every buffer being defined (H2D: no write races a pending
+            // computation that defines it; host-addressable D2H: the bytes read are final, as
+            // CopyRawToHost waits for them).
             let evs = self
                 .bufs
                 .iter()
@@ -417,6 +464,7 @@ impl CopyBatch {
             kind,
             bufs: states,
             ops: self.ops,
+            pushed: self.pushed,
             next_op: 0,
             next_off: 0,
             events,
@@ -439,11 +487,13 @@ pub(crate) struct BufState {
     pub(crate) xref: ExternalRef,
     pub(crate) buffer: DeviceBuffer,
     /// Host-addressable device base address, read once by the first H2D worker chunk.
-    pub(crate) base: OnceLock<std::result::Result<usize, String>>,
+    pub(crate) base: OnceLock<std::result::Result<usize, Error>>,
 }
 
 pub(crate) enum JobKind {
     D2h,
+    /// D2H by `memcpy` from host-addressable device memory (the XLA CPU plugin).
+    D2hHost,
     H2dRaw(RawBufferExt),
     H2dHost,
 }
@@ -552,6 +602,7 @@ pub(crate) struct Job {
     pub(crate) kind: JobKind,
     pub(crate) bufs: Vec<Arc<BufState>>,
     pub(crate) ops: Vec<OpSpec>,
+    pub(crate) pushed: Vec<u64>,
     pub(crate) next_op: usize,
     pub(crate) next_off: u64,
     pub(crate) events: Vec<Event>,
@@ -570,12 +621,25 @@ impl Job {
         let o = self.ops.get(self.next_op)?;
         let len = (o.len - self.next_off).min(max.max(1));
         Some(Chunk {
-            op: self.next_op,
+            op: self.pushed_index(self.next_op, self.next_off),
             buf: o.buf,
             offset: o.offset + self.next_off,
             len,
             host: o.host + self.next_off as usize,
         })
+    }
+
+    /// The pushed copy holding byte `off` of merged op `op`.
+    fn pushed_index(&self, op: usize, off: u64) -> usize {
+        let o = &self.ops[op];
+        let mut at = 0;
+        for k in 0..o.parts {
+            at += self.pushed.get(o.first + k).copied().unwrap_or(0);
+            if off < at {
+                return o.first + k;
+            }
+        }
+        o.first + o.parts.saturating_sub(1)
     }
 
     pub(crate) fn advance(&mut self, c: &Chunk) {
@@ -606,13 +670,14 @@ impl Job {
             None if self.shared.cancelled.load(Ordering::Acquire) && !self.all_issued() => {
                 let c = self.peek_chunk(u64::MAX);
                 Err(CopyError {
-                    op: self.next_op,
+                    op: c.as_ref().map(|c| c.op).unwrap_or(self.next_op),
                     offset: c.as_ref().map(|c| c.offset).unwrap_or(0),
                     len: c.as_ref().map(|c| c.len).unwrap_or(0),
                     host: c.as_ref().map(|c| c.host).unwrap_or(0),
                     error: Error::Cancelled(format!(
                         "batch cancelled after {} of {} copies were issued",
-                        self.next_op, self.shared.ops
+                        c.as_ref().map(|c| c.op).unwrap_or(self.next_op),
+                        self.shared.ops
                     )),
                 })
             }

@@ -19,7 +19,10 @@
 //! * **D2H** is `PJRT_Buffer_CopyRawToHost(offset, size)` per chunk, every chunk issued before
 //!   any is awaited, so the plugin runs them in parallel (16 concurrent chunks reach about twice
 //!   single-thread `memcpy` on the CPU plugin: `docs/plugins-and-engines.md`, "CPU plugin: copy
-//!   speed").
+//!   speed"). When every buffer of a batch is host-addressable (`PJRT_Buffer_IsOnCpu`: the XLA
+//!   CPU plugin) it is a `memcpy` from the device memory on the copy engine's workers after the
+//!   buffers' ready events instead ([`d2h_host_addressable`]). Adjacent copies (same buffer,
+//!   device and host bytes continuing the previous copy) are merged into one.
 //! * **In-place H2D** uses the path [`crate::pjrt::Capabilities`] probed: the
 //!   RawBuffer extension (`CreateRawAliasOfBuffer` + `CopyRawHostToDevice`, libtpu), else
 //!   host-addressable device memory (the XLA CPU plugin), else [`Error::Unsupported`](crate::Error::Unsupported) naming the
@@ -85,6 +88,39 @@ impl CopyStats {
             0.0
         }
     }
+}
+
+/// Environment variable: `0` makes D2H use `PJRT_Buffer_CopyRawToHost` even on host-addressable
+/// device memory (see [`set_d2h_host_addressable`]).
+pub const ENV_D2H_HOST_ADDRESSABLE: &str = "TPU_SYNC_D2H_HOST_ADDRESSABLE";
+
+static D2H_HOST: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Whether D2H batches whose buffers are all host-addressable (`PJRT_Buffer_IsOnCpu`, the XLA
+/// CPU plugin) copy with `memcpy` on the copy engine's worker threads after each buffer's ready
+/// event, instead of one `PJRT_Buffer_CopyRawToHost` call, event and callback per chunk (which
+/// on the CPU plugin costs several times the copy itself for KV-block-sized pieces). Default:
+/// on, unless [`ENV_D2H_HOST_ADDRESSABLE`] is `0`. Buffers that are not host-addressable (TPU,
+/// GPU) always use `CopyRawToHost`.
+pub fn d2h_host_addressable() -> bool {
+    use std::sync::atomic::Ordering;
+    match D2H_HOST.load(Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => {
+            let on = std::env::var(ENV_D2H_HOST_ADDRESSABLE)
+                .map(|v| v.trim() != "0")
+                .unwrap_or(true);
+            D2H_HOST.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+            on
+        }
+    }
+}
+
+/// Turns the host-addressable D2H path on or off for batches submitted from now on (process
+/// wide; see [`d2h_host_addressable`]). Thread-safe.
+pub fn set_d2h_host_addressable(on: bool) {
+    D2H_HOST.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
 }
 
 fn batch_of(mut batch: CopyBatch, ops: &[RawCopy<'_>]) -> Result<CopyBatch> {

@@ -19,9 +19,10 @@
 //! batch's handle completed, so an adopted buffer may be destroyed by its owner as soon as the
 //! handle reports completion.
 //!
-//! In-place H2D on host-addressable device memory (the XLA CPU plugin) is a `memcpy`, not a
-//! PJRT call: those chunks run on a small pool of `tpu-sync-h2d-N` threads under the same
-//! pacing.
+//! In-place H2D and D2H on host-addressable device memory (the XLA CPU plugin) are a `memcpy`,
+//! not a PJRT call: those chunks run on a small pool of `tpu-sync-h2d-N` threads under the same
+//! pacing, handed over in groups of up to [`HOST_GROUP_BYTES`] (a hand-over wakes a thread, which
+//! costs more than copying one 32 KiB block).
 //!
 //! Thread-safety: [`Pacer`] is `Send + Sync` and cheap to clone; [`Pacer::global`] is the
 //! process-wide instance that the blocking helpers use.
@@ -235,28 +236,100 @@ impl ChunkCtx {
     }
 }
 
-/// A host-memory chunk for the `memcpy` workers (in-place H2D on host-addressable memory).
+/// Chunks of host-addressable copies are handed to a worker in groups of at most this many
+/// bytes (or [`HOST_GROUP_CHUNKS`] chunks).
+pub const HOST_GROUP_BYTES: u64 = 1 << 20;
+/// Most chunks in one worker group.
+const HOST_GROUP_CHUNKS: usize = 256;
+
+/// A host-memory chunk for the `memcpy` workers (host-addressable device memory).
 struct HostChunk {
     ctx: ChunkCtx,
     buf: Arc<BufState>,
+    /// D2H (device memory -> host) or H2D (host -> device memory).
+    d2h: bool,
+}
+
+/// Chunks collected by the issuer for one hand-over to a worker.
+#[derive(Default)]
+struct HostGroup {
+    chunks: Vec<HostChunk>,
+    bytes: u64,
+}
+
+impl HostGroup {
+    /// Hands the collected chunks to a worker (starting the pool on first use); on failure
+    /// every chunk completes with an error.
+    fn flush(&mut self, pool: &mut Option<HostPool>) {
+        if self.chunks.is_empty() {
+            return;
+        }
+        self.bytes = 0;
+        let chunks = std::mem::take(&mut self.chunks);
+        if pool.is_none() {
+            *pool = spawn_host_workers();
+        }
+        let Some((t, _)) = pool.as_ref() else {
+            for c in chunks {
+                drop(c.buf);
+                c.ctx.complete(Err(Error::Cancelled(
+                    "no tpu-sync-h2d worker thread could be started".into(),
+                )));
+            }
+            return;
+        };
+        if let Err(e) = t.send(chunks) {
+            for c in e.into_inner() {
+                drop(c.buf);
+                c.ctx.complete(Err(Error::Cancelled(
+                    "the tpu-sync-h2d workers stopped".into(),
+                )));
+            }
+        }
+    }
 }
 
 impl HostChunk {
     fn run(self) {
-        let HostChunk { ctx, buf } = self;
+        let HostChunk { ctx, buf, d2h } = self;
         let r = (|| -> Result<()> {
             let base = buf
                 .base
                 .get_or_init(|| match buf.xref.opaque_device_ptr() {
                     Ok(p) if !p.is_null() => Ok(p as usize),
-                    Ok(_) => Err("OpaqueDeviceMemoryDataPointer returned NULL".into()),
-                    Err(e) => Err(e.to_string()),
+                    Ok(_) => Err(Error::Unsupported {
+                        plugin: buf.buffer.platform_name().to_string(),
+                        what: "OpaqueDeviceMemoryDataPointer returned NULL".into(),
+                    }),
+                    // A PJRT error (a buffer deleted after submit) keeps its kind and code.
+                    Err(e @ Error::Pjrt { .. }) => Err(e),
+                    Err(e) => Err(Error::Unsupported {
+                        plugin: buf.buffer.platform_name().to_string(),
+                        what: e.to_string(),
+                    }),
                 })
                 .clone()
-                .map_err(|m| Error::Unsupported {
-                    plugin: buf.buffer.platform_name().to_string(),
-                    what: format!("in-place H2D through the device pointer: {m}"),
+                .map_err(|e| {
+                    e.context(format!(
+                        "{} through the device pointer",
+                        if d2h { "D2H" } else { "in-place H2D" }
+                    ))
                 })?;
+            if d2h {
+                // SAFETY: as below, reading: the range was validated at push time, the memory
+                // is host-addressable (PJRT_Buffer_IsOnCpu, checked at submit) and kept alive
+                // by the external reference, the buffer was defined (ready event) before the
+                // batch was issued, and the host destination is valid and exclusively the
+                // batch's until it completes (the submit contract).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (base as *const u8).add(ctx.offset as usize),
+                        ctx.host as *mut u8,
+                        ctx.len as usize,
+                    )
+                };
+                return Ok(());
+            }
             // SAFETY: the range was validated against the buffer's on-device size at push time;
             // the device memory is host-addressable (checked with PJRT_Buffer_IsOnCpu at submit)
             // and kept alive by the external reference in `buf`; the host source is valid for
@@ -422,27 +495,33 @@ impl Pacer {
     }
 }
 
-fn spawn_host_workers() -> Option<Sender<HostChunk>> {
+/// The workers' queue: the issuer sends groups, workers (and the issuer itself, before it
+/// waits) take them.
+type HostPool = (Sender<Vec<HostChunk>>, Receiver<Vec<HostChunk>>);
+
+fn spawn_host_workers() -> Option<HostPool> {
     let n = thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(2)
         .clamp(1, 4);
-    let (tx, rx) = crossbeam_channel::unbounded::<HostChunk>();
+    let (tx, rx) = crossbeam_channel::unbounded::<Vec<HostChunk>>();
     let mut spawned = 0;
     for i in 0..n {
-        let rx: Receiver<HostChunk> = rx.clone();
+        let rx: Receiver<Vec<HostChunk>> = rx.clone();
         match thread::Builder::new()
             .name(format!("tpu-sync-h2d-{i}"))
             .spawn(move || {
-                for chunk in rx {
-                    chunk.run();
+                for group in rx {
+                    for chunk in group {
+                        chunk.run();
+                    }
                 }
             }) {
             Ok(_) => spawned += 1,
             Err(e) => log::warn!("spawn tpu-sync-h2d-{i}: {e}"),
         }
     }
-    (spawned > 0).then_some(tx)
+    (spawned > 0).then_some((tx, rx))
 }
 
 /// The issuer thread: receives jobs, issues chunks in FIFO order within the budget, retires
@@ -451,7 +530,8 @@ fn issuer_main(rx: Receiver<Job>, counters: Arc<Counters>) {
     let me = thread::current();
     let mut queue: VecDeque<Job> = VecDeque::new();
     let mut draining: Vec<Job> = Vec::new();
-    let mut host_tx: Option<Sender<HostChunk>> = None;
+    let mut host_pool: Option<HostPool> = None;
+    let mut group = HostGroup::default();
     let mut disconnected = false;
     loop {
         let mut progress = false;
@@ -557,8 +637,20 @@ fn issuer_main(rx: Receiver<Job>, counters: Arc<Counters>) {
                 len: ch.len,
                 host: ch.host,
             };
-            issue(head, ch.buf, ctx, &mut host_tx);
+            issue(head, ch.buf, ctx, &mut group, &mut host_pool);
             progress = true;
+        }
+        // Hand over what was collected before waiting: the chunks' completions are what the
+        // issuer waits for. Then copy queued groups here instead of waiting for a worker to be
+        // scheduled (on a busy machine a wake-up costs more than the copy).
+        group.flush(&mut host_pool);
+        if let Some((_, rx)) = &host_pool {
+            while let Ok(g) = rx.try_recv() {
+                for c in g {
+                    c.run();
+                }
+                progress = true;
+            }
         }
         if !progress {
             // Woken by completions, submissions, cancellations and config changes; the timeout
@@ -569,7 +661,13 @@ fn issuer_main(rx: Receiver<Job>, counters: Arc<Counters>) {
 }
 
 /// Issues one chunk of `job`. Every path ends in exactly one `ctx.complete`.
-fn issue(job: &mut Job, buf: usize, ctx: ChunkCtx, host_tx: &mut Option<Sender<HostChunk>>) {
+fn issue(
+    job: &mut Job,
+    buf: usize,
+    ctx: ChunkCtx,
+    group: &mut HostGroup,
+    host_pool: &mut Option<HostPool>,
+) {
     let state = job.bufs[buf].clone();
     match &job.kind {
         JobKind::D2h => {
@@ -605,23 +703,16 @@ fn issue(job: &mut Job, buf: usize, ctx: ChunkCtx, host_tx: &mut Option<Sender<H
                 Err(e) => ctx.complete(Err(e)),
             }
         }
-        JobKind::H2dHost => {
-            if host_tx.is_none() {
-                *host_tx = spawn_host_workers();
-            }
-            let Some(tx) = host_tx.as_ref() else {
-                drop(state);
-                ctx.complete(Err(Error::Cancelled(
-                    "no tpu-sync-h2d worker thread could be started".into(),
-                )));
-                return;
-            };
-            if let Err(e) = tx.send(HostChunk { ctx, buf: state }) {
-                let HostChunk { ctx, buf } = e.into_inner();
-                drop(buf);
-                ctx.complete(Err(Error::Cancelled(
-                    "the tpu-sync-h2d workers stopped".into(),
-                )));
+        JobKind::H2dHost | JobKind::D2hHost => {
+            let len = ctx.len;
+            group.chunks.push(HostChunk {
+                ctx,
+                buf: state,
+                d2h: matches!(job.kind, JobKind::D2hHost),
+            });
+            group.bytes += len;
+            if group.bytes >= HOST_GROUP_BYTES || group.chunks.len() >= HOST_GROUP_CHUNKS {
+                group.flush(host_pool);
             }
         }
     }

@@ -1,5 +1,13 @@
 //! Frames on a lane: control messages and data chunks, every read and write bounded by a
 //! timeout. Used by both sides of every exchange.
+//!
+//! On plain TCP lanes (the ones read with `readv`), reads of frame headers and control bodies
+//! go through a small read buffer ([`READ_BUF`]):
+//! one `recv` then typically returns a frame header, its data header and the next control frame
+//! together, instead of one system call (and one readiness wake-up) each. Payload bytes that
+//! arrive in the buffer are copied out of it; the rest of a payload is read straight into its
+//! destination. The hello of a lane is read without the buffer, so a lane taken out of its
+//! `Framed` after the hello (the control lanes) carries no buffered bytes.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::pin::Pin;
@@ -15,12 +23,20 @@ use crate::wire::{self, Control, DataHeader, FrameHeader, FrameKind, DATA_HEADER
 /// (the kernel's per-iovec cost dominates for tiny pieces such as 256-byte head rows).
 const SMALL_PIECE: usize = 2048;
 
+/// Bytes of the read buffer (a few frame headers and small control frames).
+pub(crate) const READ_BUF: usize = 8 << 10;
+
 /// A lane with its reusable buffers.
+///
+/// `lane` may be taken out only before anything but the hello was read (`rlen == rpos`).
 pub(crate) struct Framed {
     pub(crate) lane: Box<dyn Lane>,
     pub(crate) io_timeout: Duration,
     gather: Vec<u8>,
     bounce: Vec<u8>,
+    rbuf: Box<[u8]>,
+    rpos: usize,
+    rlen: usize,
 }
 
 /// What a data frame turned out to be after [`Framed::recv_data`].
@@ -56,6 +72,83 @@ impl Framed {
             io_timeout,
             gather: Vec::new(),
             bounce: Vec::new(),
+            rbuf: Box::default(),
+            rpos: 0,
+            rlen: 0,
+        }
+    }
+
+    /// Copies buffered bytes into `dst`; returns how many.
+    fn take_buffered(&mut self, dst: &mut [u8]) -> usize {
+        let n = (self.rlen - self.rpos).min(dst.len());
+        dst[..n].copy_from_slice(&self.rbuf[self.rpos..self.rpos + n]);
+        self.rpos += n;
+        n
+    }
+
+    /// Fills `buf` from the read buffer and the lane (no timeout; the callers bound it). Small
+    /// remainders refill the buffer with whatever the lane has; large ones are read directly.
+    async fn fill_exact(&mut self, buf: &mut [u8]) -> std::io::Result<()> {
+        if !self.lane.is_read_vectored() {
+            // Encrypted lanes decrypt into their own buffer already.
+            self.lane.read_exact(buf).await?;
+            return Ok(());
+        }
+        let mut got = self.take_buffered(buf);
+        while got < buf.len() {
+            if buf.len() - got < READ_BUF / 2 {
+                if self.rbuf.is_empty() {
+                    self.rbuf = vec![0u8; READ_BUF].into_boxed_slice();
+                }
+                let n = self.lane.read(&mut self.rbuf).await?;
+                if n == 0 {
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+                self.rpos = 0;
+                self.rlen = n;
+                got += self.take_buffered(&mut buf[got..]);
+            } else {
+                let n = self.lane.read(&mut buf[got..]).await?;
+                if n == 0 {
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+                got += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads a `len`-byte control body within `t` through the read buffer. The body grows with
+    /// the bytes that arrive (64 KiB steps), so a header that announces a large body costs
+    /// nothing until the peer sends it.
+    async fn read_body_buffered(&mut self, len: u32, t: Duration) -> Result<Vec<u8>> {
+        if !self.lane.is_read_vectored() {
+            return read_body(&mut self.lane, len, t).await;
+        }
+        let len = len as usize;
+        let r = tokio::time::timeout(t, async {
+            let mut body = Vec::with_capacity(len.min(64 << 10));
+            while body.len() < len {
+                let at = body.len();
+                let step = (len - at).min(64 << 10);
+                body.resize(at + step, 0);
+                if let Err(e) = self.fill_exact(&mut body[at..]).await {
+                    return Err((e, at));
+                }
+            }
+            Ok(body)
+        })
+        .await;
+        match r {
+            Err(_) => Err(timeout_err(t, "control message")),
+            Ok(Err((e, at))) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                Err(Error::PeerClosed(format!(
+                    "connection closed in the middle of a control message (about {at} of {len} \
+                     bytes)"
+                )))
+            }
+            Ok(Err((e, _))) => Err(read_err(e, "control message")),
+            Ok(Ok(b)) => Ok(b),
         }
     }
 
@@ -80,7 +173,7 @@ impl Framed {
     }
 
     async fn read_exact(&mut self, buf: &mut [u8], wait: Duration, what: &str) -> Result<()> {
-        match tokio::time::timeout(wait, self.lane.read_exact(buf)).await {
+        match tokio::time::timeout(wait, self.fill_exact(buf)).await {
             Err(_) => Err(timeout_err(wait, what)),
             Ok(Err(e)) => Err(read_err(e, what)),
             Ok(Ok(_)) => Ok(()),
@@ -100,7 +193,7 @@ impl Framed {
             return Err(Error::Protocol("expected a control frame, got data".into()));
         }
         let t = self.io_timeout;
-        let body = read_body(&mut self.lane, h.body_len, t).await?;
+        let body = self.read_body_buffered(h.body_len, t).await?;
         Control::decode(&body)
     }
 
@@ -141,17 +234,20 @@ impl Framed {
         Ok((h.request_id, m))
     }
 
-    /// Writes one data frame whose payload is the concatenation of `parts`.
-    pub(crate) async fn send_data(
+    /// Writes one data frame whose payload is the concatenation of `parts`, followed in the
+    /// same write by `then` (the encoded control frame that ends the stripe, if any), so the
+    /// receiver gets both with one wake-up.
+    pub(crate) async fn send_data_then(
         &mut self,
         request_id: u64,
         stream_offset: u64,
         parts: &[&[u8]],
+        then: Option<&[u8]>,
     ) -> Result<()> {
         let n: usize = parts.iter().map(|p| p.len()).sum();
         let dh = DataHeader {
             stream_offset,
-            checksum: wire::checksum(parts.iter().copied()),
+            checksum: crate::store::checksum::checksum_parts(parts.iter().copied()),
         };
         let fh = FrameHeader {
             kind: FrameKind::Data,
@@ -168,6 +264,9 @@ impl Framed {
             g.extend_from_slice(&h2);
             for p in parts {
                 g.extend_from_slice(p);
+            }
+            if let Some(t) = then {
+                g.extend_from_slice(t);
             }
             let r = self.write_all(&g).await;
             self.gather = g;
@@ -199,7 +298,7 @@ impl Framed {
                 pieces.push(Piece::Direct(p));
             }
         }
-        let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(pieces.len() + 2);
+        let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(pieces.len() + 3);
         iov.push(IoSlice::new(&h1));
         iov.push(IoSlice::new(&h2));
         for p in &pieces {
@@ -207,6 +306,9 @@ impl Framed {
                 Piece::Direct(s) => s,
                 Piece::Gathered(a, b) => &g[a..b],
             }));
+        }
+        if let Some(t) = then {
+            iov.push(IoSlice::new(t));
         }
         let r = write_all_vectored(&mut self.lane, &mut iov, self.io_timeout).await;
         drop(iov);
@@ -259,10 +361,29 @@ impl Framed {
             )));
         }
         if self.lane.is_read_vectored() {
-            let mut iov: Vec<IoSliceMut<'_>> = dst.iter_mut().map(|p| IoSliceMut::new(p)).collect();
+            // Payload bytes already in the read buffer first, then the rest straight into the
+            // destination pieces.
+            let mut skip = (0usize, 0usize);
+            for (i, p) in dst.iter_mut().enumerate() {
+                if self.rpos == self.rlen {
+                    break;
+                }
+                let n = self.take_buffered(p);
+                skip = (i, n);
+                if n < p.len() {
+                    break;
+                }
+                skip = (i + 1, 0);
+            }
+            let (first, off) = skip;
+            let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity(dst.len() - first.min(dst.len()));
+            for (i, p) in dst.iter_mut().enumerate().skip(first) {
+                let p: &mut [u8] = p;
+                iov.push(IoSliceMut::new(if i == first { &mut p[off..] } else { p }));
+            }
             read_exact_vectored(&mut self.lane, &mut iov, t).await?;
             drop(iov);
-            let ok = wire::checksum(dst.iter().map(|p| &**p)) == d.checksum;
+            let ok = crate::store::checksum::checksum_parts(dst.iter().map(|p| &**p)) == d.checksum;
             return Ok((
                 d,
                 if ok {
@@ -276,7 +397,7 @@ impl Framed {
         b.resize(n, 0);
         let r = self.read_exact(&mut b, t, "data payload").await;
         let out = r.map(|()| {
-            if wire::checksum([&b[..]]) != d.checksum {
+            if crate::store::checksum::checksum(&b) != d.checksum {
                 return DataOutcome::BadChecksum;
             }
             let mut at = 0;
@@ -313,6 +434,9 @@ pub(crate) async fn read_body<R: tokio::io::AsyncRead + Unpin>(
     }
 }
 
+/// Writes every byte of `bufs` and flushes. The flush matters: a TLS lane (tokio-rustls reports
+/// vectored writes) may keep the last record's bytes until flushed, and a frame that ends an
+/// exchange (a stripe's last data frame carrying its StreamDone) is followed by no other write.
 async fn write_all_vectored(
     s: &mut Box<dyn Lane>,
     mut bufs: &mut [IoSlice<'_>],
@@ -326,7 +450,11 @@ async fn write_all_vectored(
             Ok(Ok(n)) => IoSlice::advance_slices(&mut bufs, n),
         }
     }
-    Ok(())
+    match tokio::time::timeout(t, s.flush()).await {
+        Err(_) => Err(timeout_err(t, "peer accepts no data")),
+        Ok(Err(e)) => Err(read_err(e, "write")),
+        Ok(Ok(())) => Ok(()),
+    }
 }
 
 async fn read_exact_vectored(

@@ -6,6 +6,13 @@
 //! stream, 256 MiB per connection) so one stream can keep a fast link busy. Lanes are cheap
 //! (a stream open costs no round trip), and an endpoint uses one UDP socket for listening and
 //! connecting.
+//!
+//! Datagram size and socket buffers, for throughput: path MTU discovery probes up to
+//! [`MAX_UDP_PAYLOAD`] (quinn's default stops at 1452 bytes; loopback and jumbo-frame networks
+//! carry far larger datagrams, and per-datagram costs, crypto and system calls, dominate QUIC's
+//! CPU time), and the UDP socket asks for [`UDP_BUFFER_BYTES`] of send and receive buffer (the
+//! 208 KiB default drops datagrams of a fast sender before the receiver runs; the kernel caps the
+//! request at `net.core.{r,w}mem_max`).
 
 use std::io;
 use std::net::SocketAddr;
@@ -79,8 +86,60 @@ pub struct QuicTransport {
     endpoint: std::sync::Mutex<Option<quinn::Endpoint>>,
 }
 
+/// Largest UDP payload path MTU discovery probes for (QUIC's limit; the largest IPv4 UDP payload
+/// is 65507). Discovery settles on what the path carries.
+pub const MAX_UDP_PAYLOAD: u16 = 65507;
+
+/// Send and receive buffer requested for the QUIC UDP socket (capped by the kernel).
+pub const UDP_BUFFER_BYTES: usize = 8 << 20;
+
+/// A UDP socket bound to `addr` with [`UDP_BUFFER_BYTES`] buffers requested (best effort).
+fn udp_socket(addr: SocketAddr) -> Result<std::net::UdpSocket> {
+    let sock = std::net::UdpSocket::bind(addr)
+        .map_err(|e| Error::io(format!("QUIC UDP socket on {addr}"), e))?;
+    use std::os::fd::AsRawFd;
+    let v = UDP_BUFFER_BYTES as libc::c_int;
+    for opt in [libc::SO_RCVBUF, libc::SO_SNDBUF] {
+        // SAFETY: a valid socket descriptor we own and a pointer to an int of the size given.
+        let r = unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                &v as *const libc::c_int as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            log::debug!(
+                "QUIC socket buffer option {opt}: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+    Ok(sock)
+}
+
+/// A quinn endpoint on our own UDP socket ([`udp_socket`]).
+fn quinn_endpoint(
+    addr: SocketAddr,
+    server: Option<quinn::ServerConfig>,
+) -> Result<quinn::Endpoint> {
+    let sock = udp_socket(addr)?;
+    quinn::Endpoint::new(
+        quinn::EndpointConfig::default(),
+        server,
+        sock,
+        Arc::new(quinn::TokioRuntime),
+    )
+    .map_err(|e| Error::io(format!("QUIC endpoint on {addr}"), e))
+}
+
 fn transport_config() -> quinn::TransportConfig {
     let mut tc = quinn::TransportConfig::default();
+    let mut mtu = quinn::MtuDiscoveryConfig::default();
+    mtu.upper_bound(MAX_UDP_PAYLOAD);
+    tc.mtu_discovery_config(Some(mtu));
     tc.max_concurrent_bidi_streams(VarInt::from_u32(4096));
     tc.max_concurrent_uni_streams(VarInt::from_u32(0));
     tc.stream_receive_window(VarInt::from_u32(32 << 20));
@@ -125,8 +184,7 @@ impl QuicTransport {
         } else {
             (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
         };
-        let e = quinn::Endpoint::client(bind)
-            .map_err(|e| Error::io(format!("QUIC client socket on {bind}"), e))?;
+        let e = quinn_endpoint(bind, None)?;
         *g = Some(e.clone());
         Ok(e)
     }
@@ -229,8 +287,8 @@ impl Transport for QuicTransport {
 
     fn listen(&self, addr: SocketAddr) -> BoxFut<'_, Result<Arc<dyn Acceptor>>> {
         Box::pin(async move {
-            let ep = quinn::Endpoint::server(self.server.clone(), addr)
-                .map_err(|e| Error::io(format!("QUIC listen on {addr}"), e))?;
+            let ep = quinn_endpoint(addr, Some(self.server.clone()))
+                .map_err(|e| e.context(format!("QUIC listen on {addr}")))?;
             let local = ep.local_addr().map_err(|e| Error::io("local_addr", e))?;
             {
                 let mut g = self.endpoint.lock().unwrap_or_else(|p| p.into_inner());

@@ -221,6 +221,14 @@ pub(crate) async fn send_stripe(
     faults: &super::FaultHooks,
 ) -> Result<u64> {
     let mut sent = 0u64;
+    // The stripe's end (StreamDone) goes out in the same write as its last data frame.
+    let planned: u64 = stripe.chunks_in(cursor.bounds()).map(|(a, b)| b - a).sum();
+    let done = Control::StreamDone {
+        request_id,
+        bytes: planned,
+    }
+    .to_frame(request_id)?;
+    let mut done_sent = false;
     for (a, b) in stripe.chunks_in(cursor.bounds()) {
         if let Some(g) = gate.as_mut() {
             let need = cursor.layer_of(a) + 1;
@@ -278,19 +286,24 @@ pub(crate) async fn send_stripe(
             f.send_data_with_checksum(request_id, a, &copy, sum_ok)
                 .await?;
         } else {
-            f.send_data(request_id, a, &parts).await?;
+            let last = sent + (b - a) == planned;
+            f.send_data_then(request_id, a, &parts, last.then_some(&done[..]))
+                .await?;
+            done_sent = last;
         }
         counters.bytes_sent.fetch_add(b - a, Ordering::Relaxed);
         sent += b - a;
     }
-    f.send(
-        &Control::StreamDone {
+    if !done_sent {
+        f.send(
+            &Control::StreamDone {
+                request_id,
+                bytes: sent,
+            },
             request_id,
-            bytes: sent,
-        },
-        request_id,
-    )
-    .await?;
+        )
+        .await?;
+    }
     Ok(sent)
 }
 

@@ -471,3 +471,116 @@ proptest! {
         }
     }
 }
+
+/// Applies only the pulled ranks' spans of `plan`, then the fan-out's local copies, and checks
+/// that every destination rank ends exactly as the whole plan leaves it.
+fn simulate_fan_out(src: &Placement, dst: &Placement, tokens: u32, plan: &Plan, fan: &FanOut) {
+    let skv = src.layout.rank_kv();
+    let dkv = dst.layout.rank_kv();
+    let src_bufs: Vec<Vec<Vec<u8>>> = (0..src.layout.num_ranks())
+        .map(|r| {
+            let c = RankContents::new(src, r, tokens, 1).unwrap();
+            (0..skv.num_layers)
+                .map(|l| {
+                    let mut b = vec![0u8; skv.buffer_bytes() as usize];
+                    c.fill_layer(l, &mut b).unwrap();
+                    b
+                })
+                .collect()
+        })
+        .collect();
+    let fresh = || -> Vec<Vec<Vec<u8>>> {
+        (0..dst.layout.num_ranks())
+            .map(|_| {
+                (0..dkv.num_layers)
+                    .map(|_| vec![0u8; dkv.buffer_bytes() as usize])
+                    .collect()
+            })
+            .collect()
+    };
+    let (mut full, mut fanned) = (fresh(), fresh());
+    for s in &plan.spans {
+        for (so, d) in s.runs() {
+            let (so, d, n) = (so as usize, d as usize, s.len as usize);
+            let from = &src_bufs[s.src_rank as usize][s.src_buffer as usize][so..so + n];
+            full[s.dst_rank as usize][s.dst_buffer as usize][d..d + n].copy_from_slice(from);
+            if fan.pulled.contains(&s.dst_rank) {
+                fanned[s.dst_rank as usize][s.dst_buffer as usize][d..d + n].copy_from_slice(from);
+            }
+        }
+    }
+    for c in &fan.copies {
+        assert!(fan.pulled.contains(&c.from_rank) && !fan.pulled.contains(&c.to_rank));
+        let (f, t, n) = (c.from_offset as usize, c.to_offset as usize, c.len as usize);
+        let bytes = fanned[c.from_rank as usize][c.buffer as usize][f..f + n].to_vec();
+        fanned[c.to_rank as usize][c.buffer as usize][t..t + n].copy_from_slice(&bytes);
+    }
+    assert!(full == fanned, "fan-out differs from the full plan");
+    assert_eq!(fan.wire_bytes + fan.copy_bytes(), plan.total_bytes());
+}
+
+#[test]
+fn mla_to_tp4_crosses_the_network_once_per_host() {
+    let m = ModelKv::preset("deepseek-v3").unwrap();
+    let m = ModelKv { num_layers: 2, ..m };
+    let t = 70;
+    let src = placement(layout(&m, 1, 1, 1, 64, BlockOrder::Nhd, t), 0, t, 3);
+    let dst = placement(layout(&m, 4, 1, 1, 16, BlockOrder::Nhd, t), 0, t, 4);
+    let plan = Plan::build(&src, &dst, t).unwrap();
+    let request = t as u64 * m.bytes_per_token();
+    assert_eq!(plan.total_bytes(), 4 * request, "TP=4 receives 4 copies");
+    // One host: one rank pulled, three filled locally.
+    let one = FanOut::build(&plan, &dst, |_| 0).unwrap();
+    assert_eq!(one.pulled, vec![0]);
+    assert_eq!(one.wire_bytes, request);
+    simulate_fan_out(&src, &dst, t, &plan, &one);
+    // Two hosts of two ranks each: one copy per host.
+    let two = FanOut::build(&plan, &dst, |r| r / 2).unwrap();
+    assert_eq!(two.pulled, vec![0, 2]);
+    assert_eq!(two.wire_bytes, 2 * request);
+    simulate_fan_out(&src, &dst, t, &plan, &two);
+    // One host per rank: nothing to fan out.
+    let each = FanOut::build(&plan, &dst, |r| r).unwrap();
+    assert_eq!(each.pulled, vec![0, 1, 2, 3]);
+    assert!(each.copies.is_empty());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: if cfg!(miri) { 1 } else { 48 }, .. ProptestConfig::default() })]
+
+    /// Any head count, TP, PCP, block size and order on the destination, ranks spread over one
+    /// or two hosts: pulling only `FanOut::pulled` and running its copies leaves every
+    /// destination byte as the whole plan does.
+    #[test]
+    fn fan_out_equals_the_whole_plan(
+        heads in proptest::sample::select(vec![1u32, 2, 4]),
+        tokens in 1u32..90,
+        seed in any::<u64>(),
+        d in arb_side(1),
+        s_tp in proptest::sample::select(vec![1u32, 2]),
+        hosts in 1u32..=2,
+        lbhnc_dst in any::<bool>(),
+    ) {
+        let m = model(heads, if heads == 1 { 1 } else { 2 }, DType::Bf16);
+        let (tp, pcp, _dp, bs, order) = d;
+        prop_assume!(heads % tp == 0 || tp % heads == 0);
+        prop_assume!(heads % s_tp == 0 || s_tp % heads == 0);
+        let (src, dst) = if lbhnc_dst {
+            let tag = "test/bfloat16";
+            (
+                placement(lbhnc(&m, s_tp, 1, 1, bs, tokens, tag), 0, tokens, seed),
+                placement(lbhnc(&m, tp, pcp, 1, bs, tokens, tag), 0, tokens, !seed),
+            )
+        } else {
+            (
+                placement(layout(&m, s_tp, 1, 1, 16, BlockOrder::Nhd, tokens), 0, tokens, seed),
+                placement(layout(&m, tp, pcp, 1, bs, order, tokens), 0, tokens, !seed),
+            )
+        };
+        let plan = Plan::build(&src, &dst, tokens).unwrap();
+        let fan = FanOut::build(&plan, &dst, |r| r % hosts).unwrap();
+        let groups = dst.layout.spec.ranks_per_replica() / dst.layout.head_replicas();
+        prop_assert!(fan.pulled.len() as u32 <= (groups * hosts).min(dst.layout.spec.ranks_per_replica()));
+        simulate_fan_out(&src, &dst, tokens, &plan, &fan);
+    }
+}
