@@ -192,16 +192,14 @@ class TpuSyncLinker(UnifiedCacheLinker):
         self.num_layers = self.dev.layers
         self.entry_bytes = self.dev.planes * self.dev.layers * self.dev.page_bytes
 
-        from sglang.srt.runtime_context import get_model, get_parallel
-
-        tp_rank, tp_size = 0, int(get_parallel().tp_size)
+        tp_rank, tp_size = 0, int(getattr(server_args, "tp_size", 1) or 1)
         group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
         if group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
             tp_rank = torch.distributed.get_rank(group=group)
             tp_size = torch.distributed.get_world_size(group=group)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         pp_rank, pp_size = int(getattr(params, "pp_rank", 0)), int(getattr(params, "pp_size", 1))
-        self.namespace = namespace_of(get_model().model_path, self.dev, tp_rank=tp_rank, tp_size=tp_size,
+        self.namespace = namespace_of(str(getattr(server_args, "model_path", "") or "model"), self.dev, tp_rank=tp_rank, tp_size=tp_size,
                                       pp_rank=pp_rank, pp_size=pp_size, extra=self.options["namespace"])
         opt = self.options
         kw: Dict[str, Any] = dict(namespace=self.namespace, block_bytes=self.entry_bytes,
