@@ -215,6 +215,7 @@ class TpuSyncLinker(UnifiedCacheLinker):
             kw["disk_dir"], kw["disk_capacity_bytes"] = d, opt["disk_capacity_bytes"]
         self.store = tpu_sync.Store(**kw)
         info = self.store.info() or {}
+        self.attach = str(info.get("attach"))
         log.info("tpu_sync.sglang linker: tier %s (attach=%s, restored=%s, %d B entries)", self.namespace,
                  info.get("attach"), info.get("restored_dram_blocks"), self.entry_bytes)
         self._k = [self.dev.raw_view(0, l) for l in range(self.num_layers)]
@@ -257,7 +258,7 @@ class TpuSyncLinker(UnifiedCacheLinker):
         """:attr:`counters`, the tier's :meth:`tpu_sync.Store.stats`, its namespace and the
         staging in use."""
         with self._lock:
-            out: Dict[str, Any] = dict(self.counters, staged_bytes=self._staged_bytes)
+            out: Dict[str, Any] = dict(self.counters, staged_bytes=self._staged_bytes, attach=self.attach)
         try:
             out["tier"] = dict(self.store.stats(), namespace=self.namespace)
         except Exception:  # closed
