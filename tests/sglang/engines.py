@@ -16,6 +16,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -52,6 +53,7 @@ PD_ENV = {"SGLANG_HOST_IP": "127.0.0.1", "SGLANG_DISAGGREGATION_HEARTBEAT_INTERV
           "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "300",
           "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "300", "TPU_SYNC_SGLANG_PD_TIMEOUT_S": "30"}
 PD = dict(disaggregation_transfer_backend="tpu_sync", disable_overlap_schedule=True, host="127.0.0.1")
+TP2_CPU_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl-disabled.so.2"}
 ROOMS = dict(a0_p1=2001, a1_p1=2002, a0_p2=2003, a1_p2=2004, x_p1=2005)
 
 
@@ -62,6 +64,7 @@ class Engines:
         self.model = model
         self.procs = {}
         self.results = {}
+        self.killed = {}
 
     def path(self, name):
         return os.path.join(self.dir, name)
@@ -139,8 +142,18 @@ def wait_for(pred, what, timeout=ENGINE_TIMEOUT):
 
 
 def launch(engines):
-    """Starts every first-phase engine (see the module docs)."""
+    """Starts every first-phase engine (see the module docs). ``TPU_SYNC_SGLANG_ENGINES`` (a
+    comma-separated list of engine names) starts only those: for working on one test file."""
     e = engines
+    only = {n for n in os.environ.get("TPU_SYNC_SGLANG_ENGINES", "").split(",") if n}
+    if only:
+        start = e.start
+
+        def filtered(tag, *a, **kw):
+            if tag in only:
+                return start(tag, *a, **kw)
+
+        e.start = filtered
     for mark in ("pd-prefill1.done", "pd-prefill1.never", "pd-prefill2.release"):
         if os.path.exists(e.path(mark)):
             os.remove(e.path(mark))
@@ -159,9 +172,36 @@ def launch(engines):
     e.start("pd-prefill1", [{"generate_pd": decode_reqs[:2]}, {"mark": e.path("pd-prefill1.done")},
                             {"wait_file": e.path("pd-prefill1.never")}], env=PD_ENV,
             engine=dict(PD, disaggregation_mode="prefill", disaggregation_bootstrap_port=p1, port=31100))
+    # TP=2 on SGLang's CPU engine: each rank's OpenMP threads on a core of its own (SGLang refuses
+    # more ranks than NUMA nodes otherwise), and no NCCL (PyPI's CUDA build of torch ships it, and
+    # SGLang would open a PyNccl communicator on the CPU device; without the library it falls back
+    # to gloo).
     e.start("pd-prefill2", [{"generate_pd": decode_reqs[2:4]}, {"wait_file": e.path("pd-prefill2.release")}],
-            env=PD_ENV,
+            env=dict(PD_ENV, **TP2_CPU_ENV),
             engine=dict(PD, disaggregation_mode="prefill", disaggregation_bootstrap_port=p2, port=31200, tp_size=2))
+    if only:
+        del e.start
+    if "pd-prefill1" in e.procs:
+        threading.Thread(target=_kill_prefill1, args=(e,), daemon=True, name="kill-pd-prefill1").start()
+
+
+def _meta_received(e, tag):
+    return sum(s.get("meta_received", 0) for s in e.stats(tag)["pd-prefill"])
+
+
+def _kill_prefill1(e):
+    """Kills the TP=1 prefill engine (its whole process group) once it has served its two
+    requests and the decode engine has announced request X to it (its third metadata message),
+    so that X waits for KV from a dead prefill. Records the prefill's stats and the time."""
+    deadline = time.time() + ENGINE_TIMEOUT
+    while time.time() < deadline:
+        if os.path.exists(e.path("pd-prefill1.done")) and _meta_received(e, "pd-prefill1") >= 3:
+            e.killed["pd-prefill1"] = dict(stats=e.stats("pd-prefill1"), at=time.time())
+            e.kill("pd-prefill1")
+            return
+        if e.procs["pd-prefill1"].poll() is not None:
+            return
+        time.sleep(0.5)
 
 
 def remove_segments(prefix):
