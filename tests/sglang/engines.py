@@ -154,7 +154,8 @@ def launch(engines):
                 return start(tag, *a, **kw)
 
         e.start = filtered
-    for mark in ("pd-prefill1.done", "pd-prefill1.never", "pd-prefill2.release"):
+    for mark in ("pd-prefill1.done", "pd-prefill1.never", "pd-prefill2.release", "pd-decode.up", "pd-prefill1.up",
+                 "pd-prefill2.up"):
         if os.path.exists(e.path(mark)):
             os.remove(e.path(mark))
     e.start("direct", STEPS, engine=HICACHE)
@@ -166,17 +167,24 @@ def launch(engines):
     decode_reqs = [dict(ids=A[0], room=ROOMS["a0_p1"], port=p1), dict(ids=A[1], room=ROOMS["a1_p1"], port=p1),
                    dict(ids=A[0], room=ROOMS["a0_p2"], port=p2), dict(ids=A[1], room=ROOMS["a1_p2"], port=p2),
                    dict(ids=X, room=ROOMS["x_p1"], port=p1)]
-    e.start("pd-decode", [{"generate_pd": decode_reqs}], env=PD_ENV,
+    # All three engines send their requests only once all three are up (a decode gives up on
+    # a prefill whose ranks have not registered within ~15 s, and a prefill on a decode that
+    # does not announce a request within SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT).
+    up = {n: {"mark": e.path(f"{n}.up")} for n in ("pd-decode", "pd-prefill1", "pd-prefill2")}
+    wait = {n: {"wait_file": e.path(f"{n}.up")} for n in up}
+    e.start("pd-decode", [up["pd-decode"], wait["pd-prefill1"], wait["pd-prefill2"],
+                          {"generate_pd": decode_reqs}], env=PD_ENV,
             engine=dict(PD, disaggregation_mode="decode", port=31300, max_total_tokens=4096,
                         max_running_requests=8))
-    e.start("pd-prefill1", [{"generate_pd": decode_reqs[:2]}, {"mark": e.path("pd-prefill1.done")},
-                            {"wait_file": e.path("pd-prefill1.never")}], env=PD_ENV,
-            engine=dict(PD, disaggregation_mode="prefill", disaggregation_bootstrap_port=p1, port=31100))
+    e.start("pd-prefill1", [up["pd-prefill1"], wait["pd-decode"], {"generate_pd": decode_reqs[:2]},
+                            {"mark": e.path("pd-prefill1.done")}, {"wait_file": e.path("pd-prefill1.never")}],
+            env=PD_ENV, engine=dict(PD, disaggregation_mode="prefill", disaggregation_bootstrap_port=p1, port=31100))
     # TP=2 on SGLang's CPU engine: each rank's OpenMP threads on a core of its own (SGLang refuses
     # more ranks than NUMA nodes otherwise), and no NCCL (PyPI's CUDA build of torch ships it, and
     # SGLang would open a PyNccl communicator on the CPU device; without the library it falls back
     # to gloo).
-    e.start("pd-prefill2", [{"generate_pd": decode_reqs[2:4]}, {"wait_file": e.path("pd-prefill2.release")}],
+    e.start("pd-prefill2", [up["pd-prefill2"], wait["pd-decode"], {"generate_pd": decode_reqs[2:4]},
+                            {"wait_file": e.path("pd-prefill2.release")}],
             env=dict(PD_ENV, **TP2_CPU_ENV),
             engine=dict(PD, disaggregation_mode="prefill", disaggregation_bootstrap_port=p2, port=31200, tp_size=2))
     if only:

@@ -70,7 +70,7 @@ def main() -> None:
             elif "generate_pd" in step:
                 res["steps"].append(dict(outputs=generate_pd(llm, step["generate_pd"], sp)))
             elif "wait_file" in step:
-                deadline = time.time() + 600
+                deadline = time.time() + 1500
                 while not os.path.exists(step["wait_file"]) and time.time() < deadline:
                     time.sleep(0.2)
                 res["steps"].append({})

@@ -20,13 +20,15 @@ def pd(launched):
     e = launched
     d = e.finish("pd-decode")
     open(e.path("pd-prefill2.release"), "w").close()
-    return dict(ref=e.finish("direct"), decode=d, engines=e)
+    step = next(i for i, s in enumerate(d["steps"]) if "outputs" in s)
+    return dict(ref=e.finish("direct"), decode=d, engines=e, out=d["steps"][step]["outputs"],
+                toks=toks(d, step))
 
 
 def test_tp1_to_tp1(pd):
-    out = pd["decode"]["steps"][0]["outputs"]
+    out = pd["out"]
     assert [o.get("error") for o in out[:2]] == [None, None], out[:2]
-    assert toks(pd["decode"], 0)[:2] == toks(pd["ref"], 0)
+    assert pd["toks"][:2] == toks(pd["ref"], 0)
     assert "pd-prefill1" in pd["engines"].killed, "the TP=1 prefill was not killed"
     (p1,) = pd["engines"].killed["pd-prefill1"]["stats"]["pd-prefill"]
     assert p1["tp_size"] == 1 and p1["registrations"] >= 2, p1
@@ -35,9 +37,9 @@ def test_tp1_to_tp1(pd):
 
 
 def test_tp2_prefill_to_tp1_decode_is_resharded(pd):
-    out = pd["decode"]["steps"][0]["outputs"]
+    out = pd["out"]
     assert [o.get("error") for o in out[2:4]] == [None, None], out[2:4]
-    assert toks(pd["decode"], 0)[2:4] == toks(pd["ref"], 0)
+    assert pd["toks"][2:4] == toks(pd["ref"], 0)
     p2 = pd["engines"].finish("pd-prefill2")
     ranks = sorted(p2["stats"]["pd-prefill"], key=lambda s: s["tp_rank"])
     assert [s["tp_rank"] for s in ranks] == [0, 1] and all(s["tp_size"] == 2 for s in ranks), ranks
@@ -54,7 +56,7 @@ def test_tp2_prefill_to_tp1_decode_is_resharded(pd):
 
 def test_killed_prefill_fails_the_request(pd):
     assert "pd-prefill1" in pd["engines"].killed, "the TP=1 prefill was not killed"
-    x = pd["decode"]["steps"][0]["outputs"][4]
+    x = pd["out"][4]
     # The request ended in an explicit failure, with no tokens, because the decode engine lost
     # its prefill (heartbeats), not because it gave up waiting
     # (SGLANG_DISAGGREGATION_WAITING_TIMEOUT).
