@@ -92,8 +92,10 @@ def restarted(launched):
     eng.corrupt_entry(f"{eng.LINKER_SHM}-tp0", lk["stats"]["linker"][0]["tier"]["namespace"],
                       2 * 2 * eng.PAGE * 2 * 32 * 4, eng.A[1], 3)
     steps = [{"generate": [eng.A0X]}, {"generate": [eng.A[1]]}]
+    # wait_complete: a prefetch from L3 is never cut short by SGLang's timeout (1 s + 0.25 s per
+    # 1k tokens), which a loaded test machine can exceed: the test checks what was hit.
     e.start("restart", steps, env={"TPU_SYNC_HICACHE_IO": "1"},
-            engine=dict(eng.HICACHE, hicache_storage_backend="dynamic",
+            engine=dict(eng.HICACHE, hicache_storage_backend="dynamic", hicache_storage_prefetch_policy="wait_complete",
                         hicache_storage_backend_extra_config=json.dumps(eng.STORAGE)))
     e.start("linker-restart", steps, engine=eng.LINKER)
     return e
