@@ -159,8 +159,9 @@ sglang-env: python
 	./scripts/install-sglang.sh
 	"$$(./scripts/bootstrap-python.sh)/bin/uv" pip install -q --python $(SGLANG_VENV)/bin/python --force-reinstall --no-deps target/wheels/tpu_sync-*.whl
 
-# Class-level tests against SGLang's real host pools (every layout), then engine tests (I/O
-# backend vs SGLang's direct backend, L3 hits after a restart, a corrupted page recomputed);
-# every engine runs in its own process.
+# Class-level tests against SGLang's real host and device pools (every layout; linker; P/D data
+# path), then engine tests (I/O backend vs SGLang's direct backend, L3 hits after a restart, a
+# corrupted page recomputed, the linker's tier hit by a second process, P/D TP=1 -> TP=1 and
+# TP=2 -> TP=1, a killed prefill); every engine runs in its own process, all started at once.
 e2e-sglang: sglang-env
-	cd tests/sglang && timeout 1500 $(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider .
+	cd tests/sglang && timeout 2400 $(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider .

@@ -50,3 +50,52 @@ def workdir() -> str:
 @pytest.fixture(scope="session")
 def tiny_model(workdir) -> str:
     return build_model(os.path.join(workdir, "tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def engines(workdir, tiny_model):
+    """Every engine process of the run (:mod:`engines`); whatever is still running at the end of
+    the session is killed."""
+    import engines as eng
+
+    e = eng.Engines(workdir, tiny_model)
+    yield e
+    e.kill_all()
+    for prefix in (eng.SHM, eng.LINKER_SHM):
+        eng.remove_segments(prefix)
+
+
+@pytest.fixture(scope="session")
+def launched(engines):
+    """The first-phase engines, all started at once (:func:`engines.launch`)."""
+    import engines as eng
+
+    for prefix in (eng.SHM, eng.LINKER_SHM):
+        eng.remove_segments(prefix)
+    eng.launch(engines)
+    return engines
+
+
+@pytest.fixture(scope="session")
+def restarted(launched):
+    """The second-phase engines, started together once the first ``tpu_sync`` and ``linker``
+    engines have finished: a page of ``A[1]`` is corrupted in each one's ``/dev/shm`` tier, then
+    ``restart`` (HiCache + L3) and ``linker-restart`` re-attach their tiers."""
+    import json
+
+    import engines as eng
+
+    e = launched
+    ours, lk = e.finish("tpu_sync"), e.finish("linker")
+    eng.corrupt_entry(f"{eng.SHM}-kv-tp0", ours["stats"]["storage"][0]["tiers"]["kv"]["namespace"],
+                      2 * 2 * eng.PAGE * 2 * 32 * 4, eng.A[1], 3)
+    eng.corrupt_entry(f"{eng.LINKER_SHM}-tp0", lk["stats"]["linker"][0]["tier"]["namespace"],
+                      2 * 2 * eng.PAGE * 2 * 32 * 4, eng.A[1], 3)
+    steps = [{"generate": [eng.A0X]}, {"generate": [eng.A[1]]}]
+    # wait_complete: a prefetch from L3 is never cut short by SGLang's timeout (1 s + 0.25 s per
+    # 1k tokens), which a loaded test machine can exceed: the test checks what was hit.
+    e.start("restart", steps, env={"TPU_SYNC_HICACHE_IO": "1"},
+            engine=dict(eng.HICACHE, hicache_storage_backend="dynamic", hicache_storage_prefetch_policy="wait_complete",
+                        hicache_storage_backend_extra_config=json.dumps(eng.STORAGE)))
+    e.start("linker-restart", steps, engine=eng.LINKER)
+    return e

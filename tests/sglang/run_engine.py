@@ -5,14 +5,43 @@ Spec: ``model``, ``engine`` (extra Engine kwargs), ``env`` (set before SGLang st
 a list of ``{"generate": [[token ids], ...]}`` (greedy, ``max_tokens`` each, one request after
 the other), ``{"wait_file": path}`` (waits until the file exists: the test does something
 meanwhile), ``{"mark": path}`` (creates a file: tells the test a point was reached),
-``{"sleep": s}``. Result: ``steps`` with, per generated prompt, ``output_ids``,
-``cached_tokens`` and ``cached_tokens_details``.
+``{"sleep": s}``, ``{"generate_pd": [{"ids": [...], "room": r, "port": p}, ...]}`` (P/D: the
+requests at once, each with its bootstrap room and the bootstrap port of its prefill engine on
+127.0.0.1; a request that fails is recorded with its ``error``). Result: ``steps`` with, per
+generated prompt, ``output_ids``, ``cached_tokens``, ``cached_tokens_details`` and
+``finish_reason``.
 """
 
+import asyncio
 import json
 import os
 import sys
 import time
+
+
+def _record(o):
+    mi = o.get("meta_info", {})
+    return dict(output_ids=o.get("output_ids"), cached_tokens=mi.get("cached_tokens"),
+                cached_tokens_details=mi.get("cached_tokens_details"), finish_reason=str(mi.get("finish_reason")))
+
+
+def generate_pd(llm, reqs, sp):
+    """Sends every request at once (the prefill and the decode engine of a pair must both have
+    it); returns one record per request, in order."""
+
+    async def one(r):
+        t0 = time.time()
+        try:
+            o = await llm.async_generate(input_ids=list(r["ids"]), sampling_params=sp, bootstrap_host="127.0.0.1",
+                                         bootstrap_port=int(r["port"]), bootstrap_room=int(r["room"]))
+            return dict(_record(o), elapsed_s=round(time.time() - t0, 1))
+        except Exception as e:  # a failed request is a result, not a crash of the runner
+            return dict(error=f"{type(e).__name__}: {e}", elapsed_s=round(time.time() - t0, 1))
+
+    async def all_of():
+        return await asyncio.gather(*(one(r) for r in reqs))
+
+    return llm.loop.run_until_complete(all_of())
 
 
 def main() -> None:
@@ -35,15 +64,13 @@ def main() -> None:
             if "generate" in step:
                 outs = []
                 for ids in step["generate"]:
-                    o = llm.generate(input_ids=list(ids), sampling_params=sp)
-                    mi = o.get("meta_info", {})
-                    outs.append(dict(output_ids=o.get("output_ids"), cached_tokens=mi.get("cached_tokens"),
-                                     cached_tokens_details=mi.get("cached_tokens_details"),
-                                     finish_reason=str(mi.get("finish_reason"))))
+                    outs.append(_record(llm.generate(input_ids=list(ids), sampling_params=sp)))
                     time.sleep(float(spec.get("pause_s", 1.0)))  # let write-through reach L2/L3
                 res["steps"].append(dict(outputs=outs))
+            elif "generate_pd" in step:
+                res["steps"].append(dict(outputs=generate_pd(llm, step["generate_pd"], sp)))
             elif "wait_file" in step:
-                deadline = time.time() + 600
+                deadline = time.time() + 1500
                 while not os.path.exists(step["wait_file"]) and time.time() < deadline:
                     time.sleep(0.2)
                 res["steps"].append({})

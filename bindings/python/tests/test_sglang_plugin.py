@@ -16,7 +16,8 @@ def test_imports_without_sglang_or_torch():
         import sys, importlib.util, os
         assert importlib.util.find_spec("sglang") is None and importlib.util.find_spec("torch") is None
         import tpu_sync.sglang as s
-        from tpu_sync.sglang import pages, stats
+        from tpu_sync.sglang import _devpool, pages, pd_hooks, stats
+        assert pd_hooks.BACKEND == "tpu_sync" and _devpool.DevicePool
         assert s.register() is None          # no SGLang: nothing to install, no error
         assert "sglang" not in sys.modules and "torch" not in sys.modules
         assert not stats.enabled() and stats.collect("/nonexistent", "io") == []

@@ -1,11 +1,15 @@
-"""SGLang integration of tpu_sync (SGLang 0.5.23): the HiCache I/O backend and the HiCache storage
-backend (L3). See ``docs/sglang.md`` (which also says what is not done yet: the unified-cache
-linker and the P/D transfer backend).
+"""SGLang integration of tpu_sync (SGLang 0.5.23): the HiCache I/O backend, the HiCache storage
+backend (L3), the unified-cache linker and the P/D transfer backend. See ``docs/sglang.md``.
 
 * :class:`TpuSyncStorage` (``tpu_sync.sglang.storage``): ``--hicache-storage-backend dynamic``
   with ``{"backend_name": "tpu_sync", "module_path": "tpu_sync.sglang.storage",
   "class_name": "TpuSyncStorage"}``.
 * The I/O backend (``tpu_sync.sglang.io``): ``TPU_SYNC_HICACHE_IO=1``.
+* :class:`~tpu_sync.sglang.linker.TpuSyncLinker`: ``--enable-unified-cache-external-linker
+  --unified-cache-external-linker-backend dynamic`` with ``{"linker": "TpuSyncLinker",
+  "linker_module_path": "tpu_sync.sglang.linker"}``.
+* The P/D transfer backend (``tpu_sync.sglang.pd``): ``--disaggregation-transfer-backend
+  tpu_sync`` (its hooks are installed unless ``TPU_SYNC_SGLANG_PD=0``).
 * :func:`register` is the ``sglang.srt.plugins`` entry point (``tpu_sync``); SGLang's
   ``load_plugins`` runs it in every process. It installs the hooks of the settings above and is a
   no-op without SGLang. Importing this package needs neither SGLang nor torch.
@@ -23,8 +27,8 @@ __all__ = ["TpuSyncStorage", "register"]
 
 def register() -> None:
     """``sglang.srt.plugins`` entry point: installs the I/O backend hooks when
-    ``TPU_SYNC_HICACHE_IO=1``. Idempotent; never raises (a plugin must not break engine start-up;
-    failures are logged)."""
+    ``TPU_SYNC_HICACHE_IO=1``, and the P/D transfer backend's hooks unless ``TPU_SYNC_SGLANG_PD=0``.
+    Idempotent; never raises (a plugin must not break engine start-up; failures are logged)."""
     try:
         import sglang  # noqa: F401
     except Exception:
@@ -33,7 +37,7 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    for name, fn in (("io", _install_io),):
+    for name, fn in (("io", _install_io), ("P/D", _install_pd)):
         try:
             fn()
         except Exception as e:  # pragma: no cover - logged, engine goes on without it
@@ -47,6 +51,16 @@ def _install_io() -> None:
     from . import io
 
     io.install_hooks()
+
+
+def _install_pd() -> None:
+    import os
+
+    if os.environ.get("TPU_SYNC_SGLANG_PD", "1").strip().lower() in ("0", "false", "no", "off"):
+        return
+    from . import pd_hooks
+
+    pd_hooks.install_hooks()
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,149 @@
+"""The data path of the tpu_sync P/D backend without engines: SGLang's real device KV pools
+(``MHATokenToKVPool`` on CPU) as zero-copy typed views, the backend's layouts and placements,
+and :class:`tpu_sync.Endpoint` register/pull between them, resharded from TP=2 to TP=1 and
+from TP=1 to TP=2, byte-exact; the reshard pairs the backend derives its expected releases and
+pull sources from; a pull of an unknown request fails and writes nothing."""
+
+import pytest
+import torch
+
+import tpu_sync
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+from pools import pattern
+from tpu_sync.sglang import pd
+from tpu_sync.sglang._devpool import DevicePool
+
+PAGE, LAYERS, HEADS, DIM, TOKENS = 16, 2, 2, 32, 256
+
+
+def pool(heads, seed):
+    p = MHATokenToKVPool(size=TOKENS, page_size=PAGE, dtype=torch.float32, head_num=heads, head_dim=DIM,
+                         layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    for i, t in enumerate(list(p.k_buffer) + list(p.v_buffer)):
+        t.copy_(pattern(tuple(t.shape), seed + i))
+    return p
+
+
+def geometry(dev):
+    return dict(buffers=dev.planes * dev.layers, kv_heads=HEADS, head_dim=dev.head_dim, dtype=dev.layout_dtype,
+                page_size=dev.page_size)
+
+
+def rows(p, plane, layer, page):
+    t = (p.k_buffer if plane == 0 else p.v_buffer)[layer]
+    return t[page * PAGE:(page + 1) * PAGE]
+
+
+def test_pull_pairs():
+    g = dict(buffers=4, kv_heads=2, head_dim=DIM, dtype="f32", page_size=PAGE)
+
+    def pairs(src_tp, dst_tp):
+        src = pd.placement_of(pd.layout_of(g, src_tp, 17), [3, 4])
+        dst = pd.placement_of(pd.layout_of(g, dst_tp, 17), [5, 6])
+        return pd.pull_pairs(src, dst, 2 * PAGE)
+
+    assert pairs(1, 1) == {0: [0]}
+    assert pairs(2, 1) == {0: [0, 1]}
+    assert pairs(1, 2) == {0: [0], 1: [0]}
+    assert pairs(2, 2) == {0: [0], 1: [1]}
+    # TP=4 over 2 heads replicates them: one replica of each head is pulled.
+    four = pairs(4, 1)[0]
+    assert len(four) == 2, four
+
+
+def test_request_ids():
+    assert pd.request_id_of(0) == 1
+    assert 1 <= pd.request_id_of(2 ** 63 - 1) <= (1 << 53) - 1
+    assert pd.request_id_of(2005) == pd.request_id_of(2005)
+
+
+def _transfer(src_pools, dst_pools, src_pages, dst_pages):
+    """Registers ``src_pages`` of every source rank (one endpoint each, as separate prefill
+    ranks) and pulls them into every destination rank's ``dst_pages``."""
+    src_devs = [DevicePool(p) for p in src_pools]
+    dst_devs = [DevicePool(p) for p in dst_pools]
+    n = len(src_pages) * PAGE
+    src = pd.placement_of(pd.layout_of(geometry(src_devs[0]), len(src_pools), src_devs[0].num_pages), src_pages)
+    dst = pd.placement_of(pd.layout_of(geometry(dst_devs[0]), len(dst_pools), dst_devs[0].num_pages), dst_pages)
+    pairs = pd.pull_pairs(src, dst, n)
+    prefill = [tpu_sync.Endpoint(listen="127.0.0.1:0", timeout=20) for _ in src_pools]
+    decode = tpu_sync.Endpoint(listen=None, timeout=20)
+    try:
+        for r, (ep, dev) in enumerate(zip(prefill, src_devs)):
+            pullers = sum(1 for srcs in pairs.values() if r in srcs)
+            ep.register(77, src, n, {r: dev.typed_views()}, expected_releases=pullers)
+        stats = []
+        for d, dev in enumerate(dst_devs):
+            peers = {s: prefill[s].address for s in pairs[d]}
+            stats.append(decode.pull(77, peers, src, dst, n, {d: dev.typed_views()}).wait(30))
+        return stats
+    finally:
+        decode.close()
+        for ep in prefill:
+            ep.close()
+
+
+def test_tp2_prefill_to_tp1_decode_byte_exact():
+    srcs = [pool(1, 10), pool(1, 20)]  # prefill rank r holds KV head r
+    dst = pool(HEADS, 90)
+    src_pages, dst_pages = [3, 5, 6], [7, 1, 2]
+    untouched = rows(dst, 0, 0, 4).clone()
+    (st,) = _transfer(srcs, [dst], src_pages, dst_pages)
+    assert st["device_bytes"] == len(dst_pages) * 2 * LAYERS * PAGE * HEADS * DIM * 4
+    for plane in (0, 1):
+        for layer in range(LAYERS):
+            for sp, dp in zip(src_pages, dst_pages):
+                for h, src in enumerate(srcs):
+                    assert torch.equal(rows(dst, plane, layer, dp)[:, h], rows(src, plane, layer, sp)[:, 0])
+    assert torch.equal(rows(dst, 0, 0, 4), untouched)  # nothing outside the request's pages
+
+
+def test_tp1_prefill_to_tp2_decode_byte_exact():
+    src = pool(HEADS, 30)
+    dsts = [pool(1, 60), pool(1, 70)]
+    src_pages, dst_pages = [2, 9], [4, 8]
+    _transfer([src], dsts, src_pages, dst_pages)
+    for plane in (0, 1):
+        for layer in range(LAYERS):
+            for sp, dp in zip(src_pages, dst_pages):
+                for h, dst in enumerate(dsts):
+                    assert torch.equal(rows(dst, plane, layer, dp)[:, 0], rows(src, plane, layer, sp)[:, h])
+
+
+def test_pull_of_an_unregistered_request_fails_and_writes_nothing():
+    dst = pool(HEADS, 40)
+    dev = DevicePool(dst)
+    before = rows(dst, 1, 1, 3).clone()
+    src = pd.placement_of(pd.layout_of(geometry(dev), 1, dev.num_pages), [1])
+    dstp = pd.placement_of(pd.layout_of(geometry(dev), 1, dev.num_pages), [3])
+    prefill = tpu_sync.Endpoint(listen="127.0.0.1:0", timeout=10)
+    decode = tpu_sync.Endpoint(listen=None, timeout=10)
+    try:
+        t = decode.pull(99, prefill.address, src, dstp, PAGE, {0: dev.typed_views()})
+        with pytest.raises(tpu_sync.TpuSyncError):
+            t.wait(30)
+        assert t.error is not None
+    finally:
+        decode.close()
+        prefill.close()
+    assert torch.equal(rows(dst, 1, 1, 3), before)
+
+
+def test_hooks_add_the_backend():
+    from sglang.srt.arg_groups import choices
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # the tpu_sync entry point installs the hooks
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    assert "tpu_sync" in choices.DISAGG_TRANSFER_BACKEND_CHOICES
+    tb = TransferBackend("tpu_sync")
+    assert get_kv_class(tb, KVClassType.MANAGER) is pd.TpuSyncKVManager
+    assert get_kv_class(tb, KVClassType.RECEIVER) is pd.TpuSyncKVReceiver
+    assert get_kv_class(tb, KVClassType.SENDER) is pd.TpuSyncKVSender
+    assert get_kv_class(tb, KVClassType.BOOTSTRAP_SERVER) is pd.TpuSyncKVBootstrapServer
+    # SGLang's own backends are untouched.
+    from sglang.srt.disaggregation.fake import FakeKVManager
+
+    assert get_kv_class(TransferBackend("fake"), KVClassType.MANAGER) is FakeKVManager
