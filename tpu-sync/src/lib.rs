@@ -22,6 +22,7 @@
 //! warm restart from `/dev/shm`, disk tier): [`store`].
 
 pub mod arena;
+pub mod cluster;
 pub mod device;
 pub mod error;
 pub mod layout;
