@@ -6,7 +6,7 @@ PJRT_INCLUDE := $(CURDIR)/.deps/xla-cpu-pjrt/xla_plugins/xla_cpu_pjrt/include
 export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 
-.PHONY: all build plugin demo test test-rust test-c examples-c test-python python header lint bench bench-net netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm
+.PHONY: all build plugin protoc etcd demo test test-rust test-c examples-c test-python python header lint bench bench-net netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm
 
 all: build
 
@@ -15,7 +15,14 @@ plugin: $(PLUGIN)
 $(PLUGIN):
 	./scripts/install-pjrt-plugin.sh
 
-build: plugin
+# protoc and protobuf's well-known .proto files (Debian), needed to build the etcd client of
+# tpu_sync::cluster; etcd-server (Debian) for the cluster tests (they start their own etcd).
+protoc:
+	./scripts/install-protoc.sh
+etcd:
+	./scripts/install-etcd.sh
+
+build: plugin protoc
 	$(CARGO) build --release --workspace
 
 # The main job: llama-3.1-8b KV from a TP=2 x PCP=2 prefill (4 PJRT devices) to a TP=1 x DP=2
@@ -23,7 +30,7 @@ build: plugin
 demo: build
 	./target/release/tpu-sync demo $(DEMO_ARGS)
 
-test: plugin
+test: plugin protoc etcd
 	$(CARGO) build --release --workspace --all-targets
 	$(CARGO) test --release --workspace
 	$(MAKE) test-c
@@ -37,7 +44,7 @@ CFLAGS_STRICT := -std=c11 -Wall -Wextra -Werror -pedantic -I$(CURDIR)/tpu-sync-f
 LIBDIR := $(CURDIR)/target/release
 
 # C ABI tests: compiled with the committed header and the C compiler only, linked to libtpu_sync.
-test-c: plugin
+test-c: plugin protoc
 	$(CARGO) build --release --workspace
 	mkdir -p target/c
 	set -e; for t in tpu-sync-ffi/tests/c/*.c; do \
@@ -47,7 +54,7 @@ test-c: plugin
 	done
 
 # C examples: built with the committed header and the C compiler only, linked to libtpu_sync, run.
-examples-c: plugin
+examples-c: plugin protoc
 	$(CARGO) build --release --workspace
 	mkdir -p target/c
 	set -e; for e in examples/c/*.c; do \
@@ -87,7 +94,7 @@ $(PYVENV)/bin/maturin:
 	python3 -m venv $(PYVENV)
 	$(PYVENV)/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" "cffi>=1.15" pytest numpy
 
-python: plugin $(PYVENV)/bin/maturin
+python: plugin protoc $(PYVENV)/bin/maturin
 	rm -f target/wheels/tpu_sync-*.whl
 	cd bindings/python && CARGO_TARGET_DIR=$(CURDIR)/target $(PYVENV)/bin/maturin build --release --strip -q -o $(CURDIR)/target/wheels
 	$(PYVENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps target/wheels/tpu_sync-*.whl

@@ -54,6 +54,8 @@ struct Shared {
     wake: Notify,
     stop: Notify,
     stopping: AtomicBool,
+    /// Stop without revoking the lease (a simulated crash, for tests).
+    abandon: AtomicBool,
     stride: u32,
     c: Counters,
     /// The current lease id (0 while none).
@@ -153,6 +155,7 @@ impl Publisher {
             wake: Notify::new(),
             stop: Notify::new(),
             stopping: AtomicBool::new(false),
+            abandon: AtomicBool::new(false),
             stride: dir.inner.cfg.publish_stride,
             c: Counters::default(),
             lease: AtomicI64::new(0),
@@ -254,6 +257,16 @@ impl Publisher {
             self.shared.wake.notify_one();
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+}
+
+impl Publisher {
+    /// Stops publishing and refreshing the lease **without** revoking it, as a crashed host
+    /// would: its entries stay until the TTL runs out. For tests of lease expiry.
+    #[doc(hidden)]
+    pub fn abandon(self) {
+        self.shared.abandon.store(true, Ordering::Release);
+        drop(self);
     }
 }
 
@@ -391,8 +404,11 @@ impl Task {
             match self.serve(lease).await {
                 Lost::Stop => {
                     self.shared.ready.store(false, Ordering::Release);
-                    let mut l = self.client.lease_client();
-                    let _ = tokio::time::timeout(self.cfg.request_timeout, l.revoke(lease)).await;
+                    if !self.shared.abandon.load(Ordering::Acquire) {
+                        let mut l = self.client.lease_client();
+                        let _ =
+                            tokio::time::timeout(self.cfg.request_timeout, l.revoke(lease)).await;
+                    }
                     self.shared.lease.store(0, Ordering::Release);
                     return;
                 }

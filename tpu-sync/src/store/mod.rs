@@ -99,7 +99,7 @@ use std::time::{Duration, Instant};
 
 pub use disk::{DiskOptions, IoBackend};
 pub use key::{BlockKey, Namespace};
-pub use observe::{ObserverId, StoreObserver};
+pub use observe::{ObservedBlock, ObserverId, StoreObserver};
 pub use shm::{list_segments, remove_segment, Attach, Geometry, SegmentInfo, DEFAULT_SHM_DIR};
 
 use crate::arena::{ArenaOptions, LockStatus};
@@ -1852,7 +1852,7 @@ impl KvStore {
     pub fn observe(
         &self,
         observer: std::sync::Arc<dyn StoreObserver>,
-    ) -> Result<(ObserverId, Vec<(BlockKey, Option<BlockKey>)>)> {
+    ) -> Result<(ObserverId, Vec<ObservedBlock>)> {
         let Some(c) = self.core() else {
             return Err(Error::InvalidArgument(format!(
                 "observe: the host KV tier is not ready ({:?})",

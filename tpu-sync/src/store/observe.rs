@@ -23,13 +23,17 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use super::key::BlockKey;
 
+/// A block as observers see it: `(key, parent)`, the parent being the key the block was stored
+/// under (`None` for the first block of a sequence).
+pub type ObservedBlock = (BlockKey, Option<BlockKey>);
+
 /// Told about blocks entering and leaving a [`super::KvStore`] (see the module docs for the
 /// ordering and the rules: quick, no calls back into the store). `Send + Sync`: called from
 /// whichever thread changed the store.
 pub trait StoreObserver: Send + Sync {
     /// Blocks just committed by a put: `(key, parent)` in chain order (`parent` is the key the
     /// block was stored under, `None` for the first block of a sequence).
-    fn stored(&self, blocks: &[(BlockKey, Option<BlockKey>)]);
+    fn stored(&self, blocks: &[ObservedBlock]);
     /// Blocks no longer in the store (no DRAM and no disk copy).
     fn removed(&self, keys: &[BlockKey]);
 }
@@ -67,7 +71,7 @@ impl Observers {
         self.any.load(Ordering::Acquire)
     }
 
-    pub(crate) fn stored(&self, blocks: &[(BlockKey, Option<BlockKey>)]) {
+    pub(crate) fn stored(&self, blocks: &[ObservedBlock]) {
         if blocks.is_empty() || !self.active() {
             return;
         }
