@@ -91,13 +91,14 @@ pub mod disk;
 pub mod index;
 pub mod key;
 pub mod observe;
+pub mod shared;
 pub mod shm;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
-pub use disk::{DiskOptions, IoBackend};
+pub use disk::{DiskOptions, IoBackend, SharedFs};
 pub use key::{BlockKey, Namespace};
 pub use observe::{ObservedBlock, ObserverId, StoreObserver};
 pub use shm::{list_segments, remove_segment, Attach, Geometry, SegmentInfo, DEFAULT_SHM_DIR};
@@ -1835,6 +1836,14 @@ impl KvStore {
             Some(e) => Err(e),
             None => Ok(written),
         }
+    }
+
+    /// Disk tier files opened buffered because the file system refused `O_DIRECT` (0 without a
+    /// disk tier).
+    pub fn disk_direct_fallbacks(&self) -> u64 {
+        self.core()
+            .and_then(|c| c.disk.as_ref().map(|d| d.direct_fallbacks()))
+            .unwrap_or(0)
     }
 
     /// The namespace the store was opened with.
