@@ -55,6 +55,7 @@
 //! inside an async task blocks that task's worker). [`Publisher`] runs on that runtime.
 
 mod publisher;
+pub mod remote;
 
 pub use publisher::{Publisher, PublisherStats};
 
