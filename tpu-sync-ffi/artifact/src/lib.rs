@@ -14,6 +14,8 @@ mod status;
 
 #[path = "../../src/api.rs"]
 pub mod api;
+#[path = "../../src/cluster.rs"]
+pub mod cluster;
 #[path = "../../src/device.rs"]
 pub mod device;
 #[path = "../../src/endpoint.rs"]
@@ -22,6 +24,7 @@ pub mod endpoint;
 pub mod store;
 
 pub use api::*;
+pub use cluster::*;
 pub use completion::tpu_sync_callback;
 pub use device::*;
 pub use endpoint::*;

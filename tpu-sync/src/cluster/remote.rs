@@ -15,8 +15,11 @@
 //! Request: magic `TSRT` (4 bytes), version `u16` = 1, op `u16` (1 fetch, 2 offer), namespace id
 //! `u128`, block count `u32` (at most [`MAX_CHAIN`]), then for a fetch the keys (`u128` each),
 //! for an offer per block: key `u128`, length `u64`, xxh3-64 `u64`, the bytes.
-//! Fetch reply: magic, status `u16` (0 ok, 1 wrong namespace, 2 bad request), count `u32`, then per
-//! block: length `u64`, xxh3-64 `u64`, the bytes. Offer reply: magic, status, stored `u32`.
+//! Fetch reply: magic, status `u16` (0 ok, 1 wrong namespace, 2 bad request), count `u32` (the
+//! leading blocks pinned), then per block: length `u64`, xxh3-64 `u64`, the bytes; a length of
+//! `u64::MAX` ends the reply early (a block could not be read after all: the rest is a miss). The
+//! server holds one block in memory at a time. An offer may carry at most as many blocks as the
+//! peer's store has slots, each at most its block size. Offer reply: magic, status, stored `u32`.
 //! Every read and write has a deadline ([`RemoteOptions::io_timeout`]); a peer that dies or stalls
 //! fails the call with [`Error::PeerClosed`] or [`Error::Timeout`], never a hang.
 //!
@@ -38,6 +41,8 @@ const OP_FETCH: u16 = 1;
 const OP_OFFER: u16 = 2;
 /// Most blocks one request may name.
 pub const MAX_CHAIN: u32 = 65_536;
+/// Block length that marks the end of a fetch reply (the rest of the chain is a miss).
+const END: u64 = u64::MAX;
 /// Largest block accepted (bytes).
 pub const MAX_BLOCK: u64 = 1 << 30;
 
@@ -238,47 +243,57 @@ fn serve_conn(mut s: TcpStream, store: &KvStore, o: &RemoteOptions, c: &Counters
                     continue;
                 }
                 c.fetches.fetch_add(1, Ordering::Relaxed);
-                // Pin the present prefix while it is copied and sent.
+                // Pin the present prefix while it is copied and sent, one block at a time (memory
+                // stays one block, whatever the chain's length).
                 let lease = store.pin(&keys);
                 let held = lease.len();
                 let block = store.info().map(|i| i.geometry.block_bytes).unwrap_or(0);
-                // Blocks may be shorter than block_bytes: learn lengths by reading with the
-                // largest size first, one block at a time, in windows.
-                let mut out: Vec<(Vec<u8>, u64)> = Vec::new();
-                for &k in &keys[..held] {
-                    match read_block(store, k, block)? {
-                        Some(b) => {
-                            let sum = checksum::checksum(&b);
-                            out.push((b, sum));
-                        }
-                        None => break,
-                    }
-                }
-                drop(lease);
                 let mut w = Vec::with_capacity(10);
                 w.extend_from_slice(&MAGIC);
                 w.extend_from_slice(&0u16.to_le_bytes());
-                w.extend_from_slice(&(out.len() as u32).to_le_bytes());
+                w.extend_from_slice(&(held as u32).to_le_bytes());
                 s.write_all(&w).map_err(|e| io("send a reply", e))?;
-                for (b, sum) in &out {
+                let mut buf = vec![0u8; block as usize];
+                for &k in &keys[..held] {
+                    if !read_block(store, k, &mut buf) {
+                        // The rest is a miss: an end marker instead of a block.
+                        let mut h = [0u8; 16];
+                        h[..8].copy_from_slice(&END.to_le_bytes());
+                        s.write_all(&h).map_err(|e| io("send a block", e))?;
+                        break;
+                    }
+                    let sum = checksum::checksum(&buf);
                     let mut h = [0u8; 16];
-                    h[..8].copy_from_slice(&(b.len() as u64).to_le_bytes());
+                    h[..8].copy_from_slice(&(buf.len() as u64).to_le_bytes());
                     h[8..].copy_from_slice(&sum.to_le_bytes());
                     s.write_all(&h).map_err(|e| io("send a block", e))?;
-                    s.write_all(b).map_err(|e| io("send a block", e))?;
+                    s.write_all(&buf).map_err(|e| io("send a block", e))?;
                     c.blocks_sent.fetch_add(1, Ordering::Relaxed);
-                    c.bytes_sent.fetch_add(b.len() as u64, Ordering::Relaxed);
+                    c.bytes_sent.fetch_add(buf.len() as u64, Ordering::Relaxed);
                 }
+                drop(lease);
             }
             OP_OFFER => {
                 let mut keys = Vec::new();
                 let mut blocks: Vec<Vec<u8>> = Vec::new();
                 let mut ok = true;
+                // What the store can take: no more blocks than its slots, none over its block size.
+                let (block, slots) = store
+                    .info()
+                    .map(|i| (i.geometry.block_bytes, i.geometry.num_slots))
+                    .unwrap_or((0, 0));
+                if n as u64 > slots {
+                    c.errors.fetch_add(1, Ordering::Relaxed);
+                    reply_status(&mut s, 2, 0)?;
+                    return Err(Error::Protocol(format!(
+                        "remote tier: offer of {n} blocks to a store of {slots} slots"
+                    )));
+                }
                 for _ in 0..n {
                     let k = u128::from_le_bytes(rd::<16>(&mut s).map_err(|e| io("read", e))?);
                     let len = u64::from_le_bytes(rd::<8>(&mut s).map_err(|e| io("read", e))?);
                     let sum = u64::from_le_bytes(rd::<8>(&mut s).map_err(|e| io("read", e))?);
-                    if len > MAX_BLOCK {
+                    if len > block.min(MAX_BLOCK) {
                         c.errors.fetch_add(1, Ordering::Relaxed);
                         reply_status(&mut s, 2, 0)?;
                         return Err(Error::Protocol("remote tier: offered block too big".into()));
@@ -320,19 +335,14 @@ fn serve_conn(mut s: TcpStream, store: &KvStore, o: &RemoteOptions, c: &Counters
 /// Copies one block out of the store. Stores served by the remote tier hold blocks of exactly
 /// their `block_bytes` (an engine block of one rank); a block of another length ends the
 /// prefix (a miss).
-fn read_block(store: &KvStore, k: BlockKey, block: u64) -> Result<Option<Vec<u8>>> {
-    let mut b = vec![0u8; block as usize];
-    let r = {
-        let mut d: Vec<&mut [u8]> = vec![b.as_mut_slice()];
-        store.get_to_host(&[k], &mut d)
-    };
-    match r {
-        Ok(g) if g.delivered == 1 => Ok(Some(b)),
-        Ok(_) => Ok(None),
+fn read_block(store: &KvStore, k: BlockKey, buf: &mut [u8]) -> bool {
+    let mut d: Vec<&mut [u8]> = vec![buf];
+    match store.get_to_host(&[k], &mut d) {
+        Ok(g) => g.delivered == 1,
         // A block of another length or a corrupt block ends the prefix (a miss).
         Err(e) => {
             log::debug!("remote tier: block {k}: {e}");
-            Ok(None)
+            false
         }
     }
 }
@@ -453,6 +463,10 @@ pub fn fetch(
         let h = rd::<16>(&mut s).map_err(|e| io(&format!("block from {addr}"), e))?;
         let len = u64::from_le_bytes(h[..8].try_into().expect("8"));
         let sum = u64::from_le_bytes(h[8..].try_into().expect("8"));
+        if len == END {
+            // The server lost the block while sending (a miss from here on).
+            return Ok(i);
+        }
         if len != d.len() as u64 {
             return Err(Error::Protocol(format!(
                 "remote tier {addr}: block {i} is {len} B, destination {} B",
