@@ -107,3 +107,57 @@ def test_bad_configuration():
     with pytest.raises(errors.InvalidArgumentError):
         d.lookup(NS, [b"short"])
     d.close()
+
+
+def test_connector_cluster_tier_loads_a_peer_prefix(etcd, data):
+    """The vLLM connector's host tier with ``cluster`` settings, without vLLM: engine A stores a
+    prompt's blocks from its KV tensors; engine B (other block ids) finds them through the
+    directory, fetches them into its tier and loads them into its own KV tensors byte-exact."""
+    np = pytest.importorskip("numpy")
+    from tpu_sync.vllm.backends import KvCaches, make_host_tier
+    from tpu_sync.vllm.cluster_tier import ClusterTier
+    from tpu_sync.vllm.compat import KvGeometry
+    from tpu_sync.vllm.config import ConfigError, ConnectorConfig
+
+    g = KvGeometry(model="tiny", num_layers=2, num_kv_heads=2, heads_per_rank=2, head_dim=16, dtype="f32",
+                   block_size=16, tp=1, block_format="test/f32")
+    nblocks = 12
+
+    def engine(port_tag):
+        tensors = [tpu_sync.aligned_array((nblocks, 2, 16, 32), "float32") for _ in range(g.num_layers)]
+        caches = KvCaches(names=[f"l{i}" for i in range(g.num_layers)], tensors=tensors, num_blocks=nblocks,
+                          layer_block_bytes=g.layer_block_bytes, tp_rank=0)
+        cfg = ConnectorConfig.parse("kv_both", {"host_capacity_bytes": 64 * g.block_bytes, "cluster": {
+            "endpoints": [etcd], "advertise": "127.0.0.1:0", "host_id": port_tag, "lease_ttl": 2}})
+        return make_host_tier(cfg, g, caches), tensors
+
+    a, ta = engine("engine-a")
+    b, tb = engine("engine-b")
+    assert isinstance(a, ClusterTier) and isinstance(b, ClusterTier)
+    hashes = [bytes([i]) * 32 for i in range(1, 6)]
+    src_ids, dst_ids = [3, 7, 0, 11, 5], [9, 1, 4, 10, 2]
+    for li, t in enumerate(ta):
+        t.view(np.uint8).reshape(-1)[:] = np.frombuffer(data(t.nbytes, 7 + li), np.uint8)
+    assert a.put(hashes, src_ids) == 5
+    a.publisher.sync(10)
+    assert b.lookup(hashes) == 5, "fetched from engine A into B's tier"
+    assert b.stats()["remote_blocks"] == 5
+    assert b.get(hashes, dst_ids) == 5
+    lbb = g.layer_block_bytes
+    for t_a, t_b in zip(ta, tb):
+        ua, ub = t_a.view(np.uint8).reshape(-1), t_b.view(np.uint8).reshape(-1)
+        for s, d in zip(src_ids, dst_ids):
+            assert ub[d * lbb:(d + 1) * lbb].tobytes() == ua[s * lbb:(s + 1) * lbb].tobytes()
+    # A second lookup is a local hit: nothing fetched again.
+    assert b.lookup(hashes) == 5 and b.stats()["remote_blocks"] == 5
+    # Engine A goes away: B's lookups of an unknown longer chain are misses, not errors.
+    a.close()
+    more = hashes + [b"\x09" * 32]
+    assert b.lookup(more) == 5
+    b.close()
+    with pytest.raises(ConfigError):
+        ConnectorConfig.parse("kv_both", {"cluster": "not a dict"})
+    cfg = ConnectorConfig.parse("kv_both", {"cluster": {"endpoints": [etcd]}})
+    from tpu_sync.vllm.cluster_tier import cluster_settings
+    with pytest.raises(ConfigError):
+        cluster_settings(cfg)
