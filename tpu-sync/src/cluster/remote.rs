@@ -245,8 +245,8 @@ fn serve_conn(mut s: TcpStream, store: &KvStore, o: &RemoteOptions, c: &Counters
                 c.fetches.fetch_add(1, Ordering::Relaxed);
                 // Pin the present prefix while it is copied and sent, one block at a time (memory
                 // stays one block, whatever the chain's length).
-                let lease = store.pin(&keys);
-                let held = lease.len();
+                let mut lease = Some(store.pin(&keys));
+                let held = lease.as_ref().map_or(0, |l| l.len());
                 let block = store.info().map(|i| i.geometry.block_bytes).unwrap_or(0);
                 let mut w = Vec::with_capacity(10);
                 w.extend_from_slice(&MAGIC);
@@ -254,8 +254,14 @@ fn serve_conn(mut s: TcpStream, store: &KvStore, o: &RemoteOptions, c: &Counters
                 w.extend_from_slice(&(held as u32).to_le_bytes());
                 s.write_all(&w).map_err(|e| io("send a reply", e))?;
                 let mut buf = vec![0u8; block as usize];
-                for &k in &keys[..held] {
-                    if !read_block(store, k, &mut buf) {
+                for (i, &k) in keys[..held].iter().enumerate() {
+                    let ok = read_block(store, k, &mut buf);
+                    if !ok || i + 1 == held {
+                        // Nothing more to read: unpin before the last write, so that a consumer
+                        // who has its reply never finds the blocks still pinned.
+                        lease.take();
+                    }
+                    if !ok {
                         // The rest is a miss: an end marker instead of a block.
                         let mut h = [0u8; 16];
                         h[..8].copy_from_slice(&END.to_le_bytes());
