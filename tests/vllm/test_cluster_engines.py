@@ -104,7 +104,9 @@ def test_second_engine_loads_the_first_engines_prefixes(engines, plain, etcd):
         want = [expected_host_hits(n) for n in LENS]
         assert cached(res_b) == want, "engine B must load A's prefixes as host-tier hits"
         assert toks(res_b) == toks(plain), "engine B's output differs from a plain run"
-        assert res_b["tier_stats"]["remote_blocks"] == sum(want) // 32
+        # B fetched everything A holds for these prompts (also each prompt's last full block,
+        # which the engine then recomputes since it holds the last prompt token).
+        assert res_b["tier_stats"]["remote_blocks"] == saved
         assert res_b["worker_stats"]["loaded_blocks"] == sum(want) // 32
 
         # TTFT, one request at a time, max_tokens=1: recompute (plain) vs loaded from A.
