@@ -74,7 +74,14 @@ def cluster_spec(engines, curl, host_id, **kw):
     extra = dict(host_capacity_bytes=64 << 20,
                  cluster=dict(endpoints=[curl], advertise="127.0.0.1:0", host_id=host_id, prefix=PREFIX,
                               lease_ttl=5))
-    return engines.spec(connector=dict(kv_role="kv_both", policy="recompute", extra=extra), **kw)
+    spec = engines.spec(connector=dict(kv_role="kv_both", policy="recompute", extra=extra))
+    spec.update(kw)
+    return spec
+
+
+def ttft_spec(spec):
+    """``spec`` generating one token per request, one request at a time, timing each."""
+    return dict(spec, max_tokens=1, ttft=True)
 
 
 def test_second_engine_loads_the_first_engines_prefixes(engines, plain, etcd):
@@ -110,8 +117,8 @@ def test_second_engine_loads_the_first_engines_prefixes(engines, plain, etcd):
         assert res_b["worker_stats"]["loaded_blocks"] == sum(want) // 32
 
         # TTFT, one request at a time, max_tokens=1: recompute (plain) vs loaded from A.
-        ttft_plain = engines.run("cluster_ttft_plain", engines.spec(max_tokens=1, ttft=True))
-        ttft_b = engines.run("cluster_ttft_b", cluster_spec(engines, etcd, "engine-c", max_tokens=1, ttft=True))
+        ttft_plain = engines.run("cluster_ttft_plain", ttft_spec(engines.spec()))
+        ttft_b = engines.run("cluster_ttft_b", ttft_spec(cluster_spec(engines, etcd, "engine-c")))
         assert cached(ttft_b) == want
         tp = [o["ttft_s"] for o in ttft_plain["runs"][0]["outputs"]]
         tb = [o["ttft_s"] for o in ttft_b["runs"][0]["outputs"]]
