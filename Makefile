@@ -6,7 +6,7 @@ PJRT_INCLUDE := $(CURDIR)/.deps/xla-cpu-pjrt/xla_plugins/xla_cpu_pjrt/include
 export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 
-.PHONY: all build plugin demo test test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm sglang-env e2e-sglang
+.PHONY: all build plugin protoc etcd demo test test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm sglang-env e2e-sglang
 
 all: build
 
@@ -15,7 +15,14 @@ plugin: $(PLUGIN)
 $(PLUGIN):
 	./scripts/install-pjrt-plugin.sh
 
-build: plugin
+# protoc and protobuf's well-known .proto files (Debian), needed to build the etcd client of
+# tpu_sync::cluster; etcd-server (Debian) for the cluster tests (they start their own etcd).
+protoc:
+	./scripts/install-protoc.sh
+etcd:
+	./scripts/install-etcd.sh
+
+build: plugin protoc
 	$(CARGO) build --release --workspace
 
 # The main job: llama-3.1-8b KV from a TP=2 x PCP=2 prefill (4 PJRT devices) to a TP=1 x DP=2
@@ -23,7 +30,7 @@ build: plugin
 demo: build
 	./target/release/tpu-sync demo $(DEMO_ARGS)
 
-test: plugin
+test: plugin protoc etcd
 	$(CARGO) build --release --workspace --all-targets
 	$(CARGO) test --release --workspace
 	$(MAKE) test-c
@@ -39,7 +46,7 @@ CFLAGS_STRICT := -std=c11 -Wall -Wextra -Werror -pedantic -I$(CURDIR)/tpu-sync-f
 LIBDIR := $(CURDIR)/target/release
 
 # C ABI tests: compiled with the committed header and the C compiler only, linked to libtpu_sync.
-test-c: plugin
+test-c: plugin protoc
 	$(CARGO) build --release --workspace
 	mkdir -p target/c
 	set -e; for t in tpu-sync-ffi/tests/c/*.c; do \
@@ -49,7 +56,7 @@ test-c: plugin
 	done
 
 # C examples: built with the committed header and the C compiler only, linked to libtpu_sync, run.
-examples-c: plugin
+examples-c: plugin protoc
 	$(CARGO) build --release --workspace
 	mkdir -p target/c
 	set -e; for e in examples/c/*.c; do \
@@ -99,7 +106,7 @@ $(PYVENV)/bin/maturin:
 	python3 -m venv $(PYVENV)
 	$(PYVENV)/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" "cffi>=1.15" pytest numpy
 
-python: plugin $(PYVENV)/bin/maturin
+python: plugin protoc $(PYVENV)/bin/maturin
 	rm -f target/wheels/tpu_sync-*.whl
 	cd bindings/python && CARGO_TARGET_DIR=$(CURDIR)/target $(PYVENV)/bin/maturin build --release --strip -q -o $(CURDIR)/target/wheels
 	$(PYVENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps target/wheels/tpu_sync-*.whl
@@ -144,7 +151,7 @@ vllm-env: python
 
 # Engine tests (P/D, offload, warm restart, poisoned/corrupted tier, producer death, proxy) and the
 # connector's unit tests against vLLM's classes; every engine runs in its own process.
-e2e-vllm: vllm-env
+e2e-vllm: vllm-env etcd
 	timeout 1200 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
 
 # TTFT of a 2,000-token prompt loaded from the host tier vs recomputed (prints the ratio).

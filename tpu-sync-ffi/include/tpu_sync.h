@@ -224,6 +224,18 @@ enum tpu_sync_handle_kind
    * `tpu_sync_release` (tells when a view's memory was released by the plugin).
    */
   TPU_SYNC_HANDLE_RELEASE = 10,
+  /**
+   * `tpu_sync_directory` (the cluster prefix directory on etcd).
+   */
+  TPU_SYNC_HANDLE_DIRECTORY = 11,
+  /**
+   * `tpu_sync_publisher` (one store published into the directory).
+   */
+  TPU_SYNC_HANDLE_PUBLISHER = 12,
+  /**
+   * `tpu_sync_remote_server` (a store served to other instances).
+   */
+  TPU_SYNC_HANDLE_REMOTE_SERVER = 13,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -396,6 +408,12 @@ typedef struct tpu_sync_client tpu_sync_client;
 typedef struct tpu_sync_copy tpu_sync_copy;
 
 /**
+ * Opaque handle of a connection to the cluster prefix directory (etcd). Free with
+ * [`tpu_sync_directory_free`]. Thread-safe.
+ */
+typedef struct tpu_sync_directory tpu_sync_directory;
+
+/**
  * Opaque handle of a network endpoint. Free with [`tpu_sync_endpoint_free`]. Thread-safe.
  */
 typedef struct tpu_sync_endpoint tpu_sync_endpoint;
@@ -412,11 +430,24 @@ typedef struct tpu_sync_lease tpu_sync_lease;
 typedef struct tpu_sync_plan tpu_sync_plan;
 
 /**
+ * Opaque handle of a store published into the directory. Free with
+ * [`tpu_sync_publisher_free`] (revokes its etcd lease: its entries disappear at once).
+ * Thread-safe.
+ */
+typedef struct tpu_sync_publisher tpu_sync_publisher;
+
+/**
  * Opaque handle telling when the plugin released the memory behind a view (see
  * [`tpu_sync_client_view`]). Outlives the view's buffer handle. Free with
  * [`tpu_sync_release_free`]. Thread-safe.
  */
 typedef struct tpu_sync_release tpu_sync_release;
+
+/**
+ * Opaque handle of a store served to other instances over TCP (the remote tier). Free with
+ * [`tpu_sync_remote_server_free`] (stops listening). Thread-safe.
+ */
+typedef struct tpu_sync_remote_server tpu_sync_remote_server;
 
 /**
  * Opaque handle of a host KV store. Free with [`tpu_sync_store_free`]. Thread-safe: every
@@ -481,6 +512,18 @@ typedef struct tpu_sync_span {
    */
   uint64_t dst_stride;
 } tpu_sync_span;
+
+/**
+ * A block key: 16 bytes (a 128-bit hash, little endian), built by
+ * [`tpu_sync_store_chain_keys`] or [`tpu_sync_store_engine_key`]. Keys of one store's namespace
+ * mean nothing to a store of another namespace.
+ */
+typedef struct tpu_sync_key {
+  /**
+   * The key bytes.
+   */
+  uint8_t bytes[16];
+} tpu_sync_key;
 
 /**
  * One raw copy of a batch: `len` bytes at byte `offset` of `buffer`'s on-device bytes, to
@@ -570,18 +613,6 @@ typedef struct tpu_sync_transfer_stats {
    */
   uint64_t elapsed_ns;
 } tpu_sync_transfer_stats;
-
-/**
- * A block key: 16 bytes (a 128-bit hash, little endian), built by
- * [`tpu_sync_store_chain_keys`] or [`tpu_sync_store_engine_key`]. Keys of one store's namespace
- * mean nothing to a store of another namespace.
- */
-typedef struct tpu_sync_key {
-  /**
-   * The key bytes.
-   */
-  uint8_t bytes[16];
-} tpu_sync_key;
 
 /**
  * Result of a put.
@@ -883,6 +914,161 @@ enum tpu_sync_status tpu_sync_plan_spans(const struct tpu_sync_plan *plan,
                                          struct tpu_sync_span *spans,
                                          size_t cap,
                                          size_t *len_out);
+
+/**
+ * Connects to the directory from a NUL-terminated JSON configuration (borrowed for the call):
+ *
+ * ```text
+ * {"endpoints": ["http://10.0.0.5:2379"],  // etcd client URLs (or host:port); required
+ *  "prefix": "/tpu-sync/v1",              // key prefix of this fleet
+ *  "lease_ttl_ms": 10000, "batch_interval_ms": 50, "max_txn_ops": 128,
+ *  "max_ops_per_sec": 20000, "publish_stride": 1,
+ *  "request_timeout_ms": 5000, "connect_timeout_ms": 3000,
+ *  "user": "...", "password": "...",         // etcd authentication (both or neither)
+ *  "tls_ca_file": "ca.pem", "tls_cert_file": "c.pem", "tls_key_file": "c.key",
+ *  "tls_domain": "etcd.example"}              // TLS (https:// endpoints)
+ * ```
+ *
+ * `dir_out` receives a new handle owned by the caller. The connection is made lazily: an
+ * unreachable etcd shows in the first lookup.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` (bad JSON or values, unreadable TLS files); with
+ * authentication, the etcd errors (`TPU_SYNC_PEER_CLOSED`, `TPU_SYNC_TIMEOUT`,
+ * `TPU_SYNC_REMOTE`).
+ *
+ * # Safety
+ * `config_json` NUL-terminated; `dir_out` writable.
+ */
+enum tpu_sync_status tpu_sync_directory_new(const char *config_json,
+                                            struct tpu_sync_directory **dir_out);
+
+/**
+ * Frees a directory handle (publishers made from it keep working until freed).
+ */
+enum tpu_sync_status tpu_sync_directory_free(struct tpu_sync_directory *dir);
+
+/**
+ * Looks up which hosts hold how much of a key chain of namespace `namespace` (NUL-terminated,
+ * the store's namespace description) and writes the answer as JSON into `buf`
+ * (`buf`/`buf_len`/`len_out` as for `tpu_sync_client_info`): `[{"id", "addr", "meta",
+ * "blocks"}, ...]`, longest prefix first. A hint: a fetch may find less.
+ *
+ * Errors: `TPU_SYNC_PEER_CLOSED` / `TPU_SYNC_TIMEOUT` (etcd unreachable), `TPU_SYNC_REMOTE`;
+ * `TPU_SYNC_BUFFER_TOO_SMALL` with the needed length in `len_out`.
+ *
+ * # Safety
+ * `namespace` NUL-terminated; `keys` points to `num_keys` keys (or is NULL with 0); `buf` has
+ * `buf_len` writable bytes; `len_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_directory_lookup(const struct tpu_sync_directory *dir,
+                                               const char *namespace_,
+                                               const struct tpu_sync_key *keys,
+                                               size_t num_keys,
+                                               char *buf,
+                                               size_t buf_len,
+                                               size_t *len_out);
+
+/**
+ * Starts publishing `store`'s blocks into the directory as host `host_id` (1 to 64 of
+ * `[A-Za-z0-9._-]`), fetchable at `addr` (e.g. its remote server's `host:port`), with free-form
+ * `meta` (NULL: none). All strings NUL-terminated, borrowed for the call. `pub_out` receives a
+ * new handle owned by the caller. etcd being unreachable is not an error: the publisher retries.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` (bad id, metadata over 4 KiB, store not ready).
+ *
+ * # Safety
+ * Strings NUL-terminated (`meta` may be NULL); `pub_out` writable.
+ */
+enum tpu_sync_status tpu_sync_directory_publish(const struct tpu_sync_directory *dir,
+                                                const struct tpu_sync_store *store,
+                                                const char *host_id,
+                                                const char *addr,
+                                                const char *meta,
+                                                struct tpu_sync_publisher **pub_out);
+
+/**
+ * Waits up to `timeout_ms` (negative: 1 hour) until every change made to the store before the
+ * call is published under a live lease.
+ *
+ * Errors: `TPU_SYNC_TIMEOUT`.
+ */
+enum tpu_sync_status tpu_sync_publisher_sync(const struct tpu_sync_publisher *publisher,
+                                             int64_t timeout_ms);
+
+/**
+ * Writes the publisher's counters as JSON into `buf` (as for `tpu_sync_client_info`):
+ * `{"published", "unpublished", "txns", "leases", "republishes", "errors", "mirrored",
+ * "live_entries", "pending", "skipped_by_stride", "lease_id"}`.
+ *
+ * # Safety
+ * `buf` has `buf_len` writable bytes; `len_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_publisher_stats(const struct tpu_sync_publisher *publisher,
+                                              char *buf,
+                                              size_t buf_len,
+                                              size_t *len_out);
+
+/**
+ * Stops publishing and revokes the lease (the entries disappear at once); frees the handle.
+ */
+enum tpu_sync_status tpu_sync_publisher_free(struct tpu_sync_publisher *publisher);
+
+/**
+ * Serves `store`'s blocks to other instances on TCP address `listen` (NUL-terminated, e.g.
+ * `0.0.0.0:7800`; port 0 picks a free one, see [`tpu_sync_remote_server_addr`]). Plain TCP: for
+ * trusted networks only. `server_out` receives a new handle owned by the caller.
+ *
+ * Errors: `TPU_SYNC_IO` when the address cannot be bound.
+ *
+ * # Safety
+ * `listen` NUL-terminated; `server_out` writable.
+ */
+enum tpu_sync_status tpu_sync_remote_serve(const struct tpu_sync_store *store,
+                                           const char *listen,
+                                           struct tpu_sync_remote_server **server_out);
+
+/**
+ * Writes the server's listening address (`ip:port`) into `buf` (as for
+ * `tpu_sync_client_info`).
+ *
+ * # Safety
+ * `buf` has `buf_len` writable bytes; `len_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_remote_server_addr(const struct tpu_sync_remote_server *server,
+                                                 char *buf,
+                                                 size_t buf_len,
+                                                 size_t *len_out);
+
+/**
+ * Stops serving and frees the handle.
+ */
+enum tpu_sync_status tpu_sync_remote_server_free(struct tpu_sync_remote_server *server);
+
+/**
+ * Fetches the leading blocks of a key chain (namespace `namespace`, NUL-terminated) from the
+ * remote server at `addr` (`host:port`, NUL-terminated) into caller memory: block `i` goes to
+ * `dsts[i]`, which has `lens[i]` writable bytes, exactly the block's length. Writes the number of
+ * leading blocks delivered (length and xxh3-64 checked on arrival) to `delivered_out`; blocks
+ * the server no longer holds are a miss (a smaller count), not an error. Every read and write
+ * has a deadline of `timeout_ms` (negative: 10 s).
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT`, `TPU_SYNC_MISMATCH` (the server's store holds another
+ * namespace), `TPU_SYNC_PEER_CLOSED` / `TPU_SYNC_TIMEOUT` (server unreachable, dead or
+ * stalled), `TPU_SYNC_PROTOCOL`, `TPU_SYNC_CHECKSUM`.
+ *
+ * # Safety
+ * Strings NUL-terminated; `keys`, `dsts`, `lens` point to `num_keys` elements each (or NULL with
+ * 0); each `dsts[i]` has `lens[i]` writable bytes not accessed by anyone else during the call;
+ * `delivered_out` writable.
+ */
+enum tpu_sync_status tpu_sync_remote_fetch(const char *addr,
+                                           const char *namespace_,
+                                           const struct tpu_sync_key *keys,
+                                           void *const *dsts,
+                                           const uint64_t *lens,
+                                           size_t num_keys,
+                                           int64_t timeout_ms,
+                                           size_t *delivered_out);
 
 /**
  * Adopts a PJRT client that the caller created (e.g. the serving framework's own client) through

@@ -37,10 +37,16 @@ pub enum tpu_sync_handle_kind {
     TPU_SYNC_HANDLE_COPY = 9,
     /// `tpu_sync_release` (tells when a view's memory was released by the plugin).
     TPU_SYNC_HANDLE_RELEASE = 10,
+    /// `tpu_sync_directory` (the cluster prefix directory on etcd).
+    TPU_SYNC_HANDLE_DIRECTORY = 11,
+    /// `tpu_sync_publisher` (one store published into the directory).
+    TPU_SYNC_HANDLE_PUBLISHER = 12,
+    /// `tpu_sync_remote_server` (a store served to other instances).
+    TPU_SYNC_HANDLE_REMOTE_SERVER = 13,
 }
 
 /// The last defined kind (for range checks).
-pub(crate) const LAST_KIND: u32 = tpu_sync_handle_kind::TPU_SYNC_HANDLE_RELEASE as u32;
+pub(crate) const LAST_KIND: u32 = tpu_sync_handle_kind::TPU_SYNC_HANDLE_REMOTE_SERVER as u32;
 
 impl tpu_sync_handle_kind {
     fn name(self) -> &'static str {
@@ -57,6 +63,9 @@ impl tpu_sync_handle_kind {
             TPU_SYNC_HANDLE_LEASE => "tpu_sync_lease",
             TPU_SYNC_HANDLE_COPY => "tpu_sync_copy",
             TPU_SYNC_HANDLE_RELEASE => "tpu_sync_release",
+            TPU_SYNC_HANDLE_DIRECTORY => "tpu_sync_directory",
+            TPU_SYNC_HANDLE_PUBLISHER => "tpu_sync_publisher",
+            TPU_SYNC_HANDLE_REMOTE_SERVER => "tpu_sync_remote_server",
         }
     }
 }

@@ -34,11 +34,13 @@ mod handle;
 mod status;
 
 pub mod api;
+pub mod cluster;
 pub mod device;
 pub mod endpoint;
 pub mod store;
 
 pub use api::*;
+pub use cluster::*;
 pub use completion::{tpu_sync_callback, tpu_sync_callbacks_disable};
 pub use device::*;
 pub use endpoint::*;

@@ -136,8 +136,8 @@ pub struct tpu_sync_device_range {
 }
 
 pub(crate) struct StoreObj {
-    store: KvStore,
-    ns: Namespace,
+    pub(crate) store: KvStore,
+    pub(crate) ns: Namespace,
 }
 
 /// The JSON configuration of `tpu_sync_store_new`.
@@ -256,7 +256,7 @@ pub extern "C" fn tpu_sync_store_free(store: *mut tpu_sync_store) -> tpu_sync_st
     })
 }
 
-fn get_store(store: *const tpu_sync_store) -> FfiResult<Arc<StoreObj>> {
+pub(crate) fn get_store(store: *const tpu_sync_store) -> FfiResult<Arc<StoreObj>> {
     handle::get(K::TPU_SYNC_HANDLE_STORE, store)
 }
 
@@ -488,7 +488,7 @@ pub unsafe extern "C" fn tpu_sync_store_engine_key(
     })
 }
 
-unsafe fn keys_arg(keys: *const tpu_sync_key, n: usize) -> FfiResult<Vec<BlockKey>> {
+pub(crate) unsafe fn keys_arg(keys: *const tpu_sync_key, n: usize) -> FfiResult<Vec<BlockKey>> {
     // SAFETY: forwarded caller contract.
     Ok(unsafe { slice_arg(keys, n, "keys") }?
         .iter()

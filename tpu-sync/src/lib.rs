@@ -23,6 +23,7 @@
 
 pub mod arena;
 pub mod budget;
+pub mod cluster;
 pub mod device;
 pub mod error;
 pub mod layout;

@@ -28,6 +28,21 @@
 //!   [`DiskOptions::io_uring`] is false or `TPU_SYNC_STORE_IO_URING=0` is set.
 //! * `O_DIRECT` is dropped (with a warning) on file systems that refuse it (tmpfs answers EINVAL).
 //!
+//! # Shared file systems
+//!
+//! With [`DiskOptions::shared`] the tier lives on a mount shared by several hosts (NFS, Lustre,
+//! any POSIX file system): blocks go to `<dir>/<ns id>/<partition>/` where the partition names
+//! the rank, `tp<N>_r<rank>` as Google's TPU Sync POSIX backend lays out
+//! `<root>/<model>/tp<N>_r<rank>/...` ([`SharedFs::tp_rank`]). Several writers (one store each)
+//! share a partition: each takes its own lock (`.lock.<writer>`), names its temporary files
+//! `.<key>.<writer>.<pid>.<n>.tmp`, records its writer id in each file's header (bytes
+//! 128..208, with their own xxh3-64), and at open restores, counts against its capacity and
+//! cleans up only its own files; files of other writers are never deleted at open. Block keys
+//! are content hashes, so two writers of one key write the same bytes; whichever rename comes
+//! last wins, and a reader opens one whole file or the other. An eviction deletes the key's file
+//! whoever wrote it last (a miss for the others, never wrong bytes). Other hosts read the files
+//! with [`super::shared::SharedReader`], which checks header, size and checksum of every block.
+//!
 //! Thread-safety: [`DiskTier`] is `Send + Sync`; the ring is behind a mutex.
 
 use std::fs::File;
@@ -61,6 +76,55 @@ pub struct DiskOptions {
     pub io_uring: bool,
     /// Open files with `O_DIRECT` when the file system allows it (default true).
     pub direct: bool,
+    /// Live on a shared file system as one of several writers (default `None`: this store is
+    /// the directory's only user; see the module docs).
+    pub shared: Option<SharedFs>,
+}
+
+/// Where a writer's files go on a shared file system, and who the writer is (see the module
+/// docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedFs {
+    /// Subdirectory of the namespace directory, e.g. `tp2_r0` (1 to 64 of `[A-Za-z0-9_-]`).
+    pub partition: String,
+    /// This writer's id, unique among the writers of the partition (1 to 64 of
+    /// `[A-Za-z0-9_-]`), e.g. the host name and process.
+    pub writer: String,
+}
+
+impl SharedFs {
+    /// The partition of rank `rank` of a TP degree `tp`: `tp<tp>_r<rank>`.
+    pub fn tp_rank(tp: u32, rank: u32, writer: impl Into<String>) -> SharedFs {
+        SharedFs {
+            partition: format!("tp{tp}_r{rank}"),
+            writer: writer.into(),
+        }
+    }
+
+    /// Checks both names.
+    ///
+    /// Errors: [`Error::InvalidArgument`] naming the bad one.
+    pub fn validate(&self) -> Result<()> {
+        for (what, v) in [("partition", &self.partition), ("writer", &self.writer)] {
+            validate_component(what, v)?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks a path component: 1 to 64 of `[A-Za-z0-9_-]`.
+pub(crate) fn validate_component(what: &str, v: &str) -> Result<()> {
+    let ok = !v.is_empty()
+        && v.len() <= 64
+        && v.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "shared disk tier: {what} {v:?} must be 1 to 64 of [A-Za-z0-9_-]"
+        )))
+    }
 }
 
 impl DiskOptions {
@@ -71,6 +135,7 @@ impl DiskOptions {
             capacity_bytes,
             io_uring: true,
             direct: true,
+            shared: None,
         }
     }
 }
@@ -167,13 +232,13 @@ pub fn padded(len: u64) -> u64 {
 }
 
 /// A 4096-aligned heap buffer.
-struct AlignedBuf {
+pub(crate) struct AlignedBuf {
     ptr: *mut u8,
     len: usize,
 }
 
 impl AlignedBuf {
-    fn zeroed(len: usize) -> AlignedBuf {
+    pub(crate) fn zeroed(len: usize) -> AlignedBuf {
         let len = len.max(ALIGN);
         let layout = std::alloc::Layout::from_size_align(len, ALIGN).expect("valid layout");
         // SAFETY: non-zero size.
@@ -183,7 +248,7 @@ impl AlignedBuf {
         }
         AlignedBuf { ptr, len }
     }
-    fn as_mut_slice(&mut self) -> &mut [u8] {
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: our allocation of `len` bytes.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
@@ -208,6 +273,11 @@ pub struct DiskTier {
     direct: AtomicBool,
     tmp_counter: AtomicU64,
     uid: u32,
+    /// The writer id on a shared file system.
+    writer: Option<String>,
+    direct_requested: bool,
+    /// Files opened without `O_DIRECT` although it was asked for (the file system refused it).
+    direct_fallbacks: AtomicU64,
     _lock: File,
 }
 
@@ -222,6 +292,33 @@ impl std::fmt::Debug for DiskTier {
             .field("direct", &self.direct.load(Ordering::Relaxed))
             .finish()
     }
+}
+
+/// Header bytes 128..208: the writer id (length byte, up to 64 bytes) and an xxh3-64 of 128..193.
+fn writer_bytes(writer: Option<&str>, out: &mut [u8]) {
+    if let Some(w) = writer {
+        let b = w.as_bytes();
+        let n = b.len().min(64);
+        out[128] = n as u8;
+        out[129..129 + n].copy_from_slice(&b[..n]);
+        let c = xxhash_rust::xxh3::xxh3_64(&out[128..193]);
+        out[200..208].copy_from_slice(&c.to_le_bytes());
+    }
+}
+
+/// The writer id recorded in a header, if any (and intact).
+pub(crate) fn writer_of(h: &[u8]) -> Option<String> {
+    let n = h[128] as usize;
+    if n == 0 || n > 64 {
+        return None;
+    }
+    let c = u64::from_le_bytes(h[200..208].try_into().expect("8 bytes"));
+    if xxhash_rust::xxh3::xxh3_64(&h[128..193]) != c {
+        return None;
+    }
+    std::str::from_utf8(&h[129..129 + n])
+        .ok()
+        .map(str::to_string)
 }
 
 fn header_bytes(ns: u128, m: &FileMeta, out: &mut [u8]) {
@@ -239,7 +336,7 @@ fn header_bytes(ns: u128, m: &FileMeta, out: &mut [u8]) {
     out[120..128].copy_from_slice(&c.to_le_bytes());
 }
 
-fn parse_header(ns: u128, h: &[u8]) -> std::result::Result<FileMeta, Miss> {
+pub(crate) fn parse_header(ns: u128, h: &[u8]) -> std::result::Result<FileMeta, Miss> {
     let u64_at = |o: usize| u64::from_le_bytes(h[o..o + 8].try_into().expect("8 bytes"));
     let u128_at = |o: usize| u128::from_le_bytes(h[o..o + 16].try_into().expect("16 bytes"));
     if h[0..8] != FILE_MAGIC {
@@ -279,14 +376,24 @@ impl DiskTier {
     /// Errors: [`Error::Io`] when the directory cannot be created or read, or is locked by another
     /// store (`WouldBlock`).
     pub fn open(opts: &DiskOptions, ns: &Namespace) -> Result<(DiskTier, Vec<FileMeta>)> {
-        let dir = opts.dir.join(format!("{:032x}", ns.id()));
+        if let Some(s) = &opts.shared {
+            s.validate()?;
+        }
+        let ns_dir = opts.dir.join(format!("{:032x}", ns.id()));
         std::fs::create_dir_all(&opts.dir)
             .map_err(|e| Error::io(format!("create disk tier {}", opts.dir.display()), e))?;
-        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(Error::io(format!("create disk tier {}", dir.display()), e)),
+        let mut dirs = vec![ns_dir.clone()];
+        if let Some(s) = &opts.shared {
+            dirs.push(ns_dir.join(&s.partition));
         }
+        for d in &dirs {
+            match std::fs::DirBuilder::new().mode(0o700).create(d) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(Error::io(format!("create disk tier {}", d.display()), e)),
+            }
+        }
+        let dir = dirs.last().expect("one at least").clone();
         let md = std::fs::symlink_metadata(&dir)
             .map_err(|e| Error::io(format!("stat {}", dir.display()), e))?;
         // SAFETY: geteuid has no preconditions.
@@ -305,15 +412,20 @@ impl DiskTier {
                 ),
             ));
         }
-        let _ = std::fs::write(dir.join("NAMESPACE"), format!("{}\n", ns.description()));
+        let _ = std::fs::write(ns_dir.join("NAMESPACE"), format!("{}\n", ns.description()));
+        let writer = opts.shared.as_ref().map(|s| s.writer.clone());
+        let lock_name = match &writer {
+            Some(w) => format!(".lock.{w}"),
+            None => ".lock".to_string(),
+        };
         let lock = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
             .mode(0o600)
-            .open(dir.join(".lock"))
-            .map_err(|e| Error::io(format!("open {}/.lock", dir.display()), e))?;
+            .open(dir.join(&lock_name))
+            .map_err(|e| Error::io(format!("open {}/{lock_name}", dir.display()), e))?;
         // SAFETY: flock on our open descriptor.
         if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             return Err(Error::io(
@@ -355,6 +467,9 @@ impl DiskTier {
             direct: AtomicBool::new(opts.direct),
             tmp_counter: AtomicU64::new(0),
             uid: me,
+            writer,
+            direct_requested: opts.direct,
+            direct_fallbacks: AtomicU64::new(0),
             _lock: lock,
         };
         let found = tier.scan()?;
@@ -376,6 +491,17 @@ impl DiskTier {
         &self.dir
     }
 
+    /// Files opened buffered because the file system refused `O_DIRECT` (0 when it was never
+    /// asked for or always granted).
+    pub fn direct_fallbacks(&self) -> u64 {
+        self.direct_fallbacks.load(Ordering::Relaxed)
+    }
+
+    /// The writer id on a shared file system.
+    pub fn writer(&self) -> Option<&str> {
+        self.writer.as_deref()
+    }
+
     /// Bytes allowed.
     pub fn capacity_bytes(&self) -> u64 {
         self.capacity_bytes
@@ -394,14 +520,28 @@ impl DiskTier {
             let name = ent.file_name().to_string_lossy().into_owned();
             let path = ent.path();
             if name.starts_with('.') && name.ends_with(".tmp") {
-                let _ = std::fs::remove_file(&path);
+                // `.<key>.<writer>.<pid>.<n>.tmp` on a shared file system: only our own.
+                let mine = match &self.writer {
+                    None => true,
+                    Some(w) => name.split('.').nth(2) == Some(w.as_str()),
+                };
+                if mine {
+                    let _ = std::fs::remove_file(&path);
+                }
                 continue;
             }
             let Some(key) = name.strip_suffix(".kvb").and_then(BlockKey::from_hex) else {
                 continue;
             };
             match self.read_header_buffered(&path, key.0) {
-                Ok(m) => out.push(m),
+                Ok((m, w)) => {
+                    if self.writer.is_none() || w == self.writer {
+                        out.push(m)
+                    }
+                }
+                Err(_) if self.writer.is_some() => {
+                    // Another writer's file, or one being replaced: not ours to delete.
+                }
                 Err(miss) => {
                     log::warn!("disk tier: dropping {}: {miss}", path.display());
                     let _ = std::fs::remove_file(&path);
@@ -411,7 +551,11 @@ impl DiskTier {
         Ok(out)
     }
 
-    fn read_header_buffered(&self, path: &Path, key: u128) -> std::result::Result<FileMeta, Miss> {
+    fn read_header_buffered(
+        &self,
+        path: &Path,
+        key: u128,
+    ) -> std::result::Result<(FileMeta, Option<String>), Miss> {
         let mut f = std::fs::OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
@@ -436,7 +580,7 @@ impl DiskTier {
         if size != want {
             return Err(Miss::Truncated(format!("{size} B, expected {want} B")));
         }
-        Ok(m)
+        Ok((m, writer_of(&h)))
     }
 
     fn open_file(&self, path: &Path, write: bool) -> std::io::Result<File> {
@@ -460,6 +604,9 @@ impl DiskTier {
                 }
                 r => return r,
             }
+        }
+        if self.direct_requested {
+            self.direct_fallbacks.fetch_add(1, Ordering::Relaxed);
         }
         o.custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW);
         o.open(path)
@@ -494,11 +641,14 @@ impl DiskTier {
         let mut jobs: Vec<Job> = Vec::with_capacity(items.len());
         for it in items {
             let n = self.tmp_counter.fetch_add(1, Ordering::Relaxed);
-            let tmp = self
-                .dir
-                .join(format!(".{}.{pid}.{n}.tmp", BlockKey(it.meta.key).hex()));
+            let key = BlockKey(it.meta.key).hex();
+            let tmp = match &self.writer {
+                Some(w) => self.dir.join(format!(".{key}.{w}.{pid}.{n}.tmp")),
+                None => self.dir.join(format!(".{key}.{pid}.{n}.tmp")),
+            };
             let mut hdr = AlignedBuf::zeroed(FILE_HEADER);
             header_bytes(self.ns, &it.meta, hdr.as_mut_slice());
+            writer_bytes(self.writer.as_deref(), hdr.as_mut_slice());
             let plen = padded(it.meta.len) as usize;
             let (data_ptr, bounce) = if it.aligned && (it.data as usize) % ALIGN == 0 {
                 (it.data as *mut u8, None)

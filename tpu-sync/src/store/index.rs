@@ -202,6 +202,8 @@ pub struct Index {
     dram_count: u64,
     invalidate: Vec<u32>,
     unlink: Vec<u128>,
+    /// Keys of entries removed since the last [`Index::drain_gone`], while tracking is on.
+    gone: Option<Vec<u128>>,
 }
 
 impl Index {
@@ -230,6 +232,7 @@ impl Index {
             dram_count: 0,
             invalidate: Vec::new(),
             unlink: Vec::new(),
+            gone: None,
         }
     }
 
@@ -836,6 +839,29 @@ impl Index {
         std::mem::take(&mut self.unlink)
     }
 
+    /// Starts recording the keys of entries that leave the index (evicted from the last tier,
+    /// dropped, removed, or an aborted first put), for [`Index::drain_gone`]. Off by default
+    /// (no cost when nobody observes the store).
+    pub fn track_gone(&mut self) {
+        self.gone.get_or_insert_with(Vec::new);
+    }
+
+    /// Keys of entries removed since the last call, in order (empty unless
+    /// [`Index::track_gone`] was called).
+    pub fn drain_gone(&mut self) -> Vec<u128> {
+        self.gone.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// `(key, parent)` of every visible (committed) entry, for a first snapshot of an observer.
+    pub fn visible_keys(&self) -> Vec<(u128, Option<u128>)> {
+        self.map
+            .values()
+            .map(|&i| &self.entries[i as usize])
+            .filter(|e| e.visible())
+            .map(|e| (e.key, e.parent))
+            .collect()
+    }
+
     // ----- internals -----
 
     fn insert(&mut self, key: u128, parent: Option<u128>, tick: u64) -> EntryId {
@@ -882,6 +908,9 @@ impl Index {
         let parent = e.parent;
         self.map.remove(&key);
         self.free_ids.push(id);
+        if let Some(g) = &mut self.gone {
+            g.push(key);
+        }
         if let Some(p) = parent {
             if let Some(f) = self.fam.get_mut(&p) {
                 f.any -= 1;

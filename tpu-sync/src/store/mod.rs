@@ -91,18 +91,21 @@ pub mod disk;
 pub mod groups;
 pub mod index;
 pub mod key;
+pub mod observe;
+pub mod shared;
 pub mod shm;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
-pub use disk::{DiskOptions, IoBackend};
+pub use disk::{DiskOptions, IoBackend, SharedFs};
 pub use groups::{
     part_key, GroupGetReport, GroupHit, GroupPart, GroupPutReport, PartRole, StoreGroup,
     StoreGroups,
 };
 pub use key::{BlockKey, Namespace};
+pub use observe::{ObservedBlock, ObserverId, StoreObserver};
 pub use shm::{list_segments, remove_segment, Attach, Geometry, SegmentInfo, DEFAULT_SHM_DIR};
 
 use crate::arena::{ArenaOptions, LockStatus};
@@ -532,6 +535,8 @@ struct Core {
     verify: bool,
     hooks: Hooks,
     c: Counters,
+    namespace: Namespace,
+    observers: observe::Observers,
     /// The segment's bytes in the pinned-memory budget (returned after `seg` is unmapped).
     _budget: Option<Reservation>,
 }
@@ -634,6 +639,8 @@ impl Core {
             verify: cfg.verify_checksums,
             hooks: cfg.hooks.clone(),
             c: Counters::default(),
+            namespace: cfg.namespace.clone(),
+            observers: observe::Observers::default(),
             _budget: budget,
         })
     }
@@ -651,6 +658,11 @@ impl Core {
             for k in gone {
                 d.remove(k);
             }
+        }
+        if self.observers.active() {
+            // Under the index lock, so observers see changes in the order they happened.
+            let left: Vec<BlockKey> = ix.drain_gone().into_iter().map(BlockKey).collect();
+            self.observers.removed(&left);
         }
         r
     }
@@ -835,6 +847,13 @@ impl Core {
         self.with_index(|ix| {
             for ((f, &sum), gen) in fills.iter().zip(sums).zip(gens) {
                 ix.commit_fill(f.id, gen, lens[f.pos], sum);
+            }
+            if self.observers.active() {
+                let new: Vec<(BlockKey, Option<BlockKey>)> = fills
+                    .iter()
+                    .map(|f| (BlockKey(f.key), f.parent.map(BlockKey)))
+                    .collect();
+                self.observers.stored(&new);
             }
             // Recency in chain order (visible blocks only).
             let mut ids: Vec<(usize, EntryId)> = present
@@ -1845,6 +1864,53 @@ impl KvStore {
             Some(e) => Err(e),
             None => Ok(written),
         }
+    }
+
+    /// Disk tier files opened buffered because the file system refused `O_DIRECT` (0 without a
+    /// disk tier).
+    pub fn disk_direct_fallbacks(&self) -> u64 {
+        self.core()
+            .and_then(|c| c.disk.as_ref().map(|d| d.direct_fallbacks()))
+            .unwrap_or(0)
+    }
+
+    /// The namespace the store was opened with.
+    pub fn namespace(&self) -> Option<&Namespace> {
+        self.core().map(|c| &c.namespace)
+    }
+
+    /// Registers `observer` (see [`observe`]) and returns its id with a snapshot of the blocks
+    /// present now, `(key, parent)` in no particular order: taken under the same lock as the
+    /// registration, so snapshot plus later calls describe the store's contents exactly. The
+    /// observer is called under the store's index lock: it must be quick and must not call into
+    /// the store.
+    ///
+    /// Errors: [`Error::InvalidArgument`] while the tier is not ready (see [`KvStore::state`]).
+    pub fn observe(
+        &self,
+        observer: std::sync::Arc<dyn StoreObserver>,
+    ) -> Result<(ObserverId, Vec<ObservedBlock>)> {
+        let Some(c) = self.core() else {
+            return Err(Error::InvalidArgument(format!(
+                "observe: the host KV tier is not ready ({:?})",
+                self.state()
+            )));
+        };
+        Ok(c.with_index(|ix| {
+            ix.track_gone();
+            let snap = ix
+                .visible_keys()
+                .into_iter()
+                .map(|(k, p)| (BlockKey(k), p.map(BlockKey)))
+                .collect();
+            (c.observers.add(observer), snap)
+        }))
+    }
+
+    /// Unregisters an observer; false when `id` was not registered. After it returns, the
+    /// observer is not called again.
+    pub fn unobserve(&self, id: ObserverId) -> bool {
+        self.core().is_some_and(|c| c.observers.remove(id))
     }
 
     /// Byte offset of `key`'s DRAM copy in the segment (and in its `/dev/shm` file), for tests

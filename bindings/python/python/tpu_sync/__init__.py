@@ -13,7 +13,7 @@ Helpers for layouts and placements are in :mod:`tpu_sync.plan`; exceptions in
 Importing this package needs only ``cffi``; numpy and torch objects are accepted when passed.
 """
 
-from . import errors
+from . import cluster, errors
 from ._lib import ABI_VERSION, __version__, last_error, live_handles
 from .arrays import aligned_array
 from .client import Buffer, Client

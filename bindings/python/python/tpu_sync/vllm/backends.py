@@ -195,7 +195,12 @@ class EndpointTransport:
 
 
 def make_host_tier(cfg: ConnectorConfig, geometry: KvGeometry, caches: KvCaches) -> Any:
-    """The configured host tier (default :class:`StoreTier`)."""
+    """The configured host tier (default :class:`StoreTier`; with ``cluster`` settings
+    :class:`tpu_sync.vllm.cluster_tier.ClusterTier`)."""
+    if not cfg.host_tier and cfg.extra.get("cluster"):
+        from .cluster_tier import ClusterTier
+
+        return ClusterTier(cfg, geometry, caches)
     factory = load_factory(cfg.host_tier) if cfg.host_tier else StoreTier
     return factory(cfg, geometry, caches)
 

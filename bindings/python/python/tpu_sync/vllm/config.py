@@ -101,6 +101,7 @@ _KEYS = {
     "verify_checksums": bool,
     "namespace": str,
     "host_tier": str,
+    "cluster": dict,  # a prefix cache shared across instances: see tpu_sync.vllm.cluster_tier
 }
 
 

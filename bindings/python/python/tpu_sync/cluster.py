@@ -1,0 +1,143 @@
+"""A prefix cache shared across instances: the cluster prefix directory on etcd and the remote tier.
+
+Every instance publishes which blocks its host tier (:class:`tpu_sync.Store`) holds into etcd
+(:meth:`Directory.publish`, under a lease: a dead instance's entries vanish after the TTL), serves
+them to others (:class:`RemoteServer`), and before recomputing a prompt asks the directory who
+holds its prefix (:meth:`Directory.lookup`) and fetches it (:func:`fetch`)::
+
+    d = Directory(endpoints=["http://etcd-0:2379"])
+    srv = RemoteServer(store, "0.0.0.0:7800")
+    pub = d.publish(store, host_id="node-3", addr="10.0.0.3:7800")
+    for cand in d.lookup(namespace, keys):          # longest prefix first; a hint
+        n = fetch(cand["addr"], namespace, keys[:cand["blocks"]], outs)
+        if n:
+            break
+
+The directory is a hint: a fetch may deliver fewer blocks than the lookup said (evicted since),
+never wrong bytes (each block's length and xxh3-64 are checked on arrival). Errors are the
+exceptions of :mod:`tpu_sync.errors`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Optional, Sequence
+
+from ._lib import Handle, check, json_out, out_string
+from ._native import ffi, lib
+from .arrays import view
+from .errors import InvalidArgumentError
+from .store import Store, _keys
+
+__all__ = ["Directory", "Publisher", "RemoteServer", "fetch"]
+
+
+class Publisher(Handle):
+    """One store published into the directory (see :meth:`Directory.publish`). Closing it revokes
+    its lease: its entries disappear at once."""
+
+    _free = lib.tpu_sync_publisher_free
+
+    def sync(self, timeout: float = 10.0) -> None:
+        """Waits until every change made to the store before the call is published.
+
+        Raises: TimeoutError (tpu_sync.errors) when not done within ``timeout`` seconds."""
+        check(lib.tpu_sync_publisher_sync(self._handle(), int(timeout * 1000)))
+
+    def stats(self) -> Dict[str, int]:
+        """Counters: published, unpublished, txns, leases, republishes, errors, mirrored,
+        live_entries, pending, skipped_by_stride, lease_id."""
+        return json_out(lib.tpu_sync_publisher_stats, self._handle())
+
+
+class Directory(Handle):
+    """A connection to the cluster prefix directory in etcd.
+
+    Args:
+        endpoints: etcd client URLs (``http://host:2379``, ``https://...`` or ``host:port``).
+        prefix: key prefix of this fleet (default ``/tpu-sync/v1``).
+        lease_ttl: seconds after which a dead instance's entries vanish (default 10).
+        user, password: etcd authentication.
+        tls_ca_file, tls_cert_file, tls_key_file, tls_domain: TLS to etcd.
+        **options: ``batch_interval_ms``, ``max_txn_ops``, ``max_ops_per_sec``,
+            ``publish_stride``, ``request_timeout_ms``, ``connect_timeout_ms``.
+
+    Raises: InvalidArgumentError for a bad configuration."""
+
+    _free = lib.tpu_sync_directory_free
+
+    def __init__(self, endpoints: Sequence[str], *, prefix: Optional[str] = None,
+                 lease_ttl: Optional[float] = None, user: Optional[str] = None,
+                 password: Optional[str] = None, tls_ca_file: Optional[str] = None,
+                 tls_cert_file: Optional[str] = None, tls_key_file: Optional[str] = None,
+                 tls_domain: Optional[str] = None, **options: Any) -> None:
+        cfg: Dict[str, Any] = {"endpoints": [str(e) for e in endpoints]}
+        if lease_ttl is not None:
+            cfg["lease_ttl_ms"] = int(lease_ttl * 1000)
+        for k, v in dict(prefix=prefix, user=user, password=password, tls_ca_file=tls_ca_file,
+                         tls_cert_file=tls_cert_file, tls_key_file=tls_key_file,
+                         tls_domain=tls_domain, **options).items():
+            if v is not None:
+                cfg[k] = v
+        out = ffi.new("tpu_sync_directory **")
+        check(lib.tpu_sync_directory_new(json.dumps(cfg).encode(), out))
+        super().__init__(out[0])
+
+    def lookup(self, namespace: str, keys: Sequence[bytes]) -> List[Dict[str, Any]]:
+        """Per host, the longest leading prefix of ``keys`` (of the store namespace
+        ``namespace``) it holds: ``[{"id", "addr", "meta", "blocks"}]``, longest first.
+
+        Raises: PeerClosedError / TimeoutError when etcd is unreachable."""
+        arr, n = _keys(keys)
+        return json_out(lib.tpu_sync_directory_lookup, self._handle(), str(namespace).encode(), arr, n)
+
+    def publish(self, store: Store, *, host_id: str, addr: str, meta: Optional[str] = None) -> Publisher:
+        """Starts publishing ``store``'s blocks as ``host_id``, fetchable at ``addr``."""
+        out = ffi.new("tpu_sync_publisher **")
+        m = ffi.NULL if meta is None else str(meta).encode()
+        check(lib.tpu_sync_directory_publish(self._handle(), store._handle(), str(host_id).encode(),
+                                             str(addr).encode(), m, out))
+        p = Publisher(out[0])
+        p._store = store  # keep the store alive as long as its publisher
+        return p
+
+
+class RemoteServer(Handle):
+    """Serves ``store``'s blocks to other instances on TCP ``listen`` (``host:port``; port 0 picks
+    one, see :attr:`addr`). Plain TCP: trusted networks only."""
+
+    _free = lib.tpu_sync_remote_server_free
+
+    def __init__(self, store: Store, listen: str) -> None:
+        out = ffi.new("tpu_sync_remote_server **")
+        check(lib.tpu_sync_remote_serve(store._handle(), str(listen).encode(), out))
+        super().__init__(out[0])
+        self._store = store
+
+    @property
+    def addr(self) -> str:
+        """The ``ip:port`` it listens on."""
+        return out_string(lib.tpu_sync_remote_server_addr, self._handle())
+
+
+def fetch(addr: str, namespace: str, keys: Sequence[bytes], outs: Sequence[Any],
+          timeout: float = 10.0) -> int:
+    """Fetches the leading blocks of ``keys`` from the remote server at ``addr`` into writable host
+    arrays (``outs[i]`` exactly as long as block ``keys[i]``). Returns how many leading blocks
+    arrived byte-exact (a smaller count is a miss, not an error).
+
+    Raises: MismatchError (another namespace), PeerClosedError / TimeoutError (server gone or
+    stalled), ProtocolError, ChecksumError, InvalidArgumentError."""
+    arr, n = _keys(keys)
+    outs = list(outs)
+    if len(outs) != n:
+        raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"{n} keys but {len(outs)} destinations")
+    views = [view(o, writable=True) for o in outs]
+    if any(v.on_device for v in views):
+        raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, "fetch needs host arrays")
+    ptrs = ffi.new("void *[]", [ffi.cast("void *", v.ptr) for v in views] or [ffi.NULL])
+    lens = ffi.new("uint64_t[]", [v.nbytes for v in views] or [0])
+    got = ffi.new("size_t *")
+    check(lib.tpu_sync_remote_fetch(str(addr).encode(), str(namespace).encode(), arr, ptrs, lens, n,
+                                    int(timeout * 1000), got))
+    return int(got[0])

@@ -1,0 +1,437 @@
+//! The cluster prefix directory (`tpu_sync::cluster`, etcd) and the remote tier
+//! (`tpu_sync::cluster::remote`) over the C ABI.
+
+use std::ffi::{c_char, c_void};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use serde::Deserialize;
+use tpu_sync::cluster::remote::{self, RemoteOptions, RemoteServer};
+use tpu_sync::cluster::{ClusterConfig, Directory, EtcdTls, HostRecord, Publisher};
+use tpu_sync::store::Namespace;
+
+use crate::api::{out, out_string, str_arg};
+use crate::device::slice_arg;
+use crate::handle::{self, tpu_sync_handle_kind as K};
+use crate::status::{boundary, invalid, null, tpu_sync_status, FfiResult};
+use crate::store::{get_store, keys_arg, tpu_sync_key, tpu_sync_store};
+
+/// Opaque handle of a connection to the cluster prefix directory (etcd). Free with
+/// [`tpu_sync_directory_free`]. Thread-safe.
+pub struct tpu_sync_directory {
+    _private: [u8; 0],
+}
+
+/// Opaque handle of a store published into the directory. Free with
+/// [`tpu_sync_publisher_free`] (revokes its etcd lease: its entries disappear at once).
+/// Thread-safe.
+pub struct tpu_sync_publisher {
+    _private: [u8; 0],
+}
+
+/// Opaque handle of a store served to other instances over TCP (the remote tier). Free with
+/// [`tpu_sync_remote_server_free`] (stops listening). Thread-safe.
+pub struct tpu_sync_remote_server {
+    _private: [u8; 0],
+}
+
+struct DirObj(Directory);
+struct PubObj(Mutex<Option<Publisher>>);
+struct ServerObj(RemoteServer);
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DirJson {
+    endpoints: Vec<String>,
+    prefix: Option<String>,
+    lease_ttl_ms: Option<u64>,
+    batch_interval_ms: Option<u64>,
+    max_txn_ops: Option<usize>,
+    max_ops_per_sec: Option<u32>,
+    publish_stride: Option<u32>,
+    request_timeout_ms: Option<u64>,
+    connect_timeout_ms: Option<u64>,
+    user: Option<String>,
+    password: Option<String>,
+    tls_ca_file: Option<String>,
+    tls_cert_file: Option<String>,
+    tls_key_file: Option<String>,
+    tls_domain: Option<String>,
+}
+
+fn read_file(p: &Option<String>, what: &str) -> FfiResult<Option<Vec<u8>>> {
+    match p {
+        None => Ok(None),
+        Some(p) => std::fs::read(p)
+            .map(Some)
+            .map_err(|e| invalid(format!("{what} {p}: {e}"))),
+    }
+}
+
+/// Connects to the directory from a NUL-terminated JSON configuration (borrowed for the call):
+///
+/// ```text
+/// {"endpoints": ["http://10.0.0.5:2379"],  // etcd client URLs (or host:port); required
+///  "prefix": "/tpu-sync/v1",              // key prefix of this fleet
+///  "lease_ttl_ms": 10000, "batch_interval_ms": 50, "max_txn_ops": 128,
+///  "max_ops_per_sec": 20000, "publish_stride": 1,
+///  "request_timeout_ms": 5000, "connect_timeout_ms": 3000,
+///  "user": "...", "password": "...",         // etcd authentication (both or neither)
+///  "tls_ca_file": "ca.pem", "tls_cert_file": "c.pem", "tls_key_file": "c.key",
+///  "tls_domain": "etcd.example"}              // TLS (https:// endpoints)
+/// ```
+///
+/// `dir_out` receives a new handle owned by the caller. The connection is made lazily: an
+/// unreachable etcd shows in the first lookup.
+///
+/// Errors: `TPU_SYNC_INVALID_ARGUMENT` (bad JSON or values, unreadable TLS files); with
+/// authentication, the etcd errors (`TPU_SYNC_PEER_CLOSED`, `TPU_SYNC_TIMEOUT`,
+/// `TPU_SYNC_REMOTE`).
+///
+/// # Safety
+/// `config_json` NUL-terminated; `dir_out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_directory_new(
+    config_json: *const c_char,
+    dir_out: *mut *mut tpu_sync_directory,
+) -> tpu_sync_status {
+    boundary("tpu_sync_directory_new", || {
+        // SAFETY: caller contract.
+        let text = unsafe { str_arg(config_json, "config_json") }?;
+        if dir_out.is_null() {
+            return Err(null("dir_out"));
+        }
+        let j: DirJson = serde_json::from_str(text)
+            .map_err(|e| invalid(format!("directory configuration: {e}")))?;
+        let mut c = ClusterConfig::new(j.endpoints);
+        if let Some(p) = j.prefix {
+            c.prefix = p;
+        }
+        let ms = Duration::from_millis;
+        if let Some(v) = j.lease_ttl_ms {
+            c.lease_ttl = ms(v);
+        }
+        if let Some(v) = j.batch_interval_ms {
+            c.batch_interval = ms(v);
+        }
+        if let Some(v) = j.max_txn_ops {
+            c.max_txn_ops = v;
+        }
+        if let Some(v) = j.max_ops_per_sec {
+            c.max_ops_per_sec = v;
+        }
+        if let Some(v) = j.publish_stride {
+            c.publish_stride = v;
+        }
+        if let Some(v) = j.request_timeout_ms {
+            c.request_timeout = ms(v);
+        }
+        if let Some(v) = j.connect_timeout_ms {
+            c.connect_timeout = ms(v);
+        }
+        c.auth = match (j.user, j.password) {
+            (Some(u), Some(p)) => Some((u, p)),
+            (None, None) => None,
+            _ => return Err(invalid("user and password must be given together")),
+        };
+        let ca = read_file(&j.tls_ca_file, "tls_ca_file")?;
+        let cert = read_file(&j.tls_cert_file, "tls_cert_file")?;
+        let key = read_file(&j.tls_key_file, "tls_key_file")?;
+        if ca.is_some() || cert.is_some() || key.is_some() || j.tls_domain.is_some() {
+            c.tls = Some(EtcdTls {
+                ca_pem: ca,
+                cert_pem: cert,
+                key_pem: key,
+                domain: j.tls_domain,
+            });
+        }
+        let d = Directory::connect(c)?;
+        let h = handle::insert(K::TPU_SYNC_HANDLE_DIRECTORY, Arc::new(DirObj(d)));
+        // SAFETY: checked non-NULL.
+        unsafe { out(dir_out, h, "dir_out") }
+    })
+}
+
+/// Frees a directory handle (publishers made from it keep working until freed).
+#[no_mangle]
+pub extern "C" fn tpu_sync_directory_free(dir: *mut tpu_sync_directory) -> tpu_sync_status {
+    boundary("tpu_sync_directory_free", || {
+        handle::remove(K::TPU_SYNC_HANDLE_DIRECTORY, dir)?;
+        Ok(())
+    })
+}
+
+/// Looks up which hosts hold how much of a key chain of namespace `namespace` (NUL-terminated,
+/// the store's namespace description) and writes the answer as JSON into `buf`
+/// (`buf`/`buf_len`/`len_out` as for `tpu_sync_client_info`): `[{"id", "addr", "meta",
+/// "blocks"}, ...]`, longest prefix first. A hint: a fetch may find less.
+///
+/// Errors: `TPU_SYNC_PEER_CLOSED` / `TPU_SYNC_TIMEOUT` (etcd unreachable), `TPU_SYNC_REMOTE`;
+/// `TPU_SYNC_BUFFER_TOO_SMALL` with the needed length in `len_out`.
+///
+/// # Safety
+/// `namespace` NUL-terminated; `keys` points to `num_keys` keys (or is NULL with 0); `buf` has
+/// `buf_len` writable bytes; `len_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_directory_lookup(
+    dir: *const tpu_sync_directory,
+    namespace: *const c_char,
+    keys: *const tpu_sync_key,
+    num_keys: usize,
+    buf: *mut c_char,
+    buf_len: usize,
+    len_out: *mut usize,
+) -> tpu_sync_status {
+    boundary("tpu_sync_directory_lookup", || {
+        let d: Arc<DirObj> = handle::get(K::TPU_SYNC_HANDLE_DIRECTORY, dir)?;
+        // SAFETY: caller contract.
+        let ns = Namespace::new(unsafe { str_arg(namespace, "namespace") }?);
+        // SAFETY: caller contract.
+        let keys = unsafe { keys_arg(keys, num_keys) }?;
+        let c = d.0.lookup(&ns, &keys)?;
+        let v: Vec<serde_json::Value> = c
+            .into_iter()
+            .map(|c| {
+                serde_json::json!({"id": c.host.id, "addr": c.host.addr, "meta": c.host.meta,
+                                   "blocks": c.blocks})
+            })
+            .collect();
+        let s = serde_json::Value::Array(v).to_string();
+        // SAFETY: forwarded caller contract.
+        unsafe { out_string(&s, buf, buf_len, len_out) }
+    })
+}
+
+/// Starts publishing `store`'s blocks into the directory as host `host_id` (1 to 64 of
+/// `[A-Za-z0-9._-]`), fetchable at `addr` (e.g. its remote server's `host:port`), with free-form
+/// `meta` (NULL: none). All strings NUL-terminated, borrowed for the call. `pub_out` receives a
+/// new handle owned by the caller. etcd being unreachable is not an error: the publisher retries.
+///
+/// Errors: `TPU_SYNC_INVALID_ARGUMENT` (bad id, metadata over 4 KiB, store not ready).
+///
+/// # Safety
+/// Strings NUL-terminated (`meta` may be NULL); `pub_out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_directory_publish(
+    dir: *const tpu_sync_directory,
+    store: *const tpu_sync_store,
+    host_id: *const c_char,
+    addr: *const c_char,
+    meta: *const c_char,
+    pub_out: *mut *mut tpu_sync_publisher,
+) -> tpu_sync_status {
+    boundary("tpu_sync_directory_publish", || {
+        let d: Arc<DirObj> = handle::get(K::TPU_SYNC_HANDLE_DIRECTORY, dir)?;
+        let s = get_store(store)?;
+        // SAFETY: caller contract.
+        let id = unsafe { str_arg(host_id, "host_id") }?;
+        // SAFETY: caller contract.
+        let addr = unsafe { str_arg(addr, "addr") }?;
+        let meta = if meta.is_null() {
+            String::new()
+        } else {
+            // SAFETY: caller contract.
+            unsafe { str_arg(meta, "meta") }?.to_string()
+        };
+        if pub_out.is_null() {
+            return Err(null("pub_out"));
+        }
+        let mut rec = HostRecord::new(id, addr);
+        rec.meta = meta;
+        let p = d.0.publish(&s.store, rec)?;
+        let h = handle::insert(
+            K::TPU_SYNC_HANDLE_PUBLISHER,
+            Arc::new(PubObj(Mutex::new(Some(p)))),
+        );
+        // SAFETY: checked non-NULL.
+        unsafe { out(pub_out, h, "pub_out") }
+    })
+}
+
+/// Waits up to `timeout_ms` (negative: 1 hour) until every change made to the store before the
+/// call is published under a live lease.
+///
+/// Errors: `TPU_SYNC_TIMEOUT`.
+#[no_mangle]
+pub extern "C" fn tpu_sync_publisher_sync(
+    publisher: *const tpu_sync_publisher,
+    timeout_ms: i64,
+) -> tpu_sync_status {
+    boundary("tpu_sync_publisher_sync", || {
+        let p: Arc<PubObj> = handle::get(K::TPU_SYNC_HANDLE_PUBLISHER, publisher)?;
+        let t = crate::completion::timeout_ms(timeout_ms).unwrap_or(Duration::from_secs(3600));
+        let g = p.0.lock().unwrap_or_else(PoisonError::into_inner);
+        match g.as_ref() {
+            Some(p) => Ok(p.sync(t)?),
+            None => Err(invalid("publisher already stopped")),
+        }
+    })
+}
+
+/// Writes the publisher's counters as JSON into `buf` (as for `tpu_sync_client_info`):
+/// `{"published", "unpublished", "txns", "leases", "republishes", "errors", "mirrored",
+/// "live_entries", "pending", "skipped_by_stride", "lease_id"}`.
+///
+/// # Safety
+/// `buf` has `buf_len` writable bytes; `len_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_publisher_stats(
+    publisher: *const tpu_sync_publisher,
+    buf: *mut c_char,
+    buf_len: usize,
+    len_out: *mut usize,
+) -> tpu_sync_status {
+    boundary("tpu_sync_publisher_stats", || {
+        let p: Arc<PubObj> = handle::get(K::TPU_SYNC_HANDLE_PUBLISHER, publisher)?;
+        let g = p.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(p) = g.as_ref() else {
+            return Err(invalid("publisher already stopped"));
+        };
+        let s = p.stats();
+        let v = serde_json::json!({
+            "published": s.published, "unpublished": s.unpublished, "txns": s.txns,
+            "leases": s.leases, "republishes": s.republishes, "errors": s.errors,
+            "mirrored": s.mirrored, "live_entries": s.live_entries, "pending": s.pending,
+            "skipped_by_stride": s.skipped_by_stride, "lease_id": p.lease_id(),
+        });
+        // SAFETY: forwarded caller contract.
+        unsafe { out_string(&v.to_string(), buf, buf_len, len_out) }
+    })
+}
+
+/// Stops publishing and revokes the lease (the entries disappear at once); frees the handle.
+#[no_mangle]
+pub extern "C" fn tpu_sync_publisher_free(publisher: *mut tpu_sync_publisher) -> tpu_sync_status {
+    boundary("tpu_sync_publisher_free", || {
+        let p: Arc<PubObj> = handle::get(K::TPU_SYNC_HANDLE_PUBLISHER, publisher)?;
+        handle::remove(K::TPU_SYNC_HANDLE_PUBLISHER, publisher)?;
+        drop(p.0.lock().unwrap_or_else(PoisonError::into_inner).take());
+        Ok(())
+    })
+}
+
+/// Serves `store`'s blocks to other instances on TCP address `listen` (NUL-terminated, e.g.
+/// `0.0.0.0:7800`; port 0 picks a free one, see [`tpu_sync_remote_server_addr`]). Plain TCP: for
+/// trusted networks only. `server_out` receives a new handle owned by the caller.
+///
+/// Errors: `TPU_SYNC_IO` when the address cannot be bound.
+///
+/// # Safety
+/// `listen` NUL-terminated; `server_out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_remote_serve(
+    store: *const tpu_sync_store,
+    listen: *const c_char,
+    server_out: *mut *mut tpu_sync_remote_server,
+) -> tpu_sync_status {
+    boundary("tpu_sync_remote_serve", || {
+        let s = get_store(store)?;
+        // SAFETY: caller contract.
+        let l = unsafe { str_arg(listen, "listen") }?;
+        if server_out.is_null() {
+            return Err(null("server_out"));
+        }
+        let srv = RemoteServer::serve(s.store.clone(), l, RemoteOptions::default())?;
+        let h = handle::insert(K::TPU_SYNC_HANDLE_REMOTE_SERVER, Arc::new(ServerObj(srv)));
+        // SAFETY: checked non-NULL.
+        unsafe { out(server_out, h, "server_out") }
+    })
+}
+
+/// Writes the server's listening address (`ip:port`) into `buf` (as for
+/// `tpu_sync_client_info`).
+///
+/// # Safety
+/// `buf` has `buf_len` writable bytes; `len_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_remote_server_addr(
+    server: *const tpu_sync_remote_server,
+    buf: *mut c_char,
+    buf_len: usize,
+    len_out: *mut usize,
+) -> tpu_sync_status {
+    boundary("tpu_sync_remote_server_addr", || {
+        let s: Arc<ServerObj> = handle::get(K::TPU_SYNC_HANDLE_REMOTE_SERVER, server)?;
+        // SAFETY: forwarded caller contract.
+        unsafe { out_string(&s.0.local_addr().to_string(), buf, buf_len, len_out) }
+    })
+}
+
+/// Stops serving and frees the handle.
+#[no_mangle]
+pub extern "C" fn tpu_sync_remote_server_free(
+    server: *mut tpu_sync_remote_server,
+) -> tpu_sync_status {
+    boundary("tpu_sync_remote_server_free", || {
+        handle::remove(K::TPU_SYNC_HANDLE_REMOTE_SERVER, server)?;
+        Ok(())
+    })
+}
+
+/// Fetches the leading blocks of a key chain (namespace `namespace`, NUL-terminated) from the
+/// remote server at `addr` (`host:port`, NUL-terminated) into caller memory: block `i` goes to
+/// `dsts[i]`, which has `lens[i]` writable bytes, exactly the block's length. Writes the number of
+/// leading blocks delivered (length and xxh3-64 checked on arrival) to `delivered_out`; blocks
+/// the server no longer holds are a miss (a smaller count), not an error. Every read and write
+/// has a deadline of `timeout_ms` (negative: 10 s).
+///
+/// Errors: `TPU_SYNC_INVALID_ARGUMENT`, `TPU_SYNC_MISMATCH` (the server's store holds another
+/// namespace), `TPU_SYNC_PEER_CLOSED` / `TPU_SYNC_TIMEOUT` (server unreachable, dead or
+/// stalled), `TPU_SYNC_PROTOCOL`, `TPU_SYNC_CHECKSUM`.
+///
+/// # Safety
+/// Strings NUL-terminated; `keys`, `dsts`, `lens` point to `num_keys` elements each (or NULL with
+/// 0); each `dsts[i]` has `lens[i]` writable bytes not accessed by anyone else during the call;
+/// `delivered_out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_remote_fetch(
+    addr: *const c_char,
+    namespace: *const c_char,
+    keys: *const tpu_sync_key,
+    dsts: *const *mut c_void,
+    lens: *const u64,
+    num_keys: usize,
+    timeout_ms: i64,
+    delivered_out: *mut usize,
+) -> tpu_sync_status {
+    boundary("tpu_sync_remote_fetch", || {
+        // SAFETY: caller contract.
+        let addr = unsafe { str_arg(addr, "addr") }?;
+        // SAFETY: caller contract.
+        let ns = Namespace::new(unsafe { str_arg(namespace, "namespace") }?);
+        // SAFETY: caller contract.
+        let keys = unsafe { keys_arg(keys, num_keys) }?;
+        // SAFETY: caller contract.
+        let ptrs = unsafe { slice_arg(dsts, num_keys, "dsts") }?;
+        // SAFETY: caller contract.
+        let lens = unsafe { slice_arg(lens, num_keys, "lens") }?;
+        if delivered_out.is_null() {
+            return Err(null("delivered_out"));
+        }
+        let mut dst: Vec<&mut [u8]> = Vec::with_capacity(num_keys);
+        for (i, (&p, &l)) in ptrs.iter().zip(lens).enumerate() {
+            if p.is_null() && l > 0 {
+                return Err(null(&format!("dsts[{i}]")));
+            }
+            if l > remote::MAX_BLOCK {
+                return Err(invalid(format!(
+                    "lens[{i}] = {l} exceeds the largest block"
+                )));
+            }
+            dst.push(if l == 0 {
+                &mut []
+            } else {
+                // SAFETY: caller contract: `lens[i]` writable bytes, exclusively ours.
+                unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l as usize) }
+            });
+        }
+        let mut o = RemoteOptions::default();
+        if let Some(t) = crate::completion::timeout_ms(timeout_ms) {
+            o.io_timeout = t.max(Duration::from_millis(1));
+            o.connect_timeout = o.io_timeout;
+        }
+        let n = remote::fetch(addr, &ns, &keys, &mut dst, &o)?;
+        // SAFETY: checked non-NULL.
+        unsafe { out(delivered_out, n, "delivered_out") }
+    })
+}
