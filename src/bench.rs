@@ -580,7 +580,7 @@ fn device_scenario(b: &mut Bench, a: &BenchArgs, d2h: bool) -> Result<()> {
         let num_blocks = req_blocks * 2 + 1;
         let spec = ParallelSpec::parse(&format!("tp=1,block={bt}"))?;
         let layout = ParallelLayout::new(model.clone(), spec, num_blocks)?;
-        let kv = layout.rank_kv();
+        let kv = layout.rank_kv()?;
         // Every other block, in reverse order: scattered like a real request.
         let ids: Vec<u32> = (0..req_blocks).rev().map(|i| i * 2 + 1).collect();
         let place = Placement {

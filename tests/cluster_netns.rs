@@ -185,7 +185,7 @@ fn dev(num_blocks: u32) -> Dev {
     m.num_layers = 3;
     let spec = ParallelSpec::parse("block=16,order=hnd").unwrap();
     let layout = ParallelLayout::new(m, spec, num_blocks).unwrap();
-    let kv = layout.rank_kv();
+    let kv = layout.rank_kv().unwrap();
     Dev {
         client,
         caps,

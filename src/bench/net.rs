@@ -94,18 +94,18 @@ fn sized_placement(m: &ModelKv, spec: &str, dp: u32, tokens: u32, seed: u64) -> 
         physical_layout: None,
         block_format: None,
     };
-    let per_rank = probe.pcp_chunk(tokens, 0).len() as u32;
+    let per_rank = probe.pcp_chunk(tokens, 0)?.len() as u32;
     let layout = ParallelLayout::new(m.clone(), spec, per_rank * 2 + 3)?;
     let block_ids = (0..spec.ranks_per_replica())
         .map(|local| {
-            let n = layout.pcp_chunk(tokens, local / spec.tp).len() as u32;
+            let n = layout.pcp_chunk(tokens, local / spec.tp)?.len() as u32;
             // Every other block, rotated per rank: scattered, never adjacent.
             let nb = layout.num_blocks;
-            (0..n)
+            Ok((0..n)
                 .map(|i| (i * 2 + 1 + 2 * (seed as u32 + local)) % nb)
-                .collect()
+                .collect())
         })
-        .collect();
+        .collect::<Result<Vec<Vec<u32>>>>()?;
     Ok(Placement {
         layout,
         dp_rank: dp,
@@ -139,7 +139,7 @@ impl Case {
             .map(|l| (src.global_rank(l), src.block_ranges(l)))
             .collect();
         let src_st = Arc::new(Staging::new(ranges, &arena())?);
-        let kv = src.layout.rank_kv();
+        let kv = src.layout.rank_kv()?;
         let mut layer = vec![0u8; kv.buffer_bytes() as usize];
         for rank in src_st.ranks().collect::<Vec<_>>() {
             let rc = RankContents::new(&src, rank, s.tokens, SRC_SALT)?;
@@ -784,6 +784,7 @@ impl Peer {
                 staging: c.dst_st.clone(),
                 dst_ranks: ranks,
                 plan: Some(c.plan.clone()),
+                wait_for_registration: None,
             })?;
             tr.wait().await.map(|_| ())
         })

@@ -557,13 +557,13 @@ impl FanOut {
         let mut groups: std::collections::BTreeMap<(H, u32, u32), Vec<u32>> = Default::default();
         for local in 0..rpr {
             let g = dst.global_rank(local);
-            let c = l.coord(g);
+            let c = l.coord(g)?;
             groups
-                .entry((host_of(g), c.pcp, l.first_head(c.tp)))
+                .entry((host_of(g), c.pcp, l.first_head(c.tp)?))
                 .or_default()
                 .push(g);
         }
-        let kv = l.rank_kv();
+        let kv = l.rank_kv()?;
         let bb = kv.block_bytes();
         let mut pulled = Vec::new();
         let mut copies = Vec::new();

@@ -475,8 +475,8 @@ proptest! {
 /// Applies only the pulled ranks' spans of `plan`, then the fan-out's local copies, and checks
 /// that every destination rank ends exactly as the whole plan leaves it.
 fn simulate_fan_out(src: &Placement, dst: &Placement, tokens: u32, plan: &Plan, fan: &FanOut) {
-    let skv = src.layout.rank_kv();
-    let dkv = dst.layout.rank_kv();
+    let skv = src.layout.rank_kv().unwrap();
+    let dkv = dst.layout.rank_kv().unwrap();
     let src_bufs: Vec<Vec<Vec<u8>>> = (0..src.layout.num_ranks())
         .map(|r| {
             let c = RankContents::new(src, r, tokens, 1).unwrap();
@@ -579,7 +579,7 @@ proptest! {
         };
         let plan = Plan::build(&src, &dst, tokens).unwrap();
         let fan = FanOut::build(&plan, &dst, |r| r % hosts).unwrap();
-        let groups = dst.layout.spec.ranks_per_replica() / dst.layout.head_replicas();
+        let groups = dst.layout.spec.ranks_per_replica() / dst.layout.head_replicas().unwrap();
         prop_assert!(fan.pulled.len() as u32 <= (groups * hosts).min(dst.layout.spec.ranks_per_replica()));
         simulate_fan_out(&src, &dst, tokens, &plan, &fan);
     }
