@@ -25,6 +25,7 @@ pub mod arena;
 pub mod device;
 pub mod error;
 pub mod layout;
+pub mod metrics;
 pub mod net;
 pub mod pattern;
 pub mod pjrt;

@@ -299,6 +299,8 @@ struct Counters {
     bad_files: std::sync::atomic::AtomicU64,
     bytes_put: std::sync::atomic::AtomicU64,
     bytes_got: std::sync::atomic::AtomicU64,
+    /// Blocks pinned by live leases (a gauge, for metrics).
+    leased: std::sync::atomic::AtomicU64,
 }
 
 fn add(c: &std::sync::atomic::AtomicU64, n: u64) {
@@ -611,6 +613,16 @@ impl Core {
             restored_disk_blocks: ix.disk_blocks().min(nf),
             prepare_secs: t0.elapsed().as_secs_f64(),
         };
+        crate::metrics::store_opened(
+            match info.attach {
+                Attach::Anonymous => crate::metrics::AttachOutcome::Anonymous,
+                Attach::Created => crate::metrics::AttachOutcome::Created,
+                Attach::Attached => crate::metrics::AttachOutcome::Attached,
+                Attach::Reformatted(_) => crate::metrics::AttachOutcome::Reformatted,
+            },
+            info.restored_dram_blocks,
+            info.restored_disk_blocks,
+        );
         Ok(Core {
             _dma: dma,
             seg,
@@ -656,6 +668,7 @@ impl Core {
                     Take::Slot { slot, evicted } => {
                         if evicted.is_some() {
                             add(&self.c.evictions, 1);
+                            crate::metrics::store_evictions(1);
                         }
                         ix.assign_slot(id, slot);
                     }
@@ -709,9 +722,11 @@ impl Core {
                         false
                     }
                 };
+                crate::metrics::store_spill(ok);
                 match ix.finish_spill(*v, ok) {
                     Some(slot) => {
                         add(&self.c.evictions, 1);
+                        crate::metrics::store_evictions(1);
                         ix.assign_slot(ids[*j], slot);
                     }
                     None => stop = stop.min(*j),
@@ -890,9 +905,9 @@ impl Core {
         add(&self.c.put_blocks, total.stored as u64);
         add(&self.c.put_present, total.present as u64);
         add(&self.c.bytes_put, total.bytes);
-        if let Some(f) = total.full_at {
-            add(&self.c.put_full, (chain.len() - f) as u64);
-        }
+        let full = total.full_at.map_or(0, |f| (chain.len() - f) as u64);
+        add(&self.c.put_full, full);
+        crate::metrics::store_put(total.stored as u64, total.present as u64, full, total.bytes);
         result.map(|()| total)
     }
 
@@ -1058,6 +1073,7 @@ impl Core {
     /// Drops a block whose DRAM copy failed its checksum; the error to return.
     fn corrupt(&self, keys: &[BlockKey], it: &Item, delivered: usize) -> Error {
         add(&self.c.corrupt_blocks, 1);
+        crate::metrics::checksum_failure(crate::metrics::ChecksumSource::Store);
         self.with_index(|ix| {
             if ix.find(keys[it.pos].0) == Some(it.id) {
                 ix.drop_entry(it.id);
@@ -1224,6 +1240,7 @@ impl Core {
         add(&self.c.get_dram, rep.from_dram as u64);
         add(&self.c.get_disk, rep.from_disk as u64);
         add(&self.c.bytes_got, rep.bytes);
+        crate::metrics::store_get(rep.from_dram as u64, rep.from_disk as u64, rep.bytes);
         Ok(rep)
     }
 }
@@ -1284,6 +1301,20 @@ struct Shared {
     ready: (Mutex<()>, Condvar),
 }
 
+impl crate::metrics::Source for Shared {
+    fn sample(&self, s: &mut crate::metrics::Sample) {
+        let Some(Ok(c)) = self.core.get() else {
+            return;
+        };
+        let (dram, disk) = c.with_index(|ix| (ix.dram_blocks(), ix.disk_blocks()));
+        s.store_blocks[0] += dram;
+        s.store_blocks[1] += disk;
+        s.store_capacity_blocks[0] += c.seg.geometry().num_slots;
+        s.store_capacity_blocks[1] += c.info.disk.as_ref().map_or(0, |d| d.3);
+        s.store_leased_blocks += rd(&c.c.leased);
+    }
+}
+
 /// The host KV tier (see the module docs). Cheap to clone; `Send + Sync`.
 #[derive(Clone)]
 pub struct KvStore {
@@ -1330,6 +1361,8 @@ impl KvStore {
             core: OnceLock::new(),
             ready: (Mutex::new(()), Condvar::new()),
         });
+        let weak: std::sync::Weak<dyn crate::metrics::Source> = Arc::downgrade(&shared) as _;
+        crate::metrics::register_source(weak);
         if cfg.background {
             let s = shared.clone();
             std::thread::Builder::new()
@@ -1449,6 +1482,12 @@ impl KvStore {
         add(&c.c.lookups, 1);
         add(&c.c.lookup_blocks, chain.len() as u64);
         add(&c.c.lookup_hits, r.hits as u64);
+        crate::metrics::store_lookup(
+            chain.len() as u64,
+            r.in_dram as u64,
+            r.disk_only as u64,
+            c.disk.is_some(),
+        );
         r
     }
 
@@ -1718,6 +1757,7 @@ impl KvStore {
                 }
                 ix.touch(&ids);
             });
+            add(&c.c.leased, ids.len() as u64);
         }
         Lease {
             store: self.clone(),
@@ -1901,6 +1941,8 @@ impl Drop for Lease {
                     ix.unpin(id);
                 }
             });
+            c.c.leased
+                .fetch_sub(self.ids.len() as u64, std::sync::atomic::Ordering::Relaxed);
         }
     }
 }
