@@ -1388,6 +1388,50 @@ enum tpu_sync_status tpu_sync_endpoint_shutdown(const struct tpu_sync_endpoint *
                                                 int64_t drain_ms);
 
 /**
+ * Writes every tpu-sync metric of this process in the Prometheus text exposition format 0.0.4
+ * (`Content-Type: text/plain; version=0.0.4`) into `buf` (NUL-terminated): counters, histograms
+ * and gauges named `tpu_sync_*`, listed in `docs/observability.md`. `buf`/`buf_len`/`len_out`
+ * as for `tpu_sync_client_info`: when `buf_len` is too small, returns
+ * `TPU_SYNC_BUFFER_TOO_SMALL` with the needed length (without the NUL) in `len_out` (the text
+ * may grow between two calls: allow some slack).
+ *
+ * Thread-safety: any thread, concurrently with every other call.
+ *
+ * # Safety
+ * `buf` NULL or writable for `buf_len` bytes; `len_out` NULL or writable. The library keeps no
+ * pointer.
+ */
+enum tpu_sync_status tpu_sync_metrics_text(char *buf, size_t buf_len, size_t *len_out);
+
+/**
+ * Starts this process's metrics HTTP endpoint (`GET /metrics`) on `addr` plus `rank` on the
+ * port, or finds the one already running (then `addr` is ignored), and writes the address
+ * served (`IP:PORT`) into `buf` as `tpu_sync_metrics_text` does. `addr` is `PORT`, `:PORT`
+ * (both `127.0.0.1`), `HOST:PORT` or `IP:PORT`; port 0 picks a free port. Several processes
+ * of one instance pass their rank (0, 1, ...) to serve on consecutive ports
+ * (`docs/observability.md` has the scrape configuration). The endpoint lives until the process
+ * exits. The environment variable `TPU_SYNC_METRICS_ADDR` (with `TPU_SYNC_METRICS_RANK`) does
+ * the same at the first use of the library.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` for an address that does not parse or a port that `rank`
+ * pushes past 65535 (also for `"off"`: nothing to serve); `TPU_SYNC_IO` when it cannot bind.
+ *
+ * # Safety
+ * `addr` NUL-terminated; `buf`/`len_out` as for `tpu_sync_metrics_text`.
+ */
+enum tpu_sync_status tpu_sync_metrics_serve(const char *addr,
+                                            uint32_t rank,
+                                            char *buf,
+                                            size_t buf_len,
+                                            size_t *len_out);
+
+/**
+ * Switches metrics recording on (`on` != 0, the default) or off for the whole process, e.g. to
+ * measure what it costs. Gauges of current state still report. Never fails.
+ */
+enum tpu_sync_status tpu_sync_metrics_set_enabled(int32_t on);
+
+/**
  * Creates a host KV store from a NUL-terminated JSON configuration (borrowed for the call):
  *
  * ```text
