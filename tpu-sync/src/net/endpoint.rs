@@ -192,6 +192,17 @@ pub enum TransferKind {
     PushReceive,
 }
 
+impl TransferKind {
+    /// The `direction` label of this kind's metrics: a push sends, a pull or a push reception
+    /// receives.
+    pub fn metrics_direction(self) -> crate::metrics::NetDirection {
+        match self {
+            TransferKind::Push => crate::metrics::NetDirection::Send,
+            TransferKind::Pull | TransferKind::PushReceive => crate::metrics::NetDirection::Receive,
+        }
+    }
+}
+
 /// What a finished transfer moved.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TransferStats {
@@ -628,12 +639,13 @@ impl Endpoint {
         };
         let local_addr = acceptor.as_ref().map(|a| a.local_addr());
         let inbound = Arc::new(Semaphore::new(opts.max_inbound_lanes as usize));
+        let counters = Arc::new(Counters::for_transport(transport.kind()));
         let inner = Arc::new(Inner {
             inbound,
             opts,
             transport,
             incarnation: random_u64() & super::MAX_REQUEST_ID,
-            counters: Arc::new(Counters::default()),
+            counters,
             acceptor: Mutex::new(acceptor.clone()),
             local_addr,
             sources: Mutex::new(HashMap::new()),
@@ -654,6 +666,8 @@ impl Endpoint {
         }
         let me = inner.clone();
         inner.spawn(async move { me.housekeeping().await });
+        let weak: std::sync::Weak<dyn crate::metrics::Source> = Arc::downgrade(&inner) as _;
+        crate::metrics::register_source(weak);
         Ok(Endpoint { inner })
     }
 
@@ -1159,6 +1173,16 @@ fn stripes_for(total: u64, chunk: u64, max: u32) -> u32 {
 // Inner: bookkeeping
 // ---------------------------------------------------------------------------------------------
 
+impl crate::metrics::Source for Inner {
+    fn sample(&self, s: &mut crate::metrics::Sample) {
+        let st = self.stats();
+        s.peers += st.peers + st.sessions;
+        s.transfers_in_flight += st.transfers_in_flight;
+        s.leases += st.leases;
+        s.staged_bytes += st.staged_bytes;
+    }
+}
+
 impl Inner {
     fn spawn<F>(&self, fut: F)
     where
@@ -1238,6 +1262,7 @@ impl Inner {
             bytes: AtomicU64::new(0),
         });
         lock(&self.transfers).insert(id, t.clone());
+        crate::metrics::transfer_started(self.counters.transport(), kind.metrics_direction());
         t
     }
 
@@ -1248,13 +1273,17 @@ impl Inner {
             if g.is_some() {
                 return;
             }
+            let (tk, dir) = (self.counters.transport(), t.kind.metrics_direction());
             match &r {
-                Ok(_) => self
-                    .counters
-                    .transfers_completed
-                    .fetch_add(1, Ordering::Relaxed),
+                Ok(_) => {
+                    crate::metrics::transfer_completed(tk, dir, t.started.elapsed().as_secs_f64());
+                    self.counters
+                        .transfers_completed
+                        .fetch_add(1, Ordering::Relaxed)
+                }
                 Err(e) => {
                     log::info!("{:?} of request {} failed: {e}", t.kind, t.request_id);
+                    crate::metrics::transfer_failed(tk, dir, e.kind());
                     self.counters
                         .transfers_failed
                         .fetch_add(1, Ordering::Relaxed)
@@ -1402,7 +1431,7 @@ impl Inner {
         let leased: Vec<u64> = lock(&s.leases).drain().collect();
         let pushing: Vec<u64> = lock(&s.pushing).drain().collect();
         if !self.shutdown.is_set() {
-            self.counters.peers_lost.fetch_add(1, Ordering::Relaxed);
+            self.counters.peer_lost();
             // A warning only when the loss affects something (leases it held, pushes it was
             // sending); a peer that simply went away after its work is routine.
             if leased.is_empty() && pushing.is_empty() {
@@ -1454,7 +1483,7 @@ impl Inner {
             return;
         }
         if count && !self.shutdown.is_set() {
-            self.counters.peers_lost.fetch_add(1, Ordering::Relaxed);
+            self.counters.peer_lost();
             // A warning only when a transfer is unfinished on this endpoint (its stripes may have
             // used the peer; endpoint-wide, so conservative). A peer that closes after serving
             // everything (a prefill exiting after the release) is routine: info. Requests on
@@ -1619,6 +1648,7 @@ impl Inner {
             ctl: tx,
         });
         lock(&self.peers).insert(sa, peer.clone());
+        crate::metrics::peer_connected();
         let me = self.clone();
         let p = peer.clone();
         self.spawn(async move { me.client_control(p, ctl, rx).await });
@@ -2115,6 +2145,7 @@ impl Inner {
             let s = m
                 .entry(key.clone())
                 .or_insert_with(|| {
+                    crate::metrics::peer_connected();
                     Arc::new(Session {
                         key,
                         last_seen: Mutex::new(Instant::now()),
