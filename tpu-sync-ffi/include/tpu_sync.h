@@ -1388,6 +1388,49 @@ enum tpu_sync_status tpu_sync_endpoint_shutdown(const struct tpu_sync_endpoint *
                                                 int64_t drain_ms);
 
 /**
+ * Describes blocks for the store's KV events: block `keys[i]` is published under the engine
+ * hash `hashes[i * hash_len .. (i + 1) * hash_len]` (e.g. vLLM's 32-byte `BlockHash`) and, when
+ * `tokens_per_block` > 0, the token ids `tokens[i * tokens_per_block ..][..tokens_per_block]`,
+ * in the events of its copies from now on. Call it before storing the blocks. Nothing happens
+ * when the store publishes no events.
+ *
+ * The `"kv_events"` configuration object of `tpu_sync_store_new` takes (all optional):
+ * `endpoint` (PUB, `tcp://HOST:PORT`, `*` for every interface, port 0 picks one; default
+ * `tcp://127.0.0.1:5557`), `replay_endpoint` (ROUTER for replays; default none),
+ * `buffer_steps` (batches kept for replay; 10000), `max_queue_size` (batches queued before new
+ * ones are dropped; 100000), `topic` (""), `data_parallel_rank` (0; added to both ports),
+ * `dram_medium` ("CPU"), `disk_medium` ("STORAGE"), `int_hashes` (false: hashes as bytes; true:
+ * the low 64 bits as an integer), `block_size` (tokens per block in `BlockStored`; 0). The wire
+ * format is vLLM 0.32's (`docs/observability.md`).
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` for `hash_len` 0 or NULL arrays with `n` > 0.
+ *
+ * # Safety
+ * `keys` holds `n` keys, `hashes` `n * hash_len` bytes, `tokens` `n * tokens_per_block` values
+ * (or is NULL when `tokens_per_block` is 0); all borrowed for the call.
+ */
+enum tpu_sync_status tpu_sync_store_describe_blocks(const struct tpu_sync_store *store,
+                                                    const struct tpu_sync_key *keys,
+                                                    size_t n,
+                                                    const uint8_t *hashes,
+                                                    size_t hash_len,
+                                                    const uint32_t *tokens,
+                                                    size_t tokens_per_block);
+
+/**
+ * Writes the store's KV events endpoints as JSON into `buf` (`buf`/`buf_len`/`len_out` as for
+ * `tpu_sync_client_info`): `{"endpoint": "tcp://IP:PORT", "replay_endpoint": "tcp://IP:PORT"
+ * | null}` with the ports bound, or `null` when the store publishes no events (or is not ready).
+ *
+ * # Safety
+ * `buf` NULL or writable for `buf_len` bytes; `len_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_store_kv_events(const struct tpu_sync_store *store,
+                                              char *buf,
+                                              size_t buf_len,
+                                              size_t *len_out);
+
+/**
  * Writes every tpu-sync metric of this process in the Prometheus text exposition format 0.0.4
  * (`Content-Type: text/plain; version=0.0.4`) into `buf` (NUL-terminated): counters, histograms
  * and gauges named `tpu_sync_*`, listed in `docs/observability.md`. `buf`/`buf_len`/`len_out`
@@ -1444,7 +1487,10 @@ enum tpu_sync_status tpu_sync_metrics_set_enabled(int32_t on);
  *  "disk_io_uring": true, "disk_direct": true,
  *  "verify_checksums": true,      // check each block's xxh3 on get
  *  "background": false,           // prepare memory on a thread; see tpu_sync_store_state
- *  "lock_memory": true, "huge_pages": true, "populate": true}
+ *  "lock_memory": true, "huge_pages": true, "populate": true,
+ *  "kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": null, ...}}
+ *                                 // vLLM-format KV events over ZMQ (off when absent); keys in
+ *                                 // tpu_sync_store_kv_events' documentation
  * ```
  *
  * `dma_client`: NULL, or a client whose plugin maps the DRAM slots for DMA

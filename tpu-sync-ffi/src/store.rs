@@ -136,7 +136,7 @@ pub struct tpu_sync_device_range {
 }
 
 pub(crate) struct StoreObj {
-    store: KvStore,
+    pub(crate) store: KvStore,
     ns: Namespace,
 }
 
@@ -158,6 +158,7 @@ struct ConfigJson {
     lock_memory: Option<bool>,
     huge_pages: Option<bool>,
     populate: Option<bool>,
+    kv_events: Option<crate::kv_events::KvEventsJson>,
 }
 
 /// Creates a host KV store from a NUL-terminated JSON configuration (borrowed for the call):
@@ -172,7 +173,10 @@ struct ConfigJson {
 ///  "disk_io_uring": true, "disk_direct": true,
 ///  "verify_checksums": true,      // check each block's xxh3 on get
 ///  "background": false,           // prepare memory on a thread; see tpu_sync_store_state
-///  "lock_memory": true, "huge_pages": true, "populate": true}
+///  "lock_memory": true, "huge_pages": true, "populate": true,
+///  "kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": null, ...}}
+///                                 // vLLM-format KV events over ZMQ (off when absent); keys in
+///                                 // tpu_sync_store_kv_events' documentation
 /// ```
 ///
 /// `dma_client`: NULL, or a client whose plugin maps the DRAM slots for DMA
@@ -228,6 +232,7 @@ pub unsafe extern "C" fn tpu_sync_store_new(
             huge_pages: j.huge_pages.unwrap_or(d.huge_pages),
             populate: j.populate.unwrap_or(d.populate),
         };
+        cfg.kv_events = j.kv_events.map(crate::kv_events::KvEventsJson::into_config);
         if !dma_client.is_null() {
             let c: Arc<ClientObj> = handle::get(K::TPU_SYNC_HANDLE_CLIENT, dma_client)?;
             cfg.dma_client = Some(c.client.clone());
@@ -249,7 +254,7 @@ pub extern "C" fn tpu_sync_store_free(store: *mut tpu_sync_store) -> tpu_sync_st
     })
 }
 
-fn get_store(store: *const tpu_sync_store) -> FfiResult<Arc<StoreObj>> {
+pub(crate) fn get_store(store: *const tpu_sync_store) -> FfiResult<Arc<StoreObj>> {
     handle::get(K::TPU_SYNC_HANDLE_STORE, store)
 }
 
@@ -481,7 +486,7 @@ pub unsafe extern "C" fn tpu_sync_store_engine_key(
     })
 }
 
-unsafe fn keys_arg(keys: *const tpu_sync_key, n: usize) -> FfiResult<Vec<BlockKey>> {
+pub(crate) unsafe fn keys_arg(keys: *const tpu_sync_key, n: usize) -> FfiResult<Vec<BlockKey>> {
     // SAFETY: forwarded caller contract.
     Ok(unsafe { slice_arg(keys, n, "keys") }?
         .iter()

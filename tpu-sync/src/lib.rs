@@ -24,6 +24,7 @@
 pub mod arena;
 pub mod device;
 pub mod error;
+pub mod kv_events;
 pub mod layout;
 pub mod metrics;
 pub mod net;

@@ -18,6 +18,8 @@ pub mod api;
 pub mod device;
 #[path = "../../src/endpoint.rs"]
 pub mod endpoint;
+#[path = "../../src/kv_events.rs"]
+pub mod kv_events;
 #[path = "../../src/metrics.rs"]
 pub mod metrics;
 #[path = "../../src/store.rs"]
@@ -28,6 +30,7 @@ pub use completion::tpu_sync_callback;
 pub use device::*;
 pub use endpoint::*;
 pub use handle::{tpu_sync_handle_kind, tpu_sync_handle_stats};
+pub use kv_events::*;
 pub use metrics::*;
 pub use status::{tpu_sync_last_error, tpu_sync_status, tpu_sync_status_name};
 pub use store::*;

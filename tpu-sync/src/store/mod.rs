@@ -166,6 +166,8 @@ pub struct StoreConfig {
     pub background: bool,
     /// Map the DRAM slots for DMA with this PJRT client (`PJRT_Client_DmaMap`), if it supports it.
     pub dma_client: Option<Client>,
+    /// Publish vLLM-format KV events of the tier over ZMQ ([`crate::kv_events`]); default off.
+    pub kv_events: Option<crate::kv_events::KvEventsConfig>,
     /// Test hooks.
     #[doc(hidden)]
     pub hooks: Hooks,
@@ -186,6 +188,7 @@ impl StoreConfig {
             verify_checksums: true,
             background: false,
             dma_client: None,
+            kv_events: None,
             hooks: Hooks::default(),
         }
     }
@@ -522,6 +525,7 @@ struct Core {
     verify: bool,
     hooks: Hooks,
     c: Counters,
+    events: Option<crate::kv_events::StoreEvents>,
 }
 
 impl Core {
@@ -574,6 +578,36 @@ impl Core {
                 d.remove(k);
             }
         }
+        let events = match &cfg.kv_events {
+            None => None,
+            Some(ec) => {
+                let p = crate::kv_events::KvEventPublisher::start(ec)?;
+                let ev =
+                    crate::kv_events::StoreEvents::new(p, geo.num_slots + disk_cap.unwrap_or(0));
+                // Subscribers learn that this tier starts over, then what it restored.
+                ev.all_cleared();
+                let restored: Vec<index::Change> = ix
+                    .live_ids()
+                    .flat_map(|id| {
+                        let e = ix.entry(id);
+                        let (key, parent) = (e.key, e.parent);
+                        let dram = matches!(e.dram, Dram::Present { .. });
+                        [(false, dram), (true, e.on_disk)]
+                            .into_iter()
+                            .filter(|(_, has)| *has)
+                            .map(move |(disk, _)| index::Change {
+                                key,
+                                parent,
+                                disk,
+                                stored: true,
+                            })
+                    })
+                    .collect();
+                ev.publish(&restored);
+                ix.record_changes(true);
+                Some(ev)
+            }
+        };
         let (dma, dma_status) = match &cfg.dma_client {
             None => (None, DmaStatus::NotRequested),
             Some(client) => {
@@ -632,6 +666,7 @@ impl Core {
             verify: cfg.verify_checksums,
             hooks: cfg.hooks.clone(),
             c: Counters::default(),
+            events,
         })
     }
 
@@ -648,6 +683,10 @@ impl Core {
             for k in gone {
                 d.remove(k);
             }
+        }
+        if let Some(ev) = &self.events {
+            // Under the index lock: batches leave in the order of the changes.
+            ev.publish(&ix.drain_changes());
         }
         r
     }
@@ -1786,8 +1825,54 @@ impl KvStore {
     /// removed.
     pub fn clear(&self) -> usize {
         self.core()
-            .map(|c| c.with_index(|ix| ix.clear()).keys.len())
+            .map(|c| {
+                c.with_index(|ix| {
+                    let n = ix.clear().keys.len();
+                    if ix.is_empty() {
+                        if let Some(ev) = &c.events {
+                            ev.publish(&ix.drain_changes());
+                            ev.all_cleared();
+                        }
+                    }
+                    n
+                })
+            })
             .unwrap_or(0)
+    }
+
+    /// Describes blocks for the tier's KV events ([`StoreConfig::kv_events`]): `descs[i]` (the
+    /// engine's hash and token ids) is published for `chain[i]` in the events of its copies from
+    /// now on. Call it before storing the blocks; a description is forgotten when the block has
+    /// no copy left. Does nothing when events are off or the tier is not ready.
+    ///
+    /// Errors: [`Error::InvalidArgument`] when the counts differ.
+    pub fn describe_blocks(
+        &self,
+        chain: &[BlockKey],
+        descs: &[crate::kv_events::BlockDesc],
+    ) -> Result<()> {
+        if chain.len() != descs.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} keys but {} block descriptions",
+                chain.len(),
+                descs.len()
+            )));
+        }
+        if let Some(ev) = self.core().and_then(|c| c.events.as_ref()) {
+            let raw: Vec<u128> = chain.iter().map(|k| k.0).collect();
+            ev.describe(&raw, descs);
+        }
+        Ok(())
+    }
+
+    /// The KV events PUB and replay endpoints bound (`tcp://IP:PORT`), when events are on and the
+    /// tier is ready.
+    pub fn kv_events_endpoints(&self) -> Option<(String, Option<String>)> {
+        let ev = self.core()?.events.as_ref()?;
+        Some((
+            ev.publisher.endpoint().to_string(),
+            ev.publisher.replay_endpoint().map(str::to_string),
+        ))
     }
 
     /// Writes every DRAM block without a disk copy to the disk tier (e.g. before a shutdown

@@ -161,6 +161,12 @@ class Store(Handle):
         shm_dir: directory of named segments (default ``/dev/shm``).
         lock_memory, huge_pages, populate: memory options (default: all on; locking failures are
             reported in :meth:`info`, not raised).
+        kv_events: publish vLLM-format KV events (``BlockStored``/``BlockRemoved``/
+            ``AllBlocksCleared``) over ZMQ: a dict with the keys ``endpoint`` (PUB,
+            ``tcp://HOST:PORT``; default ``tcp://127.0.0.1:5557``), ``replay_endpoint``,
+            ``buffer_steps``, ``max_queue_size``, ``topic``, ``data_parallel_rank``,
+            ``dram_medium`` (``"CPU"``), ``disk_medium`` (``"STORAGE"``), ``int_hashes``,
+            ``block_size`` (see ``docs/observability.md``). None (default): off.
 
     Raises:
         InvalidArgumentError, HostMemoryError, IOError.
@@ -172,7 +178,8 @@ class Store(Handle):
                  disk_dir: Optional[str] = None, disk_capacity_bytes: Optional[int] = None,
                  verify_checksums: bool = True, background: bool = False, client: Optional[Client] = None,
                  shm_dir: Optional[str] = None, lock_memory: Optional[bool] = None,
-                 huge_pages: Optional[bool] = None, populate: Optional[bool] = None) -> None:
+                 huge_pages: Optional[bool] = None, populate: Optional[bool] = None,
+                 kv_events: Optional[Dict[str, Any]] = None) -> None:
         cfg: Dict[str, Any] = dict(namespace=namespace, block_bytes=int(block_bytes),
                                    capacity_bytes=int(capacity_bytes), verify_checksums=bool(verify_checksums),
                                    background=bool(background))
@@ -181,6 +188,8 @@ class Store(Handle):
                          populate=populate).items():
             if v is not None:
                 cfg[k] = str(v) if k in ("shm_name", "shm_dir", "disk_dir") else v
+        if kv_events is not None:
+            cfg["kv_events"] = dict(kv_events)
         out = ffi.new("tpu_sync_store **")
         dma = ffi.NULL if client is None else client._handle()
         check(lib.tpu_sync_store_new(json.dumps(cfg).encode(), dma, out))
@@ -256,6 +265,41 @@ class Store(Handle):
         return ffi.buffer(key.bytes, KEY_BYTES)[:]
 
     # -- operations ------------------------------------------------------------------------------
+
+    def kv_events(self) -> Optional[Dict[str, Any]]:
+        """The KV events endpoints bound (``{"endpoint": "tcp://IP:PORT", "replay_endpoint": ...}``),
+        or None when the store publishes no events."""
+        return json_out(lib.tpu_sync_store_kv_events, self._handle())
+
+    def describe_blocks(self, keys: Sequence[bytes], hashes: Sequence[bytes],
+                        token_ids: Optional[Sequence[Sequence[int]]] = None) -> None:
+        """Gives blocks ``keys`` the engine hashes ``hashes`` (all of one length, e.g. vLLM's
+        ``BlockHash`` bytes) and optionally their token ids (one list per block, all of one length)
+        for the store's KV events; call it before storing them. A no-op without ``kv_events``.
+
+        Raises:
+            InvalidArgumentError: counts or lengths differ, empty hashes.
+        """
+        keys = list(keys)
+        hashes = [bytes(h) for h in hashes]
+        if len(hashes) != len(keys):
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"{len(keys)} keys but {len(hashes)} hashes")
+        if not keys:
+            return
+        hl = len(hashes[0])
+        if hl == 0 or any(len(h) != hl for h in hashes):
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, "hashes must be non-empty and of one length")
+        tpb = 0
+        toks = ffi.NULL
+        if token_ids is not None:
+            token_ids = [list(t) for t in token_ids]
+            if len(token_ids) != len(keys) or len({len(t) for t in token_ids}) != 1:
+                raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT,
+                                                  "token_ids: one list per key, all of one length")
+            tpb = len(token_ids[0])
+            toks = ffi.new("uint32_t[]", [t for ts in token_ids for t in ts]) if tpb else ffi.NULL
+        ks, n = _keys(keys)
+        check(lib.tpu_sync_store_describe_blocks(self._handle(), ks, n, b"".join(hashes), hl, toks, tpb))
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Number of leading blocks of the chain present (DRAM or disk); updates their recency."""
