@@ -873,6 +873,11 @@ impl Endpoint {
     /// Tells the endpoint at `addr` that this consumer is done with `request_id` (its lease ends;
     /// the registration is dropped after its expected number of releases).
     pub async fn release(&self, addr: &str, request_id: u64) -> Result<()> {
+        let span = tracing::info_span!("release", request_id);
+        tracing::Instrument::instrument(self.release_inner(addr, request_id), span).await
+    }
+
+    async fn release_inner(&self, addr: &str, request_id: u64) -> Result<()> {
         let inner = &self.inner;
         let peer = inner.peer(addr).await?;
         let mut lane = inner.checkout(&peer).await?;
@@ -896,7 +901,16 @@ impl Endpoint {
     /// this returns; network errors surface through the returned [`Transfer`].
     pub fn pull(&self, req: PullRequest) -> Result<Transfer> {
         check_request_id(req.request_id)?;
-        let plan = given_plan(req.plan.as_ref(), &req.src, &req.dst, req.num_tokens)?;
+        let span = tracing::info_span!(
+            "transfer",
+            request_id = req.request_id,
+            kind = "pull",
+            transport = self.inner.transport.kind().name()
+        );
+        let plan = span.in_scope(|| {
+            tracing::info_span!("plan")
+                .in_scope(|| given_plan(req.plan.as_ref(), &req.src, &req.dst, req.num_tokens))
+        })?;
         let dst_ranks: BTreeSet<u32> = match &req.dst_ranks {
             Some(v) => v.iter().copied().collect(),
             None => (0..req.dst.layout.spec.ranks_per_replica())
@@ -928,10 +942,13 @@ impl Endpoint {
         shared.planned.fire("planned");
         let inner = self.inner.clone();
         let sh = shared.clone();
-        self.inner.spawn(async move {
-            let r = inner.drive_pull(&sh, req, pairs, progress).await;
-            inner.finish(&sh, r);
-        });
+        self.inner.spawn(tracing::Instrument::instrument(
+            async move {
+                let r = inner.drive_pull(&sh, req, pairs, progress).await;
+                inner.finish(&sh, r);
+            },
+            span,
+        ));
         Ok(Transfer {
             shared,
             inner: Arc::downgrade(&self.inner),
@@ -941,7 +958,16 @@ impl Endpoint {
     /// Starts pushing a request to the endpoints hosting the destination ranks.
     pub fn push(&self, req: PushRequest) -> Result<Transfer> {
         check_request_id(req.request_id)?;
-        let plan = given_plan(req.plan.as_ref(), &req.src, &req.dst, req.num_tokens)?;
+        let span = tracing::info_span!(
+            "transfer",
+            request_id = req.request_id,
+            kind = "push",
+            transport = self.inner.transport.kind().name()
+        );
+        let plan = span.in_scope(|| {
+            tracing::info_span!("plan")
+                .in_scope(|| given_plan(req.plan.as_ref(), &req.src, &req.dst, req.num_tokens))
+        })?;
         let src_ranks: Vec<u32> = match &req.src_ranks {
             Some(v) => v.clone(),
             None => (0..req.src.layout.spec.ranks_per_replica())
@@ -987,16 +1013,19 @@ impl Endpoint {
         );
         let inner = self.inner.clone();
         let sh = shared.clone();
-        self.inner.spawn(async move {
-            let r = inner.drive_push(&sh, req, src_ranks, pairs, targets).await;
-            let failed = r.is_err();
-            inner.finish(&sh, r);
-            if failed {
-                // The receivers' registrations would otherwise wait for a `PushFinish` that never
-                // comes: tell them the push is over.
-                inner.send_cancel(sh.request_id, true);
-            }
-        });
+        self.inner.spawn(tracing::Instrument::instrument(
+            async move {
+                let r = inner.drive_push(&sh, req, src_ranks, pairs, targets).await;
+                let failed = r.is_err();
+                inner.finish(&sh, r);
+                if failed {
+                    // The receivers' registrations would otherwise wait for a `PushFinish` that never
+                    // comes: tell them the push is over.
+                    inner.send_cancel(sh.request_id, true);
+                }
+            },
+            span,
+        ));
         Ok(Transfer {
             shared,
             inner: Arc::downgrade(&self.inner),
@@ -1831,55 +1860,64 @@ impl Inner {
                     req.staging.clone(),
                 );
                 let (s, d, rid) = (*s, *d, req.request_id);
-                set.spawn(async move {
-                    let peer = me.peer(&addr).await?;
-                    let mut lane = Self::guarded(&t, &peer, me.checkout(&peer)).await?;
-                    let msg = Control::Pull {
-                        request_id: rid,
-                        src_rank: s,
-                        dst_rank: d,
-                        dst,
-                        digest,
-                        total_bytes: total,
-                        stripe,
-                    };
-                    Self::guarded(&t, &peer, lane.f.send(&msg, rid)).await?;
-                    let r = Self::guarded(&t, &peer, async {
-                        Ok(recv_stripe(
-                            &mut lane.f,
-                            rid,
-                            &staging,
-                            d,
-                            &cursor,
+                set.spawn(tracing::Instrument::instrument(
+                    async move {
+                        let peer = me.peer(&addr).await?;
+                        let mut lane = Self::guarded(&t, &peer, me.checkout(&peer)).await?;
+                        let msg = Control::Pull {
+                            request_id: rid,
+                            src_rank: s,
+                            dst_rank: d,
+                            dst,
+                            digest,
+                            total_bytes: total,
                             stripe,
-                            &progress,
-                            i,
-                            &me.counters,
-                        )
-                        .await)
-                    })
-                    .await?;
-                    match r {
-                        Ok(n) => {
-                            t.bytes.fetch_add(n, Ordering::Relaxed);
-                            me.give_back(&peer, lane);
-                            Ok(n)
-                        }
-                        Err(f) => {
-                            if f.lane_ok {
+                        };
+                        Self::guarded(&t, &peer, lane.f.send(&msg, rid)).await?;
+                        let r = Self::guarded(&t, &peer, async {
+                            Ok(recv_stripe(
+                                &mut lane.f,
+                                rid,
+                                &staging,
+                                d,
+                                &cursor,
+                                stripe,
+                                &progress,
+                                i,
+                                &me.counters,
+                            )
+                            .await)
+                        })
+                        .await?;
+                        match r {
+                            Ok(n) => {
+                                t.bytes.fetch_add(n, Ordering::Relaxed);
                                 me.give_back(&peer, lane);
+                                Ok(n)
                             }
-                            if peer.dead.is_set() && !matches!(f.error, Error::Checksum(_)) {
-                                return Err(Error::PeerClosed(format!(
-                                    "peer {} died: {}",
-                                    peer.addr,
-                                    peer.dead.reason()
-                                )));
+                            Err(f) => {
+                                if f.lane_ok {
+                                    me.give_back(&peer, lane);
+                                }
+                                if peer.dead.is_set() && !matches!(f.error, Error::Checksum(_)) {
+                                    return Err(Error::PeerClosed(format!(
+                                        "peer {} died: {}",
+                                        peer.addr,
+                                        peer.dead.reason()
+                                    )));
+                                }
+                                Err(f.error)
                             }
-                            Err(f.error)
                         }
-                    }
-                });
+                    },
+                    tracing::info_span!(
+                        "network",
+                        request_id = rid,
+                        src_rank = s,
+                        dst_rank = d,
+                        stripe = k
+                    ),
+                ));
             }
         }
         let bytes = join_stripes(&mut set).await?;
@@ -1921,61 +1959,72 @@ impl Inner {
                     req.staging.clone(),
                 );
                 let (s, d, rid, n_tok) = (*s, *d, req.request_id, req.num_tokens);
-                set.spawn(async move {
-                    let peer = me.peer(&addr).await?;
-                    let mut lane = Self::guarded(&t, &peer, me.checkout(&peer)).await?;
-                    let msg = Control::Push {
-                        request_id: rid,
-                        src_rank: s,
-                        dst_rank: d,
-                        src,
-                        num_tokens: n_tok,
-                        digest,
-                        total_bytes: total,
-                        stripe,
-                    };
-                    let io = me.opts.io_timeout;
-                    Self::guarded(&t, &peer, lane.f.send(&msg, rid)).await?;
-                    match Self::guarded(&t, &peer, lane.f.recv(io)).await? {
-                        (_, Control::Ready { .. }) => {}
-                        (_, Control::Failed { message, .. }) => {
-                            me.give_back(&peer, lane);
-                            return Err(Error::Remote(message));
-                        }
-                        (_, m) => {
-                            return Err(Error::Protocol(format!("expected ready, got {m:?}")))
-                        }
-                    }
-                    let gate = t.gate.as_ref().map(|g| g.subscribe());
-                    let n = Self::guarded(
-                        &t,
-                        &peer,
-                        send_stripe(
-                            &mut lane.f,
-                            rid,
-                            &staging,
-                            s,
-                            &cursor,
+                set.spawn(tracing::Instrument::instrument(
+                    async move {
+                        let peer = me.peer(&addr).await?;
+                        let mut lane = Self::guarded(&t, &peer, me.checkout(&peer)).await?;
+                        let msg = Control::Push {
+                            request_id: rid,
+                            src_rank: s,
+                            dst_rank: d,
+                            src,
+                            num_tokens: n_tok,
+                            digest,
+                            total_bytes: total,
                             stripe,
-                            gate,
-                            &me.counters,
-                            &me.opts.faults,
-                        ),
-                    )
-                    .await?;
-                    match Self::guarded(&t, &peer, lane.f.recv(io)).await? {
-                        (_, Control::StreamAck { bytes, .. }) if bytes == n => {
-                            t.bytes.fetch_add(n, Ordering::Relaxed);
-                            me.give_back(&peer, lane);
-                            Ok(n)
+                        };
+                        let io = me.opts.io_timeout;
+                        Self::guarded(&t, &peer, lane.f.send(&msg, rid)).await?;
+                        match Self::guarded(&t, &peer, lane.f.recv(io)).await? {
+                            (_, Control::Ready { .. }) => {}
+                            (_, Control::Failed { message, .. }) => {
+                                me.give_back(&peer, lane);
+                                return Err(Error::Remote(message));
+                            }
+                            (_, m) => {
+                                return Err(Error::Protocol(format!("expected ready, got {m:?}")))
+                            }
                         }
-                        (_, Control::Failed { message, .. }) => {
-                            me.give_back(&peer, lane);
-                            Err(Error::Remote(message))
+                        let gate = t.gate.as_ref().map(|g| g.subscribe());
+                        let n = Self::guarded(
+                            &t,
+                            &peer,
+                            send_stripe(
+                                &mut lane.f,
+                                rid,
+                                &staging,
+                                s,
+                                &cursor,
+                                stripe,
+                                gate,
+                                &me.counters,
+                                &me.opts.faults,
+                            ),
+                        )
+                        .await?;
+                        match Self::guarded(&t, &peer, lane.f.recv(io)).await? {
+                            (_, Control::StreamAck { bytes, .. }) if bytes == n => {
+                                t.bytes.fetch_add(n, Ordering::Relaxed);
+                                me.give_back(&peer, lane);
+                                Ok(n)
+                            }
+                            (_, Control::Failed { message, .. }) => {
+                                me.give_back(&peer, lane);
+                                Err(Error::Remote(message))
+                            }
+                            (_, m) => {
+                                Err(Error::Protocol(format!("expected stream-ack, got {m:?}")))
+                            }
                         }
-                        (_, m) => Err(Error::Protocol(format!("expected stream-ack, got {m:?}"))),
-                    }
-                });
+                    },
+                    tracing::info_span!(
+                        "network",
+                        request_id = rid,
+                        src_rank = s,
+                        dst_rank = d,
+                        stripe = k
+                    ),
+                ));
             }
         }
         let bytes = join_stripes(&mut set).await?;
@@ -2308,16 +2357,19 @@ impl Inner {
                 total_bytes,
                 stripe,
             } => {
-                self.serve_pull(
-                    s,
-                    f,
-                    request_id,
-                    src_rank,
-                    dst_rank,
-                    &dst,
-                    digest,
-                    total_bytes,
-                    stripe,
+                tracing::Instrument::instrument(
+                    self.serve_pull(
+                        s,
+                        f,
+                        request_id,
+                        src_rank,
+                        dst_rank,
+                        &dst,
+                        digest,
+                        total_bytes,
+                        stripe,
+                    ),
+                    tracing::info_span!("serve_pull", request_id, src_rank, dst_rank),
                 )
                 .await
             }
