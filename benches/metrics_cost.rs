@@ -142,10 +142,11 @@ fn device_workload() -> impl FnMut() {
 fn main() {
     // `cargo bench` passes `--bench`; nothing to parse.
     let budget = Duration::from_millis(400);
-    let mut results = Vec::new();
-    results.push(("store", rounds("store", budget, store_workload())));
-    results.push(("device", rounds("device", budget, device_workload())));
-    results.push(("net", net_rounds(budget)));
+    let results = [
+        ("store", rounds("store", budget, store_workload())),
+        ("device", rounds("device", budget, device_workload())),
+        ("net", net_rounds(budget)),
+    ];
     let worst = results.iter().map(|r| r.1 .1).fold(f64::INFINITY, f64::min);
     println!("metrics_cost worst median ratio {worst:.3} (target >= 0.98)");
 }
