@@ -6,7 +6,7 @@ PJRT_INCLUDE := $(CURDIR)/.deps/xla-cpu-pjrt/xla_plugins/xla_cpu_pjrt/include
 export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 
-.PHONY: all build plugin demo test test-rust test-c examples-c test-python python header lint bench bench-net netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm
+.PHONY: all build plugin demo test test-rust test-c examples-c test-python python header lint bench bench-net netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm sglang-env e2e-sglang
 
 all: build
 
@@ -32,6 +32,7 @@ test: plugin
 	./target/release/tpu-sync demo --tokens 512 --layers 4
 	./target/release/tpu-sync store-demo --tokens 512 --layers 4
 	$(MAKE) e2e-vllm
+	$(MAKE) e2e-sglang
 
 CFLAGS_STRICT := -std=c11 -Wall -Wextra -Werror -pedantic -I$(CURDIR)/tpu-sync-ffi/include
 LIBDIR := $(CURDIR)/target/release
@@ -144,3 +145,17 @@ e2e-vllm: vllm-env
 # TTFT of a 2,000-token prompt loaded from the host tier vs recomputed (prints the ratio).
 bench-vllm: vllm-env
 	$(VLLM_VENV)/bin/python benches/vllm_ttft.py
+
+# SGLang integration (tpu_sync.sglang): a real SGLang 0.5.23 CPU engine in a cached virtualenv
+# (.venv-sglang, created by scripts/install-sglang.sh when missing, with the CPU test shim of
+# tests/sglang/shim) with this tree's wheel.
+SGLANG_VENV := $(CURDIR)/.venv-sglang
+sglang-env: python
+	./scripts/install-sglang.sh
+	"$$(./scripts/bootstrap-python.sh)/bin/uv" pip install -q --python $(SGLANG_VENV)/bin/python --force-reinstall --no-deps target/wheels/tpu_sync-*.whl
+
+# Class-level tests against SGLang's real host pools (every layout), then engine tests (I/O
+# backend vs SGLang's direct backend, L3 hits after a restart, a corrupted page recomputed);
+# every engine runs in its own process.
+e2e-sglang: sglang-env
+	cd tests/sglang && timeout 1500 $(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider .

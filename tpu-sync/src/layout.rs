@@ -24,6 +24,12 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::pjrt::ElementType;
 
+pub mod groups;
+pub use groups::{
+    BufferShape, GroupKind, GroupLayout, GroupRankKv, HeadSplit, HybridLayout, HybridModel,
+    KvGroup, StateComponent, StateSegment, HYBRID_PRESETS,
+};
+
 /// Element type of the KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

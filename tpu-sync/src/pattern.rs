@@ -14,6 +14,9 @@ use crate::error::{Error, Result};
 use crate::layout::{BlockOrder, KvLayout};
 use crate::plan::Placement;
 
+pub mod groups;
+pub use groups::{state_value, GroupedContents};
+
 /// splitmix64 finaliser (Steele, Lea, Flood 2014): a fast, well-distributed 64-bit mix.
 #[inline]
 pub fn mix64(mut z: u64) -> u64 {

@@ -20,6 +20,9 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::layout::ParallelLayout;
 
+mod groups;
+pub use groups::HybridPlacement;
+
 /// Where one request's KV blocks live on one side of a transfer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Placement {

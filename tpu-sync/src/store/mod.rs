@@ -88,6 +88,7 @@
 
 pub mod checksum;
 pub mod disk;
+pub mod groups;
 pub mod index;
 pub mod key;
 pub mod shm;
@@ -97,6 +98,10 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 pub use disk::{DiskOptions, IoBackend};
+pub use groups::{
+    part_key, GroupGetReport, GroupHit, GroupPart, GroupPutReport, PartRole, StoreGroup,
+    StoreGroups,
+};
 pub use key::{BlockKey, Namespace};
 pub use shm::{list_segments, remove_segment, Attach, Geometry, SegmentInfo, DEFAULT_SHM_DIR};
 

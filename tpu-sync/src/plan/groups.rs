@@ -1,0 +1,421 @@
+//! Plans over KV cache groups (hybrid models).
+//!
+//! A [`HybridPlacement`] says where one request's cache is on one side, group by group: block ids
+//! (or one slot id for a state group) per group per rank. [`Plan::build_groups`] plans every
+//! group from its own geometry ([`crate::layout::groups`]) and returns one ordinary [`Plan`]
+//! whose buffer indices are cache layers, so everything that consumes plans (staging, the
+//! network streams, digests) works unchanged. A uniform [`Placement`] is the one-group placement
+//! [`HybridPlacement::from_uniform`], and its group plan equals [`Plan::build`]'s, span for span.
+//!
+//! Per group the plan moves exactly the bytes the destination needs
+//! ([`HybridPlacement::needed_bytes`]): every token of a full-attention, MLA or indexer group;
+//! the tokens the next token attends to for a sliding-window group (whole blocks for the opaque
+//! LBHNC order); a state group's slot, resharded by heads where the state is split over TP and
+//! read from PCP rank `dst_pcp % src_pcp` of the source (every PCP rank holds the state).
+
+use std::collections::BTreeSet;
+
+use serde::{Deserialize, Serialize};
+
+use super::{coalesce, compress_strided, merge_ranges, ByteRange, Placement, Plan, Span};
+use crate::error::{Error, Result};
+use crate::layout::{GroupKind, GroupRankKv, HybridLayout};
+
+/// Where one request's KV cache lives on one side of a transfer, group by group.
+///
+/// JSON: `{"layout": HybridLayout, "dp_rank": 0, "block_ids": [[[ids of rank 0], [ids of rank
+/// 1], ...] of group 0, ...]}`; unknown keys are refused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HybridPlacement {
+    /// The instance's layout.
+    pub layout: HybridLayout,
+    /// The DP replica holding the request.
+    pub dp_rank: u32,
+    /// `block_ids[group][local]`: for local rank `local = pcp * tp_size + tp` of the replica,
+    /// the device block ids of the request blocks
+    /// [`HybridLayout::held_blocks`]`(group, num_tokens, pcp)`, in order (a sliding-window group
+    /// lists only the blocks of its window); for a state group exactly one slot id.
+    pub block_ids: Vec<Vec<Vec<u32>>>,
+}
+
+impl HybridPlacement {
+    /// The one-group form of a uniform placement.
+    pub fn from_uniform(p: &Placement) -> HybridPlacement {
+        HybridPlacement {
+            layout: HybridLayout::from_uniform(&p.layout),
+            dp_rank: p.dp_rank,
+            block_ids: vec![p.block_ids.clone()],
+        }
+    }
+
+    /// Global rank of local rank `local`.
+    pub fn global_rank(&self, local: u32) -> u32 {
+        self.dp_rank * self.layout.spec.ranks_per_replica() + local
+    }
+
+    /// Local index of a global rank, if it belongs to this placement's replica.
+    pub fn local_rank(&self, global: u32) -> Option<u32> {
+        let rpr = self.layout.spec.ranks_per_replica().max(1);
+        (global / rpr == self.dp_rank).then_some(global % rpr)
+    }
+
+    /// Checks the placement against its layout for a request of `num_tokens` tokens.
+    ///
+    /// Errors: [`Error::Layout`] for a bad layout or DP rank; [`Error::InvalidArgument`] for no
+    /// tokens; [`Error::BlockRange`] naming the group and rank for a wrong number of id lists or
+    /// ids (a rank lists [`HybridLayout::held_blocks`] of each paged group, one slot of each
+    /// state group), an id `>=` the group's blocks (slots), or an id used twice in one group on
+    /// one rank.
+    pub fn validate(&self, num_tokens: u32) -> Result<()> {
+        let l = &self.layout;
+        l.validate()?;
+        if num_tokens == 0 {
+            return Err(Error::InvalidArgument(
+                "a request needs at least one token".into(),
+            ));
+        }
+        let s = &l.spec;
+        if self.dp_rank >= s.dp {
+            return Err(Error::Layout(format!(
+                "DP rank {} out of range for DP={}",
+                self.dp_rank, s.dp
+            )));
+        }
+        if self.block_ids.len() != l.groups.len() {
+            return Err(Error::BlockRange(format!(
+                "block ids given for {} groups, the model has {} KV cache groups",
+                self.block_ids.len(),
+                l.groups.len()
+            )));
+        }
+        for (g, per_rank) in self.block_ids.iter().enumerate() {
+            let name = l.model.group_name(g);
+            if per_rank.len() as u32 != s.ranks_per_replica() {
+                return Err(Error::BlockRange(format!(
+                    "group {name}: {} block id lists given, the replica has {} ranks (PCP={} x \
+                     TP={})",
+                    per_rank.len(),
+                    s.ranks_per_replica(),
+                    s.pcp,
+                    s.tp
+                )));
+            }
+            let nb = l.groups[g].num_blocks;
+            let state = l.model.groups[g].kind.is_state();
+            for (local, ids) in per_rank.iter().enumerate() {
+                let rank = self.global_rank(local as u32);
+                let pcp = local as u32 / s.tp;
+                let want = l.u_held_blocks(g, num_tokens, pcp).len();
+                if ids.len() != want {
+                    return Err(Error::BlockRange(if state {
+                        format!(
+                            "group {name}: rank {rank} lists {} slot ids; a state group needs \
+                             exactly one per rank",
+                            ids.len()
+                        )
+                    } else {
+                        format!(
+                            "group {name}: rank {rank} (pcp {pcp}, tp {}) lists {} block ids; \
+                             {num_tokens} tokens at block size {} need {want} on this rank",
+                            local as u32 % s.tp,
+                            ids.len(),
+                            l.u_block_size(g)
+                        )
+                    }));
+                }
+                let mut seen = vec![false; nb as usize];
+                for &id in ids {
+                    if id >= nb {
+                        return Err(Error::BlockRange(format!(
+                            "group {name}: {} {id} on rank {rank} is >= {nb}",
+                            if state { "slot id" } else { "block id" }
+                        )));
+                    }
+                    if std::mem::replace(&mut seen[id as usize], true) {
+                        return Err(Error::BlockRange(format!(
+                            "group {name}: block id {id} appears twice on rank {rank}"
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Byte ranges of local rank `local`'s request blocks and slots in every layer buffer
+    /// (buffer index = cache layer), merged: whole blocks (every plane) of paged groups, the
+    /// dense bytes of state slots. These are the bytes a sender stages.
+    ///
+    /// Errors: as [`HybridLayout::check_nonzero`] (ids are not checked: validate first).
+    pub fn block_ranges(&self, local: u32) -> Result<Vec<ByteRange>> {
+        self.layout.check_nonzero()?;
+        let mut v = Vec::new();
+        for (g, grp) in self.layout.model.groups.iter().enumerate() {
+            let kv = self.layout.u_rank_kv(g);
+            let Some(ids) = self.block_ids.get(g).and_then(|r| r.get(local as usize)) else {
+                continue;
+            };
+            for &id in ids {
+                for (offset, len) in kv.unit_ranges(id) {
+                    for &layer in &grp.layers {
+                        v.push(ByteRange {
+                            buffer: layer,
+                            offset,
+                            len,
+                        });
+                    }
+                }
+            }
+        }
+        Ok(merge_ranges(v))
+    }
+
+    /// Bytes the ranks of this placement's replica must receive per group (the group's share of
+    /// a plan into this placement), from the geometry alone: the needed tokens
+    /// ([`HybridLayout::needed_tokens`]) of each rank's held blocks times the rank's bytes per
+    /// token of all the group's layers (whole held blocks for the LBHNC order), or the dense slot
+    /// bytes of every layer for a state group.
+    ///
+    /// Errors: as [`HybridLayout::check_nonzero`].
+    pub fn needed_bytes(&self, num_tokens: u32) -> Result<Vec<u64>> {
+        let l = &self.layout;
+        l.check_nonzero()?;
+        let s = &l.spec;
+        Ok((0..l.groups.len())
+            .map(|g| {
+                let kv = l.u_rank_kv(g);
+                let layers = l.model.groups[g].layers.len() as u64;
+                let need = l.u_needed_tokens(g, num_tokens);
+                let bs = l.u_block_size(g) as u64;
+                let mut total = 0u64;
+                for local in 0..s.ranks_per_replica() {
+                    let held = l.u_held_blocks(g, num_tokens, local / s.tp);
+                    let tokens = || {
+                        let a = (held.start as u64 * bs).max(need.start as u64);
+                        let b = (held.end as u64 * bs).min(need.end as u64);
+                        b.saturating_sub(a)
+                    };
+                    total += layers
+                        * match &kv {
+                            GroupRankKv::Paged(k) if k.order.is_opaque() => {
+                                held.len() as u64 * k.kv_planes as u64 * k.block_bytes()
+                            }
+                            GroupRankKv::Paged(k) => {
+                                tokens() * k.kv_planes as u64 * k.num_heads as u64 * k.row_bytes()
+                            }
+                            GroupRankKv::Indexer(ix) => {
+                                tokens() * (ix.value_bytes + ix.scale_bytes)
+                            }
+                            GroupRankKv::State(st) => st.slot_bytes,
+                        };
+                }
+                total
+            })
+            .collect())
+    }
+}
+
+impl Plan {
+    /// Plans a request of `num_tokens` tokens from `src` to `dst`, group by group.
+    ///
+    /// Errors, before anything is planned: [`Error::Mismatch`] when the two models' groups
+    /// differ ([`crate::layout::HybridModel::check_compatible`]: a group missing, other layers, a
+    /// different window or state shape, ...) or a group's raw bytes cannot be copied
+    /// ([`HybridLayout::check_raw_compatible`]); the errors of [`HybridPlacement::validate`] for
+    /// either side.
+    pub fn build_groups(
+        src: &HybridPlacement,
+        dst: &HybridPlacement,
+        num_tokens: u32,
+    ) -> Result<Plan> {
+        src.layout.model.check_compatible(&dst.layout.model)?;
+        src.layout.check_raw_compatible(&dst.layout)?;
+        src.validate(num_tokens)?;
+        dst.validate(num_tokens)?;
+        let groups = dst.layout.groups.len();
+        let mut bases: Vec<Vec<Span>> = Vec::with_capacity(groups);
+        for g in 0..groups {
+            let mut rows = group_rows(src, dst, g, num_tokens);
+            rows.sort_unstable_by_key(|s| (s.dst_rank, s.dst_offset));
+            bases.push(compress_strided(coalesce(rows)));
+        }
+        // Order by (destination rank, layer, destination offset), as Plan::build.
+        let ranks: BTreeSet<u32> = bases.iter().flatten().map(|s| s.dst_rank).collect();
+        let map = dst.layout.model.layer_map();
+        let total: usize = (0..groups)
+            .map(|g| bases[g].len() * dst.layout.model.groups[g].layers.len())
+            .sum();
+        let mut spans = Vec::with_capacity(total);
+        for r in ranks {
+            for (layer, &(g, _)) in map.iter().enumerate() {
+                let base = &bases[g as usize];
+                let a = base.partition_point(|s| s.dst_rank < r);
+                let b = base.partition_point(|s| s.dst_rank <= r);
+                spans.extend(base[a..b].iter().map(|s| Span {
+                    src_buffer: layer as u32,
+                    dst_buffer: layer as u32,
+                    ..*s
+                }));
+            }
+        }
+        Ok(Plan { num_tokens, spans })
+    }
+
+    /// Bytes of the plan per group of `layout` (by destination buffer = cache layer).
+    pub fn group_bytes(&self, layout: &HybridLayout) -> Vec<u64> {
+        let map = layout.model.layer_map();
+        let mut v = vec![0u64; layout.groups.len()];
+        for s in &self.spans {
+            if let Some(&(g, _)) = map.get(s.dst_buffer as usize) {
+                if let Some(x) = v.get_mut(g as usize) {
+                    *x += s.bytes();
+                }
+            }
+        }
+        v
+    }
+}
+
+/// One row span (`count == 1`, buffer 0) per contiguous piece of group `g` that a destination
+/// rank needs, for the group's first layer (every layer of a group has the same offsets).
+fn group_rows(src: &HybridPlacement, dst: &HybridPlacement, g: usize, t: u32) -> Vec<Span> {
+    let (sl, dl) = (&src.layout, &dst.layout);
+    let (skv, dkv) = (sl.u_rank_kv(g), dl.u_rank_kv(g));
+    let row = |src_rank, src_offset, dst_rank, dst_offset, len| Span {
+        src_rank,
+        src_buffer: 0,
+        src_offset,
+        dst_rank,
+        dst_buffer: 0,
+        dst_offset,
+        len,
+        count: 1,
+        src_stride: 0,
+        dst_stride: 0,
+    };
+    let (ssplit, dsplit) = (sl.u_head_split(g), dl.u_head_split(g));
+    let (sbs, dbs) = (sl.u_block_size(g), dl.u_block_size(g));
+    let need = dl.u_needed_tokens(g, t);
+    let mut rows = Vec::new();
+    for ld in 0..dl.spec.ranks_per_replica() {
+        let dst_rank = dst.global_rank(ld);
+        let dc = dl.u_coord(dst_rank);
+        let dids = &dst.block_ids[g][ld as usize];
+        // Source local rank and index of request block `js` for global head `gh`.
+        let source = |js: u32, gh: u32, split: crate::layout::HeadSplit| {
+            let ps = sl.u_pcp_of_block(g, t, js);
+            let idx = (js - sl.u_held_blocks(g, t, ps).start) as usize;
+            let reps = split.ranks_of_head(gh);
+            let ts = reps.start + ld % (reps.end - reps.start);
+            let ls = ps * sl.spec.tp + ts;
+            (ls, idx, gh - split.first_head(ts))
+        };
+        match (&skv, &dkv) {
+            (GroupRankKv::Paged(s), GroupRankKv::Paged(d)) if s.order.is_opaque() => {
+                // Equal block sizes (checked): request block `jd` is the same block on both
+                // sides; whole (block, head) regions.
+                for (i, jd) in dl.u_held_blocks(g, t, dc.pcp).enumerate() {
+                    for hl in 0..d.num_heads {
+                        let gh = dsplit.first_head(dc.tp) + hl;
+                        let (ls, idx, hs) = source(jd, gh, ssplit);
+                        let sb = src.block_ids[g][ls as usize][idx];
+                        rows.push(row(
+                            src.global_rank(ls),
+                            s.region_offset(sb, hs),
+                            dst_rank,
+                            d.region_offset(dids[i], hl),
+                            s.region_bytes(),
+                        ));
+                    }
+                }
+            }
+            (GroupRankKv::Paged(s), GroupRankKv::Paged(d)) => {
+                for (i, jd) in dl.u_held_blocks(g, t, dc.pcp).enumerate() {
+                    for tok in (jd * dbs).max(need.start)..((jd + 1) * dbs).min(t) {
+                        let js = tok / sbs;
+                        for hl in 0..d.num_heads {
+                            let gh = dsplit.first_head(dc.tp) + hl;
+                            let (ls, idx, hs) = source(js, gh, ssplit);
+                            let sb = src.block_ids[g][ls as usize][idx];
+                            let sr = src.global_rank(ls);
+                            for p in 0..s.kv_planes {
+                                rows.push(row(
+                                    sr,
+                                    s.row_offset(p, sb, tok % sbs, hs),
+                                    dst_rank,
+                                    d.row_offset(p, dids[i], tok % dbs, hl),
+                                    s.row_bytes(),
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+            (GroupRankKv::Indexer(s), GroupRankKv::Indexer(d)) => {
+                for (i, jd) in dl.u_held_blocks(g, t, dc.pcp).enumerate() {
+                    for tok in (jd * dbs).max(need.start)..((jd + 1) * dbs).min(t) {
+                        let js = tok / sbs;
+                        let (ls, idx, _) = source(js, 0, ssplit);
+                        let sb = src.block_ids[g][ls as usize][idx];
+                        let sr = src.global_rank(ls);
+                        let (st, dt) = (tok % sbs, tok % dbs);
+                        rows.push(row(
+                            sr,
+                            s.value_offset(sb, st),
+                            dst_rank,
+                            d.value_offset(dids[i], dt),
+                            s.value_bytes,
+                        ));
+                        if s.scale_bytes > 0 {
+                            rows.push(row(
+                                sr,
+                                s.scale_offset(sb, st),
+                                dst_rank,
+                                d.scale_offset(dids[i], dt),
+                                s.scale_bytes,
+                            ));
+                        }
+                    }
+                }
+            }
+            (GroupRankKv::State(s), GroupRankKv::State(d)) => {
+                // Every PCP rank holds the state; spread the reads over the source's PCP ranks.
+                let ps = dc.pcp % sl.spec.pcp;
+                let dslot = dids[0];
+                for (ci, c) in d.components.iter().enumerate() {
+                    for r in 0..c.rows {
+                        for (si, seg) in c.segments.iter().enumerate() {
+                            let sseg = &s.components[ci].segments[si];
+                            for hl in 0..seg.heads {
+                                let gh = seg.split.first_head(dc.tp) + hl;
+                                let reps = sseg.split.ranks_of_head(gh);
+                                let ts = reps.start + ld % (reps.end - reps.start);
+                                let ls = ps * sl.spec.tp + ts;
+                                let hs = gh - sseg.split.first_head(ts);
+                                let sslot = src.block_ids[g][ls as usize][0];
+                                rows.push(row(
+                                    src.global_rank(ls),
+                                    s.head_offset(sslot, ci, r, si, hs),
+                                    dst_rank,
+                                    d.head_offset(dslot, ci, r, si, hl),
+                                    seg.head_bytes,
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+            // The kinds are equal on both sides (checked before planning).
+            _ => unreachable_kinds(&dl.model.groups[g].kind),
+        }
+    }
+    rows
+}
+
+/// Both sides' group kinds were checked equal before planning, so their per-rank geometries
+/// have the same variant; nothing to plan otherwise.
+fn unreachable_kinds(_kind: &GroupKind) {}
+
+#[cfg(test)]
+mod tests;

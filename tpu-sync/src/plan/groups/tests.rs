@@ -1,0 +1,678 @@
+//! Property tests of the group planner: simulate both sides' buffers of every cache layer in
+//! memory, apply the plan, and check every destination byte, group by group.
+
+use super::*;
+use crate::layout::{
+    BlockOrder, DType, GroupKind, GroupLayout, HybridModel, KvGroup, ModelKv, ParallelLayout,
+    ParallelSpec, StateComponent,
+};
+use crate::pattern::GroupedContents;
+use crate::plan::spans_digest;
+use proptest::prelude::*;
+
+/// Scattered, distinct ids: a deterministic shuffle of 0..n, truncated to `take`.
+fn scattered(n: u32, take: usize, seed: u64) -> Vec<u32> {
+    let mut ids: Vec<u32> = (0..n).collect();
+    for i in (1..ids.len()).rev() {
+        let j = (crate::pattern::mix64(seed ^ i as u64) % (i as u64 + 1)) as usize;
+        ids.swap(i, j);
+    }
+    ids.truncate(take);
+    ids
+}
+
+/// `ParallelLayout::pcp_chunk` through the one-group layout (whose geometry functions return
+/// `Result` whichever form the uniform layout's have).
+fn uniform_chunk(l: &ParallelLayout, tokens: u32, pcp: u32) -> std::ops::Range<u32> {
+    HybridLayout::from_uniform(l)
+        .pcp_chunk(0, tokens, pcp)
+        .unwrap()
+}
+
+/// A placement of a `tokens`-token request at scattered block ids on DP replica `dp_rank`.
+pub(crate) fn hybrid_placement(
+    layout: HybridLayout,
+    dp_rank: u32,
+    tokens: u32,
+    seed: u64,
+) -> HybridPlacement {
+    let s = layout.spec;
+    let block_ids = (0..layout.groups.len())
+        .map(|g| {
+            (0..s.ranks_per_replica())
+                .map(|local| {
+                    let n = layout.held_blocks(g, tokens, local / s.tp).unwrap().len();
+                    let salt = seed ^ ((g as u64) << 40) ^ local as u64;
+                    scattered(layout.groups[g].num_blocks, n, salt)
+                })
+                .collect()
+        })
+        .collect();
+    HybridPlacement {
+        layout,
+        dp_rank,
+        block_ids,
+    }
+}
+
+/// Applies `plan` to simulated buffers of every layer and checks each destination byte: request
+/// elements arrive, each destination byte is written at most once, nothing outside the request
+/// changes, and per group the plan's bytes equal the bytes verified and
+/// [`HybridPlacement::needed_bytes`] (moved / needed = 1.00).
+fn simulate(src: &HybridPlacement, dst: &HybridPlacement, tokens: u32, plan: &Plan) {
+    let layers = src.layout.num_layers();
+    let src_bufs: Vec<Vec<Vec<u8>>> = (0..src.layout.num_ranks())
+        .map(|r| {
+            let c = GroupedContents::new(src, r, tokens, 1).unwrap();
+            (0..layers)
+                .map(|l| {
+                    let mut b = vec![0u8; c.layer_bytes(l).unwrap() as usize];
+                    c.fill_layer(l, &mut b).unwrap();
+                    b
+                })
+                .collect()
+        })
+        .collect();
+    let empty = HybridPlacement {
+        block_ids: vec![],
+        dp_rank: u32::MAX,
+        ..dst.clone()
+    };
+    let mut dst_bufs: Vec<Vec<Vec<u8>>> = (0..dst.layout.num_ranks())
+        .map(|r| {
+            let c = GroupedContents::new(&empty, r, tokens, 2).unwrap();
+            (0..layers)
+                .map(|l| {
+                    let mut b = vec![0u8; c.layer_bytes(l).unwrap() as usize];
+                    c.fill_layer(l, &mut b).unwrap();
+                    b
+                })
+                .collect()
+        })
+        .collect();
+    let mut writes: Vec<Vec<Vec<u8>>> = dst_bufs
+        .iter()
+        .map(|r| r.iter().map(|b| vec![0u8; b.len()]).collect())
+        .collect();
+    for s in &plan.spans {
+        assert!(s.count >= 1);
+        for (so, d) in s.runs() {
+            let (so, d, n) = (so as usize, d as usize, s.len as usize);
+            let from = &src_bufs[s.src_rank as usize][s.src_buffer as usize][so..so + n];
+            dst_bufs[s.dst_rank as usize][s.dst_buffer as usize][d..d + n].copy_from_slice(from);
+            for w in &mut writes[s.dst_rank as usize][s.dst_buffer as usize][d..d + n] {
+                *w += 1;
+            }
+        }
+    }
+    let map = dst.layout.model.layer_map();
+    let mut verified = vec![0u64; dst.layout.groups.len()];
+    for r in 0..dst.layout.num_ranks() {
+        let c = GroupedContents::new(dst, r, tokens, 2).unwrap();
+        for l in 0..layers {
+            let chk = c
+                .verify_layer(l, &dst_bufs[r as usize][l as usize])
+                .unwrap();
+            assert_eq!(chk.mismatches, 0, "first: {:?}", chk.first_mismatch);
+            verified[map[l as usize].0 as usize] += chk.request_bytes;
+            let w = &writes[r as usize][l as usize];
+            assert!(w.iter().all(|&x| x <= 1), "a byte was written twice");
+            let written: u64 = w.iter().map(|&x| x as u64).sum();
+            assert_eq!(
+                written, chk.request_bytes,
+                "rank {r} layer {l}: written != request"
+            );
+        }
+    }
+    let moved = plan.group_bytes(&dst.layout);
+    let needed = dst.needed_bytes(tokens).unwrap();
+    assert_eq!(moved, needed, "bytes moved per group != bytes needed");
+    assert_eq!(verified, needed, "bytes verified per group != bytes needed");
+    assert_eq!(plan.total_bytes(), needed.iter().sum::<u64>());
+}
+
+fn attn(heads: u32, dim: u32, planes: u32, dtype: DType, window: Option<u32>) -> GroupKind {
+    GroupKind::Attention {
+        num_kv_heads: heads,
+        head_dim: dim,
+        kv_planes: planes,
+        dtype,
+        sliding_window: window,
+    }
+}
+
+/// A small linear-attention state: a conv component of 3 rows split over q/k/v-like segments and
+/// a recurrent component.
+fn small_state(heads: u32, replicated: bool) -> GroupKind {
+    GroupKind::State {
+        components: vec![
+            StateComponent::new(
+                "conv",
+                DType::Bf16,
+                3,
+                &[(heads, 2), (heads, 2), (heads * 2, 2)],
+            ),
+            StateComponent::new("ssm", DType::F32, 1, &[(heads * 2, 3)]),
+        ],
+        replicated,
+    }
+}
+
+/// A small model in the shape of a hybrid preset, with few layers and tiny heads.
+fn small_model(name: &str) -> HybridModel {
+    let groups = match name {
+        // Gated DeltaNet-style: 3 linear : 1 full.
+        "qwen3-next" => vec![
+            KvGroup::new("full", [3, 7], attn(2, 4, 2, DType::Bf16, None)),
+            KvGroup::new("linear", [0, 1, 2, 4, 5, 6], small_state(2, false)),
+        ],
+        // Alternating sliding window.
+        "gpt-oss" => vec![
+            KvGroup::new("full", [1, 3], attn(8, 2, 2, DType::Bf16, None)),
+            KvGroup::new("sliding", [0, 2], attn(8, 2, 2, DType::Bf16, Some(12))),
+        ],
+        // 5 local : 1 global.
+        "gemma-3" => vec![
+            KvGroup::new("global", [5], attn(4, 4, 2, DType::Bf16, None)),
+            KvGroup::new("local", 0..5, attn(4, 4, 2, DType::Bf16, Some(20))),
+        ],
+        // MLA + indexer.
+        "deepseek-v3.2" => vec![
+            KvGroup::new(
+                "mla",
+                0..3,
+                GroupKind::Mla {
+                    head_dim: 9,
+                    dtype: DType::Bf16,
+                },
+            ),
+            KvGroup::new(
+                "indexer",
+                3..6,
+                GroupKind::Indexer {
+                    head_dim: 8,
+                    dtype: DType::Fp8,
+                    scale_bytes: 4,
+                },
+            ),
+        ],
+        other => panic!("no small model {other}"),
+    };
+    let m = HybridModel {
+        name: name.into(),
+        groups,
+    };
+    m.validate().unwrap();
+    m
+}
+
+/// A layout with per-group block counts: room for the request plus spares, and a different
+/// count per group so that layers of different groups have differently sized buffers.
+fn hlayout(m: &HybridModel, spec: ParallelSpec, block_sizes: &[u32], tokens: u32) -> HybridLayout {
+    let groups = m
+        .groups
+        .iter()
+        .enumerate()
+        .map(|(g, grp)| {
+            let bs = block_sizes[g % block_sizes.len()];
+            let n = if grp.kind.is_state() {
+                1
+            } else {
+                tokens.div_ceil(bs)
+            };
+            let mut gl = GroupLayout::new(n * 2 + 3 + g as u32);
+            if !grp.kind.is_state() {
+                gl = gl.with_block_size(bs);
+            }
+            gl
+        })
+        .collect();
+    HybridLayout::new(m.clone(), spec, groups).unwrap()
+}
+
+fn spec(tp: u32, pcp: u32, dp: u32, order: BlockOrder) -> ParallelSpec {
+    ParallelSpec {
+        tp,
+        pcp,
+        dp,
+        block_size: 16,
+        order,
+    }
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "byte-level simulation: too slow under Miri")]
+fn each_small_preset_reshards_byte_exact() {
+    let t = 57;
+    for name in ["qwen3-next", "gpt-oss", "gemma-3", "deepseek-v3.2"] {
+        let m = small_model(name);
+        // Prefill TP=2 x PCP=2, NHD, 8-token blocks; decode TP=1 x DP=2 on replica 1, HND,
+        // 4- and 16-token blocks.
+        let src = hybrid_placement(
+            hlayout(&m, spec(2, 2, 1, BlockOrder::Nhd), &[8], t),
+            0,
+            t,
+            11,
+        );
+        let dst = hybrid_placement(
+            hlayout(&m, spec(1, 1, 2, BlockOrder::Hnd), &[4, 16], t),
+            1,
+            t,
+            12,
+        );
+        let plan = Plan::build_groups(&src, &dst, t).unwrap();
+        simulate(&src, &dst, t, &plan);
+        // And back, with the roles of the layouts swapped (TP 1 -> 2 splits heads and states).
+        let back = Plan::build_groups(&dst, &src, t).unwrap();
+        simulate(&dst, &src, t, &back);
+    }
+}
+
+#[test]
+fn sliding_window_moves_only_the_window() {
+    let m = small_model("gpt-oss");
+    let t = 40; // window 12: tokens 29..40 are needed; at block 4: blocks 7..10
+    let l = hlayout(&m, spec(1, 1, 1, BlockOrder::Nhd), &[4], t);
+    assert_eq!(l.needed_tokens(1, t).unwrap(), 29..40);
+    assert_eq!(l.window_blocks(1, t).unwrap(), 7..10);
+    assert_eq!(l.window_blocks(0, t).unwrap(), 0..10);
+    let src = hybrid_placement(l.clone(), 0, t, 1);
+    assert_eq!(src.block_ids[1][0].len(), 3);
+    assert_eq!(src.block_ids[0][0].len(), 10);
+    let dst = hybrid_placement(l, 0, t, 2);
+    let plan = Plan::build_groups(&src, &dst, t).unwrap();
+    let per = plan.group_bytes(&dst.layout);
+    // Full group: 40 tokens x 8 heads x 2 dims x bf16 x 2 planes x 2 layers; sliding: 11 tokens.
+    assert_eq!(per, vec![40 * 8 * 2 * 2 * 2 * 2, 11 * 8 * 2 * 2 * 2 * 2]);
+    simulate(&src, &dst, t, &plan);
+    // A prompt shorter than the window keeps every token.
+    let short = hlayout(&m, spec(1, 1, 1, BlockOrder::Nhd), &[4], 5);
+    assert_eq!(short.needed_tokens(1, 5).unwrap(), 0..5);
+}
+
+#[test]
+fn uniform_placement_is_one_group_with_the_same_plan() {
+    let m = ModelKv::preset("llama-3.1-8b").unwrap();
+    let m = ModelKv { num_layers: 3, ..m };
+    let t = 100;
+    let mk = |tp, pcp, dp, bs, order| {
+        let spec = ParallelSpec {
+            tp,
+            pcp,
+            dp,
+            block_size: bs,
+            order,
+        };
+        let mut l = ParallelLayout::new(m.clone(), spec, 1).unwrap();
+        l.num_blocks = uniform_chunk(&l, t, 0).len() as u32 * 2 + 3;
+        l
+    };
+    let place = |l: ParallelLayout, dp_rank: u32, seed: u64| {
+        let block_ids = (0..l.spec.ranks_per_replica())
+            .map(|local| {
+                let n = uniform_chunk(&l, t, local / l.spec.tp).len();
+                scattered(l.num_blocks, n, seed ^ local as u64)
+            })
+            .collect();
+        crate::plan::Placement {
+            layout: l,
+            dp_rank,
+            block_ids,
+        }
+    };
+    let src = place(mk(2, 2, 1, 16, BlockOrder::Nhd), 0, 3);
+    let dst = place(mk(1, 1, 2, 4, BlockOrder::Hnd), 1, 4);
+    let a = Plan::build(&src, &dst, t).unwrap();
+    let (hs, hd) = (
+        HybridPlacement::from_uniform(&src),
+        HybridPlacement::from_uniform(&dst),
+    );
+    let b = Plan::build_groups(&hs, &hd, t).unwrap();
+    assert_eq!(a, b);
+    assert_eq!(hs.block_ranges(1).unwrap(), src.block_ranges(1));
+    assert_eq!(hd.needed_bytes(t).unwrap(), vec![a.total_bytes()]);
+}
+
+#[test]
+fn mismatched_groups_are_refused_before_planning() {
+    let t = 30;
+    let base = small_model("qwen3-next");
+    let sp = spec(1, 1, 1, BlockOrder::Nhd);
+    let src = hybrid_placement(hlayout(&base, sp, &[4], t), 0, t, 1);
+    let refuse = |m: HybridModel| {
+        let dst = hybrid_placement(hlayout(&m, sp, &[4], t), 0, t, 2);
+        let e = Plan::build_groups(&src, &dst, t).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Mismatch, "{e}");
+        let e2 = Plan::build_groups(&dst, &src, t).unwrap_err();
+        assert_eq!(e2.kind(), crate::ErrorKind::Mismatch, "{e2}");
+        e.to_string()
+    };
+    // A group missing: the state group's layers folded into attention.
+    let mut missing = base.clone();
+    missing.groups.truncate(1);
+    missing.groups[0].layers = (0..8).collect();
+    let msg = refuse(missing);
+    assert!(msg.contains("2 groups") && msg.contains("has 1 ("), "{msg}");
+    // A different state shape.
+    let mut shape = base.clone();
+    if let GroupKind::State { components, .. } = &mut shape.groups[1].kind {
+        components[1].segments[0].head_elems = 4;
+    }
+    let msg = refuse(shape);
+    assert!(
+        msg.contains("state shapes differ") && msg.contains("linear"),
+        "{msg}"
+    );
+    // A state replicated on one side and split on the other.
+    let mut repl = base.clone();
+    repl.groups[1].kind = small_state(2, true);
+    refuse(repl);
+    // A different window.
+    let g = small_model("gpt-oss");
+    let src = hybrid_placement(hlayout(&g, sp, &[4], t), 0, t, 1);
+    let mut w = g.clone();
+    w.groups[1].kind = attn(8, 2, 2, DType::Bf16, Some(16));
+    let dst = hybrid_placement(hlayout(&w, sp, &[4], t), 0, t, 2);
+    let e = Plan::build_groups(&src, &dst, t).unwrap_err();
+    assert_eq!(e.kind(), crate::ErrorKind::Mismatch);
+    let msg = e.to_string();
+    assert!(
+        msg.contains("sliding window") && msg.contains("12") && msg.contains("16"),
+        "{msg}"
+    );
+    // Other layers in a group.
+    let mut moved = g.clone();
+    moved.groups[0].layers = vec![0, 3];
+    moved.groups[1].layers = vec![1, 2];
+    let dst = hybrid_placement(hlayout(&moved, sp, &[4], t), 0, t, 2);
+    let e = Plan::build_groups(&src, &dst, t).unwrap_err();
+    assert_eq!(e.kind(), crate::ErrorKind::Mismatch);
+    // Another physical layout for one group's buffers.
+    let mut phys = hybrid_placement(hlayout(&g, sp, &[4], t), 0, t, 2);
+    phys.layout.groups[1].physical_layout = Some("{4,3,2,1,0:T(8,128)}".into());
+    let mut src2 = src.clone();
+    src2.layout.groups[1].physical_layout = Some("{4,3,2,1,0}".into());
+    let e = Plan::build_groups(&src2, &phys, t).unwrap_err();
+    assert_eq!(e.kind(), crate::ErrorKind::Mismatch);
+    assert!(e.to_string().contains("group 1"), "{e}");
+}
+
+#[test]
+fn bad_group_placements_are_refused() {
+    let t = 30;
+    let m = small_model("qwen3-next");
+    let l = hlayout(&m, spec(2, 1, 1, BlockOrder::Nhd), &[4], t);
+    let good = hybrid_placement(l.clone(), 0, t, 1);
+    good.validate(t).unwrap();
+    let kind = |p: &HybridPlacement| p.validate(t).unwrap_err().kind();
+    let mut two_slots = good.clone();
+    two_slots.block_ids[1][0].push(0);
+    assert_eq!(kind(&two_slots), crate::ErrorKind::BlockRange);
+    let msg = two_slots.validate(t).unwrap_err().to_string();
+    assert!(
+        msg.contains("exactly one") && msg.contains("linear"),
+        "{msg}"
+    );
+    let mut slot_range = good.clone();
+    slot_range.block_ids[1][1][0] = l.groups[1].num_blocks;
+    assert_eq!(kind(&slot_range), crate::ErrorKind::BlockRange);
+    let mut missing_group = good.clone();
+    missing_group.block_ids.pop();
+    assert_eq!(kind(&missing_group), crate::ErrorKind::BlockRange);
+    let mut dup = good.clone();
+    dup.block_ids[0][0][1] = dup.block_ids[0][0][0];
+    assert_eq!(kind(&dup), crate::ErrorKind::BlockRange);
+    // A sliding-window group lists only its window.
+    let g = small_model("gpt-oss");
+    let gl = hlayout(&g, spec(1, 1, 1, BlockOrder::Nhd), &[4], 60);
+    let mut all = hybrid_placement(gl.clone(), 0, 60, 1);
+    all.block_ids[1][0] = scattered(gl.groups[1].num_blocks, 15, 3);
+    let msg = all.validate(60).unwrap_err().to_string();
+    assert!(msg.contains("need 3"), "{msg}");
+    assert!(good.validate(0).is_err());
+}
+
+#[test]
+fn json_round_trips_and_refuses_unknown_keys() {
+    let t = 20;
+    let m = small_model("deepseek-v3.2");
+    let p = hybrid_placement(
+        hlayout(&m, spec(2, 1, 1, BlockOrder::Nhd), &[8], t),
+        0,
+        t,
+        5,
+    );
+    let json = serde_json::to_string(&p).unwrap();
+    let back: HybridPlacement = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, p);
+    let bad = json.replacen("\"dp_rank\"", "\"dp_rnk\"", 1);
+    assert!(serde_json::from_str::<HybridPlacement>(&bad).is_err());
+    let bad = json.replacen("\"scale_bytes\"", "\"scale_bytes\":4,\"extra\"", 1);
+    assert!(
+        serde_json::from_str::<HybridPlacement>(&bad).is_err(),
+        "{bad}"
+    );
+}
+
+#[test]
+fn presets_plan_exactly_their_needed_bytes() {
+    // Real preset geometry (no byte simulation): moved == needed for each group, resharded.
+    let t = 300;
+    for name in crate::layout::HYBRID_PRESETS {
+        let m = HybridModel::preset(name).unwrap();
+        let src = hybrid_placement(
+            hlayout(&m, spec(2, 2, 1, BlockOrder::Nhd), &[64], t),
+            0,
+            t,
+            1,
+        );
+        let dst = hybrid_placement(
+            hlayout(&m, spec(1, 1, 2, BlockOrder::Hnd), &[16], t),
+            1,
+            t,
+            2,
+        );
+        let plan = Plan::build_groups(&src, &dst, t).unwrap();
+        let moved = plan.group_bytes(&dst.layout);
+        assert_eq!(moved, dst.needed_bytes(t).unwrap(), "{name}");
+        assert!(moved.iter().all(|&b| b > 0), "{name}: {moved:?}");
+        // Both sides compute the same plan (the digest the handshake compares).
+        let again = Plan::build_groups(&src, &dst, t).unwrap();
+        assert_eq!(spans_digest(&plan.spans), spans_digest(&again.spans));
+    }
+    // Qwen3-Next's state per layer and rank: conv 3 x 8192 + ssm 32 x 128 x 128, bf16.
+    let m = HybridModel::preset("qwen3-next-80b").unwrap();
+    let l = hlayout(&m, spec(1, 1, 1, BlockOrder::Nhd), &[16], t);
+    let p = hybrid_placement(l, 0, t, 1);
+    assert_eq!(
+        p.needed_bytes(t).unwrap()[1],
+        36 * (3 * 8192 * 2 + 32 * 128 * 128 * 2)
+    );
+}
+
+/// One random group: kind, heads and sizes kept small.
+fn arb_kind() -> impl Strategy<Value = GroupKind> {
+    let heads = proptest::sample::select(vec![1u32, 2, 4, 8]);
+    let dtype = prop_oneof![Just(DType::Bf16), Just(DType::F32), Just(DType::Fp8)];
+    prop_oneof![
+        (
+            heads.clone(),
+            1u32..4,
+            1u32..=2,
+            dtype.clone(),
+            proptest::option::of(1u32..40)
+        )
+            .prop_map(|(h, d, p, t, w)| attn(h, d, p, t, w)),
+        (1u32..6, dtype.clone()).prop_map(|(d, t)| GroupKind::Mla {
+            head_dim: d,
+            dtype: t
+        }),
+        (1u32..6, dtype.clone(), 0u32..5).prop_map(|(d, t, s)| GroupKind::Indexer {
+            head_dim: d,
+            dtype: t,
+            scale_bytes: s,
+        }),
+        (
+            proptest::collection::vec(
+                (
+                    dtype,
+                    1u32..3,
+                    proptest::collection::vec((heads.clone(), 1u32..4), 1..3)
+                ),
+                1..3
+            ),
+            any::<bool>()
+        )
+            .prop_map(|(comps, replicated)| GroupKind::State {
+                components: comps
+                    .into_iter()
+                    .map(|(t, rows, segs)| StateComponent::new("c", t, rows, &segs))
+                    .collect(),
+                replicated,
+            }),
+    ]
+}
+
+/// A random model: 1..=4 groups over a shuffled set of layers.
+fn arb_model() -> impl Strategy<Value = HybridModel> {
+    (
+        proptest::collection::vec((arb_kind(), 1usize..3), 1..=4),
+        any::<u64>(),
+    )
+        .prop_map(|(groups, seed)| {
+            let n: usize = groups.iter().map(|g| g.1).sum();
+            let order = scattered(n as u32, n, seed);
+            let mut at = 0;
+            let groups = groups
+                .into_iter()
+                .enumerate()
+                .map(|(i, (kind, k))| {
+                    let mut layers = order[at..at + k].to_vec();
+                    layers.sort_unstable();
+                    at += k;
+                    KvGroup::new(&format!("g{i}"), layers, kind)
+                })
+                .collect();
+            HybridModel {
+                name: "random".into(),
+                groups,
+            }
+        })
+}
+
+/// One side: TP, PCP, DP, default order, per-group block sizes.
+fn arb_side() -> impl Strategy<Value = (u32, u32, u32, BlockOrder, Vec<u32>)> {
+    (
+        proptest::sample::select(vec![1u32, 2, 4]),
+        1u32..=3,
+        1u32..=2,
+        prop_oneof![Just(BlockOrder::Nhd), Just(BlockOrder::Hnd)],
+        proptest::collection::vec(proptest::sample::select(vec![1u32, 3, 4, 16]), 1..=4),
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: if cfg!(miri) { 2 } else { 128 }, .. ProptestConfig::default() })]
+
+    /// Random group mixes (kinds, sizes, windows, state shapes, TP/PCP/DP, block sizes and
+    /// orders per group, block counts per group): every destination byte of every group
+    /// arrives exactly once, nothing else changes, and moved / needed = 1.00 per group.
+    #[test]
+    fn random_group_mixes_move_exactly_what_is_needed(
+        m in arb_model(),
+        tokens in 1u32..70,
+        seed in any::<u64>(),
+        s in arb_side(),
+        d in arb_side(),
+    ) {
+        prop_assume!(m.validate().is_ok());
+        let sl = hlayout(&m, spec(s.0, s.1, s.2, s.3), &s.4, tokens);
+        let dl = hlayout(&m, spec(d.0, d.1, d.2, d.3), &d.4, tokens);
+        let src = hybrid_placement(sl, seed as u32 % s.2, tokens, seed);
+        let dst = hybrid_placement(dl, (seed >> 8) as u32 % d.2, tokens, !seed);
+        let plan = Plan::build_groups(&src, &dst, tokens).unwrap();
+        simulate(&src, &dst, tokens, &plan);
+        let again = Plan::build_groups(&src, &dst, tokens).unwrap();
+        for (a, b) in plan.pairs() {
+            prop_assert_eq!(spans_digest(&plan.pair_spans(a, b)), spans_digest(&again.pair_spans(a, b)));
+        }
+    }
+
+    /// Uniform models: the one-group plan is Plan::build's plan, span for span.
+    #[test]
+    fn uniform_group_plan_equals_the_uniform_plan(
+        heads in proptest::sample::select(vec![1u32, 2, 4, 8]),
+        mla in any::<bool>(),
+        tokens in 1u32..80,
+        seed in any::<u64>(),
+        s in arb_side(),
+        d in arb_side(),
+        lbhnc in any::<bool>(),
+    ) {
+        let (heads, planes) = if mla { (1, 1) } else { (heads, 2) };
+        let m = ModelKv { name: "t".into(), num_layers: 2, num_kv_heads: heads, head_dim: 4, kv_planes: planes, dtype: DType::Bf16 };
+        let mk = |side: &(u32, u32, u32, BlockOrder, Vec<u32>), bs: u32| {
+            let order = if lbhnc { BlockOrder::Lbhnc } else { side.3 };
+            let spec = ParallelSpec { tp: side.0, pcp: side.1, dp: side.2, block_size: bs, order };
+            let mut l = ParallelLayout::new(m.clone(), spec, 1).unwrap().with_block_format("f");
+            l.num_blocks = uniform_chunk(&l, tokens, 0).len() as u32 * 2 + 3;
+            l
+        };
+        let (sbs, dbs) = if lbhnc { (s.4[0], s.4[0]) } else { (s.4[0], d.4[0]) };
+        let sl = mk(&s, sbs);
+        let dl = mk(&d, dbs);
+        let place = |l: ParallelLayout, dp: u32, seed: u64| {
+            let ids = (0..l.spec.ranks_per_replica())
+                .map(|local| scattered(l.num_blocks, uniform_chunk(&l, tokens, local / l.spec.tp).len(), seed ^ local as u64))
+                .collect();
+            crate::plan::Placement { layout: l, dp_rank: dp, block_ids: ids }
+        };
+        let src = place(sl, seed as u32 % s.2, seed);
+        let dst = place(dl, (seed >> 8) as u32 % d.2, !seed);
+        let a = Plan::build(&src, &dst, tokens).unwrap();
+        let b = Plan::build_groups(&HybridPlacement::from_uniform(&src), &HybridPlacement::from_uniform(&dst), tokens).unwrap();
+        prop_assert_eq!(&a, &b);
+        prop_assert_eq!(HybridPlacement::from_uniform(&dst).needed_bytes(tokens).unwrap(), vec![a.total_bytes()]);
+    }
+
+    /// Sliding-window and full attention groups in the opaque LBHNC order (equal block sizes):
+    /// whole regions of the window's blocks.
+    #[test]
+    fn lbhnc_groups_move_whole_window_blocks(
+        heads in proptest::sample::select(vec![1u32, 2, 4]),
+        window in 1u32..40,
+        tokens in 1u32..70,
+        bs in proptest::sample::select(vec![1u32, 4, 16]),
+        seed in any::<u64>(),
+        s in arb_side(),
+        d in arb_side(),
+    ) {
+        let m = HybridModel {
+            name: "lb".into(),
+            groups: vec![
+                KvGroup::new("full", [0], attn(heads, 2, 2, DType::F32, None)),
+                KvGroup::new("sliding", [1, 2], attn(heads, 2, 2, DType::F32, Some(window))),
+            ],
+        };
+        let mk = |side: &(u32, u32, u32, BlockOrder, Vec<u32>)| {
+            let mut l = hlayout(&m, spec(side.0, side.1, side.2, BlockOrder::Lbhnc), &[bs], tokens);
+            for gl in &mut l.groups { gl.block_format = Some("test/f32".into()); }
+            l
+        };
+        let src = hybrid_placement(mk(&s), seed as u32 % s.2, tokens, seed);
+        let dst = hybrid_placement(mk(&d), (seed >> 8) as u32 % d.2, tokens, !seed);
+        let plan = Plan::build_groups(&src, &dst, tokens).unwrap();
+        simulate(&src, &dst, tokens, &plan);
+    }
+}
+
+#[test]
+fn the_documented_json_placement_is_valid() {
+    let doc = include_str!("../../../../docs/hybrid.md");
+    let start = doc.find("```json\n").unwrap() + 8;
+    let end = start + doc[start..].find("```").unwrap();
+    let p: HybridPlacement = serde_json::from_str(&doc[start..end]).unwrap();
+    p.validate(18).unwrap();
+    let plan = Plan::build_groups(&p, &p, 18).unwrap();
+    assert_eq!(plan.group_bytes(&p.layout), p.needed_bytes(18).unwrap());
+}
