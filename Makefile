@@ -111,7 +111,13 @@ python: plugin protoc $(PYVENV)/bin/maturin
 	cd bindings/python && CARGO_TARGET_DIR=$(CURDIR)/target $(PYVENV)/bin/maturin build --release --strip -q -o $(CURDIR)/target/wheels
 	$(PYVENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps target/wheels/tpu_sync-*.whl
 
-test-python: python
+# Test-only Python packages: the Prometheus text parser, ZMQ and msgpack for the KV-event subscriber.
+PYTEST_DEPS := $(PYVENV)/.tpu-sync-test-deps-1
+$(PYTEST_DEPS): $(PYVENV)/bin/maturin
+	$(PYVENV)/bin/pip install -q --disable-pip-version-check "prometheus_client>=0.20" "pyzmq>=25" "msgspec>=0.18"
+	touch $@
+
+test-python: python $(PYTEST_DEPS)
 	cd bindings/python && $(PYVENV)/bin/python -m pytest -q tests
 
 # Fuzzing (not part of `make test`): each cargo-fuzz target runs FUZZ_SECONDS. cargo-fuzz needs

@@ -371,6 +371,8 @@ fn print_report(r: &Report) {
 /// `tpu-sync prefill`.
 pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Result<ExitCode> {
     let t0 = Instant::now();
+    let _span =
+        tracing::info_span!("request", request_id = job.request_id, side = "prefill").entered();
     // Validate everything (the decode side's spec too, so a bad pair fails on both sides).
     validate(job)?;
     let m = model(job)?;
@@ -504,6 +506,8 @@ fn offer_ranks(ranks: Option<&[u32]>, place: &Placement) -> String {
 /// prefill, and a given one must match it.
 pub fn decode(job: &JobArgs, connect: &str, tokens: Option<u32>) -> Result<ExitCode> {
     let t0 = Instant::now();
+    let _span =
+        tracing::info_span!("request", request_id = job.request_id, side = "decode").entered();
     validate_decode(job)?;
     let m = model(job)?;
     let spec = decode_spec(job)?;

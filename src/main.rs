@@ -26,7 +26,9 @@ macro_rules! errln {
 mod bench;
 mod demo;
 mod kvproc;
+mod logging;
 mod store_demo;
+mod top;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -40,6 +42,14 @@ use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+    /// Log format on stderr: `text` (env_logger lines, as always) or `json` (one JSON object per
+    /// line from the `tracing` subscriber: log lines, and each span of a transfer (request,
+    /// transfer, plan, stage_d2h, network, h2d, release; with the request id) when it closes,
+    /// with its busy and idle time). The level comes from RUST_LOG (default `warn`; `info`
+    /// shows the spans). Default: $TPU_SYNC_LOG_FORMAT, else text (`demo` passes it to its two
+    /// processes).
+    #[arg(long, global = true, value_enum)]
+    log_format: Option<logging::LogFormat>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -90,6 +100,9 @@ enum Cmd {
     /// Helper process of `bench` (the remote side of its network scenarios).
     #[command(hide = true)]
     BenchPeer(bench::PeerArgs),
+    /// Live view of a running process's metrics from its HTTP endpoint (TPU_SYNC_METRICS_ADDR):
+    /// throughput per direction, transfers in flight, peers, host-tier occupancy and hit rate.
+    Top(top::TopArgs),
 }
 
 /// Flags shared by `demo`, `prefill` and `decode`.
@@ -212,7 +225,6 @@ fn quiet_panics() {
 
 fn main() -> ExitCode {
     quiet_panics();
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let matches = Cli::command().get_matches();
     // `decode --tokens` counts only when given on the command line (the default is prefill's).
     let decode_tokens_given = matches
@@ -223,6 +235,7 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
+    logging::init(cli.log_format);
     let r = match cli.cmd {
         Cmd::Demo(job) => demo::run(&job),
         Cmd::Prefill { job, listen, ranks } => {
@@ -236,6 +249,7 @@ fn main() -> ExitCode {
         Cmd::Shm { cmd } => store_demo::shm(&cmd),
         Cmd::Bench(a) => bench::run(&a),
         Cmd::BenchPeer(a) => bench::peer_main(&a),
+        Cmd::Top(a) => top::run(&a),
     };
     match r {
         Ok(code) => code,

@@ -18,9 +18,11 @@ SPEC keys:
 
 OUT: {"runs": [{"outputs": [{"token_ids", "num_cached_tokens", "finish_reason",
 "kv_transfer_params", "prompt_len"}], "wall_s"}], "scheduler_stats", "worker_stats",
-"tier_stats", "t_engine_s", "metrics"}; metrics holds vLLM's own prefix-cache counters
-(``vllm:external_prefix_cache_hits``, ``vllm:prompt_tokens_cached_by_source{source=host|p2p}``, ...),
-i.e. what the engine itself reports about the connector's hits.
+"tier_stats", "t_engine_s", "metrics", "tpu_sync_metrics"}; metrics holds vLLM's own prefix-cache
+counters (``vllm:external_prefix_cache_hits``, ``vllm:prompt_tokens_cached_by_source{source=host|p2p}``,
+...), i.e. what the engine itself reports about the connector's hits, and the connector's own
+``vllm:tpu_sync_*`` metrics (histograms as ``_count``/``_sum``); tpu_sync_metrics is the
+library's Prometheus text (``tpu_sync.metrics()``) at the end.
 
 Environment: HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 (one
 process: the tests read the connector's counters from both sides) VLLM_CPU_KVCACHE_SPACE=1.
@@ -130,12 +132,22 @@ def main() -> None:
             llm.llm_engine.step()
     metrics = {}
     for m in llm.get_metrics():
-        if "prefix_cache" in m.name or "by_source" in m.name or m.name.startswith("vllm:kv"):
+        if ("prefix_cache" in m.name or "by_source" in m.name or m.name.startswith("vllm:kv")
+                or m.name.startswith("vllm:tpu_sync")):
+            labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name"))
+            key = m.name + ("{" + labels + "}" if labels else "")
             value = getattr(m, "value", None)
             if isinstance(value, (int, float)):
-                labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name"))
-                metrics[m.name + ("{" + labels + "}" if labels else "")] = value
-    res = dict(runs=runs, t_engine_s=round(t_engine, 2), metrics=metrics,
+                metrics[key] = value
+            elif isinstance(getattr(m, "count", None), (int, float)):  # a histogram
+                metrics[m.name + "_count" + key[len(m.name):]] = m.count
+                metrics[m.name + "_sum" + key[len(m.name):]] = m.sum
+    tpu_sync_metrics = None
+    if c:
+        import tpu_sync
+
+        tpu_sync_metrics = tpu_sync.metrics()
+    res = dict(runs=runs, t_engine_s=round(t_engine, 2), metrics=metrics, tpu_sync_metrics=tpu_sync_metrics,
                scheduler_stats=dict(sched.scheduler_side.stats) if sched is not None and sched.scheduler_side else None,
                worker_stats=dict(worker.worker_side.stats) if worker is not None and worker.worker_side else None)
     try:

@@ -98,6 +98,18 @@ class Engines:
             return "(no log)"
 
 
+def tpu_sync_samples(res):
+    """The library's metrics of an engine run (``tpu_sync.metrics()`` text), parsed with
+    prometheus_client's parser: {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(res["tpu_sync_metrics"]):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
 def toks(res, i=0):
     return [o["token_ids"] for o in res["runs"][i]["outputs"]]
 
@@ -153,6 +165,23 @@ def test_pd_decode_matches_plain_and_reports_external_tokens(engines, plain, wor
     assert m["vllm:prompt_tokens_by_source{source=external_kv_transfer}"] == sum(LENS), m
     assert c["worker_stats"]["pulls_done"] == len(LENS) and c["worker_stats"]["pulls_failed"] == 0
     assert c["scheduler_stats"]["p2p_tokens"] == sum(LENS)
+    if BACKEND != "ref":
+        # The connector's stats through vLLM's connector-stats hooks, on vLLM's own metrics: every
+        # pull, its bytes (those the library counted as received) and durations, no failure.
+        lib = tpu_sync_samples(c)
+        received = lib[("tpu_sync_net_bytes_total", (("direction", "receive"), ("transport", "tcp")))]
+        assert received > 0
+        assert lib[("tpu_sync_transfers_completed_total", (("direction", "receive"), ("transport", "tcp")))] == len(LENS)
+        assert m["vllm:tpu_sync_transfers"] == len(LENS), m
+        assert m["vllm:tpu_sync_bytes_transferred"] == received, m
+        assert m["vllm:tpu_sync_xfer_time_seconds_count"] == len(LENS), m
+        assert m["vllm:tpu_sync_xfer_time_seconds_sum"] > 0, m
+        assert not [k for k, v in m.items() if k.startswith("vllm:tpu_sync_failed_transfers") and v], m
+        assert lib[("tpu_sync_device_copy_bytes_total", (("direction", "h2d"),))] > 0
+        # The producer's library metrics (taken when it wrote its output, before the pulls): the
+        # D2H of the blocks it staged for them.
+        plib = tpu_sync_samples(p)
+        assert plib[("tpu_sync_device_copy_bytes_total", (("direction", "d2h"),))] >= received
 
 
 def test_pd_reshards_tp1_prefill_into_tp2_decode(engines, plain):
@@ -257,6 +286,16 @@ def test_offload_second_pass_hits_host_tier(engines, plain, offload_state, workd
     assert s["host_hit_tokens"] == sum(want) and s["failed_loads"] == 0
     assert res["worker_stats"]["saved_blocks"] == sum(n // BS for n in LENS)
     assert res["worker_stats"]["loaded_blocks"] == sum(want) // BS
+    if BACKEND != "ref":
+        # vLLM's /metrics carries the connector's offload counters; the library's own metrics
+        # count the same blocks as host-tier hits and puts, read back by a Prometheus parser.
+        assert m["vllm:tpu_sync_offload_saved_blocks"] == sum(n // BS for n in LENS), m
+        assert m["vllm:tpu_sync_offload_loaded_blocks"] == sum(want) // BS, m
+        lib = tpu_sync_samples(res)
+        assert lib[("tpu_sync_store_put_blocks_total", (("result", "stored"),))] == sum(n // BS for n in LENS)
+        assert lib[("tpu_sync_store_get_blocks_total", (("tier", "dram"),))] == sum(want) // BS
+        assert lib[("tpu_sync_store_lookup_blocks_total", (("result", "hit"), ("tier", "dram")))] >= sum(want) // BS
+        assert lib[("tpu_sync_store_blocks", (("tier", "dram"),))] == sum(n // BS for n in LENS)
     offload_state["b"] = True
 
 

@@ -37,6 +37,8 @@ pub mod api;
 pub mod cluster;
 pub mod device;
 pub mod endpoint;
+pub mod kv_events;
+pub mod metrics;
 pub mod store;
 
 pub use api::*;
@@ -45,5 +47,7 @@ pub use completion::{tpu_sync_callback, tpu_sync_callbacks_disable};
 pub use device::*;
 pub use endpoint::*;
 pub use handle::{tpu_sync_handle_kind, tpu_sync_handle_stats};
+pub use kv_events::*;
+pub use metrics::*;
 pub use status::{tpu_sync_last_error, tpu_sync_status, tpu_sync_status_name};
 pub use store::*;

@@ -159,6 +159,7 @@ struct ConfigJson {
     huge_pages: Option<bool>,
     populate: Option<bool>,
     staging_budget_bytes: Option<u64>,
+    kv_events: Option<crate::kv_events::KvEventsJson>,
 }
 
 /// Creates a host KV store from a NUL-terminated JSON configuration (borrowed for the call):
@@ -174,8 +175,11 @@ struct ConfigJson {
 ///  "verify_checksums": true,      // check each block's xxh3 on get
 ///  "background": false,           // prepare memory on a thread; see tpu_sync_store_state
 ///  "lock_memory": true, "huge_pages": true, "populate": true,
-///  "staging_budget_bytes": 2147483648}  // the tier's own budget of pinned bytes (default: the
+///  "staging_budget_bytes": 2147483648,  // the tier's own budget of pinned bytes (default: the
 ///                                 // process-wide budget shared with every endpoint's staging)
+///  "kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": null, ...}}
+///                                 // vLLM-format KV events over ZMQ (off when absent); keys in
+///                                 // tpu_sync_store_kv_events' documentation
 /// ```
 ///
 /// `dma_client`: NULL, or a client whose plugin maps the DRAM slots for DMA
@@ -232,6 +236,7 @@ pub unsafe extern "C" fn tpu_sync_store_new(
             huge_pages: j.huge_pages.unwrap_or(d.huge_pages),
             populate: j.populate.unwrap_or(d.populate),
         };
+        cfg.kv_events = j.kv_events.map(crate::kv_events::KvEventsJson::into_config);
         if !dma_client.is_null() {
             let c: Arc<ClientObj> = handle::get(K::TPU_SYNC_HANDLE_CLIENT, dma_client)?;
             cfg.dma_client = Some(c.client.clone());

@@ -689,6 +689,15 @@ impl Job {
             }),
         };
         counters.batch_done(r.is_ok());
+        crate::metrics::device_copy(
+            match self.kind {
+                JobKind::D2h | JobKind::D2hHost => Direction::D2h,
+                JobKind::H2dRaw(_) | JobKind::H2dHost => Direction::H2d,
+            },
+            self.shared.bytes_done.load(Ordering::Relaxed),
+            self.shared.start.elapsed().as_secs_f64(),
+            r.is_ok(),
+        );
         self.finished = true;
         self.shared.complete(r);
     }

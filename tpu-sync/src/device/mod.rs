@@ -143,6 +143,12 @@ fn batch_of(mut batch: CopyBatch, ops: &[RawCopy<'_>]) -> Result<CopyBatch> {
 /// Every `host..host+len` must be valid for writes and not accessed by anyone else until this
 /// function returns.
 pub unsafe fn d2h_batch(ops: &[RawCopy<'_>], max_outstanding: usize) -> Result<CopyStats> {
+    let _span = tracing::info_span!(
+        "stage_d2h",
+        copies = ops.len(),
+        bytes = ops.iter().map(|o| o.len).sum::<u64>()
+    )
+    .entered();
     let mut batch = batch_of(CopyBatch::d2h(), ops)?;
     batch.set_max_outstanding_chunks(max_outstanding);
     // SAFETY: forwarded caller contract; we wait for completion before returning.
@@ -161,6 +167,12 @@ pub unsafe fn d2h_batch(ops: &[RawCopy<'_>], max_outstanding: usize) -> Result<C
 /// No computation may be reading or writing the destination ranges concurrently (the caller owns
 /// those blocks, as a serving engine owns blocks it allocated to a request).
 pub unsafe fn h2d_batch(caps: &Capabilities, ops: &[RawCopy<'_>]) -> Result<CopyStats> {
+    let _span = tracing::info_span!(
+        "h2d",
+        copies = ops.len(),
+        bytes = ops.iter().map(|o| o.len).sum::<u64>()
+    )
+    .entered();
     let batch = batch_of(CopyBatch::h2d(caps)?, ops)?;
     // SAFETY: forwarded caller contract; we wait for completion before returning.
     let handle = unsafe { batch.submit(Pacer::global()) }?;

@@ -199,6 +199,14 @@ impl Counters {
     }
 }
 
+impl crate::metrics::Source for Counters {
+    fn sample(&self, s: &mut crate::metrics::Sample) {
+        s.dma_inflight_bytes += self.inflight.load(Ordering::Relaxed);
+        s.dma_inflight_limit_bytes += self.max_inflight.load(Ordering::Relaxed);
+        s.dma_inflight_peak_bytes += self.peak.load(Ordering::Relaxed);
+    }
+}
+
 /// What a completion needs to account for one chunk: cheap to clone, holds no PJRT object.
 #[derive(Clone)]
 pub(crate) struct ChunkCtx {
@@ -390,6 +398,8 @@ impl Pacer {
             wake_inflight_at: AtomicU64::new(u64::MAX),
             paused: std::sync::atomic::AtomicBool::new(false),
         });
+        let weak: std::sync::Weak<dyn crate::metrics::Source> = Arc::downgrade(&counters) as _;
+        crate::metrics::register_source(weak);
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let c = counters.clone();
         let handle = thread::Builder::new()

@@ -1,6 +1,8 @@
 //! [`Stats`] (the snapshot callers see) and the data path's shared atomic [`Counters`].
 
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use super::TransportKind;
 
 #[cfg(doc)]
 use super::{Endpoint, EndpointOptions};
@@ -56,4 +58,41 @@ pub(crate) struct Counters {
     pub(crate) peers_lost: AtomicU64,
     pub(crate) lanes_refused: AtomicU64,
     pub(crate) corrupted: AtomicBool,
+    /// The endpoint's transport, the `transport` label of its Prometheus metrics.
+    pub(crate) transport: Option<TransportKind>,
+}
+
+/// The counter sites of the data plane: each updates the endpoint's own counter ([`Stats`]) and
+/// the process's Prometheus metrics ([`crate::metrics`]).
+impl Counters {
+    pub(crate) fn for_transport(t: TransportKind) -> Counters {
+        Counters {
+            transport: Some(t),
+            ..Counters::default()
+        }
+    }
+
+    pub(crate) fn transport(&self) -> TransportKind {
+        self.transport.unwrap_or(TransportKind::Tcp)
+    }
+
+    pub(crate) fn sent(&self, n: u64) {
+        self.bytes_sent.fetch_add(n, Ordering::Relaxed);
+        crate::metrics::net_bytes(self.transport(), crate::metrics::NetDirection::Send, n);
+    }
+
+    pub(crate) fn received(&self, n: u64) {
+        self.bytes_received.fetch_add(n, Ordering::Relaxed);
+        crate::metrics::net_bytes(self.transport(), crate::metrics::NetDirection::Receive, n);
+    }
+
+    pub(crate) fn checksum_failed(&self) {
+        self.checksum_failures.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::checksum_failure(crate::metrics::ChecksumSource::Network);
+    }
+
+    pub(crate) fn peer_lost(&self) {
+        self.peers_lost.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::peer_lost();
+    }
 }

@@ -291,7 +291,7 @@ pub(crate) async fn send_stripe(
                 .await?;
             done_sent = last;
         }
-        counters.bytes_sent.fetch_add(b - a, Ordering::Relaxed);
+        counters.sent(b - a);
         sent += b - a;
     }
     if !done_sent {
@@ -423,7 +423,7 @@ pub(crate) async fn recv_stripe(
                 false,
             ));
         }
-        counters.bytes_received.fetch_add(n, Ordering::Relaxed);
+        counters.received(n);
         match outcome {
             DataOutcome::Ok => {
                 got += n;
@@ -433,7 +433,7 @@ pub(crate) async fn recv_stripe(
                 }
             }
             DataOutcome::BadChecksum => {
-                counters.checksum_failures.fetch_add(1, Ordering::Relaxed);
+                counters.checksum_failed();
                 bad.get_or_insert(Error::Checksum(format!(
                     "request {request_id}: {n} bytes at stream offset {a} (stripe {}/{}, dst rank \
                      {dst_rank})",

@@ -177,6 +177,20 @@ pub enum Take {
     NoSpace,
 }
 
+/// A block gained or lost its copy in one tier (recorded only while
+/// [`Index::record_changes`] is on; the host tier's KV events are built from these, in order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Change {
+    /// The block.
+    pub key: u128,
+    /// The block before it in its chain.
+    pub parent: Option<u128>,
+    /// `false`: the DRAM copy; `true`: the disk copy.
+    pub disk: bool,
+    /// The copy became readable (`true`) or went away (`false`).
+    pub stored: bool,
+}
+
 /// Summary of entries dropped by [`Index::drop_entry`], [`Index::remove`] and [`Index::clear`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Dropped {
@@ -204,6 +218,7 @@ pub struct Index {
     unlink: Vec<u128>,
     /// Keys of entries removed since the last [`Index::drain_gone`], while tracking is on.
     gone: Option<Vec<u128>>,
+    changes: Option<Vec<Change>>,
 }
 
 impl Index {
@@ -233,6 +248,7 @@ impl Index {
             invalidate: Vec::new(),
             unlink: Vec::new(),
             gone: None,
+            changes: None,
         }
     }
 
@@ -566,6 +582,7 @@ impl Index {
             return None;
         }
         self.entries[id as usize].on_disk = true;
+        self.note(id, true, true);
         self.disk_count += 1;
         self.set_dram(id, Dram::Absent);
         self.invalidate.push(v.slot);
@@ -639,6 +656,7 @@ impl Index {
         }
         self.disk_reserved -= 1;
         self.entries[id as usize].on_disk = true;
+        self.note(id, true, true);
         self.disk_count += 1;
         self.refresh(id);
         true
@@ -686,6 +704,7 @@ impl Index {
         e.on_disk = false;
         self.disk_count -= 1;
         self.unlink.push(e.key);
+        self.note(id, true, false);
         let gone = !self.entries[id as usize].visible()
             && self.entries[id as usize].dram == Dram::Absent
             && self.entries[id as usize].pins == 0;
@@ -742,6 +761,7 @@ impl Index {
             self.entries[id as usize].on_disk = false;
             self.disk_count -= 1;
             self.unlink.push(self.entries[id as usize].key);
+            self.note(id, true, false);
         }
         let e = &mut self.entries[id as usize];
         if e.pins > 0 || e.evicting || matches!(e.dram, Dram::Filling { .. }) {
@@ -862,6 +882,31 @@ impl Index {
             .collect()
     }
 
+    /// Starts (or stops) recording every [`Change`] of a DRAM or disk copy.
+    pub fn record_changes(&mut self, on: bool) {
+        self.changes = on.then(Vec::new);
+    }
+
+    /// The changes recorded since the last call, in order (empty when not recording).
+    pub fn drain_changes(&mut self) -> Vec<Change> {
+        match &mut self.changes {
+            Some(c) => std::mem::take(c),
+            None => Vec::new(),
+        }
+    }
+
+    fn note(&mut self, id: EntryId, disk: bool, stored: bool) {
+        if let Some(c) = &mut self.changes {
+            let e = &self.entries[id as usize];
+            c.push(Change {
+                key: e.key,
+                parent: e.parent,
+                disk,
+                stored,
+            });
+        }
+    }
+
     // ----- internals -----
 
     fn insert(&mut self, key: u128, parent: Option<u128>, tick: u64) -> EntryId {
@@ -932,6 +977,7 @@ impl Index {
         let is_present = matches!(d, Dram::Present { .. });
         let parent = e.parent;
         if was_present != is_present {
+            self.note(id, false, is_present);
             if is_present {
                 self.dram_count += 1;
             } else {

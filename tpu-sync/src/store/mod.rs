@@ -180,6 +180,8 @@ pub struct StoreConfig {
     /// process-wide budget shared with every transfer pipeline
     /// ([`crate::budget::StagingBudget::process`]).
     pub staging_budget: Option<Arc<StagingBudget>>,
+    /// Publish vLLM-format KV events of the tier over ZMQ ([`crate::kv_events`]); default off.
+    pub kv_events: Option<crate::kv_events::KvEventsConfig>,
     /// Test hooks.
     #[doc(hidden)]
     pub hooks: Hooks,
@@ -201,6 +203,7 @@ impl StoreConfig {
             background: false,
             dma_client: None,
             staging_budget: None,
+            kv_events: None,
             hooks: Hooks::default(),
         }
     }
@@ -314,6 +317,8 @@ struct Counters {
     bad_files: std::sync::atomic::AtomicU64,
     bytes_put: std::sync::atomic::AtomicU64,
     bytes_got: std::sync::atomic::AtomicU64,
+    /// Blocks pinned by live leases (a gauge, for metrics).
+    leased: std::sync::atomic::AtomicU64,
 }
 
 fn add(c: &std::sync::atomic::AtomicU64, n: u64) {
@@ -537,6 +542,7 @@ struct Core {
     c: Counters,
     namespace: Namespace,
     observers: observe::Observers,
+    events: Option<crate::kv_events::StoreEvents>,
     /// The segment's bytes in the pinned-memory budget (returned after `seg` is unmapped).
     _budget: Option<Reservation>,
 }
@@ -591,6 +597,36 @@ impl Core {
                 d.remove(k);
             }
         }
+        let events = match &cfg.kv_events {
+            None => None,
+            Some(ec) => {
+                let p = crate::kv_events::KvEventPublisher::start(ec)?;
+                let ev =
+                    crate::kv_events::StoreEvents::new(p, geo.num_slots + disk_cap.unwrap_or(0));
+                // Subscribers learn that this tier starts over, then what it restored.
+                ev.all_cleared();
+                let restored: Vec<index::Change> = ix
+                    .live_ids()
+                    .flat_map(|id| {
+                        let e = ix.entry(id);
+                        let (key, parent) = (e.key, e.parent);
+                        let dram = matches!(e.dram, Dram::Present { .. });
+                        [(false, dram), (true, e.on_disk)]
+                            .into_iter()
+                            .filter(|(_, has)| *has)
+                            .map(move |(disk, _)| index::Change {
+                                key,
+                                parent,
+                                disk,
+                                stored: true,
+                            })
+                    })
+                    .collect();
+                ev.publish(&restored);
+                ix.record_changes(true);
+                Some(ev)
+            }
+        };
         let (dma, dma_status) = match &cfg.dma_client {
             None => (None, DmaStatus::NotRequested),
             Some(client) => {
@@ -630,6 +666,16 @@ impl Core {
             restored_disk_blocks: ix.disk_blocks().min(nf),
             prepare_secs: t0.elapsed().as_secs_f64(),
         };
+        crate::metrics::store_opened(
+            match info.attach {
+                Attach::Anonymous => crate::metrics::AttachOutcome::Anonymous,
+                Attach::Created => crate::metrics::AttachOutcome::Created,
+                Attach::Attached => crate::metrics::AttachOutcome::Attached,
+                Attach::Reformatted(_) => crate::metrics::AttachOutcome::Reformatted,
+            },
+            info.restored_dram_blocks,
+            info.restored_disk_blocks,
+        );
         Ok(Core {
             _dma: dma,
             seg,
@@ -641,6 +687,7 @@ impl Core {
             c: Counters::default(),
             namespace: cfg.namespace.clone(),
             observers: observe::Observers::default(),
+            events,
             _budget: budget,
         })
     }
@@ -658,6 +705,10 @@ impl Core {
             for k in gone {
                 d.remove(k);
             }
+        }
+        if let Some(ev) = &self.events {
+            // Under the index lock: batches leave in the order of the changes.
+            ev.publish(&ix.drain_changes());
         }
         if self.observers.active() {
             // Under the index lock, so observers see changes in the order they happened.
@@ -683,6 +734,7 @@ impl Core {
                     Take::Slot { slot, evicted } => {
                         if evicted.is_some() {
                             add(&self.c.evictions, 1);
+                            crate::metrics::store_evictions(1);
                         }
                         ix.assign_slot(id, slot);
                     }
@@ -736,9 +788,11 @@ impl Core {
                         false
                     }
                 };
+                crate::metrics::store_spill(ok);
                 match ix.finish_spill(*v, ok) {
                     Some(slot) => {
                         add(&self.c.evictions, 1);
+                        crate::metrics::store_evictions(1);
                         ix.assign_slot(ids[*j], slot);
                     }
                     None => stop = stop.min(*j),
@@ -924,9 +978,9 @@ impl Core {
         add(&self.c.put_blocks, total.stored as u64);
         add(&self.c.put_present, total.present as u64);
         add(&self.c.bytes_put, total.bytes);
-        if let Some(f) = total.full_at {
-            add(&self.c.put_full, (chain.len() - f) as u64);
-        }
+        let full = total.full_at.map_or(0, |f| (chain.len() - f) as u64);
+        add(&self.c.put_full, full);
+        crate::metrics::store_put(total.stored as u64, total.present as u64, full, total.bytes);
         result.map(|()| total)
     }
 
@@ -1092,6 +1146,7 @@ impl Core {
     /// Drops a block whose DRAM copy failed its checksum; the error to return.
     fn corrupt(&self, keys: &[BlockKey], it: &Item, delivered: usize) -> Error {
         add(&self.c.corrupt_blocks, 1);
+        crate::metrics::checksum_failure(crate::metrics::ChecksumSource::Store);
         self.with_index(|ix| {
             if ix.find(keys[it.pos].0) == Some(it.id) {
                 ix.drop_entry(it.id);
@@ -1258,6 +1313,7 @@ impl Core {
         add(&self.c.get_dram, rep.from_dram as u64);
         add(&self.c.get_disk, rep.from_disk as u64);
         add(&self.c.bytes_got, rep.bytes);
+        crate::metrics::store_get(rep.from_dram as u64, rep.from_disk as u64, rep.bytes);
         Ok(rep)
     }
 }
@@ -1316,6 +1372,20 @@ impl Drop for DiskPins<'_> {
 struct Shared {
     core: OnceLock<std::result::Result<Core, String>>,
     ready: (Mutex<()>, Condvar),
+}
+
+impl crate::metrics::Source for Shared {
+    fn sample(&self, s: &mut crate::metrics::Sample) {
+        let Some(Ok(c)) = self.core.get() else {
+            return;
+        };
+        let (dram, disk) = c.with_index(|ix| (ix.dram_blocks(), ix.disk_blocks()));
+        s.store_blocks[0] += dram;
+        s.store_blocks[1] += disk;
+        s.store_capacity_blocks[0] += c.seg.geometry().num_slots;
+        s.store_capacity_blocks[1] += c.info.disk.as_ref().map_or(0, |d| d.3);
+        s.store_leased_blocks += rd(&c.c.leased);
+    }
 }
 
 /// The host KV tier (see the module docs). Cheap to clone; `Send + Sync`.
@@ -1377,6 +1447,8 @@ impl KvStore {
             core: OnceLock::new(),
             ready: (Mutex::new(()), Condvar::new()),
         });
+        let weak: std::sync::Weak<dyn crate::metrics::Source> = Arc::downgrade(&shared) as _;
+        crate::metrics::register_source(weak);
         if cfg.background {
             let s = shared.clone();
             std::thread::Builder::new()
@@ -1496,6 +1568,12 @@ impl KvStore {
         add(&c.c.lookups, 1);
         add(&c.c.lookup_blocks, chain.len() as u64);
         add(&c.c.lookup_hits, r.hits as u64);
+        crate::metrics::store_lookup(
+            chain.len() as u64,
+            r.in_dram as u64,
+            r.disk_only as u64,
+            c.disk.is_some(),
+        );
         r
     }
 
@@ -1765,6 +1843,7 @@ impl KvStore {
                 }
                 ix.touch(&ids);
             });
+            add(&c.c.leased, ids.len() as u64);
         }
         Lease {
             store: self.clone(),
@@ -1793,8 +1872,54 @@ impl KvStore {
     /// removed.
     pub fn clear(&self) -> usize {
         self.core()
-            .map(|c| c.with_index(|ix| ix.clear()).keys.len())
+            .map(|c| {
+                c.with_index(|ix| {
+                    let n = ix.clear().keys.len();
+                    if ix.is_empty() {
+                        if let Some(ev) = &c.events {
+                            ev.publish(&ix.drain_changes());
+                            ev.all_cleared();
+                        }
+                    }
+                    n
+                })
+            })
             .unwrap_or(0)
+    }
+
+    /// Describes blocks for the tier's KV events ([`StoreConfig::kv_events`]): `descs[i]` (the
+    /// engine's hash and token ids) is published for `chain[i]` in the events of its copies from
+    /// now on. Call it before storing the blocks; a description is forgotten when the block has
+    /// no copy left. Does nothing when events are off or the tier is not ready.
+    ///
+    /// Errors: [`Error::InvalidArgument`] when the counts differ.
+    pub fn describe_blocks(
+        &self,
+        chain: &[BlockKey],
+        descs: &[crate::kv_events::BlockDesc],
+    ) -> Result<()> {
+        if chain.len() != descs.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} keys but {} block descriptions",
+                chain.len(),
+                descs.len()
+            )));
+        }
+        if let Some(ev) = self.core().and_then(|c| c.events.as_ref()) {
+            let raw: Vec<u128> = chain.iter().map(|k| k.0).collect();
+            ev.describe(&raw, descs);
+        }
+        Ok(())
+    }
+
+    /// The KV events PUB and replay endpoints bound (`tcp://IP:PORT`), when events are on and the
+    /// tier is ready.
+    pub fn kv_events_endpoints(&self) -> Option<(String, Option<String>)> {
+        let ev = self.core()?.events.as_ref()?;
+        Some((
+            ev.publisher.endpoint().to_string(),
+            ev.publisher.replay_endpoint().map(str::to_string),
+        ))
     }
 
     /// Writes every DRAM block without a disk copy to the disk tier (e.g. before a shutdown
@@ -1995,6 +2120,8 @@ impl Drop for Lease {
                     ix.unpin(id);
                 }
             });
+            c.c.leased
+                .fetch_sub(self.ids.len() as u64, std::sync::atomic::Ordering::Relaxed);
         }
     }
 }

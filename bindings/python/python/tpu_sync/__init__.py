@@ -6,7 +6,7 @@ Classes:
     asynchronous batch of device copies, :func:`d2h` / :func:`h2d`), :class:`Store` (the host KV
     tier) with :class:`Lease`, :class:`PutResult`, :class:`GetResult`, :class:`Endpoint` (the
     network data plane: register, pull, push) and its :class:`Transfer`, :class:`Plan` (reshard
-    plan).
+    plan). Prometheus metrics: :func:`metrics` (text), :func:`serve_metrics` (HTTP endpoint).
 Helpers for layouts and placements are in :mod:`tpu_sync.plan`; exceptions in
 :mod:`tpu_sync.errors` (all derive from :class:`TpuSyncError` and carry ``status`` and ``message``).
 
@@ -20,6 +20,7 @@ from .client import Buffer, Client
 from .endpoint import Endpoint, Transfer
 from .device import Copy, d2h, h2d, pacing, pause_pacing, resume_pacing, set_pacing
 from .errors import TpuSyncError
+from .observability import metrics, serve_metrics, set_metrics_enabled
 from .plan import Plan, Span, layout, model, placement, preset
 from .store import GetResult, Lease, PutResult, Store, list_segments, remove_segment
 
@@ -46,6 +47,7 @@ __all__ = [
     "layout",
     "list_segments",
     "live_handles",
+    "metrics",
     "model",
     "pacing",
     "pause_pacing",
@@ -53,5 +55,7 @@ __all__ = [
     "preset",
     "remove_segment",
     "resume_pacing",
+    "serve_metrics",
+    "set_metrics_enabled",
     "set_pacing",
 ]

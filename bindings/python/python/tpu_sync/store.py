@@ -167,6 +167,12 @@ class Store(Handle):
             (a quarter of the memory the process may use, capped by ``RLIMIT_MEMLOCK``;
             ``$TPU_SYNC_STAGING_BUDGET_BYTES``). A tier larger than what is left raises
             ``StagingExhaustedError``.
+        kv_events: publish vLLM-format KV events (``BlockStored``/``BlockRemoved``/
+            ``AllBlocksCleared``) over ZMQ: a dict with the keys ``endpoint`` (PUB,
+            ``tcp://HOST:PORT``; default ``tcp://127.0.0.1:5557``), ``replay_endpoint``,
+            ``buffer_steps``, ``max_queue_size``, ``topic``, ``data_parallel_rank``,
+            ``dram_medium`` (``"CPU"``), ``disk_medium`` (``"STORAGE"``), ``int_hashes``,
+            ``block_size`` (see ``docs/observability.md``). None (default): off.
 
     Raises:
         InvalidArgumentError, HostMemoryError, IOError, StagingExhaustedError.
@@ -179,7 +185,8 @@ class Store(Handle):
                  verify_checksums: bool = True, background: bool = False, client: Optional[Client] = None,
                  shm_dir: Optional[str] = None, lock_memory: Optional[bool] = None,
                  huge_pages: Optional[bool] = None, populate: Optional[bool] = None,
-                 staging_budget_bytes: Optional[int] = None) -> None:
+                 staging_budget_bytes: Optional[int] = None,
+                 kv_events: Optional[Dict[str, Any]] = None) -> None:
         self._ptr = None
         cfg: Dict[str, Any] = dict(namespace=ck.text("namespace", namespace),
                                    block_bytes=ck.u64("block_bytes", block_bytes),
@@ -198,6 +205,10 @@ class Store(Handle):
         for k, v in dict(lock_memory=lock_memory, huge_pages=huge_pages, populate=populate).items():
             if v is not None:
                 cfg[k] = ck.flag(k, v)
+        if kv_events is not None:
+            if not isinstance(kv_events, dict):
+                raise InvalidArgumentError(f"kv_events must be a dict, not {type(kv_events).__name__}")
+            cfg["kv_events"] = dict(kv_events)
         if client is not None:
             ck.instance("client", client, Client)
         out = ffi.new("tpu_sync_store **")
@@ -278,6 +289,41 @@ class Store(Handle):
         return ffi.buffer(key.bytes, KEY_BYTES)[:]
 
     # -- operations ------------------------------------------------------------------------------
+
+    def kv_events(self) -> Optional[Dict[str, Any]]:
+        """The KV events endpoints bound (``{"endpoint": "tcp://IP:PORT", "replay_endpoint": ...}``),
+        or None when the store publishes no events."""
+        return json_out(lib.tpu_sync_store_kv_events, self._handle())
+
+    def describe_blocks(self, keys: Sequence[bytes], hashes: Sequence[bytes],
+                        token_ids: Optional[Sequence[Sequence[int]]] = None) -> None:
+        """Gives blocks ``keys`` the engine hashes ``hashes`` (all of one length, e.g. vLLM's
+        ``BlockHash`` bytes) and optionally their token ids (one list per block, all of one length)
+        for the store's KV events; call it before storing them. A no-op without ``kv_events``.
+
+        Raises:
+            InvalidArgumentError: counts or lengths differ, empty hashes.
+        """
+        keys = list(keys)
+        hashes = [bytes(h) for h in hashes]
+        if len(hashes) != len(keys):
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"{len(keys)} keys but {len(hashes)} hashes")
+        if not keys:
+            return
+        hl = len(hashes[0])
+        if hl == 0 or any(len(h) != hl for h in hashes):
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, "hashes must be non-empty and of one length")
+        tpb = 0
+        toks = ffi.NULL
+        if token_ids is not None:
+            token_ids = [list(t) for t in token_ids]
+            if len(token_ids) != len(keys) or len({len(t) for t in token_ids}) != 1:
+                raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT,
+                                                  "token_ids: one list per key, all of one length")
+            tpb = len(token_ids[0])
+            toks = ffi.new("uint32_t[]", [t for ts in token_ids for t in ts]) if tpb else ffi.NULL
+        ks, n = _keys(keys)
+        check(lib.tpu_sync_store_describe_blocks(self._handle(), ks, n, b"".join(hashes), hl, toks, tpb))
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Number of leading blocks of the chain present (DRAM or disk); updates their recency."""

@@ -89,7 +89,7 @@ impl Inner {
             return;
         }
         if count && !self.shutdown.is_set() {
-            self.counters.peers_lost.fetch_add(1, Ordering::Relaxed);
+            self.counters.peer_lost();
             // A warning only when a transfer is unfinished on this endpoint (its stripes may have
             // used the peer; endpoint-wide, so conservative). A peer that closes after serving
             // everything (a prefill exiting after the release) is routine: info. Requests on
@@ -238,6 +238,7 @@ impl Inner {
             ctl: tx,
         });
         lock(&self.peers).insert(sa, peer.clone());
+        crate::metrics::peer_connected();
         lock(&self.peer_ids).insert(id, peer.clone());
         let me = self.clone();
         let p = peer.clone();
@@ -428,18 +429,28 @@ impl Inner {
                 };
                 let (me, t, addr, exchange) =
                     (self.clone(), t.clone(), addr.clone(), exchange.clone());
-                set.spawn(async move {
-                    let peer = me.peer(&addr).await?;
-                    let lane = Self::guarded(&t, &peer, me.checkout(&peer)).await?;
-                    exchange(StripeCtx {
-                        me,
-                        t,
-                        peer,
-                        lane,
-                        job,
-                    })
-                    .await
-                });
+                let span = tracing::info_span!(
+                    "network",
+                    request_id = t.request_id,
+                    src_rank = *s,
+                    dst_rank = *d,
+                    stripe = index
+                );
+                set.spawn(tracing::Instrument::instrument(
+                    async move {
+                        let peer = me.peer(&addr).await?;
+                        let lane = Self::guarded(&t, &peer, me.checkout(&peer)).await?;
+                        exchange(StripeCtx {
+                            me,
+                            t,
+                            peer,
+                            lane,
+                            job,
+                        })
+                        .await
+                    },
+                    span,
+                ));
             }
         }
         let bytes = join_stripes(&mut set).await?;

@@ -269,12 +269,13 @@ impl Endpoint {
             heartbeat_timeout: opts.heartbeat_timeout,
             release_wait: opts.io_timeout / 2,
         });
+        let counters = Arc::new(Counters::for_transport(transport.kind()));
         let inner = Arc::new(Inner {
             inbound,
             opts,
             transport,
             incarnation: random_u64() & super::MAX_REQUEST_ID,
-            counters: Arc::new(Counters::default()),
+            counters,
             acceptor: Mutex::new(acceptor.clone()),
             local_addr,
             proto: Mutex::new(proto),
@@ -298,6 +299,8 @@ impl Endpoint {
         }
         let me = inner.clone();
         inner.spawn(async move { me.timers().await });
+        let weak: std::sync::Weak<dyn crate::metrics::Source> = Arc::downgrade(&inner) as _;
+        crate::metrics::register_source(weak);
         Ok(Endpoint { inner })
     }
 
@@ -548,7 +551,12 @@ impl Endpoint {
             request_id,
             delivered,
         };
-        match self.inner.exchange(addr, &m, request_id).await? {
+        let span = tracing::info_span!("release", request_id, delivered);
+        let answer = tracing::Instrument::instrument(
+            self.inner.exchange(addr, &m, request_id),
+            span,
+        );
+        match answer.await? {
             wire::Control::Released { .. } => Ok(()),
             m => Err(Error::Protocol(format!("expected released, got {m:?}"))),
         }
@@ -589,7 +597,16 @@ impl Endpoint {
     /// this returns; network errors surface through the returned [`Transfer`].
     pub fn pull(&self, req: PullRequest) -> Result<Transfer> {
         check_request_id(req.request_id)?;
-        let plan = given_plan(req.plan.as_ref(), &req.src, &req.dst, req.num_tokens)?;
+        let span = tracing::info_span!(
+            "transfer",
+            request_id = req.request_id,
+            kind = "pull",
+            transport = self.inner.transport.kind().name()
+        );
+        let plan = span.in_scope(|| {
+            tracing::info_span!("plan")
+                .in_scope(|| given_plan(req.plan.as_ref(), &req.src, &req.dst, req.num_tokens))
+        })?;
         let dst_ranks: BTreeSet<u32> = match &req.dst_ranks {
             Some(v) => v.iter().copied().collect(),
             None => staged_ranks(&req.dst, &req.staging).into_iter().collect(),
@@ -618,10 +635,13 @@ impl Endpoint {
         shared.planned.fire("planned");
         let inner = self.inner.clone();
         let sh = shared.clone();
-        self.inner.spawn(async move {
-            let r = inner.drive_pull(&sh, req, pairs, progress).await;
-            inner.finish(&sh, r);
-        });
+        self.inner.spawn(tracing::Instrument::instrument(
+            async move {
+                let r = inner.drive_pull(&sh, req, pairs, progress).await;
+                inner.finish(&sh, r);
+            },
+            span,
+        ));
         Ok(Transfer {
             shared,
             inner: Arc::downgrade(&self.inner),
@@ -631,7 +651,16 @@ impl Endpoint {
     /// Starts pushing a request to the endpoints hosting the destination ranks.
     pub fn push(&self, req: PushRequest) -> Result<Transfer> {
         check_request_id(req.request_id)?;
-        let plan = given_plan(req.plan.as_ref(), &req.src, &req.dst, req.num_tokens)?;
+        let span = tracing::info_span!(
+            "transfer",
+            request_id = req.request_id,
+            kind = "push",
+            transport = self.inner.transport.kind().name()
+        );
+        let plan = span.in_scope(|| {
+            tracing::info_span!("plan")
+                .in_scope(|| given_plan(req.plan.as_ref(), &req.src, &req.dst, req.num_tokens))
+        })?;
         let src_ranks: Vec<u32> = match &req.src_ranks {
             Some(v) => v.clone(),
             None => staged_ranks(&req.src, &req.staging),
@@ -674,16 +703,19 @@ impl Endpoint {
         );
         let inner = self.inner.clone();
         let sh = shared.clone();
-        self.inner.spawn(async move {
-            let r = inner.drive_push(&sh, req, src_ranks, pairs, targets).await;
-            let failed = r.is_err();
-            inner.finish(&sh, r);
-            if failed {
-                // The receivers' registrations would otherwise wait for a `PushFinish` that never
-                // comes: tell them the push is over.
-                inner.send_cancel(sh.request_id, true);
-            }
-        });
+        self.inner.spawn(tracing::Instrument::instrument(
+            async move {
+                let r = inner.drive_push(&sh, req, src_ranks, pairs, targets).await;
+                let failed = r.is_err();
+                inner.finish(&sh, r);
+                if failed {
+                    // The receivers' registrations would otherwise wait for a `PushFinish` that
+                    // never comes: tell them the push is over.
+                    inner.send_cancel(sh.request_id, true);
+                }
+            },
+            span,
+        ));
         Ok(Transfer {
             shared,
             inner: Arc::downgrade(&self.inner),
@@ -785,6 +817,16 @@ impl SinkIo {
 // Inner: bookkeeping and the action executor
 // ---------------------------------------------------------------------------------------------
 
+impl crate::metrics::Source for Inner {
+    fn sample(&self, s: &mut crate::metrics::Sample) {
+        let st = self.stats();
+        s.peers += st.peers + st.sessions;
+        s.transfers_in_flight += st.transfers_in_flight;
+        s.leases += st.leases;
+        s.staged_bytes += st.staged_bytes;
+    }
+}
+
 impl Inner {
     fn spawn<F>(&self, fut: F)
     where
@@ -866,6 +908,7 @@ impl Inner {
             bytes: AtomicU64::new(0),
         });
         lock(&self.transfers).insert(id, t.clone());
+        crate::metrics::transfer_started(self.counters.transport(), kind.metrics_direction());
         t
     }
 
@@ -885,6 +928,9 @@ impl Inner {
                 } => self.source_ended(request_id, outcome),
                 Action::TransferDone { transfer, result } => self.transfer_done(transfer, result),
                 Action::SessionDead { session, why } => {
+                    if !self.shutdown.is_set() {
+                        crate::metrics::peer_lost();
+                    }
                     if let Some(s) = lock(&self.sessions).remove(&session) {
                         s.dead.fire(why);
                     }
@@ -942,8 +988,15 @@ impl Inner {
             }
             s
         });
-        if let Err(e) = &result {
-            log::info!("{:?} of request {} failed: {e}", t.kind, t.request_id);
+        let (tk, dir) = (self.counters.transport(), t.kind.metrics_direction());
+        match &result {
+            Ok(_) => {
+                crate::metrics::transfer_completed(tk, dir, t.started.elapsed().as_secs_f64())
+            }
+            Err(e) => {
+                log::info!("{:?} of request {} failed: {e}", t.kind, t.request_id);
+                crate::metrics::transfer_failed(tk, dir, e.kind());
+            }
         }
         *lock(&t.result) = Some(result);
         if t.kind == TransferKind::PushReceive {

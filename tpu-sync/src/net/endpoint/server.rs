@@ -154,6 +154,7 @@ impl Inner {
             let s = lock(&self.sessions)
                 .entry(id)
                 .or_insert_with(|| {
+                    crate::metrics::peer_connected();
                     Arc::new(SessionIo {
                         id,
                         name: name.to_string(),
@@ -291,7 +292,11 @@ impl Inner {
                     stripe,
                     generation: 0,
                 };
-                self.serve_pull(s, f, ask, &dst).await
+                tracing::Instrument::instrument(
+                    self.serve_pull(s, f, ask, &dst),
+                    tracing::info_span!("serve_pull", request_id, src_rank, dst_rank),
+                )
+                .await
             }
             Control::Push {
                 request_id,

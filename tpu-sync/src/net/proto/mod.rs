@@ -65,6 +65,17 @@ pub enum TransferKind {
     PushReceive,
 }
 
+impl TransferKind {
+    /// The `direction` label of this kind's metrics: a push sends, a pull or a push reception
+    /// receives.
+    pub fn metrics_direction(self) -> crate::metrics::NetDirection {
+        match self {
+            TransferKind::Push => crate::metrics::NetDirection::Send,
+            TransferKind::Pull | TransferKind::PushReceive => crate::metrics::NetDirection::Receive,
+        }
+    }
+}
+
 /// What a finished transfer moved.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TransferStats {

@@ -108,6 +108,11 @@ class StoreTier:
         if cfg.disk_dir:
             kw["disk_dir"] = cfg.disk_dir
             kw["disk_capacity_bytes"] = cfg.disk_capacity_bytes
+        # KV events from TP rank 0 only: every rank stores the same blocks (vLLM reports the
+        # events its workers have in common).
+        self._events = bool(cfg.kv_events) and not caches.tp_rank
+        if self._events:
+            kw["kv_events"] = dict(dict(block_size=geometry.block_size), **cfg.kv_events)
         self.store = tpu_sync.Store(**kw)
 
     def key(self, block_hash: bytes) -> bytes:
@@ -126,7 +131,11 @@ class StoreTier:
         """Stores blocks ``block_ids`` of the KV tensors under ``hashes`` (``parent``: the hash of
         the block before ``hashes[0]``, None at the start of a chain); returns how many are in the
         tier afterwards (stored now or already present)."""
-        r = self.store.put_from_device([self.key(h) for h in hashes], [self._caches.pieces(b) for b in block_ids],
+        keys = [self.key(h) for h in hashes]
+        if self._events and keys:
+            # The events carry vLLM's block hashes, not the store's keys.
+            self.store.describe_blocks(keys, hashes)
+        r = self.store.put_from_device(keys, [self._caches.pieces(b) for b in block_ids],
                                        parent=None if parent is None else self.key(parent))
         return int(r.stored) + int(r.present)
 

@@ -62,6 +62,21 @@ Host-DRAM offload (on by default for ``kv_both``):
     the model, block format, block size and geometry).
 ``host_tier`` (str, ``"module:callable"``)
     Replaces :class:`tpu_sync.Store` (extension point; see :mod:`tpu_sync.vllm.backends`).
+``kv_events`` (dict)
+    Publish the host tier's KV events in vLLM's format (``BlockStored``/``BlockRemoved``/
+    ``AllBlocksCleared`` over ZMQ, with vLLM's block hashes, media ``CPU``/``STORAGE``) for KV-aware
+    routers: the keys of :class:`tpu_sync.Store`'s ``kv_events`` (``endpoint``,
+    ``replay_endpoint``, ``topic``, ...; ``block_size`` defaults to the engine's). TP rank 0
+    publishes. Default: off.
+
+Observability:
+
+``metrics_addr`` (str)
+    Serve the library's ``tpu_sync_*`` Prometheus metrics of each worker on this address, the
+    worker's TP rank added to the port (``"127.0.0.1:9400"``: rank 0 on 9400, rank 1 on 9401; see
+    ``docs/observability.md``). Default: off (``TPU_SYNC_METRICS_ADDR`` does the same). The
+    connector's own counters reach ``vllm serve``'s ``/metrics`` through vLLM's connector-stats
+    hooks either way (:mod:`tpu_sync.vllm.stats`).
 
 This module imports neither vLLM nor torch.
 """
@@ -102,6 +117,8 @@ _KEYS = {
     "namespace": str,
     "host_tier": str,
     "cluster": dict,  # a prefix cache shared across instances: see tpu_sync.vllm.cluster_tier
+    "kv_events": dict,
+    "metrics_addr": str,
 }
 
 
@@ -134,6 +151,8 @@ class ConnectorConfig:
     verify_checksums: bool = True
     namespace: str = ""
     host_tier: Optional[str] = None
+    kv_events: Optional[Dict[str, Any]] = None
+    metrics_addr: Optional[str] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -198,6 +217,8 @@ class ConnectorConfig:
             verify_checksums=extra.get("verify_checksums", True),
             namespace=extra.get("namespace", ""),
             host_tier=extra.get("host_tier"),
+            kv_events=extra.get("kv_events"),
+            metrics_addr=extra.get("metrics_addr"),
             extra=extra,
         )
         if cfg.lease_s <= 0 or cfg.pull_timeout_s <= 0:

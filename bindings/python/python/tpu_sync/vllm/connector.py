@@ -138,6 +138,27 @@ class TpuSyncConnector(KVConnectorBase_V1):
             return None
         return self.worker_side.build_worker_meta()
 
+    def get_kv_connector_stats(self) -> Any:
+        """This interval's transfer and offload statistics (workers; None when there are none)."""
+        if self.worker_side is None:
+            return None
+        return self.worker_side.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> Any:
+        """Rebuilds :class:`~tpu_sync.vllm.stats.TpuSyncConnectorStats` from its data dict."""
+        from .stats import TpuSyncConnectorStats
+
+        return TpuSyncConnectorStats(data=dict(data)) if data is not None else TpuSyncConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any,
+                           per_engine_labelvalues: Any) -> Any:
+        """The connector's Prometheus metrics (``vllm:tpu_sync_*``, :mod:`tpu_sync.vllm.stats`)."""
+        from .stats import TpuSyncPromMetrics
+
+        return TpuSyncPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         """Closes the host tier and the endpoint."""
         if self.worker_side is not None:

@@ -70,6 +70,14 @@ class WorkerSide:
         self.stats: Dict[str, int] = dict(saved_blocks=0, loaded_blocks=0, pulls_done=0, pulls_failed=0, pulls_cancelled=0,
                                           registered=0, register_failed=0, failed_loads=0, lookups=0, rejects_sent=0,
                                           rejects_failed=0, amx_permission=0)
+        #: this interval's observations for vLLM's connector-stats hooks (None: vLLM lacks them).
+        self.xfer_stats: Any = None
+        try:
+            from .stats import TpuSyncConnectorStats
+
+            self.xfer_stats = TpuSyncConnectorStats()
+        except ImportError:  # an older vLLM without KVConnectorStats
+            pass
 
     # ---- start-up -----------------------------------------------------------------------
 
@@ -125,6 +133,15 @@ class WorkerSide:
                 self._pull_waits = "wait_for_registration" in inspect.signature(self.transport.pull).parameters
             except (TypeError, ValueError):
                 self._pull_waits = False
+        if self.cfg.metrics_addr:
+            import tpu_sync
+
+            try:
+                addr = tpu_sync.serve_metrics(self.cfg.metrics_addr, rank=rank)
+                log.info("tpu_sync: metrics of TP rank %d on http://%s/metrics", rank, addr)
+            except Exception as e:  # metrics are never a reason to fail the engine
+                log.warning("tpu_sync: metrics endpoint on %s (rank %d) not started: %s", self.cfg.metrics_addr,
+                            rank, e)
         log.info("tpu_sync: %d layers x %d blocks of %d B (%s), offload=%s, endpoint=%s", len(names),
                  self.caches.num_blocks, layer_block_bytes, g.block_format, self.tier is not None,
                  getattr(self.transport, "address", None))
@@ -179,7 +196,9 @@ class WorkerSide:
             self._load_errors.update(op.block_ids[delivered:])
             self._report.failed_loads.add(op.req_id)
             self.stats["failed_loads"] += 1
+            self._record("failed_loads", 1)
         self.stats["loaded_blocks"] += delivered
+        self._record("loaded_blocks", delivered)
         self._report.loaded_blocks += delivered
         lease = self._leases.pop(op.req_id, None)
         if lease is not None:
@@ -235,6 +254,7 @@ class WorkerSide:
                 log.warning("tpu_sync: saving %d blocks of %s failed: %s", len(op.block_ids), op.req_id, e)
                 continue
             self.stats["saved_blocks"] += n
+            self._record("saved_blocks", n)
             self._report.saved_blocks += n
 
     def get_transfer_results(self, finished_req_ids: Set[str]):
@@ -287,9 +307,17 @@ class WorkerSide:
                 res.finished_recving.add(req_id)
                 if err is None:
                     self.stats["pulls_done"] += 1
+                    if self.xfer_stats is not None:
+                        try:
+                            st = p.handle.wait(0)
+                            self.xfer_stats.record_pull(st["elapsed_s"], st["bytes"])
+                        except Exception as e:  # stats are best effort
+                            log.debug("tpu_sync: no stats of pull %s: %s", req_id, e)
                 else:
                     log.error("tpu_sync: pull for %s failed: %s", req_id, err)
                     self.stats["pulls_failed"] += 1
+                    if self.xfer_stats is not None:
+                        self.xfer_stats.record_failure(_error_kind(err))
                     res.failed_recving.add(req_id)
                     self._load_errors.update(p.spec.dst_block_ids)
                     # vLLM recomputes (or fails) it: the KV will not be pulled again.
@@ -325,6 +353,17 @@ class WorkerSide:
         """Blocks that a load or pull reported since the last call did not fill."""
         out, self._load_errors = self._load_errors, set()
         return out
+
+    def _record(self, key: str, n: int) -> None:
+        if self.xfer_stats is not None and n:
+            self.xfer_stats.add(key, n)
+
+    def take_stats(self) -> Any:
+        """This interval's :class:`~tpu_sync.vllm.stats.TpuSyncConnectorStats` (None when empty),
+        for vLLM's ``get_kv_connector_stats``."""
+        if self.xfer_stats is None or self.xfer_stats.is_empty():
+            return None
+        return self.xfer_stats.clone_and_reset()
 
     def build_worker_meta(self) -> Optional[TpuSyncWorkerMetadata]:
         """Lookup answers and counters of this step (None when there is nothing to say)."""
@@ -363,6 +402,22 @@ class _Failed:
 
     def cancel(self) -> None:
         pass
+
+
+def _error_kind(e: BaseException) -> str:
+    """A bounded label for a failed pull: the tpu_sync error's class (``PeerClosedError`` ->
+    ``peer_closed``), ``timeout`` for the connector's own deadline, else ``other``."""
+    import re
+
+    try:
+        from tpu_sync import errors as te
+
+        if isinstance(e, te.TpuSyncError):
+            name = type(e).__name__
+            return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name[:-5] if name.endswith("Error") else name).lower()
+    except Exception:  # pragma: no cover
+        pass
+    return "timeout" if isinstance(e, TimeoutError) else "other"
 
 
 def _is_unknown_request(e: BaseException) -> bool:
