@@ -1670,6 +1670,93 @@ enum tpu_sync_status tpu_sync_endpoint_shutdown(const struct tpu_sync_endpoint *
                                                 int64_t drain_ms);
 
 /**
+ * Describes blocks for the store's KV events: block `keys[i]` is published under the engine
+ * hash `hashes[i * hash_len .. (i + 1) * hash_len]` (e.g. vLLM's 32-byte `BlockHash`) and, when
+ * `tokens_per_block` > 0, the token ids `tokens[i * tokens_per_block ..][..tokens_per_block]`,
+ * in the events of its copies from now on. Call it before storing the blocks. Nothing happens
+ * when the store publishes no events.
+ *
+ * The `"kv_events"` configuration object of `tpu_sync_store_new` takes (all optional):
+ * `endpoint` (PUB, `tcp://HOST:PORT`, `*` for every interface, port 0 picks one; default
+ * `tcp://127.0.0.1:5557`), `replay_endpoint` (ROUTER for replays; default none),
+ * `buffer_steps` (batches kept for replay; 10000), `max_queue_size` (batches queued before new
+ * ones are dropped; 100000), `topic` (""), `data_parallel_rank` (0; added to both ports),
+ * `dram_medium` ("CPU"), `disk_medium` ("STORAGE"), `int_hashes` (false: hashes as bytes; true:
+ * the low 64 bits as an integer), `block_size` (tokens per block in `BlockStored`; 0). The wire
+ * format is vLLM 0.32's (`docs/observability.md`).
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` for `hash_len` 0 or NULL arrays with `n` > 0.
+ *
+ * # Safety
+ * `keys` holds `n` keys, `hashes` `n * hash_len` bytes, `tokens` `n * tokens_per_block` values
+ * (or is NULL when `tokens_per_block` is 0); all borrowed for the call.
+ */
+enum tpu_sync_status tpu_sync_store_describe_blocks(const struct tpu_sync_store *store,
+                                                    const struct tpu_sync_key *keys,
+                                                    size_t n,
+                                                    const uint8_t *hashes,
+                                                    size_t hash_len,
+                                                    const uint32_t *tokens,
+                                                    size_t tokens_per_block);
+
+/**
+ * Writes the store's KV events endpoints as JSON into `buf` (`buf`/`buf_len`/`len_out` as for
+ * `tpu_sync_client_info`): `{"endpoint": "tcp://IP:PORT", "replay_endpoint": "tcp://IP:PORT"
+ * | null}` with the ports bound, or `null` when the store publishes no events (or is not ready).
+ *
+ * # Safety
+ * `buf` NULL or writable for `buf_len` bytes; `len_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_store_kv_events(const struct tpu_sync_store *store,
+                                              char *buf,
+                                              size_t buf_len,
+                                              size_t *len_out);
+
+/**
+ * Writes every tpu-sync metric of this process in the Prometheus text exposition format 0.0.4
+ * (`Content-Type: text/plain; version=0.0.4`) into `buf` (NUL-terminated): counters, histograms
+ * and gauges named `tpu_sync_*`, listed in `docs/observability.md`. `buf`/`buf_len`/`len_out`
+ * as for `tpu_sync_client_info`: when `buf_len` is too small, returns
+ * `TPU_SYNC_BUFFER_TOO_SMALL` with the needed length (without the NUL) in `len_out` (the text
+ * may grow between two calls: allow some slack).
+ *
+ * Thread-safety: any thread, concurrently with every other call.
+ *
+ * # Safety
+ * `buf` NULL or writable for `buf_len` bytes; `len_out` NULL or writable. The library keeps no
+ * pointer.
+ */
+enum tpu_sync_status tpu_sync_metrics_text(char *buf, size_t buf_len, size_t *len_out);
+
+/**
+ * Starts this process's metrics HTTP endpoint (`GET /metrics`) on `addr` plus `rank` on the
+ * port, or finds the one already running (then `addr` is ignored), and writes the address
+ * served (`IP:PORT`) into `buf` as `tpu_sync_metrics_text` does. `addr` is `PORT`, `:PORT`
+ * (both `127.0.0.1`), `HOST:PORT` or `IP:PORT`; port 0 picks a free port. Several processes
+ * of one instance pass their rank (0, 1, ...) to serve on consecutive ports
+ * (`docs/observability.md` has the scrape configuration). The endpoint lives until the process
+ * exits. The environment variable `TPU_SYNC_METRICS_ADDR` (with `TPU_SYNC_METRICS_RANK`) does
+ * the same at the first use of the library.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` for an address that does not parse or a port that `rank`
+ * pushes past 65535 (also for `"off"`: nothing to serve); `TPU_SYNC_IO` when it cannot bind.
+ *
+ * # Safety
+ * `addr` NUL-terminated; `buf`/`len_out` as for `tpu_sync_metrics_text`.
+ */
+enum tpu_sync_status tpu_sync_metrics_serve(const char *addr,
+                                            uint32_t rank,
+                                            char *buf,
+                                            size_t buf_len,
+                                            size_t *len_out);
+
+/**
+ * Switches metrics recording on (`on` != 0, the default) or off for the whole process, e.g. to
+ * measure what it costs. Gauges of current state still report. Never fails.
+ */
+enum tpu_sync_status tpu_sync_metrics_set_enabled(int32_t on);
+
+/**
  * Creates a host KV store from a NUL-terminated JSON configuration (borrowed for the call):
  *
  * ```text
@@ -1683,8 +1770,11 @@ enum tpu_sync_status tpu_sync_endpoint_shutdown(const struct tpu_sync_endpoint *
  *  "verify_checksums": true,      // check each block's xxh3 on get
  *  "background": false,           // prepare memory on a thread; see tpu_sync_store_state
  *  "lock_memory": true, "huge_pages": true, "populate": true,
- *  "staging_budget_bytes": 2147483648}  // the tier's own budget of pinned bytes (default: the
+ *  "staging_budget_bytes": 2147483648,  // the tier's own budget of pinned bytes (default: the
  *                                 // process-wide budget shared with every endpoint's staging)
+ *  "kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": null, ...}}
+ *                                 // vLLM-format KV events over ZMQ (off when absent); keys in
+ *                                 // tpu_sync_store_kv_events' documentation
  * ```
  *
  * `dma_client`: NULL, or a client whose plugin maps the DRAM slots for DMA
