@@ -774,15 +774,16 @@ impl Pipeline {
         let weak: Weak<Mutex<Offers>> = Arc::downgrade(&self.offers);
         let e = entry.clone();
         let id = o.request_id;
-        self.rt.spawn(async move {
-            let state = match e.handle.wait(Duration::from_secs(365 * 24 * 3600)).await {
-                Ok(o) => OfferState::of(o),
-                Err(_) => return,
-            };
-            if let Some(offers) = weak.upgrade() {
-                lock(&offers).end(id, &e, state);
-            }
-        });
+        self.rt
+            .spawn(tracing::Instrument::in_current_span(async move {
+                let state = match e.handle.wait(Duration::from_secs(365 * 24 * 3600)).await {
+                    Ok(o) => OfferState::of(o),
+                    Err(_) => return,
+                };
+                if let Some(offers) = weak.upgrade() {
+                    lock(&offers).end(id, &e, state);
+                }
+            }));
         Ok(OfferHandle { entry })
     }
 
@@ -880,25 +881,26 @@ impl Pipeline {
         let (handle, job) = self.job(p.request_id, t.clone());
         let ep = self.ep.clone();
         let kv = p.kv;
-        self.rt.spawn(async move {
-            let job = Completer(job);
-            let r = receive(&job.0, &t, staging, kv, report, t0).await;
-            let delivered = r.is_ok();
-            if delivered {
-                // The producers free the request now instead of at its lease expiry.
-                release_all(&ep, &src_addrs, job.0.request_id, true).await;
-                job.0.complete(r);
-            } else {
-                // A failed pull completes at once; the release (no delivery: the producer keeps
-                // the request for a retry, this consumer's lease ends) is best effort and must
-                // not delay the failure. A producer that died or cannot be reached is not told.
-                let peer_gone = r.as_ref().err().is_some_and(Error::is_peer_failure);
-                job.0.complete(r);
-                if !peer_gone {
-                    release_all(&ep, &src_addrs, job.0.request_id, false).await;
+        self.rt
+            .spawn(tracing::Instrument::in_current_span(async move {
+                let job = Completer(job);
+                let r = receive(&job.0, &t, staging, kv, report, t0).await;
+                let delivered = r.is_ok();
+                if delivered {
+                    // The producers free the request now instead of at its lease expiry.
+                    release_all(&ep, &src_addrs, job.0.request_id, true).await;
+                    job.0.complete(r);
+                } else {
+                    // A failed pull completes at once; the release (no delivery: the producer keeps
+                    // the request for a retry, this consumer's lease ends) is best effort and must
+                    // not delay the failure. A producer that died or cannot be reached is not told.
+                    let peer_gone = r.as_ref().err().is_some_and(Error::is_peer_failure);
+                    job.0.complete(r);
+                    if !peer_gone {
+                        release_all(&ep, &src_addrs, job.0.request_id, false).await;
+                    }
                 }
-            }
-        });
+            }));
         Ok(handle)
     }
 
@@ -964,16 +966,17 @@ impl Pipeline {
         };
         self.counters.pushes.fetch_add(1, Ordering::Relaxed);
         let (handle, job) = self.job(p.request_id, t.clone());
-        self.rt.spawn(async move {
-            let job = Completer(job);
-            let r = t.wait().await.map(|s| {
-                let mut rep = report;
-                rep.add_net(&s);
-                rep.elapsed = t0.elapsed();
-                rep
-            });
-            job.0.complete(r);
-        });
+        self.rt
+            .spawn(tracing::Instrument::in_current_span(async move {
+                let job = Completer(job);
+                let r = t.wait().await.map(|s| {
+                    let mut rep = report;
+                    rep.add_net(&s);
+                    rep.elapsed = t0.elapsed();
+                    rep
+                });
+                job.0.complete(r);
+            }));
         Ok(handle)
     }
 
@@ -1014,11 +1017,12 @@ impl Pipeline {
             .fetch_add(1, Ordering::Relaxed);
         let (handle, job) = self.job(e.request_id, t.clone());
         let kv = e.kv;
-        self.rt.spawn(async move {
-            let job = Completer(job);
-            let r = receive(&job.0, &t, staging, kv, report, t0).await;
-            job.0.complete(r);
-        });
+        self.rt
+            .spawn(tracing::Instrument::in_current_span(async move {
+                let job = Completer(job);
+                let r = receive(&job.0, &t, staging, kv, report, t0).await;
+                job.0.complete(r);
+            }));
         Ok(handle)
     }
 
@@ -1108,7 +1112,11 @@ async fn receive(
             job.request_id
         )));
     }
+    // The H2D runs on a blocking thread: under the caller's span (the request), so a trace
+    // names its request.
+    let span = tracing::Span::current();
     let dev = tokio::task::spawn_blocking(move || -> Result<(u64, u64, Duration)> {
+        let _span = span.entered();
         let t = Instant::now();
         let (mut bytes, mut ops) = (0, 0);
         for r in staging.ranks().collect::<Vec<_>>() {
