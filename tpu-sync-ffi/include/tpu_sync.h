@@ -1418,6 +1418,52 @@ enum tpu_sync_status tpu_sync_endpoint_register(const struct tpu_sync_endpoint *
                                                 uint32_t expected_releases);
 
 /**
+ * `tpu_sync_endpoint_register` of a request whose later layers the model has not computed yet
+ * (layer-wise P/D): checks the buffers, reserves and maps the staging of every layer, but copies
+ * (D2H) only layers `0..layers_ready` (clamped to `num_layers`) before registering. Consumers may
+ * pull at once; they receive layer `l` only after `tpu_sync_endpoint_publish_layers` staged and
+ * published it, so the transfer of layer `l` overlaps the computation of layer `l + 1`.
+ *
+ * Ownership: the buffer handles are borrowed for the call, and the registration keeps its own
+ * references to them until every layer is published (or it ends); the device blocks of layers
+ * not yet published must not be reused (or written by anything but the model computing them)
+ * before they are. Arguments and errors as for `tpu_sync_endpoint_register`.
+ *
+ * # Safety
+ * As `tpu_sync_endpoint_register`.
+ */
+enum tpu_sync_status tpu_sync_endpoint_register_layers(const struct tpu_sync_endpoint *endpoint,
+                                                       uint64_t request_id,
+                                                       const char *placement_json,
+                                                       uint32_t num_tokens,
+                                                       const uint32_t *ranks,
+                                                       size_t num_ranks,
+                                                       const struct tpu_sync_buffer *const *buffers,
+                                                       size_t num_layers,
+                                                       uint32_t expected_releases,
+                                                       uint32_t layers_ready);
+
+/**
+ * Stages (D2H, blocking) and publishes layers up to `layers` (exclusive, clamped to the layer
+ * count; monotone: a smaller value than already published does nothing) of a request
+ * registered with `tpu_sync_endpoint_register_layers`; its pullers receive them next. The
+ * device blocks of those layers may be reused once this returns. `published_out` (may be
+ * NULL) receives the number of leading layers published afterwards (every layer for a request
+ * registered whole).
+ *
+ * Errors: `TPU_SYNC_UNKNOWN_REQUEST` (not registered here, or its registration ended), device
+ * copy errors (the layers before the failing copy stay published; unregister the request so
+ * that its pullers fail instead of waiting).
+ *
+ * # Safety
+ * `published_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_endpoint_publish_layers(const struct tpu_sync_endpoint *endpoint,
+                                                      uint64_t request_id,
+                                                      uint32_t layers,
+                                                      uint32_t *published_out);
+
+/**
  * Withdraws a request's registration (pulls in progress fail). `existed_out` (may be NULL)
  * says whether it was still registered.
  *
@@ -1526,6 +1572,32 @@ enum tpu_sync_status tpu_sync_endpoint_pull_wait(const struct tpu_sync_endpoint 
                                                  struct tpu_sync_transfer **transfer_out);
 
 /**
+ * `tpu_sync_endpoint_pull_wait` (`wait_for_registration_ms`: 0 no wait, negative the
+ * endpoint's `wait_for_registration_s`) that writes each layer into `buffers` (H2D) as soon as it
+ * arrived and verified from every producer rank, in layer order, instead of every layer after
+ * the last byte: `tpu_sync_transfer_layers` and `tpu_sync_transfer_wait_layers` tell which
+ * leading layers hold their final bytes (the model may read layer `l` while later layers still
+ * arrive; it must not read or write a layer before that). Completion, release and errors as for
+ * `tpu_sync_endpoint_pull`. With a producer that registered the request layer by layer
+ * (`tpu_sync_endpoint_register_layers`), layer `l` arrives once the producer published it.
+ *
+ * # Safety
+ * As `tpu_sync_endpoint_pull`.
+ */
+enum tpu_sync_status tpu_sync_endpoint_pull_layers(const struct tpu_sync_endpoint *endpoint,
+                                                   uint64_t request_id,
+                                                   const char *peers,
+                                                   const char *src_placement_json,
+                                                   const char *dst_placement_json,
+                                                   uint32_t num_tokens,
+                                                   const uint32_t *ranks,
+                                                   size_t num_ranks,
+                                                   const struct tpu_sync_buffer *const *buffers,
+                                                   size_t num_layers,
+                                                   int64_t wait_for_registration_ms,
+                                                   struct tpu_sync_transfer **transfer_out);
+
+/**
  * Pushes a request (producer side): checks every buffer against `src_placement_json`'s layout,
  * copies (D2H, blocking) the request's blocks of `ranks`' buffers into pinned staging (budget,
  * DMA map as for `tpu_sync_endpoint_register`), then sends each destination rank exactly its
@@ -1600,6 +1672,31 @@ enum tpu_sync_status tpu_sync_transfer_wait(const struct tpu_sync_transfer *tran
                                             struct tpu_sync_transfer_stats *stats_out);
 
 /**
+ * Non-blocking: writes the leading layers received and verified so far to `received_out` and
+ * the leading layers written into the destination buffers (H2D) to `written_out` (either may
+ * be NULL). Layer by layer for `tpu_sync_endpoint_pull_layers`; the other receiving transfers
+ * write every layer at the end; pushes write none.
+ *
+ * # Safety
+ * `received_out`, `written_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_transfer_layers(const struct tpu_sync_transfer *transfer,
+                                              uint32_t *received_out,
+                                              uint32_t *written_out);
+
+/**
+ * Waits up to `timeout_ms` milliseconds (0: do not block; negative: without limit) until the
+ * first `layers` layers (clamped to the layer count) are written into the destination buffers.
+ * Returns `TPU_SYNC_OK` once they are (or the transfer completed), `TPU_SYNC_PENDING` when the
+ * time passed first (the transfer continues), or the transfer's error when it failed first
+ * (layers written before the failure hold their final bytes). Must not be called on the
+ * completion thread (it blocks): `TPU_SYNC_INVALID_ARGUMENT` there.
+ */
+enum tpu_sync_status tpu_sync_transfer_wait_layers(const struct tpu_sync_transfer *transfer,
+                                                   uint32_t layers,
+                                                   int64_t timeout_ms);
+
+/**
  * Cancels the transfer: it fails with `TPU_SYNC_CANCELLED` (unless already complete), its lanes
  * are closed and its peers told to stop. Returns at once.
  */
@@ -1670,6 +1767,93 @@ enum tpu_sync_status tpu_sync_endpoint_shutdown(const struct tpu_sync_endpoint *
                                                 int64_t drain_ms);
 
 /**
+ * Describes blocks for the store's KV events: block `keys[i]` is published under the engine
+ * hash `hashes[i * hash_len .. (i + 1) * hash_len]` (e.g. vLLM's 32-byte `BlockHash`) and, when
+ * `tokens_per_block` > 0, the token ids `tokens[i * tokens_per_block ..][..tokens_per_block]`,
+ * in the events of its copies from now on. Call it before storing the blocks. Nothing happens
+ * when the store publishes no events.
+ *
+ * The `"kv_events"` configuration object of `tpu_sync_store_new` takes (all optional):
+ * `endpoint` (PUB, `tcp://HOST:PORT`, `*` for every interface, port 0 picks one; default
+ * `tcp://127.0.0.1:5557`), `replay_endpoint` (ROUTER for replays; default none),
+ * `buffer_steps` (batches kept for replay; 10000), `max_queue_size` (batches queued before new
+ * ones are dropped; 100000), `topic` (""), `data_parallel_rank` (0; added to both ports),
+ * `dram_medium` ("CPU"), `disk_medium` ("STORAGE"), `int_hashes` (false: hashes as bytes; true:
+ * the low 64 bits as an integer), `block_size` (tokens per block in `BlockStored`; 0). The wire
+ * format is vLLM 0.32's (`docs/observability.md`).
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` for `hash_len` 0 or NULL arrays with `n` > 0.
+ *
+ * # Safety
+ * `keys` holds `n` keys, `hashes` `n * hash_len` bytes, `tokens` `n * tokens_per_block` values
+ * (or is NULL when `tokens_per_block` is 0); all borrowed for the call.
+ */
+enum tpu_sync_status tpu_sync_store_describe_blocks(const struct tpu_sync_store *store,
+                                                    const struct tpu_sync_key *keys,
+                                                    size_t n,
+                                                    const uint8_t *hashes,
+                                                    size_t hash_len,
+                                                    const uint32_t *tokens,
+                                                    size_t tokens_per_block);
+
+/**
+ * Writes the store's KV events endpoints as JSON into `buf` (`buf`/`buf_len`/`len_out` as for
+ * `tpu_sync_client_info`): `{"endpoint": "tcp://IP:PORT", "replay_endpoint": "tcp://IP:PORT"
+ * | null}` with the ports bound, or `null` when the store publishes no events (or is not ready).
+ *
+ * # Safety
+ * `buf` NULL or writable for `buf_len` bytes; `len_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_store_kv_events(const struct tpu_sync_store *store,
+                                              char *buf,
+                                              size_t buf_len,
+                                              size_t *len_out);
+
+/**
+ * Writes every tpu-sync metric of this process in the Prometheus text exposition format 0.0.4
+ * (`Content-Type: text/plain; version=0.0.4`) into `buf` (NUL-terminated): counters, histograms
+ * and gauges named `tpu_sync_*`, listed in `docs/observability.md`. `buf`/`buf_len`/`len_out`
+ * as for `tpu_sync_client_info`: when `buf_len` is too small, returns
+ * `TPU_SYNC_BUFFER_TOO_SMALL` with the needed length (without the NUL) in `len_out` (the text
+ * may grow between two calls: allow some slack).
+ *
+ * Thread-safety: any thread, concurrently with every other call.
+ *
+ * # Safety
+ * `buf` NULL or writable for `buf_len` bytes; `len_out` NULL or writable. The library keeps no
+ * pointer.
+ */
+enum tpu_sync_status tpu_sync_metrics_text(char *buf, size_t buf_len, size_t *len_out);
+
+/**
+ * Starts this process's metrics HTTP endpoint (`GET /metrics`) on `addr` plus `rank` on the
+ * port, or finds the one already running (then `addr` is ignored), and writes the address
+ * served (`IP:PORT`) into `buf` as `tpu_sync_metrics_text` does. `addr` is `PORT`, `:PORT`
+ * (both `127.0.0.1`), `HOST:PORT` or `IP:PORT`; port 0 picks a free port. Several processes
+ * of one instance pass their rank (0, 1, ...) to serve on consecutive ports
+ * (`docs/observability.md` has the scrape configuration). The endpoint lives until the process
+ * exits. The environment variable `TPU_SYNC_METRICS_ADDR` (with `TPU_SYNC_METRICS_RANK`) does
+ * the same at the first use of the library.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` for an address that does not parse or a port that `rank`
+ * pushes past 65535 (also for `"off"`: nothing to serve); `TPU_SYNC_IO` when it cannot bind.
+ *
+ * # Safety
+ * `addr` NUL-terminated; `buf`/`len_out` as for `tpu_sync_metrics_text`.
+ */
+enum tpu_sync_status tpu_sync_metrics_serve(const char *addr,
+                                            uint32_t rank,
+                                            char *buf,
+                                            size_t buf_len,
+                                            size_t *len_out);
+
+/**
+ * Switches metrics recording on (`on` != 0, the default) or off for the whole process, e.g. to
+ * measure what it costs. Gauges of current state still report. Never fails.
+ */
+enum tpu_sync_status tpu_sync_metrics_set_enabled(int32_t on);
+
+/**
  * Creates a host KV store from a NUL-terminated JSON configuration (borrowed for the call):
  *
  * ```text
@@ -1683,8 +1867,11 @@ enum tpu_sync_status tpu_sync_endpoint_shutdown(const struct tpu_sync_endpoint *
  *  "verify_checksums": true,      // check each block's xxh3 on get
  *  "background": false,           // prepare memory on a thread; see tpu_sync_store_state
  *  "lock_memory": true, "huge_pages": true, "populate": true,
- *  "staging_budget_bytes": 2147483648}  // the tier's own budget of pinned bytes (default: the
+ *  "staging_budget_bytes": 2147483648,  // the tier's own budget of pinned bytes (default: the
  *                                 // process-wide budget shared with every endpoint's staging)
+ *  "kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": null, ...}}
+ *                                 // vLLM-format KV events over ZMQ (off when absent); keys in
+ *                                 // tpu_sync_store_kv_events' documentation
  * ```
  *
  * `dma_client`: NULL, or a client whose plugin maps the DRAM slots for DMA
