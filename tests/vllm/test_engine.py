@@ -274,13 +274,17 @@ def test_pd_layerwise_matches_plain(engines, plain):
     assert all(x and x["do_remote_prefill"] and x["remote_num_tokens"] == n for x, n in zip(params, LENS))
     assert p["scheduler_stats"]["handed_off"] == len(LENS) and p["worker_stats"]["registered"] == len(LENS)
     assert p["worker_stats"]["register_failed"] == 0
+    if BACKEND != "ref":
+        assert p["worker_stats"]["layerwise_registered"] == len(LENS)
+        assert c["worker_stats"]["layerwise_pulls"] == len(LENS)
     assert toks(c) == toks(plain)
     # Every full block short of the last prompt token came over the network (synchronous,
     # layer-wise loads); the rest was computed locally.
     want = [expected_host_hits(n) for n in LENS]
-    assert cached(c) == want
     m = c["metrics"]
+    assert m["vllm:external_prefix_cache_hits"] == sum(want), m
     assert m["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(want), m
+    assert m["vllm:prompt_tokens_by_source{source=local_compute}"] == sum(LENS) - sum(want), m
     assert c["worker_stats"]["pulls_done"] == len(LENS) and c["worker_stats"]["pulls_failed"] == 0
     assert c["scheduler_stats"]["p2p_tokens"] == sum(want)
 
@@ -354,6 +358,7 @@ def test_offload_layerwise_loads_match_plain(engines, plain, offload_state):
     if BACKEND != "ref":
         assert cached(res, 1) == want
         assert res["worker_stats"]["loaded_blocks"] == sum(want) // BS
+        assert res["worker_stats"]["layerwise_loads"] == len(LENS)
         assert res["scheduler_stats"]["failed_loads"] == 0
 
 

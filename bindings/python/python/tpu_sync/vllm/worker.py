@@ -93,10 +93,11 @@ class WorkerSide:
         self._layer_load: Optional[_LayerLoad] = None
         #: counters: blocks saved / loaded, pulls done / failed / cancelled, registrations,
         #: failed loads, lookups, rejects sent to producers (and those that failed), whether AMX
-        #: tile permission was granted.
+        #: tile permission was granted; layer-wise registrations, pulls and host-tier load ops.
         self.stats: Dict[str, int] = dict(saved_blocks=0, loaded_blocks=0, pulls_done=0, pulls_failed=0, pulls_cancelled=0,
                                           registered=0, register_failed=0, failed_loads=0, lookups=0, rejects_sent=0,
-                                          rejects_failed=0, amx_permission=0)
+                                          rejects_failed=0, amx_permission=0, layerwise_registered=0,
+                                          layerwise_pulls=0, layerwise_loads=0)
         #: this interval's observations for vLLM's connector-stats hooks (None: vLLM lacks them).
         self.xfer_stats: Any = None
         try:
@@ -226,6 +227,7 @@ class WorkerSide:
             self.transport.register_layers(s.xfer_id, placement, s.num_tokens, s.lease_s, pullers)
             self._layer_sends[s.xfer_id] = s
             self.stats["registered"] += 1
+            self.stats["layerwise_registered"] += 1
         except Exception as e:  # the consumer's pull fails and it recomputes
             log.error("tpu_sync: layer-wise registration of %s (transfer %s) failed: %s", s.req_id, s.xfer_id, e)
             self.stats["register_failed"] += 1
@@ -267,6 +269,7 @@ class WorkerSide:
             p.handle = self.transport.pull(s.xfer_id, s.peers, src, dst, s.num_tokens,
                                            wait_for_registration=max(0.0, p.deadline - time.monotonic()),
                                            layerwise=True)
+            self.stats["layerwise_pulls"] += 1
         except Exception as e:
             p.handle = _Failed(e)
         self._layer_pulls[s.req_id] = p
@@ -290,6 +293,7 @@ class WorkerSide:
         job.thread = threading.Thread(target=self._run_layer_loads, args=(job,), name="tpu-sync-layer-loads",
                                       daemon=True)
         self._layer_load = job
+        self.stats["layerwise_loads"] += len(ops)
         job.thread.start()
 
     def _run_layer_loads(self, job: _LayerLoad) -> None:
