@@ -72,11 +72,13 @@ def set_layerwise(llm, on):
 
 def serve(role, model, max_len):
     """A producer or consumer process: JSON commands on stdin, one JSON answer per line."""
+    # Answers go to the original stdout; everything else (vLLM logs to stdout) to stderr.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     from vllm import SamplingParams
 
     llm = build_llm(model, max_len, role, dict(pull_timeout_s=60.0, lease_s=120.0))
-    out = sys.stdout
-    sys.stdout = sys.stderr  # vLLM's prints must not mix with the answers
     print(json.dumps({"ready": True}), file=out, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -108,10 +110,12 @@ class Proc:
         self.read()
 
     def read(self):
-        line = self.p.stdout.readline()
-        if not line:
-            raise SystemExit(f"engine process exited ({self.p.wait()})")
-        return json.loads(line)
+        while True:
+            line = self.p.stdout.readline()
+            if not line:
+                raise SystemExit(f"engine process exited ({self.p.wait()})")
+            if line.startswith("{"):
+                return json.loads(line)
 
     def ask(self, **cmd):
         self.p.stdin.write(json.dumps(cmd) + "\n")

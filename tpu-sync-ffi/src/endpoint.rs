@@ -1133,10 +1133,9 @@ pub extern "C" fn tpu_sync_transfer_wait_layers(
         if timeout_ms < 0 {
             return Ok(rt.block_on(fut)?);
         }
-        match rt.block_on(tokio::time::timeout(
-            Duration::from_millis(timeout_ms as u64),
-            fut,
-        )) {
+        // The timer must be created inside the runtime.
+        let d = Duration::from_millis(timeout_ms as u64);
+        match rt.block_on(async move { tokio::time::timeout(d, fut).await }) {
             Ok(r) => Ok(r?),
             Err(_) => Err(Failure(
                 tpu_sync_status::TPU_SYNC_PENDING,
