@@ -6,7 +6,7 @@ PJRT_INCLUDE := $(CURDIR)/.deps/xla-cpu-pjrt/xla_plugins/xla_cpu_pjrt/include
 export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 
-.PHONY: all build plugin protoc etcd demo test test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm sglang-env e2e-sglang
+.PHONY: all build plugin protoc etcd demo test test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm bench-vllm-layerwise sglang-env e2e-sglang
 
 all: build
 
@@ -163,6 +163,11 @@ e2e-vllm: vllm-env etcd
 # TTFT of a 2,000-token prompt loaded from the host tier vs recomputed (prints the ratio).
 bench-vllm: vllm-env
 	$(VLLM_VENV)/bin/python benches/vllm_ttft.py
+
+# P/D TTFT with and without layer pipelining, offload TTFT with synchronous vs layer-wise loads
+# (2,000 tokens, real engines, modes interleaved; prints min/median/max and ratios).
+bench-vllm-layerwise: vllm-env
+	$(VLLM_VENV)/bin/python benches/vllm_layerwise_ttft.py
 
 # SGLang integration (tpu_sync.sglang): a real SGLang 0.5.23 CPU engine in a cached virtualenv
 # (.venv-sglang, created by scripts/install-sglang.sh when missing, with the CPU test shim of

@@ -621,3 +621,86 @@ fn a_failed_pull_leaves_the_request_for_a_retry_a_reject_frees_it_and_pulls_wait
         }
     });
 }
+
+/// Layer-wise P/D: a request offered with only layer 0 staged is pulled layer by layer; the
+/// consumer gets (and writes) layer 0 and not layer 1 until the producer publishes it; after
+/// that every byte is exact and the registration is released.
+#[test]
+fn a_layerwise_offer_is_pulled_layer_by_layer_and_exact() {
+    let (src, dst) = placements();
+    let prod = side(2);
+    let cons = side(1);
+    let rt = rt();
+    rt.block_on(async {
+        let p = pipeline("lw-prod", true, TransferOptions::default())
+            .await
+            .unwrap();
+        let c = pipeline("lw-cons", false, TransferOptions::default())
+            .await
+            .unwrap();
+        let src_kv = kv(
+            &prod,
+            (0..2)
+                .map(|r| (r, buffers(&prod, &src, r, SRC_SALT)))
+                .collect(),
+        );
+        let offered = p
+            .offer_layers(
+                Offer {
+                    request_id: 21,
+                    num_tokens: TOKENS,
+                    placement: src.clone(),
+                    kv: src_kv.clone(),
+                    expected_releases: 1,
+                },
+                1,
+            )
+            .unwrap();
+        assert_eq!(offered.layers_published(), 1);
+        // Half the D2H of a whole offer (one of two layers).
+        assert_eq!(offered.report().device_bytes, 2 * 2 * 7 * 16 * 2 * 8 * 2);
+        let dst_bufs = background(&cons, &dst, 0);
+        let t = c
+            .pull_layerwise(PullInto {
+                request_id: 21,
+                num_tokens: TOKENS,
+                src: src.clone(),
+                sources: PeerMap::single(addr(&p)),
+                dst: dst.clone(),
+                kv: kv(&cons, vec![(0, dst_bufs.clone())]),
+                wait_for_registration: None,
+            })
+            .unwrap();
+        assert_eq!(t.num_layers(), 2);
+        tokio::time::timeout(Duration::from_secs(20), t.wait_layers_written(1))
+            .await
+            .expect("layer 0 written")
+            .unwrap();
+        // Layer 1 is not published: it cannot have arrived.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(t.layers_written(), 1);
+        assert!(!t.is_done());
+        assert_eq!(p.publish_layers(21, 2).unwrap(), 2);
+        assert_eq!(offered.layers_published(), 2);
+        let got = t.wait().await.unwrap();
+        let want = TOKENS as u64 * model().bytes_per_token();
+        assert_eq!((got.net_bytes, got.device_bytes), (want, want));
+        assert_eq!(t.layers_written(), 2);
+        assert_eq!(verify(&dst, 0, &dst_bufs), want);
+        assert_eq!(
+            offered.wait(Duration::from_secs(10)).await.unwrap(),
+            OfferState::Released
+        );
+        // Publishing an ended or unknown registration is refused with its kind.
+        assert_eq!(
+            p.publish_layers(21, 2).unwrap_err().kind(),
+            ErrorKind::UnknownRequest
+        );
+        assert_eq!(
+            p.publish_layers(99, 1).unwrap_err().kind(),
+            ErrorKind::UnknownRequest
+        );
+        p.shutdown(None).await;
+        c.shutdown(None).await;
+    });
+}

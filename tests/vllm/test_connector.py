@@ -113,7 +113,10 @@ def test_config_is_checked():
     assert c.offload and not c.pd and c.shm_name == "x"
     assert ConnectorConfig.parse("kv_producer", {}).is_producer
     assert ConnectorConfig.parse("kv_consumer", {}).is_consumer
+    assert not ConnectorConfig.parse("kv_consumer", {}).layerwise
+    assert ConnectorConfig.parse("kv_consumer", {"layerwise": True}).layerwise
     for role, extra in [("kv_both", {"shm_nme": "x"}), ("kv_both", {"verify_checksums": 1}),
+                        ("kv_producer", {"layerwise": 1}),
                         ("kv_both", {"host_capacity_bytes": True}), ("kv_sender", {}),
                         ("kv_producer", {"lease_s": 0}), ("kv_producer", {"psk": "zz"}),
                         ("kv_both", {"offload": False})]:

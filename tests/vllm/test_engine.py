@@ -251,6 +251,44 @@ def test_pd_bf16_consumer_whose_first_forward_is_a_decode(engines):
 SHM = f"tpusync-vllm-e2e-{os.getpid()}"
 
 
+def test_pd_layerwise_matches_plain(engines, plain):
+    """Layer-wise P/D (``layerwise``): the producer registers each request before its prefill's
+    forward and publishes every layer as vLLM saves it; the consumer admits the request at once
+    and its forward waits for each pulled layer. Output token-identical to a plain engine."""
+    hold = os.path.join(engines.dir, "pdl.hold")
+    if os.path.exists(hold):
+        os.remove(hold)
+    prod = engines.start("pdl_producer", engines.spec(
+        remote_decode=True, hold_file=hold,
+        connector=dict(kv_role="kv_producer", extra=pd_extra(lease_s=120.0, layerwise=True))))
+    cons = engines.start("pdl_consumer", engines.spec(
+        params_file=prod.out,
+        connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=60.0, layerwise=True))))
+    try:
+        c = engines.finish(cons)
+    finally:
+        open(hold, "w").close()
+    p = engines.finish(prod)
+    assert [t[:1] for t in toks(plain)] == toks(p)
+    params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
+    assert all(x and x["do_remote_prefill"] and x["remote_num_tokens"] == n for x, n in zip(params, LENS))
+    assert p["scheduler_stats"]["handed_off"] == len(LENS) and p["worker_stats"]["registered"] == len(LENS)
+    assert p["worker_stats"]["register_failed"] == 0
+    if BACKEND != "ref":
+        assert p["worker_stats"]["layerwise_registered"] == len(LENS)
+        assert c["worker_stats"]["layerwise_pulls"] == len(LENS)
+    assert toks(c) == toks(plain)
+    # Every full block short of the last prompt token came over the network (synchronous,
+    # layer-wise loads); the rest was computed locally.
+    want = [expected_host_hits(n) for n in LENS]
+    m = c["metrics"]
+    assert m["vllm:external_prefix_cache_hits"] == sum(want), m
+    assert m["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(want), m
+    assert m["vllm:prompt_tokens_by_source{source=local_compute}"] == sum(LENS) - sum(want), m
+    assert c["worker_stats"]["pulls_done"] == len(LENS) and c["worker_stats"]["pulls_failed"] == 0
+    assert c["scheduler_stats"]["p2p_tokens"] == sum(want)
+
+
 @pytest.fixture(scope="module")
 def offload_state():
     state = {}
@@ -297,6 +335,31 @@ def test_offload_second_pass_hits_host_tier(engines, plain, offload_state, workd
         assert lib[("tpu_sync_store_lookup_blocks_total", (("result", "hit"), ("tier", "dram")))] >= sum(want) // BS
         assert lib[("tpu_sync_store_blocks", (("tier", "dram"),))] == sum(n // BS for n in LENS)
     offload_state["b"] = True
+
+
+def test_offload_layerwise_loads_match_plain(engines, plain, offload_state):
+    """``layerwise`` host-tier loads (background read, then layer by layer under
+    ``wait_for_layer_load``) in a fresh tier: second pass token-identical to plain."""
+    shm = SHM + "-lw"
+    extra = offload_extra(shm_name=shm, host_capacity_bytes=HOST_CAPACITY, layerwise=True)
+    try:
+        res = engines.run("offload_lw", engines.spec(
+            connector=dict(kv_role="kv_both", policy="recompute", extra=extra), repeat=2))
+    finally:
+        if BACKEND != "ref":
+            import tpu_sync
+
+            try:
+                tpu_sync.remove_segment(shm, force=True)
+            except Exception:
+                pass
+    assert toks(res, 0) == toks(plain) and toks(res, 1) == toks(plain)
+    want = [expected_host_hits(n) for n in LENS]
+    if BACKEND != "ref":
+        assert cached(res, 1) == want
+        assert res["worker_stats"]["loaded_blocks"] == sum(want) // BS
+        assert res["worker_stats"]["layerwise_loads"] == len(LENS)
+        assert res["scheduler_stats"]["failed_loads"] == 0
 
 
 def test_offload_restart_hits_warm_shm_tier(engines, plain, offload_state):

@@ -1418,6 +1418,52 @@ enum tpu_sync_status tpu_sync_endpoint_register(const struct tpu_sync_endpoint *
                                                 uint32_t expected_releases);
 
 /**
+ * `tpu_sync_endpoint_register` of a request whose later layers the model has not computed yet
+ * (layer-wise P/D): checks the buffers, reserves and maps the staging of every layer, but copies
+ * (D2H) only layers `0..layers_ready` (clamped to `num_layers`) before registering. Consumers may
+ * pull at once; they receive layer `l` only after `tpu_sync_endpoint_publish_layers` staged and
+ * published it, so the transfer of layer `l` overlaps the computation of layer `l + 1`.
+ *
+ * Ownership: the buffer handles are borrowed for the call, and the registration keeps its own
+ * references to them until every layer is published (or it ends); the device blocks of layers
+ * not yet published must not be reused (or written by anything but the model computing them)
+ * before they are. Arguments and errors as for `tpu_sync_endpoint_register`.
+ *
+ * # Safety
+ * As `tpu_sync_endpoint_register`.
+ */
+enum tpu_sync_status tpu_sync_endpoint_register_layers(const struct tpu_sync_endpoint *endpoint,
+                                                       uint64_t request_id,
+                                                       const char *placement_json,
+                                                       uint32_t num_tokens,
+                                                       const uint32_t *ranks,
+                                                       size_t num_ranks,
+                                                       const struct tpu_sync_buffer *const *buffers,
+                                                       size_t num_layers,
+                                                       uint32_t expected_releases,
+                                                       uint32_t layers_ready);
+
+/**
+ * Stages (D2H, blocking) and publishes layers up to `layers` (exclusive, clamped to the layer
+ * count; monotone: a smaller value than already published does nothing) of a request
+ * registered with `tpu_sync_endpoint_register_layers`; its pullers receive them next. The
+ * device blocks of those layers may be reused once this returns. `published_out` (may be
+ * NULL) receives the number of leading layers published afterwards (every layer for a request
+ * registered whole).
+ *
+ * Errors: `TPU_SYNC_UNKNOWN_REQUEST` (not registered here, or its registration ended), device
+ * copy errors (the layers before the failing copy stay published; unregister the request so
+ * that its pullers fail instead of waiting).
+ *
+ * # Safety
+ * `published_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_endpoint_publish_layers(const struct tpu_sync_endpoint *endpoint,
+                                                      uint64_t request_id,
+                                                      uint32_t layers,
+                                                      uint32_t *published_out);
+
+/**
  * Withdraws a request's registration (pulls in progress fail). `existed_out` (may be NULL)
  * says whether it was still registered.
  *
@@ -1526,6 +1572,32 @@ enum tpu_sync_status tpu_sync_endpoint_pull_wait(const struct tpu_sync_endpoint 
                                                  struct tpu_sync_transfer **transfer_out);
 
 /**
+ * `tpu_sync_endpoint_pull_wait` (`wait_for_registration_ms`: 0 no wait, negative the
+ * endpoint's `wait_for_registration_s`) that writes each layer into `buffers` (H2D) as soon as it
+ * arrived and verified from every producer rank, in layer order, instead of every layer after
+ * the last byte: `tpu_sync_transfer_layers` and `tpu_sync_transfer_wait_layers` tell which
+ * leading layers hold their final bytes (the model may read layer `l` while later layers still
+ * arrive; it must not read or write a layer before that). Completion, release and errors as for
+ * `tpu_sync_endpoint_pull`. With a producer that registered the request layer by layer
+ * (`tpu_sync_endpoint_register_layers`), layer `l` arrives once the producer published it.
+ *
+ * # Safety
+ * As `tpu_sync_endpoint_pull`.
+ */
+enum tpu_sync_status tpu_sync_endpoint_pull_layers(const struct tpu_sync_endpoint *endpoint,
+                                                   uint64_t request_id,
+                                                   const char *peers,
+                                                   const char *src_placement_json,
+                                                   const char *dst_placement_json,
+                                                   uint32_t num_tokens,
+                                                   const uint32_t *ranks,
+                                                   size_t num_ranks,
+                                                   const struct tpu_sync_buffer *const *buffers,
+                                                   size_t num_layers,
+                                                   int64_t wait_for_registration_ms,
+                                                   struct tpu_sync_transfer **transfer_out);
+
+/**
  * Pushes a request (producer side): checks every buffer against `src_placement_json`'s layout,
  * copies (D2H, blocking) the request's blocks of `ranks`' buffers into pinned staging (budget,
  * DMA map as for `tpu_sync_endpoint_register`), then sends each destination rank exactly its
@@ -1598,6 +1670,31 @@ enum tpu_sync_status tpu_sync_transfer_poll(const struct tpu_sync_transfer *tran
 enum tpu_sync_status tpu_sync_transfer_wait(const struct tpu_sync_transfer *transfer,
                                             int64_t timeout_ms,
                                             struct tpu_sync_transfer_stats *stats_out);
+
+/**
+ * Non-blocking: writes the leading layers received and verified so far to `received_out` and
+ * the leading layers written into the destination buffers (H2D) to `written_out` (either may
+ * be NULL). Layer by layer for `tpu_sync_endpoint_pull_layers`; the other receiving transfers
+ * write every layer at the end; pushes write none.
+ *
+ * # Safety
+ * `received_out`, `written_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_transfer_layers(const struct tpu_sync_transfer *transfer,
+                                              uint32_t *received_out,
+                                              uint32_t *written_out);
+
+/**
+ * Waits up to `timeout_ms` milliseconds (0: do not block; negative: without limit) until the
+ * first `layers` layers (clamped to the layer count) are written into the destination buffers.
+ * Returns `TPU_SYNC_OK` once they are (or the transfer completed), `TPU_SYNC_PENDING` when the
+ * time passed first (the transfer continues), or the transfer's error when it failed first
+ * (layers written before the failure hold their final bytes). Must not be called on the
+ * completion thread (it blocks): `TPU_SYNC_INVALID_ARGUMENT` there.
+ */
+enum tpu_sync_status tpu_sync_transfer_wait_layers(const struct tpu_sync_transfer *transfer,
+                                                   uint32_t layers,
+                                                   int64_t timeout_ms);
 
 /**
  * Cancels the transfer: it fails with `TPU_SYNC_CANCELLED` (unless already complete), its lanes

@@ -509,6 +509,87 @@ pub unsafe extern "C" fn tpu_sync_endpoint_register(
     })
 }
 
+/// `tpu_sync_endpoint_register` of a request whose later layers the model has not computed yet
+/// (layer-wise P/D): checks the buffers, reserves and maps the staging of every layer, but copies
+/// (D2H) only layers `0..layers_ready` (clamped to `num_layers`) before registering. Consumers may
+/// pull at once; they receive layer `l` only after `tpu_sync_endpoint_publish_layers` staged and
+/// published it, so the transfer of layer `l` overlaps the computation of layer `l + 1`.
+///
+/// Ownership: the buffer handles are borrowed for the call, and the registration keeps its own
+/// references to them until every layer is published (or it ends); the device blocks of layers
+/// not yet published must not be reused (or written by anything but the model computing them)
+/// before they are. Arguments and errors as for `tpu_sync_endpoint_register`.
+///
+/// # Safety
+/// As `tpu_sync_endpoint_register`.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_endpoint_register_layers(
+    endpoint: *const tpu_sync_endpoint,
+    request_id: u64,
+    placement_json: *const c_char,
+    num_tokens: u32,
+    ranks: *const u32,
+    num_ranks: usize,
+    buffers: *const *const tpu_sync_buffer,
+    num_layers: usize,
+    expected_releases: u32,
+    layers_ready: u32,
+) -> tpu_sync_status {
+    boundary("tpu_sync_endpoint_register_layers", || {
+        let e = get_ep(endpoint)?;
+        e.check_open()?;
+        net::check_request_id(request_id)?;
+        // SAFETY: caller contract.
+        let placement = unsafe { placement_arg(placement_json, "placement_json") }?;
+        // SAFETY: caller contract.
+        let kv = unsafe { kv_arg(ranks, num_ranks, buffers, num_layers) }?;
+        e.pipeline.offer_layers(
+            Offer {
+                request_id,
+                num_tokens,
+                placement,
+                kv,
+                expected_releases,
+            },
+            layers_ready,
+        )?;
+        Ok(())
+    })
+}
+
+/// Stages (D2H, blocking) and publishes layers up to `layers` (exclusive, clamped to the layer
+/// count; monotone: a smaller value than already published does nothing) of a request
+/// registered with `tpu_sync_endpoint_register_layers`; its pullers receive them next. The
+/// device blocks of those layers may be reused once this returns. `published_out` (may be
+/// NULL) receives the number of leading layers published afterwards (every layer for a request
+/// registered whole).
+///
+/// Errors: `TPU_SYNC_UNKNOWN_REQUEST` (not registered here, or its registration ended), device
+/// copy errors (the layers before the failing copy stay published; unregister the request so
+/// that its pullers fail instead of waiting).
+///
+/// # Safety
+/// `published_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_endpoint_publish_layers(
+    endpoint: *const tpu_sync_endpoint,
+    request_id: u64,
+    layers: u32,
+    published_out: *mut u32,
+) -> tpu_sync_status {
+    boundary("tpu_sync_endpoint_publish_layers", || {
+        let e = get_ep(endpoint)?;
+        e.check_open()?;
+        net::check_request_id(request_id)?;
+        let n = e.pipeline.publish_layers(request_id, layers)?;
+        if !published_out.is_null() {
+            // SAFETY: non-NULL, writable per contract.
+            unsafe { *published_out = n };
+        }
+        Ok(())
+    })
+}
+
 /// Withdraws a request's registration (pulls in progress fail). `existed_out` (may be NULL)
 /// says whether it was still registered.
 ///
@@ -687,6 +768,7 @@ pub unsafe extern "C" fn tpu_sync_endpoint_pull(
                 num_tokens,
                 (ranks, num_ranks, buffers, num_layers),
                 None,
+                false,
                 transfer_out,
             )
         }
@@ -729,6 +811,55 @@ pub unsafe extern "C" fn tpu_sync_endpoint_pull_wait(
                 num_tokens,
                 (ranks, num_ranks, buffers, num_layers),
                 Some(wait),
+                false,
+                transfer_out,
+            )
+        }
+    })
+}
+
+/// `tpu_sync_endpoint_pull_wait` (`wait_for_registration_ms`: 0 no wait, negative the
+/// endpoint's `wait_for_registration_s`) that writes each layer into `buffers` (H2D) as soon as it
+/// arrived and verified from every producer rank, in layer order, instead of every layer after
+/// the last byte: `tpu_sync_transfer_layers` and `tpu_sync_transfer_wait_layers` tell which
+/// leading layers hold their final bytes (the model may read layer `l` while later layers still
+/// arrive; it must not read or write a layer before that). Completion, release and errors as for
+/// `tpu_sync_endpoint_pull`. With a producer that registered the request layer by layer
+/// (`tpu_sync_endpoint_register_layers`), layer `l` arrives once the producer published it.
+///
+/// # Safety
+/// As `tpu_sync_endpoint_pull`.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_endpoint_pull_layers(
+    endpoint: *const tpu_sync_endpoint,
+    request_id: u64,
+    peers: *const c_char,
+    src_placement_json: *const c_char,
+    dst_placement_json: *const c_char,
+    num_tokens: u32,
+    ranks: *const u32,
+    num_ranks: usize,
+    buffers: *const *const tpu_sync_buffer,
+    num_layers: usize,
+    wait_for_registration_ms: i64,
+    transfer_out: *mut *mut tpu_sync_transfer,
+) -> tpu_sync_status {
+    boundary("tpu_sync_endpoint_pull_layers", || {
+        // Negative: the endpoint's default.
+        let wait = (wait_for_registration_ms >= 0)
+            .then(|| Some(Duration::from_millis(wait_for_registration_ms as u64)));
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            pull(
+                endpoint,
+                request_id,
+                peers,
+                src_placement_json,
+                dst_placement_json,
+                num_tokens,
+                (ranks, num_ranks, buffers, num_layers),
+                wait,
+                true,
                 transfer_out,
             )
         }
@@ -748,6 +879,7 @@ unsafe fn pull(
     num_tokens: u32,
     (ranks, num_ranks, buffers, num_layers): KvArgs,
     wait: Option<Option<Duration>>,
+    layerwise: bool,
     transfer_out: *mut *mut tpu_sync_transfer,
 ) -> FfiResult {
     let e = get_ep(endpoint)?;
@@ -764,7 +896,7 @@ unsafe fn pull(
             kv_arg(ranks, num_ranks, buffers, num_layers)?,
         )
     };
-    let t = e.pipeline.pull(PullInto {
+    let p = PullInto {
         request_id,
         num_tokens,
         src,
@@ -772,7 +904,12 @@ unsafe fn pull(
         dst,
         kv,
         wait_for_registration: wait.unwrap_or(e.wait_for_registration),
-    })?;
+    };
+    let t = if layerwise {
+        e.pipeline.pull_layerwise(p)?
+    } else {
+        e.pipeline.pull(p)?
+    };
     insert_transfer(t, transfer_out)
 }
 
@@ -930,6 +1067,81 @@ pub unsafe extern "C" fn tpu_sync_transfer_wait(
             unsafe { *stats_out = s };
         }
         Ok(())
+    })
+}
+
+/// Non-blocking: writes the leading layers received and verified so far to `received_out` and
+/// the leading layers written into the destination buffers (H2D) to `written_out` (either may
+/// be NULL). Layer by layer for `tpu_sync_endpoint_pull_layers`; the other receiving transfers
+/// write every layer at the end; pushes write none.
+///
+/// # Safety
+/// `received_out`, `written_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_transfer_layers(
+    transfer: *const tpu_sync_transfer,
+    received_out: *mut u32,
+    written_out: *mut u32,
+) -> tpu_sync_status {
+    boundary("tpu_sync_transfer_layers", || {
+        let t = get_transfer(transfer)?;
+        if !received_out.is_null() {
+            // SAFETY: non-NULL, writable per contract.
+            unsafe { *received_out = t.transfer.layers_complete() };
+        }
+        if !written_out.is_null() {
+            // SAFETY: non-NULL, writable per contract.
+            unsafe { *written_out = t.transfer.layers_written() };
+        }
+        Ok(())
+    })
+}
+
+/// Waits up to `timeout_ms` milliseconds (0: do not block; negative: without limit) until the
+/// first `layers` layers (clamped to the layer count) are written into the destination buffers.
+/// Returns `TPU_SYNC_OK` once they are (or the transfer completed), `TPU_SYNC_PENDING` when the
+/// time passed first (the transfer continues), or the transfer's error when it failed first
+/// (layers written before the failure hold their final bytes). Must not be called on the
+/// completion thread (it blocks): `TPU_SYNC_INVALID_ARGUMENT` there.
+#[no_mangle]
+pub extern "C" fn tpu_sync_transfer_wait_layers(
+    transfer: *const tpu_sync_transfer,
+    layers: u32,
+    timeout_ms: i64,
+) -> tpu_sync_status {
+    boundary("tpu_sync_transfer_wait_layers", || {
+        let t = get_transfer(transfer)?;
+        let want = layers.min(t.transfer.num_layers());
+        if t.transfer.layers_written() >= want {
+            return Ok(());
+        }
+        if timeout_ms == 0 {
+            return match t.transfer.poll() {
+                Some(Err(e)) => Err(e.into()),
+                Some(Ok(_)) => Ok(()),
+                None => Err(Failure(tpu_sync_status::TPU_SYNC_PENDING, String::new())),
+            };
+        }
+        if completion::on_completion_thread() {
+            return Err(invalid(
+                "cannot wait for layers inside a completion callback",
+            ));
+        }
+        let h = t.transfer.clone();
+        let fut = async move { h.wait_layers_written(want).await };
+        let rt = runtime()?;
+        if timeout_ms < 0 {
+            return Ok(rt.block_on(fut)?);
+        }
+        // The timer must be created inside the runtime.
+        let d = Duration::from_millis(timeout_ms as u64);
+        match rt.block_on(async move { tokio::time::timeout(d, fut).await }) {
+            Ok(r) => Ok(r?),
+            Err(_) => Err(Failure(
+                tpu_sync_status::TPU_SYNC_PENDING,
+                format!("layers 0..{want} not written within {timeout_ms} ms"),
+            )),
+        }
     })
 }
 

@@ -226,6 +226,54 @@ impl Staging {
         unsafe { device::d2h_batch(&ops, max_outstanding) }
     }
 
+    /// D2H of the staged ranges of `rank` whose layer (buffer index) is in `layers` only: a
+    /// producer that stages a request layer by layer as the model computes it.
+    ///
+    /// The caller must not read or write these layers' staged regions concurrently.
+    pub fn fill_layers_from_device(
+        &self,
+        rank: u32,
+        buffers: &[DeviceBuffer],
+        layers: std::ops::Range<u32>,
+        max_outstanding: usize,
+    ) -> Result<CopyStats> {
+        let ops = self.layer_copies(rank, buffers, &layers)?;
+        // SAFETY: as fill_from_device (a subset of its copies).
+        unsafe { device::d2h_batch(&ops, max_outstanding) }
+    }
+
+    /// H2D of the staged ranges of `rank` whose layer is in `layers` only: a consumer that
+    /// writes each layer into the device as soon as it arrived.
+    ///
+    /// The caller must not write these layers' staged regions concurrently.
+    pub fn drain_layers_to_device(
+        &self,
+        caps: &Capabilities,
+        rank: u32,
+        buffers: &[DeviceBuffer],
+        layers: std::ops::Range<u32>,
+    ) -> Result<CopyStats> {
+        let ops = self.layer_copies(rank, buffers, &layers)?;
+        // SAFETY: as drain_to_device (a subset of its copies).
+        unsafe { device::h2d_batch(caps, &ops) }
+    }
+
+    fn layer_copies<'a>(
+        &self,
+        rank: u32,
+        buffers: &'a [DeviceBuffer],
+        layers: &std::ops::Range<u32>,
+    ) -> Result<Vec<RawCopy<'a>>> {
+        let all = self.copies(rank, buffers)?;
+        Ok(self
+            .ranges(rank)
+            .iter()
+            .zip(all)
+            .filter(|(s, _)| layers.contains(&s.range.buffer))
+            .map(|(_, c)| c)
+            .collect())
+    }
+
     /// H2D: writes every staged range of `rank` into its device buffers in place.
     ///
     /// The caller must not write this rank's staged regions concurrently.

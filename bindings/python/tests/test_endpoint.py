@@ -40,15 +40,22 @@ PRODUCER = textwrap.dedent("""
     c = tpu_sync.Client(cpu_devices=2)
     kv = {{r: [c.buffer_from_host(pattern({n}, 10 + r * 2 + l), device=r, shape={dims}, dtype="bf16")
               for l in range(2)] for r in (0, 1)}}
-    ep = tpu_sync.Endpoint(listen="127.0.0.1:0" if mode == "serve" else None, timeout=20, name="producer")
+    ep = tpu_sync.Endpoint(listen="127.0.0.1:0" if mode in ("serve", "layers") else None, timeout=20, name="producer")
+    if mode == "layers":
+        # Layer-wise: layer 0 now, layer 1 once the test says so (a line on stdin).
+        ep.register_layers(request_id, src, tokens, kv, layers_ready=1)
+        print("ADDRESS", ep.address, flush=True)
+        sys.stdin.readline()
+        print("PUBLISHED", ep.publish_layers(request_id, 2), flush=True)
     if mode == "serve":
         ep.register(request_id, src, tokens, kv)
         print("ADDRESS", ep.address, flush=True)
+    if mode in ("serve", "layers"):
         deadline = time.monotonic() + 60
         while ep.registration_state(request_id) == "active" and time.monotonic() < deadline:
             time.sleep(0.02)
         print("STATE", ep.registration_state(request_id), flush=True)
-    else:
+    if mode == "push":
         t = ep.push(request_id, target, src, dst, tokens, kv)
         print("PUSHED", t.wait(timeout=60)["bytes"], flush=True)
     ep.close()
@@ -59,7 +66,8 @@ def start_producer(mode, request_id, target=""):
     import json
 
     return subprocess.Popen([sys.executable, "-c", PRODUCER, mode, str(request_id), json.dumps(SRC), json.dumps(DST),
-                             str(TOKENS), target], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             str(TOKENS), target], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def read_line(p, prefix, timeout=60):
@@ -120,6 +128,33 @@ def test_two_process_pull(consumer, data):
             t.close()
         assert check_against_plan(bufs, init, data) == stats["bytes"]
         assert read_line(p, "STATE") == "released"  # the pull released the producer's blocks
+        assert p.wait(30) == 0
+    finally:
+        p.kill()
+
+
+def test_two_process_layerwise_pull(consumer, data):
+    """A request registered with only layer 0 staged: the layer-wise pull writes layer 0 and
+    waits for layer 1 until the producer publishes it; then every span is exact."""
+    c, bufs, init = consumer
+    p = start_producer("layers", 43)
+    try:
+        addr = read_line(p, "ADDRESS")
+        with tpu_sync.Endpoint(listen=None, timeout=20) as ep:
+            t = ep.pull(43, addr, SRC, DST, TOKENS, {0: bufs}, layerwise=True)
+            assert t.wait_layers(1, timeout=30)
+            assert t.layers_written == 1
+            assert not t.wait_layers(2, timeout=0.3)  # layer 1 is not published yet
+            assert not t.done and t.layers_written == 1
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            assert read_line(p, "PUBLISHED") == "2"
+            assert t.wait_layers(2, timeout=30)
+            stats = t.wait(timeout=60)
+            assert t.layers_written == 2
+            t.close()
+        assert check_against_plan(bufs, init, data) == stats["bytes"]
+        assert read_line(p, "STATE") == "released"
         assert p.wait(30) == 0
     finally:
         p.kill()

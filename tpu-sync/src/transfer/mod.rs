@@ -15,6 +15,13 @@
 //!   only then releases the request at the producers (a delivering release); a failed pull
 //!   sends a release that does not count as delivered, so a retry can still succeed, and
 //!   [`Pipeline::reject`] tells the producers that this consumer will not pull the request.
+//! * **Layer by layer**: [`Pipeline::offer_layers`] registers a request before its layers are
+//!   computed (only the first `layers_ready` staged) and [`Pipeline::publish_layers`] stages
+//!   (D2H) and announces each further layer as the model finishes it, so a consumer pulls layer
+//!   `l` while layer `l + 1` is computed; [`Pipeline::pull_layerwise`] writes each layer into
+//!   the device (H2D) as soon as it arrived and verified, and
+//!   [`TransferHandle::wait_layers_written`] waits for a layer (a model that computes layer `l`
+//!   while the later layers arrive).
 //! * **Push**: [`Pipeline::push`] (producer-initiated: check, stage D2H, send) and
 //!   [`Pipeline::expect_push`] (its consumer side: check, plan, stage, receive, H2D).
 //!
@@ -205,6 +212,11 @@ impl KvBuffers {
         })
     }
 
+    /// Buffers (layers) per rank (the same for every rank: [`KvBuffers::new`] checks it).
+    pub fn num_layers(&self) -> u32 {
+        self.by_rank.values().next().map_or(0, |v| v.len() as u32)
+    }
+
     /// The global ranks, ascending.
     pub fn ranks(&self) -> Vec<u32> {
         self.by_rank.keys().copied().collect()
@@ -366,6 +378,55 @@ impl OfferState {
 struct OfferEntry {
     handle: SourceHandle,
     report: Report,
+    /// Layers still to be staged ([`Pipeline::offer_layers`]); `None` once every layer is.
+    layered: Mutex<Option<Layered>>,
+}
+
+/// What a layer-wise offer needs to stage its later layers.
+struct Layered {
+    staging: Arc<Staging>,
+    kv: KvBuffers,
+    num_layers: u32,
+    /// Leading layers staged and published.
+    staged: u32,
+}
+
+impl OfferEntry {
+    /// Stages (D2H) layers `staged..layers` of every rank and publishes them; returns the
+    /// layers published afterwards.
+    fn publish(&self, layers: u32, max_outstanding: usize) -> Result<u32> {
+        let mut g = lock(&self.layered);
+        let Some(l) = g.as_mut() else {
+            return Ok(self.handle_layers());
+        };
+        let upto = layers.min(l.num_layers);
+        if upto > l.staged {
+            for r in l.kv.ranks() {
+                let bufs = l.kv.get(r).unwrap_or_default();
+                l.staging
+                    .fill_layers_from_device(r, bufs, l.staged..upto, max_outstanding)
+                    .map_err(|e| {
+                        e.context(format!(
+                            "D2H of layers {}..{upto} of rank {r} of request {}",
+                            l.staged,
+                            self.handle.request_id()
+                        ))
+                    })?;
+            }
+            l.staged = upto;
+            self.handle.publish_layers(upto);
+        }
+        let n = l.staged;
+        if n >= l.num_layers {
+            // Every layer is staged: the registration alone keeps the staging now.
+            *g = None;
+        }
+        Ok(n)
+    }
+
+    fn handle_layers(&self) -> u32 {
+        self.handle.layers_published()
+    }
 }
 
 /// The producer's handle of an offered request. Holding it keeps the staging alive until the
@@ -406,6 +467,11 @@ impl OfferHandle {
     /// Waits until the registration ends or `timeout` passes ([`Error::Timeout`]).
     pub async fn wait(&self, timeout: Duration) -> Result<OfferState> {
         self.entry.handle.wait(timeout).await.map(OfferState::of)
+    }
+
+    /// Leading layers staged and published so far (every layer for a whole-request offer).
+    pub fn layers_published(&self) -> u32 {
+        self.entry.handle_layers()
     }
 }
 
@@ -493,6 +559,10 @@ struct Job {
     net: Transfer,
     result: watch::Sender<Option<Result<Report>>>,
     cancelled: AtomicBool,
+    /// Layers of the destination buffers (0 for pushes).
+    num_layers: u32,
+    /// Leading layers written into the destination buffers (H2D) so far.
+    written: watch::Sender<u32>,
 }
 
 impl Job {
@@ -575,6 +645,42 @@ impl TransferHandle {
     /// Leading layers received and verified so far (pulls and expected pushes).
     pub fn layers_complete(&self) -> u32 {
         self.job.net.layers_complete()
+    }
+
+    /// Layers of the destination buffers (pulls and expected pushes; 0 for pushes).
+    pub fn num_layers(&self) -> u32 {
+        self.job.num_layers
+    }
+
+    /// Leading layers written into the destination buffers (H2D) so far: layer by layer for
+    /// [`Pipeline::pull_layerwise`], all at once at the end for the other receiving operations.
+    /// A layer counted here holds its final bytes: the model may read it, also while the later
+    /// layers still arrive.
+    pub fn layers_written(&self) -> u32 {
+        *self.job.written.borrow()
+    }
+
+    /// Waits until the first `layers` layers (at most [`TransferHandle::num_layers`]) are
+    /// written into the destination buffers. Errors: the transfer's error when it fails first
+    /// (layers written before the failure hold their final bytes; later ones are undefined).
+    pub async fn wait_layers_written(&self, layers: u32) -> Result<()> {
+        let want = layers.min(self.job.num_layers);
+        let mut written = self.job.written.subscribe();
+        let mut result = self.job.result.subscribe();
+        loop {
+            if *written.borrow_and_update() >= want {
+                return Ok(());
+            }
+            match &*result.borrow_and_update() {
+                Some(Err(e)) => return Err(e.clone()),
+                Some(Ok(_)) => return Ok(()),
+                None => {}
+            }
+            tokio::select! {
+                r = written.changed() => { if r.is_err() { return Err(Error::Cancelled("transfer task ended".into())); } }
+                r = result.changed() => { if r.is_err() { return Err(Error::Cancelled("transfer task ended".into())); } }
+            }
+        }
     }
 }
 
@@ -703,6 +809,27 @@ impl Pipeline {
         Ok(())
     }
 
+    /// D2H of layers `layers` of every rank of `kv` into `staging`; adds the copies to `report`.
+    fn fill_layers(
+        &self,
+        staging: &Staging,
+        kv: &KvBuffers,
+        layers: std::ops::Range<u32>,
+        report: &mut Report,
+    ) -> Result<()> {
+        let t = Instant::now();
+        for r in kv.ranks() {
+            let bufs = kv.get(r).unwrap_or_default();
+            let s = staging
+                .fill_layers_from_device(r, bufs, layers.clone(), self.opts.d2h_max_outstanding)
+                .map_err(|e| e.context(format!("D2H of rank {r}")))?;
+            report.device_bytes += s.bytes;
+            report.device_ops += s.ops;
+        }
+        report.device_time = t.elapsed();
+        Ok(())
+    }
+
     /// Producer side of a pull: checks every buffer against the placement's layout, stages the
     /// request's blocks of `offer.kv`'s ranks (budget, DMA map, D2H) and registers them until
     /// `expected_releases` consumers released (or rejected) them, the lease passes without a
@@ -714,10 +841,45 @@ impl Pipeline {
     /// [`Error::Mismatch`] (a buffer disagrees with the layout), [`Error::StagingExhausted`],
     /// device copy errors.
     pub fn offer(&self, offer: Offer) -> Result<OfferHandle> {
-        self.refused(self.offer_inner(offer))
+        self.refused(self.offer_inner(offer, None))
     }
 
-    fn offer_inner(&self, o: Offer) -> Result<OfferHandle> {
+    /// [`Pipeline::offer`] of a request whose later layers are not computed yet: checks,
+    /// reserves and maps the staging of every layer as `offer` does, but copies (D2H) only the
+    /// first `layers_ready` layers (clamped to the buffers' layer count) before registering.
+    /// Pullers may connect at once; they receive layer `l` only once it is published with
+    /// [`Pipeline::publish_layers`] (which stages it). The device blocks of unpublished layers
+    /// must stay untouched by anything but the model computing them until they are published.
+    ///
+    /// Errors: as [`Pipeline::offer`].
+    pub fn offer_layers(&self, offer: Offer, layers_ready: u32) -> Result<OfferHandle> {
+        self.refused(self.offer_inner(offer, Some(layers_ready)))
+    }
+
+    /// Stages (D2H, blocking) and publishes the layers of a [layer-wise
+    /// offer](Pipeline::offer_layers) up to `layers` (exclusive; monotone: a smaller value does
+    /// nothing); returns the number of layers published afterwards. The device blocks of those
+    /// layers may be reused once it returns. A whole-request offer answers its layer count.
+    ///
+    /// Errors: [`Error::UnknownRequest`] when `request_id` is not registered here (never, or
+    /// ended); device copy errors (the layers before the failing one stay published; withdraw
+    /// the offer, its pullers then fail).
+    pub fn publish_layers(&self, request_id: u64, layers: u32) -> Result<u32> {
+        let entry = {
+            let mut m = lock(&self.offers);
+            m.sweep();
+            m.live.get(&request_id).cloned()
+        };
+        match entry {
+            Some(e) => e.publish(layers, self.opts.d2h_max_outstanding),
+            None => Err(Error::UnknownRequest(format!(
+                "request {request_id} is not registered here ({})",
+                self.offer_state(request_id).name()
+            ))),
+        }
+    }
+
+    fn offer_inner(&self, o: Offer, layers_ready: Option<u32>) -> Result<OfferHandle> {
         let t0 = Instant::now();
         net::check_request_id(o.request_id)?;
         if o.expected_releases == 0 {
@@ -749,7 +911,21 @@ impl Pipeline {
             lock: Some(staging.arena().lock_status().clone()),
             ..Report::default()
         };
-        self.fill(&staging, &o.kv, &mut report)?;
+        let num_layers = o.kv.num_layers();
+        let ready = layers_ready.map(|n| n.min(num_layers));
+        match ready {
+            None => self.fill(&staging, &o.kv, &mut report)?,
+            Some(n) => self.fill_layers(&staging, &o.kv, 0..n, &mut report)?,
+        }
+        let layered = match ready {
+            Some(n) if n < num_layers => Some(Layered {
+                staging: staging.clone(),
+                kv: o.kv.clone(),
+                num_layers,
+                staged: n,
+            }),
+            _ => None,
+        };
         let handle = {
             let _g = self.rt.enter();
             self.ep.register_source(SourceRegistration {
@@ -757,12 +933,16 @@ impl Pipeline {
                 num_tokens: o.num_tokens,
                 placement: o.placement,
                 staging,
-                layers_ready: None,
+                layers_ready: ready,
                 expected_releases: o.expected_releases,
             })?
         };
         report.elapsed = t0.elapsed();
-        let entry = Arc::new(OfferEntry { handle, report });
+        let entry = Arc::new(OfferEntry {
+            handle,
+            report,
+            layered: Mutex::new(layered),
+        });
         {
             let mut m = lock(&self.offers);
             m.sweep();
@@ -821,7 +1001,19 @@ impl Pipeline {
     /// plan's errors, [`Error::Mismatch`], [`Error::Unsupported`] (no in-place H2D path),
     /// [`Error::StagingExhausted`]. Network and device errors come through the handle.
     pub fn pull(&self, pull: PullInto) -> Result<TransferHandle> {
-        self.refused(self.pull_inner(pull))
+        self.refused(self.pull_inner(pull, false))
+    }
+
+    /// [`Pipeline::pull`] that writes each layer into the device buffers (H2D) as soon as it
+    /// arrived and verified on every pair, in layer order, instead of all layers after the
+    /// last byte: [`TransferHandle::layers_written`] and
+    /// [`TransferHandle::wait_layers_written`] say which layers the model may read. The
+    /// release and the handle's completion are as for [`Pipeline::pull`]. A cancel stops the
+    /// H2D copies before the next layer.
+    ///
+    /// Errors: as [`Pipeline::pull`].
+    pub fn pull_layerwise(&self, pull: PullInto) -> Result<TransferHandle> {
+        self.refused(self.pull_inner(pull, true))
     }
 
     fn plan_destination(
@@ -850,7 +1042,7 @@ impl Pipeline {
         Ok((plan, staging, report))
     }
 
-    fn pull_inner(&self, p: PullInto) -> Result<TransferHandle> {
+    fn pull_inner(&self, p: PullInto, layerwise: bool) -> Result<TransferHandle> {
         let t0 = Instant::now();
         net::check_request_id(p.request_id)?;
         let (plan, staging, report) = self.plan_destination(
@@ -878,13 +1070,17 @@ impl Pipeline {
             })?
         };
         self.counters.pulls.fetch_add(1, Ordering::Relaxed);
-        let (handle, job) = self.job(p.request_id, t.clone());
+        let (handle, job) = self.job(p.request_id, t.clone(), p.kv.num_layers());
         let ep = self.ep.clone();
         let kv = p.kv;
         self.rt
             .spawn(tracing::Instrument::in_current_span(async move {
                 let job = Completer(job);
-                let r = receive(&job.0, &t, staging, kv, report, t0).await;
+                let r = if layerwise {
+                    receive_layers(&job.0, &t, staging, kv, report, t0).await
+                } else {
+                    receive(&job.0, &t, staging, kv, report, t0).await
+                };
                 let delivered = r.is_ok();
                 if delivered {
                     // The producers free the request now instead of at its lease expiry.
@@ -904,13 +1100,16 @@ impl Pipeline {
         Ok(handle)
     }
 
-    fn job(&self, request_id: u64, net: Transfer) -> (TransferHandle, Arc<Job>) {
+    fn job(&self, request_id: u64, net: Transfer, num_layers: u32) -> (TransferHandle, Arc<Job>) {
         let (tx, _) = watch::channel(None);
+        let (written, _) = watch::channel(0);
         let job = Arc::new(Job {
             request_id,
             net,
             result: tx,
             cancelled: AtomicBool::new(false),
+            num_layers,
+            written,
         });
         (TransferHandle { job: job.clone() }, job)
     }
@@ -965,7 +1164,7 @@ impl Pipeline {
             })?
         };
         self.counters.pushes.fetch_add(1, Ordering::Relaxed);
-        let (handle, job) = self.job(p.request_id, t.clone());
+        let (handle, job) = self.job(p.request_id, t.clone(), 0);
         self.rt
             .spawn(tracing::Instrument::in_current_span(async move {
                 let job = Completer(job);
@@ -1015,7 +1214,7 @@ impl Pipeline {
         self.counters
             .expected_pushes
             .fetch_add(1, Ordering::Relaxed);
-        let (handle, job) = self.job(e.request_id, t.clone());
+        let (handle, job) = self.job(e.request_id, t.clone(), e.kv.num_layers());
         let kv = e.kv;
         self.rt
             .spawn(tracing::Instrument::in_current_span(async move {
@@ -1135,6 +1334,73 @@ async fn receive(
     report.device_bytes = dev.0;
     report.device_ops = dev.1;
     report.device_time = dev.2;
+    report.elapsed = t0.elapsed();
+    job.written.send_replace(job.num_layers);
+    Ok(report)
+}
+
+/// [`receive`] layer by layer: writes each layer's staging into the device buffers (H2D) as
+/// soon as the transfer has it complete and verified on every pair, and counts it in the job's
+/// `written`.
+async fn receive_layers(
+    job: &Job,
+    t: &Transfer,
+    staging: Arc<Staging>,
+    kv: KvBuffers,
+    mut report: Report,
+    t0: Instant,
+) -> Result<Report> {
+    let n = job.num_layers;
+    let mut done = 0u32;
+    let (mut bytes, mut ops, mut time) = (0u64, 0u64, Duration::ZERO);
+    while done < n {
+        t.wait_layers(done + 1).await?;
+        let avail = match t.poll() {
+            Some(Ok(_)) => n,
+            Some(Err(e)) => return Err(e),
+            None => t.layers_complete().min(n),
+        };
+        if avail <= done {
+            // Woken without progress (the transfer's plan arrived): wait again.
+            continue;
+        }
+        if job.cancelled.load(Ordering::SeqCst) {
+            return Err(Error::Cancelled(format!(
+                "request {} cancelled by the caller before layer {done} was written to the device",
+                job.request_id
+            )));
+        }
+        let (st, kv2) = (staging.clone(), kv.clone());
+        let range = done..avail;
+        let span = tracing::Span::current();
+        let dev = tokio::task::spawn_blocking(move || -> Result<(u64, u64, Duration)> {
+            let _span = span.entered();
+            let t = Instant::now();
+            let (mut bytes, mut ops) = (0, 0);
+            for r in st.ranks().collect::<Vec<_>>() {
+                if let Some(bufs) = kv2.get(r) {
+                    let s = st
+                        .drain_layers_to_device(kv2.caps(), r, bufs, range.clone())
+                        .map_err(|e| e.context(format!("H2D of layers {range:?} of rank {r}")))?;
+                    bytes += s.bytes;
+                    ops += s.ops;
+                }
+            }
+            Ok((bytes, ops, t.elapsed()))
+        })
+        .await
+        .map_err(|e| Error::Cancelled(format!("device copy task ended: {e}")))??;
+        bytes += dev.0;
+        ops += dev.1;
+        time += dev.2;
+        done = avail;
+        job.written.send_replace(done);
+    }
+    let s = t.wait().await?;
+    report.add_net(&s);
+    report.device_bytes = bytes;
+    report.device_ops = ops;
+    report.device_time = time;
     report.elapsed = t0.elapsed();
     Ok(report)
 }

@@ -69,6 +69,31 @@ class Transfer(AsyncOp):
         check(lib.tpu_sync_transfer_poll(self._handle(), d, n))
         return int(n[0])
 
+    @property
+    def layers_written(self) -> int:
+        """Leading layers written into the destination buffers so far (H2D): layer by layer for
+        :meth:`Endpoint.pull` with ``layerwise=True``, all at the end otherwise; pushes write
+        none. A layer counted here holds its final bytes."""
+        w = ffi.new("uint32_t *")
+        check(lib.tpu_sync_transfer_layers(self._handle(), ffi.NULL, w))
+        return int(w[0])
+
+    def wait_layers(self, layers: int, timeout: Optional[float] = None) -> bool:
+        """Blocks until the first ``layers`` layers are written into the destination buffers
+        (or the transfer completed), at most ``timeout`` seconds (None: no limit; 0: do not
+        block). Returns True once they are, False when the time passed first (the transfer
+        continues).
+
+        Raises: the transfer's typed error when it failed first (layers written before the
+        failure hold their final bytes); InvalidArgumentError inside a completion callback."""
+        n = ck.u32("layers", layers)
+        ms = -1 if timeout is None else min(int(ck.number("timeout", timeout, lo=0.0) * 1000), ck.I64_MAX)
+        st = lib.tpu_sync_transfer_wait_layers(self._handle(), n, ms)
+        if st == lib.TPU_SYNC_PENDING:
+            return False
+        check(st)
+        return True
+
 
 def _peers(p: Peers, name: str = "peers") -> bytes:
     """``"ADDR"``, or ``{rank: "ADDR"}``, as the native peer-map string."""
@@ -254,6 +279,40 @@ class Endpoint(Handle):
         check(lib.tpu_sync_endpoint_register(self._handle(), rid, place, tokens, ranks, n, bufs, layers, releases))
         del keep
 
+    def register_layers(self, request_id: int, placement: Any, num_tokens: int, kv: Kv, layers_ready: int = 0,
+                        expected_releases: int = 1) -> None:
+        """:meth:`register` of a request whose later layers are not computed yet (layer-wise
+        P/D): reserves the staging of every layer but copies (D2H) only layers
+        ``0 .. layers_ready``; consumers may pull at once and receive layer ``l`` once
+        :meth:`publish_layers` staged it. The registration keeps references to ``kv``'s buffers
+        until every layer is published; the device blocks of unpublished layers must not be
+        reused before they are.
+
+        Raises: as :meth:`register`."""
+        rid = _check_id(request_id)
+        place = _placement(placement)
+        tokens = ck.u32("num_tokens", num_tokens)
+        releases = ck.u32("expected_releases", expected_releases)
+        ready = ck.u32("layers_ready", layers_ready)
+        ranks, bufs, n, layers, keep = _kv(kv)
+        check(lib.tpu_sync_endpoint_register_layers(self._handle(), rid, place, tokens, ranks, n, bufs, layers,
+                                                    releases, ready))
+        del keep
+
+    def publish_layers(self, request_id: int, layers: int) -> int:
+        """Stages (D2H, blocking) and publishes layers up to ``layers`` (exclusive) of a request
+        registered with :meth:`register_layers`; its pullers receive them next. Monotone (a
+        smaller value does nothing); the device blocks of those layers may be reused afterwards.
+        Returns the number of leading layers published (every layer for a request registered
+        whole).
+
+        Raises: UnknownRequestError (not registered here, or ended), device copy errors
+        (:meth:`unregister` it then, so that its pullers fail instead of waiting)."""
+        rid = _check_id(request_id)
+        out = ffi.new("uint32_t *")
+        check(lib.tpu_sync_endpoint_publish_layers(self._handle(), rid, ck.u32("layers", layers), out))
+        return int(out[0])
+
     def unregister(self, request_id: int) -> None:
         """Withdraws a registration (pulls in progress fail). No error if it already ended."""
         check(lib.tpu_sync_endpoint_unregister(self._handle(), ck.u64("request_id", request_id), ffi.NULL))
@@ -283,7 +342,7 @@ class Endpoint(Handle):
         check(lib.tpu_sync_endpoint_reject(self._handle(), rid, p, r))
 
     def pull(self, request_id: int, peers: Peers, src_placement: Any, dst_placement: Any, num_tokens: int,
-             kv: Kv, wait_for_registration: Optional[float] = None) -> Transfer:
+             kv: Kv, wait_for_registration: Optional[float] = None, layerwise: bool = False) -> Transfer:
         """Consumer side: pulls the request from the producers and writes it in place into ``kv``
         (H2D), resharding from ``src_placement`` to ``dst_placement``; then tells the producers
         to release it. Asynchronous: returns a :class:`Transfer`. ``peers`` is one address for
@@ -294,6 +353,10 @@ class Endpoint(Handle):
         that does not know the request yet may take to register it (a decode request that
         reaches the producer before its registration then waits and succeeds instead of failing
         with ``UnknownRequestError``); 0: no wait.
+
+        ``layerwise``: write each layer into ``kv`` as soon as it arrived from every producer rank
+        (:attr:`Transfer.layers_written`, :meth:`Transfer.wait_layers`) instead of every layer at
+        the end; the model may then read layer ``l`` while later layers arrive.
 
         After a failed or cancelled pull the producer keeps the request (a retry, e.g. to the
         right address, succeeds) until its lease passes or :meth:`reject`.
@@ -311,7 +374,10 @@ class Endpoint(Handle):
             wait = min(int(ck.number("wait_for_registration", wait_for_registration, lo=0.0) * 1000), ck.I64_MAX)
         ranks, bufs, n, layers, keep = _kv(kv)
         out = ffi.new("tpu_sync_transfer **")
-        if wait is None:
+        if ck.flag("layerwise", layerwise):
+            check(lib.tpu_sync_endpoint_pull_layers(self._handle(), rid, p, src, dst, tokens, ranks, n, bufs, layers,
+                                                    -1 if wait is None else wait, out))
+        elif wait is None:
             check(lib.tpu_sync_endpoint_pull(self._handle(), rid, p, src, dst, tokens, ranks, n, bufs, layers, out))
         else:
             check(lib.tpu_sync_endpoint_pull_wait(self._handle(), rid, p, src, dst, tokens, ranks, n, bufs, layers,

@@ -50,6 +50,11 @@ impl SourceHandle {
         });
     }
 
+    /// Leading layers published so far (every layer unless registered with fewer ready).
+    pub fn layers_published(&self) -> u32 {
+        *self.reg.layers.borrow()
+    }
+
     /// How the registration ended, if it did.
     pub fn outcome(&self) -> Option<SourceOutcome> {
         lock(&self.reg.outcome).clone()

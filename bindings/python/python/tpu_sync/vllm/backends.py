@@ -139,6 +139,13 @@ class StoreTier:
                                        parent=None if parent is None else self.key(parent))
         return int(r.stored) + int(r.present)
 
+    def get_host(self, hashes: Sequence[bytes], outs: Sequence[Any]) -> int:
+        """Copies the chain's leading present blocks into host arrays (``outs[i]``:
+        ``geometry.block_bytes`` writable bytes, every layer of block ``i`` in layer order), checking
+        their checksums; returns the number delivered. For layer-wise loads
+        (:class:`tpu_sync.vllm.worker.WorkerSide`), which then write the layers one by one."""
+        return int(self.store.get([self.key(h) for h in hashes], outs).delivered)
+
     def get(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
         """Loads the chain into blocks ``block_ids`` of the KV tensors; returns the number of
         leading blocks delivered. Raises ``tpu_sync.errors.ChecksumError`` on corrupt data."""
@@ -185,13 +192,31 @@ class EndpointTransport:
         self.endpoint.register(xfer_id, placement, num_tokens, {self._rank: self._caches.views},
                                expected_releases=pullers)
 
+    def register_layers(self, xfer_id: int, placement: Dict[str, Any], num_tokens: int, lease_s: float,
+                        pullers: int = 1) -> None:
+        """Layer-wise producer: registers request ``xfer_id`` before its layers are computed
+        (nothing staged yet); :meth:`publish_layers` stages each layer once the model wrote it.
+        vLLM must keep the blocks until every layer is published."""
+        self.endpoint.register_layers(xfer_id, placement, num_tokens, {self._rank: self._caches.views},
+                                      layers_ready=0, expected_releases=pullers)
+
+    def publish_layers(self, xfer_id: int, layers: int) -> int:
+        """Layer-wise producer: stages (D2H) and publishes layers ``..layers`` of ``xfer_id``;
+        returns the layers published."""
+        return self.endpoint.publish_layers(xfer_id, layers)
+
+    def withdraw(self, xfer_id: int) -> None:
+        """Producer: ends a registration (its pullers fail)."""
+        self.endpoint.unregister(xfer_id)
+
     def pull(self, xfer_id: int, peers: Dict[int, str], src: Dict[str, Any], dst: Dict[str, Any],
-             num_tokens: int, wait_for_registration: Optional[float] = None) -> Any:
+             num_tokens: int, wait_for_registration: Optional[float] = None, layerwise: bool = False) -> Any:
         """Consumer: starts pulling request ``xfer_id`` into this rank's blocks of ``dst``;
-        returns a handle with ``done``, ``error``, ``cancel()``. A producer that has not
+        returns a handle with ``done``, ``error``, ``cancel()`` (and, with ``layerwise``, each
+        layer written as it arrives: ``wait_layers(n, timeout)``). A producer that has not
         registered the request yet is waited for up to ``wait_for_registration`` seconds."""
         return self.endpoint.pull(xfer_id, peers, src, dst, num_tokens, {self._rank: self._caches.views},
-                                  wait_for_registration=wait_for_registration)
+                                  wait_for_registration=wait_for_registration, layerwise=layerwise)
 
     def reject(self, xfer_id: int, peers: Dict[int, str], reason: str) -> None:
         """Consumer: tells the producers this rank will not pull request ``xfer_id`` (refused or

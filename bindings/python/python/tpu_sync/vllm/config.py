@@ -43,6 +43,20 @@ P/D (prefill/decode disaggregation; on by default for ``kv_producer`` and ``kv_c
 ``staging_wait_s`` (float)
     How long a registration waits for budget before it fails. Default: it fails at once.
 
+``layerwise`` (bool)
+    Layer-wise P/D and host-tier loads. Producer: a request whose prefill completes in a step
+    is registered before that step's forward and each layer is staged and published as vLLM
+    saves it (``save_kv_layer``), so consumers pull layer ``l`` while layer ``l + 1`` is
+    computed. Consumer: a P/D request is admitted at once as a synchronous load (all prompt
+    tokens but the last), pulled with per-layer H2D, and ``wait_for_layer_load`` waits for each
+    layer; a dead or slow producer makes the forward wait up to ``pull_timeout_s``, after
+    which the blocks are reported as load errors (``kv_load_failure_policy``). Offload: host-tier
+    hits load on a background thread into a host bounce buffer (checksums verified), then layer
+    by layer into the KV tensors; ``wait_for_layer_load`` waits for each layer. Default: False
+    (whole requests: the producer registers one step after the request finished, the
+    consumer's pull is asynchronous and the request waits for all of it, host-tier loads are
+    synchronous in ``start_load_kv``). Producer and consumer may differ in this setting.
+
 Host-DRAM offload (on by default for ``kv_both``):
 
 ``offload`` (bool)
@@ -119,6 +133,7 @@ _KEYS = {
     "cluster": dict,  # a prefix cache shared across instances: see tpu_sync.vllm.cluster_tier
     "kv_events": dict,
     "metrics_addr": str,
+    "layerwise": bool,
 }
 
 
@@ -153,6 +168,7 @@ class ConnectorConfig:
     host_tier: Optional[str] = None
     kv_events: Optional[Dict[str, Any]] = None
     metrics_addr: Optional[str] = None
+    layerwise: bool = False
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -219,6 +235,7 @@ class ConnectorConfig:
             host_tier=extra.get("host_tier"),
             kv_events=extra.get("kv_events"),
             metrics_addr=extra.get("metrics_addr"),
+            layerwise=extra.get("layerwise", False),
             extra=extra,
         )
         if cfg.lease_s <= 0 or cfg.pull_timeout_s <= 0:

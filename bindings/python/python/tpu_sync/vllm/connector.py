@@ -96,17 +96,25 @@ class TpuSyncConnector(KVConnectorBase_V1):
         return self.worker_side.handshake()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Runs this step's lookups and host-tier loads (synchronous), registrations, and starts
-        pulls (asynchronous)."""
+        """Runs this step's lookups and host-tier loads (synchronous; with ``layerwise`` started
+        on a background thread), registrations, and starts pulls (asynchronous)."""
         meta = self._connector_metadata
         if self.worker_side is not None and isinstance(meta, TpuSyncMetadata):
             self.worker_side.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """No-op: loads finish in :meth:`start_load_kv`, before the forward."""
+        """With ``layerwise``: waits until this layer of the step's pulls and host-tier loads is
+        in the KV cache (see :meth:`tpu_sync.vllm.worker.WorkerSide.wait_for_layer_load`).
+        Otherwise a no-op: loads finish in :meth:`start_load_kv`, before the forward."""
+        if self.worker_side is not None and self.config.layerwise:
+            self.worker_side.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
-        """No-op: blocks are saved whole, every layer at once, in :meth:`wait_for_save`."""
+        """With ``layerwise``: stages and publishes this layer of the requests whose prefill
+        completes this step, so decode instances pull it while the next layer is computed.
+        Otherwise a no-op: blocks are saved whole, every layer at once, in :meth:`wait_for_save`."""
+        if self.worker_side is not None and self.config.layerwise:
+            self.worker_side.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         """Saves the prompt blocks this step filled to the host tier (synchronously)."""

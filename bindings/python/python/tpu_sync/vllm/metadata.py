@@ -104,6 +104,18 @@ class TpuSyncMetadata(KVConnectorMetadata):
     sends: List[SendSpec] = field(default_factory=list)
     recvs: List[RecvSpec] = field(default_factory=list)
     rejects: List[RejectSpec] = field(default_factory=list)
+    #: layer-wise producer (``layerwise``): requests whose prefill completes in this step,
+    #: registered before the forward and staged layer by layer as vLLM saves each layer.
+    layer_sends: List[SendSpec] = field(default_factory=list)
+    #: layer-wise producer: requests handed off (``request_finished`` kept their blocks) whose
+    #: layer-wise registration is complete: reported in ``finished_sending`` this step.
+    handoffs: List[str] = field(default_factory=list)
+    #: layer-wise producer: transfer ids registered early but not handed off (aborted, or more
+    #: tokens computed than registered): withdrawn.
+    withdraws: List[int] = field(default_factory=list)
+    #: consumer (``layerwise``): pulls this step's forward reads layer by layer
+    #: (``wait_for_layer_load``); the request is scheduled at once (a synchronous load).
+    layer_recvs: List[RecvSpec] = field(default_factory=list)
 
 
 @dataclass

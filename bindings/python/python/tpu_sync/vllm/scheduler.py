@@ -19,6 +19,15 @@ Per request (vLLM calls, in order):
 * **P/D producer** (``do_remote_decode``): ``request_finished`` returns ``(True, params)``:
   vLLM keeps the blocks until the worker reports the request in ``finished_sending``, once the
   endpoint has staged them (or the registration failed).
+* **Layer-wise** (``layerwise``): a producer registers a ``do_remote_decode`` request in the
+  step that completes its prefill (``layer_sends``: the workers stage each layer as vLLM saves
+  it) and hands it off in ``request_finished`` under that transfer id (``handoffs`` next step:
+  ``finished_sending``); a request that finished otherwise (aborted, or more tokens than
+  registered) is withdrawn (``withdraws``) and, if finished normally, handed off whole. A
+  consumer answers ``(block-aligned prompt tokens short of the last, False)``: the request is
+  scheduled at once, its pull starts before the forward (``layer_recvs``) and the forward
+  waits for each layer; a failed pull is reported as load errors (vLLM recomputes or fails
+  the request per ``kv_load_failure_policy``).
 * **Offload** (host tier): a new request's block hashes are looked up in the workers' tiers
   (``get_num_new_matched_tokens`` answers ``None`` for the one step the lookup takes, then the
   hit); hits load synchronously before the forward (``(n, False)``, leaving at least one prompt
@@ -82,6 +91,13 @@ class SchedulerSide:
         self._rejects: List[RejectSpec] = []
         #: tokens of pulls planned or running, counted as pulled once they succeed
         self._pulling: Dict[str, int] = {}
+        # Layer-wise P/D
+        self._pd_reqs: Dict[str, Any] = {}
+        self._early: Dict[str, SendSpec] = {}
+        self._layer_sends: List[SendSpec] = []
+        self._handoffs: List[str] = []
+        self._withdraws: List[int] = []
+        self._layer_recvs: List[RecvSpec] = []
         # Offload
         self._off: Dict[str, _OffloadState] = {}
         self._lookup_wanted: Dict[str, List[bytes]] = {}
@@ -123,6 +139,9 @@ class SchedulerSide:
         """Starts host-tier bookkeeping of a request."""
         if self.cfg.offload:
             self._off[request.request_id] = _OffloadState(request)
+        params = getattr(request, "kv_transfer_params", None)
+        if self.cfg.layerwise and self.cfg.is_producer and params and params.get("do_remote_decode"):
+            self._pd_reqs[request.request_id] = request
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         """Tokens the connector can provide beyond ``num_computed_tokens`` (block-aligned local
@@ -141,6 +160,11 @@ class SchedulerSide:
                 return 0, False
             n = self._remote_tokens(request, params)
             if n is not None and n > 0:
+                if self.cfg.layerwise:
+                    # A synchronous load read layer by layer by this step's forward; vLLM
+                    # computes at least the last prompt token (block-aligned, as host-tier hits).
+                    m = (min(n, int(request.num_tokens) - 1) // self.block_size) * self.block_size
+                    return (m, False) if m > 0 else (0, False)
                 return n, True
             return 0, False
         st = self._off.get(request.request_id)
@@ -205,7 +229,7 @@ class SchedulerSide:
             n = int(params["remote_num_tokens"])
             nb = -(-n // bs)
             # The whole request (no local hit: see get_num_new_matched_tokens).
-            self._recvs[req_id] = RecvSpec(
+            spec = RecvSpec(
                 req_id=req_id,
                 xfer_id=int(params["remote_request_id"]),
                 peers=peers_from_params(params),
@@ -216,6 +240,12 @@ class SchedulerSide:
                 timeout_s=self.cfg.pull_timeout_s,
             )
             self._source[req_id] = CacheHitSource.P2P
+            if self.cfg.layerwise:
+                # Pulled and read within the next step (failures come back as load errors).
+                self._layer_recvs.append(spec)
+                self.stats["p2p_tokens"] += num_external_tokens
+                return
+            self._recvs[req_id] = spec
             self._pulling[req_id] = num_external_tokens
             return
         st = self._off.get(req_id)
@@ -261,13 +291,50 @@ class SchedulerSide:
             sends=self._sends,
             recvs=list(self._recvs.values()),
             rejects=self._rejects,
+            handoffs=self._handoffs,
+            withdraws=self._withdraws,
+            layer_recvs=self._layer_recvs,
         )
+        self._handoffs, self._withdraws, self._layer_recvs = [], [], []
+        if self._pd_reqs:
+            meta.layer_sends = self._plan_layer_sends(scheduler_output)
         self._lookup_sent.update(self._lookup_wanted)
         self.stats["lookups"] += len(self._lookup_wanted)
         self._lookup_wanted, self._loads, self._sends, self._recvs, self._rejects = {}, [], [], {}, []
         if self.cfg.offload:
             meta.saves = self._plan_saves(scheduler_output)
         return meta
+
+    def _plan_layer_sends(self, scheduler_output: Any) -> List[SendSpec]:
+        """Layer-wise producer: registrations of requests whose prefill completes this step."""
+        out: List[SendSpec] = []
+        if len(self.peers) < self.geometry.tp:
+            return out  # no endpoint addresses: request_finished hands nothing off either
+        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+            req = self._pd_reqs.get(req_id)
+            if req is None or req_id in self._early:
+                continue
+            n = int(req.num_prompt_tokens)
+            # num_computed_tokens is advanced only after build_connector_meta.
+            if int(req.num_computed_tokens) + int(n_sched) < n:
+                continue
+            ids = self._block_ids(scheduler_output, req_id)
+            nb = -(-n // self.block_size)
+            if ids is None or len(ids) < nb:
+                continue
+            xfer_id = self._next_xfer
+            self._next_xfer = self._next_xfer % MAX_XFER_ID + 1
+            spec = SendSpec(req_id, xfer_id, [int(b) for b in ids[:nb]], n, self.cfg.lease_s,
+                            self._decode_tp(req.kv_transfer_params))
+            self._early[req_id] = spec
+            out.append(spec)
+        return out
+
+    def _decode_tp(self, params: Dict[str, Any]) -> int:
+        try:
+            return max(1, int(params.get("decode_tp_size") or self.cfg.decode_tp_size))
+        except (TypeError, ValueError):
+            return self.cfg.decode_tp_size
 
     def _plan_saves(self, scheduler_output: Any) -> List[TierOp]:
         bs = self.block_size
@@ -346,35 +413,52 @@ class SchedulerSide:
             elif req_id in self._recvs:
                 # Admitted, but aborted before the workers started the pull.
                 self._reject(req_id, params, "aborted before its pull started")
-        for d in (self._off, self._hits, self._lookup_wanted, self._recvs, self._source, self._pulling):
+        for d in (self._off, self._hits, self._lookup_wanted, self._recvs, self._source, self._pulling,
+                  self._pd_reqs):
             d.pop(req_id, None)
+        early = self._early.pop(req_id, None)
         self._lookup_sent.discard(req_id)
         self._pd_local_hit_logged.discard(req_id)
         if not (params and params.get("do_remote_decode") and self.cfg.is_producer):
+            if early is not None:
+                self._withdraws.append(early.xfer_id)
             return False, None
         from vllm.v1.request import RequestStatus
 
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            if early is not None:
+                self._withdraws.append(early.xfer_id)
             return False, None  # aborted: nothing to hand off
         n = int(request.num_computed_tokens)
         nb = -(-n // self.block_size)
         if n <= 0 or len(block_ids) < nb:
+            if early is not None:
+                self._withdraws.append(early.xfer_id)
             return False, None
+        if early is not None:
+            if early.num_tokens == n and early.block_ids == [int(b) for b in block_ids[:nb]]:
+                # Registered layer by layer during the prefill: hand that registration off.
+                self._handoffs.append(req_id)
+                self._sending[req_id] = time.monotonic() + self.cfg.lease_s
+                self.stats["handed_off"] += 1
+                return True, self._params(request, early.xfer_id, early.block_ids, n)
+            self._withdraws.append(early.xfer_id)  # more tokens than registered: whole request
         if len(self.peers) < self.geometry.tp:
             log.error("tpu_sync: request %s: no P/D endpoint address from the workers; not handing off KV", req_id)
             return False, None
         ids = [int(b) for b in block_ids[:nb]]
         xfer_id = self._next_xfer
         self._next_xfer = self._next_xfer % MAX_XFER_ID + 1
-        try:
-            decode_tp = max(1, int(params.get("decode_tp_size") or self.cfg.decode_tp_size))
-        except (TypeError, ValueError):
-            decode_tp = self.cfg.decode_tp_size
+        decode_tp = self._decode_tp(params)
         self._sends.append(SendSpec(req_id, xfer_id, ids, n, self.cfg.lease_s, decode_tp))
         self._sending[req_id] = time.monotonic() + self.cfg.lease_s
         self.stats["handed_off"] += 1
+        return True, self._params(request, xfer_id, ids, n)
+
+    def _params(self, request: Any, xfer_id: int, ids: List[int], n: int) -> Dict[str, Any]:
+        """The ``kv_transfer_params`` a decode instance pulls transfer ``xfer_id`` with."""
         prompt = list(request.prompt_token_ids or [])
-        return True, dict(
+        return dict(
             do_remote_prefill=True,
             do_remote_decode=False,
             tpu_sync_version=PARAMS_VERSION,

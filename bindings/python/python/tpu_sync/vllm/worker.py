@@ -9,8 +9,16 @@ has not registered the request yet) and queues rejects (sent by a background thr
 producer never stalls the model runner); ``wait_for_save`` (after the forward) saves the prompt
 blocks the step filled; ``get_transfer_results`` reports registrations done, pulls finished or
 failed; ``get_block_ids_with_load_errors`` the blocks a load or pull did not deliver;
-``build_connector_worker_meta`` the lookup answers. The per-layer hooks are no-ops: loads
-complete before the forward and saves run after it, whole blocks at a time.
+``build_connector_worker_meta`` the lookup answers. Without ``layerwise`` the per-layer hooks
+are no-ops: loads complete before the forward and saves run after it, whole blocks at a time.
+
+With ``layerwise`` (see :mod:`tpu_sync.vllm.config`): ``start_load_kv`` also registers the
+requests whose prefill completes this step (nothing staged yet), starts this step's
+layer-wise pulls, and starts host-tier loads on a background thread; ``save_kv_layer(layer)``
+stages and publishes that layer of the registered requests; ``wait_for_layer_load(layer)``
+waits until that layer of every pull and load of the step is in the KV tensors;
+``wait_for_save`` publishes any layer not saved through the hook and ends the step's pulls and
+loads (failures become load errors).
 """
 
 from __future__ import annotations
@@ -34,6 +42,19 @@ log = logging.getLogger("tpu_sync.vllm")
 #: How long a consumer retries a pull that the producer does not know yet (the producer
 #: registers the request one engine step after it finished).
 UNKNOWN_REQUEST_RETRY_S = 0.05
+
+
+@dataclass
+class _LayerLoad:
+    """Host-tier loads of one step, read from the tier on a background thread and written into
+    the KV tensors layer by layer (``ready[l]`` set once layer ``l`` of every block is in)."""
+
+    ops: List[Any]
+    ready: List[threading.Event]
+    thread: Optional[threading.Thread] = None
+    #: blocks delivered per op (set by the thread before any layer is written)
+    delivered: Optional[List[int]] = None
+    error: Optional[BaseException] = None
 
 
 @dataclass
@@ -64,12 +85,19 @@ class WorkerSide:
         self._reject_queue: "queue.Queue[Optional[RejectSpec]]" = queue.Queue()
         self._reject_thread: Optional[threading.Thread] = None
         self._pull_waits = False
+        # Layer-wise state (``layerwise``): layer index by name, registrations being staged
+        # this step (xfer id -> spec), this step's pulls read layer by layer, host-tier loads.
+        self._layer_index: Dict[str, int] = {}
+        self._layer_sends: Dict[int, Any] = {}
+        self._layer_pulls: Dict[str, _Pull] = {}
+        self._layer_load: Optional[_LayerLoad] = None
         #: counters: blocks saved / loaded, pulls done / failed / cancelled, registrations,
         #: failed loads, lookups, rejects sent to producers (and those that failed), whether AMX
-        #: tile permission was granted.
+        #: tile permission was granted; layer-wise registrations, pulls and host-tier load ops.
         self.stats: Dict[str, int] = dict(saved_blocks=0, loaded_blocks=0, pulls_done=0, pulls_failed=0, pulls_cancelled=0,
                                           registered=0, register_failed=0, failed_loads=0, lookups=0, rejects_sent=0,
-                                          rejects_failed=0, amx_permission=0)
+                                          rejects_failed=0, amx_permission=0, layerwise_registered=0,
+                                          layerwise_pulls=0, layerwise_loads=0)
         #: this interval's observations for vLLM's connector-stats hooks (None: vLLM lacks them).
         self.xfer_stats: Any = None
         try:
@@ -125,6 +153,7 @@ class WorkerSide:
             rank = 0
         self.caches = KvCaches(names=names, tensors=tensors, num_blocks=int(first.shape[0]),
                                layer_block_bytes=layer_block_bytes, tp_rank=rank)
+        self._layer_index = {n: i for i, n in enumerate(names)}
         if self.cfg.offload:
             self.tier = make_host_tier(self.cfg, g, self.caches)
         if self.cfg.pd:
@@ -155,13 +184,25 @@ class WorkerSide:
     # ---- per step ------------------------------------------------------------------------
 
     def start_load_kv(self, meta: TpuSyncMetadata) -> None:
-        """Lookups, synchronous host-tier loads, registrations and pull starts of this step."""
+        """Lookups, host-tier loads (synchronous, or started layer-wise), registrations and pull
+        starts of this step."""
         if self.tier is not None:
             for req_id, hashes in meta.lookups.items():
                 self._report.lookup_hits[req_id] = self._lookup(req_id, hashes)
-            for op in meta.loads:
-                self._load(op)
+            if self.cfg.layerwise and meta.loads and hasattr(self.tier, "get_host"):
+                self._start_layer_loads(list(meta.loads))
+            else:
+                for op in meta.loads:
+                    self._load(op)
         if self.transport is not None:
+            for xfer in getattr(meta, "withdraws", ()):
+                self._withdraw(xfer)
+            self._sent.update(getattr(meta, "handoffs", ()))
+            for s in getattr(meta, "layer_sends", ()):
+                self._register_layers(s)
+            now = time.monotonic()
+            for r in getattr(meta, "layer_recvs", ()):
+                self._start_layer_pull(_Pull(spec=r, deadline=now + r.timeout_s))
             for s in meta.sends:
                 self._register(s)
             for rj in getattr(meta, "rejects", ()):
@@ -170,6 +211,183 @@ class WorkerSide:
             for r in meta.recvs:
                 self._pulls[r.req_id] = _Pull(spec=r, deadline=now + r.timeout_s)
             self._poll_starts()
+
+    # ---- layer-wise ----------------------------------------------------------------------
+
+    def _register_layers(self, s: Any) -> None:
+        """Registers a request whose prefill completes this step, before its layers exist."""
+        assert self.caches is not None
+        if not hasattr(self.transport, "register_layers"):
+            self._layer_sends[s.xfer_id] = s  # registered whole in wait_for_save
+            return
+        layout = self.geometry.tpu_sync_layout(self.caches.num_blocks)
+        try:
+            placement = compat.placement(layout, s.block_ids)
+            pullers = compat.pullers_of_rank(placement, self.caches.tp_rank, s.num_tokens, s.decode_tp)
+            self.transport.register_layers(s.xfer_id, placement, s.num_tokens, s.lease_s, pullers)
+            self._layer_sends[s.xfer_id] = s
+            self.stats["registered"] += 1
+            self.stats["layerwise_registered"] += 1
+        except Exception as e:  # the consumer's pull fails and it recomputes
+            log.error("tpu_sync: layer-wise registration of %s (transfer %s) failed: %s", s.req_id, s.xfer_id, e)
+            self.stats["register_failed"] += 1
+
+    def _withdraw(self, xfer_id: int) -> None:
+        self._layer_sends.pop(xfer_id, None)
+        if hasattr(self.transport, "withdraw"):
+            try:
+                self.transport.withdraw(xfer_id)
+            except Exception as e:
+                log.debug("tpu_sync: withdrawing transfer %s failed: %s", xfer_id, e)
+
+    def _publish(self, layers: int) -> None:
+        """Stages and publishes layers ``..layers`` of this step's layer-wise registrations."""
+        if not hasattr(self.transport, "publish_layers"):
+            return
+        for xfer, s in list(self._layer_sends.items()):
+            try:
+                self.transport.publish_layers(xfer, layers)
+            except Exception as e:  # its pullers fail and recompute; vLLM frees the blocks
+                log.error("tpu_sync: publishing layers of %s (transfer %s) failed: %s", s.req_id, xfer, e)
+                self._withdraw(xfer)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Layer-wise producer: vLLM wrote ``layer_name`` of this step's tokens; stage and
+        publish it (and every layer before it) for the pullers."""
+        if not self._layer_sends:
+            return
+        i = self._layer_index.get(layer_name)
+        if i is not None:
+            self._publish(i + 1)
+
+    def _start_layer_pull(self, p: _Pull) -> None:
+        assert self.caches is not None
+        s = p.spec
+        try:
+            dst = compat.placement(self.geometry.tpu_sync_layout(self.caches.num_blocks), s.dst_block_ids)
+            src = compat.placement(s.src_layout, s.src_block_ids)
+            p.handle = self.transport.pull(s.xfer_id, s.peers, src, dst, s.num_tokens,
+                                           wait_for_registration=max(0.0, p.deadline - time.monotonic()),
+                                           layerwise=True)
+            self.stats["layerwise_pulls"] += 1
+        except Exception as e:
+            p.handle = _Failed(e)
+        self._layer_pulls[s.req_id] = p
+
+    def _fail_layer_pull(self, p: _Pull, err: BaseException) -> None:
+        log.error("tpu_sync: layer-wise pull for %s failed: %s", p.spec.req_id, err)
+        if p.handle is not None and not isinstance(p.handle, _Failed):
+            _cancel(p.handle)
+            _close(p.handle)
+        p.handle = _Failed(err, booked=True)
+        self.stats["pulls_failed"] += 1
+        if self.xfer_stats is not None:
+            self.xfer_stats.record_failure(_error_kind(err))
+        self._load_errors.update(p.spec.dst_block_ids)
+        self._reject(RejectSpec(p.spec.req_id, p.spec.xfer_id, p.spec.peers,
+                                f"request {p.spec.req_id}: its pull failed ({type(err).__name__}); recomputed"))
+
+    def _start_layer_loads(self, ops: List[Any]) -> None:
+        assert self.caches is not None
+        job = _LayerLoad(ops=ops, ready=[threading.Event() for _ in self.caches.names])
+        job.thread = threading.Thread(target=self._run_layer_loads, args=(job,), name="tpu-sync-layer-loads",
+                                      daemon=True)
+        self._layer_load = job
+        self.stats["layerwise_loads"] += len(ops)
+        job.thread.start()
+
+    def _run_layer_loads(self, job: _LayerLoad) -> None:
+        """Background thread: the step's host-tier reads (checksums verified) into bounce
+        buffers, then each layer of every delivered block into the KV tensors (H2D)."""
+        try:
+            import numpy as np
+
+            from tpu_sync import device
+
+            caches = self.caches
+            assert caches is not None and caches.views is not None
+            lbb = caches.layer_block_bytes
+            bounces, delivered = [], []
+            for op in job.ops:
+                buf = np.empty((len(op.block_ids), lbb * len(caches.names)), dtype=np.uint8)
+                try:
+                    n = int(self.tier.get_host(op.hashes, [buf[i] for i in range(len(op.block_ids))]))
+                except Exception as e:  # ChecksumError, missing blocks
+                    log.warning("tpu_sync: host-tier load of %d blocks for %s failed: %s", len(op.block_ids),
+                                op.req_id, e)
+                    n = 0
+                bounces.append(buf)
+                delivered.append(n)
+            job.delivered = delivered
+            for layer, view in enumerate(caches.views):
+                copies = [(view, bid * lbb, buf[i, layer * lbb:(layer + 1) * lbb])
+                          for op, buf, n in zip(job.ops, bounces, delivered) for i, bid in enumerate(op.block_ids[:n])]
+                if copies:
+                    device.h2d(copies).wait()
+                job.ready[layer].set()
+        except BaseException as e:  # a device error: every block of the step counts as failed
+            job.error = e
+        finally:
+            for ev in job.ready:
+                ev.set()
+
+    def _end_layer_loads(self) -> None:
+        """Waits for the step's layer-wise loads and books them (failed blocks: load errors)."""
+        job, self._layer_load = self._layer_load, None
+        if job is None:
+            return
+        if job.thread is not None:
+            job.thread.join()
+        if job.error is not None:
+            log.warning("tpu_sync: layer-wise host-tier load failed: %s", job.error)
+        for i, op in enumerate(job.ops):
+            delivered = 0 if job.error is not None or job.delivered is None else job.delivered[i]
+            self._book_load(op, delivered)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Layer-wise: blocks until layer ``layer_name`` of this step's pulls and host-tier loads
+        is in the KV tensors. A pull that fails or passes its deadline is cancelled and its blocks
+        reported as load errors (vLLM recomputes them); the forward goes on."""
+        i = self._layer_index.get(layer_name)
+        if i is None:
+            return
+        job = self._layer_load
+        if job is not None:
+            job.ready[i].wait()
+        for p in list(self._layer_pulls.values()):
+            h = p.handle
+            if isinstance(h, _Failed):
+                continue
+            try:
+                left = p.deadline - time.monotonic()
+                if left <= 0 or not h.wait_layers(i + 1, timeout=left):
+                    self._fail_layer_pull(p, TimeoutError(
+                        f"layer {i} of transfer {p.spec.xfer_id} not in within {p.spec.timeout_s} s"))
+            except Exception as e:
+                self._fail_layer_pull(p, e)
+
+    def _end_layer_pulls(self) -> None:
+        """After the forward: every layer-wise pull of the step has all its layers (or failed);
+        wait for its completion (the release) and book it."""
+        pulls, self._layer_pulls = self._layer_pulls, {}
+        for p in pulls.values():
+            h = p.handle
+            if isinstance(h, _Failed):
+                if not h.booked:
+                    self._fail_layer_pull(p, h.error)
+                continue
+            try:
+                st = h.wait(max(0.0, p.deadline - time.monotonic()))
+            except Exception as e:
+                self._fail_layer_pull(p, e)
+                continue
+            self.stats["pulls_done"] += 1
+            if self.xfer_stats is not None:
+                try:
+                    self.xfer_stats.record_pull(st["elapsed_s"], st["bytes"])
+                except Exception as e:  # stats are best effort
+                    log.debug("tpu_sync: no stats of pull %s: %s", p.spec.req_id, e)
+            _close(h)
 
     def _lookup(self, req_id: str, hashes: List[bytes]) -> int:
         self.stats["lookups"] += 1
@@ -192,6 +410,9 @@ class WorkerSide:
         except Exception as e:  # ChecksumError, missing blocks, device errors
             log.warning("tpu_sync: host-tier load of %d blocks for %s failed: %s", len(op.block_ids), op.req_id, e)
             delivered = 0
+        self._book_load(op, delivered)
+
+    def _book_load(self, op: Any, delivered: int) -> None:
         if delivered < len(op.block_ids):
             self._load_errors.update(op.block_ids[delivered:])
             self._report.failed_loads.add(op.req_id)
@@ -244,7 +465,21 @@ class WorkerSide:
 
     def wait_for_save(self, meta: Optional[TpuSyncMetadata]) -> None:
         """Saves this step's newly full prompt blocks to the host tier (synchronously: vLLM may
-        reuse the blocks after the step)."""
+        reuse the blocks after the step). Layer-wise: publishes every layer of the step's
+        registrations (those the hook did not), ends the step's pulls and host-tier loads."""
+        if self._layer_sends:
+            assert self.caches is not None
+            if not hasattr(self.transport, "register_layers"):
+                for s in list(self._layer_sends.values()):
+                    self._register(s)  # a transport without layers: registered whole now
+                    self._sent.discard(s.req_id)  # handed off through the scheduler's handoffs
+            else:
+                self._publish(len(self.caches.names))
+            self._layer_sends.clear()
+        if self._layer_pulls:
+            self._end_layer_pulls()
+        if self._layer_load is not None:
+            self._end_layer_loads()
         if self.tier is None or meta is None:
             return
         for op in meta.saves:
@@ -375,10 +610,14 @@ class WorkerSide:
         for lease in self._leases.values():
             _close(lease)
         self._leases.clear()
-        for p in self._pulls.values():
+        for p in list(self._pulls.values()) + list(self._layer_pulls.values()):
             if p.handle is not None:
                 _cancel(p.handle)
         self._pulls.clear()
+        self._layer_pulls.clear()
+        if self._layer_load is not None and self._layer_load.thread is not None:
+            self._layer_load.thread.join()
+        self._layer_load = None
         if self._reject_thread is not None:
             self._reject_queue.put(None)
             self._reject_thread.join(timeout=max(1.0, self.cfg.pull_timeout_s))
@@ -397,8 +636,10 @@ class _Failed:
 
     done = True
 
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException, booked: bool = False) -> None:
         self.error = error
+        #: its failure was already reported (layer-wise pulls)
+        self.booked = booked
 
     def cancel(self) -> None:
         pass

@@ -1,0 +1,246 @@
+"""TTFT with and without layer pipelining (``layerwise``), in real vLLM engines at 2,000 tokens.
+
+Two measurements, each interleaving the two modes round-robin over several rounds on the same
+engines (the connector's ``layerwise`` setting is switched between requests, so both modes see
+the same engines, caches and machine load), min/median/max and the ratio of the medians:
+
+* **P/D**: a producer engine (``kv_producer``) and a consumer engine (``kv_consumer``), each in
+  its own process, like a proxy in front of them: the prefill request (``max_tokens=1``,
+  ``do_remote_decode``) goes to the producer, its ``kv_transfer_params`` to the consumer
+  (``max_tokens=1``). TTFT = from sending the prefill request to the consumer's first token.
+  Whole-request mode: the producer registers (stages) the request in the engine step after it
+  finished; the consumer pulls asynchronously and schedules the request once every layer
+  arrived. Layer-wise mode: the producer registered the request before the prefill's forward
+  and staged each layer as vLLM saved it; the consumer schedules the request at once and its
+  forward waits for each layer. The producer process keeps stepping its engine after answering,
+  as a serving engine does.
+* **Offload**: one ``kv_both`` engine; each round prefills a fresh prompt (saved to the host
+  tier), then loads it from the tier twice (vLLM's own prefix cache is off), once with
+  synchronous loads in ``start_load_kv`` and once with layer-wise loads, alternating which goes
+  first. TTFT = the wall time of a ``max_tokens=1`` request.
+
+Greedy tokens of every mode are compared with each other (they must be equal).
+
+Usage (vLLM virtualenv; ``make bench-vllm-layerwise``):
+    python benches/vllm_layerwise_ttft.py [--tokens 2000] [--rounds 5] [--part pd|offload|all]
+        [--layers 8] [--hidden 512] [--json FILE]
+
+The model is the one of ``benches/vllm_ttft.py`` (random weights, 8 layers, hidden 512, built
+once under target/vllm-bench/). Timings depend on the machine and its load; the ratios are the
+result.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+       "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1"}
+
+
+def build_llm(model, max_len, role, extra):
+    from vllm import LLM
+
+    return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_len, max_num_seqs=4,
+               max_num_batched_tokens=max_len, block_size=32, enable_prefix_caching=False, seed=0,
+               distributed_executor_backend="uni",
+               kv_transfer_config=dict(kv_connector="TpuSyncConnector", kv_connector_module_path="tpu_sync.vllm",
+                                       kv_role=role, kv_load_failure_policy="fail" if role != "kv_both" else
+                                       "recompute", kv_connector_extra_config=extra))
+
+
+def set_layerwise(llm, on):
+    """Switches the connector's ``layerwise`` setting on both sides (in-process engine)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    worker = get_kv_transfer_group()
+    for conn in (sched, worker):
+        conn.config = dataclasses.replace(conn.config, layerwise=on)
+        for side in (conn.scheduler_side, conn.worker_side):
+            if side is not None:
+                side.cfg = conn.config
+    return sched
+
+
+def serve(role, model, max_len):
+    """A producer or consumer process: JSON commands on stdin, one JSON answer per line."""
+    # Answers go to the original stdout; everything else (vLLM logs to stdout) to stderr.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    from vllm import SamplingParams
+
+    llm = build_llm(model, max_len, role, dict(pull_timeout_s=60.0, lease_s=120.0))
+    print(json.dumps({"ready": True}), file=out, flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("op") == "quit":
+            break
+        sched = set_layerwise(llm, bool(cmd["layerwise"]))
+        if role == "kv_producer":
+            sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+                                extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+        else:
+            sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+                                extra_args={"kv_transfer_params": cmd["params"]})
+        o = llm.generate([{"prompt_token_ids": cmd["prompt"]}], sp, use_tqdm=False)[0]
+        print(json.dumps({"tokens": list(o.outputs[0].token_ids), "params": o.kv_transfer_params,
+                          "cached": o.num_cached_tokens}), file=out, flush=True)
+        if role == "kv_producer":
+            # A serving engine keeps stepping: registration (whole mode) and block frees.
+            deadline = time.time() + 30
+            while sched.scheduler_side.pending_sends() and time.time() < deadline:
+                llm.llm_engine.step()
+
+
+class Proc:
+    def __init__(self, role, model, max_len):
+        env = dict(os.environ, **ENV)
+        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", role, "--model", model,
+                                   "--max-len", str(max_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  env=env, text=True)
+        self.read()
+
+    def read(self):
+        while True:
+            line = self.p.stdout.readline()
+            if not line:
+                raise SystemExit(f"engine process exited ({self.p.wait()})")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def ask(self, **cmd):
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+        return self.read()
+
+    def close(self):
+        try:
+            self.p.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.p.stdin.flush()
+            self.p.wait(timeout=60)
+        except Exception:
+            self.p.kill()
+
+
+def summary(xs):
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
+
+
+def fmt(s):
+    return f"min {s['min'] * 1e3:7.1f}  median {s['median'] * 1e3:7.1f}  max {s['max'] * 1e3:7.1f} ms"
+
+
+def bench_pd(a, model, max_len, rng):
+    prod = Proc("kv_producer", model, max_len)
+    cons = Proc("kv_consumer", model, max_len)
+    times = {False: [], True: []}
+    tokens = {}
+    try:
+        modes = [False, True]
+        for r in range(a.rounds + 1):  # round 0 warms both modes
+            for lw in (modes if r % 2 == 0 else modes[::-1]):
+                prompt = [rng.randrange(3, 1000) for _ in range(a.tokens)]
+                t = time.perf_counter()
+                p = prod.ask(prompt=prompt, layerwise=lw)
+                c = cons.ask(prompt=prompt, params=p["params"], layerwise=lw)
+                dt = time.perf_counter() - t
+                if c["tokens"] != p["tokens"]:
+                    raise SystemExit(f"round {r}: consumer token {c['tokens']} != producer's {p['tokens']}")
+                if r:
+                    times[lw].append(dt)
+                    print(f"pd round {r} {'layerwise' if lw else 'whole    '}: TTFT {dt * 1e3:7.1f} ms "
+                          f"(consumer cached {c['cached']})", flush=True)
+                tokens[(r, lw)] = c["tokens"]
+    finally:
+        prod.close()
+        cons.close()
+    return {"whole": summary(times[False]), "layerwise": summary(times[True])}
+
+
+def bench_offload(a, model, max_len, rng):
+    from vllm import SamplingParams
+
+    llm = build_llm(model, max_len, "kv_both", dict(host_capacity_bytes=1 << 30))
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def ttft(prompt, lw):
+        set_layerwise(llm, lw)
+        t = time.perf_counter()
+        o = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+        return time.perf_counter() - t, o
+
+    times = {False: [], True: [], "miss": []}
+    for r in range(a.rounds + 1):
+        prompt = [rng.randrange(3, 1000) for _ in range(a.tokens)]
+        t_miss, o_miss = ttft(prompt, False)
+        order = [False, True] if r % 2 == 0 else [True, False]
+        for lw in order:
+            t, o = ttft(prompt, lw)
+            if o.num_cached_tokens < (a.tokens - 1) // 32 * 32:
+                raise SystemExit(f"round {r}: no host-tier hit ({o.num_cached_tokens} tokens)")
+            if list(o.outputs[0].token_ids) != list(o_miss.outputs[0].token_ids):
+                raise SystemExit(f"round {r}: loaded output differs from the recomputed one")
+            if r:
+                times[lw].append(t)
+                print(f"offload round {r} {'layerwise' if lw else 'sync     '}: TTFT {t * 1e3:7.1f} ms", flush=True)
+        if r:
+            times["miss"].append(t_miss)
+    return {"sync": summary(times[False]), "layerwise": summary(times[True]), "recomputed": summary(times["miss"])}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--part", choices=("pd", "offload", "all"), default="all")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--max-len", type=int, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    os.environ.update(ENV)
+    model = a.model or os.path.join(ROOT, "target", "vllm-bench", f"llama-L{a.layers}-H{a.hidden}")
+    max_len = a.max_len or max(4096, a.tokens + 64)
+    if a.serve:
+        serve(a.serve, model, max_len)
+        return
+    if not os.path.exists(os.path.join(model, "config.json")):
+        subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm", "build_tiny_model.py"), model,
+                        "--layers", str(a.layers), "--hidden", str(a.hidden), "--heads", str(a.hidden // 64),
+                        "--kv-heads", "2", "--head-dim", "64", "--intermediate", str(a.hidden * 11 // 4),
+                        "--max-len", str(max_len)], check=True)
+    rng = random.Random(7)
+    res = {"tokens": a.tokens, "rounds": a.rounds, "model": os.path.basename(model)}
+    if a.part in ("pd", "all"):
+        res["pd"] = bench_pd(a, model, max_len, rng)
+    if a.part in ("offload", "all"):
+        res["offload"] = bench_offload(a, model, max_len, rng)
+    print()
+    if "pd" in res:
+        d = res["pd"]
+        print(f"P/D TTFT, whole requests : {fmt(d['whole'])}")
+        print(f"P/D TTFT, layer-wise     : {fmt(d['layerwise'])}")
+        print(f"  whole / layer-wise (medians): {d['whole']['median'] / d['layerwise']['median']:.2f}")
+    if "offload" in res:
+        d = res["offload"]
+        print(f"offload TTFT, recomputed : {fmt(d['recomputed'])}")
+        print(f"offload TTFT, sync loads : {fmt(d['sync'])}")
+        print(f"offload TTFT, layer-wise : {fmt(d['layerwise'])}")
+        print(f"  sync / layer-wise (medians): {d['sync']['median'] / d['layerwise']['median']:.2f}")
+    if a.json:
+        json.dump(res, open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
