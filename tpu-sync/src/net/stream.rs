@@ -427,6 +427,9 @@ pub(crate) async fn recv_stripe(
         match outcome {
             DataOutcome::Ok => {
                 got += n;
+                if h.kind == FrameKind::DataRef {
+                    counters.bytes_by_reference.fetch_add(n, Ordering::Relaxed);
+                }
                 if bad.is_none() {
                     let next = chunks.peek().map(|c| c.0).unwrap_or(total);
                     progress.advance(pair, stripe.index, next);

@@ -60,6 +60,12 @@ impl TransportKind {
         }
     }
 
+    /// Whether the transport authenticates peers and so needs credentials ([`super::Security`]
+    /// other than `None`): `tls` and `quic`. `tcp` and `shm` trust the network / host.
+    pub fn authenticates(self) -> bool {
+        matches!(self, TransportKind::Tls | TransportKind::Quic)
+    }
+
     /// `tcp`, `tls`, `quic` or `shm`.
     pub fn name(self) -> &'static str {
         match self {

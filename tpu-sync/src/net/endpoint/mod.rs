@@ -868,6 +868,7 @@ impl Inner {
             transfers_in_flight: ps.transfers_in_flight,
             bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
             bytes_received: c.bytes_received.load(Ordering::Relaxed),
+            bytes_received_by_reference: c.bytes_by_reference.load(Ordering::Relaxed),
             transfers_completed: ps.transfers_completed,
             transfers_failed: ps.transfers_failed,
             checksum_failures: c.checksum_failures.load(Ordering::Relaxed),
