@@ -658,8 +658,8 @@ mod tests {
 
     #[test]
     fn bad_tables_are_errors() {
-        let src = vec![1u8; 64];
-        let mut a = vec![0u8; 64];
+        let src = [1u8; 64];
+        let mut a = [0u8; 64];
         let pid = std::process::id() as i32;
         // Fewer source bytes than destination bytes.
         let e = copy_from_peer(pid, &mut [&mut a[..]], &[(src.as_ptr() as u64, 32)]).unwrap_err();
