@@ -99,8 +99,8 @@ pub struct BenchArgs {
     /// 64KiB,1MiB,16MiB,64MiB; 64KiB,1MiB with --quick).
     #[arg(long, value_delimiter = ',')]
     pub sizes: Option<Vec<String>>,
-    /// Transports of `net` and `latency`, comma-separated among tcp, tls, quic.
-    #[arg(long, value_delimiter = ',', default_value = "tcp,tls,quic")]
+    /// Transports of `net` and `latency`, comma-separated among tcp, tls, quic, shm.
+    #[arg(long, value_delimiter = ',', default_value = "tcp,tls,quic,shm")]
     pub transports: Vec<String>,
     /// Parallel streams (lanes) per (source rank, destination rank) pair, as `--streams` of the
     /// prefill/decode commands.

@@ -6,7 +6,6 @@ use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use tpu_sync::net::tls::generate_test_pki;
-use tpu_sync::net::TransportKind;
 use tpu_sync::util::fmt_bytes;
 use tpu_sync::{Error, Result};
 
@@ -129,7 +128,7 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
     // temporary directory removed at the end.
     let pki_dir = std::env::temp_dir().join(format!("tpu-sync-demo-{}", std::process::id()));
     let mut _cleanup = None;
-    if kind != TransportKind::Tcp && job.tls_cert.is_none() && job.psk_file.is_none() {
+    if kind.authenticates() && job.tls_cert.is_none() && job.psk_file.is_none() {
         // A fresh 0700 directory: refuse one that already exists (it could belong to someone
         // else, or be a symlink) rather than write private keys into it.
         use std::os::unix::fs::DirBuilderExt;
@@ -141,7 +140,7 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
     }
     let mut creds: [Vec<String>; 2] = [Vec::new(), Vec::new()];
     let given = job.tls_cert.is_some() || job.psk_file.is_some();
-    if kind != TransportKind::Tcp && !given {
+    if kind.authenticates() && !given {
         let pki = generate_test_pki(&pki_dir, &["prefill", "decode"])?;
         for (i, side) in ["prefill", "decode"].iter().enumerate() {
             let (c, k) = pki.files(side).expect("generated");

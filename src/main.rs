@@ -140,7 +140,8 @@ pub struct JobArgs {
     #[arg(long)]
     pub decode_dp_rank: Option<u32>,
     /// Transport between prefill and decode: tcp (plain, trusted networks only), tls (TLS 1.3
-    /// over TCP) or quic. tls and quic need --tls-cert/--tls-key/--tls-ca or --psk-file; `demo`
+    /// over TCP), quic, or shm (same host: the decode copies the prefill's staged bytes once,
+    /// out of its memory; plain TCP to other hosts; no authentication). tls and quic need --tls-cert/--tls-key/--tls-ca or --psk-file; `demo`
     /// generates an ephemeral CA and certificates for both sides when none are given.
     #[arg(long, default_value = "tcp")]
     pub transport: String,

@@ -178,7 +178,7 @@ fn render(urls: &[String], now: &Samples, before: &Samples, dt: f64, errors: &[S
         gbps(rate(now, before, net, &[("direction", "send")], dt)),
         gbps(rate(now, before, net, &[("direction", "receive")], dt))
     ));
-    for t in ["tcp", "tls", "quic"] {
+    for t in ["tcp", "tls", "quic", "shm"] {
         let (s, r) = (
             sum(now, net, &[("transport", t), ("direction", "send")]),
             sum(now, net, &[("transport", t), ("direction", "receive")]),

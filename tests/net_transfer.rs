@@ -1,4 +1,4 @@
-//! Byte-exact KV transfers between in-process endpoints over TCP, TLS and QUIC: pull and push for
+//! Byte-exact KV transfers between in-process endpoints over TCP, TLS, QUIC and shm: pull and push for
 //! many layout pairs, prefill ranks in separate endpoints, a rank with no bytes, layer
 //! pipelining, request-id limits.
 
@@ -170,14 +170,94 @@ fn pull_and_push_many_layouts_over_every_transport() {
                 assert_eq!(s.transfers_in_flight, 0, "{kind}");
                 assert_eq!(s.checksum_failures, 0, "{kind}");
             }
+            // Same host: every byte the decode received was copied straight out of the
+            // prefill's staging (both directions: pulls and pushes land in the decode).
+            let s = decode.stats();
+            let by_ref = if kind == TransportKind::Shm {
+                s.bytes_received
+            } else {
+                0
+            };
+            assert!(s.bytes_received > 0, "{kind}");
+            assert_eq!(s.bytes_received_by_reference, by_ref, "{kind}: {s:?}");
             // Lanes were reused: at most one control lane and max_lanes_per_peer (8) data lanes
             // per direction, for 14 transfers of up to 12 stripes each.
-            let s = decode.stats();
             assert!(
                 s.lanes_opened <= 2 * (8 + 1),
                 "{kind}: {} lanes opened",
                 s.lanes_opened
             );
+            prefill.shutdown(None).await;
+            decode.shutdown(None).await;
+        }
+    });
+}
+
+/// The shm transport's fallbacks: lanes without cross-memory attach (payload inline on the Unix
+/// socket), and an shm endpoint talking to a TCP-only endpoint (plain TCP), in both roles.
+#[test]
+fn shm_inline_fallback_and_tcp_peers() {
+    use std::sync::Arc;
+    use tpu_sync::net::shm::ShmTransport;
+    use tpu_sync::net::transport::TransportTimeouts;
+    run(Duration::from_secs(120), async {
+        let pki = pki(&["prefill", "decode"]);
+        let m = model(2);
+        let c = case(&m, "tp=2,block=16", "tp=1,block=32,order=hnd", 333, 0, 5);
+        let t = TransportTimeouts {
+            connect: Duration::from_secs(3),
+            handshake: Duration::from_secs(3),
+        };
+        let inline = |name: &str| {
+            Endpoint::with_transport(
+                opts(
+                    TransportKind::Shm,
+                    tpu_sync::net::Security::None,
+                    name,
+                    true,
+                ),
+                Arc::new(ShmTransport::inline_only(t)),
+            )
+        };
+        // Inline on both sides, then one side inline and the other by reference.
+        let pairs: Vec<(Endpoint, Endpoint, &str)> = vec![
+            (
+                inline("prefill").await.unwrap(),
+                inline("decode").await.unwrap(),
+                "inline",
+            ),
+            (
+                endpoint(TransportKind::Shm, &pki, "prefill", true).await,
+                inline("decode").await.unwrap(),
+                "decode inline",
+            ),
+            (
+                endpoint(TransportKind::Shm, &pki, "prefill", true).await,
+                endpoint(TransportKind::Tcp, &pki, "decode", true).await,
+                "shm prefill, tcp decode",
+            ),
+            (
+                endpoint(TransportKind::Tcp, &pki, "prefill", true).await,
+                endpoint(TransportKind::Shm, &pki, "decode", true).await,
+                "tcp prefill, shm decode",
+            ),
+        ];
+        let mut rid = 7000;
+        for (prefill, decode, what) in pairs {
+            rid += 1;
+            assert_eq!(
+                pull_once(&prefill, &decode, &c, rid).await,
+                c.plan.total_bytes()
+            );
+            rid += 1;
+            assert_eq!(
+                push_once(&prefill, &decode, &c, rid).await,
+                c.plan.total_bytes()
+            );
+            let s = decode.stats();
+            assert_eq!(s.bytes_received, 2 * c.plan.total_bytes(), "{what}");
+            assert_eq!(s.bytes_received_by_reference, 0, "{what}: {s:?}");
+            assert_eq!(s.checksum_failures, 0, "{what}");
             prefill.shutdown(None).await;
             decode.shutdown(None).await;
         }

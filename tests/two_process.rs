@@ -403,6 +403,31 @@ fn demo_over_tls_and_quic_with_ephemeral_certificates() {
     }
 }
 
+/// Prefill and decode as separate processes on one host over the shm transport: the decode
+/// copies the prefill's staged bytes out of the prefill process (cross-memory attach, or the
+/// inline fallback where the kernel refuses it) and verifies every byte.
+#[test]
+fn demo_over_shm() {
+    let o = tpu_sync(
+        &[
+            "demo",
+            "--layers",
+            "2",
+            "--tokens",
+            "333",
+            "--transport",
+            "shm",
+        ],
+        LIMIT,
+    );
+    let text = text(&o);
+    assert!(o.status.success(), "demo over shm failed:\n{text}");
+    assert!(text.contains("net/shm"), "{text}");
+    let v = text.lines().find(|l| l.starts_with("verified:")).unwrap();
+    assert_eq!(verified_bytes(v), 333 * 2 * 2 * 8 * 128 * 2);
+    assert!(v.ends_with("over shm"), "{v}");
+}
+
 #[test]
 fn prefill_and_decode_with_a_pre_shared_key_and_a_wrong_one() {
     let dir = std::env::temp_dir().join(format!("tpu-sync-psk-{}", std::process::id()));
@@ -542,7 +567,7 @@ fn psk_path() -> std::path::PathBuf {
 /// a decode that only connects after the kill waits for its connect + handshake timeouts.
 #[test]
 fn prefill_killed_mid_transfer_fails_the_decode() {
-    for t in ["tcp", "quic"] {
+    for t in ["tcp", "quic", "shm"] {
         let psk = psk_path().display().to_string();
         let mut args = vec![
             "--layers",
@@ -556,7 +581,7 @@ fn prefill_killed_mid_transfer_fails_the_decode() {
             "--transport",
             t,
         ];
-        if t != "tcp" {
+        if t != "tcp" && t != "shm" {
             args.extend(["--psk-file", &psk]);
         }
         let Prefill {
@@ -583,7 +608,7 @@ fn prefill_killed_mid_transfer_fails_the_decode() {
             "--transport",
             t,
         ];
-        if t != "tcp" {
+        if t != "tcp" && t != "shm" {
             dargs.extend(["--psk-file", &psk]);
         }
         let t0 = std::time::Instant::now();

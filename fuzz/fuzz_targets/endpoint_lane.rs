@@ -551,6 +551,8 @@ fn check_answers(w: &World, resp: &[u8], mut ex: VecDeque<Exchange>) {
                 assert_eq!(checksum([payload]), d.checksum);
                 assert!(payload.len() as u64 <= stripe.chunk_bytes);
             }
+            // The fuzzed lanes are not same-host (shm) lanes: never data by reference.
+            FrameKind::DataRef => panic!("data by reference on a lane without shm"),
             FrameKind::Control => {
                 let m = Control::decode(body).expect("the endpoint sends valid control messages");
                 match m {

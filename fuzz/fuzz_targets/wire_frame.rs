@@ -29,7 +29,7 @@ fuzz_target!(|data: &[u8]| {
                     check(&m);
                 }
             }
-            FrameKind::Data => {
+            FrameKind::Data | FrameKind::DataRef => {
                 if let Ok(d) = DataHeader::decode(body) {
                     assert_eq!(&d.encode()[..], &body[..16]);
                 }

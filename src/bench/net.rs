@@ -309,7 +309,7 @@ fn options(
     Ok(EndpointOptions {
         name,
         transport: kind,
-        security: if kind == TransportKind::Tcp {
+        security: if !kind.authenticates() {
             Security::None
         } else {
             Security::from_psk_file(psk)?
@@ -743,6 +743,29 @@ impl Peer {
         Ok(())
     }
 
+    /// One `memcpy` of `n` bytes between two buffers of this process (the bound of the
+    /// same-host transport, which copies every byte once).
+    fn memcpy(&mut self, n: usize, check: bool) -> Result<()> {
+        if n > self.raw_buf.get().len() {
+            return Err(Error::InvalidArgument(format!(
+                "memcpy of {n} bytes: buffer too small"
+            )));
+        }
+        if check {
+            self.raw_buf.get_mut()[..n].fill(0);
+        }
+        let Peer {
+            raw_buf, raw_want, ..
+        } = self;
+        raw_buf.get_mut()[..n].copy_from_slice(&raw_want.get()[..n]);
+        if check {
+            if let Some(i) = first_diff(&self.raw_buf.get()[..n], &self.raw_want.get()[..n]) {
+                return Err(Error::Mismatch(format!("memcpy byte {i} differs")));
+            }
+        }
+        Ok(())
+    }
+
     /// One raw-socket transfer: ask for `n` bytes, read them.
     fn raw_get(&mut self, n: usize, check: bool) -> Result<()> {
         let mut hdr = [0u8; 9];
@@ -941,6 +964,13 @@ pub(crate) fn net_scenario(
     let r = {
         let cell = std::cell::RefCell::new(&mut *peer);
         let mut systems = transfer_systems(&cell, &cases, &pushes);
+        // The same-host transport's bound: one memcpy of the same bytes in this process.
+        let cell = &cell;
+        let cases = &cases;
+        systems.push(System::new("memcpy", move |i, check| {
+            let n = cases[i].1.plan.total_bytes() as usize;
+            cell.borrow_mut().memcpy(n, check)
+        }));
         b.measure("net", "transfer", &sz, &mut systems, 0)
     };
     drop_cases(peer, &cases)?;
@@ -964,6 +994,13 @@ pub(crate) fn net_scenario(
             if let (Some(pl), Some(pu)) = (gb(&format!("pull_{t}"), s), gb(&format!("push_{t}"), s))
             {
                 parts.push(format!("pull/push {t} {:.2}", pl / pu));
+            }
+            if t == "shm" {
+                for dir in ["pull", "push"] {
+                    if let (Some(x), Some(m)) = (gb(&format!("{dir}_shm"), s), gb("memcpy", s)) {
+                        parts.push(format!("{dir} shm/memcpy {:.2}", x / m));
+                    }
+                }
             }
             if t != "tcp" {
                 for dir in ["pull", "push"] {

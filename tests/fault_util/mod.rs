@@ -39,7 +39,8 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tpu_sync::net::transport::{
-    Acceptor, BoxFut, Connection, Lane, PeerInfo, Transport, TransportKind, TransportTimeouts,
+    Acceptor, BoxFut, Connection, Lane, PeerInfo, ShmPeer, Transport, TransportKind,
+    TransportTimeouts,
 };
 use tpu_sync::net::{Endpoint, EndpointOptions, Security};
 use tpu_sync::wire::{Control, FrameHeader, FrameKind, DATA_HEADER_LEN, HEADER_LEN};
@@ -379,6 +380,7 @@ pub fn real_transport(opts: &EndpointOptions) -> Arc<dyn Transport> {
         TransportKind::Quic => {
             Arc::new(tpu_sync::net::quic::QuicTransport::new(opts.security.clone(), t).unwrap())
         }
+        TransportKind::Shm => Arc::new(tpu_sync::net::shm::ShmTransport::new(t)),
     }
 }
 
@@ -591,7 +593,7 @@ fn next_piece(buf: &mut Vec<u8>, eof: bool) -> Option<Piece> {
     }
     let rest = buf.split_off(total);
     let frame = std::mem::replace(buf, rest);
-    let data = h.kind == FrameKind::Data;
+    let data = h.kind != FrameKind::Control;
     let msg = (!data)
         .then(|| {
             serde_json::from_slice::<serde_json::Value>(&frame[HEADER_LEN..])
@@ -702,6 +704,7 @@ pub struct FaultLane {
     peer: PeerInfo,
     vectored_read: bool,
     vectored_write: bool,
+    shm: Option<ShmPeer>,
     // Read side: raw bytes from the peer, bytes ready for the endpoint.
     rraw: Vec<u8>,
     rout: VecDeque<u8>,
@@ -727,6 +730,7 @@ impl FaultLane {
     ) -> FaultLane {
         let peer = inner.peer();
         let vectored_read = inner.is_read_vectored();
+        let shm = inner.shm_peer();
         let vectored_write = inner.is_write_vectored();
         let sh = Arc::new(LaneShared {
             inner: Mutex::new(Some(inner)),
@@ -741,6 +745,7 @@ impl FaultLane {
             peer,
             vectored_read,
             vectored_write,
+            shm,
             rraw: Vec::new(),
             rout: VecDeque::new(),
             rdelay: None,
@@ -1067,6 +1072,10 @@ impl Lane for FaultLane {
 
     fn peer(&self) -> PeerInfo {
         self.peer.clone()
+    }
+
+    fn shm_peer(&self) -> Option<ShmPeer> {
+        self.shm
     }
 }
 

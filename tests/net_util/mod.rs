@@ -277,12 +277,17 @@ pub fn opts(kind: TransportKind, security: Security, name: &str, listen: bool) -
 /// Security for `name` on `kind` (CA certificates for TLS/QUIC, none for TCP).
 pub fn security(kind: TransportKind, pki: &Pki, name: &str) -> Security {
     match kind {
-        TransportKind::Tcp => Security::None,
+        TransportKind::Tcp | TransportKind::Shm => Security::None,
         _ => pki.pki.security(name).unwrap(),
     }
 }
 
-pub const KINDS: [TransportKind; 3] = [TransportKind::Tcp, TransportKind::Tls, TransportKind::Quic];
+pub const KINDS: [TransportKind; 4] = [
+    TransportKind::Tcp,
+    TransportKind::Tls,
+    TransportKind::Quic,
+    TransportKind::Shm,
+];
 
 pub async fn endpoint(kind: TransportKind, pki: &Pki, name: &str, listen: bool) -> Endpoint {
     Endpoint::bind(opts(kind, security(kind, pki, name), name, listen))

@@ -1316,7 +1316,7 @@ enum tpu_sync_status tpu_sync_pacing_stats(char *buf, size_t buf_len, size_t *le
  *
  * ```text
  * {"listen": "127.0.0.1:0",    // listen address (port 0: any free port); null: client only
- *  "transport": "tcp",          // "tcp" (plain, trusted networks only) | "tls" | "quic"
+ *  "transport": "tcp",          // "tcp" (plain, trusted networks only) | "tls" | "quic" | "shm" (same host: shared memory, plain TCP to other hosts)
  *  "tls": {"cert": "a.pem", "key": "a.key", "ca": "ca.pem", "server_name": "..."},
  *  "psk_hex": "00ff...",        // or "psk_file": path; tls and quic need tls or a psk
  *  "name": "prefill-0",         // unique per live process (default tpu-sync-<pid>)

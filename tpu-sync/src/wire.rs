@@ -54,7 +54,19 @@ pub enum FrameKind {
     Control = 1,
     /// [`DataHeader`] + payload.
     Data = 2,
+    /// [`DataHeader`] + a table of where the payload lies in the sender's memory, for a
+    /// receiver on the same host that copies it out itself (the `shm` transport,
+    /// [`crate::net::shm`]): payload length `u64`, piece count `u32`, zero `u32`, then per piece
+    /// address `u64` and length `u64`, little-endian. The body length counts these bytes, not
+    /// the payload's.
+    DataRef = 3,
 }
+
+/// Bytes of a [`FrameKind::DataRef`] table before its pieces (payload length, count, zero).
+pub const DATA_REF_PREFIX_LEN: usize = 16;
+
+/// Most pieces one [`FrameKind::DataRef`] frame may list.
+pub const MAX_DATA_REF_PIECES: u32 = 1 << 16;
 
 /// Bytes as space-separated hex plus their printable-ASCII rendering (`.` for the rest), for
 /// messages: `48 54 54 50 ("HTTP")`.
@@ -129,15 +141,27 @@ impl FrameHeader {
         let kind = match b[5] {
             1 => FrameKind::Control,
             2 => FrameKind::Data,
+            3 => FrameKind::DataRef,
             k => return Err(Error::Protocol(format!("unknown frame kind {k}"))),
         };
         let max = match kind {
             FrameKind::Control => MAX_CONTROL_BODY,
             FrameKind::Data => MAX_DATA_PAYLOAD + DATA_HEADER_LEN as u32,
+            FrameKind::DataRef => {
+                (DATA_HEADER_LEN + DATA_REF_PREFIX_LEN) as u32 + MAX_DATA_REF_PIECES * 16
+            }
         };
         if body_len > max {
             return Err(Error::Protocol(format!(
                 "{kind:?} frame body of {body_len} bytes exceeds the limit of {max}"
+            )));
+        }
+        if kind == FrameKind::DataRef
+            && ((body_len as usize) < DATA_HEADER_LEN + DATA_REF_PREFIX_LEN
+                || (body_len as usize - DATA_HEADER_LEN - DATA_REF_PREFIX_LEN) % 16 != 0)
+        {
+            return Err(Error::Protocol(format!(
+                "data-by-reference frame body of {body_len} bytes is not a piece table"
             )));
         }
         if kind == FrameKind::Data && (body_len as usize) < DATA_HEADER_LEN {

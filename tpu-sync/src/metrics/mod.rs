@@ -160,7 +160,7 @@ pub enum AttachOutcome {
 
 const DIRECTIONS: [&str; 2] = ["d2h", "h2d"];
 const NET_DIRECTIONS: [&str; 2] = ["send", "receive"];
-const TRANSPORTS: [&str; 3] = ["tcp", "tls", "quic"];
+const TRANSPORTS: [&str; 4] = ["tcp", "tls", "quic", "shm"];
 const TIERS: [&str; 2] = ["dram", "disk"];
 const ATTACH: [&str; 4] = ["anonymous", "created", "attached", "reformatted"];
 
@@ -176,6 +176,7 @@ fn transport_ix(t: TransportKind) -> usize {
         TransportKind::Tcp => 0,
         TransportKind::Tls => 1,
         TransportKind::Quic => 2,
+        TransportKind::Shm => 3,
     }
 }
 

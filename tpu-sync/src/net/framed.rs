@@ -15,9 +15,12 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::transport::Lane;
+use super::transport::{Lane, ShmPeer};
 use crate::error::{Error, Result};
-use crate::wire::{self, Control, DataHeader, FrameHeader, FrameKind, DATA_HEADER_LEN, HEADER_LEN};
+use crate::wire::{
+    self, Control, DataHeader, FrameHeader, FrameKind, DATA_HEADER_LEN, DATA_REF_PREFIX_LEN,
+    HEADER_LEN, MAX_DATA_PAYLOAD, MAX_DATA_REF_PIECES,
+};
 
 /// Pieces shorter than this are copied into one contiguous buffer before a vectored write
 /// (the kernel's per-iovec cost dominates for tiny pieces such as 256-byte head rows).
@@ -37,6 +40,11 @@ pub(crate) struct Framed {
     rbuf: Box<[u8]>,
     rpos: usize,
     rlen: usize,
+    /// Same-host lane: what each side may read of the other ([`super::shm`]).
+    shm: Option<ShmPeer>,
+    /// The data header and piece table of the [`FrameKind::DataRef`] frame being received
+    /// (read by [`Framed::data_len`], used by [`Framed::recv_data`]).
+    pending_ref: Option<(DataHeader, Vec<(u64, u64)>)>,
 }
 
 /// What a data frame turned out to be after [`Framed::recv_data`].
@@ -68,6 +76,8 @@ fn read_err(e: std::io::Error, what: &str) -> Error {
 impl Framed {
     pub(crate) fn new(lane: Box<dyn Lane>, io_timeout: Duration) -> Framed {
         Framed {
+            shm: lane.shm_peer(),
+            pending_ref: None,
             lane,
             io_timeout,
             gather: Vec::new(),
@@ -249,6 +259,34 @@ impl Framed {
             stream_offset,
             checksum: crate::store::checksum::checksum_parts(parts.iter().copied()),
         };
+        if self.shm.is_some_and(|p| p.peer_can_read_me)
+            && parts.len() <= MAX_DATA_REF_PIECES as usize
+        {
+            // Same host: the receiver copies the payload out of this process itself.
+            let mut g = std::mem::take(&mut self.gather);
+            g.clear();
+            let body = DATA_HEADER_LEN + DATA_REF_PREFIX_LEN + 16 * parts.len();
+            let fh = FrameHeader {
+                kind: FrameKind::DataRef,
+                body_len: body as u32,
+                request_id,
+            };
+            g.extend_from_slice(&fh.encode());
+            g.extend_from_slice(&dh.encode());
+            g.extend_from_slice(&(n as u64).to_le_bytes());
+            g.extend_from_slice(&(parts.len() as u32).to_le_bytes());
+            g.extend_from_slice(&0u32.to_le_bytes());
+            for p in parts {
+                g.extend_from_slice(&(p.as_ptr() as u64).to_le_bytes());
+                g.extend_from_slice(&(p.len() as u64).to_le_bytes());
+            }
+            if let Some(t) = then {
+                g.extend_from_slice(t);
+            }
+            let r = self.write_all(&g).await;
+            self.gather = g;
+            return r;
+        }
         let fh = FrameHeader {
             kind: FrameKind::Data,
             body_len: (DATA_HEADER_LEN + n) as u32,
@@ -341,7 +379,93 @@ impl Framed {
         self.write_all(&g).await
     }
 
-    /// Reads the payload of a data frame (header `h`, already read) into `dst` pieces, which
+    /// The payload length of the data frame whose header `h` was read. For a
+    /// [`FrameKind::DataRef`] frame this reads its data header and piece table (checked: count,
+    /// lengths, the payload limit); call [`Framed::recv_data`] next.
+    pub(crate) async fn data_len(&mut self, h: &FrameHeader) -> Result<u64> {
+        if h.kind != FrameKind::DataRef {
+            return Ok(h.body_len as u64 - DATA_HEADER_LEN as u64);
+        }
+        if !self.shm.is_some_and(|p| p.can_read_peer) {
+            return Err(Error::Protocol(
+                "peer sent data by reference on a lane where this side cannot read its memory"
+                    .into(),
+            ));
+        }
+        let t = self.io_timeout;
+        let body = self.read_body_buffered(h.body_len, t).await?;
+        let d = DataHeader::decode(&body[..DATA_HEADER_LEN])?;
+        let p = &body[DATA_HEADER_LEN..];
+        let len = u64::from_le_bytes(p[0..8].try_into().expect("8 bytes"));
+        let count = u32::from_le_bytes(p[8..12].try_into().expect("4 bytes")) as usize;
+        let table = &p[DATA_REF_PREFIX_LEN..];
+        if count * 16 != table.len() || len > MAX_DATA_PAYLOAD as u64 {
+            return Err(Error::Protocol(format!(
+                "data-by-reference frame: {count} pieces in a table of {} bytes, payload {len}",
+                table.len()
+            )));
+        }
+        let pieces: Vec<(u64, u64)> = table
+            .chunks_exact(16)
+            .map(|c| {
+                (
+                    u64::from_le_bytes(c[0..8].try_into().expect("8 bytes")),
+                    u64::from_le_bytes(c[8..16].try_into().expect("8 bytes")),
+                )
+            })
+            .collect();
+        self.pending_ref = Some((d, pieces));
+        Ok(len)
+    }
+
+    /// Copies the payload of the [`FrameKind::DataRef`] frame read by [`Framed::data_len`] out
+    /// of the peer process into `dst`, then verifies it. A table that does not cover `dst`
+    /// exactly, or points outside the peer's memory, is a checksum failure (the frame was
+    /// consumed, the lane is in sync); a peer that exited is [`Error::PeerClosed`].
+    fn recv_data_ref(&mut self, dst: &mut [&mut [u8]]) -> Result<(DataHeader, DataOutcome)> {
+        let Some((d, pieces)) = self.pending_ref.take() else {
+            return Err(Error::Protocol(
+                "data-by-reference payload without its table".into(),
+            ));
+        };
+        let pid = self.shm.map(|p| p.pid).unwrap_or(0);
+        let covered: u64 = pieces.iter().fold(0u64, |a, p| a.saturating_add(p.1));
+        let want: u64 = dst.iter().map(|p| p.len() as u64).sum();
+        if covered != want {
+            return Ok((d, DataOutcome::BadChecksum));
+        }
+        match super::shm::copy_from_peer(pid, dst, &pieces) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
+                return Err(Error::PeerClosed(format!(
+                    "the sending process {pid} exited in the middle of a data frame"
+                )))
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                return Err(Error::io(
+                    format!("copy out of process {pid} (process_vm_readv)"),
+                    e,
+                ))
+            }
+            // EFAULT, a short copy: the region is not (all) there.
+            Err(e) => {
+                log::warn!("shm: copy out of process {pid} failed: {e}");
+                return Ok((d, DataOutcome::BadChecksum));
+            }
+        }
+        let ok = crate::store::checksum::checksum_parts(dst.iter().map(|p| &**p)) == d.checksum;
+        Ok((
+            d,
+            if ok {
+                DataOutcome::Ok
+            } else {
+                DataOutcome::BadChecksum
+            },
+        ))
+    }
+
+    /// Reads the payload of a data frame (header `h`, already read, and for a
+    /// [`FrameKind::DataRef`] frame its table by [`Framed::data_len`]) into `dst` pieces, which
     /// must add up to the payload length. Vectored lanes read straight into `dst` and verify
     /// after; other lanes read into the bounce buffer, verify, and only then copy into `dst`.
     pub(crate) async fn recv_data(
@@ -349,6 +473,9 @@ impl Framed {
         h: &FrameHeader,
         dst: &mut [&mut [u8]],
     ) -> Result<(DataHeader, DataOutcome)> {
+        if h.kind == FrameKind::DataRef {
+            return self.recv_data_ref(dst);
+        }
         let mut db = [0u8; DATA_HEADER_LEN];
         let t = self.io_timeout;
         self.read_exact(&mut db, t, "data header").await?;

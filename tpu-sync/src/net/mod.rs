@@ -1,5 +1,7 @@
 //! The network data plane: prefill -> decode KV transfer between endpoints, pulled or pushed,
-//! resharded in transit, over plain TCP, TLS 1.3 over TCP, or QUIC.
+//! resharded in transit, over plain TCP, TLS 1.3 over TCP, QUIC, or (between processes on one
+//! host) shared memory: Unix sockets with the payload copied once, by the receiver, out of the
+//! sender's staging ([`shm`]).
 //!
 //! # Objects
 //!
@@ -86,6 +88,7 @@
 //! See `docs/network.md` for the design rationale and measurements.
 
 pub mod quic;
+pub mod shm;
 pub mod tcp;
 pub mod tls;
 pub mod transport;
@@ -110,6 +113,6 @@ pub use request::{
 };
 pub use stats::Stats;
 pub use tls::Security;
-pub use transport::TransportKind;
+pub use transport::{ShmPeer, TransportKind};
 
 pub(crate) use stats::Counters;

@@ -33,6 +33,9 @@ pub struct Stats {
     pub bytes_sent: u64,
     /// Total: payload bytes received.
     pub bytes_received: u64,
+    /// Of those, payload bytes copied straight out of a same-host sender's memory (the `shm`
+    /// transport's data by reference; 0 on the other transports and on the inline fallback).
+    pub bytes_received_by_reference: u64,
     /// Total: transfers completed successfully.
     pub transfers_completed: u64,
     /// Total: transfers failed or cancelled.
@@ -54,6 +57,7 @@ pub(crate) struct Counters {
     pub(crate) lanes_opened: AtomicU64,
     pub(crate) bytes_sent: AtomicU64,
     pub(crate) bytes_received: AtomicU64,
+    pub(crate) bytes_by_reference: AtomicU64,
     pub(crate) checksum_failures: AtomicU64,
     pub(crate) peers_lost: AtomicU64,
     pub(crate) lanes_refused: AtomicU64,

@@ -9,7 +9,7 @@ use super::Counters;
 use crate::error::{Error, Result};
 use crate::plan::Span;
 use crate::staging::Staging;
-use crate::wire::{Control, FrameKind, Stripe, DATA_HEADER_LEN};
+use crate::wire::{Control, FrameKind, Stripe};
 
 /// Which side of a span.
 #[derive(Clone, Copy)]
@@ -375,7 +375,7 @@ pub(crate) async fn recv_stripe(
                 ),
             });
         }
-        let n = h.body_len as u64 - DATA_HEADER_LEN as u64;
+        let n = f.data_len(&h).await.map_err(|e| fail(e, false))?;
         if n != b - a {
             return Err(fail(
                 Error::Protocol(format!(
@@ -427,6 +427,9 @@ pub(crate) async fn recv_stripe(
         match outcome {
             DataOutcome::Ok => {
                 got += n;
+                if h.kind == FrameKind::DataRef {
+                    counters.bytes_by_reference.fetch_add(n, Ordering::Relaxed);
+                }
                 if bad.is_none() {
                     let next = chunks.peek().map(|c| c.0).unwrap_or(total);
                     progress.advance(pair, stripe.index, next);
@@ -444,7 +447,7 @@ pub(crate) async fn recv_stripe(
     }
     // The sender's end of stripe.
     let h = f.recv_header(wait).await.map_err(|e| fail(e, false))?;
-    if h.kind == FrameKind::Data {
+    if h.kind != FrameKind::Control {
         return Err(fail(
             Error::Protocol(format!(
                 "over-delivery: data beyond the {} bytes of stripe {}/{}",

@@ -8,7 +8,9 @@
 //! uses).
 //!
 //! Implementations: [`super::tcp::TcpTransport`] (plain TCP or TLS 1.3 over TCP; one socket per
-//! lane) and [`super::quic::QuicTransport`] (one QUIC connection per peer, one stream per lane).
+//! lane), [`super::quic::QuicTransport`] (one QUIC connection per peer, one stream per lane) and
+//! [`super::shm::ShmTransport`] (same host: Unix-domain sockets, data copied by the receiver
+//! straight out of the sender's memory; plain TCP to other hosts).
 //!
 //! Thread-safety: every trait object here is `Send`; transports, connections and acceptors are
 //! `Sync` and shared in `Arc`s.
@@ -37,27 +39,40 @@ pub enum TransportKind {
     Tls,
     /// QUIC (quinn, TLS 1.3 built in), peers authenticated by CA or pre-shared key.
     Quic,
+    /// Same host: lanes are Unix-domain sockets and the receiver copies each chunk straight out
+    /// of the sender's staging with cross-memory attach (`process_vm_readv`), one copy per
+    /// byte; peers on other hosts (or where that is refused) are reached over plain TCP
+    /// ([`super::shm`]). No authentication or encryption: trusted hosts only.
+    Shm,
 }
 
 impl TransportKind {
-    /// Parses `tcp`, `tls` or `quic`.
+    /// Parses `tcp`, `tls`, `quic` or `shm`.
     pub fn parse(s: &str) -> Result<TransportKind> {
         match s.trim().to_ascii_lowercase().as_str() {
             "tcp" => Ok(TransportKind::Tcp),
             "tls" => Ok(TransportKind::Tls),
             "quic" => Ok(TransportKind::Quic),
+            "shm" => Ok(TransportKind::Shm),
             o => Err(crate::Error::InvalidArgument(format!(
-                "transport `{o}` is not available (available: tcp, tls, quic)"
+                "transport `{o}` is not available (available: tcp, tls, quic, shm)"
             ))),
         }
     }
 
-    /// `tcp`, `tls` or `quic`.
+    /// Whether the transport authenticates peers and so needs credentials ([`super::Security`]
+    /// other than `None`): `tls` and `quic`. `tcp` and `shm` trust the network / host.
+    pub fn authenticates(self) -> bool {
+        matches!(self, TransportKind::Tls | TransportKind::Quic)
+    }
+
+    /// `tcp`, `tls`, `quic` or `shm`.
     pub fn name(self) -> &'static str {
         match self {
             TransportKind::Tcp => "tcp",
             TransportKind::Tls => "tls",
             TransportKind::Quic => "quic",
+            TransportKind::Shm => "shm",
         }
     }
 }
@@ -119,6 +134,26 @@ pub trait Lane: AsyncRead + AsyncWrite + Unpin + Send + 'static {
 
     /// Who is at the other end.
     fn peer(&self) -> PeerInfo;
+
+    /// For a lane to a process on the same host ([`super::shm`]): whether data frames may
+    /// travel by reference in either direction. `None` (the default): every payload travels
+    /// inline on the lane.
+    fn shm_peer(&self) -> Option<ShmPeer> {
+        None
+    }
+}
+
+/// What the two ends of a same-host lane may read of each other's memory, found by probing
+/// when the lane was opened ([`super::shm`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShmPeer {
+    /// The peer's process id (from `SO_PEERCRED`, never from the wire).
+    pub pid: i32,
+    /// This process may copy out of the peer's memory (`process_vm_readv` succeeded on the
+    /// peer's probe): the peer sends data by reference.
+    pub can_read_peer: bool,
+    /// The peer may copy out of this process: this side sends data by reference.
+    pub peer_can_read_me: bool,
 }
 
 impl Lane for Box<dyn Lane> {
@@ -137,6 +172,10 @@ impl Lane for Box<dyn Lane> {
 
     fn peer(&self) -> PeerInfo {
         (**self).peer()
+    }
+
+    fn shm_peer(&self) -> Option<ShmPeer> {
+        (**self).shm_peer()
     }
 }
 

@@ -153,7 +153,9 @@ class Endpoint(Handle):
         listen: ``"IP:PORT"`` to listen on (port 0: any free port; see :attr:`address`); None for
             a client-only endpoint.
         transport: ``"tcp"`` (plain TCP: no authentication, trusted networks only), ``"tls"``
-            (TLS 1.3 over TCP) or ``"quic"``; the last two need ``tls`` or ``psk``.
+            (TLS 1.3 over TCP), ``"quic"`` (both need ``tls`` or ``psk``) or ``"shm"`` (peers on
+            this host: the receiver copies the sender's staged bytes once, out of its memory;
+            plain TCP to other hosts; no authentication).
         tls: ``{"cert": path, "key": path, "ca": path}`` (optionally ``"server_name"``): mutual
             authentication by certificates signed by the CA.
         psk: a pre-shared key (bytes) both sides know, instead of certificates.

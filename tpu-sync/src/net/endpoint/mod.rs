@@ -181,6 +181,15 @@ pub(crate) fn make_transport(o: &EndpointOptions) -> Result<Arc<dyn Transport>> 
         }
         TransportKind::Tls => Arc::new(TcpTransport::tls(o.security.clone(), t)?),
         TransportKind::Quic => Arc::new(QuicTransport::new(o.security.clone(), t)?),
+        TransportKind::Shm => {
+            if o.security.is_authenticated() {
+                return Err(Error::InvalidArgument(
+                    "the shm transport cannot authenticate peers (it trusts the host): use tls                      or quic with credentials"
+                        .into(),
+                ));
+            }
+            Arc::new(crate::net::shm::ShmTransport::new(t))
+        }
     })
 }
 
@@ -859,6 +868,7 @@ impl Inner {
             transfers_in_flight: ps.transfers_in_flight,
             bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
             bytes_received: c.bytes_received.load(Ordering::Relaxed),
+            bytes_received_by_reference: c.bytes_by_reference.load(Ordering::Relaxed),
             transfers_completed: ps.transfers_completed,
             transfers_failed: ps.transfers_failed,
             checksum_failures: c.checksum_failures.load(Ordering::Relaxed),

@@ -16,7 +16,7 @@ P/D (prefill/decode disaggregation; on by default for ``kv_producer`` and ``kv_c
 ``advertise_host`` (str)
     Host name or address consumers dial.
 ``transport`` (str)
-    ``"tcp"`` (default), ``"tls"`` or ``"quic"`` (as :class:`tpu_sync.Endpoint`).
+    ``"tcp"`` (default), ``"tls"``, ``"quic"`` or ``"shm"`` (as :class:`tpu_sync.Endpoint`).
 ``tls`` (dict)
     ``{"cert": path, "key": path, "ca": path}`` for TLS/QUIC.
 ``psk`` (str)
