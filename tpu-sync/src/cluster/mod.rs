@@ -54,9 +54,11 @@
 //! on the directory's own tokio runtime, so they may be called from any thread, but a call from
 //! inside an async task blocks that task's worker). [`Publisher`] runs on that runtime.
 
+pub mod load;
 mod publisher;
 pub mod remote;
 
+pub use load::{load_to_device, LoadOptions, LoadReport, RemoteLoad, RemoteRank, StoreSource};
 pub use publisher::{Publisher, PublisherStats};
 
 use std::collections::{BTreeMap, HashMap};
