@@ -526,6 +526,41 @@ typedef struct tpu_sync_key {
 } tpu_sync_key;
 
 /**
+ * What [`tpu_sync_remote_load`] did.
+ */
+typedef struct tpu_sync_remote_load_stats {
+  /**
+   * Tokens written into the destination blocks (0: a miss, nothing written).
+   */
+  uint32_t tokens;
+  /**
+   * Destination blocks per rank those tokens fill (the last one partial only when `tokens`
+   * is the whole request).
+   */
+  uint32_t dst_blocks;
+  /**
+   * Bytes of blocks fetched over the network.
+   */
+  uint64_t fetched_bytes;
+  /**
+   * Bytes written to device buffers (H2D).
+   */
+  uint64_t device_bytes;
+  /**
+   * Bytes reserved from the staging budget (fetched blocks and destination staging).
+   */
+  uint64_t staged_bytes;
+  /**
+   * Spans of the reshard plan.
+   */
+  uint64_t spans;
+  /**
+   * Nanoseconds of the whole call.
+   */
+  uint64_t elapsed_ns;
+} tpu_sync_remote_load_stats;
+
+/**
  * One raw copy of a batch: `len` bytes at byte `offset` of `buffer`'s on-device bytes, to
  * (D2H) or from (H2D) host memory at `host`.
  */
@@ -1069,6 +1104,50 @@ enum tpu_sync_status tpu_sync_remote_fetch(const char *addr,
                                            size_t num_keys,
                                            int64_t timeout_ms,
                                            size_t *delivered_out);
+
+/**
+ * Loads the present prefix of a prompt that other instances hold in their host tiers (served
+ * by `tpu_sync_remote_serve`, one store per producer rank) into this side's device blocks,
+ * resharded from the producer's layout to this side's (other TP split, block size, block
+ * order), blocking until done (`tpu_sync::cluster::load_to_device`).
+ *
+ * * `request_json` (NUL-terminated, borrowed): `{"src_layout": <the producer's layout JSON>,
+ *   "sources": [{"addr": "host:port", "namespace": "<store namespace description>", "keys":
+ *   ["<32 hex digits, BlockKey hex>", ...]}, ...], "staging_budget_bytes": N}` with one source
+ *   per rank of the producer's replica (index = its local rank; PCP must be 1), key `i` of a
+ *   source holding request block `i` of that rank (the producer's block size);
+ *   `staging_budget_bytes` (optional) bounds this call's pinned memory (default: the process
+ *   budget).
+ * * `dst_placement_json`: this side's placement of `num_tokens` tokens (as for
+ *   `tpu_sync_endpoint_pull`); `ranks`, `buffers`, `num_layers`: this side's ranks and their
+ *   per-layer buffers (borrowed for the call), as for `tpu_sync_endpoint_pull`.
+ * * `timeout_ms`: deadline of every network read and write (negative: 10 s).
+ * * `stats_out`: what was loaded. Blocks a producer no longer holds (evicted since the
+ *   directory lookup, corrupt) shorten the prefix: fewer `tokens`, not an error.
+ *
+ * Nothing is written to a device buffer unless every source's bytes arrived and verified: on
+ * any error the destination blocks are untouched.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` (JSON, key, source count, a chain shorter than the
+ * request), `TPU_SYNC_LAYOUT`, `TPU_SYNC_BLOCK_RANGE`, `TPU_SYNC_MISMATCH` (another model or a
+ * buffer disagreeing with its layout, or a source's store of another namespace),
+ * `TPU_SYNC_UNSUPPORTED` (PCP > 1, no in-place H2D path), `TPU_SYNC_STAGING_EXHAUSTED`,
+ * `TPU_SYNC_PEER_CLOSED` / `TPU_SYNC_TIMEOUT` (a producer unreachable, dead or stalled),
+ * `TPU_SYNC_PROTOCOL`, `TPU_SYNC_CHECKSUM`, device copy errors.
+ *
+ * # Safety
+ * Strings NUL-terminated; `ranks` has `num_ranks` elements and `buffers` `num_ranks *
+ * num_layers` handles; `stats_out` writable.
+ */
+enum tpu_sync_status tpu_sync_remote_load(const char *request_json,
+                                          const char *dst_placement_json,
+                                          uint32_t num_tokens,
+                                          const uint32_t *ranks,
+                                          size_t num_ranks,
+                                          const struct tpu_sync_buffer *const *buffers,
+                                          size_t num_layers,
+                                          int64_t timeout_ms,
+                                          struct tpu_sync_remote_load_stats *stats_out);
 
 /**
  * Adopts a PJRT client that the caller created (e.g. the serving framework's own client) through
@@ -1670,6 +1749,93 @@ enum tpu_sync_status tpu_sync_endpoint_shutdown(const struct tpu_sync_endpoint *
                                                 int64_t drain_ms);
 
 /**
+ * Describes blocks for the store's KV events: block `keys[i]` is published under the engine
+ * hash `hashes[i * hash_len .. (i + 1) * hash_len]` (e.g. vLLM's 32-byte `BlockHash`) and, when
+ * `tokens_per_block` > 0, the token ids `tokens[i * tokens_per_block ..][..tokens_per_block]`,
+ * in the events of its copies from now on. Call it before storing the blocks. Nothing happens
+ * when the store publishes no events.
+ *
+ * The `"kv_events"` configuration object of `tpu_sync_store_new` takes (all optional):
+ * `endpoint` (PUB, `tcp://HOST:PORT`, `*` for every interface, port 0 picks one; default
+ * `tcp://127.0.0.1:5557`), `replay_endpoint` (ROUTER for replays; default none),
+ * `buffer_steps` (batches kept for replay; 10000), `max_queue_size` (batches queued before new
+ * ones are dropped; 100000), `topic` (""), `data_parallel_rank` (0; added to both ports),
+ * `dram_medium` ("CPU"), `disk_medium` ("STORAGE"), `int_hashes` (false: hashes as bytes; true:
+ * the low 64 bits as an integer), `block_size` (tokens per block in `BlockStored`; 0). The wire
+ * format is vLLM 0.32's (`docs/observability.md`).
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` for `hash_len` 0 or NULL arrays with `n` > 0.
+ *
+ * # Safety
+ * `keys` holds `n` keys, `hashes` `n * hash_len` bytes, `tokens` `n * tokens_per_block` values
+ * (or is NULL when `tokens_per_block` is 0); all borrowed for the call.
+ */
+enum tpu_sync_status tpu_sync_store_describe_blocks(const struct tpu_sync_store *store,
+                                                    const struct tpu_sync_key *keys,
+                                                    size_t n,
+                                                    const uint8_t *hashes,
+                                                    size_t hash_len,
+                                                    const uint32_t *tokens,
+                                                    size_t tokens_per_block);
+
+/**
+ * Writes the store's KV events endpoints as JSON into `buf` (`buf`/`buf_len`/`len_out` as for
+ * `tpu_sync_client_info`): `{"endpoint": "tcp://IP:PORT", "replay_endpoint": "tcp://IP:PORT"
+ * | null}` with the ports bound, or `null` when the store publishes no events (or is not ready).
+ *
+ * # Safety
+ * `buf` NULL or writable for `buf_len` bytes; `len_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_store_kv_events(const struct tpu_sync_store *store,
+                                              char *buf,
+                                              size_t buf_len,
+                                              size_t *len_out);
+
+/**
+ * Writes every tpu-sync metric of this process in the Prometheus text exposition format 0.0.4
+ * (`Content-Type: text/plain; version=0.0.4`) into `buf` (NUL-terminated): counters, histograms
+ * and gauges named `tpu_sync_*`, listed in `docs/observability.md`. `buf`/`buf_len`/`len_out`
+ * as for `tpu_sync_client_info`: when `buf_len` is too small, returns
+ * `TPU_SYNC_BUFFER_TOO_SMALL` with the needed length (without the NUL) in `len_out` (the text
+ * may grow between two calls: allow some slack).
+ *
+ * Thread-safety: any thread, concurrently with every other call.
+ *
+ * # Safety
+ * `buf` NULL or writable for `buf_len` bytes; `len_out` NULL or writable. The library keeps no
+ * pointer.
+ */
+enum tpu_sync_status tpu_sync_metrics_text(char *buf, size_t buf_len, size_t *len_out);
+
+/**
+ * Starts this process's metrics HTTP endpoint (`GET /metrics`) on `addr` plus `rank` on the
+ * port, or finds the one already running (then `addr` is ignored), and writes the address
+ * served (`IP:PORT`) into `buf` as `tpu_sync_metrics_text` does. `addr` is `PORT`, `:PORT`
+ * (both `127.0.0.1`), `HOST:PORT` or `IP:PORT`; port 0 picks a free port. Several processes
+ * of one instance pass their rank (0, 1, ...) to serve on consecutive ports
+ * (`docs/observability.md` has the scrape configuration). The endpoint lives until the process
+ * exits. The environment variable `TPU_SYNC_METRICS_ADDR` (with `TPU_SYNC_METRICS_RANK`) does
+ * the same at the first use of the library.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` for an address that does not parse or a port that `rank`
+ * pushes past 65535 (also for `"off"`: nothing to serve); `TPU_SYNC_IO` when it cannot bind.
+ *
+ * # Safety
+ * `addr` NUL-terminated; `buf`/`len_out` as for `tpu_sync_metrics_text`.
+ */
+enum tpu_sync_status tpu_sync_metrics_serve(const char *addr,
+                                            uint32_t rank,
+                                            char *buf,
+                                            size_t buf_len,
+                                            size_t *len_out);
+
+/**
+ * Switches metrics recording on (`on` != 0, the default) or off for the whole process, e.g. to
+ * measure what it costs. Gauges of current state still report. Never fails.
+ */
+enum tpu_sync_status tpu_sync_metrics_set_enabled(int32_t on);
+
+/**
  * Creates a host KV store from a NUL-terminated JSON configuration (borrowed for the call):
  *
  * ```text
@@ -1683,8 +1849,11 @@ enum tpu_sync_status tpu_sync_endpoint_shutdown(const struct tpu_sync_endpoint *
  *  "verify_checksums": true,      // check each block's xxh3 on get
  *  "background": false,           // prepare memory on a thread; see tpu_sync_store_state
  *  "lock_memory": true, "huge_pages": true, "populate": true,
- *  "staging_budget_bytes": 2147483648}  // the tier's own budget of pinned bytes (default: the
+ *  "staging_budget_bytes": 2147483648,  // the tier's own budget of pinned bytes (default: the
  *                                 // process-wide budget shared with every endpoint's staging)
+ *  "kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": null, ...}}
+ *                                 // vLLM-format KV events over ZMQ (off when absent); keys in
+ *                                 // tpu_sync_store_kv_events' documentation
  * ```
  *
  * `dma_client`: NULL, or a client whose plugin maps the DRAM slots for DMA
