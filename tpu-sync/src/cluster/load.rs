@@ -121,8 +121,9 @@ pub struct RemoteLoad {
     pub kv: KvBuffers,
 }
 
-/// Options of [`load_to_device`].
-#[derive(Debug, Clone)]
+/// Options of [`load_to_device`] (default: [`RemoteOptions::default`], [`ArenaOptions::default`],
+/// no wait).
+#[derive(Debug, Clone, Default)]
 pub struct LoadOptions {
     /// Timeouts of the fetches.
     pub remote: RemoteOptions,
@@ -130,16 +131,6 @@ pub struct LoadOptions {
     pub arena: ArenaOptions,
     /// How long a reservation may wait for the budget (`None`: fail at once).
     pub staging_wait: Option<Duration>,
-}
-
-impl Default for LoadOptions {
-    fn default() -> Self {
-        LoadOptions {
-            remote: RemoteOptions::default(),
-            arena: ArenaOptions::default(),
-            staging_wait: None,
-        }
-    }
 }
 
 /// What [`load_to_device`] did.
@@ -327,7 +318,6 @@ pub fn load_to_device(
 
     // 4. Gather each destination rank's bytes from the fetched blocks, then H2D in place.
     let t1 = Instant::now();
-    let mut pieces = Vec::new();
     for s in plan.spans.iter().filter(|s| kv_ranks.contains(&s.dst_rank)) {
         let r = s.src_rank as usize;
         for (so, d) in s.runs() {
@@ -345,15 +335,14 @@ pub fn load_to_device(
                 }
                 let from = arena.ptr_at((r * need) as u64 * stored + off, len)?;
                 let to = staging.resolve(s.dst_rank, s.dst_buffer, d + done, len)?;
-                pieces.push((from as *const u8, to, len as usize));
+                // SAFETY: `from` lies in the fetch arena and `to` in the staging arena (both
+                // resolved with their lengths just above): two distinct mappings, alive for the
+                // call, written only by this thread (the fetches have ended). Nothing reaches a
+                // device before every piece is copied.
+                unsafe { std::ptr::copy_nonoverlapping(from as *const u8, to, len as usize) };
                 done += len;
             }
         }
-    }
-    for (from, to, len) in pieces {
-        // SAFETY: `from` lies in the fetch arena and `to` in the staging arena (both resolved
-        // with their lengths above): two distinct mappings, alive for the call, written only here.
-        unsafe { std::ptr::copy_nonoverlapping(from, to, len) };
     }
     for &r in &kv_ranks {
         if staging.ranges(r).is_empty() {
