@@ -342,7 +342,7 @@ fn failures_leave_the_destination_untouched() {
     let mut req = c.request(&p, 64);
     let mut m = req.src.model.clone();
     m.num_layers = 3;
-    req.src = ParallelLayout::new(m, req.src.spec.clone(), 16).unwrap();
+    req.src = ParallelLayout::new(m, req.src.spec, 16).unwrap();
     assert_eq!(load(&req).unwrap_err().kind(), ErrorKind::Mismatch);
     // A budget too small for the fetched blocks.
     let e = load_to_device(
