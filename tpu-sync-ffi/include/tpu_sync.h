@@ -526,6 +526,41 @@ typedef struct tpu_sync_key {
 } tpu_sync_key;
 
 /**
+ * What [`tpu_sync_remote_load`] did.
+ */
+typedef struct tpu_sync_remote_load_stats {
+  /**
+   * Tokens written into the destination blocks (0: a miss, nothing written).
+   */
+  uint32_t tokens;
+  /**
+   * Destination blocks per rank those tokens fill (the last one partial only when `tokens`
+   * is the whole request).
+   */
+  uint32_t dst_blocks;
+  /**
+   * Bytes of blocks fetched over the network.
+   */
+  uint64_t fetched_bytes;
+  /**
+   * Bytes written to device buffers (H2D).
+   */
+  uint64_t device_bytes;
+  /**
+   * Bytes reserved from the staging budget (fetched blocks and destination staging).
+   */
+  uint64_t staged_bytes;
+  /**
+   * Spans of the reshard plan.
+   */
+  uint64_t spans;
+  /**
+   * Nanoseconds of the whole call.
+   */
+  uint64_t elapsed_ns;
+} tpu_sync_remote_load_stats;
+
+/**
  * One raw copy of a batch: `len` bytes at byte `offset` of `buffer`'s on-device bytes, to
  * (D2H) or from (H2D) host memory at `host`.
  */
@@ -1069,6 +1104,50 @@ enum tpu_sync_status tpu_sync_remote_fetch(const char *addr,
                                            size_t num_keys,
                                            int64_t timeout_ms,
                                            size_t *delivered_out);
+
+/**
+ * Loads the present prefix of a prompt that other instances hold in their host tiers (served
+ * by `tpu_sync_remote_serve`, one store per producer rank) into this side's device blocks,
+ * resharded from the producer's layout to this side's (other TP split, block size, block
+ * order), blocking until done (`tpu_sync::cluster::load_to_device`).
+ *
+ * * `request_json` (NUL-terminated, borrowed): `{"src_layout": <the producer's layout JSON>,
+ *   "sources": [{"addr": "host:port", "namespace": "<store namespace description>", "keys":
+ *   ["<32 hex digits, BlockKey hex>", ...]}, ...], "staging_budget_bytes": N}` with one source
+ *   per rank of the producer's replica (index = its local rank; PCP must be 1), key `i` of a
+ *   source holding request block `i` of that rank (the producer's block size);
+ *   `staging_budget_bytes` (optional) bounds this call's pinned memory (default: the process
+ *   budget).
+ * * `dst_placement_json`: this side's placement of `num_tokens` tokens (as for
+ *   `tpu_sync_endpoint_pull`); `ranks`, `buffers`, `num_layers`: this side's ranks and their
+ *   per-layer buffers (borrowed for the call), as for `tpu_sync_endpoint_pull`.
+ * * `timeout_ms`: deadline of every network read and write (negative: 10 s).
+ * * `stats_out`: what was loaded. Blocks a producer no longer holds (evicted since the
+ *   directory lookup, corrupt) shorten the prefix: fewer `tokens`, not an error.
+ *
+ * Nothing is written to a device buffer unless every source's bytes arrived and verified: on
+ * any error the destination blocks are untouched.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` (JSON, key, source count, a chain shorter than the
+ * request), `TPU_SYNC_LAYOUT`, `TPU_SYNC_BLOCK_RANGE`, `TPU_SYNC_MISMATCH` (another model or a
+ * buffer disagreeing with its layout, or a source's store of another namespace),
+ * `TPU_SYNC_UNSUPPORTED` (PCP > 1, no in-place H2D path), `TPU_SYNC_STAGING_EXHAUSTED`,
+ * `TPU_SYNC_PEER_CLOSED` / `TPU_SYNC_TIMEOUT` (a producer unreachable, dead or stalled),
+ * `TPU_SYNC_PROTOCOL`, `TPU_SYNC_CHECKSUM`, device copy errors.
+ *
+ * # Safety
+ * Strings NUL-terminated; `ranks` has `num_ranks` elements and `buffers` `num_ranks *
+ * num_layers` handles; `stats_out` writable.
+ */
+enum tpu_sync_status tpu_sync_remote_load(const char *request_json,
+                                          const char *dst_placement_json,
+                                          uint32_t num_tokens,
+                                          const uint32_t *ranks,
+                                          size_t num_ranks,
+                                          const struct tpu_sync_buffer *const *buffers,
+                                          size_t num_layers,
+                                          int64_t timeout_ms,
+                                          struct tpu_sync_remote_load_stats *stats_out);
 
 /**
  * Adopts a PJRT client that the caller created (e.g. the serving framework's own client) through

@@ -1,14 +1,19 @@
 //! The cluster prefix directory (`tpu_sync::cluster`, etcd) and the remote tier
-//! (`tpu_sync::cluster::remote`) over the C ABI.
+//! (`tpu_sync::cluster::remote`, and its device path `tpu_sync::cluster::load_to_device`) over
+//! the C ABI.
 
 use std::ffi::{c_char, c_void};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use serde::Deserialize;
+use tpu_sync::budget::StagingBudget;
 use tpu_sync::cluster::remote::{self, RemoteOptions, RemoteServer};
-use tpu_sync::cluster::{ClusterConfig, Directory, EtcdTls, HostRecord, Publisher};
-use tpu_sync::store::Namespace;
+use tpu_sync::cluster::{
+    load_to_device, ClusterConfig, Directory, EtcdTls, HostRecord, LoadOptions, Publisher,
+    RemoteLoad, RemoteRank,
+};
+use tpu_sync::store::{BlockKey, Namespace};
 
 use crate::api::{out, out_string, str_arg};
 use crate::device::slice_arg;
@@ -433,5 +438,152 @@ pub unsafe extern "C" fn tpu_sync_remote_fetch(
         let n = remote::fetch(addr, &ns, &keys, &mut dst, &o)?;
         // SAFETY: checked non-NULL.
         unsafe { out(delivered_out, n, "delivered_out") }
+    })
+}
+
+/// What [`tpu_sync_remote_load`] did.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct tpu_sync_remote_load_stats {
+    /// Tokens written into the destination blocks (0: a miss, nothing written).
+    pub tokens: u32,
+    /// Destination blocks per rank those tokens fill (the last one partial only when `tokens`
+    /// is the whole request).
+    pub dst_blocks: u32,
+    /// Bytes of blocks fetched over the network.
+    pub fetched_bytes: u64,
+    /// Bytes written to device buffers (H2D).
+    pub device_bytes: u64,
+    /// Bytes reserved from the staging budget (fetched blocks and destination staging).
+    pub staged_bytes: u64,
+    /// Spans of the reshard plan.
+    pub spans: u64,
+    /// Nanoseconds of the whole call.
+    pub elapsed_ns: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LoadSourceJson {
+    addr: String,
+    namespace: String,
+    keys: Vec<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LoadJson {
+    src_layout: tpu_sync::layout::ParallelLayout,
+    sources: Vec<LoadSourceJson>,
+    staging_budget_bytes: Option<u64>,
+}
+
+/// Loads the present prefix of a prompt that other instances hold in their host tiers (served
+/// by `tpu_sync_remote_serve`, one store per producer rank) into this side's device blocks,
+/// resharded from the producer's layout to this side's (other TP split, block size, block
+/// order), blocking until done (`tpu_sync::cluster::load_to_device`).
+///
+/// * `request_json` (NUL-terminated, borrowed): `{"src_layout": <the producer's layout JSON>,
+///   "sources": [{"addr": "host:port", "namespace": "<store namespace description>", "keys":
+///   ["<32 hex digits, BlockKey hex>", ...]}, ...], "staging_budget_bytes": N}` with one source
+///   per rank of the producer's replica (index = its local rank; PCP must be 1), key `i` of a
+///   source holding request block `i` of that rank (the producer's block size);
+///   `staging_budget_bytes` (optional) bounds this call's pinned memory (default: the process
+///   budget).
+/// * `dst_placement_json`: this side's placement of `num_tokens` tokens (as for
+///   `tpu_sync_endpoint_pull`); `ranks`, `buffers`, `num_layers`: this side's ranks and their
+///   per-layer buffers (borrowed for the call), as for `tpu_sync_endpoint_pull`.
+/// * `timeout_ms`: deadline of every network read and write (negative: 10 s).
+/// * `stats_out`: what was loaded. Blocks a producer no longer holds (evicted since the
+///   directory lookup, corrupt) shorten the prefix: fewer `tokens`, not an error.
+///
+/// Nothing is written to a device buffer unless every source's bytes arrived and verified: on
+/// any error the destination blocks are untouched.
+///
+/// Errors: `TPU_SYNC_INVALID_ARGUMENT` (JSON, key, source count, a chain shorter than the
+/// request), `TPU_SYNC_LAYOUT`, `TPU_SYNC_BLOCK_RANGE`, `TPU_SYNC_MISMATCH` (another model or a
+/// buffer disagreeing with its layout, or a source's store of another namespace),
+/// `TPU_SYNC_UNSUPPORTED` (PCP > 1, no in-place H2D path), `TPU_SYNC_STAGING_EXHAUSTED`,
+/// `TPU_SYNC_PEER_CLOSED` / `TPU_SYNC_TIMEOUT` (a producer unreachable, dead or stalled),
+/// `TPU_SYNC_PROTOCOL`, `TPU_SYNC_CHECKSUM`, device copy errors.
+///
+/// # Safety
+/// Strings NUL-terminated; `ranks` has `num_ranks` elements and `buffers` `num_ranks *
+/// num_layers` handles; `stats_out` writable.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn tpu_sync_remote_load(
+    request_json: *const c_char,
+    dst_placement_json: *const c_char,
+    num_tokens: u32,
+    ranks: *const u32,
+    num_ranks: usize,
+    buffers: *const *const crate::api::tpu_sync_buffer,
+    num_layers: usize,
+    timeout_ms: i64,
+    stats_out: *mut tpu_sync_remote_load_stats,
+) -> tpu_sync_status {
+    boundary("tpu_sync_remote_load", || {
+        let t0 = std::time::Instant::now();
+        if stats_out.is_null() {
+            return Err(null("stats_out"));
+        }
+        // SAFETY: caller contract.
+        let j = unsafe { str_arg(request_json, "request_json") }?;
+        let j: LoadJson =
+            serde_json::from_str(j).map_err(|e| invalid(format!("request_json: {e}")))?;
+        // SAFETY: caller contract.
+        let dst =
+            unsafe { crate::endpoint::placement_arg(dst_placement_json, "dst_placement_json") }?;
+        // SAFETY: caller contract.
+        let kv = unsafe { crate::endpoint::kv_arg(ranks, num_ranks, buffers, num_layers) }?;
+        let mut sources = Vec::with_capacity(j.sources.len());
+        for (r, s) in j.sources.into_iter().enumerate() {
+            let chain = s
+                .keys
+                .iter()
+                .map(|k| {
+                    BlockKey::from_hex(k).ok_or_else(|| {
+                        invalid(format!("sources[{r}]: key {k:?} is not 32 hex digits"))
+                    })
+                })
+                .collect::<FfiResult<Vec<_>>>()?;
+            sources.push(RemoteRank {
+                addr: s.addr,
+                namespace: Namespace::new(s.namespace),
+                chain,
+            });
+        }
+        let mut o = LoadOptions::default();
+        if let Some(t) = crate::completion::timeout_ms(timeout_ms) {
+            o.remote.io_timeout = t.max(Duration::from_millis(1));
+            o.remote.connect_timeout = o.remote.io_timeout;
+        }
+        let budget = match j.staging_budget_bytes {
+            Some(b) => StagingBudget::new("remote load", b),
+            None => StagingBudget::process().clone(),
+        };
+        let r = load_to_device(
+            &RemoteLoad {
+                src: j.src_layout,
+                sources,
+                dst,
+                num_tokens,
+                kv,
+            },
+            &budget,
+            &o,
+        )?;
+        let s = tpu_sync_remote_load_stats {
+            tokens: r.tokens,
+            dst_blocks: r.dst_blocks,
+            fetched_bytes: r.fetched_bytes,
+            device_bytes: r.device_bytes,
+            staged_bytes: r.staged_bytes,
+            spans: r.spans as u64,
+            elapsed_ns: t0.elapsed().as_nanos().min(u64::MAX as u128) as u64,
+        };
+        // SAFETY: checked non-NULL.
+        unsafe { out(stats_out, s, "stats_out") }
     })
 }

@@ -402,7 +402,7 @@ pub unsafe extern "C" fn tpu_sync_endpoint_add_peer(
 
 /// The per-rank KV buffers of a call: `ranks[i]` (global rank) has `buffers[i * num_layers ..
 /// (i + 1) * num_layers]` (one per layer, in layer order).
-unsafe fn kv_arg(
+pub(crate) unsafe fn kv_arg(
     ranks: *const u32,
     num_ranks: usize,
     buffers: *const *const tpu_sync_buffer,
@@ -442,7 +442,7 @@ unsafe fn kv_arg(
     Ok(KvBuffers::new(&caps, by_rank)?)
 }
 
-unsafe fn placement_arg(p: *const c_char, name: &str) -> FfiResult<Placement> {
+pub(crate) unsafe fn placement_arg(p: *const c_char, name: &str) -> FfiResult<Placement> {
     // SAFETY: caller contract.
     let s = unsafe { str_arg(p, name) }?;
     serde_json::from_str(s).map_err(|e| invalid(format!("{name}: {e}")))

@@ -161,3 +161,80 @@ def test_connector_cluster_tier_loads_a_peer_prefix(etcd, data):
     from tpu_sync.vllm.cluster_tier import cluster_settings
     with pytest.raises(ConfigError):
         cluster_settings(cfg)
+
+
+# The device path: a producer of one layout (TP=2, 16-token NHD blocks, one store per rank)
+# serves a prompt; a consumer of another (TP=1, 32-token HND blocks) loads the present prefix
+# into its device buffers, resharded. No etcd: the addresses are given directly.
+LMODEL = tpu_sync.model("toy", num_layers=2, num_kv_heads=2, head_dim=8)
+A_LAYOUT = tpu_sync.layout(LMODEL, tp=2, block_size=16, order="nhd", num_blocks=6)
+B_LAYOUT = tpu_sync.layout(LMODEL, tp=1, block_size=32, order="hnd", num_blocks=4)
+A_IDS = [4, 1, 5, 0]  # 64 tokens: 4 blocks of 16 per rank
+B_IDS = [3, 1]  # 2 blocks of 32
+A_BLOCK = 16 * 1 * 8 * 2  # tokens x heads per rank x head_dim x bf16, one plane
+
+
+def _a_ns(rank):
+    return f"py-load toy bf16 tp=2 block=16 nhd rank={rank}"
+
+
+def test_load_into_device_blocks_of_another_layout(data):
+    client = tpu_sync.Client(cpu_devices=1)
+    try:
+        tokens = list(range(100, 164))
+        a_bufs = {r: [client.buffer_from_host(data(2 * 6 * A_BLOCK, 10 * r + l), shape=[2, 6, 16, 1, 8],
+                                              dtype="bf16") for l in range(2)] for r in range(2)}
+        stores, servers, sources = [], [], []
+        for r in range(2):
+            s = tpu_sync.Store(namespace=_a_ns(r), block_bytes=2 * 2 * A_BLOCK, capacity_bytes=16 * 4 * A_BLOCK,
+                               lock_memory=False, populate=False)
+            host = [b.read() for b in a_bufs[r]]
+            # A stored block: every layer, K then V, the block's bytes (tpu_sync::store::DeviceBlock).
+            blocks = [b"".join(host[l][(p * 6 + i) * A_BLOCK:(p * 6 + i + 1) * A_BLOCK]
+                               for l in range(2) for p in range(2)) for i in A_IDS]
+            keys = s.chain_keys(tokens, 16)
+            assert s.put(keys, blocks).complete
+            srv = cluster.RemoteServer(s, "127.0.0.1:0")
+            stores.append(s)
+            servers.append(srv)
+            sources.append({"addr": srv.addr, "namespace": _a_ns(r), "keys": keys})
+        dst = [client.buffer_from_host(data(2 * 4 * 32 * 2 * 8 * 2, 90 + l), shape=[2, 4, 2, 32, 8], dtype="bf16")
+               for l in range(2)]
+        init = [b.read() for b in dst]
+        src_p = tpu_sync.placement(A_LAYOUT, [A_IDS, A_IDS])
+        dst_p = tpu_sync.placement(B_LAYOUT, [B_IDS])
+        # Expected: the plan from A's device buffers to B's applied on the host, the rest unchanged.
+        src_host = {r: [b.read() for b in a_bufs[r]] for r in range(2)}
+        want = [bytearray(b) for b in init]
+        with tpu_sync.Plan(src_p, dst_p, 64) as plan:
+            for sp in plan.spans():
+                for i in range(sp.count):
+                    a, b = sp.src_offset + i * sp.src_stride, sp.dst_offset + i * sp.dst_stride
+                    want[sp.dst_buffer][b:b + sp.len] = src_host[sp.src_rank][sp.src_buffer][a:a + sp.len]
+        st = cluster.load(A_LAYOUT, sources, dst_p, 64, {0: dst}, timeout=5)
+        assert st["tokens"] == 64 and st["dst_blocks"] == 2
+        assert st["device_bytes"] == 64 * 2 * 2 * 2 * 8 * 2
+        assert [b.read() for b in dst] == [bytes(w) for w in want]
+
+        # A block evicted at the producer: the prefix every rank holds is one 32-token block.
+        assert stores[1].remove(sources[1]["keys"][2:3]) == 2
+        dst2 = [client.buffer_from_host(bytes(b), shape=[2, 4, 2, 32, 8], dtype="bf16") for b in init]
+        st = cluster.load(A_LAYOUT, sources, dst_p, 64, {0: dst2}, timeout=5)
+        assert st["tokens"] == 32
+        got = [b.read() for b in dst2]
+        assert got != init and got != [bytes(w) for w in want]
+
+        # A dead producer: a clean error, the destination untouched.
+        servers[0].close()
+        dst3 = [client.buffer_from_host(bytes(b), shape=[2, 4, 2, 32, 8], dtype="bf16") for b in init]
+        with pytest.raises((errors.PeerClosedError, errors.TimeoutError)):
+            cluster.load(A_LAYOUT, sources, dst_p, 64, {0: dst3}, timeout=2)
+        assert [b.read() for b in dst3] == init
+        with pytest.raises(errors.InvalidArgumentError):
+            cluster.load(A_LAYOUT, sources[:1], dst_p, 64, {0: dst3})
+        for s in servers[1:]:
+            s.close()
+        for s in stores:
+            s.close()
+    finally:
+        client.close()

@@ -5,7 +5,8 @@
 //! the *directory* that tells an instance where to look: each store publishes the keys of the
 //! blocks it holds, per [`Namespace`], under an etcd lease, and a lookup of a key chain answers,
 //! per candidate host, the longest leading prefix of the chain that host holds. The bytes travel
-//! over the network layer ([`crate::net`]); the directory only says where to ask.
+//! over the remote tier ([`remote`]: into pinned memory; [`load`]: resharded into device blocks
+//! of another layout); the directory only says where to ask.
 //!
 //! It runs on an existing distributed store (etcd v3, through the maintained `etcd-client` crate
 //! over gRPC, with TLS and user/password authentication as etcd supports them), not a registry
@@ -54,9 +55,11 @@
 //! on the directory's own tokio runtime, so they may be called from any thread, but a call from
 //! inside an async task blocks that task's worker). [`Publisher`] runs on that runtime.
 
+pub mod load;
 mod publisher;
 pub mod remote;
 
+pub use load::{load_to_device, LoadOptions, LoadReport, RemoteLoad, RemoteRank, StoreSource};
 pub use publisher::{Publisher, PublisherStats};
 
 use std::collections::{BTreeMap, HashMap};

@@ -8,7 +8,8 @@
 //! and streams them; the consumer checks each block's length and xxh3-64 on arrival and delivers
 //! only the leading blocks that passed. A block evicted between the directory lookup and the
 //! fetch is simply not among them: a miss, never wrong bytes. [`offer`] is the other direction
-//! (offload to a peer with free capacity): the peer stores what it has room for.
+//! (offload to a peer with free capacity): the peer stores what it has room for. The device
+//! path, into device blocks of another layout, is [`super::load_to_device`] (`cluster::load`).
 //!
 //! # Wire format (this module only; little endian)
 //!

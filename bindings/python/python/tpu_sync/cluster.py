@@ -16,6 +16,10 @@ holds its prefix (:meth:`Directory.lookup`) and fetches it (:func:`fetch`)::
 The directory is a hint: a fetch may deliver fewer blocks than the lookup said (evicted since),
 never wrong bytes (each block's length and xxh3-64 are checked on arrival). Errors are the
 exceptions of :mod:`tpu_sync.errors`.
+
+:func:`load` is the device path: the present prefix of a prompt whose KV another instance (of
+another layout, one store per rank) holds goes straight into this instance's device blocks,
+resharded as a P/D pull is.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from ._native import ffi, lib
 from .arrays import view
 from .errors import InvalidArgumentError
 from .store import Store, _keys
+from . import _check as ck
 
-__all__ = ["Directory", "Publisher", "RemoteServer", "fetch"]
+__all__ = ["Directory", "Publisher", "RemoteServer", "fetch", "load"]
 
 
 class Publisher(Handle):
@@ -141,3 +146,50 @@ def fetch(addr: str, namespace: str, keys: Sequence[bytes], outs: Sequence[Any],
     check(lib.tpu_sync_remote_fetch(str(addr).encode(), str(namespace).encode(), arr, ptrs, lens, n,
                                     int(timeout * 1000), got))
     return int(got[0])
+
+
+def load(src_layout: Dict[str, Any], sources: Sequence[Dict[str, Any]], dst_placement: Any,
+         num_tokens: int, kv: Any, *, timeout: float = 10.0,
+         staging_budget_bytes: Optional[int] = None) -> Dict[str, int]:
+    """Loads the present prefix of a prompt from other instances' host tiers into this side's
+    device buffers, resharded from the producer's layout ``src_layout`` (``tpu_sync.layout``) to
+    ``dst_placement``'s (other TP split, block size, block order; PCP 1 on both sides). Blocks.
+
+    ``sources``: one per rank of the producer's replica, in rank order: ``{"addr": remote server
+    "host:port", "namespace": that rank's store namespace, "keys": [16-byte keys]}``, key ``i``
+    holding the rank's request block ``i``. ``kv``: ``{rank: [layer buffers]}`` as for
+    :meth:`tpu_sync.Endpoint.pull`.
+
+    Returns ``{"tokens", "dst_blocks", "fetched_bytes", "device_bytes", "staged_bytes", "spans",
+    "elapsed_ns"}``: ``tokens`` loaded (the longest prefix every producer rank still holds, in
+    whole destination blocks unless it is the whole request; 0 is a miss). On any error the
+    destination buffers are untouched.
+
+    Raises: InvalidArgumentError, LayoutError, BlockRangeError, MismatchError, UnsupportedError,
+    StagingExhaustedError, PeerClosedError / TimeoutError (a producer gone or stalled),
+    ProtocolError, ChecksumError."""
+    from .endpoint import _kv, _placement
+
+    srcs = []
+    for i, s in enumerate(ck.items("sources", sources)):
+        if not isinstance(s, dict):
+            raise ck.fail(f"sources[{i}] must be a dict, got {type(s).__name__}")
+        keys = []
+        for k in ck.items(f"sources[{i}].keys", s.get("keys")):
+            if not isinstance(k, (bytes, bytearray)) or len(k) != 16:
+                raise ck.fail(f"sources[{i}]: keys must be 16-byte keys")
+            keys.append(format(int.from_bytes(bytes(k), "little"), "032x"))
+        srcs.append({"addr": ck.text(f"sources[{i}].addr", s.get("addr")),
+                     "namespace": ck.text(f"sources[{i}].namespace", s.get("namespace")),
+                     "keys": keys})
+    req: Dict[str, Any] = {"src_layout": src_layout, "sources": srcs}
+    if staging_budget_bytes is not None:
+        req["staging_budget_bytes"] = int(staging_budget_bytes)
+    dst = _placement(dst_placement, "dst_placement")
+    ranks, bufs, n, layers, keep = _kv(kv)
+    st = ffi.new("tpu_sync_remote_load_stats *")
+    check(lib.tpu_sync_remote_load(json.dumps(req).encode(), dst, ck.u32("num_tokens", num_tokens),
+                                   ranks, n, bufs, layers, int(timeout * 1000), st))
+    del keep
+    return {f: int(getattr(st, f)) for f in ("tokens", "dst_blocks", "fetched_bytes", "device_bytes",
+                                             "staged_bytes", "spans", "elapsed_ns")}
