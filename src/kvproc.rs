@@ -212,6 +212,7 @@ fn placement(layout: ParallelLayout, dp_rank: u32, tokens: u32, seed: u64) -> Re
         layout,
         dp_rank,
         block_ids,
+        groups: None,
     })
 }
 

@@ -552,10 +552,8 @@ impl Endpoint {
             delivered,
         };
         let span = tracing::info_span!("release", request_id, delivered);
-        let answer = tracing::Instrument::instrument(
-            self.inner.exchange(addr, &m, request_id),
-            span,
-        );
+        let answer =
+            tracing::Instrument::instrument(self.inner.exchange(addr, &m, request_id), span);
         match answer.await? {
             wire::Control::Released { .. } => Ok(()),
             m => Err(Error::Protocol(format!("expected released, got {m:?}"))),
@@ -990,9 +988,7 @@ impl Inner {
         });
         let (tk, dir) = (self.counters.transport(), t.kind.metrics_direction());
         match &result {
-            Ok(_) => {
-                crate::metrics::transfer_completed(tk, dir, t.started.elapsed().as_secs_f64())
-            }
+            Ok(_) => crate::metrics::transfer_completed(tk, dir, t.started.elapsed().as_secs_f64()),
             Err(e) => {
                 log::info!("{:?} of request {} failed: {e}", t.kind, t.request_id);
                 crate::metrics::transfer_failed(tk, dir, e.kind());

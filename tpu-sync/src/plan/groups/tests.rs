@@ -318,6 +318,7 @@ fn uniform_placement_is_one_group_with_the_same_plan() {
             layout: l,
             dp_rank,
             block_ids,
+            groups: None,
         }
     };
     let src = place(mk(2, 2, 1, 16, BlockOrder::Nhd), 0, 3);
