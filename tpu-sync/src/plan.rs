@@ -24,8 +24,14 @@ mod groups;
 pub use groups::HybridPlacement;
 
 /// Where one request's KV blocks live on one side of a transfer.
+///
+/// JSON (every form refuses unknown keys): the uniform form `{"layout": ParallelLayout,
+/// "dp_rank": R, "block_ids": [[...], ...]}`; the groups form of a [`HybridPlacement`]
+/// (`{"layout": HybridLayout, "dp_rank": R, "block_ids": [group][rank][ids]}`, read as
+/// [`Placement::from_groups`]); or what a grouped placement serializes to, the uniform fields
+/// derived from its groups plus `"groups": HybridPlacement`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, try_from = "serde_json::Value")]
 pub struct Placement {
     /// The instance's layout.
     pub layout: ParallelLayout,

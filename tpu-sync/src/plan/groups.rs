@@ -490,6 +490,43 @@ impl Placement {
     }
 }
 
+/// The fields of a placement as written (uniform, or with `groups`).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PlacementFields {
+    layout: ParallelLayout,
+    dp_rank: u32,
+    block_ids: Vec<Vec<u32>>,
+    #[serde(default)]
+    groups: Option<Box<HybridPlacement>>,
+}
+
+impl TryFrom<serde_json::Value> for Placement {
+    type Error = String;
+
+    /// Reads any of [`Placement`]'s JSON forms: a `layout` with `groups` is a
+    /// [`HybridPlacement`] ([`Placement::from_groups`]); otherwise the uniform fields, with an
+    /// optional `groups`.
+    fn try_from(v: serde_json::Value) -> std::result::Result<Placement, String> {
+        let grouped = v
+            .get("layout")
+            .and_then(|l| l.get("groups"))
+            .is_some();
+        if grouped {
+            let h: HybridPlacement = serde_json::from_value(v)
+                .map_err(|e| format!("placement with KV cache groups: {e}"))?;
+            return Placement::from_groups(h).map_err(|e| e.to_string());
+        }
+        let f: PlacementFields = serde_json::from_value(v).map_err(|e| e.to_string())?;
+        Ok(Placement {
+            layout: f.layout,
+            dp_rank: f.dp_rank,
+            block_ids: f.block_ids,
+            groups: f.groups,
+        })
+    }
+}
+
 /// [`Placement::try_block_ranges`] of a grouped placement.
 pub(super) fn grouped_block_ranges(h: &HybridPlacement, local: u32) -> Result<Vec<ByteRange>> {
     if local as usize >= h.layout.spec.ranks_per_replica() as usize {
