@@ -29,9 +29,24 @@ const CASES: &[(&str, u32, &str, &str)] = &[
         "tp=1,block=64",
         "tp=2,pcp=2,block=16,order=hnd",
     ),
-    ("gpt-oss-120b", 200, "tp=2,block=16", "tp=8,block=32,order=hnd"),
-    ("gemma-3-27b", 40, "tp=2,pcp=2,block=16", "tp=4,dp=2,block=32"),
-    ("deepseek-v3.2", 50, "tp=1,pcp=2,block=64", "tp=4,dp=2,block=32"),
+    (
+        "gpt-oss-120b",
+        200,
+        "tp=2,block=16",
+        "tp=8,block=32,order=hnd",
+    ),
+    (
+        "gemma-3-27b",
+        40,
+        "tp=2,pcp=2,block=16",
+        "tp=4,dp=2,block=32",
+    ),
+    (
+        "deepseek-v3.2",
+        50,
+        "tp=1,pcp=2,block=64",
+        "tp=4,dp=2,block=32",
+    ),
 ];
 
 /// The bytes the decode layout needs per group, from the geometry alone (block counts and ids
@@ -139,9 +154,15 @@ fn mismatched_groups_are_refused_at_the_handshake() {
         assert!(!out.contains("panicked"), "{out}");
         // The decode's own plan passed (it believes the prefill has its groups): the refusal is
         // the prefill's ("peer:"), a mismatch naming what differs.
-        assert!(out.contains("error: mismatch: peer:"), "{preset} {fault}:\n{out}");
+        assert!(
+            out.contains("error: mismatch: peer:"),
+            "{preset} {fault}:\n{out}"
+        );
         assert!(out.contains(why), "{preset} {fault}:\n{out}");
         // The decode rejected the request, so the prefill freed it at once.
-        assert!(out.contains("rejected the request"), "{preset} {fault}:\n{out}");
+        assert!(
+            out.contains("rejected the request"),
+            "{preset} {fault}:\n{out}"
+        );
     }
 }

@@ -18,8 +18,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use tpu_sync::layout::{
-    DType, GroupKind, GroupLayout, HybridLayout, HybridModel, KvGroup, ParallelSpec,
-    StateComponent,
+    DType, GroupKind, GroupLayout, HybridLayout, HybridModel, KvGroup, ParallelSpec, StateComponent,
 };
 use tpu_sync::net::{EndpointOptions, PeerMap};
 use tpu_sync::pattern::GroupedContents;
@@ -78,15 +77,28 @@ fn placement(m: &HybridModel, spec: &str, seed: u64) -> HybridPlacement {
         .groups
         .iter()
         .enumerate()
-        .map(|(g, grp)| GroupLayout::new(if grp.kind.is_state() { 3 } else { 9 + 2 * g as u32 }))
+        .map(|(g, grp)| {
+            GroupLayout::new(if grp.kind.is_state() {
+                3
+            } else {
+                9 + 2 * g as u32
+            })
+        })
         .collect();
     let layout = HybridLayout::new(m.clone(), spec, groups).unwrap();
     let block_ids = (0..layout.groups.len())
         .map(|g| {
             (0..spec.ranks_per_replica())
                 .map(|local| {
-                    let n = layout.held_blocks(g, TOKENS, local / spec.tp).unwrap().len();
-                    scattered(layout.groups[g].num_blocks, n, seed ^ (local * 7 + g as u32) as u64)
+                    let n = layout
+                        .held_blocks(g, TOKENS, local / spec.tp)
+                        .unwrap()
+                        .len();
+                    scattered(
+                        layout.groups[g].num_blocks,
+                        n,
+                        seed ^ (local * 7 + g as u32) as u64,
+                    )
                 })
                 .collect()
         })
@@ -215,7 +227,11 @@ fn grouped_pull_is_byte_exact_and_mismatched_groups_are_refused_at_the_handshake
             })
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
-        assert!(e.to_string().contains("layer 0 (KV cache group sliding"), "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("rank 0 layer 0 (KV cache group 0 (`sliding`)"),
+            "{msg}"
+        );
         assert_eq!(p.budget().used(), 0, "nothing staged");
 
         let offered = p
@@ -223,12 +239,21 @@ fn grouped_pull_is_byte_exact_and_mismatched_groups_are_refused_at_the_handshake
                 request_id: 7,
                 num_tokens: TOKENS,
                 placement: src_p.clone(),
-                kv: kv(&pcaps, (0..2).map(|r| (r, src_bufs[r as usize].clone())).collect()),
+                kv: kv(
+                    &pcaps,
+                    (0..2).map(|r| (r, src_bufs[r as usize].clone())).collect(),
+                ),
                 expected_releases: 1,
             })
             .unwrap();
         let staged: u64 = (0..2)
-            .map(|l| src.block_ranges(l).unwrap().iter().map(|r| r.len).sum::<u64>())
+            .map(|l| {
+                src.block_ranges(l)
+                    .unwrap()
+                    .iter()
+                    .map(|r| r.len)
+                    .sum::<u64>()
+            })
             .sum();
         assert_eq!(offered.report().device_bytes, staged);
 
@@ -254,7 +279,10 @@ fn grouped_pull_is_byte_exact_and_mismatched_groups_are_refused_at_the_handshake
                     src: believed_p,
                     sources: PeerMap::single(addr.clone()),
                     dst: bad_dst_p,
-                    kv: kv(&ccaps, (0..2).map(|r| (r, bufs[r as usize].clone())).collect()),
+                    kv: kv(
+                        &ccaps,
+                        (0..2).map(|r| (r, bufs[r as usize].clone())).collect(),
+                    ),
                     wait_for_registration: None,
                 })
                 .unwrap()
@@ -271,8 +299,7 @@ fn grouped_pull_is_byte_exact_and_mismatched_groups_are_refused_at_the_handshake
         }
 
         // The right consumer: byte-exact, every other byte unchanged, moved = needed per group.
-        let dst_bufs: Vec<Vec<DeviceBuffer>> =
-            (0..2).map(|r| background(&cons, &dst, r)).collect();
+        let dst_bufs: Vec<Vec<DeviceBuffer>> = (0..2).map(|r| background(&cons, &dst, r)).collect();
         let dst_p = Placement::from_groups(dst.clone()).unwrap();
         let plan = Plan::build(&src_p, &dst_p, TOKENS).unwrap();
         let rep = c
@@ -282,7 +309,10 @@ fn grouped_pull_is_byte_exact_and_mismatched_groups_are_refused_at_the_handshake
                 src: src_p.clone(),
                 sources: PeerMap::single(addr.clone()),
                 dst: dst_p,
-                kv: kv(&ccaps, (0..2).map(|r| (r, dst_bufs[r as usize].clone())).collect()),
+                kv: kv(
+                    &ccaps,
+                    (0..2).map(|r| (r, dst_bufs[r as usize].clone())).collect(),
+                ),
                 wait_for_registration: None,
             })
             .unwrap()
@@ -299,7 +329,11 @@ fn grouped_pull_is_byte_exact_and_mismatched_groups_are_refused_at_the_handshake
             let g = GroupedContents::new(&dst, r, TOKENS, DST_SALT).unwrap();
             for (l, data) in host(&dst_bufs[r as usize]).iter().enumerate() {
                 let c = g.verify_layer(l as u32, data).unwrap();
-                assert_eq!(c.mismatches, 0, "rank {r} layer {l}: {:?}", c.first_mismatch);
+                assert_eq!(
+                    c.mismatches, 0,
+                    "rank {r} layer {l}: {:?}",
+                    c.first_mismatch
+                );
                 checked += c.request_bytes;
             }
         }

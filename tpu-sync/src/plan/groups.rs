@@ -508,10 +508,7 @@ impl TryFrom<serde_json::Value> for Placement {
     /// [`HybridPlacement`] ([`Placement::from_groups`]); otherwise the uniform fields, with an
     /// optional `groups`.
     fn try_from(v: serde_json::Value) -> std::result::Result<Placement, String> {
-        let grouped = v
-            .get("layout")
-            .and_then(|l| l.get("groups"))
-            .is_some();
+        let grouped = v.get("layout").and_then(|l| l.get("groups")).is_some();
         if grouped {
             let h: HybridPlacement = serde_json::from_value(v)
                 .map_err(|e| format!("placement with KV cache groups: {e}"))?;
