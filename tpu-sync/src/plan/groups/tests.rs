@@ -626,7 +626,7 @@ proptest! {
             let ids = (0..l.spec.ranks_per_replica())
                 .map(|local| scattered(l.num_blocks, uniform_chunk(&l, tokens, local / l.spec.tp).len(), seed ^ local as u64))
                 .collect();
-            crate::plan::Placement { layout: l, dp_rank: dp, block_ids: ids }
+            crate::plan::Placement { layout: l, dp_rank: dp, block_ids: ids, groups: None }
         };
         let src = place(sl, seed as u32 % s.2, seed);
         let dst = place(dl, (seed >> 8) as u32 % d.2, !seed);
