@@ -85,11 +85,13 @@ fn case(bytes: u64) -> Case {
         layout: l.clone(),
         dp_rank: 0,
         block_ids: vec![ids(1)],
+        groups: None,
     };
     let dst = Placement {
         layout: l,
         dp_rank: 0,
         block_ids: vec![ids(2)],
+        groups: None,
     };
     let ranges = [(0u32, src.block_ranges(0))].into_iter().collect();
     let src_st = Arc::new(Staging::new(ranges, &arena()).unwrap());

@@ -587,6 +587,7 @@ fn device_scenario(b: &mut Bench, a: &BenchArgs, d2h: bool) -> Result<()> {
             layout,
             dp_rank: 0,
             block_ids: vec![ids],
+            groups: None,
         };
         let buf_bytes = kv.buffer_bytes();
         let mirror = PinnedArena::new((buf_bytes * layers as u64) as usize, &arena_opts())?;

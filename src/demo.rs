@@ -53,6 +53,9 @@ fn child_args(job: &JobArgs) -> Vec<String> {
     if let Some(b) = job.staging_budget {
         a.extend(["--staging-budget".into(), b.to_string()]);
     }
+    if let Some(f) = &job.fault_groups {
+        a.extend(["--fault-groups".into(), f.clone()]);
+    }
     a
 }
 
@@ -122,7 +125,7 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
     let t0 = Instant::now();
     // Fail fast, before spawning anything, on bad presets, specs, ranks, streams and transports.
     kvproc::validate(job)?;
-    let m = kvproc::model(job)?;
+    let grouped = crate::kvproc_groups::is_grouped(job);
     let kind = kvproc::transport_kind(job)?;
     // tls/quic without credentials: an ephemeral CA and one certificate per side, in a private
     // temporary directory removed at the end.
@@ -166,17 +169,30 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
         }
     }
     let exe = std::env::current_exe().map_err(|e| Error::io("current_exe", e))?;
-    outln!(
-        "tpu-sync demo: {} ({} layers, {} KV heads x {}, {} planes, {}), {} tokens = {} of KV",
-        m.name,
-        m.num_layers,
-        m.num_kv_heads,
-        m.head_dim,
-        m.kv_planes,
-        m.dtype.name(),
-        job.tokens,
-        fmt_bytes(m.bytes_per_token() * job.tokens as u64)
-    );
+    if grouped {
+        let m = tpu_sync::layout::HybridModel::preset(&job.preset)?;
+        outln!(
+            "tpu-sync demo: {} ({} cache layers in {} KV cache groups: {}), {} tokens",
+            m.name,
+            m.num_layers(),
+            m.groups.len(),
+            m.describe(),
+            job.tokens
+        );
+    } else {
+        let m = kvproc::model(job)?;
+        outln!(
+            "tpu-sync demo: {} ({} layers, {} KV heads x {}, {} planes, {}), {} tokens = {} of KV",
+            m.name,
+            m.num_layers,
+            m.num_kv_heads,
+            m.head_dim,
+            m.kv_planes,
+            m.dtype.name(),
+            job.tokens,
+            fmt_bytes(m.bytes_per_token() * job.tokens as u64)
+        );
+    }
 
     let mut prefill = Guard(Some(
         Command::new(&exe)
@@ -324,12 +340,46 @@ pub fn run(job: &JobArgs) -> Result<ExitCode> {
         fmt_bytes(d.verified_request_bytes),
         fmt_bytes(d.verified_background_bytes)
     );
+    if !d.groups.is_empty() {
+        outln!();
+        outln!(
+            "  {:<18} {:<15} {:>6} {:>7} {:>12} {:>12} {:>12} {:>12}",
+            "group",
+            "kind",
+            "layers",
+            "blocks",
+            "moved",
+            "needed",
+            "verified",
+            "moved/needed"
+        );
+        for g in &d.groups {
+            outln!(
+                "  {:<18} {:<15} {:>6} {:>7} {:>12} {:>12} {:>12} {:>12}",
+                g.name,
+                g.kind,
+                g.layers,
+                g.num_blocks,
+                g.moved_bytes,
+                g.needed_bytes,
+                g.verified_bytes,
+                if g.needed_bytes > 0 {
+                    format!("{:.2}", g.moved_bytes as f64 / g.needed_bytes as f64)
+                } else {
+                    "-".into()
+                }
+            );
+        }
+    }
     outln!("  wall time: {:.2} s", t0.elapsed().as_secs_f64());
     let ok = dstatus.success()
         && pstatus.map(|s| s.success()).unwrap_or(false)
         && d.mismatches == 0
         && d.verified_request_bytes > 0
-        && d.verified_request_bytes == d.net_bytes;
+        && d.verified_request_bytes == d.net_bytes
+        && d.groups
+            .iter()
+            .all(|g| g.moved_bytes == g.needed_bytes && g.mismatches == 0);
     if ok {
         outln!(
             "verified: {} bytes, {} blocks, {} layers: prefill {} -> decode {} over {}",

@@ -26,9 +26,9 @@ use tpu_sync::{wire, Error, Result};
 use crate::JobArgs;
 
 /// Background salt of prefill buffers.
-const PREFILL_SALT: u64 = 0x5052_4546_494c_4c00;
+pub(crate) const PREFILL_SALT: u64 = 0x5052_4546_494c_4c00;
 /// Background salt of decode buffers.
-const DECODE_SALT: u64 = 0x4445_434f_4445_0000;
+pub(crate) const DECODE_SALT: u64 = 0x4445_434f_4445_0000;
 
 /// What one half reports to `demo`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -62,6 +62,9 @@ pub struct Report {
     pub layers: u32,
     pub num_tokens: u32,
     pub wall_secs: f64,
+    /// Per KV cache group (grouped presets only, decode side).
+    #[serde(default)]
+    pub groups: Vec<crate::kvproc_groups::GroupReport>,
 }
 
 pub fn model(job: &JobArgs) -> Result<ModelKv> {
@@ -109,6 +112,10 @@ pub fn decode_dp_rank(job: &JobArgs, spec: &ParallelSpec) -> Result<u32> {
 /// Checks every flag of `demo` and `prefill` that needs neither a plugin nor a peer, so `demo`
 /// fails before spawning anything and `prefill` before opening devices.
 pub fn validate(job: &JobArgs) -> Result<()> {
+    if crate::kvproc_groups::is_grouped(job) {
+        crate::kvproc_groups::validate(job)?;
+        return validate_decode(job);
+    }
     let m = model(job)?;
     if job.tokens == 0 {
         return Err(Error::InvalidArgument(
@@ -123,9 +130,12 @@ pub fn validate(job: &JobArgs) -> Result<()> {
 /// The checks of [`validate`] that apply to `decode` (whose token count and prefill layout come
 /// from the prefill): run before connecting or opening devices.
 pub fn validate_decode(job: &JobArgs) -> Result<()> {
-    let m = model(job)?;
     let spec = decode_spec(job)?;
-    ParallelLayout::new(m, spec, 1)?;
+    if crate::kvproc_groups::is_grouped(job) {
+        crate::kvproc_groups::validate_decode(job, spec)?;
+    } else {
+        ParallelLayout::new(model(job)?, spec, 1)?;
+    }
     decode_dp_rank(job, &spec)?;
     transport_kind(job)?;
     security(job)?;
@@ -186,7 +196,7 @@ fn sized_layout(m: &ModelKv, spec: ParallelSpec, tokens: u32) -> Result<Parallel
 
 /// Scattered, distinct, non-adjacent-in-order block ids for `n` request blocks: a deterministic
 /// shuffle of `0..num_blocks`.
-fn scattered_ids(num_blocks: u32, n: u32, seed: u64) -> Vec<u32> {
+pub(crate) fn scattered_ids(num_blocks: u32, n: u32, seed: u64) -> Vec<u32> {
     let mut ids: Vec<u32> = (0..num_blocks).collect();
     for i in (1..ids.len()).rev() {
         let j = (mix64(seed ^ i as u64) % (i as u64 + 1)) as usize;
@@ -212,10 +222,14 @@ fn placement(layout: ParallelLayout, dp_rank: u32, tokens: u32, seed: u64) -> Re
         layout,
         dp_rank,
         block_ids,
+        groups: None,
     })
 }
 
-fn open_client(job_plugin: Option<&Path>, devices: Option<i64>) -> Result<(Client, Capabilities)> {
+pub(crate) fn open_client(
+    job_plugin: Option<&Path>,
+    devices: Option<i64>,
+) -> Result<(Client, Capabilities)> {
     let plugin = match job_plugin {
         Some(p) => Plugin::load(p)?,
         None => Plugin::load_default()?,
@@ -285,7 +299,7 @@ fn make_buffers(client: &Client, contents: &[RankContents]) -> Result<Vec<Vec<De
 
 /// The physical layout the plugin reports for the KV buffers (the first one's; the transfer
 /// pipeline checks every buffer against the layout before anything moves).
-fn physical_layout(buffers: &[Vec<DeviceBuffer>]) -> Option<String> {
+pub(crate) fn physical_layout(buffers: &[Vec<DeviceBuffer>]) -> Option<String> {
     buffers
         .iter()
         .flatten()
@@ -303,7 +317,7 @@ fn with_physical(text: String, layout: &ParallelLayout) -> String {
 }
 
 /// The staging's lock and DMA-map outcome, for the report.
-fn lock_and_dma(r: &TransferReport) -> String {
+pub(crate) fn lock_and_dma(r: &TransferReport) -> String {
     let lock = r
         .lock
         .as_ref()
@@ -320,7 +334,7 @@ fn lock_text(s: &LockStatus) -> String {
     }
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -328,7 +342,7 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .map_err(|e| Error::io("tokio runtime", e))
 }
 
-fn endpoint_options(
+pub(crate) fn endpoint_options(
     job: &JobArgs,
     name: &str,
     listen: Option<std::net::SocketAddr>,
@@ -354,14 +368,14 @@ fn endpoint_options(
 }
 
 /// The pipeline options of `--staging-budget`.
-fn transfer_options(job: &JobArgs) -> TransferOptions {
+pub(crate) fn transfer_options(job: &JobArgs) -> TransferOptions {
     TransferOptions {
         staging_budget_bytes: job.staging_budget,
         ..TransferOptions::default()
     }
 }
 
-fn print_report(r: &Report) {
+pub(crate) fn print_report(r: &Report) {
     outln!(
         "REPORT {}",
         serde_json::to_string(r).expect("report serialises")
@@ -373,6 +387,9 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Re
     let t0 = Instant::now();
     let _span =
         tracing::info_span!("request", request_id = job.request_id, side = "prefill").entered();
+    if crate::kvproc_groups::is_grouped(job) {
+        return crate::kvproc_groups::prefill(job, listen, ranks, t0);
+    }
     // Validate everything (the decode side's spec too, so a bad pair fails on both sides).
     validate(job)?;
     let m = model(job)?;
@@ -404,7 +421,38 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Re
         .map(|r| (r, buffers[r as usize].clone()))
         .collect();
     let kv = KvBuffers::new(&caps, hosted)?;
+    let report = serve_offer(job, listen, ranks, &place, kv, &layout.describe())?;
+    print_report(&Report {
+        role: "prefill".into(),
+        platform: client.platform_name().into(),
+        api_version: format!("{}.{}", caps.api_version.0, caps.api_version.1),
+        devices: client.addressable_devices().len() as u32,
+        layout: with_physical(layout.describe(), &place.layout),
+        d2h_path: caps.d2h.to_string(),
+        h2d_path: caps.h2d.to_string(),
+        lock: lock_and_dma(&report),
+        device_bytes: report.device_bytes,
+        device_ops: report.device_ops,
+        device_secs: report.device_time.as_secs_f64(),
+        layers: m.num_layers,
+        num_tokens: job.tokens,
+        wall_secs: t0.elapsed().as_secs_f64(),
+        ..Report::default()
+    });
+    Ok(ExitCode::SUCCESS)
+}
 
+/// The serving half of `tpu-sync prefill`: binds the pipeline, offers the request (buffer
+/// check, staging, D2H, registration), prints `LISTENING addr`, and waits until the decode side
+/// released (or rejected) it. `what` describes the layout for the log line.
+pub(crate) fn serve_offer(
+    job: &JobArgs,
+    listen: Option<&str>,
+    ranks: Option<&[u32]>,
+    place: &Placement,
+    kv: KvBuffers,
+    what: &str,
+) -> Result<TransferReport> {
     let rt = runtime()?;
     let addr = listen
         .map(str::to_string)
@@ -427,8 +475,8 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Re
         outln!("LISTENING {local}");
         errln!(
             "prefill: {} ranks {}, request {} ({} tokens, {} staged, {}) on {local} over {}",
-            layout.describe(),
-            offer_ranks(ranks, &place),
+            what,
+            offer_ranks(ranks, place),
             job.request_id,
             job.tokens,
             fmt_bytes(offer.report().device_bytes),
@@ -469,25 +517,7 @@ pub fn prefill(job: &JobArgs, listen: Option<&str>, ranks: Option<&[u32]>) -> Re
         )))
     });
     rt.shutdown_timeout(Duration::from_secs(1));
-    let report = served?;
-    print_report(&Report {
-        role: "prefill".into(),
-        platform: client.platform_name().into(),
-        api_version: format!("{}.{}", caps.api_version.0, caps.api_version.1),
-        devices: client.addressable_devices().len() as u32,
-        layout: with_physical(layout.describe(), &place.layout),
-        d2h_path: caps.d2h.to_string(),
-        h2d_path: caps.h2d.to_string(),
-        lock: lock_and_dma(&report),
-        device_bytes: report.device_bytes,
-        device_ops: report.device_ops,
-        device_secs: report.device_time.as_secs_f64(),
-        layers: m.num_layers,
-        num_tokens: job.tokens,
-        wall_secs: t0.elapsed().as_secs_f64(),
-        ..Report::default()
-    });
-    Ok(ExitCode::SUCCESS)
+    served
 }
 
 /// The hosted prefill ranks, for the log line.
@@ -509,7 +539,8 @@ pub fn decode(job: &JobArgs, connect: &str, tokens: Option<u32>) -> Result<ExitC
     let _span =
         tracing::info_span!("request", request_id = job.request_id, side = "decode").entered();
     validate_decode(job)?;
-    let m = model(job)?;
+    let grouped = crate::kvproc_groups::is_grouped(job);
+    let m = if grouped { None } else { Some(model(job)?) };
     let spec = decode_spec(job)?;
     let dp_rank = decode_dp_rank(job, &spec)?;
     let sources = PeerMap::parse(connect)?;
@@ -534,12 +565,25 @@ pub fn decode(job: &JobArgs, connect: &str, tokens: Option<u32>) -> Result<ExitC
         };
         let r = match r {
             Err(e) => Err(e),
+            Ok(()) if grouped => {
+                crate::kvproc_groups::decode_request(
+                    job,
+                    &p,
+                    &sources,
+                    spec,
+                    dp_rank,
+                    src.clone(),
+                    num_tokens,
+                    t0,
+                )
+                .await
+            }
             Ok(()) => {
                 decode_request(
                     job,
                     &p,
                     &sources,
-                    m,
+                    m.clone().expect("uniform model"),
                     spec,
                     dp_rank,
                     src.clone(),
@@ -669,6 +713,7 @@ async fn decode_request(
         layers: m.num_layers,
         num_tokens,
         wall_secs: t0.elapsed().as_secs_f64(),
+        groups: Vec::new(),
     });
     if !ok {
         errln!(

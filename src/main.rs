@@ -26,6 +26,7 @@ macro_rules! errln {
 mod bench;
 mod demo;
 mod kvproc;
+mod kvproc_groups;
 mod logging;
 mod store_demo;
 mod top;
@@ -108,7 +109,9 @@ enum Cmd {
 /// Flags shared by `demo`, `prefill` and `decode`.
 #[derive(Args, Debug, Clone)]
 pub struct JobArgs {
-    /// Model KV geometry preset: llama-3.1-8b, qwen3-32b, llama-3.1-70b, deepseek-v3.
+    /// Model KV geometry preset: llama-3.1-8b, qwen3-32b, llama-3.1-70b, deepseek-v3, or a
+    /// hybrid model's KV cache groups: qwen3-next-80b, qwen3.5-9b, gpt-oss-120b, gemma-3-27b,
+    /// deepseek-v3.2 (see docs/hybrid.md).
     #[arg(long, default_value = "llama-3.1-8b")]
     pub preset: String,
     /// Prompt length in tokens. `decode` takes the count from the prefill; given to `decode`, it
@@ -199,6 +202,12 @@ pub struct JobArgs {
     /// Test hook: decode lists this block id for the request (checked against the layout).
     #[arg(long, hide = true)]
     pub fault_block_id: Option<u32>,
+    /// Test hook (hybrid presets): decode's KV cache groups differ from the preset's and it
+    /// believes the prefill's differ the same way: `window` (sliding windows + 16 tokens),
+    /// `state` (one more row in the first state component) or `missing` (the last group
+    /// dropped). The prefill must refuse the pull at the handshake.
+    #[arg(long, hide = true)]
+    pub fault_groups: Option<String>,
 }
 
 /// A panic prints one line to stderr (ignoring a closed stderr) instead of a panic trace, unless

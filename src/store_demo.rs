@@ -229,6 +229,7 @@ impl Setup {
             layout: self.layout.clone(),
             dp_rank: 0,
             block_ids: vec![ids],
+            groups: None,
         }
     }
 }

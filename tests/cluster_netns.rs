@@ -218,6 +218,7 @@ impl Dev {
             layout: self.layout.clone(),
             dp_rank: 0,
             block_ids: vec![ids; self.layout.spec.tp as usize],
+            groups: None,
         }
     }
     fn buffers(&self, c: &RankContents) -> Vec<DeviceBuffer> {

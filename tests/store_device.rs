@@ -48,6 +48,7 @@ impl Dev {
             layout: self.layout.clone(),
             dp_rank: 0,
             block_ids: vec![ids],
+            groups: None,
         }
     }
     fn buffers(&self, c: &RankContents) -> Vec<DeviceBuffer> {

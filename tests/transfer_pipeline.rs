@@ -47,6 +47,7 @@ fn placements() -> (Placement, Placement) {
             .unwrap(),
         dp_rank: 0,
         block_ids: vec![vec![7, 2, 5, 0, 3, 6, 1], vec![1, 4, 0, 6, 2, 8, 5]],
+        groups: None,
     };
     let dst = Placement {
         layout: ParallelLayout::new(
@@ -57,6 +58,7 @@ fn placements() -> (Placement, Placement) {
         .unwrap(),
         dp_rank: 0,
         block_ids: vec![vec![5, 1, 3, 0]],
+        groups: None,
     };
     (src, dst)
 }

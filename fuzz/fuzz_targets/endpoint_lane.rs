@@ -147,11 +147,13 @@ fn world() -> &'static World {
             layout: ParallelLayout::new(m.clone(), spec(2, 4, BlockOrder::Nhd), 16).unwrap(),
             dp_rank: 0,
             block_ids: vec![(0..10).rev().collect(), (3..13).collect()],
+            groups: None,
         };
         let dst = Placement {
             layout: ParallelLayout::new(m, spec(1, 8, BlockOrder::Hnd), 8).unwrap(),
             dp_rank: 0,
             block_ids: vec![vec![4, 0, 6, 2, 7]],
+            groups: None,
         };
         let plan = Plan::build(&src, &dst, TOKENS).unwrap();
         // Source staging filled with the pattern.

@@ -67,6 +67,7 @@ fuzz_target!(|inp: Input| {
         layout: layout.clone(),
         dp_rank: if raw { inp.dp_rank } else { inp.dp_rank % 3 },
         block_ids: inp.ids.iter().take(64).map(|v| v.iter().take(64).map(|&b| if raw { b } else { b % 64 }).collect()).collect(),
+        groups: None,
     };
     if p.validate(tokens).is_err() {
         return;

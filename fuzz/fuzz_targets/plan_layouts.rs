@@ -42,6 +42,7 @@ fn side(m: &ModelKv, s: &Side) -> Option<Placement> {
         layout,
         dp_rank: (s.dp_rank % 3) as u32,
         block_ids: s.ids.iter().take(40).map(|v| v.iter().take(40).map(|&b| b as u32).collect()).collect(),
+        groups: None,
     })
 }
 

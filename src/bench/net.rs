@@ -110,6 +110,7 @@ fn sized_placement(m: &ModelKv, spec: &str, dp: u32, tokens: u32, seed: u64) -> 
         layout,
         dp_rank: dp,
         block_ids,
+        groups: None,
     })
 }
 

@@ -68,6 +68,7 @@ pub fn placement(layout: ParallelLayout, dp_rank: u32, tokens: u32, seed: u64) -
         layout,
         dp_rank,
         block_ids,
+        groups: None,
     }
 }
 

@@ -462,8 +462,12 @@ pub struct tpu_sync_span {
 
 /// Plans a request of `num_tokens` tokens from the source placement to the destination placement,
 /// both given as NUL-terminated JSON (the serde form of `tpu_sync::plan::Placement`:
-/// `{"layout": {"model": {...}, "spec": {...}, "num_blocks": N}, "dp_rank": R, "block_ids": [[...], ...]}`).
-/// `plan_out` receives a new handle owned by the caller.
+/// `{"layout": {"model": {...}, "spec": {...}, "num_blocks": N}, "dp_rank": R, "block_ids": [[...], ...]}`,
+/// or for a hybrid model the KV cache groups form
+/// `{"layout": {"model": {"name": ..., "groups": [...]}, "spec": {...}, "groups": [{"num_blocks": N}, ...]},
+/// "dp_rank": R, "block_ids": [[[ids of rank 0], ...] of group 0, ...]}`, see docs/hybrid.md; every
+/// function taking placement JSON accepts both). Two sides whose groups differ are `TPU_SYNC_MISMATCH`.
+/// `plan_out` receives a new handle owned by the caller (the caller frees it with `tpu_sync_plan_free`).
 ///
 /// Errors: `TPU_SYNC_INVALID_ARGUMENT` (bad JSON), `TPU_SYNC_LAYOUT`, `TPU_SYNC_BLOCK_RANGE`,
 /// `TPU_SYNC_MISMATCH`.

@@ -24,8 +24,14 @@ mod groups;
 pub use groups::HybridPlacement;
 
 /// Where one request's KV blocks live on one side of a transfer.
+///
+/// JSON (every form refuses unknown keys): the uniform form `{"layout": ParallelLayout,
+/// "dp_rank": R, "block_ids": [[...], ...]}`; the groups form of a [`HybridPlacement`]
+/// (`{"layout": HybridLayout, "dp_rank": R, "block_ids": [group][rank][ids]}`, read as
+/// [`Placement::from_groups`]); or what a grouped placement serializes to, the uniform fields
+/// derived from its groups plus `"groups": HybridPlacement`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, try_from = "serde_json::Value")]
 pub struct Placement {
     /// The instance's layout.
     pub layout: ParallelLayout,
@@ -35,6 +41,14 @@ pub struct Placement {
     /// `(pcp, tp)` lists, in order, the block ids of the request blocks
     /// `layout.pcp_chunk(num_tokens, pcp)`.
     pub block_ids: Vec<Vec<u32>>,
+    /// The request's KV cache groups (hybrid models), or `None` (default, absent in JSON) for a
+    /// uniform model. With groups, `layout`, `dp_rank` and `block_ids` are derived from them
+    /// ([`Placement::from_groups`]: `layout` the grouped layout's spec and cache layer count,
+    /// no uniform blocks, empty block id lists) and every geometry function of the placement
+    /// (validation, staged ranges, [`Plan::build`], the transfer pipeline's buffer check) works
+    /// on the groups.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub groups: Option<Box<HybridPlacement>>,
 }
 
 impl Placement {
@@ -56,6 +70,10 @@ impl Placement {
     /// Errors: [`Error::Layout`] for a bad layout or DP rank, [`Error::BlockRange`] for a wrong
     /// number of block ids, an id `>= num_blocks`, or an id used twice on one rank.
     pub fn validate(&self, num_tokens: u32) -> Result<()> {
+        if let Some(h) = &self.groups {
+            self.check_carrier(h)?;
+            return h.validate(num_tokens);
+        }
         self.layout.validate()?;
         if num_tokens == 0 {
             return Err(Error::InvalidArgument(
@@ -126,6 +144,9 @@ impl Placement {
     /// Errors: [`Error::Layout`] for a layout with a zero field, [`Error::InvalidArgument`]
     /// for a `local` rank the placement does not list.
     pub fn try_block_ranges(&self, local: u32) -> Result<Vec<ByteRange>> {
+        if let Some(h) = &self.groups {
+            return groups::grouped_block_ranges(h, local);
+        }
         let kv = self.layout.rank_kv()?;
         let ids = self.block_ids.get(local as usize).ok_or_else(|| {
             Error::InvalidArgument(format!(
@@ -245,7 +266,14 @@ impl Plan {
     /// be copied raw ([`ParallelLayout::check_block_format`]: opaque LBHNC blocks need the same
     /// order, block size and known format tag on both sides), and the errors of
     /// [`Placement::validate`] for either side.
+    ///
+    /// When either side has KV cache groups ([`Placement::groups`]), both are planned group by
+    /// group ([`Plan::build_groups`]; a uniform side is its one-group form, so a uniform and a
+    /// grouped side of different geometry are a [`Error::Mismatch`]).
     pub fn build(src: &Placement, dst: &Placement, num_tokens: u32) -> Result<Plan> {
+        if src.groups.is_some() || dst.groups.is_some() {
+            return groups::build_placements(src, dst, num_tokens);
+        }
         src.layout.model.check_compatible(&dst.layout.model)?;
         src.layout.check_physical_layout(&dst.layout)?;
         src.layout.check_block_format(&dst.layout)?;
@@ -552,6 +580,13 @@ impl FanOut {
         dst: &Placement,
         host_of: impl Fn(u32) -> H,
     ) -> Result<FanOut> {
+        if dst.groups.is_some() {
+            return Err(Error::InvalidArgument(
+                "the local fan-out of replicated ranks is planned for uniform placements only, \
+                 not for KV cache groups"
+                    .into(),
+            ));
+        }
         let l = &dst.layout;
         let rpr = l.spec.ranks_per_replica();
         let mut groups: std::collections::BTreeMap<(H, u32, u32), Vec<u32>> = Default::default();

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{coalesce, compress_strided, merge_ranges, ByteRange, Placement, Plan, Span};
 use crate::error::{Error, Result};
-use crate::layout::{GroupKind, GroupRankKv, HybridLayout};
+use crate::layout::{DType, GroupKind, GroupRankKv, HybridLayout, ModelKv, ParallelLayout};
 
 /// Where one request's KV cache lives on one side of a transfer, group by group.
 ///
@@ -416,6 +416,136 @@ fn group_rows(src: &HybridPlacement, dst: &HybridPlacement, g: usize, t: u32) ->
 /// Both sides' group kinds were checked equal before planning, so their per-rank geometries
 /// have the same variant; nothing to plan otherwise.
 fn unreachable_kinds(_kind: &GroupKind) {}
+
+/// The uniform fields of a grouped [`Placement`]: the grouped layout's spec and cache layer count
+/// on a placeholder geometry (one 1-byte element per token, no blocks, so that nothing can
+/// compute uniform byte offsets from it), no uniform blocks.
+fn carrier_layout(h: &HybridPlacement) -> ParallelLayout {
+    ParallelLayout {
+        model: ModelKv {
+            name: h.layout.model.name.clone(),
+            num_layers: h.layout.num_layers(),
+            num_kv_heads: 1,
+            head_dim: 1,
+            kv_planes: 1,
+            dtype: DType::Fp8,
+        },
+        spec: h.layout.spec,
+        num_blocks: 0,
+        physical_layout: None,
+        block_format: None,
+    }
+}
+
+impl Placement {
+    /// The placement of a request in KV cache groups, in the form every consumer of placements
+    /// takes (the transfer pipeline, the network endpoint and its wire messages, the C ABI):
+    /// `groups` set, `layout` the groups' spec with their cache layer count (one buffer per
+    /// cache layer), `dp_rank` theirs, one empty block id list per rank.
+    ///
+    /// A one-group placement of a uniform model is kept grouped (use
+    /// [`HybridPlacement::from_uniform`]'s source instead when the uniform form is wanted).
+    ///
+    /// Errors: as [`HybridLayout::validate`].
+    pub fn from_groups(h: HybridPlacement) -> Result<Placement> {
+        h.layout.validate()?;
+        let rpr = h.layout.spec.ranks_per_replica();
+        Ok(Placement {
+            layout: carrier_layout(&h),
+            dp_rank: h.dp_rank,
+            block_ids: vec![Vec::new(); rpr as usize],
+            groups: Some(Box::new(h)),
+        })
+    }
+
+    /// The placement group by group: its groups, or the one-group form of a uniform placement.
+    pub fn to_groups(&self) -> HybridPlacement {
+        match &self.groups {
+            Some(h) => (**h).clone(),
+            None => HybridPlacement::from_uniform(self),
+        }
+    }
+
+    /// Checks that a grouped placement's uniform fields are the ones derived from its groups
+    /// ([`Placement::from_groups`]), so a peer cannot describe one thing in `layout` and another
+    /// in `groups`.
+    pub(super) fn check_carrier(&self, h: &HybridPlacement) -> Result<()> {
+        let rpr = h.layout.spec.ranks_per_replica() as usize;
+        if self.layout != carrier_layout(h)
+            || self.dp_rank != h.dp_rank
+            || self.block_ids.len() != rpr
+            || self.block_ids.iter().any(|v| !v.is_empty())
+        {
+            return Err(Error::Layout(format!(
+                "a placement with KV cache groups must have the layout, DP rank and (empty) block \
+                 id lists derived from its groups (model `{}`: {} cache layers, {}, DP rank {}, \
+                 {rpr} empty block id lists)",
+                h.layout.model.name,
+                h.layout.num_layers(),
+                h.layout.spec,
+                h.dp_rank
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The fields of a placement as written (uniform, or with `groups`).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PlacementFields {
+    layout: ParallelLayout,
+    dp_rank: u32,
+    block_ids: Vec<Vec<u32>>,
+    #[serde(default)]
+    groups: Option<Box<HybridPlacement>>,
+}
+
+impl TryFrom<serde_json::Value> for Placement {
+    type Error = String;
+
+    /// Reads any of [`Placement`]'s JSON forms: a `layout` with `groups` is a
+    /// [`HybridPlacement`] ([`Placement::from_groups`]); otherwise the uniform fields, with an
+    /// optional `groups`.
+    fn try_from(v: serde_json::Value) -> std::result::Result<Placement, String> {
+        let grouped = v.get("layout").and_then(|l| l.get("groups")).is_some();
+        if grouped {
+            let h: HybridPlacement = serde_json::from_value(v)
+                .map_err(|e| format!("placement with KV cache groups: {e}"))?;
+            return Placement::from_groups(h).map_err(|e| e.to_string());
+        }
+        let f: PlacementFields = serde_json::from_value(v).map_err(|e| e.to_string())?;
+        Ok(Placement {
+            layout: f.layout,
+            dp_rank: f.dp_rank,
+            block_ids: f.block_ids,
+            groups: f.groups,
+        })
+    }
+}
+
+/// [`Placement::try_block_ranges`] of a grouped placement.
+pub(super) fn grouped_block_ranges(h: &HybridPlacement, local: u32) -> Result<Vec<ByteRange>> {
+    if local as usize >= h.layout.spec.ranks_per_replica() as usize {
+        return Err(Error::InvalidArgument(format!(
+            "local rank {local}: the placement lists {} ranks",
+            h.layout.spec.ranks_per_replica()
+        )));
+    }
+    h.block_ranges(local)
+}
+
+/// [`Plan::build`] when either side is grouped: both sides' uniform fields checked against
+/// their groups, then [`Plan::build_groups`].
+pub(super) fn build_placements(src: &Placement, dst: &Placement, num_tokens: u32) -> Result<Plan> {
+    for (p, side) in [(src, "source"), (dst, "destination")] {
+        if let Some(h) = &p.groups {
+            p.check_carrier(h)
+                .map_err(|e| e.context(format!("{side} placement")))?;
+        }
+    }
+    Plan::build_groups(&src.to_groups(), &dst.to_groups(), num_tokens)
+}
 
 #[cfg(test)]
 mod tests;

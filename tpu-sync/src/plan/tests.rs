@@ -30,6 +30,7 @@ fn placement(layout: ParallelLayout, dp_rank: u32, num_tokens: u32, seed: u64) -
         layout,
         dp_rank,
         block_ids,
+        groups: None,
     }
 }
 

@@ -2,7 +2,7 @@
 //! the byte offsets a plan computes are valid in a rank's buffers.
 
 use crate::error::{Error, Result};
-use crate::layout::{KvLayout, ParallelLayout};
+use crate::layout::{HybridLayout, KvLayout, ParallelLayout};
 use crate::pjrt::DeviceBuffer;
 
 /// `dims` without leading dimensions of size 1 (so `[1, B, H, N, C]` equals `[B, H, N, C]`:
@@ -142,6 +142,90 @@ pub fn check_rank_buffers(
                 )));
             }
             if let Some(named) = &layout.physical_layout {
+                if named != p {
+                    return Err(Error::Mismatch(format!(
+                        "{}: physical layout `{p}`, the placement names `{named}`",
+                        what()
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks the per-cache-layer buffers of global rank `rank` against a grouped layout: one
+/// buffer per cache layer (`0..layout.num_layers()`, in order), each live and of the shape its
+/// own group gives it ([`HybridLayout::layer_shape`]: element type, dims with leading 1s
+/// ignored, `PJRT_Buffer_OnDeviceSizeInBytes` equal to the dense bytes), with a dense row-major
+/// physical layout (when the plugin reports one) equal to the group's
+/// [`GroupLayout::physical_layout`](crate::layout::GroupLayout) when the layout names one. So
+/// layers of different groups may have buffers of different sizes and shapes; each is checked
+/// against its own group's geometry, never another's.
+///
+/// Errors: [`Error::Mismatch`] naming the rank, the layer, its group, the buffer and what was
+/// expected; [`Error::Layout`] for a layout with a zero field; [`Error::InvalidArgument`] for a
+/// deleted buffer.
+pub fn check_group_buffers(
+    rank: u32,
+    layout: &HybridLayout,
+    buffers: &[DeviceBuffer],
+) -> Result<()> {
+    layout.check_nonzero()?;
+    let n = layout.num_layers();
+    if buffers.len() != n as usize {
+        return Err(Error::Mismatch(format!(
+            "rank {rank}: {} layer buffers given, the model `{}` has {n} cache layers in {} KV \
+             cache groups (one buffer per cache layer, in layer order)",
+            buffers.len(),
+            layout.model.name,
+            layout.groups.len()
+        )));
+    }
+    for (layer, b) in buffers.iter().enumerate() {
+        let layer = layer as u32;
+        b.check_live()
+            .map_err(|e| e.context(format!("rank {rank} layer {layer}")))?;
+        let g = layout.model.group_of_layer(layer).unwrap_or_default();
+        let shape = layout.layer_shape(layer)?;
+        let what = || {
+            format!(
+                "rank {rank} layer {layer} (KV cache group {}, {}): buffer {} does not match the \
+                 group's {}{:?}, {} dense bytes, row-major",
+                layout.model.group_name(g),
+                layout.model.groups[g].kind.name(),
+                describe(b),
+                shape.element_type.name(),
+                shape.dims,
+                shape.bytes
+            )
+        };
+        if b.element_type() != shape.element_type {
+            return Err(Error::Mismatch(format!(
+                "{}: element type {}",
+                what(),
+                b.element_type().name()
+            )));
+        }
+        if squeezed(b.dims()) != squeezed(&shape.dims) {
+            return Err(Error::Mismatch(format!("{}: dims {:?}", what(), b.dims())));
+        }
+        if b.on_device_size() != shape.bytes {
+            return Err(Error::Mismatch(format!(
+                "{}: {} bytes on device (PJRT_Buffer_OnDeviceSizeInBytes; a padded or tiled \
+                 device layout)",
+                what(),
+                b.on_device_size()
+            )));
+        }
+        if let Some(p) = b.physical_layout() {
+            if !is_dense_row_major(p, b.dims().len()) {
+                return Err(Error::Mismatch(format!(
+                    "{}: physical layout `{p}` is not dense row-major",
+                    what()
+                )));
+            }
+            if let Some(named) = &layout.groups[g].physical_layout {
                 if named != p {
                     return Err(Error::Mismatch(format!(
                         "{}: physical layout `{p}`, the placement names `{named}`",

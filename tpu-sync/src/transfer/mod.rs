@@ -47,7 +47,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-pub use check::{check_rank_buffers, is_dense_row_major};
+pub use check::{check_group_buffers, check_rank_buffers, is_dense_row_major};
 
 use crate::arena::{ArenaOptions, DmaRegistration, LockStatus};
 use crate::budget::{BudgetStats, StagingBudget};
@@ -238,7 +238,8 @@ impl KvBuffers {
     }
 
     /// Checks every rank against `placement`: in its DP replica, and every buffer against its
-    /// layout ([`check_rank_buffers`]).
+    /// layout ([`check_rank_buffers`]; for a placement with KV cache groups every cache layer's
+    /// buffer against its own group, [`check_group_buffers`]).
     ///
     /// Errors: [`Error::InvalidArgument`] for a rank outside the replica; [`Error::Mismatch`]
     /// for a buffer that disagrees with the layout.
@@ -252,8 +253,11 @@ impl KvBuffers {
                     placement.layout.spec.ranks_per_replica()
                 )));
             }
-            check_rank_buffers(r, &placement.layout, bufs)
-                .map_err(|e| e.context(format!("{side} side")))?;
+            match &placement.groups {
+                Some(h) => check_group_buffers(r, &h.layout, bufs),
+                None => check_rank_buffers(r, &placement.layout, bufs),
+            }
+            .map_err(|e| e.context(format!("{side} side")))?;
         }
         Ok(())
     }

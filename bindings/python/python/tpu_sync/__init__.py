@@ -21,7 +21,7 @@ from .endpoint import Endpoint, Transfer
 from .device import Copy, d2h, h2d, pacing, pause_pacing, resume_pacing, set_pacing
 from .errors import TpuSyncError
 from .observability import metrics, serve_metrics, set_metrics_enabled
-from .plan import Plan, Span, layout, model, placement, preset
+from .plan import Plan, Span, hybrid_model, layout, model, placement, preset
 from .store import GetResult, Lease, PutResult, Store, list_segments, remove_segment
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "h2d",
     "last_error",
     "layout",
+    "hybrid_model",
     "list_segments",
     "live_handles",
     "metrics",

@@ -37,23 +37,57 @@ def preset(name: str, dtype: str = "bf16") -> Dict[str, Any]:
     return model(name, dtype=dtype, **PRESETS[name])
 
 
+def hybrid_model(name: str, groups: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """A hybrid model's KV cache groups (``tpu_sync::layout::HybridModel``'s JSON form): each
+    group a dict ``{"name", "layers": [cache layers], "kind": {"type": "attention" | "mla" |
+    "indexer" | "state", ...}}`` as docs/hybrid.md describes (values are checked by the native
+    library when used). Pass it to :func:`layout` instead of a :func:`model`."""
+    gs = ck.items("groups", groups)
+    for i, g in enumerate(gs):
+        if not isinstance(g, dict) or "layers" not in g or "kind" not in g:
+            raise ck.fail(f"groups[{i}] must be a dict with name, layers and kind, got {ck._short(g)}")
+    return dict(name=ck.text("name", name), groups=list(gs))
+
+
 def layout(model: Dict[str, Any], *, tp: int = 1, pcp: int = 1, dp: int = 1, block_size: int = 16,
-           order: str = "nhd", num_blocks: int) -> Dict[str, Any]:
+           order: str = "nhd", num_blocks: Any) -> Dict[str, Any]:
     """How one serving instance splits the KV cache: TP over KV heads, PCP over tokens (block
     chunks), DP replicas; ``num_blocks`` blocks of ``block_size`` tokens per rank; block order
-    ``nhd`` (token-major) or ``hnd`` (head-major)."""
+    ``nhd`` (token-major) or ``hnd`` (head-major).
+
+    With a :func:`hybrid_model` (KV cache groups) the result is the groups form
+    (``tpu_sync::layout::HybridLayout``): ``num_blocks`` is one count for every group, or a list
+    with one entry per group, each a count (blocks, or slots for a state group) or a dict of the
+    group's layout (``{"num_blocks": n, "block_size": ..., "order": ..., "slot_bytes": ...}``)."""
     if not isinstance(model, dict):
         raise ck.fail(f"model must be a dict (tpu_sync.model(...)), got {type(model).__name__}")
-    return dict(model=model, spec=dict(tp=ck.u32("tp", tp), pcp=ck.u32("pcp", pcp), dp=ck.u32("dp", dp),
-                                       block_size=ck.u32("block_size", block_size), order=ck.text("order", order)),
-                num_blocks=ck.u32("num_blocks", num_blocks))
+    spec = dict(tp=ck.u32("tp", tp), pcp=ck.u32("pcp", pcp), dp=ck.u32("dp", dp),
+                block_size=ck.u32("block_size", block_size), order=ck.text("order", order))
+    if "groups" in model:
+        n = len(model["groups"])
+        per = list(ck.items("num_blocks", num_blocks)) if isinstance(num_blocks, (list, tuple)) else [num_blocks] * n
+        if len(per) != n:
+            raise ck.fail(f"num_blocks lists {len(per)} groups, the model has {n}")
+        groups = [dict(g) if isinstance(g, dict) else dict(num_blocks=ck.u32(f"num_blocks[{i}]", g))
+                  for i, g in enumerate(per)]
+        return dict(model=model, spec=spec, groups=groups)
+    return dict(model=model, spec=spec, num_blocks=ck.u32("num_blocks", num_blocks))
 
 
 def placement(layout: Dict[str, Any], block_ids: Sequence[Sequence[int]], dp_rank: int = 0) -> Dict[str, Any]:
     """Where a request's blocks are: for each rank of DP replica ``dp_rank`` (index
-    ``pcp * tp + tp_rank``), the device block ids of its request blocks, in order."""
+    ``pcp * tp + tp_rank``), the device block ids of its request blocks, in order. For a layout
+    with KV cache groups, ``block_ids[group][rank]``: a sliding-window group lists only its
+    window's blocks, a state group one slot id (docs/hybrid.md); every buffer is then checked
+    against its own group's geometry."""
     if not isinstance(layout, dict):
         raise ck.fail(f"layout must be a dict (tpu_sync.layout(...)), got {type(layout).__name__}")
+    if "groups" in layout:
+        # Groups form: block_ids[group][rank] (one slot id per rank for a state group).
+        gids = [[[ck.u32(f"block_ids[{g}][{i}][{j}]", b) for j, b in enumerate(ck.items(f"block_ids[{g}][{i}]", r))]
+                 for i, r in enumerate(ck.items(f"block_ids[{g}]", per))]
+                for g, per in enumerate(ck.items("block_ids", block_ids))]
+        return dict(layout=layout, dp_rank=ck.u32("dp_rank", dp_rank), block_ids=gids)
     ids = [[ck.u32(f"block_ids[{i}][{j}]", b) for j, b in enumerate(ck.items(f"block_ids[{i}]", r))]
            for i, r in enumerate(ck.items("block_ids", block_ids))]
     return dict(layout=layout, dp_rank=ck.u32("dp_rank", dp_rank), block_ids=ids)

@@ -45,6 +45,7 @@ fn placement(spec: &str, tokens: u32, seed: u64) -> Placement {
         layout,
         dp_rank: 0,
         block_ids,
+        groups: None,
     }
 }
 

@@ -318,6 +318,7 @@ fn uniform_placement_is_one_group_with_the_same_plan() {
             layout: l,
             dp_rank,
             block_ids,
+            groups: None,
         }
     };
     let src = place(mk(2, 2, 1, 16, BlockOrder::Nhd), 0, 3);
@@ -625,7 +626,7 @@ proptest! {
             let ids = (0..l.spec.ranks_per_replica())
                 .map(|local| scattered(l.num_blocks, uniform_chunk(&l, tokens, local / l.spec.tp).len(), seed ^ local as u64))
                 .collect();
-            crate::plan::Placement { layout: l, dp_rank: dp, block_ids: ids }
+            crate::plan::Placement { layout: l, dp_rank: dp, block_ids: ids, groups: None }
         };
         let src = place(sl, seed as u32 % s.2, seed);
         let dst = place(dl, (seed >> 8) as u32 % d.2, !seed);

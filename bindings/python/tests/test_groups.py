@@ -1,0 +1,120 @@
+"""KV cache groups (hybrid models) through the Python API: ``tpu_sync.hybrid_model`` /
+``layout`` / ``placement`` build the groups form; a pull between two endpoints over loopback TCP
+is byte-exact (the plan's spans copied, every other byte unchanged) with buffers of different
+shapes per group; a buffer of another group's shape is refused with ``MismatchError``; a
+consumer whose groups differ (another sliding window) is refused by the producer at the
+handshake before any byte moves, and the producer still serves the right consumer. The real
+XLA CPU plugin."""
+
+import time
+
+import pytest
+
+import tpu_sync
+from tpu_sync import errors
+
+TOKENS = 40
+
+
+def model(window=8):
+    attn = dict(type="attention", num_kv_heads=2, head_dim=4, dtype="bf16")
+    return tpu_sync.hybrid_model("tiny", [
+        dict(name="sliding", layers=[0, 2], kind=dict(attn, sliding_window=window)),
+        dict(name="full", layers=[1], kind=attn),
+        dict(name="linear", layers=[3], kind=dict(type="state", components=[
+            dict(name="conv", dtype="bf16", rows=3, segments=[dict(heads=2, head_elems=4)]),
+            dict(name="ssm", dtype="f32", segments=[dict(heads=2, head_elems=16)])])),
+    ])
+
+
+def layout(window=8):
+    # Different block counts per group: 4 (sliding), 6 (full), 3 state slots.
+    return tpu_sync.layout(model(window), block_size=16, num_blocks=[4, 6, 3])
+
+
+# 40 tokens: the full group's 3 blocks; the 8-token window [33, 40) lies in block 2 only; one slot.
+SRC = tpu_sync.placement(layout(), [[[3]], [[4, 1, 5]], [[2]]])
+DST = tpu_sync.placement(layout(), [[[1]], [[2, 0, 3]], [[0]]])
+# Per cache layer: (dims, dtype, bytes). Attention NHD [planes, blocks, tokens, heads, head_dim];
+# the state slot mixes bf16 and f32 components, so it is u8 [slots, 3*2*4*2 + 2*16*4 bytes].
+SHAPES = {
+    0: ([2, 4, 16, 2, 4], "bf16", 2 * 4 * 16 * 2 * 4 * 2),
+    1: ([2, 6, 16, 2, 4], "bf16", 2 * 6 * 16 * 2 * 4 * 2),
+    2: ([2, 4, 16, 2, 4], "bf16", 2 * 4 * 16 * 2 * 4 * 2),
+    3: ([3, 176], "u8", 3 * 176),
+}
+# Bytes the destination needs: the sliding window's 7 tokens in 2 layers, 40 tokens of the full
+# layer (K and V, 2 heads of 4 bf16), one state slot.
+NEEDED = 2 * 7 * 2 * 2 * 4 * 2 + 40 * 2 * 2 * 4 * 2 + 176
+
+
+@pytest.fixture(scope="module")
+def client():
+    c = tpu_sync.Client(cpu_devices=1)
+    yield c
+    c.close()
+
+
+def buffers(client, data, seed, order=(0, 1, 2, 3)):
+    return [client.buffer_from_host(data(SHAPES[l][2], seed + l), shape=SHAPES[l][0], dtype=SHAPES[l][1])
+            for l in order]
+
+
+def expected_after_pull(src_bufs, dst_init):
+    src = [b.read() for b in src_bufs]
+    out = [bytearray(b) for b in dst_init]
+    moved = 0
+    with tpu_sync.Plan(SRC, DST, TOKENS) as plan:
+        for s in plan.spans():
+            for i in range(s.count):
+                a, b = s.src_offset + i * s.src_stride, s.dst_offset + i * s.dst_stride
+                out[s.dst_buffer][b:b + s.len] = src[s.src_buffer][a:a + s.len]
+                moved += s.len
+    assert moved == NEEDED
+    return [bytes(b) for b in out]
+
+
+def test_groups_form_of_layout_and_placement():
+    assert SRC["layout"]["groups"] == [dict(num_blocks=4), dict(num_blocks=6), dict(num_blocks=3)]
+    assert SRC["block_ids"][1] == [[4, 1, 5]]
+    with tpu_sync.Plan(SRC, DST, TOKENS) as plan:
+        assert plan.total_bytes == NEEDED
+    with pytest.raises(errors.InvalidArgumentError):
+        tpu_sync.layout(model(), num_blocks=[4, 6])  # one count per group
+    with pytest.raises(errors.TpuSyncError):
+        tpu_sync.Plan(SRC, tpu_sync.placement(layout(16), DST["block_ids"]), TOKENS)
+
+
+def test_grouped_pull_is_byte_exact_and_mismatched_groups_are_refused_at_the_handshake(client, data):
+    prod = tpu_sync.Endpoint(listen="127.0.0.1:0", timeout=10, staging_budget_bytes=1 << 30)
+    cons = tpu_sync.Endpoint(listen=None, timeout=10)
+    try:
+        src = buffers(client, data, 10)
+        # Another group's buffer for a layer (the full layer's buffer at the sliding layer 0).
+        with pytest.raises(errors.MismatchError) as e:
+            prod.register(31, SRC, TOKENS, {0: buffers(client, data, 10, order=(1, 0, 2, 3))})
+        assert "layer 0" in str(e.value) and "sliding" in str(e.value)
+        prod.register(31, SRC, TOKENS, {0: src})
+
+        # Another window on the consumer, which believes the producer has it too: its own plan
+        # passes, the producer refuses the pull before any byte moves.
+        bad_src = tpu_sync.placement(layout(16), SRC["block_ids"])
+        bad_dst = tpu_sync.placement(layout(16), DST["block_ids"])
+        dst = buffers(client, data, 20)
+        init = [b.read() for b in dst]
+        with pytest.raises(errors.MismatchError) as e:
+            cons.pull(31, prod.address, bad_src, bad_dst, TOKENS, {0: dst}).wait(timeout=30)
+        assert "sliding window" in str(e.value)
+        assert [b.read() for b in dst] == init
+        assert prod.registration_state(31) == "active"
+
+        stats = cons.pull(31, prod.address, SRC, DST, TOKENS, {0: dst}).wait(timeout=30)
+        assert stats["bytes"] == stats["device_bytes"] == NEEDED
+        assert [b.read() for b in dst] == expected_after_pull(src, init)
+        deadline = time.monotonic() + 10
+        while prod.registration_state(31) != "released" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert prod.registration_state(31) == "released"
+    finally:
+        cons.close()
+        prod.close()
