@@ -34,6 +34,7 @@ fn placement(l: &ParallelLayout, ids: &[u32]) -> Placement {
         layout: l.clone(),
         dp_rank: 0,
         block_ids: vec![ids.to_vec(); l.spec.tp as usize],
+        groups: None,
     }
 }
 

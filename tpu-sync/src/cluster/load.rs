@@ -186,6 +186,14 @@ pub fn load_to_device(
             ),
         });
     }
+    if req.dst.groups.is_some() {
+        return Err(Error::Unsupported {
+            plugin: "tpu-sync".into(),
+            what: "remote load into a placement with KV cache groups (hybrid models): only \
+                   uniform layouts"
+                .into(),
+        });
+    }
     let ranks = src.spec.ranks_per_replica() as usize;
     if req.sources.len() != ranks {
         return Err(Error::InvalidArgument(format!(
@@ -288,6 +296,7 @@ pub fn load_to_device(
         layout: vsrc,
         dp_rank: 0,
         block_ids: vec![(0..n_src as u32).collect(); ranks],
+        groups: None,
     };
     let n_dst = req.dst.layout.request_blocks(tokens)? as usize;
     let dplace = Placement {
@@ -299,6 +308,7 @@ pub fn load_to_device(
             .iter()
             .map(|ids| ids[..n_dst].to_vec())
             .collect(),
+        groups: None,
     };
     let plan = Plan::build(&vplace, &dplace, tokens)?;
     report.spans = plan.spans.len();
