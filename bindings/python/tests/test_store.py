@@ -1,6 +1,7 @@
 """The host KV tier through the Python API: round trips from host and device memory, keys,
 leases, checksums, a warm restart in a second process, segments. Real XLA CPU plugin."""
 
+import gc
 import mmap
 import os
 import subprocess
@@ -224,6 +225,7 @@ def test_no_handle_leak_over_10000_lease_cycles(data):
     with small_store() as s:
         keys = s.chain_keys(list(range(64)), 16)
         s.put(keys, [data(BLOCK, 95 + i) for i in range(4)])
+        gc.collect()  # handles of earlier tests' objects awaiting the cycle collector
         before = tpu_sync.live_handles()
         for _ in range(10_000):
             lease = s.pin(keys)

@@ -13,6 +13,7 @@ The names, labels and units are listed in ``docs/observability.md``.
 
 from __future__ import annotations
 
+from . import _check as ck
 from ._lib import check, ffi, lib
 
 #: ``Content-Type`` of :func:`metrics`' text.
@@ -51,11 +52,9 @@ def serve_metrics(addr: str = "127.0.0.1:0", rank: int = 0) -> str:
         InvalidArgumentError: a malformed address, or a port past 65535.
         IoError: the address cannot be bound (e.g. in use).
     """
-    if rank < 0:
-        raise ValueError("rank must be >= 0")
-    return _text(lib.tpu_sync_metrics_serve, addr.encode(), rank)
+    return _text(lib.tpu_sync_metrics_serve, ck.cstr("addr", addr), ck.u32("rank", rank))
 
 
 def set_metrics_enabled(on: bool) -> None:
     """Switches metrics recording on (default) or off for the whole process."""
-    check(lib.tpu_sync_metrics_set_enabled(1 if on else 0))
+    check(lib.tpu_sync_metrics_set_enabled(1 if ck.flag("on", on) else 0))

@@ -304,7 +304,11 @@ class Store(Handle):
         Raises:
             InvalidArgumentError: counts or lengths differ, empty hashes.
         """
-        keys = list(keys)
+        keys = ck.items("keys", keys)
+        hashes = ck.items("hashes", hashes)
+        for i, h in enumerate(hashes):
+            if not isinstance(h, (bytes, bytearray, memoryview)):
+                raise ck.fail(f"hash {i} must be bytes, got {type(h).__name__}")
         hashes = [bytes(h) for h in hashes]
         if len(hashes) != len(keys):
             raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT, f"{len(keys)} keys but {len(hashes)} hashes")
@@ -316,7 +320,8 @@ class Store(Handle):
         tpb = 0
         toks = ffi.NULL
         if token_ids is not None:
-            token_ids = [list(t) for t in token_ids]
+            token_ids = [[ck.u32(f"token_ids[{i}]", t) for t in ck.items(f"token_ids[{i}]", ts)]
+                         for i, ts in enumerate(ck.items("token_ids", token_ids))]
             if len(token_ids) != len(keys) or len({len(t) for t in token_ids}) != 1:
                 raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT,
                                                   "token_ids: one list per key, all of one length")

@@ -223,6 +223,10 @@ class TpuSyncKVManager(CommonKVManager):
         kw: Dict[str, Any] = dict(timeout=_env_float("TPU_SYNC_SGLANG_PD_TIMEOUT_S", 30.0),
                                   transport=os.environ.get("TPU_SYNC_SGLANG_PD_TRANSPORT", "tcp"),
                                   name=f"sglang-{disaggregation_mode.value}-{self.local_ip}-{self.rank_port}")
+        # A busy engine can starve the endpoint's threads for seconds; a dead peer closes its
+        # sockets and is seen at once, so the silence limit is generous (docs/sglang.md).
+        hb = _env_float("TPU_SYNC_SGLANG_PD_HEARTBEAT_TIMEOUT_S", 30.0)
+        kw.update(heartbeat_timeout=hb, heartbeat_interval=min(1.0, hb / 5))
         psk = os.environ.get("TPU_SYNC_SGLANG_PD_PSK_HEX")
         if psk:
             kw["psk"] = bytes.fromhex(psk)

@@ -174,7 +174,9 @@ class EndpointTransport:
         client = _client(caches)
         kw: Dict[str, Any] = dict(listen=cfg.listen, transport=cfg.transport, timeout=cfg.pull_timeout_s,
                                   client=client, lease_s=cfg.lease_s, staging_budget_bytes=cfg.staging_budget_bytes,
-                                  staging_wait=cfg.staging_wait_s)
+                                  staging_wait=cfg.staging_wait_s,
+                                  heartbeat_timeout=cfg.heartbeat_timeout_s,
+                                  heartbeat_interval=min(1.0, cfg.heartbeat_timeout_s / 5))
         if cfg.tls:
             kw["tls"] = cfg.tls
         if cfg.psk:

@@ -31,6 +31,13 @@ P/D (prefill/decode disaggregation; on by default for ``kv_producer`` and ``kv_c
     Consumer: a pull that has not completed after this many seconds fails the request
     (``kv_load_failure_policy`` then decides: ``"fail"`` ends it with an error, ``"recompute"``
     prefills it locally). Default 30.
+``heartbeat_timeout_s`` (float)
+    A peer whose control lane stays silent this long is declared dead and its transfers fail.
+    Default 30 (the library's own default is 5): an engine's forward pass can keep every core
+    busy (vLLM's CPU backend binds OpenMP threads to all of them) and starve the endpoint's
+    threads for seconds, which must not end transfers; a peer process that exits or is killed
+    closes its sockets and is detected at once regardless. Heartbeats go out every
+    ``min(1, heartbeat_timeout_s / 5)`` seconds.
 ``pd_transport`` (str, ``"module:callable"``)
     Replaces the tpu_sync endpoint (extension point; see :mod:`tpu_sync.vllm.backends`).
 ``staging_budget_bytes`` (int)
@@ -106,6 +113,8 @@ DEFAULT_HOST_CAPACITY = 1 << 30
 DEFAULT_LEASE_S = 120.0
 #: Default seconds a consumer waits for a pull.
 DEFAULT_PULL_TIMEOUT_S = 30.0
+#: Engines' peer silence limit (see ``heartbeat_timeout_s`` above).
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
@@ -119,6 +128,7 @@ _KEYS = {
     "lease_s": (int, float),
     "decode_tp_size": int,
     "pull_timeout_s": (int, float),
+    "heartbeat_timeout_s": (int, float),
     "pd_transport": str,
     "staging_budget_bytes": int,
     "staging_wait_s": (int, float),
@@ -156,6 +166,7 @@ class ConnectorConfig:
     lease_s: float = DEFAULT_LEASE_S
     decode_tp_size: int = 1
     pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     pd_transport: Optional[str] = None
     staging_budget_bytes: Optional[int] = None
     staging_wait_s: Optional[float] = None
@@ -223,6 +234,7 @@ class ConnectorConfig:
             lease_s=float(extra.get("lease_s", DEFAULT_LEASE_S)),
             decode_tp_size=int(extra.get("decode_tp_size", 1)),
             pull_timeout_s=float(extra.get("pull_timeout_s", DEFAULT_PULL_TIMEOUT_S)),
+            heartbeat_timeout_s=float(extra.get("heartbeat_timeout_s", DEFAULT_HEARTBEAT_TIMEOUT_S)),
             pd_transport=extra.get("pd_transport"),
             staging_budget_bytes=extra.get("staging_budget_bytes"),
             staging_wait_s=(float(extra["staging_wait_s"]) if "staging_wait_s" in extra else None),
@@ -238,8 +250,8 @@ class ConnectorConfig:
             layerwise=extra.get("layerwise", False),
             extra=extra,
         )
-        if cfg.lease_s <= 0 or cfg.pull_timeout_s <= 0:
-            raise ConfigError("lease_s and pull_timeout_s must be > 0")
+        if cfg.lease_s <= 0 or cfg.pull_timeout_s <= 0 or not cfg.heartbeat_timeout_s > 0:
+            raise ConfigError("lease_s, pull_timeout_s and heartbeat_timeout_s must be > 0")
         if cfg.decode_tp_size < 1:
             raise ConfigError("decode_tp_size must be >= 1")
         if cfg.staging_budget_bytes is not None and not 0 < cfg.staging_budget_bytes < 2**64:
