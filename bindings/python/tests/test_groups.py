@@ -96,10 +96,11 @@ def test_grouped_pull_is_byte_exact_and_mismatched_groups_are_refused_at_the_han
         assert "layer 0" in str(e.value) and "sliding" in str(e.value)
         prod.register(31, SRC, TOKENS, {0: src})
 
-        # Another window on the consumer, which believes the producer has it too: its own plan
-        # passes, the producer refuses the pull before any byte moves.
-        bad_src = tpu_sync.placement(layout(16), SRC["block_ids"])
-        bad_dst = tpu_sync.placement(layout(16), DST["block_ids"])
+        # Another window on the consumer (4 tokens: still inside block 2), which believes the
+        # producer has it too: its own plan passes, the producer refuses the pull before any
+        # byte moves.
+        bad_src = tpu_sync.placement(layout(4), SRC["block_ids"])
+        bad_dst = tpu_sync.placement(layout(4), DST["block_ids"])
         dst = buffers(client, data, 20)
         init = [b.read() for b in dst]
         with pytest.raises(errors.MismatchError) as e:
