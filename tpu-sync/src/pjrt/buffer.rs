@@ -596,24 +596,63 @@ impl DeviceBuffer {
 
     /// Takes an external reference (`PJRT_Buffer_IncreaseExternalReferenceCount`), released when
     /// the guard drops. While held, the runtime does not free or move the device memory.
+    ///
+    /// Thread-safe: any number of threads may take and drop references on one buffer (or on
+    /// several [`DeviceBuffer`]s adopting the same `PJRT_Buffer*`) at once. The plugins' C API
+    /// wrapper keeps a buffer's external references in an unsynchronised list, so this crate
+    /// serialises its calls per handle and counts its own references: the plugin sees one
+    /// reference while this process holds any (see [`ExternalRef`]).
     pub fn external_ref(&self) -> Result<ExternalRef> {
-        let mut a = sys::PJRT_Buffer_IncreaseExternalReferenceCount_Args::new();
-        a.buffer = self.inner.raw;
-        // SAFETY: live handle.
-        unsafe {
-            pjrt_call!(
-                self.plugin(),
-                PJRT_Buffer_IncreaseExternalReferenceCount,
-                &mut a
-            )
-        }?;
+        let key = self.inner.raw as usize;
+        let mut held = xrefs();
+        let count = held.entry(key).or_insert(0);
+        if *count == 0 {
+            let mut a = sys::PJRT_Buffer_IncreaseExternalReferenceCount_Args::new();
+            a.buffer = self.inner.raw;
+            // SAFETY: live handle (`self.inner` owns or borrows it); calls on this handle are
+            // serialised by the registry lock held here.
+            let r = unsafe {
+                pjrt_call!(
+                    self.plugin(),
+                    PJRT_Buffer_IncreaseExternalReferenceCount,
+                    &mut a
+                )
+            };
+            if let Err(e) = r {
+                held.remove(&key);
+                return Err(e);
+            }
+        }
+        *count += 1;
         Ok(ExternalRef {
             buffer: self.inner.clone(),
         })
     }
 }
 
-/// An external reference on a device buffer; decremented on drop. Keeps the buffer handle alive.
+/// This process's external references per `PJRT_Buffer*` (its address), taken through
+/// [`DeviceBuffer::external_ref`].
+///
+/// Why: the C API wrapper of the XLA plugins (`pjrt_c_api_wrapper_impl.cc`) keeps a buffer's
+/// external references in a plain `std::vector` that `IncreaseExternalReferenceCount` pushes to
+/// and `DecreaseExternalReferenceCount` pops from, with no lock. Two threads doing so on one
+/// buffer at once can lose a reference, and destroying the buffer then aborts the process
+/// (`Check failed: holds_[i] == 0 ... Non-zero type 1 hold on destruction`): seen when a vLLM
+/// worker saved one request's blocks while loading another's from the same layer buffer. The
+/// lock is held only around the plugin call of the first take and the last release; the count
+/// makes every other take and release a map update.
+fn xrefs() -> std::sync::MutexGuard<'static, std::collections::HashMap<usize, usize>> {
+    static XREFS: std::sync::LazyLock<Mutex<std::collections::HashMap<usize, usize>>> =
+        std::sync::LazyLock::new(Default::default);
+    // A panic cannot leave the map inconsistent (every update is a single insert or remove).
+    XREFS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// An external reference on a device buffer; released on drop. Keeps the buffer handle alive.
+///
+/// References taken by this crate on one `PJRT_Buffer*` are counted together: the plugin's
+/// count is raised on the first and lowered when the last is dropped, so another holder of the
+/// handle (a framework) sees at most one reference from this process. `Send + Sync`.
 pub struct ExternalRef {
     buffer: Arc<BufferInner>,
 }
@@ -638,9 +677,22 @@ impl ExternalRef {
 
 impl Drop for ExternalRef {
     fn drop(&mut self) {
+        let key = self.buffer.raw as usize;
+        let mut held = xrefs();
+        let Some(count) = held.get_mut(&key) else {
+            log::warn!("external reference on {key:#x} released twice");
+            return;
+        };
+        *count -= 1;
+        if *count > 0 {
+            return;
+        }
+        held.remove(&key);
         let mut a = sys::PJRT_Buffer_DecreaseExternalReferenceCount_Args::new();
         a.buffer = self.buffer.raw;
-        // SAFETY: balances the increase made when this guard was created.
+        // SAFETY: balances the increase made by the first of this process's references on the
+        // handle, which is still alive (this guard holds its `BufferInner`); serialised by the
+        // registry lock held here.
         if let Err(e) = unsafe {
             pjrt_call!(
                 &self.buffer.client.plugin,

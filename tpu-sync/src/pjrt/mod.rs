@@ -38,6 +38,7 @@
 //! | awaiting a zero-copy `done_with_host_buffer` before destroy (HANG) | zero-copy `BufferFromHostBuffer` is not exposed; views have no such event |
 //! | `DecreaseExternalReferenceCount` without an increase | only through the RAII [`ExternalRef`] |
 //! | `Buffer_Destroy` while an external reference is held (frees the memory anyway) | an [`ExternalRef`] keeps the buffer handle alive; owned buffers are destroyed only after the last one |
+//! | `Increase`/`DecreaseExternalReferenceCount` on one buffer from two threads at once (the wrapper's list of references is unsynchronised; a lost reference ABORTs at `Buffer_Destroy`: "Non-zero type 1 hold on destruction") | calls are serialised per `PJRT_Buffer*` and counted ([`DeviceBuffer::external_ref`]) |
 //! | a device, memory or buffer of another client | checked against the client's addressable devices and memories |
 //! | an extension function past the extension's `struct_size` | refused ([`ext`]) |
 //! | a host-address write into memory that is not host memory | host-addressable H2D requires `PJRT_Buffer_IsOnCpu` per buffer |
