@@ -6,6 +6,9 @@
 //! * a producer offers a grouped placement (TP=2, 16-token NHD blocks); a consumer pulls it into
 //!   TP=1 x PCP=2 with 8-token HND blocks: every byte of every consumer buffer checked (the
 //!   request element by element, everything else unchanged), moved = needed per group;
+//! * the same request pushed (producer -> consumer expecting the push): byte-exact, moved =
+//!   needed per group; a consumer expecting other groups (another window) refuses the push with
+//!   `Mismatch` before any byte is written;
 //! * a buffer of another group's shape is refused per group, before anything is staged;
 //! * a consumer whose groups differ (a group missing, another window, another state shape) and
 //!   which believes the producer's differ the same way (so its own plan passes) is refused by
@@ -24,7 +27,9 @@ use tpu_sync::net::{EndpointOptions, PeerMap};
 use tpu_sync::pattern::GroupedContents;
 use tpu_sync::pjrt::{Capabilities, Client, DeviceBuffer};
 use tpu_sync::plan::{HybridPlacement, Placement, Plan};
-use tpu_sync::transfer::{KvBuffers, Offer, OfferState, Pipeline, PullInto, TransferOptions};
+use tpu_sync::transfer::{
+    ExpectPush, KvBuffers, Offer, OfferState, Pipeline, PullInto, PushFrom, TransferOptions,
+};
 use tpu_sync::{ErrorKind, Result};
 
 const SRC_SALT: u64 = 0x5352_4300;
@@ -324,19 +329,7 @@ fn grouped_pull_is_byte_exact_and_mismatched_groups_are_refused_at_the_handshake
         assert!(needed.iter().all(|&n| n > 0), "{needed:?}");
         assert_eq!(rep.net_bytes, needed.iter().sum::<u64>());
         assert_eq!(rep.device_bytes, rep.net_bytes);
-        let mut checked = 0;
-        for r in 0..2u32 {
-            let g = GroupedContents::new(&dst, r, TOKENS, DST_SALT).unwrap();
-            for (l, data) in host(&dst_bufs[r as usize]).iter().enumerate() {
-                let c = g.verify_layer(l as u32, data).unwrap();
-                assert_eq!(
-                    c.mismatches, 0,
-                    "rank {r} layer {l}: {:?}",
-                    c.first_mismatch
-                );
-                checked += c.request_bytes;
-            }
-        }
+        let checked = verify(&dst, &dst_bufs);
         assert_eq!(checked, rep.net_bytes);
         assert_eq!(
             offered.wait(Duration::from_secs(10)).await.unwrap(),
@@ -372,4 +365,130 @@ fn grouped_placements_keep_their_form_on_the_wire() {
         ..p.clone()
     };
     assert!(!serde_json::to_string(&u).unwrap().contains("groups"));
+}
+
+/// Checks every consumer buffer: the request's bytes element by element, everything else
+/// unchanged; returns the request bytes checked.
+fn verify(dst: &HybridPlacement, dst_bufs: &[Vec<DeviceBuffer>]) -> u64 {
+    let mut checked = 0;
+    for (r, bufs) in dst_bufs.iter().enumerate() {
+        let g = GroupedContents::new(dst, r as u32, TOKENS, DST_SALT).unwrap();
+        for (l, data) in host(bufs).iter().enumerate() {
+            let c = g.verify_layer(l as u32, data).unwrap();
+            assert_eq!(
+                c.mismatches, 0,
+                "rank {r} layer {l}: {:?}",
+                c.first_mismatch
+            );
+            checked += c.request_bytes;
+        }
+    }
+    checked
+}
+
+#[test]
+fn grouped_push_is_byte_exact_and_a_consumer_of_other_groups_refuses_it() {
+    let src = placement(&model(), "tp=2,block=16", 0x31);
+    let dst = placement(&model(), "tp=1,pcp=2,block=8,order=hnd", 0x42);
+    let prod = common::client(2);
+    let pcaps = Capabilities::probe(&prod).unwrap();
+    let cons = common::client(2);
+    let ccaps = Capabilities::probe(&cons).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let p = pipeline("groups-push-prod", false).await.unwrap();
+        let c = pipeline("groups-push-cons", true).await.unwrap();
+        let addr = c.endpoint().local_addr().unwrap().to_string();
+        let src_bufs: Vec<Vec<DeviceBuffer>> =
+            (0..2).map(|r| buffers(&prod, &src, r, SRC_SALT)).collect();
+        let src_p = Placement::from_groups(src.clone()).unwrap();
+        let dst_p = Placement::from_groups(dst.clone()).unwrap();
+        let src_kv = || {
+            kv(
+                &pcaps,
+                (0..2).map(|r| (r, src_bufs[r as usize].clone())).collect(),
+            )
+        };
+
+        // A consumer that expects another sliding window (and believes the producer has it
+        // too, so its own plan passes) refuses the producer's push: nothing is written.
+        let m = mutated("window");
+        let bad_dst = placement(&m, "tp=1,pcp=2,block=8,order=hnd", 0x42);
+        let bad_bufs: Vec<Vec<DeviceBuffer>> =
+            (0..2).map(|r| background(&cons, &bad_dst, r)).collect();
+        let before: Vec<_> = bad_bufs.iter().map(|b| host(b)).collect();
+        let expect = c
+            .expect_push(ExpectPush {
+                request_id: 21,
+                num_tokens: TOKENS,
+                src: Placement::from_groups(placement(&m, "tp=2,block=16", 0x31)).unwrap(),
+                dst: Placement::from_groups(bad_dst.clone()).unwrap(),
+                kv: kv(
+                    &ccaps,
+                    (0..2).map(|r| (r, bad_bufs[r as usize].clone())).collect(),
+                ),
+            })
+            .unwrap();
+        let e = p
+            .push(PushFrom {
+                request_id: 21,
+                num_tokens: TOKENS,
+                src: src_p.clone(),
+                kv: src_kv(),
+                dst: dst_p.clone(),
+                targets: PeerMap::single(addr.clone()),
+            })
+            .unwrap()
+            .wait()
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+        for (b, want) in bad_bufs.iter().zip(before) {
+            assert_eq!(host(b), want, "nothing written");
+        }
+        expect.cancel();
+        assert!(
+            expect.wait().await.is_err(),
+            "the refused expectation does not succeed"
+        );
+
+        // The right consumer: byte-exact, moved = needed per group.
+        let dst_bufs: Vec<Vec<DeviceBuffer>> = (0..2).map(|r| background(&cons, &dst, r)).collect();
+        let expect = c
+            .expect_push(ExpectPush {
+                request_id: 22,
+                num_tokens: TOKENS,
+                src: src_p.clone(),
+                dst: dst_p.clone(),
+                kv: kv(
+                    &ccaps,
+                    (0..2).map(|r| (r, dst_bufs[r as usize].clone())).collect(),
+                ),
+            })
+            .unwrap();
+        let sent = p
+            .push(PushFrom {
+                request_id: 22,
+                num_tokens: TOKENS,
+                src: src_p.clone(),
+                kv: src_kv(),
+                dst: dst_p.clone(),
+                targets: PeerMap::single(addr.clone()),
+            })
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+        let got = expect.wait().await.unwrap();
+        let needed: u64 = dst.needed_bytes(TOKENS).unwrap().iter().sum();
+        assert_eq!(sent.net_bytes, needed);
+        assert_eq!(got.device_bytes, needed);
+        assert_eq!(verify(&dst, &dst_bufs), needed);
+        p.shutdown(None).await;
+        c.shutdown(None).await;
+    });
 }

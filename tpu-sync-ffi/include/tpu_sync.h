@@ -926,6 +926,44 @@ enum tpu_sync_status tpu_sync_plan_new(const char *src_placement_json,
                                        struct tpu_sync_plan **plan_out);
 
 /**
+ * Writes the KV geometry of a published model into `buf` as NUL-terminated JSON, the form that
+ * every layout and placement JSON accepts as its `"model"`: for a uniform preset
+ * (`llama-3.1-8b`, `qwen3-32b`, `llama-3.1-70b`, `deepseek-v3`) the `tpu_sync::layout::ModelKv`
+ * form `{"name", "num_layers", "num_kv_heads", "head_dim", "kv_planes", "dtype"}`; for a hybrid
+ * preset (`qwen3-next-80b`, `qwen3.5-9b`, `gpt-oss-120b`, `gemma-3-27b`, `deepseek-v3.2`) the
+ * KV cache groups form `{"name", "groups": [...]}` of `tpu_sync::layout::HybridModel`
+ * (docs/hybrid.md). The numbers and the configs they come from are documented on
+ * `HybridModel::preset` and `ModelKv::preset`. `tpu_sync_model_presets` lists the names.
+ * `buf`/`buf_len`/`len_out` as for `tpu_sync_client_info` (`TPU_SYNC_BUFFER_TOO_SMALL` with the
+ * needed length, without the NUL, in `len_out`).
+ *
+ * Errors: `TPU_SYNC_LAYOUT` for an unknown name (the message lists the known ones),
+ * `TPU_SYNC_NULL_POINTER` for a NULL `name`, `TPU_SYNC_INVALID_ARGUMENT` for non-UTF-8.
+ *
+ * Thread-safety: any thread; a pure computation.
+ *
+ * # Safety
+ * `name` NUL-terminated; `buf` NULL or writable for `buf_len` bytes; `len_out` NULL or
+ * writable. The library keeps no pointer.
+ */
+enum tpu_sync_status tpu_sync_model_preset(const char *name,
+                                           char *buf,
+                                           size_t buf_len,
+                                           size_t *len_out);
+
+/**
+ * Writes the names `tpu_sync_model_preset` accepts into `buf` as a NUL-terminated JSON array of
+ * strings, uniform presets first, then hybrid ones. `buf`/`buf_len`/`len_out` as for
+ * `tpu_sync_model_preset`.
+ *
+ * Thread-safety: any thread.
+ *
+ * # Safety
+ * `buf` NULL or writable for `buf_len` bytes; `len_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_model_presets(char *buf, size_t buf_len, size_t *len_out);
+
+/**
  * Frees a plan handle.
  */
 enum tpu_sync_status tpu_sync_plan_free(struct tpu_sync_plan *plan);

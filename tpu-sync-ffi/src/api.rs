@@ -500,6 +500,72 @@ pub unsafe extern "C" fn tpu_sync_plan_new(
     })
 }
 
+/// Writes the KV geometry of a published model into `buf` as NUL-terminated JSON, the form that
+/// every layout and placement JSON accepts as its `"model"`: for a uniform preset
+/// (`llama-3.1-8b`, `qwen3-32b`, `llama-3.1-70b`, `deepseek-v3`) the `tpu_sync::layout::ModelKv`
+/// form `{"name", "num_layers", "num_kv_heads", "head_dim", "kv_planes", "dtype"}`; for a hybrid
+/// preset (`qwen3-next-80b`, `qwen3.5-9b`, `gpt-oss-120b`, `gemma-3-27b`, `deepseek-v3.2`) the
+/// KV cache groups form `{"name", "groups": [...]}` of `tpu_sync::layout::HybridModel`
+/// (docs/hybrid.md). The numbers and the configs they come from are documented on
+/// `HybridModel::preset` and `ModelKv::preset`. `tpu_sync_model_presets` lists the names.
+/// `buf`/`buf_len`/`len_out` as for `tpu_sync_client_info` (`TPU_SYNC_BUFFER_TOO_SMALL` with the
+/// needed length, without the NUL, in `len_out`).
+///
+/// Errors: `TPU_SYNC_LAYOUT` for an unknown name (the message lists the known ones),
+/// `TPU_SYNC_NULL_POINTER` for a NULL `name`, `TPU_SYNC_INVALID_ARGUMENT` for non-UTF-8.
+///
+/// Thread-safety: any thread; a pure computation.
+///
+/// # Safety
+/// `name` NUL-terminated; `buf` NULL or writable for `buf_len` bytes; `len_out` NULL or
+/// writable. The library keeps no pointer.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_model_preset(
+    name: *const c_char,
+    buf: *mut c_char,
+    buf_len: usize,
+    len_out: *mut usize,
+) -> tpu_sync_status {
+    boundary("tpu_sync_model_preset", || {
+        // SAFETY: forwarded caller contract.
+        let n = unsafe { str_arg(name, "name") }?;
+        let json = if tpu_sync::layout::PRESETS.contains(&n) {
+            serde_json::to_string(&tpu_sync::layout::ModelKv::preset(n)?)
+        } else {
+            serde_json::to_string(&tpu_sync::layout::HybridModel::preset(n)?)
+        }
+        .map_err(|e| invalid(format!("preset JSON: {e}")))?;
+        // SAFETY: forwarded caller contract.
+        unsafe { out_string(&json, buf, buf_len, len_out) }
+    })
+}
+
+/// Writes the names `tpu_sync_model_preset` accepts into `buf` as a NUL-terminated JSON array of
+/// strings, uniform presets first, then hybrid ones. `buf`/`buf_len`/`len_out` as for
+/// `tpu_sync_model_preset`.
+///
+/// Thread-safety: any thread.
+///
+/// # Safety
+/// `buf` NULL or writable for `buf_len` bytes; `len_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_model_presets(
+    buf: *mut c_char,
+    buf_len: usize,
+    len_out: *mut usize,
+) -> tpu_sync_status {
+    boundary("tpu_sync_model_presets", || {
+        let names: Vec<&str> = tpu_sync::layout::PRESETS
+            .iter()
+            .chain(tpu_sync::layout::HYBRID_PRESETS)
+            .copied()
+            .collect();
+        let json = serde_json::to_string(&names).map_err(|e| invalid(format!("{e}")))?;
+        // SAFETY: forwarded caller contract.
+        unsafe { out_string(&json, buf, buf_len, len_out) }
+    })
+}
+
 /// Frees a plan handle.
 #[no_mangle]
 pub extern "C" fn tpu_sync_plan_free(plan: *mut tpu_sync_plan) -> tpu_sync_status {

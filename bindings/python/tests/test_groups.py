@@ -119,3 +119,34 @@ def test_grouped_pull_is_byte_exact_and_mismatched_groups_are_refused_at_the_han
     finally:
         cons.close()
         prod.close()
+
+
+def test_presets_come_from_the_native_library_and_plan_their_own_bytes():
+    names = tpu_sync.PRESET_NAMES
+    assert set(tpu_sync.PRESETS) | set(tpu_sync.HYBRID_PRESETS) == set(names)
+    assert {"qwen3-next-80b", "qwen3.5-9b", "gpt-oss-120b", "gemma-3-27b", "deepseek-v3.2"} <= set(
+        tpu_sync.HYBRID_PRESETS)
+    # A uniform preset is a plain model dict, as before (dtype selectable).
+    m = tpu_sync.preset("llama-3.1-8b", dtype="f16")
+    assert (m["num_layers"], m["num_kv_heads"], m["head_dim"], m["dtype"]) == (32, 8, 128, "f16")
+    # gemma-3-27b: 62 layers, every 6th global (10), 52 sliding with a 1024-token window.
+    g = tpu_sync.preset("gemma-3-27b")
+    kinds = {grp["name"]: grp for grp in g["groups"]}
+    assert len(kinds["full_attention"]["layers"]) == 10
+    assert len(kinds["sliding_attention"]["layers"]) == 52
+    assert kinds["sliding_attention"]["kind"]["sliding_window"] == 1024
+    # gpt-oss-120b resharded TP=2 -> TP=1 at 256 tokens: the sliding layers move only the 127
+    # tokens of their 128-token window ([129, 256): blocks 8..15 of 16 tokens).
+    gpt = tpu_sync.preset("gpt-oss-120b")
+    src = tpu_sync.placement(tpu_sync.layout(gpt, tp=2, num_blocks=32),
+                             [[list(range(16))] * 2, [list(range(8, 16))] * 2])
+    dst = tpu_sync.placement(tpu_sync.layout(gpt, tp=1, block_size=32, num_blocks=32),
+                             [[list(range(31, 23, -1))], [[4, 9, 2, 7]]])
+    with tpu_sync.Plan(src, dst, 256) as p:
+        per_token = 2 * 8 * 64 * 2
+        assert p.total_bytes == 18 * 256 * per_token + 18 * 127 * per_token
+    for bad in ("no-such-model", 7):
+        with pytest.raises(errors.InvalidArgumentError):
+            tpu_sync.preset(bad)
+    with pytest.raises(errors.InvalidArgumentError, match="own dtype"):
+        tpu_sync.preset("qwen3.5-9b", dtype="bf16")

@@ -2,7 +2,9 @@
  * accepted by tpu_sync_plan_new, the plan moves exactly the bytes the destination needs per
  * group, and two sides whose groups differ (another sliding window, a group missing, another
  * state shape) are refused with TPU_SYNC_MISMATCH naming the difference; a malformed groups
- * form is TPU_SYNC_INVALID_ARGUMENT. No handle leaks. */
+ * form is TPU_SYNC_INVALID_ARGUMENT. The published presets come from tpu_sync_model_preset and
+ * plan their own bytes per group (gpt-oss-120b: the sliding layers move only their window). No
+ * handle leaks. */
 #include <stdio.h>
 #include <string.h>
 
@@ -87,6 +89,47 @@ int main(void) {
   snprintf(bad, sizeof bad, "%.*s\"extra\":1,%s", (int)(k - dst), dst, k);
   st = tpu_sync_plan_new(src, bad, 40, &plan);
   CHECK(st == TPU_SYNC_INVALID_ARGUMENT, "unknown key: %d %s", st, last_error());
+
+  /* Presets: the names, a hybrid preset's JSON dropped into a placement, an unknown name. */
+  char names[1024], gptoss[4096], pl[8192], pl2[8192];
+  size_t len = 0;
+  CHECK(tpu_sync_model_presets(names, sizeof names, &len) == TPU_SYNC_OK, "%s", last_error());
+  CHECK(strstr(names, "\"llama-3.1-8b\"") && strstr(names, "\"gemma-3-27b\"") &&
+            strstr(names, "\"qwen3-next-80b\"") && strstr(names, "\"deepseek-v3.2\""),
+        "preset names: %s", names);
+  st = tpu_sync_model_preset("gpt-oss-120b", NULL, 0, &len);
+  CHECK(st == TPU_SYNC_BUFFER_TOO_SMALL && len > 0, "size query: %d %zu", st, len);
+  CHECK(tpu_sync_model_preset("gpt-oss-120b", gptoss, sizeof gptoss, &len) == TPU_SYNC_OK, "%s",
+        last_error());
+  CHECK(strlen(gptoss) == len && strstr(gptoss, "\"sliding_window\":128"), "%s", gptoss);
+  /* 256 tokens, TP=1, 16-token blocks: 16 blocks of the full layers; the 127 tokens of the
+   * 128-token window, [129, 256), lie in blocks 8..15. */
+  const char *ids_a = "[[[0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15]],[[20,21,22,23,24,25,26,27]]]";
+  const char *ids_b = "[[[31,30,29,28,27,26,25,24,23,22,21,20,19,18,17,16]],[[0,2,4,6,8,10,12,14]]]";
+  const char *fmt = "{\"layout\":{\"model\":%s,\"spec\":{\"tp\":1,\"pcp\":1,\"dp\":1,"
+                    "\"block_size\":16,\"order\":\"nhd\"},\"groups\":[{\"num_blocks\":32},"
+                    "{\"num_blocks\":32}]},\"dp_rank\":0,\"block_ids\":%s}";
+  snprintf(pl, sizeof pl, fmt, gptoss, ids_a);
+  snprintf(pl2, sizeof pl2, fmt, gptoss, ids_b);
+  plan = NULL;
+  st = tpu_sync_plan_new(pl, pl2, 256, &plan);
+  CHECK(st == TPU_SYNC_OK, "gpt-oss plan: %d %s", st, last_error());
+  bytes = 0;
+  CHECK(tpu_sync_plan_summary(plan, &bytes, NULL) == TPU_SYNC_OK, "%s", last_error());
+  /* 18 full layers x 256 tokens + 18 sliding layers x 127 tokens, each token 2 planes x 8 heads
+   * x 64 x 2 bytes (bf16). */
+  const uint64_t per_token = 2 * 8 * 64 * 2;
+  CHECK(bytes == 18 * 256 * per_token + 18 * 127 * per_token, "gpt-oss moved %llu",
+        (unsigned long long)bytes);
+  CHECK(tpu_sync_plan_free(plan) == TPU_SYNC_OK, "%s", last_error());
+  char uni[512];
+  CHECK(tpu_sync_model_preset("llama-3.1-8b", uni, sizeof uni, &len) == TPU_SYNC_OK, "%s",
+        last_error());
+  CHECK(strstr(uni, "\"num_layers\":32") && !strstr(uni, "groups"), "%s", uni);
+  st = tpu_sync_model_preset("no-such-model", uni, sizeof uni, &len);
+  CHECK(st == TPU_SYNC_LAYOUT && strstr(last_error(), "gemma-3-27b"), "unknown: %d %s", st,
+        last_error());
+  CHECK(tpu_sync_model_preset(NULL, uni, sizeof uni, &len) == TPU_SYNC_NULL_POINTER, "NULL");
 
   CHECK(live_handles(TPU_SYNC_HANDLE_ALL) == 0, "handles leaked");
   if (failures == 0) printf("test_groups: ok\n");

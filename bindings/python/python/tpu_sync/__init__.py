@@ -21,13 +21,17 @@ from .endpoint import Endpoint, Transfer
 from .device import Copy, d2h, h2d, pacing, pause_pacing, resume_pacing, set_pacing
 from .errors import TpuSyncError
 from .observability import metrics, serve_metrics, set_metrics_enabled
-from .plan import Plan, Span, hybrid_model, layout, model, placement, preset
+from .plan import (HYBRID_PRESETS, PRESET_NAMES, PRESETS, Plan, Span, hybrid_model, layout, model,
+                   placement, preset)
 from .store import GetResult, Lease, PutResult, Store, list_segments, remove_segment
 
 __all__ = [
     "ABI_VERSION",
     "__version__",
     "Buffer",
+    "HYBRID_PRESETS",
+    "PRESET_NAMES",
+    "PRESETS",
     "Client",
     "Copy",
     "Endpoint",

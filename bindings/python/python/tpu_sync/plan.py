@@ -4,19 +4,30 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import _check as ck
-from ._lib import Handle, check
+from ._lib import Handle, check, json_out
 from ._native import ffi, lib
 
-#: KV geometry of published models (same numbers as ``tpu_sync::layout::ModelKv::preset``).
+
+def _native_preset(name: str) -> Dict[str, Any]:
+    return json_out(lib.tpu_sync_model_preset, name.encode())
+
+
+#: Names :func:`preset` accepts, from the native library (``tpu_sync_model_presets``): the
+#: uniform presets, then the hybrid ones (KV cache groups).
+PRESET_NAMES: Tuple[str, ...] = tuple(json_out(lib.tpu_sync_model_presets))
+
+#: KV geometry of the uniform published models, from the native library
+#: (``tpu_sync::layout::ModelKv::preset``), without name and dtype.
 PRESETS: Dict[str, Dict[str, Any]] = {
-    "llama-3.1-8b": dict(num_layers=32, num_kv_heads=8, head_dim=128, kv_planes=2),
-    "qwen3-32b": dict(num_layers=64, num_kv_heads=8, head_dim=128, kv_planes=2),
-    "llama-3.1-70b": dict(num_layers=80, num_kv_heads=8, head_dim=128, kv_planes=2),
-    "deepseek-v3": dict(num_layers=61, num_kv_heads=1, head_dim=576, kv_planes=1),
+    n: {k: v for k, v in m.items() if k not in ("name", "dtype")}
+    for n, m in ((n, _native_preset(n)) for n in PRESET_NAMES) if "groups" not in m
 }
+
+#: Names of the hybrid presets (``tpu_sync::layout::HybridModel::preset``; docs/hybrid.md).
+HYBRID_PRESETS: Tuple[str, ...] = tuple(n for n in PRESET_NAMES if n not in PRESETS)
 
 
 def model(name: str = "custom", *, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -28,13 +39,23 @@ def model(name: str = "custom", *, num_layers: int, num_kv_heads: int, head_dim:
                 kv_planes=ck.u32("kv_planes", kv_planes), dtype=ck.text("dtype", dtype))
 
 
-def preset(name: str, dtype: str = "bf16") -> Dict[str, Any]:
-    """A preset model geometry (see :data:`PRESETS`).
+def preset(name: str, dtype: Optional[str] = None) -> Dict[str, Any]:
+    """A published model's KV geometry, from the native library (``tpu_sync_model_preset``; the
+    numbers and the configs they come from are documented there). A uniform preset
+    (:data:`PRESETS`) is a :func:`model` dict, in ``dtype`` (default bf16); a hybrid preset
+    (:data:`HYBRID_PRESETS`: qwen3-next-80b, qwen3.5-9b, gpt-oss-120b, gemma-3-27b, deepseek-v3.2)
+    is a :func:`hybrid_model` dict with each group's own dtype, so ``dtype`` must be left out.
+    Either goes to :func:`layout`.
 
-    Raises: InvalidArgumentError for an unknown name."""
-    if not isinstance(name, str) or name not in PRESETS:
-        raise ck.fail(f"unknown preset {ck._short(name)} (known: {', '.join(PRESETS)})")
-    return model(name, dtype=dtype, **PRESETS[name])
+    Raises: InvalidArgumentError for an unknown name or a dtype given for a hybrid preset."""
+    if not isinstance(name, str) or name not in PRESET_NAMES:
+        raise ck.fail(f"unknown preset {ck._short(name)} (known: {', '.join(PRESET_NAMES)})")
+    if name in PRESETS:
+        return model(name, dtype="bf16" if dtype is None else dtype, **PRESETS[name])
+    if dtype is not None:
+        raise ck.fail(f"preset {name} is hybrid: each KV cache group has its own dtype, so dtype "
+                      f"cannot be given (got {ck._short(dtype)})")
+    return _native_preset(name)
 
 
 def hybrid_model(name: str, groups: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
