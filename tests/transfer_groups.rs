@@ -193,19 +193,43 @@ fn mutated(how: &str) -> HybridModel {
     m
 }
 
+/// The two sides of a test: a producer and a consumer client with two devices each, their
+/// capabilities, and a runtime.
+struct Sides {
+    prod: Client,
+    pcaps: Capabilities,
+    cons: Client,
+    ccaps: Capabilities,
+    rt: tokio::runtime::Runtime,
+}
+
+fn sides() -> Sides {
+    let prod = common::client(2);
+    let cons = common::client(2);
+    Sides {
+        pcaps: Capabilities::probe(&prod).unwrap(),
+        ccaps: Capabilities::probe(&cons).unwrap(),
+        prod,
+        cons,
+        rt: tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap(),
+    }
+}
+
 #[test]
 fn grouped_pull_is_byte_exact_and_mismatched_groups_are_refused_at_the_handshake() {
     let src = placement(&model(), "tp=2,block=16", 0x11);
     let dst = placement(&model(), "tp=1,pcp=2,block=8,order=hnd", 0x22);
-    let prod = common::client(2);
-    let pcaps = Capabilities::probe(&prod).unwrap();
-    let cons = common::client(2);
-    let ccaps = Capabilities::probe(&cons).unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let Sides {
+        prod,
+        pcaps,
+        cons,
+        ccaps,
+        rt,
+    } = sides();
     rt.block_on(async {
         let p = pipeline("groups-prod", true).await.unwrap();
         let c = pipeline("groups-cons", false).await.unwrap();
@@ -390,15 +414,13 @@ fn verify(dst: &HybridPlacement, dst_bufs: &[Vec<DeviceBuffer>]) -> u64 {
 fn grouped_push_is_byte_exact_and_a_consumer_of_other_groups_refuses_it() {
     let src = placement(&model(), "tp=2,block=16", 0x31);
     let dst = placement(&model(), "tp=1,pcp=2,block=8,order=hnd", 0x42);
-    let prod = common::client(2);
-    let pcaps = Capabilities::probe(&prod).unwrap();
-    let cons = common::client(2);
-    let ccaps = Capabilities::probe(&cons).unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let Sides {
+        prod,
+        pcaps,
+        cons,
+        ccaps,
+        rt,
+    } = sides();
     rt.block_on(async {
         let p = pipeline("groups-push-prod", false).await.unwrap();
         let c = pipeline("groups-push-cons", true).await.unwrap();
