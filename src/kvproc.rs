@@ -617,6 +617,35 @@ pub fn decode(job: &JobArgs, connect: &str, tokens: Option<u32>) -> Result<ExitC
     r
 }
 
+/// Pulls the request from `sources` (where it lies as `src`) into the decode's buffers of the
+/// replica that `dst` names (`buffers[global rank][layer]`, every rank of the instance): the
+/// pipeline checks the buffers, plans, stages (budget, DMA map), pulls, writes H2D, releases.
+pub(crate) async fn pull_replica(
+    p: &Pipeline,
+    job: &JobArgs,
+    caps: &Capabilities,
+    (src, sources): (&Placement, &PeerMap),
+    dst: &Placement,
+    buffers: &[Vec<DeviceBuffer>],
+    num_tokens: u32,
+) -> Result<tpu_sync::transfer::Report> {
+    let replica: BTreeMap<u32, Vec<DeviceBuffer>> = (0..dst.layout.spec.ranks_per_replica())
+        .map(|l| dst.global_rank(l))
+        .map(|r| (r, buffers[r as usize].clone()))
+        .collect();
+    p.pull(PullInto {
+        request_id: job.request_id,
+        num_tokens,
+        src: src.clone(),
+        sources: sources.clone(),
+        dst: dst.clone(),
+        kv: KvBuffers::new(caps, replica)?,
+        wait_for_registration: None,
+    })?
+    .wait()
+    .await
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn decode_request(
     job: &JobArgs,
@@ -655,23 +684,7 @@ async fn decode_request(
     if let Some(l) = physical_layout(&buffers) {
         dst.layout = dst.layout.with_physical_layout(l);
     }
-    let replica: BTreeMap<u32, Vec<DeviceBuffer>> = (0..spec.ranks_per_replica())
-        .map(|l| dst.global_rank(l))
-        .map(|r| (r, buffers[r as usize].clone()))
-        .collect();
-    // Checks the buffers, plans, stages (budget, DMA map), pulls, writes H2D, releases.
-    let pulled = p
-        .pull(PullInto {
-            request_id: job.request_id,
-            num_tokens,
-            src: src.clone(),
-            sources: sources.clone(),
-            dst: dst.clone(),
-            kv: KvBuffers::new(&caps, replica)?,
-            wait_for_registration: None,
-        })?
-        .wait()
-        .await?;
+    let pulled = pull_replica(p, job, &caps, (&src, sources), &dst, &buffers, num_tokens).await?;
 
     let check = verify(&dst, num_tokens, &buffers)?;
 

@@ -20,7 +20,7 @@ use tpu_sync::net::PeerMap;
 use tpu_sync::pattern::{GroupedContents, LayerCheck};
 use tpu_sync::pjrt::{Client, DeviceBuffer};
 use tpu_sync::plan::{HybridPlacement, Placement, Plan};
-use tpu_sync::transfer::{KvBuffers, Pipeline, PullInto};
+use tpu_sync::transfer::{KvBuffers, Pipeline};
 use tpu_sync::{Error, Result};
 
 use crate::kvproc::{self, Report};
@@ -361,22 +361,8 @@ pub async fn decode_request(
     record_physical(&mut dst_h.layout, &buffers);
     let dst = Placement::from_groups(dst_h.clone())?;
     let plan = Plan::build(&src, &dst, num_tokens)?;
-    let replica: BTreeMap<u32, Vec<DeviceBuffer>> = (0..spec.ranks_per_replica())
-        .map(|l| dst.global_rank(l))
-        .map(|r| (r, buffers[r as usize].clone()))
-        .collect();
-    let pulled = p
-        .pull(PullInto {
-            request_id: job.request_id,
-            num_tokens,
-            src: src.clone(),
-            sources: sources.clone(),
-            dst: dst.clone(),
-            kv: KvBuffers::new(&caps, replica)?,
-            wait_for_registration: None,
-        })?
-        .wait()
-        .await?;
+    let pulled =
+        kvproc::pull_replica(p, job, &caps, (&src, sources), &dst, &buffers, num_tokens).await?;
 
     let per_group = verify(&dst_h, num_tokens, &buffers)?;
     let moved = plan.group_bytes(&dst_h.layout);

@@ -491,22 +491,57 @@ pub unsafe extern "C" fn tpu_sync_endpoint_register(
     expected_releases: u32,
 ) -> tpu_sync_status {
     boundary("tpu_sync_endpoint_register", || {
-        let e = get_ep(endpoint)?;
-        e.check_open()?;
-        net::check_request_id(request_id)?;
-        // SAFETY: caller contract.
-        let placement = unsafe { placement_arg(placement_json, "placement_json") }?;
-        // SAFETY: caller contract.
-        let kv = unsafe { kv_arg(ranks, num_ranks, buffers, num_layers) }?;
-        e.pipeline.offer(Offer {
-            request_id,
-            num_tokens,
-            placement,
-            kv,
-            expected_releases,
-        })?;
-        Ok(())
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            register(
+                endpoint,
+                request_id,
+                placement_json,
+                num_tokens,
+                (ranks, num_ranks),
+                (buffers, num_layers),
+                expected_releases,
+                None,
+            )
+        }
     })
+}
+
+/// The offer behind `tpu_sync_endpoint_register` (`layers_ready` None: every layer staged now)
+/// and `tpu_sync_endpoint_register_layers`.
+///
+/// # Safety
+/// As `tpu_sync_endpoint_register`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn register(
+    endpoint: *const tpu_sync_endpoint,
+    request_id: u64,
+    placement_json: *const c_char,
+    num_tokens: u32,
+    (ranks, num_ranks): (*const u32, usize),
+    (buffers, num_layers): (*const *const tpu_sync_buffer, usize),
+    expected_releases: u32,
+    layers_ready: Option<u32>,
+) -> FfiResult {
+    let e = get_ep(endpoint)?;
+    e.check_open()?;
+    net::check_request_id(request_id)?;
+    // SAFETY: caller contract.
+    let placement = unsafe { placement_arg(placement_json, "placement_json") }?;
+    // SAFETY: caller contract.
+    let kv = unsafe { kv_arg(ranks, num_ranks, buffers, num_layers) }?;
+    let offer = Offer {
+        request_id,
+        num_tokens,
+        placement,
+        kv,
+        expected_releases,
+    };
+    match layers_ready {
+        None => drop(e.pipeline.offer(offer)?),
+        Some(n) => drop(e.pipeline.offer_layers(offer, n)?),
+    }
+    Ok(())
 }
 
 /// `tpu_sync_endpoint_register` of a request whose later layers the model has not computed yet
@@ -536,24 +571,19 @@ pub unsafe extern "C" fn tpu_sync_endpoint_register_layers(
     layers_ready: u32,
 ) -> tpu_sync_status {
     boundary("tpu_sync_endpoint_register_layers", || {
-        let e = get_ep(endpoint)?;
-        e.check_open()?;
-        net::check_request_id(request_id)?;
-        // SAFETY: caller contract.
-        let placement = unsafe { placement_arg(placement_json, "placement_json") }?;
-        // SAFETY: caller contract.
-        let kv = unsafe { kv_arg(ranks, num_ranks, buffers, num_layers) }?;
-        e.pipeline.offer_layers(
-            Offer {
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            register(
+                endpoint,
                 request_id,
+                placement_json,
                 num_tokens,
-                placement,
-                kv,
+                (ranks, num_ranks),
+                (buffers, num_layers),
                 expected_releases,
-            },
-            layers_ready,
-        )?;
-        Ok(())
+                Some(layers_ready),
+            )
+        }
     })
 }
 

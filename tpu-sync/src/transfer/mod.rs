@@ -1297,6 +1297,50 @@ impl Pipeline {
     }
 }
 
+/// Fails with `Cancelled` when the caller cancelled the job before `what` (e.g. "layer 3 was")
+/// written to the device.
+fn check_cancelled(job: &Job, what: &str) -> Result<()> {
+    if job.cancelled.load(Ordering::SeqCst) {
+        return Err(Error::Cancelled(format!(
+            "request {} cancelled by the caller before {what} written to the device",
+            job.request_id
+        )));
+    }
+    Ok(())
+}
+
+/// Writes the staging of every rank in `kv` into its device buffers (H2D) on the blocking pool,
+/// under the caller's span (the request, so a trace names it): every layer, or only `layers`.
+/// Returns (bytes, copies, time).
+async fn write_to_device(
+    staging: Arc<Staging>,
+    kv: KvBuffers,
+    layers: Option<std::ops::Range<u32>>,
+) -> Result<(u64, u64, Duration)> {
+    let span = tracing::Span::current();
+    tokio::task::spawn_blocking(move || -> Result<(u64, u64, Duration)> {
+        let _span = span.entered();
+        let t = Instant::now();
+        let (mut bytes, mut ops) = (0, 0);
+        for r in staging.ranks().collect::<Vec<_>>() {
+            let Some(bufs) = kv.get(r) else { continue };
+            let s = match &layers {
+                None => staging
+                    .drain_to_device(kv.caps(), r, bufs)
+                    .map_err(|e| e.context(format!("H2D of rank {r}")))?,
+                Some(range) => staging
+                    .drain_layers_to_device(kv.caps(), r, bufs, range.clone())
+                    .map_err(|e| e.context(format!("H2D of layers {range:?} of rank {r}")))?,
+            };
+            bytes += s.bytes;
+            ops += s.ops;
+        }
+        Ok((bytes, ops, t.elapsed()))
+    })
+    .await
+    .map_err(|e| Error::Cancelled(format!("device copy task ended: {e}")))?
+}
+
 /// Waits for a receiving transfer, then writes its staging into the device buffers (H2D, on
 /// the blocking pool) unless it was cancelled first.
 async fn receive(
@@ -1309,35 +1353,9 @@ async fn receive(
 ) -> Result<Report> {
     let s = t.wait().await?;
     report.add_net(&s);
-    if job.cancelled.load(Ordering::SeqCst) {
-        return Err(Error::Cancelled(format!(
-            "request {} cancelled by the caller before its bytes were written to the device",
-            job.request_id
-        )));
-    }
-    // The H2D runs on a blocking thread: under the caller's span (the request), so a trace
-    // names its request.
-    let span = tracing::Span::current();
-    let dev = tokio::task::spawn_blocking(move || -> Result<(u64, u64, Duration)> {
-        let _span = span.entered();
-        let t = Instant::now();
-        let (mut bytes, mut ops) = (0, 0);
-        for r in staging.ranks().collect::<Vec<_>>() {
-            if let Some(bufs) = kv.get(r) {
-                let s = staging
-                    .drain_to_device(kv.caps(), r, bufs)
-                    .map_err(|e| e.context(format!("H2D of rank {r}")))?;
-                bytes += s.bytes;
-                ops += s.ops;
-            }
-        }
-        Ok((bytes, ops, t.elapsed()))
-    })
-    .await
-    .map_err(|e| Error::Cancelled(format!("device copy task ended: {e}")))??;
-    report.device_bytes = dev.0;
-    report.device_ops = dev.1;
-    report.device_time = dev.2;
+    check_cancelled(job, "its bytes were")?;
+    (report.device_bytes, report.device_ops, report.device_time) =
+        write_to_device(staging, kv, None).await?;
     report.elapsed = t0.elapsed();
     job.written.send_replace(job.num_layers);
     Ok(report)
@@ -1368,32 +1386,8 @@ async fn receive_layers(
             // Woken without progress (the transfer's plan arrived): wait again.
             continue;
         }
-        if job.cancelled.load(Ordering::SeqCst) {
-            return Err(Error::Cancelled(format!(
-                "request {} cancelled by the caller before layer {done} was written to the device",
-                job.request_id
-            )));
-        }
-        let (st, kv2) = (staging.clone(), kv.clone());
-        let range = done..avail;
-        let span = tracing::Span::current();
-        let dev = tokio::task::spawn_blocking(move || -> Result<(u64, u64, Duration)> {
-            let _span = span.entered();
-            let t = Instant::now();
-            let (mut bytes, mut ops) = (0, 0);
-            for r in st.ranks().collect::<Vec<_>>() {
-                if let Some(bufs) = kv2.get(r) {
-                    let s = st
-                        .drain_layers_to_device(kv2.caps(), r, bufs, range.clone())
-                        .map_err(|e| e.context(format!("H2D of layers {range:?} of rank {r}")))?;
-                    bytes += s.bytes;
-                    ops += s.ops;
-                }
-            }
-            Ok((bytes, ops, t.elapsed()))
-        })
-        .await
-        .map_err(|e| Error::Cancelled(format!("device copy task ended: {e}")))??;
+        check_cancelled(job, &format!("layer {done} was"))?;
+        let dev = write_to_device(staging.clone(), kv.clone(), Some(done..avail)).await?;
         bytes += dev.0;
         ops += dev.1;
         time += dev.2;
