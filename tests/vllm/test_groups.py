@@ -7,6 +7,7 @@ views of torch tensors shaped as vLLM's CPU backend allocates them): P/D between
 over loopback TCP and host-tier store then load, byte-exact per group with every other block
 unchanged."""
 
+import json
 import time
 
 import pytest
@@ -94,6 +95,7 @@ def test_groups_from_the_kv_cache_config(configs):
     assert "groups" in g.mismatch(uni.geometry.to_dict())
     assert "groups" in g.mismatch(connector(configs["kv_both"], kvc=kv_cache_config(window=64)).geometry.to_dict())
     assert g.mismatch(g.to_dict()) is None
+    assert g.mismatch(json.loads(json.dumps(g.to_dict()))) is None  # as a peer's params read back
 
 
 def test_kinds_the_connector_cannot_move_are_named(configs):

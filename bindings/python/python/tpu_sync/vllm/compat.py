@@ -197,7 +197,8 @@ class KvGeometry:
         heads, head_dim, dtype, block size, MLA, block format); TP may differ (resharded)."""
         keys = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "use_mla", "block_format", "groups")
         mine = self.to_dict()
-        diff = [f"{k}: local {mine[k]!r}, remote {other.get(k)!r}" for k in keys if other.get(k) != mine[k]]
+        diff = [f"{k}: local {mine[k]!r}, remote {other.get(k)!r}" for k in keys
+                if _plain(other.get(k)) != _plain(mine[k])]
         return "; ".join(diff) if diff else None
 
     def namespace(self, extra: str = "") -> str:
@@ -252,6 +253,16 @@ class KvGeometry:
             num_blocks=int(num_blocks),
             block_format=self.block_format,
         )
+
+
+def _plain(v: Any) -> Any:
+    """``v`` as it reads back from JSON (tuples are lists), for comparing a local value with a
+    peer's."""
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
 
 
 def placement(layout: Dict[str, Any], block_ids: Sequence[Any]) -> Dict[str, Any]:
