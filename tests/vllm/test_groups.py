@@ -316,3 +316,84 @@ def test_worker_host_tier_store_then_load_per_group(configs):
             assert torch.equal(kv[name], want[name]), name
     finally:
         w.shutdown()
+
+
+# ---- Mamba state groups: vLLM's CPU layout through the Python API ----------------------------
+
+
+def test_mamba_state_group_of_vllms_cpu_layout_moves_byte_exact():
+    """The groups vLLM's CPU backend makes for the tiny granite-4.0-h style hybrid
+    (``build_tiny_hybrid.py --kind granite``, measured: docs/vllm.md): a Mamba2 state group
+    (conv ``(3, 288)`` + SSM ``(4, 64, 16)`` f32 in 32 KiB padded pages) and a full-attention
+    group of block size 64. The connector refuses them (the reasons are in docs/vllm.md); the
+    library's state groups move them: a pull between two endpoints over loopback TCP moves the
+    request's state slot (its dense 19,840 bytes, not the padding) and its attention blocks,
+    byte-exact, every other byte unchanged."""
+    import tpu_sync
+    from tpu_sync.vllm.compat import mamba_state_group
+
+    spec = MambaSpec(block_size=1024, shapes=((3, 288), (4, 64, 16)), dtypes=(torch.float32, torch.float32),
+                     page_size_padded=32768)
+    kind, slot = mamba_state_group(spec)
+    assert slot == 32768
+    with pytest.raises(ValueError, match="TP-sharded"):
+        mamba_state_group(spec, tp=2)
+    dense = (3 * 288 + 4 * 64 * 16) * 4
+    model = tpu_sync.hybrid_model("granite-tiny", [
+        dict(name="mamba", layers=[0], kind=kind),
+        dict(name="full_attention", layers=[1], kind=dict(type="attention", num_kv_heads=2, head_dim=32, dtype="f32")),
+    ])
+    slots, nb, bs, n = 6, 8, 64, 100
+
+    def lay():
+        return tpu_sync.layout(model, block_size=bs, order="nhd", num_blocks=[
+            dict(num_blocks=slots, slot_bytes=slot),
+            dict(num_blocks=nb, order="lbhnc", block_format="vllm-cpu/vec/float32")])
+
+    src_p = tpu_sync.placement(lay(), [[[3]], [[1, 2]]])
+    dst_p = tpu_sync.placement(lay(), [[[5]], [[4, 6]]])
+    # Every component is f32, so the state buffer is f32 [slots, slot / 4] (a mix would be u8).
+    shapes = [([slots, slot // 4], "f32", slots * slot), ([nb, 2, bs, 64], "f32", nb * 2 * bs * 64 * 4)]
+    client = tpu_sync.Client(cpu_devices=1)
+    prod = tpu_sync.Endpoint(listen="127.0.0.1:0", timeout=10, staging_budget_bytes=1 << 30, client=client)
+    cons = tpu_sync.Endpoint(listen=None, timeout=10, client=client)
+    try:
+        def bufs(seed):
+            g = torch.Generator().manual_seed(seed)
+            out = []
+            for dims, dt, size in shapes:
+                raw = torch.randint(0, 256, (size,), generator=g, dtype=torch.uint8).numpy().tobytes()
+                out.append(client.buffer_from_host(raw, shape=dims, dtype=dt))
+            return out
+
+        src, dst = bufs(11), bufs(12)
+        src_b, init = [b.read() for b in src], [b.read() for b in dst]
+        prod.register(41, src_p, n, {0: src})
+        prod.register(42, src_p, n, {0: src})
+        stats = cons.pull(41, prod.address, src_p, dst_p, n, {0: dst}).wait(timeout=30)
+        got = [b.read() for b in dst]
+        # The state slot: its dense bytes moved, the page padding after them not.
+        want_state = bytearray(init[0])
+        want_state[5 * slot:5 * slot + dense] = src_b[0][3 * slot:3 * slot + dense]
+        assert got[0] == bytes(want_state)
+        # The attention group: LBHNC blocks are opaque, so blocks 1, 2 land whole in 4, 6.
+        lbb = 2 * bs * 64 * 4
+        want_attn = bytearray(init[1])
+        for s_id, d_id in ((1, 4), (2, 6)):
+            want_attn[d_id * lbb:(d_id + 1) * lbb] = src_b[1][s_id * lbb:(s_id + 1) * lbb]
+        assert got[1] == bytes(want_attn)
+        assert stats["bytes"] == dense + 2 * lbb
+        # A consumer whose state group has another shape is refused before any byte moves.
+        other = MambaSpec(block_size=1024, shapes=((3, 288), (4, 64, 8)), dtypes=(torch.float32, torch.float32),
+                          page_size_padded=32768)
+        okind, _ = mamba_state_group(other)
+        bad_model = dict(model, groups=[dict(model["groups"][0], kind=okind), model["groups"][1]])
+        bad_lay = dict(lay(), model=bad_model)
+        with pytest.raises(tpu_sync.errors.MismatchError):
+            cons.pull(42, prod.address, dict(src_p, layout=bad_lay), dict(dst_p, layout=bad_lay), n,
+                      {0: bufs(13)}).wait(timeout=30)
+        assert prod.registration_state(42) == "active"
+    finally:
+        cons.close()
+        prod.close()
+        client.close()

@@ -377,6 +377,39 @@ def kv_groups(kv_cache_config: Any, block_size: int) -> Optional[Tuple[Dict[str,
     return tuple(out)
 
 
+def mamba_state_group(spec: Any, tp: int = 1) -> Tuple[Dict[str, Any], int]:
+    """The tpu_sync state group kind (``tpu_sync::layout::GroupKind::State`` JSON) of a vLLM
+    ``MambaSpec`` and its slot stride in bytes (``page_size_padded``, else the dense state
+    size): one component per ``(shape, dtype)`` of the spec, in order (vLLM lays a Mamba
+    layer's states one after another in each block of the group, e.g. the convolution state
+    ``(d_conv - 1, conv_dim)`` then the SSM state ``(heads, head_dim, d_state)``), ``rows`` the
+    first dimension (1 for 1-D), each row one segment. The spec's shapes are per TP rank, so
+    this describes a TP=1 engine (or a replicated state). Not used by the connector's transfers
+    yet: it refuses Mamba groups (docs/vllm.md, "Hybrid models").
+
+    Raises:
+        ValueError: a dtype tpu_sync cannot describe, or ``tp > 1`` for a state sharded over TP
+        (the head split of each component is the model's, not in the spec)."""
+    if int(tp) > 1 and not getattr(spec, "tp_replicated", False):
+        raise ValueError("TpuSyncConnector: a TP-sharded Mamba state needs the model's head split of each component")
+    comps = []
+    dense = 0
+    for i, (shape, dt) in enumerate(zip(spec.shapes, spec.dtypes)):
+        name = str(dt)
+        if name not in TORCH_TO_TPU_SYNC_DTYPE:
+            raise ValueError(f"TpuSyncConnector: Mamba state {i} is {name}, which tpu_sync cannot describe")
+        dims = [int(d) for d in shape]
+        rows = dims[0] if len(dims) > 1 else 1
+        elems = 1
+        for d in (dims[1:] if len(dims) > 1 else dims):
+            elems *= d
+        comps.append(dict(name=f"state{i}", dtype=TORCH_TO_TPU_SYNC_DTYPE[name], rows=rows,
+                          segments=[dict(heads=1, head_elems=elems)]))
+        dense += rows * elems * int(getattr(dt, "itemsize", 4))
+    slot = int(getattr(spec, "page_size_padded", None) or dense)
+    return dict(type="state", components=comps, replicated=bool(getattr(spec, "tp_replicated", False))), slot
+
+
 def kv_geometry(vllm_config: Any, kv_cache_config: Any = None) -> KvGeometry:
     """The KV geometry of a vLLM engine from its ``VllmConfig`` and, for the KV cache groups of
     a hybrid model, its ``KVCacheConfig`` (see :func:`kv_groups`; None: uniform). Needs vLLM
