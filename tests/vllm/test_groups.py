@@ -154,12 +154,20 @@ def test_consumer_pulls_into_each_groups_blocks(configs):
     assert spec.src_block_ids == [[12, 13, 14], [9, 4, 7, 3]]
     assert spec.dst_block_ids == [[21, 22, 23], [5, 6, 8, 10]]
     assert spec.src_layout["groups"] and spec.src_layout["model"]["groups"][0]["kind"]["sliding_window"] == WINDOW
-    # A null block inside the window on the decode side: not pulled (rejected), never written.
+    # A null block inside the window on the decode side: vLLM waits for the load, so it is a
+    # pull that fails at once (no source blocks: the worker's placement is refused), whose
+    # blocks are all load errors; nothing is written.
     r2 = request("d2", toks, dict(params))
     assert c.get_num_new_matched_tokens(r2, 0) == (100, True)
     c.update_state_after_alloc(r2, blocks([0, 0, 22, 23], [5, 6, 8, 10]), 100)
-    meta = c.build_connector_meta(sched_out({}))
-    assert meta.recvs == [] and [rj.req_id for rj in meta.rejects] == ["d2"]
+    (spec,) = c.build_connector_meta(sched_out({})).recvs
+    assert spec.src_block_ids == [] and spec.dst_block_ids == [[0, 0, 22, 23], [5, 6, 8, 10]]
+    from tpu_sync.vllm.compat import placement
+    from tpu_sync.vllm.worker import _flat_ids
+
+    with pytest.raises(ValueError, match="one list per KV cache group"):
+        placement(spec.src_layout, spec.src_block_ids)
+    assert sorted(_flat_ids(spec.dst_block_ids)) == [5, 6, 8, 10, 22, 23]
 
 
 @pytest.mark.parametrize("tamper", ["flat", "group-count", "group-length", "window", "uniform-producer"])

@@ -230,22 +230,26 @@ class SchedulerSide:
             n = int(params["remote_num_tokens"])
             nb = -(-n // bs)
             dst_ids: Any = block_ids[:nb]
+            src_ids: Any = ([[int(b) for b in g] for g in params["remote_block_ids"]] if self.geometry.groups
+                            else [int(b) for b in params["remote_block_ids"]])
             if self.geometry.groups:
                 # One block table per KV cache group: each group's held blocks.
                 try:
                     dst_ids = self.geometry.group_held_ids(all_ids, n)
                 except ValueError as e:
+                    # vLLM waits for this request's load: make it a pull that fails at once (no
+                    # source blocks), so its blocks are load errors (recomputed or failed per
+                    # kv_load_failure_policy), nothing is written, and the producer is told.
                     log.error("tpu_sync: request %s: not pulling KV: %s", req_id, e)
-                    self._reject(req_id, params, f"the decode instance's blocks do not fit: {e}")
-                    return
+                    dst_ids = [[int(b) for b in g] for g in all_ids]
+                    src_ids = []
             # The whole request (no local hit: see get_num_new_matched_tokens).
             spec = RecvSpec(
                 req_id=req_id,
                 xfer_id=int(params["remote_request_id"]),
                 peers=peers_from_params(params),
                 src_layout=_remote_layout(params),
-                src_block_ids=([[int(b) for b in g] for g in params["remote_block_ids"]] if self.geometry.groups
-                               else [int(b) for b in params["remote_block_ids"]]),
+                src_block_ids=src_ids,
                 dst_block_ids=dst_ids,
                 num_tokens=n,
                 timeout_s=self.cfg.pull_timeout_s,
