@@ -55,3 +55,44 @@ def test_tpu_sync_plan_accepts_vllm_layouts():
     other = KvGeometry("m", 2, 2, 2, 32, "f32", 32, 1, "vllm-cpu/amx/bfloat16")
     with pytest.raises(MismatchError):
         tpu_sync.Plan(src, placement(other.tpu_sync_layout(16), [0, 1, 2]), 70)
+
+
+def test_grouped_vllm_layouts_plan_each_groups_held_blocks():
+    """A hybrid model's KV cache groups (a sliding window of 48 tokens on layer 0, full attention
+    on layer 1, as the connector reads vLLM's KVCacheConfig): each group's held blocks from
+    vLLM's per-group block ids (the null block, id 0, before the window), planned by the native
+    library as whole LBHNC blocks per group; bad group counts and shapes are refused."""
+    import tpu_sync
+    from tpu_sync.vllm.compat import KvGeometry, placement, pullers_of_rank
+
+    groups = ({"kind": "attention", "layers": [0], "sliding_window": 48},
+              {"kind": "attention", "layers": [1], "sliding_window": None})
+    g = KvGeometry("m", 2, 2, 2, 32, "f32", 32, 1, "vllm-cpu/vec/float32", groups=groups)
+    assert g.num_groups == 2 and g.group_of_layer() == [0, 1]
+    # 100 tokens: the window [53, 100) lies in blocks 1..3; full attention holds blocks 0..3.
+    held = g.group_held_ids(([0, 12, 13, 14], [9, 4, 7, 3]), 100)
+    assert held == [[12, 13, 14], [9, 4, 7, 3]]
+    src = placement(g.tpu_sync_layout(16), held)
+    dst = placement(g.tpu_sync_layout(16), [[1, 2, 5], [6, 8, 10, 11]])
+    with tpu_sync.Plan(src, dst, 100) as plan:
+        assert plan.total_bytes == (3 + 4) * g.layer_block_bytes
+        moved = {}
+        for s in plan.spans():
+            moved[s.dst_buffer] = moved.get(s.dst_buffer, 0) + s.len * s.count
+        assert moved == {0: 3 * g.layer_block_bytes, 1: 4 * g.layer_block_bytes}
+    assert [pullers_of_rank(src, 0, 100, tp) for tp in (1, 2)] == [1, 2]
+    with pytest.raises(ValueError, match="2 KV cache groups"):
+        g.group_held_ids(([9, 4, 7, 3],), 100)
+    with pytest.raises(ValueError, match="null block"):
+        g.group_held_ids(([0, 0, 13, 14], [9, 4, 7, 3]), 100)
+    with pytest.raises(ValueError, match="has 3 blocks"):
+        g.group_held_ids(([0, 12, 13, 14], [9, 4, 7]), 100)
+    with pytest.raises(ValueError, match="one list per KV cache group"):
+        placement(g.tpu_sync_layout(16), [12, 13, 14])
+    # A held list of the wrong length for its window is refused by the native library.
+    with pytest.raises(tpu_sync.errors.TpuSyncError):
+        tpu_sync.Plan(placement(g.tpu_sync_layout(16), [[11, 12, 13, 14], [9, 4, 7, 3]]), dst, 100)
+    # The uniform form is unchanged: no groups, the same namespace as before groups existed.
+    u = KvGeometry("m", 2, 2, 2, 32, "f32", 32, 1, "vllm-cpu/vec/float32")
+    assert u.namespace() == "vllm/m/vllm-cpu/vec/float32/bs32/L2/H2/D32/tp1"
+    assert g.namespace() == u.namespace() + "/groups=sw48:0;full:1"

@@ -41,6 +41,8 @@ class KvCaches:
     layer_block_bytes: int
     tp_rank: int
     views: Optional[List[Any]] = None
+    #: the KV cache group of every layer (all 0 for a uniform model)
+    layer_group: Optional[List[int]] = None
 
     def pieces(self, block_id: int) -> List[Tuple[Any, int, int]]:
         """``(view, byte offset, length)`` of block ``block_id`` in every layer, in layer order:
@@ -50,6 +52,24 @@ class KvCaches:
         assert self.views is not None
         off = block_id * self.layer_block_bytes
         return [(v, off, self.layer_block_bytes) for v in self.views]
+
+    def group_pieces(self, group_ids: Sequence[int]) -> List[Tuple[Any, int, int]]:
+        """``(view, byte offset, length)`` in every layer, in layer order, of one block position
+        of a model with KV cache groups: layer ``l``'s piece is block ``group_ids[group of l]``
+        (one tier entry is their concatenation).
+
+        Raises:
+            ValueError: a group count other than the layers' groups; IndexError: an id out of
+            range."""
+        assert self.views is not None
+        groups = self.layer_group or [0] * len(self.views)
+        if len(group_ids) != max(groups) + 1:
+            raise ValueError(f"{len(group_ids)} block ids for {max(groups) + 1} KV cache groups")
+        for b in group_ids:
+            if not 0 <= int(b) < self.num_blocks:
+                raise IndexError(f"block id {b} out of range 0..{self.num_blocks}")
+        lbb = self.layer_block_bytes
+        return [(v, int(group_ids[g]) * lbb, lbb) for v, g in zip(self.views, groups)]
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -138,6 +158,66 @@ class StoreTier:
         r = self.store.put_from_device(keys, [self._caches.pieces(b) for b in block_ids],
                                        parent=None if parent is None else self.key(parent))
         return int(r.stored) + int(r.present)
+
+    def put_groups(self, hashes: Sequence[bytes], group_ids: Sequence[Sequence[int]],
+                   parent: Optional[bytes] = None) -> int:
+        """A model with KV cache groups: stores block positions ``i`` under ``hashes[i]``, each
+        entry the block ``group_ids[g][i]`` of every layer of every group ``g`` (in layer
+        order, ``geometry.block_bytes``); returns how many are in the tier afterwards.
+
+        Raises:
+            ValueError: ``group_ids`` lists that disagree with the layers' groups or with
+            ``hashes``, or vLLM's null block among them (a group that no longer holds a block)."""
+        from .compat import NULL_BLOCK_ID
+
+        if any(len(g) != len(hashes) for g in group_ids):
+            raise ValueError(f"block ids per group {[len(g) for g in group_ids]} for {len(hashes)} hashes")
+        per = [[int(g[i]) for g in group_ids] for i in range(len(hashes))]
+        if any(b == NULL_BLOCK_ID for ids in per for b in ids):
+            raise ValueError("a KV cache group holds vLLM's null block at a block to save")
+        keys = [self.key(h) for h in hashes]
+        if self._events and keys:
+            self.store.describe_blocks(keys, hashes)
+        r = self.store.put_from_device(keys, [self._caches.group_pieces(ids) for ids in per],
+                                       parent=None if parent is None else self.key(parent))
+        return int(r.stored) + int(r.present)
+
+    def get_groups(self, hashes: Sequence[bytes], group_ids: Sequence[Sequence[int]]) -> int:
+        """A model with KV cache groups: loads the chain's leading present entries (checksums
+        verified) and writes each layer's part into block ``group_ids[group][i]`` of its
+        layer, skipping vLLM's null block (the blocks before a sliding window, which the
+        request does not hold); returns the number of leading entries delivered.
+
+        Raises:
+            ValueError: ``group_ids`` lists that disagree with the layers' groups or with
+            ``hashes``; ``tpu_sync.errors.ChecksumError`` on corrupt data."""
+        import numpy as np
+
+        from tpu_sync import device
+
+        from .compat import NULL_BLOCK_ID
+
+        caches = self._caches
+        assert caches.views is not None
+        groups = caches.layer_group or [0] * len(caches.views)
+        if len(group_ids) != max(groups) + 1 or any(len(g) != len(hashes) for g in group_ids):
+            raise ValueError(f"block ids per group {[len(g) for g in group_ids]} for {max(groups) + 1} groups "
+                             f"and {len(hashes)} hashes")
+        lbb = caches.layer_block_bytes
+        buf = np.empty((len(hashes), lbb * len(caches.views)), dtype=np.uint8)
+        n = int(self.store.get([self.key(h) for h in hashes], [buf[i] for i in range(len(hashes))]).delivered)
+        copies = []
+        for i in range(n):
+            for layer, (view, g) in enumerate(zip(caches.views, groups)):
+                b = int(group_ids[g][i])
+                if b == NULL_BLOCK_ID:
+                    continue
+                if not 0 <= b < caches.num_blocks:
+                    raise IndexError(f"block id {b} out of range 0..{caches.num_blocks}")
+                copies.append((view, b * lbb, buf[i, layer * lbb:(layer + 1) * lbb]))
+        if copies:
+            device.h2d(copies).wait()
+        return n
 
     def get_host(self, hashes: Sequence[bytes], outs: Sequence[Any]) -> int:
         """Copies the chain's leading present blocks into host arrays (``outs[i]``:

@@ -20,7 +20,7 @@ import hashlib
 import logging
 import platform
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 #: tpu_sync dtype names (``tpu_sync::layout::DType``) of torch KV cache dtypes.
 TORCH_TO_TPU_SYNC_DTYPE = {
@@ -29,6 +29,10 @@ TORCH_TO_TPU_SYNC_DTYPE = {
     "torch.float16": "f16",
     "torch.float8_e4m3fn": "fp8",
 }
+
+#: vLLM's null block (``BlockPool.null_block``, the pool's first block, id 0): stands for the
+#: blocks a sliding-window group no longer holds; never a request's own KV.
+NULL_BLOCK_ID = 0
 
 #: Version of the ``kv_transfer_params`` this connector produces and accepts.
 PARAMS_VERSION = 1
@@ -91,6 +95,13 @@ class KvGeometry:
         block_format: what packs a block's bytes, e.g. ``vllm-cpu/vec/float32``
             (platform, attention kernel, cache dtype).
         use_mla: an MLA model (one latent plane).
+        groups: None for a model whose layers are one full-attention KV cache group (every
+            uniform model: all layers share one block table, exactly as before groups existed).
+            Otherwise vLLM's KV cache groups (``KVCacheConfig.kv_cache_groups``, one block table
+            each), in vLLM's group order, as JSON-able dicts (see :func:`kv_groups`):
+            ``{"kind": "attention", "layers": [cache layers], "sliding_window": tokens or None}``.
+            Cache layers number the per-layer KV tensors in model layer order (the order
+            :meth:`tpu_sync.vllm.worker.WorkerSide.register_kv_caches` sorts them in).
     """
 
     model: str
@@ -103,6 +114,58 @@ class KvGeometry:
     tp: int
     block_format: str
     use_mla: bool = False
+    groups: Optional[Tuple[Dict[str, Any], ...]] = None
+
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups (1 for a uniform model)."""
+        return len(self.groups) if self.groups else 1
+
+    def group_of_layer(self) -> List[int]:
+        """The group index of every cache layer (all 0 for a uniform model)."""
+        out = [0] * self.num_layers
+        for g, grp in enumerate(self.groups or ()):
+            for layer in grp["layers"]:
+                out[int(layer)] = g
+        return out
+
+    def held_blocks(self, group: int, num_tokens: int) -> Tuple[int, int]:
+        """``(first, end)``: the request blocks of ``group`` that hold KV a request of
+        ``num_tokens`` tokens still needs, as ``tpu_sync::layout::HybridLayout::held_blocks``
+        computes them: every block for full attention; for a sliding window ``w`` only the blocks
+        of tokens ``[num_tokens + 1 - w, num_tokens)`` (vLLM's
+        ``SlidingWindowManager.get_num_skipped_tokens``: the blocks before them are vLLM's null
+        block)."""
+        nb = -(-int(num_tokens) // self.block_size)
+        w = (self.groups[group].get("sliding_window") if self.groups else None)
+        if not w:
+            return 0, nb
+        start = max(0, int(num_tokens) + 1 - int(w))
+        return min(start // self.block_size, nb), nb
+
+    def group_held_ids(self, block_ids: Sequence[Sequence[int]], num_tokens: int) -> List[List[int]]:
+        """The held block ids of every group (:meth:`held_blocks`) from vLLM's block ids of a
+        request (one list per group, as ``KVCacheBlocks.get_block_ids()`` returns them).
+
+        Raises:
+            ValueError: a group count other than :attr:`num_groups`, a group with fewer blocks
+                than ``num_tokens`` needs, or vLLM's null block (id 0) among the held blocks.
+        """
+        if len(block_ids) != self.num_groups:
+            raise ValueError(f"TpuSyncConnector: {len(block_ids)} lists of block ids for {self.num_groups} KV "
+                             f"cache groups")
+        out = []
+        for g, ids in enumerate(block_ids):
+            first, end = self.held_blocks(g, num_tokens)
+            if len(ids) < end:
+                raise ValueError(f"TpuSyncConnector: KV cache group {g} has {len(ids)} blocks, {num_tokens} "
+                                 f"tokens need {end}")
+            held = [int(b) for b in ids[first:end]]
+            if any(b == NULL_BLOCK_ID for b in held):
+                raise ValueError(f"TpuSyncConnector: KV cache group {g}: vLLM's null block among the blocks "
+                                 f"{first}..{end} that hold the last tokens of {num_tokens}: {held}")
+            out.append(held)
+        return out
 
     @property
     def kv_planes(self) -> int:
@@ -132,21 +195,51 @@ class KvGeometry:
         """Why KV blocks of a peer with geometry ``other`` (a :meth:`to_dict`) cannot be used
         here, or None when they can. Compares everything that fixes a block's bytes (layers,
         heads, head_dim, dtype, block size, MLA, block format); TP may differ (resharded)."""
-        keys = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "use_mla", "block_format")
+        keys = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "use_mla", "block_format", "groups")
         mine = self.to_dict()
-        diff = [f"{k}: local {mine[k]!r}, remote {other.get(k)!r}" for k in keys if other.get(k) != mine[k]]
+        diff = [f"{k}: local {mine[k]!r}, remote {other.get(k)!r}" for k in keys
+                if _plain(other.get(k)) != _plain(mine[k])]
         return "; ".join(diff) if diff else None
 
     def namespace(self, extra: str = "") -> str:
         """Host-tier namespace: blocks of engines whose namespaces differ never share keys."""
         return (
             f"vllm/{self.model}/{self.block_format}/bs{self.block_size}/L{self.num_layers}"
-            f"/H{self.num_kv_heads}/D{self.head_dim}/tp{self.tp}" + (f"/{extra}" if extra else "")
+            f"/H{self.num_kv_heads}/D{self.head_dim}/tp{self.tp}" + self._groups_tag() + (f"/{extra}" if extra else "")
         )
+
+    def _groups_tag(self) -> str:
+        """Namespace part naming the groups (empty for a uniform model, so its keys are as before)."""
+        if not self.groups:
+            return ""
+        parts = []
+        for grp in self.groups:
+            w = grp.get("sliding_window")
+            parts.append(("sw%d" % w if w else "full") + ":" + ",".join(str(l) for l in grp["layers"]))
+        return "/groups=" + ";".join(parts)
 
     def tpu_sync_layout(self, num_blocks: int) -> Dict[str, Any]:
         """The ``tpu_sync`` layout (``ParallelLayout`` JSON) of this engine: order ``lbhnc``
-        with the block format tag, ``num_blocks`` blocks per rank."""
+        with the block format tag, ``num_blocks`` blocks per rank. With :attr:`groups` the groups
+        form (``tpu_sync::layout::HybridLayout`` JSON): one group per vLLM KV cache group, each
+        ``num_blocks`` blocks per rank (vLLM's groups share one block pool) and the block format
+        tag."""
+        if self.groups:
+            attn = dict(type="attention", num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                        kv_planes=self.kv_planes, dtype=self.dtype)
+            groups = []
+            for g, grp in enumerate(self.groups):
+                kind = dict(attn)
+                w = grp.get("sliding_window")
+                if w:
+                    kind["sliding_window"] = int(w)
+                groups.append(dict(name=f"g{g}_" + ("sliding" if w else "full"), layers=[int(l) for l in grp["layers"]],
+                                   kind=kind))
+            return dict(
+                model=dict(name=self.model, groups=groups),
+                spec=dict(tp=self.tp, pcp=1, dp=1, block_size=self.block_size, order="lbhnc"),
+                groups=[dict(num_blocks=int(num_blocks), block_format=self.block_format) for _ in self.groups],
+            )
         return dict(
             model=dict(
                 name=self.model,
@@ -162,10 +255,32 @@ class KvGeometry:
         )
 
 
-def placement(layout: Dict[str, Any], block_ids: Sequence[int]) -> Dict[str, Any]:
+def _plain(v: Any) -> Any:
+    """``v`` as it reads back from JSON (tuples are lists), for comparing a local value with a
+    peer's."""
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
+def placement(layout: Dict[str, Any], block_ids: Sequence[Any]) -> Dict[str, Any]:
     """``tpu_sync`` placement of a request whose blocks have the same ids on every TP rank (as
-    in vLLM, where all TP workers share one block table)."""
+    in vLLM, where all TP workers share one block table). For a layout with groups
+    (:meth:`KvGeometry.tpu_sync_layout` of a grouped geometry) ``block_ids`` holds one list per
+    group: that group's held blocks (:meth:`KvGeometry.group_held_ids`).
+
+    Raises:
+        ValueError: a grouped layout given a number of lists other than its group count."""
     tp = int(layout["spec"]["tp"])
+    if "groups" in layout:
+        n = len(layout["groups"])
+        if len(block_ids) != n or not all(isinstance(g, (list, tuple)) for g in block_ids):
+            raise ValueError(f"TpuSyncConnector: block ids must be one list per KV cache group ({n}), got "
+                             f"{str(block_ids)[:200]}")
+        gids = [[int(b) for b in ids] for ids in block_ids]
+        return dict(layout=layout, dp_rank=0, block_ids=[[list(ids) for _ in range(tp)] for ids in gids])
     ids = [int(b) for b in block_ids]
     return dict(layout=layout, dp_rank=0, block_ids=[list(ids) for _ in range(tp)])
 
@@ -178,8 +293,16 @@ def pullers_of_rank(src: Dict[str, Any], rank: int, num_tokens: int, decode_tp: 
 
     layout = src["layout"]
     nb = -(-int(num_tokens) // int(layout["spec"]["block_size"]))
-    dst_layout = dict(layout, spec=dict(layout["spec"], tp=int(decode_tp)), num_blocks=max(nb, 1))
-    plan = tpu_sync.Plan(src, placement(dst_layout, list(range(nb))), int(num_tokens))
+    if "groups" in layout:
+        # Same groups; each group's held blocks numbered from 0 in a layout just large enough.
+        dst_layout = dict(layout, spec=dict(layout["spec"], tp=int(decode_tp)),
+                          groups=[dict(g, num_blocks=max(nb, 1)) for g in layout["groups"]])
+        dst = dict(layout=dst_layout, dp_rank=0,
+                   block_ids=[[list(range(len(per[0]))) for _ in range(int(decode_tp))] for per in src["block_ids"]])
+    else:
+        dst_layout = dict(layout, spec=dict(layout["spec"], tp=int(decode_tp)), num_blocks=max(nb, 1))
+        dst = placement(dst_layout, list(range(nb)))
+    plan = tpu_sync.Plan(src, dst, int(num_tokens))
     try:
         return max(1, len({s.dst_rank for s in plan.spans() if s.src_rank == rank}))
     finally:
@@ -208,11 +331,93 @@ def cpu_block_format(dtype: Any, block_size: int, head_size: int, cache_dtype: s
     return f"vllm-cpu/{isa}/{str(dtype).replace('torch.', '')}"
 
 
-def kv_geometry(vllm_config: Any) -> KvGeometry:
-    """The KV geometry of a vLLM engine from its ``VllmConfig`` (needs vLLM and torch).
+def layer_order(names: Sequence[str]) -> List[str]:
+    """vLLM layer names in model layer order (the cache layer numbering). Needs vLLM."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return sorted(names, key=lambda n: (extract_layer_index(n), n))
+
+
+def kv_groups(kv_cache_config: Any, block_size: int) -> Optional[Tuple[Dict[str, Any], ...]]:
+    """:attr:`KvGeometry.groups` from vLLM's ``KVCacheConfig``: None when its groups are one
+    full-attention group (a uniform model); otherwise one dict per ``kv_cache_groups`` entry
+    with the cache layers of its ``layer_names`` and its kind from its ``kv_cache_spec``
+    (``FullAttentionSpec``; ``SlidingWindowSpec.sliding_window`` in tokens). Needs vLLM.
 
     Raises:
-        ValueError: a KV cache dtype tpu_sync cannot describe.
+        ValueError: a group this connector cannot move (``MambaSpec`` state groups, MLA,
+            chunked local attention, cross-attention, ...: the kind is named), or a group
+            whose block size differs from the engine's ``block_size``.
+    """
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if not groups:
+        return None
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    order = layer_order([n for g in groups for n in g.layer_names])
+    index = {n: i for i, n in enumerate(order)}
+    out = []
+    for g, grp in enumerate(groups):
+        spec = grp.kv_cache_spec
+        kind = type(spec).__name__
+        if type(spec) is FullAttentionSpec and getattr(spec, "attention_chunk_size", None) is None \
+                and not getattr(spec, "sliding_window", None):
+            w = None
+        elif type(spec) is SlidingWindowSpec:
+            w = int(spec.sliding_window)
+        else:
+            raise ValueError(f"TpuSyncConnector: KV cache group {g} ({', '.join(grp.layer_names[:3])}...) is "
+                             f"{kind}; only full attention and sliding window groups are moved")
+        if int(spec.block_size) != int(block_size):
+            raise ValueError(f"TpuSyncConnector: KV cache group {g} has block size {spec.block_size}, the engine "
+                             f"{block_size}")
+        out.append(dict(kind="attention", layers=sorted(index[n] for n in grp.layer_names), sliding_window=w))
+    if len(out) == 1 and out[0]["sliding_window"] is None:
+        return None
+    return tuple(out)
+
+
+def mamba_state_group(spec: Any, tp: int = 1) -> Tuple[Dict[str, Any], int]:
+    """The tpu_sync state group kind (``tpu_sync::layout::GroupKind::State`` JSON) of a vLLM
+    ``MambaSpec`` and its slot stride in bytes (``page_size_padded``, else the dense state
+    size): one component per ``(shape, dtype)`` of the spec, in order (vLLM lays a Mamba
+    layer's states one after another in each block of the group, e.g. the convolution state
+    ``(d_conv - 1, conv_dim)`` then the SSM state ``(heads, head_dim, d_state)``), ``rows`` the
+    first dimension (1 for 1-D), each row one segment. The spec's shapes are per TP rank, so
+    this describes a TP=1 engine (or a replicated state). Not used by the connector's transfers
+    yet: it refuses Mamba groups (docs/vllm.md, "Hybrid models").
+
+    Raises:
+        ValueError: a dtype tpu_sync cannot describe, or ``tp > 1`` for a state sharded over TP
+        (the head split of each component is the model's, not in the spec)."""
+    if int(tp) > 1 and not getattr(spec, "tp_replicated", False):
+        raise ValueError("TpuSyncConnector: a TP-sharded Mamba state needs the model's head split of each component")
+    comps = []
+    dense = 0
+    for i, (shape, dt) in enumerate(zip(spec.shapes, spec.dtypes)):
+        name = str(dt)
+        if name not in TORCH_TO_TPU_SYNC_DTYPE:
+            raise ValueError(f"TpuSyncConnector: Mamba state {i} is {name}, which tpu_sync cannot describe")
+        dims = [int(d) for d in shape]
+        rows = dims[0] if len(dims) > 1 else 1
+        elems = 1
+        for d in (dims[1:] if len(dims) > 1 else dims):
+            elems *= d
+        comps.append(dict(name=f"state{i}", dtype=TORCH_TO_TPU_SYNC_DTYPE[name], rows=rows,
+                          segments=[dict(heads=1, head_elems=elems)]))
+        dense += rows * elems * int(getattr(dt, "itemsize", 4))
+    slot = int(getattr(spec, "page_size_padded", None) or dense)
+    return dict(type="state", components=comps, replicated=bool(getattr(spec, "tp_replicated", False))), slot
+
+
+def kv_geometry(vllm_config: Any, kv_cache_config: Any = None) -> KvGeometry:
+    """The KV geometry of a vLLM engine from its ``VllmConfig`` and, for the KV cache groups of
+    a hybrid model, its ``KVCacheConfig`` (see :func:`kv_groups`; None: uniform). Needs vLLM
+    and torch.
+
+    Raises:
+        ValueError: a KV cache dtype tpu_sync cannot describe, or a KV cache group it cannot
+        move.
     """
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
@@ -252,6 +457,7 @@ def kv_geometry(vllm_config: Any) -> KvGeometry:
         tp=tp,
         block_format=fmt,
         use_mla=bool(getattr(mc, "use_mla", False)),
+        groups=kv_groups(kv_cache_config, block_size) if kv_cache_config is not None else None,
     )
 
 
@@ -269,15 +475,34 @@ def check_params(params: Dict[str, Any]) -> Optional[str]:
         return f"kv_transfer_params lack {', '.join(missing)}"
     if params.get("tpu_sync_version") != PARAMS_VERSION:
         return f"kv_transfer_params version {params.get('tpu_sync_version')!r} (expected {PARAMS_VERSION})"
+    geom = params["remote_geometry"]
+    groups = geom.get("groups") if isinstance(geom, dict) else None
     try:
         rid = int(params["remote_request_id"])
         n = int(params["remote_num_tokens"])
-        ids: List[int] = [int(b) for b in params["remote_block_ids"]]
+        if groups:
+            gids = [[int(b) for b in ids] for ids in params["remote_block_ids"]]
+        else:
+            ids: List[int] = [int(b) for b in params["remote_block_ids"]]
     except (TypeError, ValueError):
-        return "kv_transfer_params hold non-integer ids"
+        return "kv_transfer_params hold non-integer ids" + (" (one list per KV cache group expected)" if groups else "")
     if not 1 <= rid < 2**53 or n <= 0:
         return f"bad remote_request_id {rid} or remote_num_tokens {n}"
-    bs = int(params["remote_geometry"].get("block_size") or 0)
-    if bs <= 0 or len(ids) != -(-n // bs):
+    bs = int(geom.get("block_size") or 0)
+    if bs <= 0:
+        return f"bad remote block size {bs}"
+    if groups:
+        try:
+            g = KvGeometry(**{k: geom[k] for k in KvGeometry.__dataclass_fields__ if k in geom})
+        except TypeError as e:
+            return f"bad remote_geometry: {e}"
+        if len(gids) != g.num_groups:
+            return f"{len(gids)} lists of remote block ids for {g.num_groups} KV cache groups"
+        for i, ids in enumerate(gids):
+            first, end = g.held_blocks(i, n)
+            if len(ids) != end - first:
+                return f"KV cache group {i}: {len(ids)} remote blocks, {n} tokens need {end - first}"
+        return None
+    if len(ids) != -(-n // bs):
         return f"{len(ids)} remote blocks for {n} tokens at block size {bs}"
     return None

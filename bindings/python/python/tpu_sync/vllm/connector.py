@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -34,14 +35,16 @@ log = logging.getLogger("tpu_sync.vllm")
 __all__ = ["TpuSyncConnector"]
 
 
-class TpuSyncConnector(KVConnectorBase_V1):
+class TpuSyncConnector(KVConnectorBase_V1, SupportsHMA):
     """KV connector for disaggregated prefill/decode and host-DRAM offload through tpu_sync.
 
     Args:
         vllm_config: the engine's configuration; ``kv_transfer_config.kv_role`` and
             ``kv_connector_extra_config`` select what the connector does.
         role: scheduler or worker.
-        kv_cache_config: the engine's KV cache configuration (block count).
+        kv_cache_config: the engine's KV cache configuration (block count; its KV cache groups
+            for a hybrid model: full attention and sliding window groups, each with its own
+            block table, see :func:`tpu_sync.vllm.compat.kv_groups`).
 
     Raises:
         tpu_sync.vllm.config.ConfigError: bad settings; ValueError: a KV cache dtype or layout
@@ -54,7 +57,12 @@ class TpuSyncConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.parse(ktc.kv_role, ktc.kv_connector_extra_config)
-        self.geometry = kv_geometry(vllm_config)
+        self.geometry = kv_geometry(vllm_config, kv_cache_config)
+        if self.geometry.groups and self.config.layerwise:
+            from .config import ConfigError
+
+            raise ConfigError("layerwise is not supported for models with several KV cache groups yet "
+                              f"({len(self.geometry.groups)} groups); leave it off")
         self.scheduler_side = None
         self.worker_side = None
         if role == KVConnectorRole.SCHEDULER:
@@ -214,6 +222,12 @@ class TpuSyncConnector(KVConnectorBase_V1):
         """Takes the workers' reports."""
         if self.scheduler_side is not None:
             self.scheduler_side.update_connector_output(connector_output)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """vLLM's hybrid allocator (``SupportsHMA``): ``block_ids`` holds one list per KV cache
+        group. See :meth:`tpu_sync.vllm.scheduler.SchedulerSide.request_finished_all_groups`."""
+        assert self.scheduler_side is not None
+        return self.scheduler_side.request_finished_all_groups(request, block_ids)
 
     def request_finished(self, request: Any, block_ids: list) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """Producer: ``(True, kv_transfer_params)`` for a prefilled request to hand off."""

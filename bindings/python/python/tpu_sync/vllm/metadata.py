@@ -20,7 +20,9 @@ class SendSpec:
     Attributes:
         req_id: vLLM request id.
         xfer_id: transfer id (< 2**53) the consumer pulls by.
-        block_ids: the request's blocks, in order (same ids on every TP rank).
+        block_ids: the request's blocks, in order (same ids on every TP rank); with KV cache
+            groups one list per group, each that group's held blocks
+            (:meth:`tpu_sync.vllm.compat.KvGeometry.group_held_ids`).
         num_tokens: tokens whose KV the blocks hold.
         lease_s: seconds to keep serving if nobody pulls.
         decode_tp: TP size of the decode instance that pulls (its ranks are the pullers).
@@ -43,8 +45,10 @@ class RecvSpec:
         xfer_id: the producer's transfer id.
         peers: producer endpoint address per producer TP rank.
         src_layout: the producer's tpu_sync layout.
-        src_block_ids: producer blocks to pull (a contiguous run of the request's blocks).
-        dst_block_ids: local blocks to write, same length and order.
+        src_block_ids: producer blocks to pull (a contiguous run of the request's blocks; with
+            KV cache groups one list per group, its held blocks).
+        dst_block_ids: local blocks to write, same length and order (with KV cache groups:
+            one list per group, as ``src_block_ids``).
         num_tokens: tokens covered by these blocks (the last block may be partial).
         timeout_s: the pull fails after this many seconds.
     """
@@ -86,12 +90,16 @@ class TierOp:
         hashes: vLLM block hashes (bytes), one per block, a contiguous run of the request's chain.
         block_ids: local blocks, same length and order.
         parent: hash of the block before ``hashes[0]`` (None when the run starts the chain).
+        group_block_ids: a model with KV cache groups: the local blocks of every group
+            (``[group][i]``, each as long as ``hashes``; vLLM's null block, id 0, where a
+            sliding-window group holds no block, which a load skips); None for a uniform model.
     """
 
     req_id: str
     hashes: List[bytes]
     block_ids: List[int]
     parent: Optional[bytes] = None
+    group_block_ids: Optional[List[List[int]]] = None
 
 
 @dataclass

@@ -45,7 +45,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .compat import PARAMS_VERSION, KvGeometry, check_params, peers_from_params, prompt_digest
+from .compat import NULL_BLOCK_ID, PARAMS_VERSION, KvGeometry, check_params, peers_from_params, prompt_digest
 from .config import ConnectorConfig
 from .metadata import (RecvSpec, RejectSpec, SendSpec, TierOp, TpuSyncHandshake, TpuSyncMetadata,
                        TpuSyncWorkerMetadata)
@@ -223,19 +223,34 @@ class SchedulerSide:
                 self._reject(req_id, params, "the decode instance prefills it locally")
             return
         bs = self.block_size
-        block_ids = list(blocks.get_block_ids()[0])
+        all_ids = blocks.get_block_ids()
+        block_ids = list(all_ids[0])
         if is_pd:
             params["do_remote_prefill"] = False
             n = int(params["remote_num_tokens"])
             nb = -(-n // bs)
+            dst_ids: Any = block_ids[:nb]
+            src_ids: Any = ([[int(b) for b in g] for g in params["remote_block_ids"]] if self.geometry.groups
+                            else [int(b) for b in params["remote_block_ids"]])
+            if self.geometry.groups:
+                # One block table per KV cache group: each group's held blocks.
+                try:
+                    dst_ids = self.geometry.group_held_ids(all_ids, n)
+                except ValueError as e:
+                    # vLLM waits for this request's load: make it a pull that fails at once (no
+                    # source blocks), so its blocks are load errors (recomputed or failed per
+                    # kv_load_failure_policy), nothing is written, and the producer is told.
+                    log.error("tpu_sync: request %s: not pulling KV: %s", req_id, e)
+                    dst_ids = [[int(b) for b in g] for g in all_ids]
+                    src_ids = []
             # The whole request (no local hit: see get_num_new_matched_tokens).
             spec = RecvSpec(
                 req_id=req_id,
                 xfer_id=int(params["remote_request_id"]),
                 peers=peers_from_params(params),
                 src_layout=_remote_layout(params),
-                src_block_ids=[int(b) for b in params["remote_block_ids"]],
-                dst_block_ids=block_ids[:nb],
+                src_block_ids=src_ids,
+                dst_block_ids=dst_ids,
                 num_tokens=n,
                 timeout_s=self.cfg.pull_timeout_s,
             )
@@ -254,7 +269,12 @@ class SchedulerSide:
         start = st.load_start
         n = num_external_tokens // bs
         hashes = [bytes(h) for h in st.request.block_hashes[start:start + n]]
-        self._loads.append(TierOp(req_id, hashes, block_ids[start:start + n]))
+        op = TierOp(req_id, hashes, block_ids[start:start + n])
+        if self.geometry.groups:
+            # Per group; a sliding-window group's blocks before its window are vLLM's null
+            # block (id 0): the worker does not write them.
+            op.group_block_ids = [[int(b) for b in ids[start:start + n]] for ids in all_ids]
+        self._loads.append(op)
         st.in_tier = max(st.in_tier, start + n)
         self._source[req_id] = CacheHitSource.HOST
         self.stats["host_hit_tokens"] += num_external_tokens
@@ -349,22 +369,39 @@ class SchedulerSide:
             full = min(done // bs, len(req.block_hashes))
             if full <= st.in_tier:
                 continue
-            ids = self._block_ids(scheduler_output, req_id)
-            if ids is None or len(ids) < full:
+            all_ids = self._block_ids(scheduler_output, req_id, all_groups=True)
+            if all_ids is None or any(len(ids) < full for ids in all_ids):
                 continue
+            ids = list(all_ids[0])
+            group_ids = None
+            if self.geometry.groups:
+                # A tier entry holds the block of every group: save up to the first block that
+                # some group no longer holds (a sliding window's null block).
+                good = st.in_tier
+                while good < full and all(int(g[good]) != NULL_BLOCK_ID for g in all_ids):
+                    good += 1
+                if good <= st.in_tier:
+                    continue
+                full = good
+                group_ids = [[int(b) for b in g[st.in_tier:full]] for g in all_ids]
             parent = bytes(req.block_hashes[st.in_tier - 1]) if st.in_tier else None
             saves.append(TierOp(req_id, [bytes(h) for h in req.block_hashes[st.in_tier:full]], ids[st.in_tier:full],
-                                parent))
+                                parent, group_ids))
             st.in_tier = full
         return saves
 
-    def _block_ids(self, scheduler_output: Any, req_id: str) -> Optional[List[int]]:
+    def _block_ids(self, scheduler_output: Any, req_id: str, all_groups: bool = False) -> Any:
+        """The request's block ids of group 0 (or, with ``all_groups``, the tuple of every
+        group's), or None when the request is gone."""
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         try:
+            ids = None
             if state is not None:
-                return list(state.resolve_block_ids(req_id)[0])
-            if self.kv_cache_manager is not None:
-                return list(self.kv_cache_manager.get_block_ids(req_id)[0])
+                ids = state.resolve_block_ids(req_id)
+            elif self.kv_cache_manager is not None:
+                ids = self.kv_cache_manager.get_block_ids(req_id)
+            if ids is not None:
+                return [list(g) for g in ids] if all_groups else list(ids[0])
         except Exception as e:  # request gone (aborted) between schedule and here
             log.debug("tpu_sync: no block ids for %s: %s", req_id, e)
         return None
@@ -401,9 +438,26 @@ class SchedulerSide:
 
     # ---- completion ----------------------------------------------------------------------
 
-    def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """vLLM's hybrid-allocator form of :meth:`request_finished` (``SupportsHMA``):
+        ``block_ids`` holds one list per KV cache group. A uniform model's one list goes to
+        :meth:`request_finished` unchanged.
+
+        Raises:
+            ValueError: a group count other than the KV cache config's."""
+        if len(block_ids) != self.geometry.num_groups:
+            raise ValueError(f"TpuSyncConnector: {len(block_ids)} lists of block ids for "
+                             f"{self.geometry.num_groups} KV cache groups")
+        if not self.geometry.groups:
+            return self.request_finished(request, list(block_ids[0]))
+        return self.request_finished(request, [list(g) for g in block_ids], grouped=True)
+
+    def request_finished(self, request: Any, block_ids: List[Any],
+                         grouped: bool = False) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """Producer: keeps a prefilled request's blocks and returns the params a decode instance
-        pulls with. Everyone: drops the request's state."""
+        pulls with. Everyone: drops the request's state. ``grouped``: ``block_ids`` holds one
+        list per KV cache group (see :meth:`request_finished_all_groups`)."""
         req_id = request.request_id
         params = request.kv_transfer_params
         if params and self.cfg.is_consumer:
@@ -431,6 +485,24 @@ class SchedulerSide:
             return False, None  # aborted: nothing to hand off
         n = int(request.num_computed_tokens)
         nb = -(-n // self.block_size)
+        if grouped:
+            if len(self.peers) < self.geometry.tp:
+                log.error("tpu_sync: request %s: no P/D endpoint address from the workers; not handing off KV",
+                          req_id)
+                return False, None
+            try:
+                held = self.geometry.group_held_ids(block_ids, n) if n > 0 else None
+            except ValueError as e:
+                log.error("tpu_sync: request %s: not handing off KV: %s", req_id, e)
+                held = None
+            if held is None:
+                return False, None
+            xfer_id = self._next_xfer
+            self._next_xfer = self._next_xfer % MAX_XFER_ID + 1
+            self._sends.append(SendSpec(req_id, xfer_id, held, n, self.cfg.lease_s, self._decode_tp(params)))
+            self._sending[req_id] = time.monotonic() + self.cfg.lease_s
+            self.stats["handed_off"] += 1
+            return True, self._params(request, xfer_id, held, n)
         if n <= 0 or len(block_ids) < nb:
             if early is not None:
                 self._withdraws.append(early.xfer_id)
@@ -480,5 +552,5 @@ class SchedulerSide:
 
 def _remote_layout(params: Dict[str, Any]) -> Dict[str, Any]:
     g = params["remote_geometry"]
-    geom = KvGeometry(**{k: g[k] for k in KvGeometry.__dataclass_fields__})
+    geom = KvGeometry(**{k: g[k] for k in KvGeometry.__dataclass_fields__ if k in g})
     return geom.tpu_sync_layout(int(params["remote_num_blocks"]))

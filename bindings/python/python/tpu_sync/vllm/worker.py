@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Set
 
 from . import compat
 from .backends import KvCaches, make_host_tier, make_pd_transport
-from .compat import KvGeometry
+from .compat import NULL_BLOCK_ID, KvGeometry
 from .config import ConnectorConfig
 from .metadata import RecvSpec, RejectSpec, TpuSyncHandshake, TpuSyncMetadata, TpuSyncWorkerMetadata
 
@@ -126,6 +126,11 @@ class WorkerSide:
             # a P/D consumer's first forward is a decode step, which would die with SIGILL.
             self.stats["amx_permission"] = int(compat.request_amx_tiles())
         names = sorted(kv_caches, key=lambda n: (extract_layer_index(n), n))
+        if g.groups:
+            covered = sorted(int(l) for grp in g.groups for l in grp["layers"])
+            if covered != list(range(len(names))):
+                raise ValueError(f"TpuSyncConnector: the KV cache groups cover cache layers {covered}, vLLM "
+                                 f"registered {len(names)} KV tensors")
         tensors = [kv_caches[n] for n in names]
         if len(tensors) != g.num_layers:
             raise ValueError(f"TpuSyncConnector: {len(tensors)} KV tensors for {g.num_layers} layers")
@@ -152,7 +157,7 @@ class WorkerSide:
         except Exception:  # no TP group (single process)
             rank = 0
         self.caches = KvCaches(names=names, tensors=tensors, num_blocks=int(first.shape[0]),
-                               layer_block_bytes=layer_block_bytes, tp_rank=rank)
+                               layer_block_bytes=layer_block_bytes, tp_rank=rank, layer_group=g.group_of_layer())
         self._layer_index = {n: i for i, n in enumerate(names)}
         if self.cfg.offload:
             self.tier = make_host_tier(self.cfg, g, self.caches)
@@ -283,7 +288,7 @@ class WorkerSide:
         self.stats["pulls_failed"] += 1
         if self.xfer_stats is not None:
             self.xfer_stats.record_failure(_error_kind(err))
-        self._load_errors.update(p.spec.dst_block_ids)
+        self._load_errors.update(_flat_ids(p.spec.dst_block_ids))
         self._reject(RejectSpec(p.spec.req_id, p.spec.xfer_id, p.spec.peers,
                                 f"request {p.spec.req_id}: its pull failed ({type(err).__name__}); recomputed"))
 
@@ -406,7 +411,10 @@ class WorkerSide:
     def _load(self, op: Any) -> None:
         delivered = 0
         try:
-            delivered = int(self.tier.get(op.hashes, op.block_ids))
+            if getattr(op, "group_block_ids", None) is not None:
+                delivered = int(self.tier.get_groups(op.hashes, op.group_block_ids))
+            else:
+                delivered = int(self.tier.get(op.hashes, op.block_ids))
         except Exception as e:  # ChecksumError, missing blocks, device errors
             log.warning("tpu_sync: host-tier load of %d blocks for %s failed: %s", len(op.block_ids), op.req_id, e)
             delivered = 0
@@ -414,7 +422,10 @@ class WorkerSide:
 
     def _book_load(self, op: Any, delivered: int) -> None:
         if delivered < len(op.block_ids):
-            self._load_errors.update(op.block_ids[delivered:])
+            if getattr(op, "group_block_ids", None) is not None:
+                self._load_errors.update(b for g in op.group_block_ids for b in g[delivered:] if b != NULL_BLOCK_ID)
+            else:
+                self._load_errors.update(op.block_ids[delivered:])
             self._report.failed_loads.add(op.req_id)
             self.stats["failed_loads"] += 1
             self._record("failed_loads", 1)
@@ -447,9 +458,9 @@ class WorkerSide:
             if p.handle is not None or now < p.next_try or now >= p.deadline:
                 continue
             s = p.spec
-            dst = compat.placement(self.geometry.tpu_sync_layout(self.caches.num_blocks), s.dst_block_ids)
-            src = compat.placement(s.src_layout, s.src_block_ids)
             try:
+                dst = compat.placement(self.geometry.tpu_sync_layout(self.caches.num_blocks), s.dst_block_ids)
+                src = compat.placement(s.src_layout, s.src_block_ids)
                 if self._pull_waits:
                     # The producer registers one engine step after the request finished: the pull
                     # waits for the registration (up to the pull's deadline) instead of failing.
@@ -484,7 +495,10 @@ class WorkerSide:
             return
         for op in meta.saves:
             try:
-                n = int(self.tier.put(op.hashes, op.block_ids, op.parent))
+                if getattr(op, "group_block_ids", None) is not None:
+                    n = int(self.tier.put_groups(op.hashes, op.group_block_ids, op.parent))
+                else:
+                    n = int(self.tier.put(op.hashes, op.block_ids, op.parent))
             except Exception as e:  # a failed save is a future miss
                 log.warning("tpu_sync: saving %d blocks of %s failed: %s", len(op.block_ids), op.req_id, e)
                 continue
@@ -554,7 +568,7 @@ class WorkerSide:
                     if self.xfer_stats is not None:
                         self.xfer_stats.record_failure(_error_kind(err))
                     res.failed_recving.add(req_id)
-                    self._load_errors.update(p.spec.dst_block_ids)
+                    self._load_errors.update(_flat_ids(p.spec.dst_block_ids))
                     # vLLM recomputes (or fails) it: the KV will not be pulled again.
                     self._reject(RejectSpec(req_id, p.spec.xfer_id, p.spec.peers,
                                             f"request {req_id}: its pull failed ({type(err).__name__}); recomputed"))
@@ -659,6 +673,12 @@ def _error_kind(e: BaseException) -> str:
     except Exception:  # pragma: no cover
         pass
     return "timeout" if isinstance(e, TimeoutError) else "other"
+
+
+def _flat_ids(ids: Any) -> List[int]:
+    """Block ids of a spec: a list, or one list per KV cache group (vLLM's groups share one
+    block pool, so the ids are distinct)."""
+    return [int(b) for g in ids for b in (g if isinstance(g, (list, tuple)) else [g]) if b != NULL_BLOCK_ID]
 
 
 def _is_unknown_request(e: BaseException) -> bool:

@@ -1,0 +1,407 @@
+"""The connector's KV cache groups (hybrid models) against vLLM's real classes: a
+``KVCacheConfig`` with a sliding-window group and a full-attention group (as vLLM builds it for
+the tiny sliding-window Llama, ``build_tiny_hybrid.py --kind sliding``), block ids per group in
+``request_finished_all_groups`` / ``update_state_after_alloc`` / the metadata, bad group
+counts and block-id lists refused, and the worker side moving real PJRT CPU buffers (zero-copy
+views of torch tensors shaped as vLLM's CPU backend allocates them): P/D between two workers
+over loopback TCP and host-tier store then load, byte-exact per group with every other block
+unchanged."""
+
+import json
+import time
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,  # noqa: E402
+                                        SlidingWindowSpec)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from test_connector import BS, request, sched_out, tokens, vllm_config  # noqa: E402
+from tpu_sync.vllm.compat import KvGeometry  # noqa: E402
+from tpu_sync.vllm.config import ConfigError, ConnectorConfig  # noqa: E402
+from tpu_sync.vllm.metadata import RecvSpec, SendSpec, TierOp, TpuSyncHandshake, TpuSyncMetadata  # noqa: E402
+
+NUM_BLOCKS = 24
+WINDOW = 48
+L0, L1 = "model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"
+ATTN = dict(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
+
+
+def kv_cache_config(window=WINDOW, groups=None):
+    if groups is None:
+        groups = [KVCacheGroupSpec([L0], SlidingWindowSpec(sliding_window=window, **ATTN)),
+                  KVCacheGroupSpec([L1], FullAttentionSpec(**ATTN))]
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+@pytest.fixture(scope="module")
+def sliding_model(workdir):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ENV, HERE
+
+    path = os.path.join(workdir, "tiny-sliding")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        subprocess.run([sys.executable, os.path.join(HERE, "build_tiny_hybrid.py"), path, "--kind", "sliding",
+                        "--window", str(WINDOW)], check=True, timeout=300, env=dict(os.environ, **ENV))
+    return path
+
+
+@pytest.fixture(scope="module")
+def configs(sliding_model):
+    return {r: vllm_config(sliding_model, r) for r in ("kv_producer", "kv_consumer", "kv_both")}
+
+
+def connector(cfg, role=KVConnectorRole.SCHEDULER, kvc=None):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    cls = KVConnectorFactory.get_connector_class(cfg.kv_transfer_config)
+    return cls(cfg, role, kvc if kvc is not None else kv_cache_config())
+
+
+def blocks(*groups):
+    return KVCacheBlocks(tuple(tuple(KVCacheBlock(block_id=i) for i in ids) for ids in groups))
+
+
+# ---- geometry --------------------------------------------------------------------------------
+
+
+def test_groups_from_the_kv_cache_config(configs):
+    c = connector(configs["kv_both"])
+    assert isinstance(c, SupportsHMA)  # vLLM keeps its hybrid allocator on for this connector
+    g = c.geometry
+    assert g.groups == ({"kind": "attention", "layers": [0], "sliding_window": WINDOW},
+                        {"kind": "attention", "layers": [1], "sliding_window": None})
+    assert g.num_groups == 2 and g.group_of_layer() == [0, 1]
+    # 100 tokens: the window [53, 100) lies in blocks 1..4; full attention needs blocks 0..4.
+    assert g.held_blocks(0, 100) == (1, 4) and g.held_blocks(1, 100) == (0, 4)
+    assert g.held_blocks(0, 40) == (0, 2)  # the window starts in block 0
+    lay = g.tpu_sync_layout(NUM_BLOCKS)
+    assert [grp["kind"].get("sliding_window") for grp in lay["model"]["groups"]] == [WINDOW, None]
+    assert lay["spec"]["order"] == "lbhnc" and lay["groups"][0]["block_format"] == g.block_format
+    # A uniform KV cache config (one full-attention group) is the uniform geometry, as before.
+    uni = connector(configs["kv_both"], kvc=kv_cache_config(groups=[KVCacheGroupSpec([L0, L1],
+                                                                                     FullAttentionSpec(**ATTN))]))
+    assert uni.geometry.groups is None and "groups" not in uni.geometry.tpu_sync_layout(NUM_BLOCKS)
+    assert uni.geometry.namespace() != g.namespace()  # never share tier blocks
+    assert "groups" in g.mismatch(uni.geometry.to_dict())
+    assert "groups" in g.mismatch(connector(configs["kv_both"], kvc=kv_cache_config(window=64)).geometry.to_dict())
+    assert g.mismatch(g.to_dict()) is None
+    assert g.mismatch(json.loads(json.dumps(g.to_dict()))) is None  # as a peer's params read back
+
+
+def test_kinds_the_connector_cannot_move_are_named(configs):
+    mamba = MambaSpec(block_size=BS, shapes=((3, 512), (4, 64, 16)), dtypes=(torch.float32, torch.float32))
+    with pytest.raises(ValueError, match="MambaSpec"):
+        connector(configs["kv_both"], kvc=kv_cache_config(groups=[
+            KVCacheGroupSpec(["model.layers.0.mixer"], mamba), KVCacheGroupSpec([L1], FullAttentionSpec(**ATTN))]))
+    with pytest.raises(ConfigError, match="layerwise"):
+        cfg = vllm_config(configs["kv_both"].model_config.model, "kv_producer", extra={"layerwise": True})
+        connector(cfg)
+
+
+# ---- scheduler: block ids per group ----------------------------------------------------------
+
+
+def producer_params(configs, n=100):
+    p = connector(configs["kv_producer"])
+    p.set_xfer_handshake_metadata({0: TpuSyncHandshake(0, "10.0.0.1:7001", p.geometry.block_format, NUM_BLOCKS)})
+    toks = tokens(n)
+    r = request("p1", toks, {"do_remote_decode": True}, max_tokens=1)
+    r.num_computed_tokens, r.status = n, RequestStatus.FINISHED_LENGTH_CAPPED
+    # vLLM's per-group block ids: the sliding group already dropped block 0 (its null block).
+    delay, params = p.request_finished_all_groups(r, ([0, 12, 13, 14], [9, 4, 7, 3]))
+    return p, toks, delay, params
+
+
+def test_producer_hands_off_each_groups_held_blocks(configs):
+    p, _, delay, params = producer_params(configs)
+    assert delay is True
+    assert params["remote_block_ids"] == [[12, 13, 14], [9, 4, 7, 3]]
+    assert params["remote_geometry"]["groups"][0]["sliding_window"] == WINDOW
+    (send,) = p.build_connector_meta(sched_out({})).sends
+    assert send.block_ids == [[12, 13, 14], [9, 4, 7, 3]] and send.num_tokens == 100
+    # Bad input: another group count is an error; a null block inside the window, or too few
+    # blocks, hands nothing off.
+    r = request("p2", tokens(100), {"do_remote_decode": True}, max_tokens=1)
+    r.num_computed_tokens, r.status = 100, RequestStatus.FINISHED_LENGTH_CAPPED
+    with pytest.raises(ValueError, match="2 KV cache groups"):
+        p.request_finished_all_groups(r, ([9, 4, 7, 3],))
+    r = request("p3", tokens(100), {"do_remote_decode": True}, max_tokens=1)
+    r.num_computed_tokens, r.status = 100, RequestStatus.FINISHED_LENGTH_CAPPED
+    assert p.request_finished_all_groups(r, ([0, 0, 13, 14], [9, 4, 7, 3])) == (False, None)
+    r = request("p4", tokens(100), {"do_remote_decode": True}, max_tokens=1)
+    r.num_computed_tokens, r.status = 100, RequestStatus.FINISHED_LENGTH_CAPPED
+    assert p.request_finished_all_groups(r, ([0, 12, 13, 14], [9, 4, 7])) == (False, None)
+
+
+def test_consumer_pulls_into_each_groups_blocks(configs):
+    _, toks, _, params = producer_params(configs)
+    c = connector(configs["kv_consumer"])
+    r = request("d1", toks, dict(params))
+    assert c.get_num_new_matched_tokens(r, 0) == (100, True)
+    # vLLM pads the sliding group's blocks before the window with its null block.
+    c.update_state_after_alloc(r, blocks([0, 21, 22, 23], [5, 6, 8, 10]), 100)
+    (spec,) = c.build_connector_meta(sched_out({})).recvs
+    assert spec.src_block_ids == [[12, 13, 14], [9, 4, 7, 3]]
+    assert spec.dst_block_ids == [[21, 22, 23], [5, 6, 8, 10]]
+    assert spec.src_layout["groups"] and spec.src_layout["model"]["groups"][0]["kind"]["sliding_window"] == WINDOW
+    # A null block inside the window on the decode side: vLLM waits for the load, so it is a
+    # pull that fails at once (no source blocks: the worker's placement is refused), whose
+    # blocks are all load errors; nothing is written.
+    r2 = request("d2", toks, dict(params))
+    assert c.get_num_new_matched_tokens(r2, 0) == (100, True)
+    c.update_state_after_alloc(r2, blocks([0, 0, 22, 23], [5, 6, 8, 10]), 100)
+    (spec,) = c.build_connector_meta(sched_out({})).recvs
+    assert spec.src_block_ids == [] and spec.dst_block_ids == [[0, 0, 22, 23], [5, 6, 8, 10]]
+    from tpu_sync.vllm.compat import placement
+    from tpu_sync.vllm.worker import _flat_ids
+
+    with pytest.raises(ValueError, match="one list per KV cache group"):
+        placement(spec.src_layout, spec.src_block_ids)
+    assert sorted(_flat_ids(spec.dst_block_ids)) == [5, 6, 8, 10, 22, 23]
+
+
+@pytest.mark.parametrize("tamper", ["flat", "group-count", "group-length", "window", "uniform-producer"])
+def test_consumer_refuses_params_whose_groups_disagree(configs, tamper):
+    _, toks, _, params = producer_params(configs)
+    bad = dict(params)
+    if tamper == "flat":
+        bad["remote_block_ids"] = [12, 13, 14, 15]
+    elif tamper == "group-count":
+        bad["remote_block_ids"] = [[12, 13, 14]]
+    elif tamper == "group-length":
+        bad["remote_block_ids"] = [[11, 12, 13, 14], [9, 4, 7, 3]]
+    elif tamper == "window":
+        geom = dict(params["remote_geometry"])
+        geom["groups"] = [dict(geom["groups"][0], sliding_window=64), geom["groups"][1]]
+        bad["remote_geometry"] = geom
+    else:
+        bad["remote_geometry"] = dict(params["remote_geometry"], groups=None)
+        bad["remote_block_ids"] = [9, 4, 7, 3]
+    c = connector(configs["kv_consumer"])
+    r = request("d3", toks, bad)
+    assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert c.scheduler_side.stats["refused_params"] == 1
+
+
+def test_offload_saves_and_loads_per_group(configs):
+    c = connector(configs["kv_both"])
+    toks = tokens(100)
+    r = request("o1", toks)
+    c.on_new_request(r)
+
+    class Manager:
+        ids = ([30, 31, 32, 33], [40, 41, 42, 43])
+
+        def get_block_ids(self, rid):
+            return self.ids
+
+    c.scheduler_side.kv_cache_manager = Manager()
+    assert c.get_num_new_matched_tokens(r, 0) == (None, False)  # looked up first
+    meta = c.build_connector_meta(sched_out({"o1": 100}))
+    (save,) = meta.saves  # the 3 full prompt blocks, every group's block of each
+    assert save.block_ids == [30, 31, 32]
+    assert save.group_block_ids == [[30, 31, 32], [40, 41, 42]]
+    # A sliding group that no longer holds a block: saved up to it only.
+    r2 = request("o2", tokens(100, seed=3))
+    c.on_new_request(r2)
+    Manager.ids = ([33, 0, 35, 36], [44, 45, 46, 47])
+    meta = c.build_connector_meta(sched_out({"o2": 100}))
+    assert [s.group_block_ids for s in meta.saves if s.req_id == "o2"] == [[[33], [44]]]
+    # A hit loads every group's block, the sliding group's null blocks included (skipped).
+    from tpu_sync.vllm.metadata import TpuSyncWorkerMetadata
+    from vllm.v1.outputs import KVConnectorOutput
+
+    c.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TpuSyncWorkerMetadata(lookup_hits={"o1": 3})))
+    assert c.get_num_new_matched_tokens(r, 0) == (96, False)
+    c.update_state_after_alloc(r, blocks([0, 0, 52, 53], [60, 61, 62, 63]), 96)
+    (load,) = c.build_connector_meta(sched_out({})).loads
+    assert load.group_block_ids == [[0, 0, 52], [60, 61, 62]]
+
+
+# ---- worker: real PJRT CPU buffers -----------------------------------------------------------
+
+
+def kv_tensors(seed):
+    """vLLM CPU backend tensors of the two layers: [blocks, heads, block, 2 * head_size] f32,
+    non-repeating contents."""
+    g = torch.Generator().manual_seed(seed)
+    return {L0: torch.rand((NUM_BLOCKS, 2, BS, 64), generator=g, dtype=torch.float32) + seed,
+            L1: torch.rand((NUM_BLOCKS, 2, BS, 64), generator=g, dtype=torch.float32) + seed + 0.5}
+
+
+def worker(configs, role, extra=None):
+    from tpu_sync.vllm.worker import WorkerSide
+
+    c = connector(configs[role])
+    return WorkerSide(configs[role], ConnectorConfig.parse(role, extra or {}), c.geometry)
+
+
+def test_worker_pd_moves_each_group_byte_exact(configs):
+    prod = worker(configs, "kv_producer")
+    cons = worker(configs, "kv_consumer")
+    src, dst = kv_tensors(1), kv_tensors(2)
+    before = {n: t.clone() for n, t in dst.items()}
+    try:
+        prod.register_kv_caches(src)
+        cons.register_kv_caches(dst)
+        held_src, held_dst = [[12, 13, 14], [9, 4, 7, 3]], [[21, 22, 23], [5, 6, 8, 10]]
+        prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 77, held_src, 100, 60.0)]))
+        assert prod.stats["registered"] == 1, prod.stats
+        layout = prod.geometry.tpu_sync_layout(NUM_BLOCKS)
+        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 77, {0: prod.transport.address}, layout, held_src,
+                                                            held_dst, 100, 30.0)]))
+        deadline = time.monotonic() + 30
+        res = None
+        while time.monotonic() < deadline:
+            res = cons.get_transfer_results(set())
+            if res.finished_recving:
+                break
+            time.sleep(0.02)
+        assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
+        want = {n: t.clone() for n, t in before.items()}
+        for name, s_ids, d_ids in ((L0, held_src[0], held_dst[0]), (L1, held_src[1], held_dst[1])):
+            for s, d in zip(s_ids, d_ids):
+                want[name][d] = src[name][s]
+        for name in (L0, L1):
+            assert torch.equal(dst[name], want[name]), name
+        # The sliding layer's block before the window was not moved.
+        assert not torch.equal(dst[L0][0], src[L0][0])
+
+        # Bad input at the worker: a group count that disagrees with the layout fails the pull
+        # (a load error), never writes bytes.
+        snap = {n: t.clone() for n, t in dst.items()}
+        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d2", 77, {0: prod.transport.address}, layout,
+                                                            [held_src[1]], [held_dst[1]], 100, 5.0)]))
+        res = cons.get_transfer_results(set())
+        assert res.failed_recving == {"d2"}
+        assert set(cons.get_block_ids_with_load_errors()) == set(held_dst[1])
+        for name in (L0, L1):
+            assert torch.equal(dst[name], snap[name])
+    finally:
+        cons.shutdown()
+        prod.shutdown()
+
+
+def test_worker_host_tier_store_then_load_per_group(configs):
+    w = worker(configs, "kv_both", {"host_capacity_bytes": 64 << 20})
+    kv = kv_tensors(3)
+    try:
+        w.register_kv_caches(kv)
+        orig = {n: t.clone() for n, t in kv.items()}
+        hashes = [bytes([i]) * 32 for i in range(1, 4)]
+        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [30, 31, 32], None, [[3, 4, 5], [6, 7, 8]])]))
+        assert w.stats["saved_blocks"] == 3
+        # A save whose sliding group holds the null block is refused whole (a warning), nothing stored.
+        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o2", [b"\x09" * 32], [9], None, [[0], [9]])]))
+        assert w.stats["saved_blocks"] == 3
+        w.start_load_kv(TpuSyncMetadata(lookups={"o1": hashes + [b"\x08" * 32]}))
+        assert w.build_worker_meta().lookup_hits == {"o1": 3}
+        # Load into other blocks; the sliding group's first block is vLLM's null block: skipped.
+        w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o1", hashes, [16, 17, 18], None, [[0, 11, 12], [16, 17, 18]])]))
+        assert w.stats["loaded_blocks"] == 3 and w.stats["failed_loads"] == 0
+        want = {n: t.clone() for n, t in orig.items()}
+        for s, d in zip([4, 5], [11, 12]):
+            want[L0][d] = orig[L0][s]
+        for s, d in zip([6, 7, 8], [16, 17, 18]):
+            want[L1][d] = orig[L1][s]
+        for name in (L0, L1):
+            assert torch.equal(kv[name], want[name]), name
+        # Bad input: block ids of one group only: a failed load (recomputed), nothing written.
+        w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o3", hashes, [19, 20, 21], None, [[19, 20, 21]])]))
+        assert w.stats["failed_loads"] == 1
+        assert set(w.get_block_ids_with_load_errors()) == {19, 20, 21}
+        for name in (L0, L1):
+            assert torch.equal(kv[name], want[name]), name
+    finally:
+        w.shutdown()
+
+
+# ---- Mamba state groups: vLLM's CPU layout through the Python API ----------------------------
+
+
+def test_mamba_state_group_of_vllms_cpu_layout_moves_byte_exact():
+    """The groups vLLM's CPU backend makes for the tiny granite-4.0-h style hybrid
+    (``build_tiny_hybrid.py --kind granite``, measured: docs/vllm.md): a Mamba2 state group
+    (conv ``(3, 288)`` + SSM ``(4, 64, 16)`` f32 in 32 KiB padded pages) and a full-attention
+    group of block size 64. The connector refuses them (the reasons are in docs/vllm.md); the
+    library's state groups move them: a pull between two endpoints over loopback TCP moves the
+    request's state slot (its dense 19,840 bytes, not the padding) and its attention blocks,
+    byte-exact, every other byte unchanged."""
+    import tpu_sync
+    from tpu_sync.vllm.compat import mamba_state_group
+
+    spec = MambaSpec(block_size=1024, shapes=((3, 288), (4, 64, 16)), dtypes=(torch.float32, torch.float32),
+                     page_size_padded=32768)
+    kind, slot = mamba_state_group(spec)
+    assert slot == 32768
+    with pytest.raises(ValueError, match="TP-sharded"):
+        mamba_state_group(spec, tp=2)
+    dense = (3 * 288 + 4 * 64 * 16) * 4
+    model = tpu_sync.hybrid_model("granite-tiny", [
+        dict(name="mamba", layers=[0], kind=kind),
+        dict(name="full_attention", layers=[1], kind=dict(type="attention", num_kv_heads=2, head_dim=32, dtype="f32")),
+    ])
+    slots, nb, bs, n = 6, 8, 64, 100
+
+    def lay():
+        return tpu_sync.layout(model, block_size=bs, order="nhd", num_blocks=[
+            dict(num_blocks=slots, slot_bytes=slot),
+            dict(num_blocks=nb, order="lbhnc", block_format="vllm-cpu/vec/float32")])
+
+    src_p = tpu_sync.placement(lay(), [[[3]], [[1, 2]]])
+    dst_p = tpu_sync.placement(lay(), [[[5]], [[4, 6]]])
+    # Every component is f32, so the state buffer is f32 [slots, slot / 4] (a mix would be u8).
+    shapes = [([slots, slot // 4], "f32", slots * slot), ([nb, 2, bs, 64], "f32", nb * 2 * bs * 64 * 4)]
+    client = tpu_sync.Client(cpu_devices=1)
+    prod = tpu_sync.Endpoint(listen="127.0.0.1:0", timeout=10, staging_budget_bytes=1 << 30, client=client)
+    cons = tpu_sync.Endpoint(listen=None, timeout=10, client=client)
+    try:
+        def bufs(seed):
+            g = torch.Generator().manual_seed(seed)
+            out = []
+            for dims, dt, size in shapes:
+                raw = torch.randint(0, 256, (size,), generator=g, dtype=torch.uint8).numpy().tobytes()
+                out.append(client.buffer_from_host(raw, shape=dims, dtype=dt))
+            return out
+
+        src, dst = bufs(11), bufs(12)
+        src_b, init = [b.read() for b in src], [b.read() for b in dst]
+        prod.register(41, src_p, n, {0: src})
+        prod.register(42, src_p, n, {0: src})
+        stats = cons.pull(41, prod.address, src_p, dst_p, n, {0: dst}).wait(timeout=30)
+        got = [b.read() for b in dst]
+        # The state slot: its dense bytes moved, the page padding after them not.
+        want_state = bytearray(init[0])
+        want_state[5 * slot:5 * slot + dense] = src_b[0][3 * slot:3 * slot + dense]
+        assert got[0] == bytes(want_state)
+        # The attention group: LBHNC blocks are opaque, so blocks 1, 2 land whole in 4, 6.
+        lbb = 2 * bs * 64 * 4
+        want_attn = bytearray(init[1])
+        for s_id, d_id in ((1, 4), (2, 6)):
+            want_attn[d_id * lbb:(d_id + 1) * lbb] = src_b[1][s_id * lbb:(s_id + 1) * lbb]
+        assert got[1] == bytes(want_attn)
+        assert stats["bytes"] == dense + 2 * lbb
+        # A consumer whose state group has another shape is refused before any byte moves.
+        other = MambaSpec(block_size=1024, shapes=((3, 288), (4, 64, 8)), dtypes=(torch.float32, torch.float32),
+                          page_size_padded=32768)
+        okind, _ = mamba_state_group(other)
+        bad_model = dict(model, groups=[dict(model["groups"][0], kind=okind), model["groups"][1]])
+        bad_lay = dict(lay(), model=bad_model)
+        with pytest.raises(tpu_sync.errors.MismatchError):
+            cons.pull(42, prod.address, dict(src_p, layout=bad_lay), dict(dst_p, layout=bad_lay), n,
+                      {0: bufs(13)}).wait(timeout=30)
+        assert prod.registration_state(42) == "active"
+    finally:
+        cons.close()
+        prod.close()
+        client.close()

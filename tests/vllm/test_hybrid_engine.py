@@ -1,0 +1,102 @@
+"""Engine tests of TpuSyncConnector with a hybrid model: real vLLM engines (CPU backend, greedy)
+on the tiny sliding-window Llama (``build_tiny_hybrid.py --kind sliding``: layer 0 sliding
+window of 48 tokens, layer 1 full attention), for which vLLM's hybrid allocator makes two KV
+cache groups with their own block tables. P/D (producer + consumer engine) and host-tier
+offload (store, then load in a second pass) are token-identical to a plain engine, and the
+handed-off block ids are per group (the sliding group only its window's blocks).
+
+Kept short: two prompts, 8 new tokens. What vLLM's CPU backend runs and what the connector
+moves is in docs/vllm.md ("Hybrid models").
+"""
+
+import os
+
+import pytest
+
+from test_engine import BACKEND, Engines, cached, toks
+
+WINDOW = 48
+BS = 32
+# 107 tokens: the window [60, 107) spans blocks 1..3; 70 tokens: [23, 70) spans blocks 0..2.
+LENS = (107, 70)
+PROMPTS = [[(i * 131 + 17 * k) % 1000 + 3 for i in range(n)] for k, n in enumerate(LENS)]
+MAX_TOKENS = 8
+SHM = f"tpusync-vllm-hybrid-{os.getpid()}"
+
+pytestmark = pytest.mark.skipif(BACKEND == "ref", reason="the reference backends move uniform caches only")
+
+
+@pytest.fixture(scope="module")
+def sliding_model(workdir):
+    import subprocess
+    import sys
+
+    from conftest import ENV, HERE
+
+    path = os.path.join(workdir, "tiny-sliding")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        subprocess.run([sys.executable, os.path.join(HERE, "build_tiny_hybrid.py"), path, "--kind", "sliding",
+                        "--window", str(WINDOW)], check=True, timeout=300, env=dict(os.environ, **ENV))
+    return path
+
+
+@pytest.fixture(scope="module")
+def engines(workdir, sliding_model):
+    e = Engines(workdir, sliding_model)
+    e.spec = lambda **kw: dict(model=sliding_model, prompts=PROMPTS, max_tokens=MAX_TOKENS, **kw)
+    return e
+
+
+@pytest.fixture(scope="module")
+def plain(engines):
+    res = engines.run("hybrid_plain", engines.spec())
+    assert all(len(t) == MAX_TOKENS for t in toks(res))
+    assert len({tuple(t) for t in toks(res)}) == len(PROMPTS), "the model must not be degenerate"
+    return res
+
+
+def test_hybrid_pd_decode_matches_plain(engines, plain):
+    hold = os.path.join(engines.dir, "hybrid_pd.hold")
+    if os.path.exists(hold):
+        os.remove(hold)
+    prod = engines.start("hybrid_pd_producer", engines.spec(
+        remote_decode=True, hold_file=hold, connector=dict(kv_role="kv_producer", extra=dict(lease_s=120.0))))
+    cons = engines.start("hybrid_pd_consumer", engines.spec(
+        params_file=prod.out, connector=dict(kv_role="kv_consumer", policy="fail", extra=dict(pull_timeout_s=60.0))))
+    try:
+        c = engines.finish(cons)
+    finally:
+        open(hold, "w").close()
+    p = engines.finish(prod)
+    assert [t[:1] for t in toks(plain)] == toks(p)
+    params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
+    # Two groups: the sliding window's blocks (3 of 4 for 107 tokens, 3 of 3 for 70), every
+    # block of the full-attention group.
+    assert [[len(g) for g in x["remote_block_ids"]] for x in params] == [[3, 4], [3, 3]], params
+    assert [g["sliding_window"] for g in params[0]["remote_geometry"]["groups"]] == [WINDOW, None]
+    assert p["worker_stats"]["registered"] == len(LENS)
+    assert toks(c) == toks(plain)
+    m = c["metrics"]
+    assert m["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(LENS), m
+    assert c["worker_stats"]["pulls_done"] == len(LENS) and c["worker_stats"]["pulls_failed"] == 0
+
+
+def test_hybrid_offload_second_pass_hits_host_tier(engines, plain):
+    try:
+        res = engines.run("hybrid_offload", engines.spec(repeat=2, connector=dict(
+            kv_role="kv_both", policy="recompute", extra=dict(shm_name=SHM, host_capacity_bytes=64 << 20))))
+    finally:
+        import tpu_sync
+
+        try:
+            tpu_sync.remove_segment(SHM, force=True)
+        except Exception:
+            pass
+    assert toks(res, 0) == toks(plain), "first pass (saves) differs from plain"
+    assert toks(res, 1) == toks(plain), "second pass (loads) differs from plain"
+    want = [(n - 1) // BS * BS for n in LENS]
+    assert cached(res, 0) == [0] * len(LENS)
+    assert cached(res, 1) == want
+    assert res["worker_stats"]["saved_blocks"] == sum(n // BS for n in LENS)
+    assert res["worker_stats"]["loaded_blocks"] == sum(want) // BS
+    assert res["scheduler_stats"]["failed_loads"] == 0
