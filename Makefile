@@ -158,7 +158,7 @@ vllm-env: python
 # Engine tests (P/D, offload, warm restart, poisoned/corrupted tier, producer death, proxy) and the
 # connector's unit tests against vLLM's classes; every engine runs in its own process.
 e2e-vllm: vllm-env etcd
-	timeout 1200 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+	timeout 2400 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
 
 # TTFT of a 2,000-token prompt loaded from the host tier vs recomputed (prints the ratio).
 bench-vllm: vllm-env
