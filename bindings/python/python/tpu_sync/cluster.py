@@ -153,11 +153,13 @@ def load(src_layout: Dict[str, Any], sources: Sequence[Dict[str, Any]], dst_plac
          staging_budget_bytes: Optional[int] = None) -> Dict[str, int]:
     """Loads the present prefix of a prompt from other instances' host tiers into this side's
     device buffers, resharded from the producer's layout ``src_layout`` (``tpu_sync.layout``) to
-    ``dst_placement``'s (other TP split, block size, block order; PCP 1 on both sides). Blocks.
+    ``dst_placement``'s (other TP split, block size, block order; any PCP on the producer, whose
+    PCP ranks of a TP column are asked in turn; PCP 1 on the consumer). Blocks.
 
-    ``sources``: one per rank of the producer's replica, in rank order: ``{"addr": remote server
-    "host:port", "namespace": that rank's store namespace, "keys": [16-byte keys]}``, key ``i``
-    holding the rank's request block ``i``. ``kv``: ``{rank: [layer buffers]}`` as for
+    ``sources``: one per rank of the producer's replica, in local rank order (``pcp * tp_size +
+    tp``): ``{"addr": remote server "host:port", "namespace": that rank's store namespace,
+    "keys": [16-byte keys]}``, key ``i`` holding the rank's request block ``i`` (a PCP rank
+    holds only some of them). ``kv``: ``{rank: [layer buffers]}`` as for
     :meth:`tpu_sync.Endpoint.pull`.
 
     Returns ``{"tokens", "dst_blocks", "fetched_bytes", "device_bytes", "staged_bytes", "spans",
