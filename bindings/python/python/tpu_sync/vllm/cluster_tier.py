@@ -36,13 +36,12 @@ import re
 from typing import Any, Dict, List, Sequence, Tuple
 
 from . import compat
+from ..cluster import SETTINGS as _KEYS  # the same names as every engine's cluster settings
 from .backends import KvCaches, StoreTier
 from .compat import KvGeometry
 from .config import ConfigError, ConnectorConfig
 
 log = logging.getLogger("tpu_sync.vllm")
-
-from ..cluster import SETTINGS as _KEYS  # noqa: E402 - the same names as every engine's cluster settings
 
 
 def cluster_settings(cfg: ConnectorConfig) -> Dict[str, Any]:
@@ -62,8 +61,9 @@ def cluster_settings(cfg: ConnectorConfig) -> Dict[str, Any]:
 
 
 class ClusterTier(StoreTier):
-    """A :class:`StoreTier` published into the cluster directory and filled from peers on lookup
-    (see the module docs)."""
+    """A :class:`StoreTier` published into the cluster directory, whose loads of what a peer
+    holds go straight into the KV blocks (see the module docs). Called from the worker's
+    model-runner thread only."""
 
     def __init__(self, cfg: ConnectorConfig, geometry: KvGeometry, caches: KvCaches) -> None:
         from .. import cluster
@@ -233,7 +233,8 @@ class ClusterTier(StoreTier):
             log.warning("tpu_sync: cluster lookup failed: %s", e)
             return got
         for cand in cands:
-            if cand["src_layout"] != self._layout_meta or len(cand["sources"]) != 1:
+            if dict(cand["src_layout"], num_blocks=0) != dict(self._layout_meta, num_blocks=0) or \
+                    len(cand["sources"]) != 1:
                 continue  # another layout: the host path does not reshard
             s = cand["sources"][0]
             try:
