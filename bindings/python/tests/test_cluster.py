@@ -128,6 +128,17 @@ def test_connector_cluster_tier_loads_a_peer_prefix(etcd, data):
     assert b.store.lookup([b.key(h) for h in hashes]) == 5
     assert b.lookup(hashes) == 5 and b.get(hashes, [4, 5, 6, 7, 8]) == 5
     assert b.stats()["remote_loads"] == 1
+    # The layer-wise path: blocks a peer holds fetched into host memory, byte-exact (every layer
+    # of the block in layer order).
+    third = [bytes([60 + i]) * 32 for i in range(2)]
+    assert a.put(third, [6, 8]) == 2
+    a.publisher.sync(10)
+    assert b.lookup(third) == 2
+    outs = [bytearray(g.block_bytes) for _ in third]
+    assert b.get_host(third, outs) == 2
+    for o, sid in zip(outs, [6, 8]):
+        assert bytes(o) == b"".join(t.view(np.uint8).reshape(-1)[sid * lbb:(sid + 1) * lbb].tobytes() for t in ta)
+    assert b.stats()["remote_blocks"] == 7
     # A peer gone between the lookup and the load: a miss (0 blocks), the tensors untouched.
     other = [bytes([40 + i]) * 32 for i in range(3)]
     assert a.put(other, [1, 2, 4]) == 3

@@ -233,17 +233,16 @@ class ClusterTier(StoreTier):
             log.warning("tpu_sync: cluster lookup failed: %s", e)
             return got
         for cand in cands:
-            if dict(cand["src_layout"], num_blocks=0) != dict(self._layout_meta, num_blocks=0) or \
-                    len(cand["sources"]) != 1:
+            if dict(cand["src_layout"], num_blocks=0) != dict(self._layout_meta, num_blocks=0):
                 continue  # another layout: the host path does not reshard
-            s = cand["sources"][0]
+            s = next(x for x in cand["sources"] if x["namespace"] == self._ns)  # this rank's blocks
             try:
                 n = cluster.fetch(s["addr"], s["namespace"], s["keys"][: len(outs)], outs, timeout=self._timeout)
             except Exception as e:
                 log.warning("tpu_sync: fetch from %s failed: %s", cand["id"], e)
                 continue
             if n > got:
-                self.remote_blocks += n
+                self.remote_blocks += n - got
                 return n
         return got
 
