@@ -47,7 +47,7 @@ fn buffers(
     let kv = l.rank_kv().unwrap();
     let d = client.device(0).unwrap();
     let mut host = vec![0u8; kv.buffer_bytes() as usize];
-    (0..l.spec.tp)
+    (0..l.spec.ranks_per_replica())
         .map(|r| {
             let c = c(r);
             (0..kv.num_layers)
@@ -117,22 +117,40 @@ fn producer(client: &Client, spec: &str, tokens: u32, prompt_len: u32) -> Produc
     let kv = l.rank_kv().unwrap();
     let n = l.request_blocks(tokens).unwrap();
     let ids: Vec<u32> = (0..n).map(|i| (i * 7 + 3) % 16).collect();
-    let p = placement(&l, &ids);
+    // Rank (pcp, tp) holds the request blocks of its PCP chunk (all of them at PCP 1).
+    let chunks: Vec<std::ops::Range<u32>> = (0..l.spec.ranks_per_replica())
+        .map(|r| l.pcp_chunk(tokens, r / l.spec.tp).unwrap())
+        .collect();
+    let p = Placement {
+        layout: l.clone(),
+        dp_rank: 0,
+        block_ids: chunks
+            .iter()
+            .map(|c| c.clone().map(|j| ids[j as usize]).collect())
+            .collect(),
+        groups: None,
+    };
     let bufs = buffers(client, &l, |r| RankContents::new(&p, r, tokens, 1).unwrap());
     let toks = prompt(prompt_len);
     let (mut stores, mut servers, mut keys) = (vec![], vec![], vec![]);
-    for r in 0..l.spec.tp {
+    for r in 0..l.spec.ranks_per_replica() {
         let ns = ns_of(&l, r);
         let mut cfg = store_util::config(kv.num_layers as u64 * 2 * kv.block_bytes(), 16);
         cfg.namespace = ns.clone();
         let s = KvStore::open(cfg).unwrap();
         let k = ns.chain_keys(&toks, l.spec.block_size as usize);
-        let blocks: Vec<DeviceBlock> = ids
+        let chunk = chunks[r as usize].clone();
+        let blocks: Vec<DeviceBlock> = p.block_ids[r as usize]
             .iter()
             .map(|&id| DeviceBlock::kv_block(&kv, &bufs[r as usize], id).unwrap())
             .collect();
+        let parent = chunk.start.checked_sub(1).map(|j| k[j as usize]);
         assert!(s
-            .put_from_device(None, &k[..n as usize], &blocks)
+            .put_from_device(
+                parent,
+                &k[chunk.start as usize..chunk.end as usize],
+                &blocks
+            )
             .unwrap()
             .complete());
         servers.push(RemoteServer::serve(s.clone(), "127.0.0.1:0", ropts()).unwrap());
@@ -150,7 +168,7 @@ fn producer(client: &Client, spec: &str, tokens: u32, prompt_len: u32) -> Produc
 
 impl Producer {
     fn sources(&self) -> Vec<RemoteRank> {
-        (0..self.layout.spec.tp)
+        (0..self.layout.spec.ranks_per_replica())
             .map(|r| RemoteRank {
                 addr: self.servers[r as usize].local_addr().to_string(),
                 namespace: ns_of(&self.layout, r),
@@ -336,6 +354,14 @@ fn failures_leave_the_destination_untouched() {
     assert_eq!(load(&req).unwrap_err().kind(), ErrorKind::InvalidArgument);
     let mut req = c.request(&p, 64);
     req.src = layout("tp=2,pcp=2,block=16", 16);
+    assert_eq!(load(&req).unwrap_err().kind(), ErrorKind::InvalidArgument);
+    let mut req = c.request(&p, 64);
+    req.dst = Placement {
+        layout: layout("tp=1,pcp=2,block=32,order=nhd", 24),
+        dp_rank: 0,
+        block_ids: vec![vec![4], vec![9]],
+        groups: None,
+    };
     assert_eq!(load(&req).unwrap_err().kind(), ErrorKind::Unsupported);
     let mut req = c.request(&p, 64);
     req.dst.block_ids[0][1] = 99;
@@ -359,4 +385,59 @@ fn failures_leave_the_destination_untouched() {
     let r = load(&c.request(&p, 64)).unwrap();
     assert_eq!(r.tokens, 64);
     assert_eq!(c.verify(64).mismatches, 0);
+}
+
+#[test]
+fn loads_from_a_producer_with_pcp() {
+    let client = common::client(1);
+    let caps = Capabilities::probe(&client).unwrap();
+    let b = "tp=1,block=32,order=nhd";
+    for a in [
+        "tp=2,pcp=2,block=16,order=hnd",
+        "tp=1,pcp=3,block=16,order=nhd",
+    ] {
+        // The whole 96-token request (6 producer blocks in PCP chunks), into a TP=1 consumer.
+        let p = producer(&client, a, 96, 96);
+        let c = consumer(&client, &caps, b, 96);
+        let r = load(&c.request(&p, 96)).unwrap();
+        assert_eq!(r.tokens, 96, "{a}: {r:?}");
+        let v = c.verify(96);
+        assert_eq!(v.mismatches, 0, "{a}: {:?}", v.first_mismatch);
+        assert_eq!(v.request_bytes, 96 * 2 * 2 * 8 * 128 * 2, "{a}");
+        assert_eq!(r.device_bytes, v.request_bytes, "{a}");
+
+        // A 64-token prefix of it: the chunk boundaries of the stored request (not of 64
+        // tokens) decide which PCP rank delivers which block.
+        let c = consumer(&client, &caps, b, 64);
+        let r = load(&c.request(&p, 64)).unwrap();
+        assert_eq!(r.tokens, 64, "{a}: {r:?}");
+        assert_eq!(
+            r.present.iter().sum::<usize>(),
+            4 * p.layout.spec.tp as usize
+        );
+        assert_eq!(c.verify(64).mismatches, 0, "{a}");
+    }
+
+    // TP=2 x PCP=2: rank (pcp 1, tp 0) lost its block 4 (and the chain below it): column 0 holds
+    // 4 blocks, so 64 tokens load; PCP rank 1 of column 1 still delivered its 3.
+    let a = "tp=2,pcp=2,block=16,order=hnd";
+    let p = producer(&client, a, 96, 96);
+    assert_eq!(p.stores[2].remove(&p.keys[2][4..5]), 2);
+    let c = consumer(&client, &caps, b, 96);
+    let r = load(&c.request(&p, 96)).unwrap();
+    assert_eq!((r.tokens, r.present.clone()), (64, vec![3, 3, 1, 3]));
+    let v = c.verify(64);
+    assert_eq!(v.mismatches, 0, "{:?}", v.first_mismatch);
+    // PCP rank 0 of column 1 is dead: a clean error, nothing written.
+    let c = consumer(&client, &caps, b, 96);
+    let mut req = c.request(&p, 96);
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    req.sources[1].addr = dead.local_addr().unwrap().to_string();
+    drop(dead);
+    let e = load(&req).unwrap_err();
+    assert!(
+        matches!(e.kind(), ErrorKind::PeerClosed | ErrorKind::Timeout),
+        "{e}"
+    );
+    assert_eq!(c.verify(0).mismatches, 0);
 }

@@ -1156,7 +1156,7 @@ enum tpu_sync_status tpu_sync_remote_fetch(const char *addr,
  * * `request_json` (NUL-terminated, borrowed): `{"src_layout": <the producer's layout JSON>,
  *   "sources": [{"addr": "host:port", "namespace": "<store namespace description>", "keys":
  *   ["<32 hex digits, BlockKey hex>", ...]}, ...], "staging_budget_bytes": N}` with one source
- *   per rank of the producer's replica (index = its local rank; PCP must be 1), key `i` of a
+ *   per rank of the producer's replica (index = its local rank `pcp * tp + tp_rank`), key `i` of a
  *   source holding request block `i` of that rank (the producer's block size);
  *   `staging_budget_bytes` (optional) bounds this call's pinned memory (default: the process
  *   budget).
@@ -1173,7 +1173,7 @@ enum tpu_sync_status tpu_sync_remote_fetch(const char *addr,
  * Errors: `TPU_SYNC_INVALID_ARGUMENT` (JSON, key, source count, a chain shorter than the
  * request), `TPU_SYNC_LAYOUT`, `TPU_SYNC_BLOCK_RANGE`, `TPU_SYNC_MISMATCH` (another model or a
  * buffer disagreeing with its layout, or a source's store of another namespace),
- * `TPU_SYNC_UNSUPPORTED` (PCP > 1, no in-place H2D path), `TPU_SYNC_STAGING_EXHAUSTED`,
+ * `TPU_SYNC_UNSUPPORTED` (consumer PCP > 1, no H2D path), `TPU_SYNC_STAGING_EXHAUSTED`,
  * `TPU_SYNC_PEER_CLOSED` / `TPU_SYNC_TIMEOUT` (a producer unreachable, dead or stalled),
  * `TPU_SYNC_PROTOCOL`, `TPU_SYNC_CHECKSUM`, device copy errors.
  *

@@ -3,58 +3,26 @@ tier through the Python API: publish, lookup, fetch byte-exact, stale entries ar
 server is a clean error. Skipped when no etcd binary is installed (scripts/install-etcd.sh)."""
 
 import os
-import shutil
-import socket
-import subprocess
-import tempfile
-import time
-import urllib.request
+import sys
 
 import pytest
 
 import tpu_sync
 from tpu_sync import cluster, errors
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tests", "cluster_util"))
+from etcd import etcd_bin, etcd_server  # noqa: E402
+
 BLOCK = 8192
 NS = "py-cluster bf16 tp=1 block=16"
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def etcd():
-    exe = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
-    if exe is None:
+    if etcd_bin() is None:
         pytest.skip("no etcd binary (scripts/install-etcd.sh)")
-    d = tempfile.mkdtemp(prefix="tsync-py-etcd-")
-    cp, pp = _port(), _port()
-    curl, purl = f"http://127.0.0.1:{cp}", f"http://127.0.0.1:{pp}"
-    log = open(os.path.join(d, "etcd.log"), "w")
-    p = subprocess.Popen([exe, "--name", "t", "--data-dir", os.path.join(d, "data"),
-                          "--listen-client-urls", curl, "--advertise-client-urls", curl,
-                          "--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl,
-                          "--initial-cluster", f"t={purl}", "--logger", "zap", "--log-level", "warn"],
-                         stdout=log, stderr=log)
-    try:
-        t0 = time.time()
-        while True:
-            try:
-                if b'"true"' in urllib.request.urlopen(curl + "/health", timeout=1).read():
-                    break
-            except OSError:
-                pass
-            assert time.time() - t0 < 30, "etcd did not start"
-            time.sleep(0.05)
+    with etcd_server("tsync-py-etcd") as curl:
         yield curl
-    finally:
-        p.kill()
-        p.wait()
-        log.close()
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def store():
@@ -112,7 +80,8 @@ def test_bad_configuration():
 def test_connector_cluster_tier_loads_a_peer_prefix(etcd, data):
     """The vLLM connector's host tier with ``cluster`` settings, without vLLM: engine A stores a
     prompt's blocks from its KV tensors; engine B (other block ids) finds them through the
-    directory, fetches them into its tier and loads them into its own KV tensors byte-exact."""
+    directory and loads them straight into its own KV tensors (tpu_sync.cluster.load) byte-exact,
+    then holds them in its own tier; a peer gone between lookup and load is a miss."""
     np = pytest.importorskip("numpy")
     from tpu_sync.vllm.backends import KvCaches, make_host_tier
     from tpu_sync.vllm.cluster_tier import ClusterTier
@@ -121,9 +90,8 @@ def test_connector_cluster_tier_loads_a_peer_prefix(etcd, data):
 
     g = KvGeometry(model="tiny", num_layers=2, num_kv_heads=2, heads_per_rank=2, head_dim=16, dtype="f32",
                    block_size=16, tp=1, block_format="test/f32")
-    nblocks = 12
 
-    def engine(port_tag):
+    def engine(port_tag, nblocks):
         tensors = [tpu_sync.aligned_array((nblocks, 2, 16, 32), "float32") for _ in range(g.num_layers)]
         caches = KvCaches(names=[f"l{i}" for i in range(g.num_layers)], tensors=tensors, num_blocks=nblocks,
                           layer_block_bytes=g.layer_block_bytes, tp_rank=0)
@@ -131,27 +99,56 @@ def test_connector_cluster_tier_loads_a_peer_prefix(etcd, data):
             "endpoints": [etcd], "advertise": "127.0.0.1:0", "host_id": port_tag, "lease_ttl": 2}})
         return make_host_tier(cfg, g, caches), tensors
 
-    a, ta = engine("engine-a")
-    b, tb = engine("engine-b")
+    # Two layouts of the same model: A's KV tensors have 12 blocks, B's 14.
+    a, ta = engine("engine-a", 12)
+    b, tb = engine("engine-b", 14)
     assert isinstance(a, ClusterTier) and isinstance(b, ClusterTier)
     hashes = [bytes([i]) * 32 for i in range(1, 6)]
-    src_ids, dst_ids = [3, 7, 0, 11, 5], [9, 1, 4, 10, 2]
+    src_ids, dst_ids = [3, 7, 0, 11, 5], [9, 1, 13, 10, 2]
     for li, t in enumerate(ta):
         t.view(np.uint8).reshape(-1)[:] = np.frombuffer(data(t.nbytes, 7 + li), np.uint8)
+    for li, t in enumerate(tb):
+        t.view(np.uint8).reshape(-1)[:] = np.frombuffer(data(t.nbytes, 70 + li), np.uint8)
+    before = [t.copy() for t in tb]
     assert a.put(hashes, src_ids) == 5
     a.publisher.sync(10)
-    assert b.lookup(hashes) == 5, "fetched from engine A into B's tier"
-    assert b.stats()["remote_blocks"] == 5
+    assert b.lookup(hashes) == 5, "A's prefix found through the directory"
+    assert b.stats()["remote_blocks"] == 0, "a lookup moves no bytes"
     assert b.get(hashes, dst_ids) == 5
+    st = b.stats()
+    assert st["remote_blocks"] == 5 and st["remote_loads"] == 1
     lbb = g.layer_block_bytes
-    for t_a, t_b in zip(ta, tb):
-        ua, ub = t_a.view(np.uint8).reshape(-1), t_b.view(np.uint8).reshape(-1)
+    for t_a, t_b, t_0 in zip(ta, tb, before):
+        ua, ub, u0 = (x.view(np.uint8).reshape(-1) for x in (t_a, t_b, t_0))
         for s, d in zip(src_ids, dst_ids):
             assert ub[d * lbb:(d + 1) * lbb].tobytes() == ua[s * lbb:(s + 1) * lbb].tobytes()
-    # A second lookup is a local hit: nothing fetched again.
-    assert b.lookup(hashes) == 5 and b.stats()["remote_blocks"] == 5
-    # Engine A goes away: B's lookups of an unknown longer chain are misses, not errors.
+        for d in set(range(14)) - set(dst_ids):  # other blocks untouched
+            assert ub[d * lbb:(d + 1) * lbb].tobytes() == u0[d * lbb:(d + 1) * lbb].tobytes()
+    # B now holds the prefix in its own tier: a local hit, nothing loaded remotely again.
+    assert b.store.lookup([b.key(h) for h in hashes]) == 5
+    assert b.lookup(hashes) == 5 and b.get(hashes, [4, 5, 6, 7, 8]) == 5
+    assert b.stats()["remote_loads"] == 1
+    # The layer-wise path: blocks a peer holds fetched into host memory, byte-exact (every layer
+    # of the block in layer order).
+    third = [bytes([60 + i]) * 32 for i in range(2)]
+    assert a.put(third, [6, 8]) == 2
+    a.publisher.sync(10)
+    assert b.lookup(third) == 2
+    outs = [bytearray(g.block_bytes) for _ in third]
+    assert b.get_host(third, outs) == 2
+    for o, sid in zip(outs, [6, 8]):
+        assert bytes(o) == b"".join(t.view(np.uint8).reshape(-1)[sid * lbb:(sid + 1) * lbb].tobytes() for t in ta)
+    assert b.stats()["remote_blocks"] == 7
+    # A peer gone between the lookup and the load: a miss (0 blocks), the tensors untouched.
+    other = [bytes([40 + i]) * 32 for i in range(3)]
+    assert a.put(other, [1, 2, 4]) == 3
+    a.publisher.sync(10)
+    assert b.lookup(other) == 3
+    snap = [t.copy() for t in tb]
     a.close()
+    assert b.get(other, [0, 3, 11]) == 0
+    assert [x.tobytes() for x in tb] == [y.tobytes() for y in snap]
+    # Engine A's entries are gone: B's lookups of an unknown longer chain are misses, not errors.
     more = hashes + [b"\x09" * 32]
     assert b.lookup(more) == 5
     b.close()

@@ -37,9 +37,21 @@
 //! * **Bounded memory.** Both the fetched blocks and the destination staging are reserved from a
 //!   [`StagingBudget`] before anything is allocated ([`Error::StagingExhausted`] otherwise).
 //!
-//! Limits: PCP = 1 on both sides (a PCP rank's chain holds a token chunk, whose placement in the
-//! chain depends on the request length); the destination's DMA map is not registered (the
-//! pipeline's pull does; on the CPU plugin it is a no-op).
+//! # A producer with PCP > 1
+//!
+//! A PCP rank's store holds the blocks of its token chunk of each request it prefilled (request
+//! blocks [`ParallelLayout::pcp_chunk`] of *that* request's length, under the chain keys of
+//! those blocks), so which rank holds block `i` of a prefix depends on the length of the request
+//! that stored it, which the consumer does not know. The consumer therefore asks, per TP column
+//! `t` (in parallel), PCP rank 0 for the leading present blocks of the chain, then PCP rank 1 for
+//! the leading present blocks from where rank 0 stopped, and so on: the column's present prefix
+//! is the concatenation, whatever request lengths stored it (keys name whole prefixes, so a
+//! block under a key is the same bytes on whichever rank holds it). The fetched column is then
+//! a PCP = 1 rank `t` of the producer's layout, and the plan is built from that.
+//!
+//! Limits: PCP = 1 on the consumer (its placement's chunks depend on the request length it
+//! loads); the destination's DMA map is not registered (the pipeline's pull does; on the CPU
+//! plugin it is a no-op).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -109,7 +121,8 @@ pub struct RemoteRank {
 pub struct RemoteLoad {
     /// The producer's layout (its `num_blocks` is ignored).
     pub src: ParallelLayout,
-    /// One entry per rank of the producer's replica (index = local rank `tp`; PCP must be 1).
+    /// One entry per rank of the producer's replica, indexed by its local rank
+    /// `pcp * tp_size + tp` (see the module docs for PCP > 1).
     pub sources: Vec<RemoteRank>,
     /// Where the request's tokens go on this side: the consumer's layout, DP replica and block
     /// ids of `num_tokens` tokens per rank.
@@ -141,7 +154,8 @@ pub struct LoadReport {
     /// Destination blocks (per rank) those tokens fill, the last one possibly partial only when
     /// `tokens == num_tokens`.
     pub dst_blocks: u32,
-    /// Leading blocks each producer rank delivered, by rank.
+    /// Blocks each producer rank delivered, by local rank (`pcp * tp_size + tp`); with PCP > 1
+    /// a rank's count starts where the PCP rank before it in the same TP column stopped.
     pub present: Vec<usize>,
     /// Bytes fetched over the network (blocks delivered).
     pub fetched_bytes: u64,
@@ -163,7 +177,7 @@ pub struct LoadReport {
 ///
 /// Errors (the destination buffers are untouched in every case): [`Error::InvalidArgument`] for
 /// a number of sources other than the producer's ranks per replica, a chain shorter than the
-/// request, or mismatched buffers; [`Error::Unsupported`] for PCP > 1 on either side or no
+/// request, or mismatched buffers; [`Error::Unsupported`] for PCP > 1 on the consumer or no
 /// in-place H2D path; the placement and plan errors of [`Plan::build`] ([`Error::Mismatch`] for
 /// another model or physical layout, [`Error::BlockRange`] for bad block ids);
 /// [`Error::StagingExhausted`]; the fetch errors of [`remote::fetch`] ([`Error::PeerClosed`] /
@@ -177,12 +191,13 @@ pub fn load_to_device(
     let t0 = Instant::now();
     let src = &req.src;
     src.validate()?;
-    if src.spec.pcp != 1 || req.dst.layout.spec.pcp != 1 {
+    if req.dst.layout.spec.pcp != 1 {
         return Err(Error::Unsupported {
             plugin: "tpu-sync".into(),
             what: format!(
-                "remote load with PCP={} (producer) / PCP={} (consumer): only PCP=1",
-                src.spec.pcp, req.dst.layout.spec.pcp
+                "remote load into a consumer with PCP={}: only PCP=1 on the consumer (any PCP \
+                 on the producer)",
+                req.dst.layout.spec.pcp
             ),
         });
     }
@@ -220,40 +235,64 @@ pub fn load_to_device(
         }
     }
 
-    // 1. Fetch every rank's present prefix into one pinned arena (one stored block = every
-    //    layer and plane of one block of that rank).
+    // 1. Fetch every TP column's present prefix into one pinned arena (one stored block = every
+    //    layer and plane of one block of that rank): column `t`'s block `i` at
+    //    `(t * need + i) * stored`, its PCP ranks asked in turn (see the module docs).
+    let tp = src.spec.tp as usize;
+    let pcp = src.spec.pcp as usize;
     let mut vsrc = src.clone();
     vsrc.num_blocks = need as u32;
+    vsrc.spec.pcp = 1;
     let skv = vsrc.rank_kv()?;
     let stored = skv.num_layers as u64 * skv.kv_planes as u64 * skv.block_bytes();
-    let fetch_bytes = (stored * (need * ranks) as u64).div_ceil(4096) * 4096;
+    let fetch_bytes = (stored * (need * tp) as u64).div_ceil(4096) * 4096;
     let reservation = budget.reserve(fetch_bytes, "remote load: fetched blocks", o.staging_wait)?;
     let arena = PinnedArena::new(fetch_bytes as usize, &o.arena)?;
-    let base = arena.ptr_at(0, stored * (need * ranks) as u64)?;
-    let results: Vec<Result<usize>> = std::thread::scope(|sc| {
-        let hs: Vec<_> = req
-            .sources
-            .iter()
-            .enumerate()
-            .map(|(r, s)| {
-                let rank_base = base as usize + r * need * stored as usize;
+    let base = arena.ptr_at(0, stored * (need * tp) as u64)?;
+    let results: Vec<Result<Vec<usize>>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..tp)
+            .map(|t| {
+                let col_base = base as usize + t * need * stored as usize;
                 let opts = &o.remote;
+                let sources = &req.sources;
                 sc.spawn(move || {
-                    let mut dst: Vec<&mut [u8]> = (0..need)
-                        .map(|i| {
-                            // SAFETY: block `i` of rank `r` is its own `stored`-byte range of
-                            // the arena (inside it: checked by `ptr_at` above); no two ranges
-                            // overlap, and the arena outlives the scope.
-                            unsafe {
-                                std::slice::from_raw_parts_mut(
-                                    (rank_base + i * stored as usize) as *mut u8,
-                                    stored as usize,
-                                )
-                            }
-                        })
-                        .collect();
-                    remote::fetch(&s.addr, &s.namespace, &s.chain[..need], &mut dst, opts)
-                        .map_err(|e| e.context(format!("producer rank {r} at {}", s.addr)))
+                    // Per PCP rank of the column, the blocks it delivered.
+                    let mut got = vec![0usize; pcp];
+                    let mut pos = 0usize;
+                    for (p, n) in got.iter_mut().enumerate() {
+                        if pos == need {
+                            break;
+                        }
+                        let r = p * tp + t;
+                        let s = &sources[r];
+                        let mut dst: Vec<&mut [u8]> = (pos..need)
+                            .map(|i| {
+                                // SAFETY: block `i` of column `t` is its own `stored`-byte range
+                                // of the arena (inside it: checked by `ptr_at` above); no two
+                                // ranges overlap (each column's thread writes only its own, each
+                                // block once), and the arena outlives the scope.
+                                unsafe {
+                                    std::slice::from_raw_parts_mut(
+                                        (col_base + i * stored as usize) as *mut u8,
+                                        stored as usize,
+                                    )
+                                }
+                            })
+                            .collect();
+                        *n = remote::fetch(
+                            &s.addr,
+                            &s.namespace,
+                            &s.chain[pos..need],
+                            &mut dst,
+                            opts,
+                        )
+                        .map_err(|e| e.context(format!("producer rank {r} at {}", s.addr)))?;
+                        if *n == 0 {
+                            break;
+                        }
+                        pos += *n;
+                    }
+                    Ok(got)
                 })
             })
             .collect();
@@ -267,17 +306,25 @@ pub fn load_to_device(
             })
             .collect()
     });
-    let present = results.into_iter().collect::<Result<Vec<usize>>>()?;
+    let per_column = results.into_iter().collect::<Result<Vec<Vec<usize>>>>()?;
+    // Leading blocks of each TP column, and per local rank (`p * tp + t`) what it delivered.
+    let present: Vec<usize> = per_column.iter().map(|c| c.iter().sum()).collect();
+    let mut by_rank = vec![0usize; tp * pcp];
+    for (t, c) in per_column.iter().enumerate() {
+        for (p, &n) in c.iter().enumerate() {
+            by_rank[p * tp + t] = n;
+        }
+    }
     let fetch_time = t0.elapsed();
     let mut report = LoadReport {
-        present: present.clone(),
         fetched_bytes: present.iter().map(|&n| n as u64 * stored).sum(),
+        present: by_rank,
         staged_bytes: reservation.bytes(),
         fetch_time,
         ..LoadReport::default()
     };
 
-    // 2. The prefix every rank delivered, in whole destination blocks unless it is the request.
+    // 2. The prefix every column delivered, in whole destination blocks unless it is the request.
     let whole = *present.iter().min().unwrap_or(&0) as u64 * src.spec.block_size as u64;
     let dbs = req.dst.layout.spec.block_size;
     let tokens = if whole >= req.num_tokens as u64 {
@@ -289,13 +336,13 @@ pub fn load_to_device(
         return Ok(report);
     }
 
-    // 3. Plan from the fetched blocks (the producer's layout with the chain positions as block
-    //    ids) to the consumer's blocks of those tokens.
+    // 3. Plan from the fetched blocks (the producer's layout at PCP 1, the chain positions as
+    //    block ids) to the consumer's blocks of those tokens.
     let n_src = src.request_blocks(tokens)? as usize;
     let vplace = Placement {
         layout: vsrc,
         dp_rank: 0,
-        block_ids: vec![(0..n_src as u32).collect(); ranks],
+        block_ids: vec![(0..n_src as u32).collect(); tp],
         groups: None,
     };
     let n_dst = req.dst.layout.request_blocks(tokens)? as usize;
@@ -338,8 +385,8 @@ pub fn load_to_device(
                 let blk = off / stored;
                 if blk >= present[r] as u64 {
                     return Err(Error::Protocol(format!(
-                        "remote load: the plan reads block {blk} of producer rank {r}, which \
-                         delivered {}",
+                        "remote load: the plan reads block {blk} of producer TP column {r}, \
+                         which delivered {}",
                         present[r]
                     )));
                 }

@@ -34,7 +34,7 @@ from .errors import InvalidArgumentError
 from .store import Store, _keys
 from . import _check as ck
 
-__all__ = ["Directory", "Publisher", "RemoteServer", "fetch", "load"]
+__all__ = ["Directory", "Member", "Publisher", "RemoteServer", "SETTINGS", "fetch", "load", "settings"]
 
 
 class Publisher(Handle):
@@ -153,11 +153,13 @@ def load(src_layout: Dict[str, Any], sources: Sequence[Dict[str, Any]], dst_plac
          staging_budget_bytes: Optional[int] = None) -> Dict[str, int]:
     """Loads the present prefix of a prompt from other instances' host tiers into this side's
     device buffers, resharded from the producer's layout ``src_layout`` (``tpu_sync.layout``) to
-    ``dst_placement``'s (other TP split, block size, block order; PCP 1 on both sides). Blocks.
+    ``dst_placement``'s (other TP split, block size, block order; any PCP on the producer, whose
+    PCP ranks of a TP column are asked in turn; PCP 1 on the consumer). Blocks.
 
-    ``sources``: one per rank of the producer's replica, in rank order: ``{"addr": remote server
-    "host:port", "namespace": that rank's store namespace, "keys": [16-byte keys]}``, key ``i``
-    holding the rank's request block ``i``. ``kv``: ``{rank: [layer buffers]}`` as for
+    ``sources``: one per rank of the producer's replica, in local rank order (``pcp * tp_size +
+    tp``): ``{"addr": remote server "host:port", "namespace": that rank's store namespace,
+    "keys": [16-byte keys]}``, key ``i`` holding the rank's request block ``i`` (a PCP rank
+    holds only some of them). ``kv``: ``{rank: [layer buffers]}`` as for
     :meth:`tpu_sync.Endpoint.pull`.
 
     Returns ``{"tokens", "dst_blocks", "fetched_bytes", "device_bytes", "staged_bytes", "spans",
@@ -193,3 +195,99 @@ def load(src_layout: Dict[str, Any], sources: Sequence[Dict[str, Any]], dst_plac
     del keep
     return {f: int(getattr(st, f)) for f in ("tokens", "dst_blocks", "fetched_bytes", "device_bytes",
                                              "staged_bytes", "spans", "elapsed_ns")}
+
+
+#: The keys of an engine's ``cluster`` settings (the vLLM connector's
+#: ``kv_connector_extra_config["cluster"]``, the SGLang storage backend's
+#: ``hicache_storage_backend_extra_config["cluster"]``); see :class:`Member`.
+SETTINGS = frozenset({"endpoints", "advertise", "listen", "host_id", "prefix", "lease_ttl", "user", "password",
+                      "tls_ca_file", "tls_cert_file", "tls_key_file", "tls_domain", "fetch_timeout"})
+
+_DIRECTORY_SETTINGS = ("prefix", "lease_ttl", "user", "password", "tls_ca_file", "tls_cert_file", "tls_key_file",
+                       "tls_domain")
+
+
+def settings(c: Any, where: str = "cluster") -> Dict[str, Any]:
+    """Checks an engine's ``cluster`` settings (a dict of :data:`SETTINGS`; ``None`` or empty:
+    no cluster) and returns them as a new dict.
+
+    Raises: InvalidArgumentError for a non-dict, unknown keys, or missing ``endpoints`` /
+    ``advertise``."""
+    if c is None:
+        return {}
+    if not isinstance(c, dict):
+        raise ck.fail(f"{where} must be a dict, got {type(c).__name__}")
+    unknown = set(c) - SETTINGS
+    if unknown:
+        raise ck.fail(f"unknown {where} settings {sorted(unknown)}; known: {sorted(SETTINGS)}")
+    if c and (not c.get("endpoints") or not c.get("advertise")):
+        raise ck.fail(f"{where} settings need 'endpoints' and 'advertise'")
+    if c and (not isinstance(c["endpoints"], (list, tuple)) or not all(isinstance(e, str) for e in c["endpoints"])):
+        raise ck.fail(f"{where}['endpoints'] must be a list of etcd URLs")
+    return dict(c)
+
+
+class Member:
+    """One store of an engine in the cluster: served to other instances (:class:`RemoteServer`)
+    and published into the directory (:meth:`Directory.publish`), from an engine's ``cluster``
+    settings (:func:`settings`):
+
+    ``endpoints`` (list of str, required)
+        etcd client URLs.
+    ``advertise`` (str, required)
+        ``host:port`` other instances fetch this store's blocks from (port 0: the port the
+        server picked); the server listens on ``listen`` (default ``0.0.0.0:<advertise port>``).
+    ``host_id`` (str)
+        this store's id in the directory (default ``<advertise host>_<port>-r<rank>``).
+    ``prefix``, ``lease_ttl`` (seconds), ``user``, ``password``, ``tls_ca_file``,
+    ``tls_cert_file``, ``tls_key_file``, ``tls_domain``
+        as :class:`Directory`.
+    ``fetch_timeout`` (seconds, default 5)
+        deadline of each fetch from a peer (:attr:`timeout`).
+
+    ``meta`` is published with the store's record (e.g. a ``StoreSource`` JSON). Not
+    thread-safe to close while in use; the handles are.
+
+    Raises: InvalidArgumentError (bad settings), the errors of :class:`Directory` and
+    :class:`RemoteServer` (e.g. the listen port in use)."""
+
+    def __init__(self, store: Store, c: Dict[str, Any], *, rank: int = 0, meta: Optional[str] = None) -> None:
+        c = settings(c)
+        if not c:
+            raise ck.fail("cluster settings are empty")
+        self.timeout = float(c.get("fetch_timeout", 5.0))
+        advertise = str(c["advertise"])
+        listen = str(c.get("listen") or f"0.0.0.0:{advertise.rpartition(':')[2]}")
+        self.directory = Directory(list(c["endpoints"]), **{k: c[k] for k in _DIRECTORY_SETTINGS if k in c})
+        try:
+            self.server = RemoteServer(store, listen)
+        except Exception:
+            self.directory.close()
+            raise
+        if advertise.endswith(":0"):
+            advertise = f"{advertise.rpartition(':')[0]}:{self.server.addr.rpartition(':')[2]}"
+        #: the address published for this store
+        self.advertise = advertise
+        #: this store's id in the directory
+        self.host_id = str(c.get("host_id") or f"{advertise.replace(':', '_')}-r{int(rank)}")
+        self.endpoints = list(c["endpoints"])
+        try:
+            self.publisher = self.directory.publish(store, host_id=self.host_id, addr=advertise, meta=meta)
+        except Exception:
+            self.server.close()
+            self.directory.close()
+            raise
+
+    def peers(self, namespace: str, keys: Sequence[bytes], more_than: int = 0) -> List[Dict[str, Any]]:
+        """:meth:`Directory.lookup` without this store's own record and hosts holding at most
+        ``more_than`` leading blocks."""
+        return [c for c in self.directory.lookup(namespace, keys)
+                if c["id"] != self.host_id and int(c["blocks"]) > more_than]
+
+    def close(self) -> None:
+        """Stops publishing (the entries go at once) and serving; never raises."""
+        for h in (self.publisher, self.server, self.directory):
+            try:
+                h.close()
+            except Exception:  # never fail a shutdown
+                pass

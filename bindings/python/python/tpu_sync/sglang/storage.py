@@ -38,6 +38,18 @@ Extra config keys (``hicache_storage_backend_extra_config``; SGLang's own keys
     Check every page read from the tier.
 ``namespace`` (str)
     Extra text mixed into every pool's key namespace.
+``cluster`` (dict)
+    Share the KV pool's tier with other instances (the settings of the vLLM connector's
+    ``cluster``, :class:`tpu_sync.cluster.Member`: ``endpoints``, ``advertise``, ``listen``,
+    ``host_id``, ``prefix``, ``lease_ttl``, ``user``, ``password``, ``tls_*``,
+    ``fetch_timeout``). The tier is served to other instances (:class:`tpu_sync.cluster.RemoteServer`)
+    and its pages published into the cluster prefix directory on etcd; ``exists`` /
+    ``batch_exists`` also count the pages a peer of the same namespace (model, layout, ranks)
+    holds beyond the local ones, and a read of such pages first fetches them from that peer's
+    remote tier into the local tier (length and xxh3-64 checked on arrival, checksummed again on
+    read), so they are hits from then on. A dead or stalled peer, a stale directory entry or
+    etcd being down is a miss (each fetch bounded by ``fetch_timeout``), never an error.
+    Extra pools of hybrid models stay local.
 
 Namespacing (:func:`namespace_of`): model, pool, layout, dtype, page size and page bytes, PP rank
 and size, attention CP and DCP ranks; TP rank and size for MHA pools. MLA KV is replicated over
@@ -86,6 +98,7 @@ _KEYS = {
     "disk_capacity_bytes": (int, float),
     "verify_checksums": bool,
     "namespace": str,
+    "cluster": dict,
 }
 #: How many exists answers are remembered for the "get never longer than exists" rule.
 _EXISTS_MEMO = 4096
@@ -104,7 +117,8 @@ def parse_extra_config(extra: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """
     extra = dict(extra or {})
     out: Dict[str, Any] = dict(host_capacity_bytes=DEFAULT_HOST_CAPACITY, shm_name=None, shm_dir=None,
-                               disk_dir=None, disk_capacity_bytes=None, verify_checksums=True, namespace="")
+                               disk_dir=None, disk_capacity_bytes=None, verify_checksums=True, namespace="",
+                               cluster={})
     for k, v in extra.items():
         if k in _SGLANG_KEYS:
             continue
@@ -122,6 +136,13 @@ def parse_extra_config(extra: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         raise ConfigError("disk_dir and disk_capacity_bytes go together")
     if out["disk_capacity_bytes"] is not None:
         out["disk_capacity_bytes"] = int(out["disk_capacity_bytes"])
+    if out["cluster"]:
+        from tpu_sync import cluster, errors
+
+        try:
+            out["cluster"] = cluster.settings(out["cluster"], "hicache_storage_backend_extra_config['cluster']")
+        except errors.InvalidArgumentError as e:
+            raise ConfigError(str(e)) from None
     return out
 
 
@@ -165,6 +186,16 @@ class _PoolTier:
         self.page_bytes = pages.page_bytes(pool)
         self.zero_copy = zero_copy
         self._views = [view_of(b) for b in pages.base_tensors(pool)] if zero_copy else []
+        #: the tier's cluster membership (KV pool with ``cluster`` settings), else None
+        self.member: Any = None
+        #: peers that the last exists calls found, by the chain's first key (bounded)
+        self.peers: "OrderedDict[bytes, List[Dict[str, Any]]]" = OrderedDict()
+
+    def close(self) -> None:
+        if self.member is not None:
+            self.member.close()
+            self.member = None
+        self.store.close()
 
     def keys(self, hashes: Sequence[str]) -> List[bytes]:
         return [self.store.engine_key(h) for h in hashes]
@@ -195,7 +226,8 @@ class TpuSyncStorage(HiCacheStorage):
         self._metrics_backup: List[int] = []
         #: cumulative counters (pages), also written to the stats file (:mod:`tpu_sync.sglang.stats`).
         self.counters: Dict[str, int] = dict(exists_calls=0, exists_hits=0, get_pages=0, get_hits=0, set_pages=0,
-                                             set_stored=0, corrupt=0, errors=0)
+                                             set_stored=0, corrupt=0, errors=0, exists_remote=0,
+                                             remote_fetches=0, remote_pages=0, remote_errors=0)
 
     # ---- registration ------------------------------------------------------------------
 
@@ -257,11 +289,24 @@ class TpuSyncStorage(HiCacheStorage):
             kw.pop("disk_capacity_bytes", None)
             store = tpu_sync.Store(**kw)
         tier = _PoolTier(name, pool, store, ns, zero_copy=pages.has_page_buffer(pool))
+        if opt["cluster"] and name == PoolName.KV.value:
+            import json
+
+            from tpu_sync import cluster
+
+            try:
+                tier.member = cluster.Member(store, opt["cluster"], rank=cfg.tp_rank,
+                                             meta=json.dumps(dict(engine="sglang", pool=name, namespace=ns)))
+            except Exception:
+                store.close()
+                raise
+            log.info("tpu_sync.sglang: pool %s served on %s as %s, published to %s", name, tier.member.advertise,
+                     tier.member.host_id, tier.member.endpoints)
         with self._lock:
             old = self._tiers.pop(name, None)
             self._tiers[name] = tier
         if old is not None:
-            old.store.close()
+            old.close()
         info = store.info() or {}
         log.info("tpu_sync.sglang: tier for pool %s: %s (attach=%s, restored=%s)", name, ns, info.get("attach"),
                  info.get("restored_dram_blocks"))
@@ -308,6 +353,8 @@ class TpuSyncStorage(HiCacheStorage):
         if not hashes:
             return 0
         keys = tier.keys(hashes)
+        if tier.member is not None:
+            self._fetch_from_peers(tier, keys)
         try:
             if zero_copy_indices is not None:
                 r = tier.store.get_to_device(keys, [tier.pieces(i) for i in zero_copy_indices])
@@ -334,6 +381,71 @@ class TpuSyncStorage(HiCacheStorage):
             log.warning("tpu_sync.sglang: reading %d %s pages failed: %s", len(keys), tier.name, e)
             self._count(errors=1)
             return 0
+
+    # ---- cluster -----------------------------------------------------------------------
+
+    def _remote_exists(self, tier: _PoolTier, keys: List[bytes], local: int) -> int:
+        """Leading pages of ``keys`` held locally or, when more, by a peer (remembered for the
+        read that follows); ``local`` on any directory error."""
+        try:
+            peers = tier.member.peers(tier.namespace, keys, more_than=local)
+        except Exception as e:  # etcd down: a local-only answer
+            log.warning("tpu_sync.sglang: cluster lookup failed: %s", e)
+            self._count(remote_errors=1)
+            return local
+        if not peers:
+            return local
+        with self._lock:
+            prev = tier.peers.get(keys[0])
+            if prev is None or int(prev[0]["blocks"]) <= int(peers[0]["blocks"]):
+                tier.peers[keys[0]] = peers  # the longest answer for a chain start is kept
+            tier.peers.move_to_end(keys[0])
+            while len(tier.peers) > _EXISTS_MEMO:
+                tier.peers.popitem(last=False)
+        self._count(exists_remote=int(peers[0]["blocks"]) - local)
+        return int(peers[0]["blocks"])
+
+    def _fetch_from_peers(self, tier: _PoolTier, keys: List[bytes]) -> int:
+        """Before a read: fetches the pages of ``keys`` beyond the local prefix from the peer
+        the exists call found (or the directory names now) into the local tier. Returns the
+        pages fetched; a failing peer is a miss (logged, counted)."""
+        from tpu_sync import cluster
+
+        local = int(tier.store.lookup(keys))
+        if local >= len(keys):
+            return 0
+        with self._lock:
+            peers = tier.peers.pop(keys[0], None)
+        if peers is None or int(peers[0]["blocks"]) < len(keys):
+            try:
+                peers = tier.member.peers(tier.namespace, keys, more_than=local)
+            except Exception as e:
+                log.warning("tpu_sync.sglang: cluster lookup failed: %s", e)
+                self._count(remote_errors=1)
+                return 0
+        for p in peers:
+            want = keys[local:min(len(keys), int(p["blocks"]))]
+            if not want:
+                continue
+            outs = [bytearray(tier.page_bytes) for _ in want]
+            try:
+                n = cluster.fetch(p["addr"], tier.namespace, want, outs, timeout=tier.member.timeout)
+            except Exception as e:  # a dead, stalled or stale peer is a miss
+                log.warning("tpu_sync.sglang: fetching %d pages from %s (%s) failed: %s", len(want), p["id"],
+                            p["addr"], e)
+                self._count(remote_errors=1)
+                continue
+            if not n:
+                continue
+            try:
+                r = tier.store.put(want[:n], outs[:n], parent=keys[local - 1] if local else None)
+            except Exception as e:
+                log.warning("tpu_sync.sglang: storing %d fetched pages failed: %s", n, e)
+                self._count(remote_errors=1)
+                return 0
+            self._count(remote_fetches=1, remote_pages=int(r.stored))
+            return n
+        return 0
 
     def _put(self, tier: _PoolTier, hashes: Sequence[str], srcs: Sequence[Any], zero_copy_indices=None,
              parent: Optional[str] = None) -> int:
@@ -416,7 +528,10 @@ class TpuSyncStorage(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """Number of leading pages of the chain in the KV tier."""
         tier = self._tier()
-        n = int(tier.store.lookup(tier.keys(keys))) if keys else 0
+        k = tier.keys(keys) if keys else []
+        n = int(tier.store.lookup(k)) if k else 0
+        if tier.member is not None and n < len(k):
+            n = self._remote_exists(tier, k, n)
         self._count(exists_calls=1, exists_hits=n)
         return n
 
@@ -630,7 +745,7 @@ class TpuSyncStorage(HiCacheStorage):
             tiers, self._tiers = list(self._tiers.values()), {}
         for t in tiers:
             try:
-                t.store.close()
+                t.close()
             except Exception as e:
                 log.debug("tpu_sync.sglang: closing a tier failed: %s", e)
 
