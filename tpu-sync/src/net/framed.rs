@@ -434,7 +434,7 @@ impl Framed {
         if covered != want {
             return Ok((d, DataOutcome::BadChecksum));
         }
-        // Copied and hashed in cache-sized steps: one pass over memory instead of two.
+        // Copied and hashed (in cache-sized steps when `verify_step` is set).
         let sum =
             match super::shm::copy_and_hash_from_peer(pid, dst, &pieces, super::shm::verify_step())
             {

@@ -192,16 +192,17 @@ pub(crate) fn copy_from_peer(
 
 /// Bytes the receiver copies out of the sender per `process_vm_readv` before it hashes them,
 /// while they are still in cache ([`copy_and_hash_from_peer`]): `TPU_SYNC_SHM_VERIFY_STEP_BYTES`
-/// when set to a number (0: copy the whole chunk, then hash it: one more pass over memory),
-/// else 128 KiB (in the per-core L2 of current x86 and ARM server cores; a step the size of L1
-/// would cost a system call per 32-48 KiB).
+/// when set to a number, else 0 (copy the whole chunk, then hash it). 0 stays the default
+/// because 128 KiB steps (in the per-core L2 of current server cores; L1-sized steps would cost
+/// a system call per 32-48 KiB) measured no faster, and at 64 MiB possibly slower, on the
+/// loaded 2-core machine of docs/performance.md; set it to try on other hosts.
 pub fn verify_step() -> usize {
     static STEP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *STEP.get_or_init(|| {
         std::env::var("TPU_SYNC_SHM_VERIFY_STEP_BYTES")
             .ok()
             .and_then(|v| v.trim().parse::<usize>().ok())
-            .unwrap_or(128 << 10)
+            .unwrap_or(0)
     })
 }
 
