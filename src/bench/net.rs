@@ -23,12 +23,17 @@ use serde::{Deserialize, Serialize};
 use tpu_sync::arena::ArenaOptions;
 use tpu_sync::layout::{ModelKv, ParallelLayout, ParallelSpec};
 use tpu_sync::net::{
-    plan_staging, Endpoint, EndpointOptions, PeerMap, PullRequest, PushRequest, Security,
-    SinkRegistration, SourceRegistration, Transfer, TransportKind,
+    plan_staging, Endpoint, EndpointOptions, PeerMap, PullRequest, Security, SourceRegistration,
+    TransportKind,
 };
 use tpu_sync::pattern::{mix64, RankContents};
+use tpu_sync::pjrt::{Capabilities, Client, DeviceBuffer};
 use tpu_sync::plan::{FanOut, Placement, Plan};
 use tpu_sync::staging::Staging;
+use tpu_sync::transfer::{
+    ExpectPush, KvBuffers, Offer, Pipeline, PullInto, PushFrom, Report as PipeReport,
+    TransferHandle, TransferOptions,
+};
 use tpu_sync::util::fmt_bytes;
 use tpu_sync::{Error, Result};
 
@@ -56,6 +61,11 @@ pub(crate) struct CaseSpec {
     pub dst: String,
     /// DP rank of the destination replica.
     pub dst_dp: u32,
+    /// Whether both processes also hold the case in PJRT device buffers and move it through
+    /// `transfer::Pipeline` (offer / pull / push / expect_push, as the engines do) instead of
+    /// `net::Endpoint` on staging.
+    #[serde(default)]
+    pub device: bool,
 }
 
 impl CaseSpec {
@@ -67,6 +77,15 @@ impl CaseSpec {
             src: "tp=1,block=16".into(),
             dst: "tp=1,block=16".into(),
             dst_dp: 0,
+            device: false,
+        }
+    }
+
+    /// [`CaseSpec::plain`] held in device buffers, moved through the pipeline.
+    fn device(preset: &str, layers: u32, tokens: u32) -> CaseSpec {
+        CaseSpec {
+            device: true,
+            ..CaseSpec::plain(preset, layers, tokens)
         }
     }
 }
@@ -225,6 +244,130 @@ impl Case {
     }
 }
 
+/// Fills one layer buffer's host bytes: `(global rank, layer, bytes)`.
+type LayerFill<'a> = dyn Fn(u32, u32, &mut [u8]) -> Result<()> + 'a;
+
+/// The PJRT client (the plugin's first device) of a process's device cases.
+pub(crate) struct Dev {
+    client: Client,
+    caps: Capabilities,
+}
+
+impl Dev {
+    /// Opens the plugin (`--plugin`, else the default one) with one device; it must offer an
+    /// in-place H2D path (pulls and pushes write into the destination buffers).
+    fn open(plugin: Option<&std::path::Path>) -> Result<Dev> {
+        let (client, caps) = crate::kvproc::open_client(plugin, Some(1))?;
+        caps.require_h2d()?;
+        Ok(Dev { client, caps })
+    }
+}
+
+/// A case in PJRT device buffers, as an engine holds it: the source ranks' layer buffers
+/// filled with the request's KV (the same contents as [`Case::src_st`]) and the destination
+/// ranks' layer buffers, zero outside what the plan writes.
+pub(crate) struct DevCase {
+    src: KvBuffers,
+    dst: KvBuffers,
+}
+
+impl DevCase {
+    fn build(c: &Case, dev: &Dev) -> Result<DevCase> {
+        let device = dev.client.device(0)?;
+        let buffers = |p: &Placement, fill: &LayerFill| {
+            let kv = p.layout.rank_kv()?;
+            let mut host = vec![0u8; kv.buffer_bytes() as usize];
+            let mut by_rank: BTreeMap<u32, Vec<DeviceBuffer>> = BTreeMap::new();
+            for local in 0..p.layout.spec.ranks_per_replica() {
+                let rank = p.global_rank(local);
+                let bufs = (0..kv.num_layers)
+                    .map(|l| {
+                        fill(rank, l, &mut host)?;
+                        dev.client.buffer_from_host(
+                            &host,
+                            kv.dtype.element_type(),
+                            &kv.dims(),
+                            &device,
+                        )
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                by_rank.insert(rank, bufs);
+            }
+            KvBuffers::new(&dev.caps, by_rank)
+        };
+        let src = buffers(&c.src, &|rank, l, host| {
+            RankContents::new(&c.src, rank, c.tokens, SRC_SALT)?.fill_layer(l, host)
+        })?;
+        let dst = buffers(&c.dst, &|_, _, host| {
+            host.fill(0);
+            Ok(())
+        })?;
+        Ok(DevCase { src, dst })
+    }
+
+    /// Zeroes the request's destination blocks in the device buffers, in place (zeroed staging
+    /// written through the plugin's H2D path).
+    fn clear(&self, c: &Case) -> Result<()> {
+        c.clear_dst();
+        for r in self.dst.ranks() {
+            if let Some(b) = self.dst.get(r) {
+                c.dst_st.drain_to_device(self.dst.caps(), r, b)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads every destination buffer back and checks each byte: the plan's spans carry the
+    /// source's bytes, everything else is still zero.
+    fn verify(&self, c: &Case) -> Result<()> {
+        let skv = c.src.layout.rank_kv()?;
+        let dkv = c.dst.layout.rank_kv()?;
+        let mut src_layers: HashMap<(u32, u32), Vec<u8>> = HashMap::new();
+        let mut want: BTreeMap<(u32, u32), Vec<u8>> = BTreeMap::new();
+        for s in &c.plan.spans {
+            let key = (s.src_rank, s.src_buffer);
+            let from = match src_layers.entry(key) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    let mut v = vec![0u8; skv.buffer_bytes() as usize];
+                    RankContents::new(&c.src, s.src_rank, c.tokens, SRC_SALT)?
+                        .fill_layer(s.src_buffer, &mut v)?;
+                    e.insert(v)
+                }
+            };
+            let to = want
+                .entry((s.dst_rank, s.dst_buffer))
+                .or_insert_with(|| vec![0u8; dkv.buffer_bytes() as usize]);
+            let n = s.len as usize;
+            for (so, d) in s.runs() {
+                to[d as usize..d as usize + n].copy_from_slice(&from[so as usize..so as usize + n]);
+            }
+        }
+        let mut got = vec![0u8; dkv.buffer_bytes() as usize];
+        for r in self.dst.ranks() {
+            for (l, b) in self.dst.get(r).unwrap_or_default().iter().enumerate() {
+                b.to_host(&mut got)?;
+                let zeros;
+                let w = match want.get(&(r, l as u32)) {
+                    Some(w) => w,
+                    None => {
+                        zeros = vec![0u8; got.len()];
+                        &zeros
+                    }
+                };
+                if let Some(i) = first_diff(&got, w) {
+                    return Err(Error::Mismatch(format!(
+                        "destination rank {r} layer {l} device buffer byte {i}: got {:#04x}, \
+                         the plan delivers {:#04x}",
+                        got[i], w[i]
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A buffer of the same kind of memory as the staging (a populated arena on transparent huge
 /// pages), so the raw socket copies from and to memory like the endpoints' (`fill`: the raw
 /// socket's pattern, else zeros).
@@ -297,6 +440,9 @@ pub struct PeerArgs {
     /// Largest raw-socket transfer.
     #[arg(long)]
     raw_bytes: u64,
+    /// PJRT plugin of the device cases (default: the CPU plugin of `make plugin`).
+    #[arg(long)]
+    plugin: Option<PathBuf>,
 }
 
 fn options(
@@ -348,22 +494,26 @@ fn raw_serve(mut s: TcpStream, data: Arc<RawBuf>) {
     }
 }
 
-/// A push destination pool of the helper: `window` registrations ahead of the pushes.
+/// A push destination pool of the helper: `window` registrations ahead of the pushes, each
+/// an expected push of the pipeline into the case's device buffers.
 struct Pool {
     done: Mutex<HashMap<u64, std::result::Result<(), String>>>,
     notify: tokio::sync::Notify,
-    pending: Mutex<HashMap<u64, Transfer>>,
+    pending: Mutex<HashMap<u64, TransferHandle>>,
     stop: std::sync::atomic::AtomicBool,
 }
 
 struct PeerCase {
     case: Arc<Case>,
+    /// The case in device buffers (device cases only).
+    dev: Option<Arc<DevCase>>,
     pools: HashMap<String, Arc<Pool>>,
 }
 
 fn expect_one(
-    ep: &Arc<Endpoint>,
+    pipe: &Arc<Pipeline>,
     case: &Arc<Case>,
+    dev: &Arc<DevCase>,
     pool: &Arc<Pool>,
     rid: u64,
     window: u64,
@@ -371,20 +521,18 @@ fn expect_one(
     if pool.stop.load(std::sync::atomic::Ordering::Acquire) {
         return Ok(());
     }
-    let t = ep.expect_push(SinkRegistration {
+    let t = pipe.expect_push(ExpectPush {
         request_id: rid,
         num_tokens: case.tokens,
-        placement: case.dst.clone(),
-        staging: case.dst_st.clone(),
-        dst_ranks: None,
-        src: Some(case.src.clone()),
-        plan: Some(case.plan.clone()),
+        src: case.src.clone(),
+        dst: case.dst.clone(),
+        kv: dev.dst.clone(),
     })?;
     pool.pending
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .insert(rid, t.clone());
-    let (ep, case, pool) = (ep.clone(), case.clone(), pool.clone());
+    let (pipe, case, dev, pool) = (pipe.clone(), case.clone(), dev.clone(), pool.clone());
     tokio::spawn(async move {
         let r = t.wait().await.map(|_| ()).map_err(|e| e.to_string());
         pool.pending
@@ -396,7 +544,7 @@ fn expect_one(
             .unwrap_or_else(|p| p.into_inner())
             .insert(rid, r);
         pool.notify.notify_waiters();
-        if let Err(e) = expect_one(&ep, &case, &pool, rid + window, window) {
+        if let Err(e) = expect_one(&pipe, &case, &dev, &pool, rid + window, window) {
             log::warn!("bench-peer: expect push {}: {e}", rid + window);
         }
     });
@@ -408,6 +556,7 @@ pub fn peer_main(a: &PeerArgs) -> Result<ExitCode> {
     let rt = runtime()?;
     let _g = rt.enter();
     let mut eps: BTreeMap<String, Arc<Endpoint>> = BTreeMap::new();
+    let mut pipes: BTreeMap<String, Arc<Pipeline>> = BTreeMap::new();
     let mut addrs: BTreeMap<String, String> = BTreeMap::new();
     for t in &a.transports {
         let kind = TransportKind::parse(t)?;
@@ -426,8 +575,14 @@ pub fn peer_main(a: &PeerArgs) -> Result<ExitCode> {
                 .map(|x| x.to_string())
                 .ok_or_else(|| Error::InvalidArgument("endpoint without a listener".into()))?,
         );
-        eps.insert(t.clone(), Arc::new(ep));
+        let ep = Arc::new(ep);
+        pipes.insert(
+            t.clone(),
+            Arc::new(Pipeline::new(ep.clone(), TransferOptions::default())?),
+        );
+        eps.insert(t.clone(), ep);
     }
+    let dev = Dev::open(a.plugin.as_deref())?;
     let raw = TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io("raw listener", e))?;
     addrs.insert(
         "raw".into(),
@@ -460,7 +615,7 @@ pub fn peer_main(a: &PeerArgs) -> Result<ExitCode> {
         if matches!(cmd, PeerCmd::Quit) {
             break;
         }
-        let r = peer_command(&rt, &eps, &mut cases, cmd);
+        let r = peer_command(&rt, &eps, &pipes, &dev, &mut cases, cmd);
         match r {
             Ok(()) => outln!("OK"),
             Err(e) => outln!("ERR {}", e.to_string().replace('\n', " ")),
@@ -479,14 +634,18 @@ pub fn peer_main(a: &PeerArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+#[allow(clippy::too_many_lines)]
 fn peer_command(
     rt: &tokio::runtime::Runtime,
     eps: &BTreeMap<String, Arc<Endpoint>>,
+    pipes: &BTreeMap<String, Arc<Pipeline>>,
+    dev: &Dev,
     cases: &mut HashMap<u32, PeerCase>,
     cmd: PeerCmd,
 ) -> Result<()> {
-    let ep_of = |t: &str| {
-        eps.get(t)
+    let pipe_of = |t: &str| {
+        pipes
+            .get(t)
             .cloned()
             .ok_or_else(|| Error::InvalidArgument(format!("no {t} endpoint")))
     };
@@ -496,23 +655,43 @@ fn peer_command(
             .map(|p| p.case.clone())
             .ok_or_else(|| Error::InvalidArgument(format!("no case {c}")))
     };
+    let dev_of = |cases: &HashMap<u32, PeerCase>, c: u32| cases.get(&c).and_then(|p| p.dev.clone());
     match cmd {
         PeerCmd::Setup { case, spec } => {
             let c = Arc::new(Case::build(&spec)?);
-            for ep in eps.values() {
-                ep.register_source(SourceRegistration {
-                    request_id: SOURCE_RID + case as u64,
-                    num_tokens: c.tokens,
-                    placement: c.src.clone(),
-                    staging: c.src_st.clone(),
-                    layers_ready: None,
-                    expected_releases: 1,
-                })?;
-            }
+            let rid = SOURCE_RID + case as u64;
+            let dc = if spec.device {
+                // Offered through each pipeline from the device buffers (check, staging, D2H,
+                // registration), pullable any number of times.
+                let dc = Arc::new(DevCase::build(&c, dev)?);
+                for p in pipes.values() {
+                    p.offer(Offer {
+                        request_id: rid,
+                        num_tokens: c.tokens,
+                        placement: c.src.clone(),
+                        kv: dc.src.clone(),
+                        expected_releases: u32::MAX,
+                    })?;
+                }
+                Some(dc)
+            } else {
+                for ep in eps.values() {
+                    ep.register_source(SourceRegistration {
+                        request_id: rid,
+                        num_tokens: c.tokens,
+                        placement: c.src.clone(),
+                        staging: c.src_st.clone(),
+                        layers_ready: None,
+                        expected_releases: 1,
+                    })?;
+                }
+                None
+            };
             cases.insert(
                 case,
                 PeerCase {
                     case: c,
+                    dev: dc,
                     pools: HashMap::new(),
                 },
             );
@@ -524,7 +703,10 @@ fn peer_command(
             window,
         } => {
             let c = case_of(cases, case)?;
-            let ep = ep_of(&transport)?;
+            let dc = dev_of(cases, case).ok_or_else(|| {
+                Error::InvalidArgument(format!("case {case} is not held in device buffers"))
+            })?;
+            let pipe = pipe_of(&transport)?;
             let pool = Arc::new(Pool {
                 done: Mutex::new(HashMap::new()),
                 notify: tokio::sync::Notify::new(),
@@ -533,13 +715,19 @@ fn peer_command(
             });
             let _g = rt.enter();
             for k in 0..window as u64 {
-                expect_one(&ep, &c, &pool, first_rid + k, window as u64)?;
+                expect_one(&pipe, &c, &dc, &pool, first_rid + k, window as u64)?;
             }
             if let Some(pc) = cases.get_mut(&case) {
                 pc.pools.insert(transport, pool);
             }
         }
-        PeerCmd::Clear { case } => case_of(cases, case)?.clear_dst(),
+        PeerCmd::Clear { case } => {
+            let c = case_of(cases, case)?;
+            match dev_of(cases, case) {
+                Some(dc) => dc.clear(&c)?,
+                None => c.clear_dst(),
+            }
+        }
         PeerCmd::Verify {
             case,
             transport,
@@ -579,7 +767,10 @@ fn peer_command(
                 Ok(Err(e)) => return Err(Error::Remote(format!("push {rid} failed: {e}"))),
                 Ok(Ok(())) => {}
             }
-            c.verify_dst()?;
+            match dev_of(cases, case) {
+                Some(dc) => dc.verify(&c)?,
+                None => c.verify_dst()?,
+            }
         }
         PeerCmd::Drop { case } => {
             if let Some(pc) = cases.remove(&case) {
@@ -595,8 +786,14 @@ fn peer_command(
                         t.cancel();
                     }
                 }
-                for ep in eps.values() {
-                    ep.unregister_source(SOURCE_RID + case as u64);
+                if pc.dev.is_some() {
+                    for p in pipes.values() {
+                        p.withdraw(SOURCE_RID + case as u64);
+                    }
+                } else {
+                    for ep in eps.values() {
+                        ep.unregister_source(SOURCE_RID + case as u64);
+                    }
                 }
             }
         }
@@ -615,7 +812,10 @@ pub(crate) struct Peer {
     raw_buf: RawBuf,
     raw_want: RawBuf,
     rt: tokio::runtime::Runtime,
-    eps: BTreeMap<String, Endpoint>,
+    eps: BTreeMap<String, Arc<Endpoint>>,
+    /// One pipeline per transport over the endpoint of `eps` (device cases).
+    pipes: BTreeMap<String, Pipeline>,
+    dev: Dev,
     transports: Vec<String>,
     dir: PathBuf,
     next_case: u32,
@@ -652,6 +852,11 @@ impl Peer {
             .arg(a.chunk_bytes.to_string())
             .arg("--raw-bytes")
             .arg(raw_max.max(16 << 10).to_string())
+            .args(
+                a.plugin
+                    .iter()
+                    .flat_map(|p| [std::ffi::OsStr::new("--plugin"), p.as_os_str()]),
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -674,6 +879,7 @@ impl Peer {
             .map_err(|e| Error::io("TCP_NODELAY", e))?;
         let rt = runtime()?;
         let mut eps = BTreeMap::new();
+        let mut pipes = BTreeMap::new();
         for t in &a.transports {
             let o = options(
                 format!("bench-{}-{t}", std::process::id()),
@@ -683,8 +889,15 @@ impl Peer {
                 a.streams,
                 a.chunk_bytes,
             )?;
-            eps.insert(t.clone(), rt.block_on(Endpoint::bind(o))?);
+            let ep = Arc::new(rt.block_on(Endpoint::bind(o))?);
+            let _g = rt.enter();
+            pipes.insert(
+                t.clone(),
+                Pipeline::new(ep.clone(), TransferOptions::default())?,
+            );
+            eps.insert(t.clone(), ep);
         }
+        let dev = Dev::open(a.plugin.as_deref())?;
         Ok(Peer {
             child,
             stdin,
@@ -695,6 +908,8 @@ impl Peer {
             raw_want: RawBuf::new(raw_max.max(16 << 10) as usize, true)?,
             rt,
             eps,
+            pipes,
+            dev,
             transports: a.transports.clone(),
             dir,
             next_case: 0,
@@ -729,6 +944,13 @@ impl Peer {
             spec: spec.clone(),
         })?;
         Ok((id, Case::build(spec)?))
+    }
+
+    /// Builds a device case ([`CaseSpec::device`]) here and in the helper (which offers it).
+    fn setup_dev(&mut self, spec: &CaseSpec) -> Result<DevEntry> {
+        let (id, c) = self.setup(spec)?;
+        let d = DevCase::build(&c, &self.dev)?;
+        Ok((id, c, d))
     }
 
     pub fn quit(mut self) -> Result<()> {
@@ -814,51 +1036,72 @@ impl Peer {
         })
     }
 
-    /// Pushes case `c` as request `rid` over `t` and waits.
-    fn push(&self, t: &str, c: &Case, rid: u64) -> Result<()> {
-        let ep = &self.eps[t];
-        let addr = self.addrs[t].clone();
-        self.rt.block_on(async {
-            let tr = ep.push(PushRequest {
+    /// Pulls device case `id` over `t` through the pipeline (plan, staging, pull, H2D into
+    /// `d`'s destination buffers, release) and waits.
+    fn pull_dev(&self, t: &str, id: u32, c: &Case, d: &DevCase) -> Result<PipeReport> {
+        let p = &self.pipes[t];
+        let h = p.pull(PullInto {
+            request_id: SOURCE_RID + id as u64,
+            num_tokens: c.tokens,
+            src: c.src.clone(),
+            sources: PeerMap::single(self.addrs[t].clone()),
+            dst: c.dst.clone(),
+            kv: d.dst.clone(),
+            wait_for_registration: None,
+        })?;
+        self.rt.block_on(h.wait())
+    }
+
+    /// Pushes device case `c` from `d`'s source buffers as request `rid` over `t` through the
+    /// pipeline (staging, D2H, push) and waits for the receiver's confirmation.
+    fn push_dev(&self, t: &str, c: &Case, d: &DevCase, rid: u64) -> Result<PipeReport> {
+        let p = &self.pipes[t];
+        let h = {
+            let _g = self.rt.enter();
+            p.push(PushFrom {
                 request_id: rid,
                 num_tokens: c.tokens,
                 src: c.src.clone(),
-                staging: c.src_st.clone(),
-                src_ranks: None,
+                kv: d.src.clone(),
                 dst: c.dst.clone(),
-                targets: PeerMap::single(addr),
-                layers_ready: None,
-                plan: Some(c.plan.clone()),
-            })?;
-            tr.wait().await.map(|_| ())
-        })
+                targets: PeerMap::single(self.addrs[t].clone()),
+            })?
+        };
+        self.rt.block_on(h.wait())
     }
 }
 
-/// Pull and push systems of one transport over cases `cases[i] = (helper id, case)`.
+/// A device case: the helper's id, the case, its device buffers in this process.
+type DevEntry = (u32, Case, DevCase);
+
+/// Next push request id per transport and case.
 struct Pushes {
     next: Vec<u64>,
 }
 
-const PUSH_WINDOW: u32 = 32;
+/// Most bytes of expected-push staging the helper holds ahead per transport and case.
+const PUSH_AHEAD_BYTES: u64 = 128 << 20;
 
 fn push_rid_base(ti: usize, id: u32) -> u64 {
     (ti as u64 + 1) << 44 | (id as u64) << 24
 }
 
-/// Registers push pools in the helper for every case and transport.
-fn expect_pushes(peer: &mut Peer, ids: &[u32]) -> Result<Vec<Pushes>> {
+/// Registers push pools in the helper for every case and transport: each case's window of
+/// expected pushes (each one staged by the helper's pipeline) holds at most
+/// [`PUSH_AHEAD_BYTES`], and at least 3 pushes.
+fn expect_pushes(peer: &mut Peer, cases: &[DevEntry]) -> Result<Vec<Pushes>> {
     let ts = peer.transports.clone();
     let mut out = Vec::new();
     for (ti, t) in ts.iter().enumerate() {
         let mut next = Vec::new();
-        for &id in ids {
-            let first = push_rid_base(ti, id);
+        for (id, c, _) in cases {
+            let first = push_rid_base(ti, *id);
+            let window = (PUSH_AHEAD_BYTES / c.plan.total_bytes().max(1)).clamp(3, 32) as u32;
             peer.cmd(&PeerCmd::Expect {
-                case: id,
+                case: *id,
                 transport: t.clone(),
                 first_rid: first,
-                window: PUSH_WINDOW,
+                window,
             })?;
             next.push(first);
         }
@@ -867,32 +1110,60 @@ fn expect_pushes(peer: &mut Peer, ids: &[u32]) -> Result<Vec<Pushes>> {
     Ok(out)
 }
 
-/// Builds the systems of `net`/`latency`: the raw socket (baseline) and pull/push per transport.
+/// One timed pipeline operation's phases (from its [`PipeReport`]).
+struct Phase {
+    system: String,
+    size: usize,
+    /// The network part (`Report::net_time`).
+    net_s: f64,
+    /// The device copies (`Report::device_time`: H2D for pulls, D2H for pushes).
+    dev_s: f64,
+    /// The whole operation (`Report::elapsed`).
+    elapsed_s: f64,
+}
+
+/// Builds the systems of `net`/`latency`: the raw socket (baseline) and, per transport, pull
+/// and push through the pipeline between device buffers of the two processes; every timed
+/// operation's phases go to `phases`.
 fn transfer_systems<'a>(
     peer: &'a std::cell::RefCell<&'a mut Peer>,
-    cases: &'a [(u32, Case)],
+    cases: &'a [DevEntry],
     pushes: &'a std::cell::RefCell<Vec<Pushes>>,
+    phases: &'a std::cell::RefCell<Vec<Phase>>,
 ) -> Vec<System<'a>> {
     let mut systems = vec![System::new("raw_tcp", move |i, check| {
         let n = cases[i].1.plan.total_bytes() as usize;
         peer.borrow_mut().raw_get(n, check)
     })];
+    let record = move |system: &str, size: usize, r: &PipeReport| {
+        phases.borrow_mut().push(Phase {
+            system: system.to_string(),
+            size,
+            net_s: r.net_time.as_secs_f64(),
+            dev_s: r.device_time.as_secs_f64(),
+            elapsed_s: r.elapsed.as_secs_f64(),
+        })
+    };
     let ts = peer.borrow().transports.clone();
     for (ti, t) in ts.into_iter().enumerate() {
+        let (pull_name, push_name) = (format!("pull_{t}"), format!("push_{t}"));
         let t2 = t.clone();
-        systems.push(System::new(format!("pull_{t}"), move |i, check| {
-            let (id, c) = &cases[i];
+        systems.push(System::new(pull_name.clone(), move |i, check| {
+            let (id, c, d) = &cases[i];
             if check {
-                c.clear_dst();
+                d.clear(c)?;
             }
-            peer.borrow().pull(&t, *id, c, None)?;
+            let r = peer.borrow().pull_dev(&t, *id, c, d)?;
             if check {
-                c.verify_dst()?;
+                check_report(&r, c, "pull")?;
+                d.verify(c)?;
+            } else {
+                record(&pull_name, i, &r);
             }
             Ok(())
         }));
-        systems.push(System::new(format!("push_{t2}"), move |i, check| {
-            let (id, c) = &cases[i];
+        systems.push(System::new(push_name.clone(), move |i, check| {
+            let (id, c, d) = &cases[i];
             let rid = {
                 let mut p = pushes.borrow_mut();
                 let r = p[ti].next[i];
@@ -903,13 +1174,16 @@ fn transfer_systems<'a>(
             if check {
                 p.cmd(&PeerCmd::Clear { case: *id })?;
             }
-            p.push(&t2, c, rid)?;
+            let r = p.push_dev(&t2, c, d, rid)?;
             if check {
+                check_report(&r, c, "push")?;
                 p.cmd(&PeerCmd::Verify {
                     case: *id,
                     transport: t2.clone(),
                     rid,
                 })?;
+            } else {
+                record(&push_name, i, &r);
             }
             Ok(())
         }));
@@ -917,14 +1191,34 @@ fn transfer_systems<'a>(
     systems
 }
 
-fn drop_cases(peer: &mut Peer, cases: &[(u32, Case)]) -> Result<()> {
-    for (id, _) in cases {
-        peer.cmd(&PeerCmd::Drop { case: *id })?;
+/// The pipeline's own accounting of one operation: every planned byte crossed the network
+/// and the device copies (H2D for a pull, D2H for a push) moved them all.
+fn check_report(r: &PipeReport, c: &Case, what: &str) -> Result<()> {
+    let want = c.plan.total_bytes();
+    let device_ok = if what == "pull" {
+        r.device_bytes == want
+    } else {
+        r.device_bytes >= want
+    };
+    if r.net_bytes != want || !device_ok {
+        return Err(Error::Mismatch(format!(
+            "{what}: the pipeline reports {} bytes over the network and {} through the device, \
+             the plan moves {want}",
+            r.net_bytes, r.device_bytes
+        )));
     }
     Ok(())
 }
 
-/// `net`: pull and push per transport vs one raw TCP socket, at every size.
+fn drop_cases(peer: &mut Peer, ids: impl IntoIterator<Item = u32>) -> Result<()> {
+    for id in ids {
+        peer.cmd(&PeerCmd::Drop { case: id })?;
+    }
+    Ok(())
+}
+
+/// `net`: pull and push per transport through the pipeline vs one raw TCP socket, at every
+/// size; also the network phase of each alone (the pipeline's per-phase timings).
 pub(crate) fn net_scenario(
     b: &mut Bench,
     a: &BenchArgs,
@@ -935,10 +1229,13 @@ pub(crate) fn net_scenario(
         "net",
         &format!(
             "one request's KV (llama-3.1-8b, 1 layer, TP=1 -> TP=1, 16-token blocks at scattered \
-             ids: pieces of 32 KiB) pulled by and pushed from this process through net::Endpoint, \
-             {} stream(s) per pair, {} chunks, to/from a separate process over loopback, vs one \
-             raw TCP socket between the same two processes moving the same bytes \
-             (request + response, blocking I/O)",
+             ids: pieces of 32 KiB) in PJRT device buffers ({}) moved through \
+             transfer::Pipeline as the engines do: pulled by this process (plan, staging, pull, \
+             H2D, release; the other process offered it once) and pushed from it (staging, D2H, \
+             push; the other process expects each push into its device buffers), {} stream(s) \
+             per pair, {} chunks, over loopback, vs one raw TCP socket between the same two \
+             processes moving the same bytes (request + response, blocking I/O)",
+            peer.dev.caps.platform,
             a.streams,
             fmt_bytes(a.chunk_bytes)
         ),
@@ -952,19 +1249,19 @@ pub(crate) fn net_scenario(
                 "net size {bytes}: must be a multiple of {bpt} bytes (one token of one layer)"
             )));
         }
-        let spec = CaseSpec::plain("llama-3.1-8b", 1, (bytes / bpt) as u32);
-        cases.push(peer.setup(&spec)?);
+        let spec = CaseSpec::device("llama-3.1-8b", 1, (bytes / bpt) as u32);
+        cases.push(peer.setup_dev(&spec)?);
         sz.push(Size {
             bytes,
             x: bytes,
             label: fmt_bytes(bytes),
         });
     }
-    let ids: Vec<u32> = cases.iter().map(|(id, _)| *id).collect();
-    let pushes = std::cell::RefCell::new(expect_pushes(peer, &ids)?);
+    let pushes = std::cell::RefCell::new(expect_pushes(peer, &cases)?);
+    let phases = std::cell::RefCell::new(Vec::new());
     let r = {
         let cell = std::cell::RefCell::new(&mut *peer);
-        let mut systems = transfer_systems(&cell, &cases, &pushes);
+        let mut systems = transfer_systems(&cell, &cases, &pushes, &phases);
         // The same-host transport's bound: one memcpy of the same bytes in this process.
         let cell = &cell;
         let cases = &cases;
@@ -974,7 +1271,7 @@ pub(crate) fn net_scenario(
         }));
         b.measure("net", "transfer", &sz, &mut systems, 0)
     };
-    drop_cases(peer, &cases)?;
+    drop_cases(peer, cases.iter().map(|c| c.0))?;
     r?;
     // Pull/push ratios and the encrypted transports against plain TCP.
     let rows: Vec<_> = b
@@ -989,7 +1286,8 @@ pub(crate) fn net_scenario(
             .find(|r| r.system == sys && r.size == size)
             .map(|r| r.gbps)
     };
-    for &s in sizes {
+    let phases = phases.into_inner();
+    for (si, &s) in sizes.iter().enumerate() {
         let mut parts = Vec::new();
         for t in &a.transports {
             if let (Some(pl), Some(pu)) = (gb(&format!("pull_{t}"), s), gb(&format!("push_{t}"), s))
@@ -1016,6 +1314,51 @@ pub(crate) fn net_scenario(
         let line = parts.join(", ");
         b.report
             .note("net", format!("ratios at {}", fmt_bytes(s)), line);
+        let raw = gb("raw_tcp", s);
+        let mut parts = Vec::new();
+        for t in &a.transports {
+            for dir in ["pull", "push"] {
+                let sys = format!("{dir}_{t}");
+                let mut net: Vec<f64> = Vec::new();
+                let mut dev: Vec<f64> = Vec::new();
+                let mut all: Vec<f64> = Vec::new();
+                for p in phases.iter().filter(|p| p.system == sys && p.size == si) {
+                    net.push(p.net_s);
+                    dev.push(p.dev_s);
+                    all.push(p.elapsed_s);
+                }
+                if net.is_empty() {
+                    continue;
+                }
+                for v in [&mut net, &mut dev, &mut all] {
+                    v.sort_by(f64::total_cmp);
+                }
+                let g = s as f64 / 1e9;
+                let med = super::report::median;
+                let net_gb = g / med(&net);
+                let share = |v: &[f64]| 100.0 * med(v) / med(&all).max(1e-12);
+                parts.push(format!(
+                    "{sys} {:.3} GB/s ({:.3}..{:.3}){}; of the elapsed: network {:.0}%, device \
+                     copies {:.0}%, the rest (checks, plan, staging, release) {:.0}%",
+                    net_gb,
+                    g / net[net.len() - 1],
+                    g / net[0],
+                    raw.map(|r| format!(" = {:.2} x raw_tcp", net_gb / r))
+                        .unwrap_or_default(),
+                    share(&net),
+                    share(&dev),
+                    (100.0 - share(&net) - share(&dev)).max(0.0)
+                ));
+            }
+        }
+        b.report.note(
+            "net",
+            format!(
+                "network phase alone at {} (Report::net_time, median (min..max) over ops)",
+                fmt_bytes(s)
+            ),
+            parts.join("; "),
+        );
     }
     Ok(())
 }
@@ -1024,22 +1367,22 @@ pub(crate) fn net_scenario(
 pub(crate) fn latency_scenario(b: &mut Bench, _a: &BenchArgs, peer: &mut Peer) -> Result<()> {
     b.describe(
         "latency",
-        "one 16 KiB request (llama-3.1-8b, 1 layer, 4 tokens: K and V of one partial block) \
-         pulled/pushed through net::Endpoint from/to a separate process, vs the raw socket's \
-         round trip of 16 KiB (request + response) between the same processes; single \
-         operations, interleaved",
+        "one 16 KiB request (llama-3.1-8b, 1 layer, 4 tokens: K and V of one partial block) in \
+         PJRT device buffers, pulled/pushed through transfer::Pipeline from/to a separate \
+         process, vs the raw socket's round trip of 16 KiB (request + response) between the \
+         same processes; single operations, interleaved",
     );
-    let spec = CaseSpec::plain("llama-3.1-8b", 1, 4);
-    let cases = vec![peer.setup(&spec)?];
+    let spec = CaseSpec::device("llama-3.1-8b", 1, 4);
+    let cases = vec![peer.setup_dev(&spec)?];
     let bytes = cases[0].1.plan.total_bytes();
-    let ids = [cases[0].0];
-    let pushes = std::cell::RefCell::new(expect_pushes(peer, &ids)?);
+    let pushes = std::cell::RefCell::new(expect_pushes(peer, &cases)?);
+    let phases = std::cell::RefCell::new(Vec::new());
     let r = {
         let cell = std::cell::RefCell::new(&mut *peer);
-        let mut systems = transfer_systems(&cell, &cases, &pushes);
+        let mut systems = transfer_systems(&cell, &cases, &pushes, &phases);
         b.measure_latency("latency", bytes, &mut systems, Some(0))
     };
-    drop_cases(peer, &cases)?;
+    drop_cases(peer, cases.iter().map(|c| c.0))?;
     r
 }
 
@@ -1091,6 +1434,7 @@ pub(crate) fn reshard_scenario(b: &mut Bench, _a: &BenchArgs, peer: &mut Peer) -
             src: "tp=2,pcp=2,block=64,order=nhd".into(),
             dst: "tp=1,dp=2,block=16,order=hnd".into(),
             dst_dp: 1,
+            device: false,
         };
         let pc = peer.setup(&p)?;
         let rc = peer.setup(&r)?;
@@ -1116,8 +1460,8 @@ pub(crate) fn reshard_scenario(b: &mut Bench, _a: &BenchArgs, peer: &mut Peer) -
         ];
         b.measure("reshard", "tokens", &sz, &mut systems, 0)
     };
-    drop_cases(peer, &plain)?;
-    drop_cases(peer, &resh)?;
+    drop_cases(peer, plain.iter().map(|c| c.0))?;
+    drop_cases(peer, resh.iter().map(|c| c.0))?;
     r?;
 
     // MLA: one latent "head" replicated on every decode TP rank.
@@ -1142,6 +1486,7 @@ pub(crate) fn reshard_scenario(b: &mut Bench, _a: &BenchArgs, peer: &mut Peer) -
             src: "tp=1,block=64".into(),
             dst: "tp=4,block=16".into(),
             dst_dp: 0,
+            device: false,
         };
         let pc = peer.setup(&p)?;
         let mc = peer.setup(&m)?;
@@ -1161,52 +1506,34 @@ pub(crate) fn reshard_scenario(b: &mut Bench, _a: &BenchArgs, peer: &mut Peer) -
     let wire = std::cell::RefCell::new(BTreeMap::<(String, usize), u64>::new());
     let r = {
         let peer_ref = &*peer;
-        let (base, mla, fan, wire, t) = (&base, &mla, &fan, &wire, &t);
+        let (base, mla, fans, wire, t) = (&base, &mla, &fan, &wire, &t);
+        // One pull of `cases[i]` (of `ranks`, then fanned out with `fan`), counting the bytes
+        // it received as `key`'s figure at the byte check.
+        let sys = move |name: &str, key: &'static str, mla_case: bool, fan: bool| {
+            let cases = if mla_case { mla } else { base };
+            System::new(name, move |i, check| {
+                let (id, c) = &cases[i];
+                let f = fan.then(|| &fans[i]);
+                let before = peer_ref.bytes_received(t);
+                if check {
+                    c.clear_dst();
+                }
+                peer_ref.pull(t, *id, c, f.map(|f| f.pulled.clone()))?;
+                if let Some(f) = f {
+                    c.dst_st.apply_fan_out(f)?;
+                }
+                if check {
+                    c.verify_dst()?;
+                    wire.borrow_mut()
+                        .insert((key.into(), i), peer_ref.bytes_received(t) - before);
+                }
+                Ok(())
+            })
+        };
         let mut systems = vec![
-            System::new("plain tp=1 -> tp=1", move |i, check| {
-                let (id, c) = &base[i];
-                let before = peer_ref.bytes_received(t);
-                if check {
-                    c.clear_dst();
-                }
-                peer_ref.pull(t, *id, c, None)?;
-                if check {
-                    c.verify_dst()?;
-                    wire.borrow_mut()
-                        .insert(("plain".into(), i), peer_ref.bytes_received(t) - before);
-                }
-                Ok(())
-            }),
-            System::new("mla to tp=4, per rank", move |i, check| {
-                let (id, c) = &mla[i];
-                let before = peer_ref.bytes_received(t);
-                if check {
-                    c.clear_dst();
-                }
-                peer_ref.pull(t, *id, c, None)?;
-                if check {
-                    c.verify_dst()?;
-                    wire.borrow_mut()
-                        .insert(("per rank".into(), i), peer_ref.bytes_received(t) - before);
-                }
-                Ok(())
-            }),
-            System::new("mla to tp=4, per host + fan-out", move |i, check| {
-                let (id, c) = &mla[i];
-                let f = &fan[i];
-                let before = peer_ref.bytes_received(t);
-                if check {
-                    c.clear_dst();
-                }
-                peer_ref.pull(t, *id, c, Some(f.pulled.clone()))?;
-                c.dst_st.apply_fan_out(f)?;
-                if check {
-                    c.verify_dst()?;
-                    wire.borrow_mut()
-                        .insert(("per host".into(), i), peer_ref.bytes_received(t) - before);
-                }
-                Ok(())
-            }),
+            sys("plain tp=1 -> tp=1", "plain", false, false),
+            sys("mla to tp=4, per rank", "per rank", true, false),
+            sys("mla to tp=4, per host + fan-out", "per host", true, true),
         ];
         b.measure("mla", "tokens", &sz, &mut systems, 0)
     };
@@ -1226,7 +1553,7 @@ pub(crate) fn reshard_scenario(b: &mut Bench, _a: &BenchArgs, peer: &mut Peer) -
             ),
         );
     }
-    drop_cases(peer, &base)?;
-    drop_cases(peer, &mla)?;
+    drop_cases(peer, base.iter().map(|c| c.0))?;
+    drop_cases(peer, mla.iter().map(|c| c.0))?;
     r
 }

@@ -434,26 +434,29 @@ impl Framed {
         if covered != want {
             return Ok((d, DataOutcome::BadChecksum));
         }
-        match super::shm::copy_from_peer(pid, dst, &pieces) {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
-                return Err(Error::PeerClosed(format!(
-                    "the sending process {pid} exited in the middle of a data frame"
-                )))
-            }
-            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
-                return Err(Error::io(
-                    format!("copy out of process {pid} (process_vm_readv)"),
-                    e,
-                ))
-            }
-            // EFAULT, a short copy: the region is not (all) there.
-            Err(e) => {
-                log::warn!("shm: copy out of process {pid} failed: {e}");
-                return Ok((d, DataOutcome::BadChecksum));
-            }
-        }
-        let ok = crate::store::checksum::checksum_parts(dst.iter().map(|p| &**p)) == d.checksum;
+        // Copied and hashed (in cache-sized steps when `verify_step` is set).
+        let sum =
+            match super::shm::copy_and_hash_from_peer(pid, dst, &pieces, super::shm::verify_step())
+            {
+                Ok(sum) => sum,
+                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
+                    return Err(Error::PeerClosed(format!(
+                        "the sending process {pid} exited in the middle of a data frame"
+                    )))
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                    return Err(Error::io(
+                        format!("copy out of process {pid} (process_vm_readv)"),
+                        e,
+                    ))
+                }
+                // EFAULT, a short copy: the region is not (all) there.
+                Err(e) => {
+                    log::warn!("shm: copy out of process {pid} failed: {e}");
+                    return Ok((d, DataOutcome::BadChecksum));
+                }
+            };
+        let ok = sum == d.checksum;
         Ok((
             d,
             if ok {

@@ -190,6 +190,81 @@ pub(crate) fn copy_from_peer(
     }
 }
 
+/// Bytes the receiver copies out of the sender per `process_vm_readv` before it hashes them,
+/// while they are still in cache ([`copy_and_hash_from_peer`]): `TPU_SYNC_SHM_VERIFY_STEP_BYTES`
+/// when set to a number, else 0 (copy the whole chunk, then hash it). 0 stays the default
+/// because 128 KiB steps (in the per-core L2 of current server cores; L1-sized steps would cost
+/// a system call per 32-48 KiB) measured no faster, and at 64 MiB possibly slower, on the
+/// loaded 2-core machine of docs/performance.md; set it to try on other hosts.
+pub fn verify_step() -> usize {
+    static STEP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *STEP.get_or_init(|| {
+        std::env::var("TPU_SYNC_SHM_VERIFY_STEP_BYTES")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(0)
+    })
+}
+
+/// [`copy_from_peer`] in steps of `step` bytes (0: one step), each hashed into one xxh3-64
+/// right after it arrived; returns the xxh3-64 of everything written to `dst` (the same value
+/// as `checksum_parts(dst)` after a plain copy, so a corrupted byte is still detected).
+///
+/// Errors: as [`copy_from_peer`]; a table covering fewer bytes than `dst` is `UnexpectedEof`.
+pub(crate) fn copy_and_hash_from_peer(
+    pid: i32,
+    dst: &mut [&mut [u8]],
+    src: &[(u64, u64)],
+    step: usize,
+) -> io::Result<u64> {
+    let short = || {
+        io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "the piece table and the destination cover different byte counts",
+        )
+    };
+    let mut h = crate::store::checksum::Xxh3::new();
+    if step == 0 {
+        copy_from_peer(pid, dst, src)?;
+        for d in dst.iter() {
+            h.update(d);
+        }
+        return Ok(h.digest());
+    }
+    let (mut si, mut soff) = (0usize, 0u64);
+    let mut sub: Vec<(u64, u64)> = Vec::new();
+    for d in dst.iter_mut() {
+        let mut off = 0usize;
+        while off < d.len() {
+            let n = step.min(d.len() - off);
+            // The source pieces of the next `n` bytes.
+            sub.clear();
+            let mut need = n as u64;
+            while need > 0 {
+                let &(a, l) = src.get(si).ok_or_else(short)?;
+                let take = (l - soff).min(need);
+                if take > 0 {
+                    sub.push((a.wrapping_add(soff), take));
+                }
+                soff += take;
+                need -= take;
+                if soff == l {
+                    si += 1;
+                    soff = 0;
+                }
+            }
+            let part = &mut d[off..off + n];
+            copy_from_peer(pid, &mut [&mut *part], &sub)?;
+            h.update(part);
+            off += n;
+        }
+    }
+    if src[si.min(src.len())..].iter().any(|s| s.1 > soff) {
+        return Err(short());
+    }
+    Ok(h.digest())
+}
+
 fn ip_bytes(ip: IpAddr) -> [u8; 16] {
     match ip {
         IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
@@ -654,6 +729,33 @@ mod tests {
         .unwrap();
         assert_eq!(&a[..], &src[..5000]);
         assert_eq!(&b[..], &src[5000..]);
+    }
+
+    #[test]
+    fn stepped_copy_hashes_what_a_plain_copy_hashes() {
+        let src: Vec<u8> = (0..300_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        let base = src.as_ptr() as u64;
+        // Pieces of odd lengths (one empty) into destination pieces of other odd lengths.
+        let table = [
+            (base, 70_001),
+            (base + 70_001, 0),
+            (base + 70_001, 129_999),
+            (base + 200_000, 100_000),
+        ];
+        let pid = std::process::id() as i32;
+        for step in [0usize, 1 << 10, 4099, 128 << 10, 1 << 20] {
+            let mut a = vec![0u8; 123_457];
+            let mut b = vec![0u8; 300_000 - 123_457];
+            let mut dst = [a.as_mut_slice(), b.as_mut_slice()];
+            let sum = copy_and_hash_from_peer(pid, &mut dst, &table, step).unwrap();
+            let got = [a.as_slice(), b.as_slice()].concat();
+            assert_eq!(got, src, "step {step}");
+            assert_eq!(sum, crate::store::checksum::checksum(&src), "step {step}");
+        }
+        // A table that covers fewer bytes than the destination is an error.
+        let mut c = vec![0u8; 1000];
+        let e = copy_and_hash_from_peer(pid, &mut [c.as_mut_slice()], &[(base, 999)], 256);
+        assert!(e.is_err());
     }
 
     #[test]
