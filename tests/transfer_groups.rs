@@ -436,6 +436,38 @@ fn grouped_push_is_byte_exact_and_a_consumer_of_other_groups_refuses_it() {
             )
         };
 
+        let consumer = |bufs: &[Vec<DeviceBuffer>]| {
+            kv(
+                &ccaps,
+                (0..2).map(|r| (r, bufs[r as usize].clone())).collect(),
+            )
+        };
+        // Expects request `id` on `c` (as `src -> dst` into `kv`), then pushes it from the
+        // producer as it sees the request (`src_p -> dst_p`): the expectation and the push's
+        // result.
+        let push_pair =
+            |id: u64, (c, src, dst, kv): (&Pipeline, &Placement, &Placement, KvBuffers)| {
+                let expect = c
+                    .expect_push(ExpectPush {
+                        request_id: id,
+                        num_tokens: TOKENS,
+                        src: src.clone(),
+                        dst: dst.clone(),
+                        kv,
+                    })
+                    .unwrap();
+                let push = p
+                    .push(PushFrom {
+                        request_id: id,
+                        num_tokens: TOKENS,
+                        src: src_p.clone(),
+                        kv: src_kv(),
+                        dst: dst_p.clone(),
+                        targets: PeerMap::single(addr.clone()),
+                    })
+                    .unwrap();
+                async move { (expect, push.wait().await) }
+            };
         // A consumer that expects another sliding window (and believes the producer has it
         // too, so its own plan passes) refuses the producer's push: nothing is written.
         let m = mutated("window");
@@ -443,31 +475,10 @@ fn grouped_push_is_byte_exact_and_a_consumer_of_other_groups_refuses_it() {
         let bad_bufs: Vec<Vec<DeviceBuffer>> =
             (0..2).map(|r| background(&cons, &bad_dst, r)).collect();
         let before: Vec<_> = bad_bufs.iter().map(|b| host(b)).collect();
-        let expect = c
-            .expect_push(ExpectPush {
-                request_id: 21,
-                num_tokens: TOKENS,
-                src: Placement::from_groups(placement(&m, "tp=2,block=16", 0x31)).unwrap(),
-                dst: Placement::from_groups(bad_dst.clone()).unwrap(),
-                kv: kv(
-                    &ccaps,
-                    (0..2).map(|r| (r, bad_bufs[r as usize].clone())).collect(),
-                ),
-            })
-            .unwrap();
-        let e = p
-            .push(PushFrom {
-                request_id: 21,
-                num_tokens: TOKENS,
-                src: src_p.clone(),
-                kv: src_kv(),
-                dst: dst_p.clone(),
-                targets: PeerMap::single(addr.clone()),
-            })
-            .unwrap()
-            .wait()
-            .await
-            .unwrap_err();
+        let bad_src = Placement::from_groups(placement(&m, "tp=2,block=16", 0x31)).unwrap();
+        let bad_dst_p = Placement::from_groups(bad_dst.clone()).unwrap();
+        let (expect, pushed) = push_pair(21, (&c, &bad_src, &bad_dst_p, consumer(&bad_bufs))).await;
+        let e = pushed.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
         for (b, want) in bad_bufs.iter().zip(before) {
             assert_eq!(host(b), want, "nothing written");
@@ -480,31 +491,8 @@ fn grouped_push_is_byte_exact_and_a_consumer_of_other_groups_refuses_it() {
 
         // The right consumer: byte-exact, moved = needed per group.
         let dst_bufs: Vec<Vec<DeviceBuffer>> = (0..2).map(|r| background(&cons, &dst, r)).collect();
-        let expect = c
-            .expect_push(ExpectPush {
-                request_id: 22,
-                num_tokens: TOKENS,
-                src: src_p.clone(),
-                dst: dst_p.clone(),
-                kv: kv(
-                    &ccaps,
-                    (0..2).map(|r| (r, dst_bufs[r as usize].clone())).collect(),
-                ),
-            })
-            .unwrap();
-        let sent = p
-            .push(PushFrom {
-                request_id: 22,
-                num_tokens: TOKENS,
-                src: src_p.clone(),
-                kv: src_kv(),
-                dst: dst_p.clone(),
-                targets: PeerMap::single(addr.clone()),
-            })
-            .unwrap()
-            .wait()
-            .await
-            .unwrap();
+        let (expect, sent) = push_pair(22, (&c, &src_p, &dst_p, consumer(&dst_bufs))).await;
+        let sent = sent.unwrap();
         let got = expect.wait().await.unwrap();
         let needed: u64 = dst.needed_bytes(TOKENS).unwrap().iter().sum();
         assert_eq!(sent.net_bytes, needed);
