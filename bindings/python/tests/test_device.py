@@ -185,11 +185,20 @@ def test_wait_is_interruptible(client, data, resumed):
     b = client.buffer_from_host(data(4096, 31))
     tpu_sync.pause_pacing()
     cp = tpu_sync.d2h([(b, 0, bytearray(4096))])
+    # Python's own handler, even where the launcher ignores SIGINT (a background job of a
+    # non-interactive shell); a signal that never arrives fails the test instead of hanging it.
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    rescue = threading.Timer(10, tpu_sync.resume_pacing)
     timer.start()
+    rescue.start()
     t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        cp.wait()  # no timeout: only the signal ends it
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cp.wait()  # no timeout: only the signal (or the rescue) ends it
+    finally:
+        signal.signal(signal.SIGINT, old)
+        rescue.cancel()
     assert time.monotonic() - t0 < 3
     tpu_sync.resume_pacing()
     assert cp.wait(10)["bytes"] == 4096
