@@ -828,8 +828,6 @@ pub unsafe extern "C" fn tpu_sync_endpoint_pull_wait(
     transfer_out: *mut *mut tpu_sync_transfer,
 ) -> tpu_sync_status {
     boundary("tpu_sync_endpoint_pull_wait", || {
-        let wait = (wait_for_registration_ms >= 0)
-            .then(|| Duration::from_millis(wait_for_registration_ms as u64));
         // SAFETY: forwarded caller contract.
         unsafe {
             pull(
@@ -840,7 +838,7 @@ pub unsafe extern "C" fn tpu_sync_endpoint_pull_wait(
                 dst_placement_json,
                 num_tokens,
                 (ranks, num_ranks, buffers, num_layers),
-                Some(wait),
+                registration_wait(wait_for_registration_ms),
                 false,
                 transfer_out,
             )
@@ -875,9 +873,6 @@ pub unsafe extern "C" fn tpu_sync_endpoint_pull_layers(
     transfer_out: *mut *mut tpu_sync_transfer,
 ) -> tpu_sync_status {
     boundary("tpu_sync_endpoint_pull_layers", || {
-        // Negative: the endpoint's default.
-        let wait = (wait_for_registration_ms >= 0)
-            .then(|| Some(Duration::from_millis(wait_for_registration_ms as u64)));
         // SAFETY: forwarded caller contract.
         unsafe {
             pull(
@@ -888,7 +883,7 @@ pub unsafe extern "C" fn tpu_sync_endpoint_pull_layers(
                 dst_placement_json,
                 num_tokens,
                 (ranks, num_ranks, buffers, num_layers),
-                wait,
+                registration_wait(wait_for_registration_ms),
                 true,
                 transfer_out,
             )
@@ -897,6 +892,14 @@ pub unsafe extern "C" fn tpu_sync_endpoint_pull_layers(
 }
 
 type KvArgs = (*const u32, usize, *const *const tpu_sync_buffer, usize);
+
+/// A C `wait_for_registration_ms` as [`pull`]'s `wait`: negative is the endpoint's default
+/// (`None`), otherwise that many milliseconds (0: fail at once on an unknown request).
+fn registration_wait(ms: i64) -> Option<Option<Duration>> {
+    u64::try_from(ms)
+        .ok()
+        .map(|ms| Some(Duration::from_millis(ms)))
+}
 
 /// `wait`: `None` for the endpoint's default, `Some(None)` for no wait.
 #[allow(clippy::too_many_arguments)]

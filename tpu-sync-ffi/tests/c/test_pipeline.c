@@ -259,6 +259,26 @@ int main(void) {
   CHECK(json_u64(stats(cons), "dma_skipped") >= 1 && strstr(stats(cons), "UNIMPLEMENTED"), "stats: %s", stats(cons));
   tpu_sync_transfer_free(t);
 
+  /* A negative wait is the endpoint's own wait_for_registration_s: it waits too. */
+  tpu_sync_endpoint *patient = NULL;
+  CHECK(tpu_sync_endpoint_new("{\"timeout_s\":5,\"wait_for_registration_s\":30}", &patient) == TPU_SYNC_OK,
+        "patient consumer: %s", last_error());
+  free_all(dst, LAYERS);
+  make(dst, DIMS, 5, TPU_SYNC_DTYPE_BF16, BYTES, 50);
+  t = NULL;
+  CHECK(tpu_sync_endpoint_pull_wait(patient, 12, addr, SRC, DST, TOKENS, RANK0, 1,
+                                    (const tpu_sync_buffer *const *)dst, LAYERS, -1, &t) == TPU_SYNC_OK,
+        "early pull, endpoint's wait");
+  sleep_ms(50);
+  CHECK(tpu_sync_transfer_wait(t, 0, NULL) == TPU_SYNC_PENDING, "waiting for registration 12");
+  CHECK(tpu_sync_endpoint_register(prod, 12, SRC, TOKENS, RANK0, 1, (const tpu_sync_buffer *const *)src, LAYERS,
+                                   1) == TPU_SYNC_OK,
+        "register 12");
+  CHECK(tpu_sync_transfer_wait(t, 30000, NULL) == TPU_SYNC_OK, "the early pull succeeds: %s", last_error());
+  CHECK(wrong_bytes(dst, init) == 0, "early pull (endpoint's wait) byte-exact");
+  tpu_sync_transfer_free(t);
+  tpu_sync_endpoint_free(patient);
+
   free_all(src, LAYERS);
   free_all(dst, LAYERS);
   tpu_sync_endpoint_free(small);
