@@ -17,7 +17,6 @@
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -26,12 +25,12 @@ use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::VarInt;
 use rustls::pki_types::CertificateDer;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::{mpsc, Mutex};
 
 use super::tcp::Wrapped;
 use super::tls::{cert_identity, Security};
 use super::transport::{
-    Acceptor, BoxFut, Connection, Lane, PeerInfo, Transport, TransportKind, TransportTimeouts,
+    Acceptor, BoxFut, Connection, Lane, PeerInfo, QueuedAcceptor, Transport, TransportKind,
+    TransportTimeouts,
 };
 use crate::error::{Error, Result};
 
@@ -246,40 +245,6 @@ impl Drop for QuicConn {
     }
 }
 
-struct QuicAcceptor {
-    local: SocketAddr,
-    rx: Mutex<mpsc::Receiver<Box<dyn Lane>>>,
-    failures: Arc<AtomicU64>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for QuicAcceptor {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl Acceptor for QuicAcceptor {
-    fn local_addr(&self) -> SocketAddr {
-        self.local
-    }
-
-    fn accept(&self) -> BoxFut<'_, Result<Box<dyn Lane>>> {
-        Box::pin(async move {
-            self.rx
-                .lock()
-                .await
-                .recv()
-                .await
-                .ok_or_else(|| Error::Cancelled("listener closed".into()))
-        })
-    }
-
-    fn handshake_failures(&self) -> u64 {
-        self.failures.load(Ordering::Relaxed)
-    }
-}
-
 impl Transport for QuicTransport {
     fn kind(&self) -> TransportKind {
         TransportKind::Quic
@@ -296,29 +261,19 @@ impl Transport for QuicTransport {
                     old.close(VarInt::from_u32(0), b"replaced");
                 }
             }
-            let (tx, rx) = mpsc::channel::<Box<dyn Lane>>(1024);
-            let failures = Arc::new(AtomicU64::new(0));
-            let fails = failures.clone();
+            let (sink, rx) = QueuedAcceptor::queue();
             let hs = self.timeouts.handshake;
             let psk = self.psk();
+            let queue = sink.clone();
             let task = tokio::spawn(async move {
                 let mut conns = tokio::task::JoinSet::new();
                 while let Some(incoming) = ep.accept().await {
-                    let (tx, fails) = (tx.clone(), fails.clone());
+                    let queue = queue.clone();
                     conns.spawn(async move {
                         let remote = incoming.remote_address();
-                        let conn = match tokio::time::timeout(hs, incoming).await {
-                            Ok(Ok(c)) => c,
-                            Ok(Err(e)) => {
-                                fails.fetch_add(1, Ordering::Relaxed);
-                                log::warn!("refused QUIC peer {remote}: {e}");
-                                return;
-                            }
-                            Err(_) => {
-                                fails.fetch_add(1, Ordering::Relaxed);
-                                log::warn!("QUIC handshake from {remote} timed out");
-                                return;
-                            }
+                        let what = format!("QUIC peer {remote}");
+                        let Some(conn) = queue.handshake(hs, incoming, what).await else {
+                            return;
                         };
                         let peer = PeerInfo {
                             addr: remote,
@@ -329,7 +284,7 @@ impl Transport for QuicTransport {
                                 inner: QuicStream { send, recv },
                                 peer: peer.clone(),
                             };
-                            if tx.send(Box::new(lane)).await.is_err() {
+                            if !queue.send(Box::new(lane)).await {
                                 break;
                             }
                         }
@@ -337,12 +292,7 @@ impl Transport for QuicTransport {
                     while conns.try_join_next().is_some() {}
                 }
             });
-            Ok(Arc::new(QuicAcceptor {
-                local,
-                rx: Mutex::new(rx),
-                failures,
-                task,
-            }) as Arc<dyn Acceptor>)
+            Ok(QueuedAcceptor::new(local, &sink, rx, vec![task], None))
         })
     }
 

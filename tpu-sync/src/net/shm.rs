@@ -44,18 +44,16 @@ use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::os::linux::net::SocketAddrExt;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::UnixStream;
-use tokio::sync::{mpsc, Mutex};
 
 use super::tcp::TcpTransport;
 use super::transport::{
-    Acceptor, BoxFut, Connection, Lane, PeerInfo, ShmPeer, Transport, TransportKind,
-    TransportTimeouts,
+    Acceptor, BoxFut, Connection, Lane, PeerInfo, QueuedAcceptor, ShmPeer, Transport,
+    TransportKind, TransportTimeouts,
 };
 use crate::error::{Error, Result};
 
@@ -486,43 +484,6 @@ impl ShmTransport {
     }
 }
 
-struct ShmAcceptor {
-    local: SocketAddr,
-    rx: Mutex<mpsc::Receiver<Box<dyn Lane>>>,
-    failures: Arc<AtomicU64>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-    _tcp: Arc<dyn Acceptor>,
-}
-
-impl Drop for ShmAcceptor {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-    }
-}
-
-impl Acceptor for ShmAcceptor {
-    fn local_addr(&self) -> SocketAddr {
-        self.local
-    }
-
-    fn accept(&self) -> BoxFut<'_, Result<Box<dyn Lane>>> {
-        Box::pin(async move {
-            self.rx
-                .lock()
-                .await
-                .recv()
-                .await
-                .ok_or_else(|| Error::Cancelled("listener closed".into()))
-        })
-    }
-
-    fn handshake_failures(&self) -> u64 {
-        self.failures.load(Ordering::Relaxed) + self._tcp.handshake_failures()
-    }
-}
-
 impl Transport for ShmTransport {
     fn kind(&self) -> TransportKind {
         TransportKind::Shm
@@ -532,14 +493,13 @@ impl Transport for ShmTransport {
         Box::pin(async move {
             let tcp = self.tcp.listen(addr).await?;
             let local = tcp.local_addr();
-            let (tx, rx) = mpsc::channel::<Box<dyn Lane>>(1024);
-            let failures = Arc::new(AtomicU64::new(0));
+            let (sink, rx) = QueuedAcceptor::queue();
             let mut tasks = Vec::new();
             {
-                let (tcp, tx) = (tcp.clone(), tx.clone());
+                let (tcp, queue) = (tcp.clone(), sink.clone());
                 tasks.push(tokio::spawn(async move {
                     while let Ok(l) = tcp.accept().await {
-                        if tx.send(l).await.is_err() {
+                        if !queue.send(l).await {
                             return;
                         }
                     }
@@ -557,8 +517,8 @@ impl Transport for ShmTransport {
                     socket_name(local.port())
                 ),
                 Ok(l) => {
-                    let (fails, hs, by_ref) =
-                        (failures.clone(), self.timeouts.handshake, self.by_reference);
+                    let (queue, hs, by_ref) =
+                        (sink.clone(), self.timeouts.handshake, self.by_reference);
                     tasks.push(tokio::spawn(async move {
                         loop {
                             let mut s = match l.accept().await {
@@ -572,43 +532,28 @@ impl Transport for ShmTransport {
                                     continue;
                                 }
                             };
-                            let (tx, fails) = (tx.clone(), fails.clone());
+                            let queue = queue.clone();
                             tokio::spawn(async move {
-                                match tokio::time::timeout(hs, handshake(&mut s, local, by_ref))
-                                    .await
-                                {
-                                    Ok(Ok((_, shm))) => {
-                                        let lane = ShmLane {
-                                            s,
-                                            peer: PeerInfo {
-                                                addr: SocketAddr::from(([127, 0, 0, 1], 0)),
-                                                identity: None,
-                                            },
-                                            shm,
-                                        };
-                                        let _ = tx.send(Box::new(lane)).await;
-                                    }
-                                    Ok(Err(e)) => {
-                                        fails.fetch_add(1, Ordering::Relaxed);
-                                        log::warn!("refused shm peer: {e}");
-                                    }
-                                    Err(_) => {
-                                        fails.fetch_add(1, Ordering::Relaxed);
-                                        log::warn!("shm hello timed out");
-                                    }
-                                }
+                                let hello = handshake(&mut s, local, by_ref);
+                                let Some((_, shm)) = queue.handshake(hs, hello, "shm peer").await
+                                else {
+                                    return;
+                                };
+                                let lane = ShmLane {
+                                    s,
+                                    peer: PeerInfo {
+                                        addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+                                        identity: None,
+                                    },
+                                    shm,
+                                };
+                                queue.send(Box::new(lane)).await;
                             });
                         }
                     }));
                 }
             }
-            Ok(Arc::new(ShmAcceptor {
-                local,
-                rx: Mutex::new(rx),
-                failures,
-                tasks,
-                _tcp: tcp,
-            }) as Arc<dyn Acceptor>)
+            Ok(QueuedAcceptor::new(local, &sink, rx, tasks, Some(tcp)))
         })
     }
 

@@ -9,17 +9,16 @@
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, Mutex};
 
 use super::tls::{cert_identity, Security};
 use super::transport::{
-    Acceptor, BoxFut, Connection, Lane, PeerInfo, Transport, TransportKind, TransportTimeouts,
+    Acceptor, BoxFut, Connection, Lane, PeerInfo, QueuedAcceptor, Transport, TransportKind,
+    TransportTimeouts,
 };
 use crate::error::{Error, Result};
 
@@ -214,40 +213,6 @@ impl Connection for TcpConn {
     fn close(&self) {}
 }
 
-struct TcpAcceptor {
-    local: SocketAddr,
-    rx: Mutex<mpsc::Receiver<Box<dyn Lane>>>,
-    failures: Arc<AtomicU64>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for TcpAcceptor {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl Acceptor for TcpAcceptor {
-    fn local_addr(&self) -> SocketAddr {
-        self.local
-    }
-
-    fn accept(&self) -> BoxFut<'_, Result<Box<dyn Lane>>> {
-        Box::pin(async move {
-            self.rx
-                .lock()
-                .await
-                .recv()
-                .await
-                .ok_or_else(|| Error::Cancelled("listener closed".into()))
-        })
-    }
-
-    fn handshake_failures(&self) -> u64 {
-        self.failures.load(Ordering::Relaxed)
-    }
-}
-
 impl Transport for TcpTransport {
     fn kind(&self) -> TransportKind {
         self.kind
@@ -259,12 +224,11 @@ impl Transport for TcpTransport {
                 .await
                 .map_err(|e| Error::io(format!("listen on {addr}"), e))?;
             let local = l.local_addr().map_err(|e| Error::io("local_addr", e))?;
-            let (tx, rx) = mpsc::channel::<Box<dyn Lane>>(1024);
-            let failures = Arc::new(AtomicU64::new(0));
-            let fails = failures.clone();
+            let (sink, rx) = QueuedAcceptor::queue();
             let tls = self.server.clone();
             let hs = self.timeouts.handshake;
             let psk = matches!(self.security, Security::Psk { .. });
+            let queue = sink.clone();
             let task = tokio::spawn(async move {
                 loop {
                     let (sock, peer) = match l.accept().await {
@@ -278,44 +242,29 @@ impl Transport for TcpTransport {
                     };
                     let _ = sock.set_nodelay(true);
                     let Some(acc) = tls.clone() else {
-                        if tx.send(Box::new(sock)).await.is_err() {
+                        if !queue.send(Box::new(sock)).await {
                             return;
                         }
                         continue;
                     };
-                    let (tx, fails) = (tx.clone(), fails.clone());
+                    let queue = queue.clone();
                     tokio::spawn(async move {
-                        match tokio::time::timeout(hs, acc.accept(sock)).await {
-                            Ok(Ok(s)) => {
-                                let identity =
-                                    cert_identity(s.get_ref().1.peer_certificates(), psk);
-                                let lane = Wrapped {
-                                    inner: s,
-                                    peer: PeerInfo {
-                                        addr: peer,
-                                        identity,
-                                    },
-                                };
-                                let _ = tx.send(Box::new(lane)).await;
-                            }
-                            Ok(Err(e)) => {
-                                fails.fetch_add(1, Ordering::Relaxed);
-                                log::warn!("refused TLS peer {peer}: {e}");
-                            }
-                            Err(_) => {
-                                fails.fetch_add(1, Ordering::Relaxed);
-                                log::warn!("TLS handshake from {peer} timed out");
-                            }
+                        let what = format!("TLS peer {peer}");
+                        if let Some(s) = queue.handshake(hs, acc.accept(sock), what).await {
+                            let identity = cert_identity(s.get_ref().1.peer_certificates(), psk);
+                            let lane = Wrapped {
+                                inner: s,
+                                peer: PeerInfo {
+                                    addr: peer,
+                                    identity,
+                                },
+                            };
+                            queue.send(Box::new(lane)).await;
                         }
                     });
                 }
             });
-            Ok(Arc::new(TcpAcceptor {
-                local,
-                rx: Mutex::new(rx),
-                failures,
-                task,
-            }) as Arc<dyn Acceptor>)
+            Ok(QueuedAcceptor::new(local, &sink, rx, vec![task], None))
         })
     }
 

@@ -211,3 +211,114 @@ pub trait Transport: Send + Sync + 'static {
     /// Connects to the endpoint listening at `addr`, within the transport's timeouts.
     fn connect(&self, addr: SocketAddr) -> BoxFut<'_, Result<Arc<dyn Connection>>>;
 }
+
+/// Lanes a transport's listener tasks have accepted and authenticated, waiting for
+/// [`Acceptor::accept`] (at most this many; a full queue back-pressures the listener tasks).
+const ACCEPT_QUEUE_LANES: usize = 1024;
+
+/// The sending side of a [`QueuedAcceptor`]: where listener tasks put the lanes whose handshake
+/// passed, and the counter of those that failed. Cloned into every per-connection task.
+#[derive(Clone)]
+pub(crate) struct LaneSink {
+    pub(crate) tx: tokio::sync::mpsc::Sender<Box<dyn Lane>>,
+    pub(crate) failures: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl LaneSink {
+    /// Runs one incoming connection's handshake `fut` under `limit`. A failure or a timeout is
+    /// counted in [`Acceptor::handshake_failures`], logged with `peer` (e.g. "TLS peer
+    /// 10.0.0.2:5000"), and gives `None`; the caller then drops the connection.
+    pub(crate) async fn handshake<T, E: std::fmt::Display>(
+        &self,
+        limit: Duration,
+        fut: impl std::future::IntoFuture<Output = std::result::Result<T, E>>,
+        peer: impl std::fmt::Display,
+    ) -> Option<T> {
+        let failed = match tokio::time::timeout(limit, fut).await {
+            Ok(Ok(v)) => return Some(v),
+            Ok(Err(e)) => format!("refused {peer}: {e}"),
+            Err(_) => format!("handshake of {peer} timed out after {limit:?}"),
+        };
+        self.failures
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        log::warn!("{failed}");
+        None
+    }
+
+    /// Queues an accepted lane; `false` once the acceptor is gone (the task should end).
+    pub(crate) async fn send(&self, lane: Box<dyn Lane>) -> bool {
+        self.tx.send(lane).await.is_ok()
+    }
+}
+
+/// The [`Acceptor`] of every transport here: listener tasks accept connections, run their
+/// handshakes and queue the lanes that passed ([`LaneSink`]); `accept` hands them out in
+/// arrival order. Dropping it aborts the listener tasks (closing the listening sockets).
+///
+/// Thread-safety: `Send + Sync`; concurrent `accept` calls take lanes one at a time.
+pub(crate) struct QueuedAcceptor {
+    local: SocketAddr,
+    rx: tokio::sync::Mutex<tokio::sync::mpsc::Receiver<Box<dyn Lane>>>,
+    failures: Arc<std::sync::atomic::AtomicU64>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// An acceptor whose lanes a task of this one forwards (the shm transport's TCP side for
+    /// peers on other hosts): kept alive with this one, its handshake failures added to ours.
+    inner: Option<Arc<dyn Acceptor>>,
+}
+
+impl QueuedAcceptor {
+    /// A new queue: the sink for the listener tasks and the receiving half for [`Self::new`].
+    pub(crate) fn queue() -> (LaneSink, tokio::sync::mpsc::Receiver<Box<dyn Lane>>) {
+        let (tx, rx) = tokio::sync::mpsc::channel(ACCEPT_QUEUE_LANES);
+        let failures = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        (LaneSink { tx, failures }, rx)
+    }
+
+    /// The acceptor bound at `local`, taking from `rx` the lanes `sink`'s tasks (`tasks`, aborted
+    /// on drop) queue. `inner`: see the field.
+    pub(crate) fn new(
+        local: SocketAddr,
+        sink: &LaneSink,
+        rx: tokio::sync::mpsc::Receiver<Box<dyn Lane>>,
+        tasks: Vec<tokio::task::JoinHandle<()>>,
+        inner: Option<Arc<dyn Acceptor>>,
+    ) -> Arc<dyn Acceptor> {
+        Arc::new(QueuedAcceptor {
+            local,
+            rx: tokio::sync::Mutex::new(rx),
+            failures: sink.failures.clone(),
+            tasks,
+            inner,
+        })
+    }
+}
+
+impl Drop for QueuedAcceptor {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Acceptor for QueuedAcceptor {
+    fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    fn accept(&self) -> BoxFut<'_, Result<Box<dyn Lane>>> {
+        Box::pin(async move {
+            self.rx
+                .lock()
+                .await
+                .recv()
+                .await
+                .ok_or_else(|| crate::error::Error::Cancelled("listener closed".into()))
+        })
+    }
+
+    fn handshake_failures(&self) -> u64 {
+        self.failures.load(std::sync::atomic::Ordering::Relaxed)
+            + self.inner.as_ref().map_or(0, |a| a.handshake_failures())
+    }
+}
