@@ -292,7 +292,7 @@ impl Transport for QuicTransport {
                     while conns.try_join_next().is_some() {}
                 }
             });
-            Ok(QueuedAcceptor::new(local, &sink, rx, vec![task], None))
+            Ok(QueuedAcceptor::start(local, &sink, rx, vec![task], None))
         })
     }
 

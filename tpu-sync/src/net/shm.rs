@@ -553,7 +553,7 @@ impl Transport for ShmTransport {
                     }));
                 }
             }
-            Ok(QueuedAcceptor::new(local, &sink, rx, tasks, Some(tcp)))
+            Ok(QueuedAcceptor::start(local, &sink, rx, tasks, Some(tcp)))
         })
     }
 

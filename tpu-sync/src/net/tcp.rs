@@ -264,7 +264,7 @@ impl Transport for TcpTransport {
                     });
                 }
             });
-            Ok(QueuedAcceptor::new(local, &sink, rx, vec![task], None))
+            Ok(QueuedAcceptor::start(local, &sink, rx, vec![task], None))
         })
     }
 

@@ -267,7 +267,7 @@ pub(crate) struct QueuedAcceptor {
 }
 
 impl QueuedAcceptor {
-    /// A new queue: the sink for the listener tasks and the receiving half for [`Self::new`].
+    /// A new queue: the sink for the listener tasks and the receiving half for [`Self::start`].
     pub(crate) fn queue() -> (LaneSink, tokio::sync::mpsc::Receiver<Box<dyn Lane>>) {
         let (tx, rx) = tokio::sync::mpsc::channel(ACCEPT_QUEUE_LANES);
         let failures = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -276,7 +276,7 @@ impl QueuedAcceptor {
 
     /// The acceptor bound at `local`, taking from `rx` the lanes `sink`'s tasks (`tasks`, aborted
     /// on drop) queue. `inner`: see the field.
-    pub(crate) fn new(
+    pub(crate) fn start(
         local: SocketAddr,
         sink: &LaneSink,
         rx: tokio::sync::mpsc::Receiver<Box<dyn Lane>>,
