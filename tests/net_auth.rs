@@ -9,9 +9,7 @@ use std::time::Duration;
 
 use net_util::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tpu_sync::net::{
-    Endpoint, PeerMap, PullRequest, PushRequest, Security, SinkRegistration, TransportKind,
-};
+use tpu_sync::net::{Endpoint, PeerMap, PullRequest, Security, TransportKind};
 use tpu_sync::plan::{Placement, Plan};
 use tpu_sync::wire::{Control, LaneRole, PROTOCOL_VERSION};
 
@@ -52,15 +50,7 @@ async fn server(
     register_whole(&ep, &f.src, f.tokens, 1);
     let sink_st = dest_staging(&f.plan, &f.dst, None);
     let sink = ep
-        .expect_push(SinkRegistration {
-            request_id: 2,
-            num_tokens: f.tokens,
-            placement: f.dst.clone(),
-            staging: sink_st.clone(),
-            dst_ranks: None,
-            src: None,
-            plan: None,
-        })
+        .expect_push(sink_whole(&f.dst, f.tokens, 2, sink_st.clone(), None))
         .unwrap();
     (ep, sink_st, sink)
 }
@@ -88,17 +78,14 @@ async fn attempt(client: &Endpoint, addr: &str, f: &Fixture) -> (bool, bool) {
     } else {
         assert!(!any_nonzero(&dst_st), "a refused pull delivered bytes");
     }
-    let pushed = match client.push(PushRequest {
-        request_id: 2,
-        num_tokens: f.tokens,
-        src: f.src.clone(),
-        staging: source_staging(&f.src, f.tokens, None),
-        src_ranks: None,
-        dst: f.dst.clone(),
-        targets: PeerMap::single(addr),
-        layers_ready: None,
-        plan: None,
-    }) {
+    let pushed = match client.push(push_whole(
+        &f.src,
+        &f.dst,
+        f.tokens,
+        2,
+        None,
+        PeerMap::single(addr),
+    )) {
         Ok(t) => t.wait_timeout(Duration::from_secs(20)).await.is_ok(),
         Err(_) => false,
     };

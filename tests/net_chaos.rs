@@ -22,8 +22,8 @@ use fault_util::*;
 use net_util::*;
 use tpu_sync::arena::{ArenaOptions, LockStatus};
 use tpu_sync::net::{
-    Endpoint, EndpointOptions, PeerMap, PushRequest, SinkRegistration, SourceHandle, SourceOutcome,
-    Transfer, TransferStats, TransportKind,
+    Endpoint, EndpointOptions, PeerMap, PushRequest, SourceHandle, SourceOutcome, Transfer,
+    TransferStats, TransportKind,
 };
 use tpu_sync::staging::Staging;
 use tpu_sync::Error;
@@ -76,15 +76,7 @@ fn pull(ep: &Endpoint, f: &Fx, rid: u64, addr: &str) -> (Transfer, Arc<Staging>)
 fn expect(ep: &Endpoint, f: &Fx, rid: u64) -> (Transfer, Arc<Staging>) {
     let st = dest_staging_with(&f.plan, &f.dst, None, &locked());
     let t = ep
-        .expect_push(SinkRegistration {
-            request_id: rid,
-            num_tokens: f.tokens,
-            placement: f.dst.clone(),
-            staging: st.clone(),
-            dst_ranks: None,
-            src: None,
-            plan: None,
-        })
+        .expect_push(sink_whole(&f.dst, f.tokens, rid, st.clone(), None))
         .unwrap();
     (t, st)
 }

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use net_util::*;
 use tpu_sync::net::{
-    Endpoint, EndpointOptions, FaultHooks, PeerMap, PushRequest, Security, SinkRegistration,
-    SourceOutcome, SourceRegistration, Transfer, TransportKind,
+    Endpoint, EndpointOptions, FaultHooks, PeerMap, Security, SinkRegistration, SourceOutcome,
+    SourceRegistration, Transfer, TransportKind,
 };
 use tpu_sync::Error;
 
@@ -195,31 +195,20 @@ fn peer_killed_before_between_and_during_transfers() {
             let decode = Endpoint::bind(o(kind, &pki, "decode", true)).await.unwrap();
             let sink_st = dest_staging(&f.plan, &f.dst, None);
             let sink = decode
-                .expect_push(SinkRegistration {
-                    request_id: 6,
-                    num_tokens: f.tokens,
-                    placement: f.dst.clone(),
-                    staging: sink_st,
-                    dst_ranks: None,
-                    src: None,
-                    plan: None,
-                })
+                .expect_push(sink_whole(&f.dst, f.tokens, 6, sink_st, None))
                 .unwrap();
             let mut po = o(kind, &pki, "pusher", false);
             po.faults.stall_after_bytes = Some(100_000);
             let pusher = Endpoint::bind(po).await.unwrap();
             let _p = pusher
-                .push(PushRequest {
-                    request_id: 6,
-                    num_tokens: f.tokens,
-                    src: f.src.clone(),
-                    staging: source_staging(&f.src, f.tokens, None),
-                    src_ranks: None,
-                    dst: f.dst.clone(),
-                    targets: PeerMap::single(decode.local_addr().unwrap().to_string()),
-                    layers_ready: None,
-                    plan: None,
-                })
+                .push(push_whole(
+                    &f.src,
+                    &f.dst,
+                    f.tokens,
+                    6,
+                    None,
+                    PeerMap::single(decode.local_addr().unwrap().to_string()),
+                ))
                 .unwrap();
             eventually(Duration::from_secs(5), "push started", || {
                 decode.stats().bytes_received > 0
@@ -370,32 +359,21 @@ fn corrupt_chunk_fails_the_request_not_the_connection() {
             // Push: the receiver fails the request, the sender learns it, the lane survives.
             let sink_st = dest_staging(&f.plan, &f.dst, None);
             let sink = decode
-                .expect_push(SinkRegistration {
-                    request_id: 2,
-                    num_tokens: f.tokens,
-                    placement: f.dst.clone(),
-                    staging: sink_st,
-                    dst_ranks: None,
-                    src: None,
-                    plan: None,
-                })
+                .expect_push(sink_whole(&f.dst, f.tokens, 2, sink_st, None))
                 .unwrap();
             let mut po = o(kind, &pki, "pusher", false);
             po.faults.corrupt_at_offset = Some(10);
             let pusher = Endpoint::bind(po).await.unwrap();
             let push = |rid| {
                 pusher
-                    .push(PushRequest {
-                        request_id: rid,
-                        num_tokens: f.tokens,
-                        src: f.src.clone(),
-                        staging: source_staging(&f.src, f.tokens, None),
-                        src_ranks: None,
-                        dst: f.dst.clone(),
-                        targets: PeerMap::single(decode.local_addr().unwrap().to_string()),
-                        layers_ready: None,
-                        plan: None,
-                    })
+                    .push(push_whole(
+                        &f.src,
+                        &f.dst,
+                        f.tokens,
+                        rid,
+                        None,
+                        PeerMap::single(decode.local_addr().unwrap().to_string()),
+                    ))
                     .unwrap()
             };
             let e = push(2).wait().await.unwrap_err();
@@ -410,15 +388,7 @@ fn corrupt_chunk_fails_the_request_not_the_connection() {
             );
             let sink_st = dest_staging(&f.plan, &f.dst, None);
             let sink = decode
-                .expect_push(SinkRegistration {
-                    request_id: 3,
-                    num_tokens: f.tokens,
-                    placement: f.dst.clone(),
-                    staging: sink_st.clone(),
-                    dst_ranks: None,
-                    src: None,
-                    plan: None,
-                })
+                .expect_push(sink_whole(&f.dst, f.tokens, 3, sink_st.clone(), None))
                 .unwrap();
             push(3).wait().await.unwrap();
             sink.wait().await.unwrap();
@@ -506,17 +476,14 @@ fn cancellation_and_leases() {
         sink.cancel();
         assert!(matches!(sink.wait().await, Err(Error::Cancelled(_))));
         let p = prefill
-            .push(PushRequest {
-                request_id: 3,
-                num_tokens: f.tokens,
-                src: f.src.clone(),
-                staging: source_staging(&f.src, f.tokens, None),
-                src_ranks: None,
-                dst: f.dst.clone(),
-                targets: PeerMap::single(decode.local_addr().unwrap().to_string()),
-                layers_ready: None,
-                plan: None,
-            })
+            .push(push_whole(
+                &f.src,
+                &f.dst,
+                f.tokens,
+                3,
+                None,
+                PeerMap::single(decode.local_addr().unwrap().to_string()),
+            ))
             .unwrap();
         let e = p.wait().await.unwrap_err();
         assert!(e.to_string().contains("expects no push"), "{e}");

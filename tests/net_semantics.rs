@@ -14,8 +14,8 @@ use std::time::Duration;
 use fault_util::{real_transport, Action, FaultTransport, Faults, FrameSel, Point, Rule};
 use net_util::*;
 use tpu_sync::net::{
-    Endpoint, EndpointOptions, PeerMap, PullRequest, PushRequest, Security, SinkRegistration,
-    SourceHandle, SourceOutcome, SourceRegistration, TransportKind,
+    Endpoint, EndpointOptions, PeerMap, PullRequest, Security, SinkRegistration, SourceHandle,
+    SourceOutcome, SourceRegistration, TransportKind,
 };
 use tpu_sync::ErrorKind;
 
@@ -107,17 +107,14 @@ fn remote_failures_keep_their_kind() {
         assert!(e.to_string().contains("not hosted here"), "{e}");
         // A push to an endpoint that expects none.
         let p = prefill
-            .push(PushRequest {
-                request_id: 7,
-                num_tokens: f.tokens,
-                src: f.src.clone(),
-                staging: source_staging(&f.src, f.tokens, None),
-                src_ranks: None,
-                dst: f.dst.clone(),
-                targets: PeerMap::single(addr(&prefill)),
-                layers_ready: None,
-                plan: None,
-            })
+            .push(push_whole(
+                &f.src,
+                &f.dst,
+                f.tokens,
+                7,
+                None,
+                PeerMap::single(addr(&prefill)),
+            ))
             .unwrap();
         let e = p.wait().await.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::UnknownRequest, "{e}");
@@ -407,17 +404,14 @@ fn push_to_a_sink_fails_with_the_receivers_kind() {
             })
             .unwrap();
         let p = prefill
-            .push(PushRequest {
-                request_id: 30,
-                num_tokens: f.tokens,
-                src: f.src.clone(),
-                staging: source_staging(&f.src, f.tokens, None),
-                src_ranks: None,
-                dst: f.dst.clone(),
-                targets: PeerMap::single(addr(&decode)),
-                layers_ready: None,
-                plan: None,
-            })
+            .push(push_whole(
+                &f.src,
+                &f.dst,
+                f.tokens,
+                30,
+                None,
+                PeerMap::single(addr(&decode)),
+            ))
             .unwrap();
         let e = p.wait().await.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");

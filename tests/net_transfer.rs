@@ -8,8 +8,7 @@ use std::time::Duration;
 
 use net_util::*;
 use tpu_sync::net::{
-    Endpoint, PeerMap, PullRequest, PushRequest, SinkRegistration, SourceOutcome,
-    SourceRegistration, TransportKind,
+    Endpoint, PeerMap, PullRequest, PushRequest, SourceOutcome, SourceRegistration, TransportKind,
 };
 use tpu_sync::plan::{Placement, Plan};
 
@@ -84,31 +83,20 @@ async fn pull_once(prefill: &Endpoint, decode: &Endpoint, c: &Case, rid: u64) ->
 async fn push_once(prefill: &Endpoint, decode: &Endpoint, c: &Case, rid: u64) -> u64 {
     let dst_st = dest_staging(&c.plan, &c.dst, None);
     let sink = decode
-        .expect_push(SinkRegistration {
-            request_id: rid,
-            num_tokens: c.tokens,
-            placement: c.dst.clone(),
-            staging: dst_st.clone(),
-            dst_ranks: None,
-            src: None,
-            plan: None,
-        })
+        .expect_push(sink_whole(&c.dst, c.tokens, rid, dst_st.clone(), None))
         .unwrap();
     let addr = decode.local_addr().unwrap().to_string();
     let (p, _) = prefill.describe_sink(&addr, rid).await.unwrap();
     assert_eq!(p, c.dst);
     let t = prefill
-        .push(PushRequest {
-            request_id: rid,
-            num_tokens: c.tokens,
-            src: c.src.clone(),
-            staging: source_staging(&c.src, c.tokens, None),
-            src_ranks: None,
-            dst: c.dst.clone(),
-            targets: PeerMap::single(addr),
-            layers_ready: None,
-            plan: None,
-        })
+        .push(push_whole(
+            &c.src,
+            &c.dst,
+            c.tokens,
+            rid,
+            None,
+            PeerMap::single(addr),
+        ))
         .unwrap();
     let sent = t.wait().await.unwrap();
     let got = sink.wait().await.unwrap();
@@ -345,30 +333,25 @@ fn prefill_ranks_in_separate_endpoints_pull_and_push() {
             // Push from the four endpoints into one decode endpoint: complete only after all.
             let dst_st = dest_staging(&c.plan, &c.dst, None);
             let sink = decode
-                .expect_push(SinkRegistration {
-                    request_id: 8,
-                    num_tokens: c.tokens,
-                    placement: c.dst.clone(),
-                    staging: dst_st.clone(),
-                    dst_ranks: None,
-                    src: Some(c.src.clone()),
-                    plan: None,
-                })
+                .expect_push(sink_whole(
+                    &c.dst,
+                    c.tokens,
+                    8,
+                    dst_st.clone(),
+                    Some(&c.src),
+                ))
                 .unwrap();
             let target = PeerMap::single(decode.local_addr().unwrap().to_string());
             for (r, ep) in prefills.iter().enumerate() {
                 let t = ep
-                    .push(PushRequest {
-                        request_id: 8,
-                        num_tokens: c.tokens,
-                        src: c.src.clone(),
-                        staging: source_staging(&c.src, c.tokens, Some(&[r as u32])),
-                        src_ranks: None,
-                        dst: c.dst.clone(),
-                        targets: target.clone(),
-                        layers_ready: None,
-                        plan: None,
-                    })
+                    .push(push_whole(
+                        &c.src,
+                        &c.dst,
+                        c.tokens,
+                        8,
+                        Some(&[r as u32]),
+                        target.clone(),
+                    ))
                     .unwrap();
                 t.wait().await.unwrap();
                 if r < 3 {
@@ -407,29 +390,18 @@ fn a_rank_with_no_bytes_still_completes() {
         let decode = endpoint(kind, &pki, "decode", true).await;
         let dst_st = dest_staging(&c.plan, &c.dst, None);
         let sink = decode
-            .expect_push(SinkRegistration {
-                request_id: 5,
-                num_tokens: c.tokens,
-                placement: c.dst.clone(),
-                staging: dst_st.clone(),
-                dst_ranks: None,
-                src: None,
-                plan: None,
-            })
+            .expect_push(sink_whole(&c.dst, c.tokens, 5, dst_st.clone(), None))
             .unwrap();
         let target = PeerMap::single(decode.local_addr().unwrap().to_string());
         let push = |ep: &Endpoint, r: u32| {
-            ep.push(PushRequest {
-                request_id: 5,
-                num_tokens: c.tokens,
-                src: c.src.clone(),
-                staging: source_staging(&c.src, c.tokens, Some(&[r])),
-                src_ranks: None,
-                dst: c.dst.clone(),
-                targets: target.clone(),
-                layers_ready: None,
-                plan: None,
-            })
+            ep.push(push_whole(
+                &c.src,
+                &c.dst,
+                c.tokens,
+                5,
+                Some(&[r]),
+                target.clone(),
+            ))
             .unwrap()
         };
         let st = push(&a, 0).wait().await.unwrap();
@@ -540,27 +512,25 @@ fn layer_pipelining_pull_and_push() {
             // Push: the sender publishes layer by layer; the receiver sees layers complete.
             let dst_st = dest_staging(&c.plan, &c.dst, None);
             let sink = decode
-                .expect_push(SinkRegistration {
-                    request_id: 22,
-                    num_tokens: c.tokens,
-                    placement: c.dst.clone(),
-                    staging: dst_st.clone(),
-                    dst_ranks: None,
-                    src: Some(c.src.clone()),
-                    plan: None,
-                })
+                .expect_push(sink_whole(
+                    &c.dst,
+                    c.tokens,
+                    22,
+                    dst_st.clone(),
+                    Some(&c.src),
+                ))
                 .unwrap();
             let p = prefill
                 .push(PushRequest {
-                    request_id: 22,
-                    num_tokens: c.tokens,
-                    src: c.src.clone(),
-                    staging: source_staging(&c.src, c.tokens, None),
-                    src_ranks: None,
-                    dst: c.dst.clone(),
-                    targets: PeerMap::single(decode.local_addr().unwrap().to_string()),
                     layers_ready: Some(0),
-                    plan: None,
+                    ..push_whole(
+                        &c.src,
+                        &c.dst,
+                        c.tokens,
+                        22,
+                        None,
+                        PeerMap::single(decode.local_addr().unwrap().to_string()),
+                    )
                 })
                 .unwrap();
             tokio::time::sleep(Duration::from_millis(150)).await;

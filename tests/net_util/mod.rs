@@ -371,3 +371,48 @@ pub fn pull_fx(
     })
     .unwrap()
 }
+
+/// A push of request `rid` (`tokens` tokens, `src` -> `dst`) from the source ranks `ranks`
+/// (None: all) of a freshly staged [`source_staging`] to `targets`, whole (every layer ready),
+/// the plan built by the endpoint. Override fields with `PushRequest { .., ..push_whole(..) }`.
+pub fn push_whole(
+    src: &Placement,
+    dst: &Placement,
+    tokens: u32,
+    rid: u64,
+    ranks: Option<&[u32]>,
+    targets: tpu_sync::net::PeerMap,
+) -> tpu_sync::net::PushRequest {
+    tpu_sync::net::PushRequest {
+        request_id: rid,
+        num_tokens: tokens,
+        src: src.clone(),
+        staging: source_staging(src, tokens, ranks),
+        src_ranks: None,
+        dst: dst.clone(),
+        targets,
+        layers_ready: None,
+        plan: None,
+    }
+}
+
+/// The expectation of a push of request `rid` (`tokens` tokens) into `staging` at `dst` (all
+/// destination ranks, the plan built by the endpoint), from producers of layout `src` (None:
+/// any, told by the pusher).
+pub fn sink_whole(
+    dst: &Placement,
+    tokens: u32,
+    rid: u64,
+    staging: Arc<Staging>,
+    src: Option<&Placement>,
+) -> tpu_sync::net::SinkRegistration {
+    tpu_sync::net::SinkRegistration {
+        request_id: rid,
+        num_tokens: tokens,
+        placement: dst.clone(),
+        staging,
+        dst_ranks: None,
+        src: src.cloned(),
+        plan: None,
+    }
+}
