@@ -103,9 +103,11 @@ def test_kinds_the_connector_cannot_move_are_named(configs):
     with pytest.raises(ValueError, match="MambaSpec"):
         connector(configs["kv_both"], kvc=kv_cache_config(groups=[
             KVCacheGroupSpec(["model.layers.0.mixer"], mamba), KVCacheGroupSpec([L1], FullAttentionSpec(**ATTN))]))
+    # Layer-wise P/D and loads work with several groups (below): accepted at start.
+    cfg = vllm_config(configs["kv_both"].model_config.model, "kv_producer", extra={"layerwise": True})
+    assert connector(cfg).config.layerwise
     with pytest.raises(ConfigError, match="layerwise"):
-        cfg = vllm_config(configs["kv_both"].model_config.model, "kv_producer", extra={"layerwise": True})
-        connector(cfg)
+        connector(vllm_config(configs["kv_both"].model_config.model, "kv_producer", extra={"layerwise": 1}))
 
 
 # ---- scheduler: block ids per group ----------------------------------------------------------
@@ -118,7 +120,8 @@ def producer_params(configs, n=100):
     r = request("p1", toks, {"do_remote_decode": True}, max_tokens=1)
     r.num_computed_tokens, r.status = n, RequestStatus.FINISHED_LENGTH_CAPPED
     # vLLM's per-group block ids: the sliding group already dropped block 0 (its null block).
-    delay, params = p.request_finished_all_groups(r, ([0, 12, 13, 14], [9, 4, 7, 3]))
+    nb = -(-n // BS)
+    delay, params = p.request_finished_all_groups(r, ([0, 12, 13, 14][:nb], [9, 4, 7, 3][:nb]))
     return p, toks, delay, params
 
 
@@ -168,6 +171,77 @@ def test_consumer_pulls_into_each_groups_blocks(configs):
     with pytest.raises(ValueError, match="one list per KV cache group"):
         placement(spec.src_layout, spec.src_block_ids)
     assert sorted(_flat_ids(spec.dst_block_ids)) == [5, 6, 8, 10, 22, 23]
+
+
+def layerwise_config(configs, role):
+    return vllm_config(configs["kv_both"].model_config.model, role, extra={"layerwise": True})
+
+
+class _Manager:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self, rid):
+        return self.ids
+
+
+def test_layerwise_producer_registers_each_groups_held_blocks(configs):
+    p = connector(layerwise_config(configs, "kv_producer"))
+    p.set_xfer_handshake_metadata({0: TpuSyncHandshake(0, "10.0.0.1:7001", p.geometry.block_format, NUM_BLOCKS)})
+    ids = ([11, 12, 13, 14], [9, 4, 7, 3])  # the whole prompt in one step: every block held
+    p.scheduler_side.kv_cache_manager = _Manager(ids)
+    r = request("p1", tokens(100), {"do_remote_decode": True}, max_tokens=1)
+    p.on_new_request(r)
+    (send,) = p.build_connector_meta(sched_out({"p1": 100})).layer_sends
+    assert send.block_ids == [[12, 13, 14], [9, 4, 7, 3]] and send.num_tokens == 100
+    r.num_computed_tokens, r.status = 100, RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = p.request_finished_all_groups(r, ids)
+    # The layer-wise registration is handed off: no second registration.
+    assert delay and params["remote_request_id"] == send.xfer_id
+    assert params["remote_block_ids"] == [[12, 13, 14], [9, 4, 7, 3]]
+    meta = p.build_connector_meta(sched_out({}))
+    assert meta.handoffs == ["p1"] and not meta.sends and not meta.withdraws
+    # Blocks that differ at the end (another block table): that registration is withdrawn and
+    # the request registered whole.
+    r2 = request("p2", tokens(100, seed=5), {"do_remote_decode": True}, max_tokens=1)
+    p.on_new_request(r2)
+    (send2,) = p.build_connector_meta(sched_out({"p2": 100})).layer_sends
+    r2.num_computed_tokens, r2.status = 100, RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = p.request_finished_all_groups(r2, ([0, 15, 16, 17], [9, 4, 7, 3]))
+    meta = p.build_connector_meta(sched_out({}))
+    assert meta.withdraws == [send2.xfer_id] and [s.block_ids for s in meta.sends] == [[[15, 16, 17], [9, 4, 7, 3]]]
+    assert params["remote_request_id"] == meta.sends[0].xfer_id != send2.xfer_id
+    # A null block inside the window: nothing registered layer by layer.
+    p.scheduler_side.kv_cache_manager = _Manager(([0, 0, 13, 14], [9, 4, 7, 3]))
+    p.on_new_request(request("p3", tokens(100, seed=6), {"do_remote_decode": True}, max_tokens=1))
+    assert p.build_connector_meta(sched_out({"p3": 100})).layer_sends == []
+
+
+def test_layerwise_consumer_pulls_each_group_or_whole_when_a_window_is_not_covered(configs):
+    c = connector(layerwise_config(configs, "kv_consumer"))
+    _, toks, _, params = producer_params(configs)
+    r = request("d1", toks, dict(params))
+    # 100 tokens: the forward computes from token 96, whose window [49, 97) lies in blocks 1..
+    # that the producer holds: a synchronous load read layer by layer.
+    assert c.get_num_new_matched_tokens(r, 0) == (96, False)
+    c.update_state_after_alloc(r, blocks([0, 21, 22, 23], [5, 6, 8, 10]), 96)
+    meta = c.build_connector_meta(sched_out({"d1": 4}))
+    (spec,) = meta.layer_recvs
+    assert not meta.recvs
+    assert spec.src_block_ids == [[12, 13, 14], [9, 4, 7, 3]] and spec.dst_block_ids == [[21, 22, 23], [5, 6, 8, 10]]
+    assert spec.num_tokens == 100
+    # 80 tokens: computing from token 64 reads token 17 (block 0) of the sliding layer, which the
+    # producer of 80 tokens no longer holds (its window [33, 80) starts in block 1): the request
+    # is pulled whole (asynchronously), and vLLM computes only its last token.
+    _, toks80, _, params80 = producer_params(configs, n=80)
+    assert params80["remote_block_ids"] == [[12, 13], [9, 4, 7]]
+    r2 = request("d2", toks80, dict(params80))
+    assert c.get_num_new_matched_tokens(r2, 0) == (80, True)
+    assert c.scheduler_side.stats["layerwise_whole"] == 1
+    c.update_state_after_alloc(r2, blocks([0, 21, 22], [5, 6, 8]), 80)
+    meta = c.build_connector_meta(sched_out({}))
+    (spec,) = meta.recvs
+    assert not meta.layer_recvs and spec.dst_block_ids == [[21, 22], [5, 6, 8]]
 
 
 @pytest.mark.parametrize("tamper", ["flat", "group-count", "group-length", "window", "uniform-producer"])
@@ -318,6 +392,103 @@ def test_worker_host_tier_store_then_load_per_group(configs):
             assert torch.equal(kv[name], want[name]), name
         # Bad input: block ids of one group only: a failed load (recomputed), nothing written.
         w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o3", hashes, [19, 20, 21], None, [[19, 20, 21]])]))
+        assert w.stats["failed_loads"] == 1
+        assert set(w.get_block_ids_with_load_errors()) == {19, 20, 21}
+        for name in (L0, L1):
+            assert torch.equal(kv[name], want[name]), name
+    finally:
+        w.shutdown()
+
+
+def test_worker_layerwise_pd_moves_each_group_layer_by_layer_byte_exact(configs):
+    """Layer-wise P/D with two KV cache groups: the producer registers the grouped placement
+    before its forward and publishes each cache layer from ``save_kv_layer``; the consumer
+    pulls layer-wise into its own blocks of each group, and ``wait_for_layer_load`` returns
+    once that layer (of its group's blocks) is in, while later layers are untouched."""
+    prod = worker(configs, "kv_producer", {"layerwise": True})
+    cons = worker(configs, "kv_consumer", {"layerwise": True})
+    src, dst = kv_tensors(4), kv_tensors(5)
+    before = {n: t.clone() for n, t in dst.items()}
+    try:
+        prod.register_kv_caches(src)
+        cons.register_kv_caches(dst)
+        held_src, held_dst = [[12, 13, 14], [9, 4, 7, 3]], [[21, 22, 23], [5, 6, 8, 10]]
+        prod.start_load_kv(TpuSyncMetadata(layer_sends=[SendSpec("p1", 78, held_src, 100, 60.0)]))
+        assert prod.stats["layerwise_registered"] == 1, prod.stats
+        layout = prod.geometry.tpu_sync_layout(NUM_BLOCKS)
+        cons.start_load_kv(TpuSyncMetadata(layer_recvs=[RecvSpec("d1", 78, {0: prod.transport.address}, layout,
+                                                                  held_src, held_dst, 100, 30.0)]))
+        assert cons.stats["layerwise_pulls"] == 1, cons.stats
+        want = {n: t.clone() for n, t in before.items()}
+        for name, s_ids, d_ids in ((L0, held_src[0], held_dst[0]), (L1, held_src[1], held_dst[1])):
+            for s_, d in zip(s_ids, d_ids):
+                want[name][d] = src[name][s_]
+        # Layer 0 (the sliding-window group) published and read; layer 1 not published yet.
+        prod.save_kv_layer(L0)
+        cons.wait_for_layer_load(L0)
+        assert torch.equal(dst[L0], want[L0])
+        assert torch.equal(dst[L1], before[L1])
+        prod.save_kv_layer(L1)
+        cons.wait_for_layer_load(L1)
+        for name in (L0, L1):
+            assert torch.equal(dst[name], want[name]), name
+        assert not torch.equal(dst[L0][0], src[L0][0])  # the block before the window not moved
+        prod.wait_for_save(None)
+        cons.wait_for_save(None)
+        assert cons.stats["pulls_done"] == 1 and cons.stats["pulls_failed"] == 0, cons.stats
+        assert not cons.get_block_ids_with_load_errors()
+
+        # Bad input: one group's lists for a two-group layout fail the layer-wise pull (load
+        # errors, the producer told), nothing written.
+        prod.start_load_kv(TpuSyncMetadata(layer_sends=[SendSpec("p2", 79, held_src, 100, 60.0)]))
+        snap = {n: t.clone() for n, t in dst.items()}
+        cons.start_load_kv(TpuSyncMetadata(layer_recvs=[RecvSpec("d2", 79, {0: prod.transport.address}, layout,
+                                                                  [held_src[1]], [held_dst[1]], 100, 5.0)]))
+        prod.save_kv_layer(L1)
+        cons.wait_for_layer_load(L0)
+        cons.wait_for_layer_load(L1)
+        cons.wait_for_save(None)
+        assert cons.stats["pulls_failed"] == 1
+        assert set(cons.get_block_ids_with_load_errors()) == set(held_dst[1])
+        for name in (L0, L1):
+            assert torch.equal(dst[name], snap[name])
+    finally:
+        cons.shutdown()
+        prod.shutdown()
+
+
+def test_worker_layerwise_host_tier_load_per_group(configs):
+    """Layer-wise host-tier loads with KV cache groups: each layer's part of a tier entry goes
+    to its own group's block; the sliding group's null blocks are skipped; byte-exact, every
+    other block unchanged; a load whose group lists disagree fails (load errors), writes
+    nothing."""
+    w = worker(configs, "kv_both", {"host_capacity_bytes": 64 << 20, "layerwise": True})
+    kv = kv_tensors(6)
+    try:
+        w.register_kv_caches(kv)
+        orig = {n: t.clone() for n, t in kv.items()}
+        hashes = [bytes([i]) * 32 for i in range(11, 14)]
+        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [1, 2, 3], None, [[1, 2, 3], [4, 5, 6]])]))
+        assert w.stats["saved_blocks"] == 3
+        w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o1", hashes, [16, 17, 18], None, [[0, 14, 15], [16, 17, 18]])]))
+        assert w.stats["layerwise_loads"] == 1
+        want = {n: t.clone() for n, t in orig.items()}
+        for s_, d in zip([2, 3], [14, 15]):
+            want[L0][d] = orig[L0][s_]
+        w.wait_for_layer_load(L0)
+        assert torch.equal(kv[L0], want[L0])
+        for s_, d in zip([4, 5, 6], [16, 17, 18]):
+            want[L1][d] = orig[L1][s_]
+        w.wait_for_layer_load(L1)
+        w.wait_for_save(None)
+        assert w.stats["loaded_blocks"] == 3 and w.stats["failed_loads"] == 0, w.stats
+        for name in (L0, L1):
+            assert torch.equal(kv[name], want[name]), name
+        assert torch.equal(kv[L0][0], orig[L0][0])  # the null block untouched
+        w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o3", hashes, [19, 20, 21], None, [[19, 20, 21]])]))
+        w.wait_for_layer_load(L0)
+        w.wait_for_layer_load(L1)
+        w.wait_for_save(None)
         assert w.stats["failed_loads"] == 1
         assert set(w.get_block_ids_with_load_errors()) == {19, 20, 21}
         for name in (L0, L1):
