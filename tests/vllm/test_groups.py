@@ -497,6 +497,89 @@ def test_worker_layerwise_host_tier_load_per_group(configs):
         w.shutdown()
 
 
+# ---- TP > 1 with KV cache groups: the connector's layouts through the Python API -----------
+
+
+@pytest.mark.parametrize("src_tp,dst_tp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_grouped_pd_reshards_tp_byte_exact(configs, src_tp, dst_tp, layerwise):
+    """The connector's grouped layout and placements (:meth:`KvGeometry.tpu_sync_layout`,
+    ``compat.placement``, ``compat.pullers_of_rank``) of vLLM's sliding-window + full-attention
+    groups at producer TP ``src_tp`` and consumer TP ``dst_tp``: one endpoint per TP rank (as
+    one per vLLM worker), tensors shaped as vLLM's CPU backend allocates them per rank
+    (``[blocks, 2 / tp, 32, 64]``). Each consumer rank receives exactly its KV heads of each
+    group's held blocks (head ``h`` of a TP=1 block is head 0 of rank ``h``'s block), every
+    other byte unchanged; whole-request and layer-wise."""
+    import dataclasses
+
+    import tpu_sync
+    from tpu_sync.vllm import compat
+
+    base = connector(configs["kv_both"]).geometry
+    n = 100
+    geo = {tp: dataclasses.replace(base, tp=tp, heads_per_rank=base.num_kv_heads // tp) for tp in (src_tp, dst_tp)}
+    held_src, held_dst = [[12, 13, 14], [9, 4, 7, 3]], [[21, 22, 23], [5, 6, 8, 10]]
+    assert base.group_held_ids(([0] + held_src[0], held_src[1]), n) == held_src
+    src_p = compat.placement(geo[src_tp].tpu_sync_layout(NUM_BLOCKS), held_src)
+    dst_p = compat.placement(geo[dst_tp].tpu_sync_layout(NUM_BLOCKS), held_dst)
+
+    def rank_kv(tp, seed):
+        g = torch.Generator().manual_seed(seed)
+        return [{name: torch.rand((NUM_BLOCKS, 2 // tp, BS, 64), generator=g, dtype=torch.float32) + seed + 0.25 * i
+                 for i, name in enumerate((L0, L1))} for _ in range(tp)]
+
+    src, dst = rank_kv(src_tp, 21), rank_kv(dst_tp, 31)
+    before = [{k: t.clone() for k, t in r.items()} for r in dst]
+    client = tpu_sync.Client()
+    # Named per rank: endpoints of one process would otherwise share the process's default name
+    # (each vLLM worker is a process of its own).
+    prods = [tpu_sync.Endpoint(listen="127.0.0.1:0", timeout=10, staging_budget_bytes=1 << 28, client=client,
+                               name=f"prefill-rank{r}") for r in range(src_tp)]
+    conss = [tpu_sync.Endpoint(listen=None, timeout=10, client=client, name=f"decode-rank{r}") for r in range(dst_tp)]
+    try:
+        views = lambda r: [client.view(r[L0]), client.view(r[L1])]  # noqa: E731 - cache layer order
+        for rank, ep in enumerate(prods):
+            pullers = compat.pullers_of_rank(src_p, rank, n, dst_tp)
+            assert pullers == (dst_tp if src_tp == 1 else 1)
+            if layerwise:
+                ep.register_layers(80, src_p, n, {rank: views(src[rank])}, layers_ready=0, expected_releases=pullers)
+            else:
+                ep.register(80, src_p, n, {rank: views(src[rank])}, expected_releases=pullers)
+        peers = {rank: ep.address for rank, ep in enumerate(prods)}
+        handles = [ep.pull(80, peers, src_p, dst_p, n, {rank: views(dst[rank])}, layerwise=layerwise)
+                   for rank, ep in enumerate(conss)]
+        want = [{k: t.clone() for k, t in r.items()} for r in before]
+        for name, s_ids, d_ids in ((L0, held_src[0], held_dst[0]), (L1, held_src[1], held_dst[1])):
+            for h in range(base.num_kv_heads):
+                sr, sh = (h, 0) if src_tp == 2 else (0, h)
+                dr, dh = (h, 0) if dst_tp == 2 else (0, h)
+                for s_, d in zip(s_ids, d_ids):
+                    want[dr][name][d, dh] = src[sr][name][s_, sh]
+        if layerwise:
+            for ep in prods:
+                assert ep.publish_layers(80, 1) == 1
+            for h in handles:
+                assert h.wait_layers(1, timeout=30)
+            for r in range(dst_tp):
+                assert torch.equal(dst[r][L0], want[r][L0]) and torch.equal(dst[r][L1], before[r][L1]), r
+            for ep in prods:
+                assert ep.publish_layers(80, 2) == 2
+        for h in handles:
+            h.wait(timeout=30)
+        for r in range(dst_tp):
+            for name in (L0, L1):
+                assert torch.equal(dst[r][name], want[r][name]), (r, name)
+        for ep in prods:  # the consumers' releases arrive after their transfers completed
+            deadline = time.monotonic() + 30
+            while ep.registration_state(80) == "active" and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert ep.registration_state(80) == "released"
+    finally:
+        for ep in conss + prods:
+            ep.close()
+        client.close()
+
+
 # ---- Mamba state groups: vLLM's CPU layout through the Python API ----------------------------
 
 
