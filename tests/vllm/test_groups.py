@@ -497,6 +497,80 @@ def test_worker_layerwise_host_tier_load_per_group(configs):
         w.shutdown()
 
 
+def test_worker_host_tier_groups_prefix_rule_eviction_and_warm_restart(configs):
+    """The host tier with KV cache groups keeps one entry per block position holding every
+    group's part (``StoreTier.put_groups``), so a prefix is present only when every group's
+    part of each of its blocks is: a block evicted (or removed) cuts the hit there, a load
+    delivers only the shorter prefix's bytes (never another request's), and a restarted worker
+    re-attaching the shm segment hits the same prefix with the same bytes."""
+    import os
+
+    import tpu_sync
+
+    shm = f"tpusync-groups-{os.getpid()}"
+    block_bytes = connector(configs["kv_both"]).geometry.block_bytes
+    extra = {"host_capacity_bytes": 6 * block_bytes, "shm_name": shm}  # 6 entries
+
+    def lookup(w, req, hashes):
+        w.start_load_kv(TpuSyncMetadata(lookups={req: hashes}))
+        return w.build_worker_meta().lookup_hits[req]
+
+    w = worker(configs, "kv_both", extra)
+    w2 = None
+    kv = kv_tensors(7)
+    try:
+        w.register_kv_caches(kv)
+        orig = {n: t.clone() for n, t in kv.items()}
+        a = [bytes([0xA0 + i]) * 32 for i in range(3)]
+        b = [bytes([0xB0 + i]) * 32 for i in range(3)]
+        c = [bytes([0xC0 + i]) * 32 for i in range(3)]
+        ga, gb, gc = [[1, 2, 3], [4, 5, 6]], [[7, 8, 9], [10, 11, 12]], [[13, 14, 15], [16, 17, 18]]
+        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("a", a, ga[0], None, ga), TierOp("c", c, gc[0], None, gc)]))
+        assert lookup(w, "a", a) == 3 and lookup(w, "c", c) == 3
+        w.get_transfer_results({"a", "c"})  # ends the lookups' pins (finished requests)
+        # One block of c removed (with what is chained below it): c's hit is the prefix before it.
+        assert w.tier.store.remove([w.tier.key(c[1])]) >= 1
+        assert lookup(w, "c", c) == 1
+        w.get_transfer_results({"c"})
+        # Filling the tier with b evicts whole entries (every group's part together), tails first.
+        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("b", b, gb[0], None, gb)]))
+        hit_a, hit_b, hit_c = lookup(w, "a", a), lookup(w, "b", b), lookup(w, "c", c)
+        assert hit_b == 3 and hit_a + hit_c == 3, (hit_a, hit_b, hit_c)  # one entry evicted
+        w.get_transfer_results({"a", "b", "c"})
+
+        def load_and_check(wk, tensors, hashes, src_ids, hit, want_src):
+            before = {n: t.clone() for n, t in tensors.items()}
+            dst = [[19, 20, 21], [22, 23, 17]]
+            wk.start_load_kv(TpuSyncMetadata(loads=[TierOp("x", hashes, dst[0], None, dst)]))
+            want = {n: t.clone() for n, t in before.items()}
+            for name, g in ((L0, 0), (L1, 1)):
+                for i in range(hit):
+                    want[name][dst[g][i]] = want_src[name][src_ids[g][i]]
+            for name in (L0, L1):
+                assert torch.equal(tensors[name], want[name]), name
+            if hit < len(hashes):
+                assert set(wk.get_block_ids_with_load_errors()) == {x for g in dst for x in g[hit:]}
+
+        # a's load delivers a's own bytes of its surviving prefix only.
+        load_and_check(w, kv, a, ga, hit_a, orig)
+        w.shutdown()
+        w = None
+        # A restarted worker (new tensors) re-attaches the segment: the same hits, b's bytes.
+        w2 = worker(configs, "kv_both", extra)
+        kv2 = kv_tensors(8)
+        w2.register_kv_caches(kv2)
+        assert lookup(w2, "b", b) == 3 and lookup(w2, "a", a) == hit_a and lookup(w2, "c", c) == hit_c
+        load_and_check(w2, kv2, b, gb, 3, orig)
+    finally:
+        for x in (w, w2):
+            if x is not None:
+                x.shutdown()
+        try:
+            tpu_sync.remove_segment(shm, force=True)
+        except Exception:
+            pass
+
+
 # ---- TP > 1 with KV cache groups: the connector's layouts through the Python API -----------
 
 

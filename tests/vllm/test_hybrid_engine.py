@@ -161,3 +161,35 @@ def test_hybrid_layerwise_offload_matches_plain(engines, plain):
     assert res["worker_stats"]["layerwise_loads"] == len(LENS)
     assert res["worker_stats"]["loaded_blocks"] == sum(want) // BS
     assert res["scheduler_stats"]["failed_loads"] == 0
+
+
+def test_hybrid_pd_reshards_tp1_prefill_into_tp2_decode(engines, plain):
+    """Two KV cache groups at different TP: a TP=1 prefill instance hands off to a TP=2 decode
+    instance (two worker processes, one KV head each); each decode rank pulls its head slice of
+    each group's held blocks. Token-identical to plain."""
+    hold = os.path.join(engines.dir, "hybrid_pd_tp2.hold")
+    if os.path.exists(hold):
+        os.remove(hold)
+    prod = engines.start("hybrid_pd_tp1_producer", engines.spec(
+        remote_decode=True, hold_file=hold,
+        connector=dict(kv_role="kv_producer", extra=dict(lease_s=120.0, decode_tp_size=2))))
+    engines_env = dict(engines.env)
+    engines.env = dict(engines_env, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    try:
+        cons = engines.start("hybrid_pd_tp2_consumer", engines.spec(
+            tp=2, params_file=prod.out,
+            connector=dict(kv_role="kv_consumer", policy="fail", extra=dict(pull_timeout_s=60.0))))
+    finally:
+        engines.env = engines_env
+    try:
+        c = engines.finish(cons)
+    finally:
+        open(hold, "w").close()
+    p = engines.finish(prod)
+    params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
+    assert all(x["tp_size"] == 1 for x in params)
+    assert [[len(g) for g in x["remote_block_ids"]] for x in params] == [[3, 4], [3, 3], [2, 3]], params
+    assert toks(c) == toks(plain)
+    m = c["metrics"]
+    assert m["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(LENS), m
+    assert m["vllm:prompt_tokens_by_source{source=external_kv_transfer}"] == sum(LENS), m
