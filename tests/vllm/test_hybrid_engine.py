@@ -170,9 +170,11 @@ def test_hybrid_pd_reshards_tp1_prefill_into_tp2_decode(engines, plain):
     hold = os.path.join(engines.dir, "hybrid_pd_tp2.hold")
     if os.path.exists(hold):
         os.remove(hold)
+    # The TP=2 consumer (two worker processes) may take minutes to start on a loaded machine:
+    # the producer serves until the consumer is done.
     prod = engines.start("hybrid_pd_tp1_producer", engines.spec(
-        remote_decode=True, hold_file=hold,
-        connector=dict(kv_role="kv_producer", extra=dict(lease_s=120.0, decode_tp_size=2))))
+        remote_decode=True, hold_file=hold, hold_s=900,
+        connector=dict(kv_role="kv_producer", extra=dict(lease_s=900.0, decode_tp_size=2))))
     engines_env = dict(engines.env)
     engines.env = dict(engines_env, VLLM_CPU_OMP_THREADS_BIND="0|1")
     try:
