@@ -391,6 +391,37 @@ typedef uint32_t tpu_sync_source_state;
 #endif // __cplusplus
 
 /**
+ * Which blocks of a prompt a group has a part for (`tpu_sync::store::PartRole`).
+ */
+enum tpu_sync_part_role
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Every block (full attention, MLA, indexer): the spine of the prefix.
+   */
+  TPU_SYNC_PART_FULL = 0,
+  /**
+   * The blocks holding the tokens a sliding window of `window_tokens` tokens covers at the
+   * end of the prefix (`[T + 1 - w, T)` for a prefix of `T` tokens).
+   */
+  TPU_SYNC_PART_WINDOW = 1,
+  /**
+   * A state part at the blocks after which the state was taken; a prefix of `n` blocks
+   * needs the part of block `n - 1`.
+   */
+  TPU_SYNC_PART_STATE = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum tpu_sync_part_role tpu_sync_part_role;
+#else
+typedef uint32_t tpu_sync_part_role;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * Opaque PJRT device buffer handle. Free with [`tpu_sync_buffer_free`]. Thread-safe.
  */
 typedef struct tpu_sync_buffer tpu_sync_buffer;
