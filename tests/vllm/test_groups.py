@@ -103,9 +103,11 @@ def test_kinds_the_connector_cannot_move_are_named(configs):
     with pytest.raises(ValueError, match="MambaSpec"):
         connector(configs["kv_both"], kvc=kv_cache_config(groups=[
             KVCacheGroupSpec(["model.layers.0.mixer"], mamba), KVCacheGroupSpec([L1], FullAttentionSpec(**ATTN))]))
+    # Layer-wise P/D and loads work with several groups (below): accepted at start.
+    cfg = vllm_config(configs["kv_both"].model_config.model, "kv_producer", extra={"layerwise": True})
+    assert connector(cfg).config.layerwise
     with pytest.raises(ConfigError, match="layerwise"):
-        cfg = vllm_config(configs["kv_both"].model_config.model, "kv_producer", extra={"layerwise": True})
-        connector(cfg)
+        connector(vllm_config(configs["kv_both"].model_config.model, "kv_producer", extra={"layerwise": 1}))
 
 
 # ---- scheduler: block ids per group ----------------------------------------------------------
@@ -118,7 +120,8 @@ def producer_params(configs, n=100):
     r = request("p1", toks, {"do_remote_decode": True}, max_tokens=1)
     r.num_computed_tokens, r.status = n, RequestStatus.FINISHED_LENGTH_CAPPED
     # vLLM's per-group block ids: the sliding group already dropped block 0 (its null block).
-    delay, params = p.request_finished_all_groups(r, ([0, 12, 13, 14], [9, 4, 7, 3]))
+    nb = -(-n // BS)
+    delay, params = p.request_finished_all_groups(r, ([0, 12, 13, 14][:nb], [9, 4, 7, 3][:nb]))
     return p, toks, delay, params
 
 
@@ -168,6 +171,77 @@ def test_consumer_pulls_into_each_groups_blocks(configs):
     with pytest.raises(ValueError, match="one list per KV cache group"):
         placement(spec.src_layout, spec.src_block_ids)
     assert sorted(_flat_ids(spec.dst_block_ids)) == [5, 6, 8, 10, 22, 23]
+
+
+def layerwise_config(configs, role):
+    return vllm_config(configs["kv_both"].model_config.model, role, extra={"layerwise": True})
+
+
+class _Manager:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self, rid):
+        return self.ids
+
+
+def test_layerwise_producer_registers_each_groups_held_blocks(configs):
+    p = connector(layerwise_config(configs, "kv_producer"))
+    p.set_xfer_handshake_metadata({0: TpuSyncHandshake(0, "10.0.0.1:7001", p.geometry.block_format, NUM_BLOCKS)})
+    ids = ([11, 12, 13, 14], [9, 4, 7, 3])  # the whole prompt in one step: every block held
+    p.scheduler_side.kv_cache_manager = _Manager(ids)
+    r = request("p1", tokens(100), {"do_remote_decode": True}, max_tokens=1)
+    p.on_new_request(r)
+    (send,) = p.build_connector_meta(sched_out({"p1": 100})).layer_sends
+    assert send.block_ids == [[12, 13, 14], [9, 4, 7, 3]] and send.num_tokens == 100
+    r.num_computed_tokens, r.status = 100, RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = p.request_finished_all_groups(r, ids)
+    # The layer-wise registration is handed off: no second registration.
+    assert delay and params["remote_request_id"] == send.xfer_id
+    assert params["remote_block_ids"] == [[12, 13, 14], [9, 4, 7, 3]]
+    meta = p.build_connector_meta(sched_out({}))
+    assert meta.handoffs == ["p1"] and not meta.sends and not meta.withdraws
+    # Blocks that differ at the end (another block table): that registration is withdrawn and
+    # the request registered whole.
+    r2 = request("p2", tokens(100, seed=5), {"do_remote_decode": True}, max_tokens=1)
+    p.on_new_request(r2)
+    (send2,) = p.build_connector_meta(sched_out({"p2": 100})).layer_sends
+    r2.num_computed_tokens, r2.status = 100, RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = p.request_finished_all_groups(r2, ([0, 15, 16, 17], [9, 4, 7, 3]))
+    meta = p.build_connector_meta(sched_out({}))
+    assert meta.withdraws == [send2.xfer_id] and [s.block_ids for s in meta.sends] == [[[15, 16, 17], [9, 4, 7, 3]]]
+    assert params["remote_request_id"] == meta.sends[0].xfer_id != send2.xfer_id
+    # A null block inside the window: nothing registered layer by layer.
+    p.scheduler_side.kv_cache_manager = _Manager(([0, 0, 13, 14], [9, 4, 7, 3]))
+    p.on_new_request(request("p3", tokens(100, seed=6), {"do_remote_decode": True}, max_tokens=1))
+    assert p.build_connector_meta(sched_out({"p3": 100})).layer_sends == []
+
+
+def test_layerwise_consumer_pulls_each_group_or_whole_when_a_window_is_not_covered(configs):
+    c = connector(layerwise_config(configs, "kv_consumer"))
+    _, toks, _, params = producer_params(configs)
+    r = request("d1", toks, dict(params))
+    # 100 tokens: the forward computes from token 96, whose window [49, 97) lies in blocks 1..
+    # that the producer holds: a synchronous load read layer by layer.
+    assert c.get_num_new_matched_tokens(r, 0) == (96, False)
+    c.update_state_after_alloc(r, blocks([0, 21, 22, 23], [5, 6, 8, 10]), 96)
+    meta = c.build_connector_meta(sched_out({"d1": 4}))
+    (spec,) = meta.layer_recvs
+    assert not meta.recvs
+    assert spec.src_block_ids == [[12, 13, 14], [9, 4, 7, 3]] and spec.dst_block_ids == [[21, 22, 23], [5, 6, 8, 10]]
+    assert spec.num_tokens == 100
+    # 80 tokens: computing from token 64 reads token 17 (block 0) of the sliding layer, which the
+    # producer of 80 tokens no longer holds (its window [33, 80) starts in block 1): the request
+    # is pulled whole (asynchronously), and vLLM computes only its last token.
+    _, toks80, _, params80 = producer_params(configs, n=80)
+    assert params80["remote_block_ids"] == [[12, 13], [9, 4, 7]]
+    r2 = request("d2", toks80, dict(params80))
+    assert c.get_num_new_matched_tokens(r2, 0) == (80, True)
+    assert c.scheduler_side.stats["layerwise_whole"] == 1
+    c.update_state_after_alloc(r2, blocks([0, 21, 22], [5, 6, 8]), 80)
+    meta = c.build_connector_meta(sched_out({}))
+    (spec,) = meta.recvs
+    assert not meta.layer_recvs and spec.dst_block_ids == [[21, 22], [5, 6, 8]]
 
 
 @pytest.mark.parametrize("tamper", ["flat", "group-count", "group-length", "window", "uniform-producer"])
@@ -324,6 +398,260 @@ def test_worker_host_tier_store_then_load_per_group(configs):
             assert torch.equal(kv[name], want[name]), name
     finally:
         w.shutdown()
+
+
+def test_worker_layerwise_pd_moves_each_group_layer_by_layer_byte_exact(configs):
+    """Layer-wise P/D with two KV cache groups: the producer registers the grouped placement
+    before its forward and publishes each cache layer from ``save_kv_layer``; the consumer
+    pulls layer-wise into its own blocks of each group, and ``wait_for_layer_load`` returns
+    once that layer (of its group's blocks) is in, while later layers are untouched."""
+    prod = worker(configs, "kv_producer", {"layerwise": True})
+    cons = worker(configs, "kv_consumer", {"layerwise": True})
+    src, dst = kv_tensors(4), kv_tensors(5)
+    before = {n: t.clone() for n, t in dst.items()}
+    try:
+        prod.register_kv_caches(src)
+        cons.register_kv_caches(dst)
+        held_src, held_dst = [[12, 13, 14], [9, 4, 7, 3]], [[21, 22, 23], [5, 6, 8, 10]]
+        prod.start_load_kv(TpuSyncMetadata(layer_sends=[SendSpec("p1", 78, held_src, 100, 60.0)]))
+        assert prod.stats["layerwise_registered"] == 1, prod.stats
+        layout = prod.geometry.tpu_sync_layout(NUM_BLOCKS)
+        cons.start_load_kv(TpuSyncMetadata(layer_recvs=[RecvSpec("d1", 78, {0: prod.transport.address}, layout,
+                                                                  held_src, held_dst, 100, 30.0)]))
+        assert cons.stats["layerwise_pulls"] == 1, cons.stats
+        want = {n: t.clone() for n, t in before.items()}
+        for name, s_ids, d_ids in ((L0, held_src[0], held_dst[0]), (L1, held_src[1], held_dst[1])):
+            for s_, d in zip(s_ids, d_ids):
+                want[name][d] = src[name][s_]
+        # Layer 0 (the sliding-window group) published and read; layer 1 not published yet.
+        prod.save_kv_layer(L0)
+        cons.wait_for_layer_load(L0)
+        assert torch.equal(dst[L0], want[L0])
+        assert torch.equal(dst[L1], before[L1])
+        prod.save_kv_layer(L1)
+        cons.wait_for_layer_load(L1)
+        for name in (L0, L1):
+            assert torch.equal(dst[name], want[name]), name
+        assert not torch.equal(dst[L0][0], src[L0][0])  # the block before the window not moved
+        prod.wait_for_save(None)
+        cons.wait_for_save(None)
+        assert cons.stats["pulls_done"] == 1 and cons.stats["pulls_failed"] == 0, cons.stats
+        assert not cons.get_block_ids_with_load_errors()
+
+        # Bad input: one group's lists for a two-group layout fail the layer-wise pull (load
+        # errors, the producer told), nothing written.
+        prod.start_load_kv(TpuSyncMetadata(layer_sends=[SendSpec("p2", 79, held_src, 100, 60.0)]))
+        snap = {n: t.clone() for n, t in dst.items()}
+        cons.start_load_kv(TpuSyncMetadata(layer_recvs=[RecvSpec("d2", 79, {0: prod.transport.address}, layout,
+                                                                  [held_src[1]], [held_dst[1]], 100, 5.0)]))
+        prod.save_kv_layer(L1)
+        cons.wait_for_layer_load(L0)
+        cons.wait_for_layer_load(L1)
+        cons.wait_for_save(None)
+        assert cons.stats["pulls_failed"] == 1
+        assert set(cons.get_block_ids_with_load_errors()) == set(held_dst[1])
+        for name in (L0, L1):
+            assert torch.equal(dst[name], snap[name])
+    finally:
+        cons.shutdown()
+        prod.shutdown()
+
+
+def test_worker_layerwise_host_tier_load_per_group(configs):
+    """Layer-wise host-tier loads with KV cache groups: each layer's part of a tier entry goes
+    to its own group's block; the sliding group's null blocks are skipped; byte-exact, every
+    other block unchanged; a load whose group lists disagree fails (load errors), writes
+    nothing."""
+    w = worker(configs, "kv_both", {"host_capacity_bytes": 64 << 20, "layerwise": True})
+    kv = kv_tensors(6)
+    try:
+        w.register_kv_caches(kv)
+        orig = {n: t.clone() for n, t in kv.items()}
+        hashes = [bytes([i]) * 32 for i in range(11, 14)]
+        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [1, 2, 3], None, [[1, 2, 3], [4, 5, 6]])]))
+        assert w.stats["saved_blocks"] == 3
+        w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o1", hashes, [16, 17, 18], None, [[0, 14, 15], [16, 17, 18]])]))
+        assert w.stats["layerwise_loads"] == 1
+        want = {n: t.clone() for n, t in orig.items()}
+        for s_, d in zip([2, 3], [14, 15]):
+            want[L0][d] = orig[L0][s_]
+        w.wait_for_layer_load(L0)
+        assert torch.equal(kv[L0], want[L0])
+        for s_, d in zip([4, 5, 6], [16, 17, 18]):
+            want[L1][d] = orig[L1][s_]
+        w.wait_for_layer_load(L1)
+        w.wait_for_save(None)
+        assert w.stats["loaded_blocks"] == 3 and w.stats["failed_loads"] == 0, w.stats
+        for name in (L0, L1):
+            assert torch.equal(kv[name], want[name]), name
+        assert torch.equal(kv[L0][0], orig[L0][0])  # the null block untouched
+        w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o3", hashes, [19, 20, 21], None, [[19, 20, 21]])]))
+        w.wait_for_layer_load(L0)
+        w.wait_for_layer_load(L1)
+        w.wait_for_save(None)
+        assert w.stats["failed_loads"] == 1
+        assert set(w.get_block_ids_with_load_errors()) == {19, 20, 21}
+        for name in (L0, L1):
+            assert torch.equal(kv[name], want[name]), name
+    finally:
+        w.shutdown()
+
+
+def test_worker_host_tier_groups_prefix_rule_eviction_and_warm_restart(configs):
+    """The host tier with KV cache groups keeps one entry per block position holding every
+    group's part (``StoreTier.put_groups``), so a prefix is present only when every group's
+    part of each of its blocks is: a block evicted (or removed) cuts the hit there, a load
+    delivers only the shorter prefix's bytes (never another request's), and a restarted worker
+    re-attaching the shm segment hits the same prefix with the same bytes."""
+    import os
+
+    import tpu_sync
+
+    shm = f"tpusync-groups-{os.getpid()}"
+    block_bytes = connector(configs["kv_both"]).geometry.block_bytes
+    extra = {"host_capacity_bytes": 6 * block_bytes, "shm_name": shm}  # 6 entries
+
+    def lookup(w, req, hashes):
+        w.start_load_kv(TpuSyncMetadata(lookups={req: hashes}))
+        return w.build_worker_meta().lookup_hits[req]
+
+    w = worker(configs, "kv_both", extra)
+    w2 = None
+    kv = kv_tensors(7)
+    try:
+        w.register_kv_caches(kv)
+        orig = {n: t.clone() for n, t in kv.items()}
+        a = [bytes([0xA0 + i]) * 32 for i in range(3)]
+        b = [bytes([0xB0 + i]) * 32 for i in range(3)]
+        c = [bytes([0xC0 + i]) * 32 for i in range(3)]
+        ga, gb, gc = [[1, 2, 3], [4, 5, 6]], [[7, 8, 9], [10, 11, 12]], [[13, 14, 15], [16, 17, 18]]
+        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("a", a, ga[0], None, ga), TierOp("c", c, gc[0], None, gc)]))
+        assert lookup(w, "a", a) == 3 and lookup(w, "c", c) == 3
+        w.get_transfer_results({"a", "c"})  # ends the lookups' pins (finished requests)
+        # One block of c removed (with what is chained below it): c's hit is the prefix before it.
+        assert w.tier.store.remove([w.tier.key(c[1])]) >= 1
+        assert lookup(w, "c", c) == 1
+        w.get_transfer_results({"c"})
+        # Filling the tier with b evicts whole entries (every group's part together), tails first.
+        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("b", b, gb[0], None, gb)]))
+        hit_a, hit_b, hit_c = lookup(w, "a", a), lookup(w, "b", b), lookup(w, "c", c)
+        assert hit_b == 3 and hit_a + hit_c == 3, (hit_a, hit_b, hit_c)  # one entry evicted
+        w.get_transfer_results({"a", "b", "c"})
+
+        def load_and_check(wk, tensors, hashes, src_ids, hit, want_src):
+            before = {n: t.clone() for n, t in tensors.items()}
+            dst = [[19, 20, 21], [22, 23, 17]]
+            wk.start_load_kv(TpuSyncMetadata(loads=[TierOp("x", hashes, dst[0], None, dst)]))
+            want = {n: t.clone() for n, t in before.items()}
+            for name, g in ((L0, 0), (L1, 1)):
+                for i in range(hit):
+                    want[name][dst[g][i]] = want_src[name][src_ids[g][i]]
+            for name in (L0, L1):
+                assert torch.equal(tensors[name], want[name]), name
+            if hit < len(hashes):
+                assert set(wk.get_block_ids_with_load_errors()) == {x for g in dst for x in g[hit:]}
+
+        # a's load delivers a's own bytes of its surviving prefix only.
+        load_and_check(w, kv, a, ga, hit_a, orig)
+        w.shutdown()
+        w = None
+        # A restarted worker (new tensors) re-attaches the segment: the same hits, b's bytes.
+        w2 = worker(configs, "kv_both", extra)
+        kv2 = kv_tensors(8)
+        w2.register_kv_caches(kv2)
+        assert lookup(w2, "b", b) == 3 and lookup(w2, "a", a) == hit_a and lookup(w2, "c", c) == hit_c
+        load_and_check(w2, kv2, b, gb, 3, orig)
+    finally:
+        for x in (w, w2):
+            if x is not None:
+                x.shutdown()
+        try:
+            tpu_sync.remove_segment(shm, force=True)
+        except Exception:
+            pass
+
+
+# ---- TP > 1 with KV cache groups: the connector's layouts through the Python API -----------
+
+
+@pytest.mark.parametrize("src_tp,dst_tp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_grouped_pd_reshards_tp_byte_exact(configs, src_tp, dst_tp, layerwise):
+    """The connector's grouped layout and placements (:meth:`KvGeometry.tpu_sync_layout`,
+    ``compat.placement``, ``compat.pullers_of_rank``) of vLLM's sliding-window + full-attention
+    groups at producer TP ``src_tp`` and consumer TP ``dst_tp``: one endpoint per TP rank (as
+    one per vLLM worker), tensors shaped as vLLM's CPU backend allocates them per rank
+    (``[blocks, 2 / tp, 32, 64]``). Each consumer rank receives exactly its KV heads of each
+    group's held blocks (head ``h`` of a TP=1 block is head 0 of rank ``h``'s block), every
+    other byte unchanged; whole-request and layer-wise."""
+    import dataclasses
+
+    import tpu_sync
+    from tpu_sync.vllm import compat
+
+    base = connector(configs["kv_both"]).geometry
+    n = 100
+    geo = {tp: dataclasses.replace(base, tp=tp, heads_per_rank=base.num_kv_heads // tp) for tp in (src_tp, dst_tp)}
+    held_src, held_dst = [[12, 13, 14], [9, 4, 7, 3]], [[21, 22, 23], [5, 6, 8, 10]]
+    assert base.group_held_ids(([0] + held_src[0], held_src[1]), n) == held_src
+    src_p = compat.placement(geo[src_tp].tpu_sync_layout(NUM_BLOCKS), held_src)
+    dst_p = compat.placement(geo[dst_tp].tpu_sync_layout(NUM_BLOCKS), held_dst)
+
+    def rank_kv(tp, seed):
+        g = torch.Generator().manual_seed(seed)
+        return [{name: torch.rand((NUM_BLOCKS, 2 // tp, BS, 64), generator=g, dtype=torch.float32) + seed + 0.25 * i
+                 for i, name in enumerate((L0, L1))} for _ in range(tp)]
+
+    src, dst = rank_kv(src_tp, 21), rank_kv(dst_tp, 31)
+    before = [{k: t.clone() for k, t in r.items()} for r in dst]
+    client = tpu_sync.Client()
+    # Named per rank: endpoints of one process would otherwise share the process's default name
+    # (each vLLM worker is a process of its own).
+    prods = [tpu_sync.Endpoint(listen="127.0.0.1:0", timeout=10, staging_budget_bytes=1 << 28, client=client,
+                               name=f"prefill-rank{r}") for r in range(src_tp)]
+    conss = [tpu_sync.Endpoint(listen=None, timeout=10, client=client, name=f"decode-rank{r}") for r in range(dst_tp)]
+    try:
+        views = lambda r: [client.view(r[L0]), client.view(r[L1])]  # noqa: E731 - cache layer order
+        for rank, ep in enumerate(prods):
+            pullers = compat.pullers_of_rank(src_p, rank, n, dst_tp)
+            assert pullers == (dst_tp if src_tp == 1 else 1)
+            if layerwise:
+                ep.register_layers(80, src_p, n, {rank: views(src[rank])}, layers_ready=0, expected_releases=pullers)
+            else:
+                ep.register(80, src_p, n, {rank: views(src[rank])}, expected_releases=pullers)
+        peers = {rank: ep.address for rank, ep in enumerate(prods)}
+        handles = [ep.pull(80, peers, src_p, dst_p, n, {rank: views(dst[rank])}, layerwise=layerwise)
+                   for rank, ep in enumerate(conss)]
+        want = [{k: t.clone() for k, t in r.items()} for r in before]
+        for name, s_ids, d_ids in ((L0, held_src[0], held_dst[0]), (L1, held_src[1], held_dst[1])):
+            for h in range(base.num_kv_heads):
+                sr, sh = (h, 0) if src_tp == 2 else (0, h)
+                dr, dh = (h, 0) if dst_tp == 2 else (0, h)
+                for s_, d in zip(s_ids, d_ids):
+                    want[dr][name][d, dh] = src[sr][name][s_, sh]
+        if layerwise:
+            for ep in prods:
+                assert ep.publish_layers(80, 1) == 1
+            for h in handles:
+                assert h.wait_layers(1, timeout=30)
+            for r in range(dst_tp):
+                assert torch.equal(dst[r][L0], want[r][L0]) and torch.equal(dst[r][L1], before[r][L1]), r
+            for ep in prods:
+                assert ep.publish_layers(80, 2) == 2
+        for h in handles:
+            h.wait(timeout=30)
+        for r in range(dst_tp):
+            for name in (L0, L1):
+                assert torch.equal(dst[r][name], want[r][name]), (r, name)
+        for ep in prods:  # the consumers' releases arrive after their transfers completed
+            deadline = time.monotonic() + 30
+            while ep.registration_state(80) == "active" and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert ep.registration_state(80) == "released"
+    finally:
+        for ep in conss + prods:
+            ep.close()
+        client.close()
 
 
 # ---- Mamba state groups: vLLM's CPU layout through the Python API ----------------------------

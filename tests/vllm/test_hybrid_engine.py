@@ -17,8 +17,13 @@ from test_engine import BACKEND, Engines, cached, toks
 
 WINDOW = 48
 BS = 32
-# 107 tokens: the window [60, 107) spans blocks 1..3; 70 tokens: [23, 70) spans blocks 0..2.
-LENS = (107, 70)
+# 107 tokens: the window [60, 107) spans blocks 1..3; 70 tokens: [23, 70) spans blocks 0..2;
+# 80 tokens: [33, 80) spans blocks 1..2. A layer-wise consumer computes from token 96, 64, 64
+# (block-aligned, short of the last token): the windows of 96 and 64 tokens start in the
+# producer's first held block for 107 and 70 tokens, but that of 64 ([17, 64), block 0) is
+# before the producer's window of 80 tokens: that request is pulled whole.
+LENS = (107, 70, 80)
+LAYERWISE_FROM = (96, 64, None)
 PROMPTS = [[(i * 131 + 17 * k) % 1000 + 3 for i in range(n)] for k, n in enumerate(LENS)]
 MAX_TOKENS = 8
 SHM = f"tpusync-vllm-hybrid-{os.getpid()}"
@@ -70,9 +75,9 @@ def test_hybrid_pd_decode_matches_plain(engines, plain):
     p = engines.finish(prod)
     assert [t[:1] for t in toks(plain)] == toks(p)
     params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
-    # Two groups: the sliding window's blocks (3 of 4 for 107 tokens, 3 of 3 for 70), every
-    # block of the full-attention group.
-    assert [[len(g) for g in x["remote_block_ids"]] for x in params] == [[3, 4], [3, 3]], params
+    # Two groups: the sliding window's blocks (3 of 4 for 107 tokens, 3 of 3 for 70, 2 of 3
+    # for 80), every block of the full-attention group.
+    assert [[len(g) for g in x["remote_block_ids"]] for x in params] == [[3, 4], [3, 3], [2, 3]], params
     assert [g["sliding_window"] for g in params[0]["remote_geometry"]["groups"]] == [WINDOW, None]
     assert p["worker_stats"]["registered"] == len(LENS)
     assert toks(c) == toks(plain)
@@ -100,3 +105,93 @@ def test_hybrid_offload_second_pass_hits_host_tier(engines, plain):
     assert res["worker_stats"]["saved_blocks"] == sum(n // BS for n in LENS)
     assert res["worker_stats"]["loaded_blocks"] == sum(want) // BS
     assert res["scheduler_stats"]["failed_loads"] == 0
+
+
+def test_hybrid_layerwise_pd_matches_plain(engines, plain):
+    """Layer-wise P/D with two KV cache groups: the producer registers each group's held blocks
+    before the prefill's forward and publishes each layer as vLLM saves it; the consumer reads
+    each layer (of its group's blocks) as it arrives, or pulls a request whole when its first
+    computed token's window is not among the producer's blocks. Token-identical to plain."""
+    hold = os.path.join(engines.dir, "hybrid_pdl.hold")
+    if os.path.exists(hold):
+        os.remove(hold)
+    prod = engines.start("hybrid_pdl_producer", engines.spec(
+        remote_decode=True, hold_file=hold,
+        connector=dict(kv_role="kv_producer", extra=dict(lease_s=120.0, layerwise=True))))
+    cons = engines.start("hybrid_pdl_consumer", engines.spec(
+        params_file=prod.out,
+        connector=dict(kv_role="kv_consumer", policy="fail", extra=dict(pull_timeout_s=60.0, layerwise=True))))
+    try:
+        c = engines.finish(cons)
+    finally:
+        open(hold, "w").close()
+    p = engines.finish(prod)
+    assert [t[:1] for t in toks(plain)] == toks(p)
+    assert p["worker_stats"]["layerwise_registered"] == len(LENS), p["worker_stats"]
+    assert p["worker_stats"]["registered"] == len(LENS) and p["worker_stats"]["register_failed"] == 0
+    assert p["scheduler_stats"]["handed_off"] == len(LENS)
+    assert toks(c) == toks(plain)
+    want = [n if m is None else m for n, m in zip(LENS, LAYERWISE_FROM)]
+    ws, ss = c["worker_stats"], c["scheduler_stats"]
+    assert ws["layerwise_pulls"] == sum(m is not None for m in LAYERWISE_FROM), ws
+    assert ss["layerwise_whole"] == sum(m is None for m in LAYERWISE_FROM), ss
+    assert ws["pulls_done"] == len(LENS) and ws["pulls_failed"] == 0, ws
+    assert c["metrics"]["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(want), c["metrics"]
+    assert ss["p2p_tokens"] == sum(want)
+
+
+def test_hybrid_layerwise_offload_matches_plain(engines, plain):
+    """Layer-wise host-tier loads with two KV cache groups: each layer written from its own
+    group's block (the sliding group's null blocks skipped); second pass token-identical."""
+    shm = SHM + "-lw"
+    try:
+        res = engines.run("hybrid_offload_lw", engines.spec(repeat=2, connector=dict(
+            kv_role="kv_both", policy="recompute",
+            extra=dict(shm_name=shm, host_capacity_bytes=64 << 20, layerwise=True))))
+    finally:
+        import tpu_sync
+
+        try:
+            tpu_sync.remove_segment(shm, force=True)
+        except Exception:
+            pass
+    assert toks(res, 0) == toks(plain) and toks(res, 1) == toks(plain)
+    want = [(n - 1) // BS * BS for n in LENS]
+    assert cached(res, 1) == want
+    assert res["worker_stats"]["layerwise_loads"] == len(LENS)
+    assert res["worker_stats"]["loaded_blocks"] == sum(want) // BS
+    assert res["scheduler_stats"]["failed_loads"] == 0
+
+
+def test_hybrid_pd_reshards_tp1_prefill_into_tp2_decode(engines, plain):
+    """Two KV cache groups at different TP: a TP=1 prefill instance hands off to a TP=2 decode
+    instance (two worker processes, one KV head each); each decode rank pulls its head slice of
+    each group's held blocks. Token-identical to plain."""
+    hold = os.path.join(engines.dir, "hybrid_pd_tp2.hold")
+    if os.path.exists(hold):
+        os.remove(hold)
+    # The TP=2 consumer (two worker processes) may take minutes to start on a loaded machine:
+    # the producer serves until the consumer is done.
+    prod = engines.start("hybrid_pd_tp1_producer", engines.spec(
+        remote_decode=True, hold_file=hold, hold_s=900,
+        connector=dict(kv_role="kv_producer", extra=dict(lease_s=900.0, decode_tp_size=2))))
+    engines_env = dict(engines.env)
+    engines.env = dict(engines_env, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    try:
+        cons = engines.start("hybrid_pd_tp2_consumer", engines.spec(
+            tp=2, params_file=prod.out,
+            connector=dict(kv_role="kv_consumer", policy="fail", extra=dict(pull_timeout_s=60.0))))
+    finally:
+        engines.env = engines_env
+    try:
+        c = engines.finish(cons)
+    finally:
+        open(hold, "w").close()
+    p = engines.finish(prod)
+    params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
+    assert all(x["tp_size"] == 1 for x in params)
+    assert [[len(g) for g in x["remote_block_ids"]] for x in params] == [[3, 4], [3, 3], [2, 3]], params
+    assert toks(c) == toks(plain)
+    m = c["metrics"]
+    assert m["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(LENS), m
+    assert m["vllm:prompt_tokens_by_source{source=external_kv_transfer}"] == sum(LENS), m

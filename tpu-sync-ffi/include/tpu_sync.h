@@ -391,6 +391,37 @@ typedef uint32_t tpu_sync_source_state;
 #endif // __cplusplus
 
 /**
+ * Which blocks of a prompt a group has a part for (`tpu_sync::store::PartRole`).
+ */
+enum tpu_sync_part_role
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Every block (full attention, MLA, indexer): the spine of the prefix.
+   */
+  TPU_SYNC_PART_FULL = 0,
+  /**
+   * The blocks holding the tokens a sliding window of `window_tokens` tokens covers at the
+   * end of the prefix (`[T + 1 - w, T)` for a prefix of `T` tokens).
+   */
+  TPU_SYNC_PART_WINDOW = 1,
+  /**
+   * A state part at the blocks after which the state was taken; a prefix of `n` blocks
+   * needs the part of block `n - 1`.
+   */
+  TPU_SYNC_PART_STATE = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum tpu_sync_part_role tpu_sync_part_role;
+#else
+typedef uint32_t tpu_sync_part_role;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * Opaque PJRT device buffer handle. Free with [`tpu_sync_buffer_free`]. Thread-safe.
  */
 typedef struct tpu_sync_buffer tpu_sync_buffer;
@@ -725,6 +756,25 @@ typedef struct tpu_sync_device_range {
    */
   uint64_t len;
 } tpu_sync_device_range;
+
+/**
+ * One KV cache group as the host tier sees it.
+ */
+typedef struct tpu_sync_store_group {
+  /**
+   * A `tpu_sync_part_role` value.
+   */
+  uint32_t role;
+  /**
+   * The sliding window in tokens for `TPU_SYNC_PART_WINDOW` (> 0); ignored otherwise.
+   */
+  uint32_t window_tokens;
+  /**
+   * Bytes of one block's part: the group's bytes of one block in every layer of the group
+   * on one rank (> 0).
+   */
+  uint64_t part_bytes;
+} tpu_sync_store_group;
 
 #ifdef __cplusplus
 extern "C" {
@@ -2290,6 +2340,112 @@ enum tpu_sync_status tpu_sync_shm_list(const char *dir, char *buf, size_t buf_le
  * `dir` NULL or NUL-terminated; `name` NUL-terminated.
  */
 enum tpu_sync_status tpu_sync_shm_remove(const char *dir, const char *name, bool force);
+
+/**
+ * The longest prefix of the chain `keys[0..num_keys]` (block keys of consecutive blocks from
+ * the start of a sequence) that every group can serve, in blocks, written to `hit_out`
+ * (touches the parts of the hit; a part found incomplete is removed whole). 0 while the store
+ * is not ready.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` for no groups, an unknown role, a part of 0 bytes, a
+ * window of 0 tokens or 0 tokens per block.
+ *
+ * # Safety
+ * `groups` holds `num_groups` entries, `keys` `num_keys`; `hit_out` writable.
+ */
+enum tpu_sync_status tpu_sync_store_lookup_groups(const struct tpu_sync_store *store,
+                                                  const struct tpu_sync_store_group *groups,
+                                                  size_t num_groups,
+                                                  uint32_t block_tokens,
+                                                  const struct tpu_sync_key *keys,
+                                                  size_t num_keys,
+                                                  size_t *hit_out);
+
+/**
+ * Pins every part a hit of `blocks` leading blocks of the chain needs (never evicted while
+ * the lease lives, so a grouped get of them cannot miss). `lease_out` receives a new lease
+ * handle owned by the caller (free it with `tpu_sync_lease_free` to unpin), or NULL when not
+ * every such part is present (nothing pinned) or the store is not ready.
+ *
+ * Errors: as `tpu_sync_store_lookup_groups`.
+ *
+ * # Safety
+ * `groups` holds `num_groups` entries, `keys` `num_keys`; `lease_out` writable.
+ */
+enum tpu_sync_status tpu_sync_store_pin_groups(const struct tpu_sync_store *store,
+                                               const struct tpu_sync_store_group *groups,
+                                               size_t num_groups,
+                                               uint32_t block_tokens,
+                                               const struct tpu_sync_key *keys,
+                                               size_t num_keys,
+                                               size_t blocks,
+                                               struct tpu_sync_lease **lease_out);
+
+/**
+ * Stores parts of the blocks of the chain `keys[0..num_keys]` from PJRT device memory (D2H,
+ * completed before the call returns). Part `i` is group `part_groups[i]`'s part of block
+ * `part_blocks[i]`: the concatenation, in order, of the `pieces_per_part[i]` next ranges of
+ * `pieces` (the group's block in each of its layers), exactly the group's `part_bytes`. Every
+ * `TPU_SYNC_PART_FULL` group's part of every block is required; window and state parts are
+ * optional. `parent` is the key of the block before `keys[0]` (NULL at a sequence's start).
+ * Parts already present are not written again; a lack of room is not an error
+ * (`result_out->full_at`: the first block whose full-group parts were not stored; window or
+ * state parts not stored for lack of room are counted in `missed_out`, optional).
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` for the groups (as `tpu_sync_store_lookup_groups`), a
+ * part of the wrong size, block or group, a part given twice, a missing full-group part, a
+ * range outside a buffer; `TPU_SYNC_PJRT`.
+ *
+ * # Safety
+ * `groups` holds `num_groups` entries, `keys` `num_keys`, `part_blocks`, `part_groups` and
+ * `pieces_per_part` `num_parts`, `pieces` `num_pieces`; `parent` NULL or readable;
+ * `result_out` writable; `missed_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_store_put_groups_from_device(const struct tpu_sync_store *store,
+                                                           const struct tpu_sync_store_group *groups,
+                                                           size_t num_groups,
+                                                           uint32_t block_tokens,
+                                                           const struct tpu_sync_key *parent,
+                                                           const struct tpu_sync_key *keys,
+                                                           size_t num_keys,
+                                                           const size_t *part_blocks,
+                                                           const uint32_t *part_groups,
+                                                           size_t num_parts,
+                                                           const struct tpu_sync_device_range *pieces,
+                                                           size_t num_pieces,
+                                                           const size_t *pieces_per_part,
+                                                           struct tpu_sync_put_result *result_out,
+                                                           size_t *missed_out);
+
+/**
+ * Copies parts of the chain `keys[0..num_keys]` into existing device blocks in place (H2D by
+ * the buffers' client's probed path, completed before the call returns), in order: part `i`
+ * (group `part_groups[i]`'s part of block `part_blocks[i]`) goes to the `pieces_per_part[i]`
+ * next ranges of `pieces`. Stops at the first part not wholly present;
+ * `result_out->delivered` counts the leading parts delivered whole (`bytes` their bytes,
+ * `stop` why it stopped). Pin the parts first (`tpu_sync_store_pin_groups`) to rule out a
+ * concurrent eviction.
+ *
+ * Errors: as `tpu_sync_store_get_to_device`, and `TPU_SYNC_INVALID_ARGUMENT` for the groups or
+ * a part of the wrong size, block or group.
+ *
+ * # Safety
+ * As `tpu_sync_store_put_groups_from_device` (no `parent`, `missed_out`); `result_out`
+ * writable. No computation may use the destination ranges during the call.
+ */
+enum tpu_sync_status tpu_sync_store_get_groups_to_device(const struct tpu_sync_store *store,
+                                                         const struct tpu_sync_store_group *groups,
+                                                         size_t num_groups,
+                                                         uint32_t block_tokens,
+                                                         const struct tpu_sync_key *keys,
+                                                         size_t num_keys,
+                                                         const size_t *part_blocks,
+                                                         const uint32_t *part_groups,
+                                                         size_t num_parts,
+                                                         const struct tpu_sync_device_range *pieces,
+                                                         size_t num_pieces,
+                                                         const size_t *pieces_per_part,
+                                                         struct tpu_sync_get_result *result_out);
 
 #ifdef __cplusplus
 }  // extern "C"

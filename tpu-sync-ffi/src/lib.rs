@@ -40,6 +40,7 @@ pub mod endpoint;
 pub mod kv_events;
 pub mod metrics;
 pub mod store;
+pub mod store_groups;
 
 pub use api::*;
 pub use cluster::*;
@@ -51,3 +52,4 @@ pub use kv_events::*;
 pub use metrics::*;
 pub use status::{tpu_sync_last_error, tpu_sync_status, tpu_sync_status_name};
 pub use store::*;
+pub use store_groups::*;

@@ -501,7 +501,7 @@ pub(crate) unsafe fn keys_arg(keys: *const tpu_sync_key, n: usize) -> FfiResult<
         .collect())
 }
 
-unsafe fn parent_arg(parent: *const tpu_sync_key) -> Option<BlockKey> {
+pub(crate) unsafe fn parent_arg(parent: *const tpu_sync_key) -> Option<BlockKey> {
     // SAFETY: caller contract: NULL or readable.
     (!parent.is_null()).then(|| BlockKey::from(unsafe { *parent }))
 }
@@ -544,7 +544,7 @@ pub unsafe extern "C" fn tpu_sync_store_lookup(
     })
 }
 
-fn put_result(r: PutReport) -> tpu_sync_put_result {
+pub(crate) fn put_result(r: PutReport) -> tpu_sync_put_result {
     tpu_sync_put_result {
         stored: r.stored,
         present: r.present,
@@ -554,7 +554,7 @@ fn put_result(r: PutReport) -> tpu_sync_put_result {
     }
 }
 
-fn get_result(r: GetReport) -> tpu_sync_get_result {
+pub(crate) fn get_result(r: GetReport) -> tpu_sync_get_result {
     use tpu_sync_get_stop::*;
     tpu_sync_get_result {
         delivered: r.delivered,
@@ -674,10 +674,10 @@ pub unsafe extern "C" fn tpu_sync_store_get(
 }
 
 /// Device pieces resolved: the buffer of each piece, its (offset, len), pieces per block.
-type Pieces = (Vec<Arc<BufferObj>>, Vec<(u64, u64)>, Vec<usize>);
+pub(crate) type Pieces = (Vec<Arc<BufferObj>>, Vec<(u64, u64)>, Vec<usize>);
 
 /// Resolves (pieces, pieces_per_block) into the buffers they use.
-unsafe fn device_pieces(
+pub(crate) unsafe fn device_pieces(
     pieces: *const tpu_sync_device_range,
     num_pieces: usize,
     pieces_per_block: *const usize,
@@ -708,7 +708,7 @@ unsafe fn device_pieces(
     Ok((bufs, ranges, per.to_vec()))
 }
 
-fn device_blocks<'a>(
+pub(crate) fn device_blocks<'a>(
     bufs: &'a [Arc<BufferObj>],
     ranges: &[(u64, u64)],
     per: &[usize],

@@ -118,6 +118,34 @@ def _pieces(blocks: Sequence[Sequence[DevicePiece]]):
     return arr, len(flat), per, keep
 
 
+_PART_ROLES = {"full": 0, "window": 1, "state": 2}
+
+
+def _groups(groups: Sequence[Dict[str, Any]]):
+    groups = ck.items("groups", groups)
+    arr = ffi.new("tpu_sync_store_group[]", max(1, len(groups)))
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or g.get("role") not in _PART_ROLES:
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT,
+                                       f"groups[{i}] must be a dict with role 'full', 'window' or 'state', got {g!r}")
+        arr[i].role = _PART_ROLES[g["role"]]
+        arr[i].window_tokens = ck.u32(f"groups[{i}] window_tokens", g.get("window_tokens", 0))
+        arr[i].part_bytes = ck.u64(f"groups[{i}] part_bytes", g.get("part_bytes", 0))
+    return arr, len(groups)
+
+
+def _group_parts(parts: Sequence[Any]):
+    parts = ck.items("parts", parts)
+    for i, p in enumerate(parts):
+        if not isinstance(p, (tuple, list)) or len(p) != 3:
+            raise InvalidArgumentError(lib.TPU_SYNC_INVALID_ARGUMENT,
+                                       f"parts[{i}] is not (block, group, [(buffer, offset, length), ...])")
+    blocks = ffi.new("size_t[]", [ck.u64(f"parts[{i}] block", p[0]) for i, p in enumerate(parts)] or [0])
+    grps = ffi.new("uint32_t[]", [ck.u32(f"parts[{i}] group", p[1]) for i, p in enumerate(parts)] or [0])
+    pieces, n_pieces, per, keep = _pieces([p[2] for p in parts])
+    return blocks, grps, pieces, n_pieces, per, keep, len(parts)
+
+
 class Lease(Handle):
     """A pin on the leading present blocks of a chain (never evicted while held). Use as a context
     manager, or :meth:`close` (same as :meth:`Store.unpin`)."""
@@ -410,6 +438,79 @@ class Store(Handle):
         out = ffi.new("tpu_sync_lease **")
         check(lib.tpu_sync_store_pin(self._handle(), arr, n, out))
         return Lease(out[0], keys)
+
+    # ---- KV cache groups (hybrid models): one part per group per block --------------------
+
+    def lookup_groups(self, groups: Sequence[Dict[str, Any]], block_tokens: int, keys: Sequence[bytes]) -> int:
+        """Hybrid models: the longest prefix (in blocks) of the chain ``keys`` that every KV
+        cache group can serve (``tpu_sync::store::KvStore::lookup_groups``): the parts of every
+        ``"full"`` group for blocks ``0..n``, every ``"window"`` group's parts of the blocks its
+        window covers at the end of block ``n - 1``, every ``"state"`` group's part of block
+        ``n - 1``. ``groups``: one dict per group, in the model's order, ``{"role": "full" |
+        "window" | "state", "part_bytes": bytes of one block's part (the group's block in
+        every layer of the group on this rank), "window_tokens": tokens (window only)}``;
+        ``block_tokens``: tokens per engine block. 0 while the store is not ready.
+
+        Raises: InvalidArgumentError (bad groups)."""
+        g, ng = _groups(groups)
+        arr, n = _keys(keys)
+        out = ffi.new("size_t *")
+        check(lib.tpu_sync_store_lookup_groups(self._handle(), g, ng, ck.u32("block_tokens", block_tokens), arr, n,
+                                               out))
+        return int(out[0])
+
+    def pin_groups(self, groups: Sequence[Dict[str, Any]], block_tokens: int, keys: Sequence[bytes],
+                   blocks: int) -> Optional["Lease"]:
+        """Hybrid models: pins every part a hit of ``blocks`` leading blocks of ``keys`` needs
+        (see :meth:`lookup_groups`), or returns None (nothing pinned) unless all are present."""
+        g, ng = _groups(groups)
+        arr, n = _keys(keys)
+        out = ffi.new("tpu_sync_lease **")
+        check(lib.tpu_sync_store_pin_groups(self._handle(), g, ng, ck.u32("block_tokens", block_tokens), arr, n,
+                                            ck.u64("blocks", blocks), out))
+        return None if out[0] == ffi.NULL else Lease(out[0], list(keys)[:blocks])
+
+    def put_groups_from_device(self, groups: Sequence[Dict[str, Any]], block_tokens: int, keys: Sequence[bytes],
+                               parts: Sequence[Any], parent: Optional[bytes] = None) -> Dict[str, int]:
+        """Hybrid models: stores parts of the blocks of the chain ``keys`` from device buffers
+        (D2H, completed in the call). ``parts``: ``(block index, group index, [(buffer, offset,
+        length), ...])``, the pieces concatenated being exactly the group's ``part_bytes``.
+        Every ``"full"`` group's part of every block is required; window and state parts are
+        optional. Returns ``stored``, ``present``, ``full_at`` (None: every spine part stored),
+        ``missed`` (window or state parts not stored for lack of room), ``not_ready``,
+        ``bytes``.
+
+        Raises: InvalidArgumentError (bad groups, a part of the wrong size, block or group, a
+        part given twice, a missing full-group part), device errors."""
+        g, ng = _groups(groups)
+        arr, n = _keys(keys)
+        blocks, grps, pieces, n_pieces, per, keep, n_parts = _group_parts(parts)
+        r = ffi.new("tpu_sync_put_result *")
+        missed = ffi.new("size_t *")
+        check(lib.tpu_sync_store_put_groups_from_device(self._handle(), g, ng, ck.u32("block_tokens", block_tokens),
+                                                        _parent(parent), arr, n, blocks, grps, n_parts, pieces,
+                                                        n_pieces, per, r, missed))
+        del keep
+        res = _put_result(r)
+        return dict(stored=res.stored, present=res.present, full_at=res.full_at, missed=int(missed[0]),
+                    not_ready=res.not_ready, bytes=res.bytes)
+
+    def get_groups_to_device(self, groups: Sequence[Dict[str, Any]], block_tokens: int, keys: Sequence[bytes],
+                             parts: Sequence[Any]) -> GetResult:
+        """Hybrid models: copies parts of the chain ``keys`` into existing device blocks in place,
+        in order (``parts`` as for :meth:`put_groups_from_device`); stops at the first part not
+        wholly present: ``delivered`` counts the leading parts delivered whole. Pin them first
+        (:meth:`pin_groups`) to rule out a concurrent eviction.
+
+        Raises: as :meth:`get_to_device`, and InvalidArgumentError for bad groups or parts."""
+        g, ng = _groups(groups)
+        arr, n = _keys(keys)
+        blocks, grps, pieces, n_pieces, per, keep, n_parts = _group_parts(parts)
+        r = ffi.new("tpu_sync_get_result *")
+        check(lib.tpu_sync_store_get_groups_to_device(self._handle(), g, ng, ck.u32("block_tokens", block_tokens),
+                                                      arr, n, blocks, grps, n_parts, pieces, n_pieces, per, r))
+        del keep
+        return _get_result(r)
 
     def unpin(self, lease: Lease) -> None:
         """Releases a lease (same as ``lease.close()``)."""

@@ -58,11 +58,6 @@ class TpuSyncConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.parse(ktc.kv_role, ktc.kv_connector_extra_config)
         self.geometry = kv_geometry(vllm_config, kv_cache_config)
-        if self.geometry.groups and self.config.layerwise:
-            from .config import ConfigError
-
-            raise ConfigError("layerwise is not supported for models with several KV cache groups yet "
-                              f"({len(self.geometry.groups)} groups); leave it off")
         self.scheduler_side = None
         self.worker_side = None
         if role == KVConnectorRole.SCHEDULER:

@@ -109,10 +109,12 @@ class SchedulerSide:
         #: counters: tokens loaded from the host tier / pulled from producers (successful pulls
         #: only) / planned to be pulled but recomputed after a failed pull, host-tier blocks saved
         #: and loaded (as reported by the workers), failed loads, lookups, KV handed off, params
-        #: refused, requests rejected at their producers.
+        #: refused, requests rejected at their producers; layer-wise consumer requests pulled
+        #: whole instead (a sliding window the producer's blocks do not cover from the first
+        #: computed token).
         self.stats: Dict[str, int] = dict(
             host_hit_tokens=0, p2p_tokens=0, p2p_failed_tokens=0, saved_blocks=0, loaded_blocks=0, failed_loads=0,
-            lookups=0, handed_off=0, refused_params=0, rejects=0,
+            lookups=0, handed_off=0, refused_params=0, rejects=0, layerwise_whole=0,
         )
 
     # ---- start-up -----------------------------------------------------------------------
@@ -164,7 +166,14 @@ class SchedulerSide:
                     # A synchronous load read layer by layer by this step's forward; vLLM
                     # computes at least the last prompt token (block-aligned, as host-tier hits).
                     m = (min(n, int(request.num_tokens) - 1) // self.block_size) * self.block_size
-                    return (m, False) if m > 0 else (0, False)
+                    if m > 0 and self._layerwise_covers(m, n):
+                        return m, False
+                    if m > 0:
+                        # The forward from token m reads a sliding window's block the producer
+                        # does not hold: pull the whole request instead (asynchronously).
+                        self.stats["layerwise_whole"] += 1
+                        return n, True
+                    return 0, False
                 return n, True
             return 0, False
         st = self._off.get(request.request_id)
@@ -189,6 +198,15 @@ class SchedulerSide:
             return 0, False
         st.load_start = start
         return (n - start) * bs, False
+
+    def _layerwise_covers(self, m: int, n: int) -> bool:
+        """Whether a consumer that has the KV of tokens ``[0, m)`` pulled from a producer's
+        held blocks of ``n`` tokens (:meth:`KvGeometry.held_blocks`) may compute tokens from
+        ``m`` on: every group's blocks that computing token ``m`` reads (its held blocks of
+        ``m`` tokens: a sliding window ``w`` reads tokens ``[m + 1 - w, m)``) are among the
+        producer's. Always true without KV cache groups or sliding windows."""
+        g = self.geometry
+        return all(g.held_blocks(i, m)[0] >= g.held_blocks(i, n)[0] for i in range(g.num_groups))
 
     def _remote_tokens(self, request: Any, params: Dict[str, Any]) -> Optional[int]:
         """Tokens the producer's params offer for this request, or None when they are unusable
@@ -255,7 +273,7 @@ class SchedulerSide:
                 timeout_s=self.cfg.pull_timeout_s,
             )
             self._source[req_id] = CacheHitSource.P2P
-            if self.cfg.layerwise:
+            if self.cfg.layerwise and num_external_tokens < n:
                 # Pulled and read within the next step (failures come back as load errors).
                 self._layer_recvs.append(spec)
                 self.stats["p2p_tokens"] += num_external_tokens
@@ -338,14 +356,27 @@ class SchedulerSide:
             # num_computed_tokens is advanced only after build_connector_meta.
             if int(req.num_computed_tokens) + int(n_sched) < n:
                 continue
-            ids = self._block_ids(scheduler_output, req_id)
             nb = -(-n // self.block_size)
-            if ids is None or len(ids) < nb:
-                continue
+            send_ids: Any
+            if self.geometry.groups:
+                # Each KV cache group's held blocks of the whole prompt (the blocks vLLM holds
+                # while this step's forward computes it).
+                all_ids = self._block_ids(scheduler_output, req_id, all_groups=True)
+                try:
+                    send_ids = None if all_ids is None else self.geometry.group_held_ids(all_ids, n)
+                except ValueError as e:
+                    log.error("tpu_sync: request %s: not registering KV layer by layer: %s", req_id, e)
+                    send_ids = None
+                if send_ids is None:
+                    continue
+            else:
+                ids = self._block_ids(scheduler_output, req_id)
+                if ids is None or len(ids) < nb:
+                    continue
+                send_ids = [int(b) for b in ids[:nb]]
             xfer_id = self._next_xfer
             self._next_xfer = self._next_xfer % MAX_XFER_ID + 1
-            spec = SendSpec(req_id, xfer_id, [int(b) for b in ids[:nb]], n, self.cfg.lease_s,
-                            self._decode_tp(req.kv_transfer_params))
+            spec = SendSpec(req_id, xfer_id, send_ids, n, self.cfg.lease_s, self._decode_tp(req.kv_transfer_params))
             self._early[req_id] = spec
             out.append(spec)
         return out
@@ -496,7 +527,17 @@ class SchedulerSide:
                 log.error("tpu_sync: request %s: not handing off KV: %s", req_id, e)
                 held = None
             if held is None:
+                if early is not None:
+                    self._withdraws.append(early.xfer_id)
                 return False, None
+            if early is not None:
+                if early.num_tokens == n and early.block_ids == held:
+                    # Registered layer by layer during the prefill: hand that registration off.
+                    self._handoffs.append(req_id)
+                    self._sending[req_id] = time.monotonic() + self.cfg.lease_s
+                    self.stats["handed_off"] += 1
+                    return True, self._params(request, early.xfer_id, held, n)
+                self._withdraws.append(early.xfer_id)  # more tokens than registered: whole request
             xfer_id = self._next_xfer
             self._next_xfer = self._next_xfer % MAX_XFER_ID + 1
             self._sends.append(SendSpec(req_id, xfer_id, held, n, self.cfg.lease_s, self._decode_tp(params)))

@@ -312,21 +312,26 @@ class WorkerSide:
             caches = self.caches
             assert caches is not None and caches.views is not None
             lbb = caches.layer_block_bytes
-            bounces, delivered = [], []
+            bounces, delivered, layer_ids = [], [], []
             for op in job.ops:
                 buf = np.empty((len(op.block_ids), lbb * len(caches.names)), dtype=np.uint8)
                 try:
+                    # Every layer's target block at each position (its own group's block).
+                    ids = _layer_block_ids(op, caches)
                     n = int(self.tier.get_host(op.hashes, [buf[i] for i in range(len(op.block_ids))]))
-                except Exception as e:  # ChecksumError, missing blocks
+                except Exception as e:  # ChecksumError, missing blocks, bad group lists
                     log.warning("tpu_sync: host-tier load of %d blocks for %s failed: %s", len(op.block_ids),
                                 op.req_id, e)
-                    n = 0
+                    n, ids = 0, [[] for _ in caches.names]
                 bounces.append(buf)
                 delivered.append(n)
+                layer_ids.append(ids)
             job.delivered = delivered
             for layer, view in enumerate(caches.views):
+                # vLLM's null block (a sliding window's blocks before the window) is not written.
                 copies = [(view, bid * lbb, buf[i, layer * lbb:(layer + 1) * lbb])
-                          for op, buf, n in zip(job.ops, bounces, delivered) for i, bid in enumerate(op.block_ids[:n])]
+                          for buf, n, ids in zip(bounces, delivered, layer_ids)
+                          for i, bid in enumerate(ids[layer][:n]) if bid is not None]
                 if copies:
                     device.h2d(copies).wait()
                 job.ready[layer].set()
@@ -673,6 +678,32 @@ def _error_kind(e: BaseException) -> str:
     except Exception:  # pragma: no cover
         pass
     return "timeout" if isinstance(e, TimeoutError) else "other"
+
+
+def _layer_block_ids(op: Any, caches: KvCaches) -> List[List[Optional[int]]]:
+    """The block each cache layer's part of ``op``'s tier entries goes to, per layer: ``op.block_ids``
+    for a uniform model; with KV cache groups (``op.group_block_ids``) layer ``l``'s are its
+    group's ids, None where the group holds vLLM's null block (not written).
+
+    Raises:
+        ValueError: group lists that disagree with the layers' groups or ``op.block_ids``;
+        IndexError: a block id out of range."""
+    n_layers = len(caches.names)
+    gids = getattr(op, "group_block_ids", None)
+    if gids is None:
+        ids = [int(b) for b in op.block_ids]
+        per = [ids] * n_layers
+    else:
+        groups = caches.layer_group or [0] * n_layers
+        if len(gids) != max(groups) + 1 or any(len(g) != len(op.block_ids) for g in gids):
+            raise ValueError(f"block ids per group {[len(g) for g in gids]} for {max(groups) + 1} groups and "
+                             f"{len(op.block_ids)} blocks")
+        per = [[None if int(b) == NULL_BLOCK_ID else int(b) for b in gids[groups[layer]]] for layer in range(n_layers)]
+    for ids in per:
+        for b in ids:
+            if b is not None and not 0 <= b < caches.num_blocks:
+                raise IndexError(f"block id {b} out of range 0..{caches.num_blocks}")
+    return per
 
 
 def _flat_ids(ids: Any) -> List[int]:
