@@ -19,6 +19,10 @@ Per request (vLLM calls, in order):
 * **P/D producer** (``do_remote_decode``): ``request_finished`` returns ``(True, params)``:
   vLLM keeps the blocks until the worker reports the request in ``finished_sending``, once the
   endpoint has staged them (or the registration failed).
+* **Models with Mamba state groups**: the producer prefills the prompt less its last token
+  (``on_new_request``) and hands off the KV and state slot after ``T - 1`` tokens; the consumer
+  answers ``(T - 1, True)`` and vLLM computes token ``T`` from the pulled state. Params whose
+  state covers the whole prompt are refused (vLLM would apply the last token twice).
 * **Layer-wise** (``layerwise``): a producer registers a ``do_remote_decode`` request in the
   step that completes its prefill (``layer_sends``: the workers stage each layer as vLLM saves
   it) and hands it off in ``request_finished`` under that transfer id (``handoffs`` next step:
