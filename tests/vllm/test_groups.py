@@ -620,6 +620,21 @@ def test_mamba_worker_pd_moves_state_slot_and_blocks_byte_exact(configs):
             time.sleep(0.02)
         assert res.failed_recving == {"d2"}, cons.stats
         assert torch.equal(dst_raw, snap)
+        # A source layout whose state differs from the producer's registration (another SSM
+        # state shape): refused at the handshake before any byte moves.
+        other = mamba_worker(configs, "kv_producer", kvc=mamba_kvc(shapes=((3, 96), (2, 32, 8)))).geometry
+        bad_layout = other.tpu_sync_layout(NUM_BLOCKS)
+        prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p3", 79, held_src, 99, 60.0)]))
+        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d3", 79, {0: prod.transport.address}, bad_layout,
+                                                            held_src, held_dst, 99, 5.0)]))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            res = cons.get_transfer_results(set())
+            if res.finished_recving:
+                break
+            time.sleep(0.02)
+        assert res.failed_recving == {"d3"}, cons.stats
+        assert torch.equal(dst_raw, snap)
     finally:
         cons.shutdown()
         prod.shutdown()
