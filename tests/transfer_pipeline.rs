@@ -230,7 +230,7 @@ fn every_disagreement_is_refused_before_any_byte_moves_then_a_pull_is_exact() {
             matches!(offered.report().dma, DmaOutcome::Skipped(_)),
             "CPU: UNIMPLEMENTED"
         );
-        let staged = p.budget().used();
+        let staged = p.staging_in_use();
         assert!(staged >= offered.report().device_bytes);
 
         // Producer side: every disagreement refused, nothing staged, request 5 untouched.
@@ -258,7 +258,7 @@ fn every_disagreement_is_refused_before_any_byte_moves_then_a_pull_is_exact() {
                 .unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Mismatch, "{name}: {e}");
             assert_eq!(p.offer_state(6), OfferState::Unknown, "{name}");
-            assert_eq!(p.budget().used(), staged, "{name}: nothing staged");
+            assert_eq!(p.staging_in_use(), staged, "{name}: nothing staged");
         }
         assert_eq!(p.offer_state(5), OfferState::Active);
 
@@ -306,7 +306,7 @@ fn every_disagreement_is_refused_before_any_byte_moves_then_a_pull_is_exact() {
         }
         let st = c.stats();
         assert_eq!(st.endpoint.bytes_received, 0);
-        assert_eq!(st.budget.used_bytes, 0);
+        assert_eq!(c.staging_in_use(), 0);
         assert!(st.refused >= 18, "{st:?}");
 
         // A correct pull on the same pipelines is byte-exact, and releases request 5.
@@ -334,13 +334,13 @@ fn every_disagreement_is_refused_before_any_byte_moves_then_a_pull_is_exact() {
         drop(offered);
         let st = c.stats();
         assert!(st.dma_skipped >= 1 && st.dma_last.is_some(), "{st:?}");
-        assert_eq!(st.budget.used_bytes, 0, "destination staging freed");
+        assert_eq!(c.staging_in_use(), 0, "destination staging freed");
         // The producer's staging is freed once the registration ended.
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while p.budget().used() != 0 && std::time::Instant::now() < deadline {
+        while p.staging_in_use() != 0 && std::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        assert_eq!(p.budget().used(), 0);
+        assert_eq!(p.staging_in_use(), 0);
         assert_eq!(p.offer_state(5), OfferState::Released);
         p.shutdown(None).await;
         c.shutdown(None).await;
@@ -476,10 +476,10 @@ fn a_registration_past_the_budget_fails_and_earlier_ones_still_pull_exact() {
         }
         // Their staging went back to the budget: a third registration fits now.
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while p.budget().used() != 0 && std::time::Instant::now() < deadline {
+        while p.staging_in_use() != 0 && std::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        assert_eq!(p.budget().used(), 0);
+        assert_eq!(p.staging_in_use(), 0);
         p.offer(offer(3)).unwrap();
         // A registration that waits for budget gets it once an earlier one ends.
         let w = Arc::new(
@@ -584,9 +584,9 @@ fn a_failed_pull_leaves_the_request_for_a_retry_a_reject_frees_it_and_pulls_wait
         drop(h);
 
         // A reject frees the producer's staging at once and says why.
-        let baseline = p.budget().used();
+        let baseline = p.staging_in_use();
         let h = p.offer(offer(12)).unwrap();
-        assert!(p.budget().used() > baseline);
+        assert!(p.staging_in_use() > baseline);
         c.reject(12, &PeerMap::single(addr(&p)), "the decode side aborted it")
             .await
             .unwrap();
@@ -597,10 +597,10 @@ fn a_failed_pull_leaves_the_request_for_a_retry_a_reject_frees_it_and_pulls_wait
         assert_eq!(p.endpoint().stats().staged_bytes, 0);
         drop(h);
         let deadline = std::time::Instant::now() + Duration::from_millis(100);
-        while p.budget().used() != baseline && std::time::Instant::now() < deadline {
+        while p.staging_in_use() != baseline && std::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        assert_eq!(p.budget().used(), baseline, "staging freed within 100 ms");
+        assert_eq!(p.staging_in_use(), baseline, "staging freed within 100 ms");
         assert_eq!(c.stats().rejects_sent, 1);
 
         // A pull that reaches the producer before the registration waits for it.
