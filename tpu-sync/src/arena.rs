@@ -454,6 +454,11 @@ mod tests {
             DmaRegistration::Mapped
         );
         assert_eq!(arena.dma_mapped_clients(), 1);
+        assert!(arena.dma_mapped_only_with(Some(&client)));
+        assert!(
+            !arena.dma_mapped_only_with(None),
+            "mapped: reusable for its client only"
+        );
         let maps: Vec<_> = MAPS
             .lock()
             .unwrap()

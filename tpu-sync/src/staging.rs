@@ -657,4 +657,124 @@ mod tests {
         m.insert(0, vec![r(0, 0, 10), r(0, 5, 10)]);
         assert!(Staging::new(m, &ArenaOptions::default()).is_err());
     }
+
+    /// Non-repeating bytes of `seed`.
+    fn pattern(seed: u64, out: &mut [u8]) {
+        for (i, c) in out.chunks_mut(8).enumerate() {
+            let v = crate::pattern::mix64(seed ^ ((i as u64) << 8)).to_le_bytes();
+            c.copy_from_slice(&v[..c.len()]);
+        }
+    }
+
+    fn one(len: u64) -> BTreeMap<u32, Vec<ByteRange>> {
+        BTreeMap::from([(0, vec![r(0, 0, len)])])
+    }
+
+    fn plain() -> ArenaOptions {
+        ArenaOptions {
+            lock: false,
+            huge_pages: false,
+            populate: true,
+        }
+    }
+
+    #[test]
+    fn size_classes() {
+        assert_eq!(ArenaPool::class_bytes(1), 64 << 10);
+        assert_eq!(ArenaPool::class_bytes(65 << 10), 128 << 10);
+        assert_eq!(ArenaPool::class_bytes(2 << 20), 2 << 20);
+        assert_eq!(ArenaPool::class_bytes((2 << 20) + 1), 4 << 20);
+        assert_eq!(ArenaPool::class_bytes((16 << 20) + 4096), 18 << 20);
+        assert_eq!(ArenaPool::fit_limit(10 << 10), 64 << 10);
+        assert_eq!(ArenaPool::fit_limit(64 << 20), 80 << 20);
+    }
+
+    #[test]
+    fn pooled_arenas_are_reused_by_size_and_fully_rewritten_byte_exact() {
+        let budget = StagingBudget::new("pool-test", 64 << 20);
+        let pool = ArenaPool::new(16 << 20, plain(), budget.clone());
+        let fill = |s: &Staging, len: u64, seed: u64| {
+            let p = s.resolve(0, 0, 0, len).unwrap();
+            // SAFETY: the staging's one range, exclusive here.
+            let v = unsafe { std::slice::from_raw_parts_mut(p, len as usize) };
+            pattern(seed, v);
+        };
+        let read = |s: &Staging, len: u64| {
+            let p = s.resolve(0, 0, 0, len).unwrap();
+            // SAFETY: no writer now.
+            unsafe { std::slice::from_raw_parts(p, len as usize) }.to_vec()
+        };
+        let a = Staging::new_pooled(one(100_000), &pool, None, "a", None).unwrap();
+        assert!(!a.is_reused());
+        assert_eq!(a.reserved_bytes(), 128 << 10, "class of 100 000 bytes");
+        fill(&a, 100_000, 1);
+        let base = a.arena().base() as usize;
+        drop(a);
+        assert_eq!(pool.stats().idle_bytes, 128 << 10);
+        assert_eq!(
+            budget.used(),
+            128 << 10,
+            "idle arenas keep their budget bytes"
+        );
+        // Smaller, same class: the same arena, holding the earlier bytes until overwritten.
+        let b = Staging::new_pooled(one(70_000), &pool, None, "b", None).unwrap();
+        assert!(b.is_reused());
+        assert_eq!(b.arena().base() as usize, base);
+        fill(&b, 70_000, 2);
+        let mut want = vec![0u8; 70_000];
+        pattern(2, &mut want);
+        assert_eq!(read(&b, 70_000), want);
+        // Too small for that arena (past its fit limit) and too big: new arenas.
+        let c = Staging::new_pooled(one(1000), &pool, None, "c", None).unwrap();
+        let d = Staging::new_pooled(one(3 << 20), &pool, None, "d", None).unwrap();
+        assert!(!c.is_reused() && !d.is_reused());
+        assert_eq!(d.reserved_bytes(), 4 << 20);
+        drop((b, c, d));
+        let st = pool.stats();
+        assert_eq!(
+            (st.hits, st.misses, st.returned, st.idle_arenas),
+            (1, 3, 4, 3),
+            "{st:?}"
+        );
+        assert_eq!(budget.used(), st.idle_bytes);
+        assert_eq!(pool.clear(), (128 << 10) + (64 << 10) + (4 << 20));
+        assert_eq!(budget.used(), 0);
+    }
+
+    #[test]
+    fn the_cap_holds_and_the_budget_reclaims_idle_arenas() {
+        let budget = StagingBudget::new("reclaim-test", 256 << 10);
+        let pool = ArenaPool::new(128 << 10, plain(), budget.clone());
+        let s: Vec<_> = (0..3)
+            .map(|i| Staging::new_pooled(one(60_000), &pool, None, &format!("{i}"), None).unwrap())
+            .collect();
+        assert_eq!(budget.used(), 3 * (64 << 10));
+        drop(s);
+        let st = pool.stats();
+        assert_eq!(
+            (st.idle_bytes, st.returned, st.released),
+            (128 << 10, 3, 1),
+            "{st:?}"
+        );
+        // 200 KiB fit only once the budget takes the idle arenas back.
+        let r = budget.reserve(200 << 10, "other", None).unwrap();
+        assert_eq!(pool.stats().idle_bytes, 0);
+        assert_eq!(budget.stats().refused, 0);
+        // A pooled staging that does not fit fails as without a pool.
+        let e = Staging::new_pooled(one(100_000), &pool, None, "big", None).unwrap_err();
+        assert_eq!(e.kind(), crate::error::ErrorKind::StagingExhausted);
+        drop(r);
+        // A staging dropped while a reservation waits gives its bytes back instead of idling.
+        let a = Staging::new_pooled(one(60_000), &pool, None, "a", None).unwrap();
+        let b2 = budget.clone();
+        let waiter = std::thread::spawn(move || {
+            b2.reserve(200 << 10, "waiter", Some(Duration::from_secs(30)))
+        });
+        while !budget.has_waiters() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(a);
+        assert!(waiter.join().unwrap().is_ok());
+        assert_eq!(pool.stats().idle_bytes, 0);
+    }
 }

@@ -135,3 +135,58 @@ impl PlanCache {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{DType, ModelKv, ParallelLayout, ParallelSpec};
+
+    fn place(spec: &str, ids: Vec<Vec<u32>>) -> Placement {
+        let model = ModelKv {
+            name: "toy".into(),
+            num_layers: 2,
+            num_kv_heads: 4,
+            head_dim: 8,
+            kv_planes: 2,
+            dtype: DType::Bf16,
+        };
+        Placement {
+            layout: ParallelLayout::new(model, ParallelSpec::parse(spec).unwrap(), 16).unwrap(),
+            dp_rank: 0,
+            block_ids: ids,
+            groups: None,
+        }
+    }
+
+    #[test]
+    fn hits_return_the_same_plan_and_keys_do_not_collide() {
+        let src = place("tp=2,block=16", vec![vec![7, 2, 5], vec![1, 4, 0]]);
+        let dst = place("tp=1,block=32,order=hnd", vec![vec![5, 1]]);
+        let other = place("tp=1,block=32,order=hnd", vec![vec![1, 5]]);
+        let cache = PlanCache::new(2);
+        let a = cache.get_or_build(&src, &dst, 40).unwrap();
+        let again = cache.get_or_build(&src, &dst, 40).unwrap();
+        assert!(Arc::ptr_eq(&a, &again), "a hit is the cached plan");
+        assert_eq!(*a, Plan::build(&src, &dst, 40).unwrap());
+        // Other tokens, other destination blocks: other plans, each equal to a fresh build.
+        let fewer = cache.get_or_build(&src, &dst, 33).unwrap();
+        assert!(!Arc::ptr_eq(&a, &fewer));
+        assert_eq!(*fewer, Plan::build(&src, &dst, 33).unwrap());
+        assert_ne!(*fewer, *a);
+        let moved = cache.get_or_build(&src, &other, 40).unwrap();
+        assert_eq!(*moved, Plan::build(&src, &other, 40).unwrap());
+        assert_ne!(*moved, *a);
+        let st = cache.stats();
+        assert_eq!((st.hits, st.misses, st.entries), (1, 3, 2), "{st:?}");
+        // Capacity 2: the least recently used (src -> dst, 40) was evicted.
+        let rebuilt = cache.get_or_build(&src, &dst, 40).unwrap();
+        assert!(!Arc::ptr_eq(&a, &rebuilt));
+        assert_eq!(*rebuilt, *a);
+        // A failed build is an error, not cached.
+        assert!(cache.get_or_build(&src, &dst, 0).is_err());
+        assert_eq!(cache.stats().entries, 2);
+        let off = PlanCache::new(0);
+        let x = off.get_or_build(&src, &dst, 40).unwrap();
+        assert!(!Arc::ptr_eq(&x, &off.get_or_build(&src, &dst, 40).unwrap()));
+    }
+}
