@@ -25,6 +25,12 @@
 //! * **Push**: [`Pipeline::push`] (producer-initiated: check, stage D2H, send) and
 //!   [`Pipeline::expect_push`] (its consumer side: check, plan, stage, receive, H2D).
 //!
+//! Staging memory is reused: the pipeline's [`ArenaPool`] keeps the arenas of ended operations
+//! (pre-faulted, locked, DMA-mapped) up to [`TransferOptions::staging_pool_bytes`] for later
+//! operations of a similar size on the same PJRT client, and the endpoint's plan cache
+//! ([`Endpoint::plan_cache`]) plans a repeated `(source, destination, tokens)` once. H2D copies of
+//! at most [`INLINE_H2D_BYTES`] run on the runtime thread instead of the blocking pool.
+//!
 //! Every buffer of every rank and layer is checked against the layout before any byte moves
 //! ([`check_rank_buffers`]: element type, dims, `PJRT_Buffer_OnDeviceSizeInBytes`, physical
 //! layout); a disagreement is [`Error::Mismatch`] before staging or network traffic, and nothing
@@ -140,7 +146,8 @@ impl std::fmt::Display for DmaOutcome {
 /// What one operation did (this side's part). Every field is zero where it does not apply.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Report {
-    /// Pinned bytes staged for the operation (the arena, page-rounded).
+    /// Pinned bytes staged for the operation (the arena's budget reservation: page-rounded, or
+    /// the size class of a pooled arena, [`ArenaPool::class_bytes`]).
     pub staged_bytes: u64,
     /// Bytes copied between device buffers and staging: D2H for offers and pushes, H2D for
     /// pulls and expected pushes.
