@@ -261,7 +261,7 @@ fn grouped_pull_is_byte_exact_and_mismatched_groups_are_refused_at_the_handshake
             msg.contains("rank 0 layer 0 (KV cache group 0 (`sliding`)"),
             "{msg}"
         );
-        assert_eq!(p.budget().used(), 0, "nothing staged");
+        assert_eq!(p.staging_in_use(), 0, "nothing staged");
 
         let offered = p
             .offer(Offer {

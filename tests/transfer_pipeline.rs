@@ -7,8 +7,13 @@
 //! * the DMA map is attempted for every staging (skipped on the CPU plugin) and reported;
 //! * a registration past the staging budget fails with `StagingExhausted` while earlier ones
 //!   still pull byte-exact, and the budget returns to zero when they end.
+//! * the staging arena pool: pulls and pushes of different sizes and block orders through
+//!   reused arenas are byte-exact, the pool's cap holds, the counters move, repeated
+//!   placements plan once; a truncated transfer into an arena holding the very bytes it should
+//!   receive still fails.
 
 mod common;
+mod fault_util;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -19,6 +24,7 @@ use tpu_sync::net::{EndpointOptions, PeerMap};
 use tpu_sync::pattern::RankContents;
 use tpu_sync::pjrt::{Capabilities, Client, DeviceBuffer, ElementType};
 use tpu_sync::plan::Placement;
+use tpu_sync::staging::DEFAULT_POOL_BYTES;
 use tpu_sync::transfer::{
     DmaOutcome, ExpectPush, KvBuffers, Offer, OfferState, Pipeline, PullInto, PushFrom,
     TransferOptions,
@@ -76,7 +82,12 @@ fn side(devices: i64) -> Side {
 
 /// Per-layer buffers of `rank` holding `place`'s pattern contents (request or background).
 fn buffers(s: &Side, place: &Placement, rank: u32, salt: u64) -> Vec<DeviceBuffer> {
-    let c = RankContents::new(place, rank, TOKENS, salt).unwrap();
+    buffers_of(s, place, rank, TOKENS, salt)
+}
+
+/// [`buffers`] of a request of `tokens`.
+fn buffers_of(s: &Side, place: &Placement, rank: u32, tokens: u32, salt: u64) -> Vec<DeviceBuffer> {
+    let c = RankContents::new(place, rank, tokens, salt).unwrap();
     let kv = *c.kv();
     let dev = s.client.device(rank as usize).unwrap();
     let mut host = vec![0u8; kv.buffer_bytes() as usize];
@@ -97,7 +108,12 @@ fn kv(s: &Side, by_rank: Vec<(u32, Vec<DeviceBuffer>)>) -> KvBuffers {
 /// Checks every element of the destination rank: the request's from the source pattern, the
 /// rest unchanged background. Returns the request bytes checked.
 fn verify(dst: &Placement, rank: u32, bufs: &[DeviceBuffer]) -> u64 {
-    let c = RankContents::new(dst, rank, TOKENS, DST_SALT).unwrap();
+    verify_of(dst, rank, bufs, TOKENS)
+}
+
+/// [`verify`] of a request of `tokens`.
+fn verify_of(dst: &Placement, rank: u32, bufs: &[DeviceBuffer], tokens: u32) -> u64 {
+    let c = RankContents::new(dst, rank, tokens, DST_SALT).unwrap();
     let mut host = vec![0u8; c.kv().buffer_bytes() as usize];
     let mut request = 0;
     for (l, b) in bufs.iter().enumerate() {
@@ -230,7 +246,7 @@ fn every_disagreement_is_refused_before_any_byte_moves_then_a_pull_is_exact() {
             matches!(offered.report().dma, DmaOutcome::Skipped(_)),
             "CPU: UNIMPLEMENTED"
         );
-        let staged = p.budget().used();
+        let staged = p.staging_in_use();
         assert!(staged >= offered.report().device_bytes);
 
         // Producer side: every disagreement refused, nothing staged, request 5 untouched.
@@ -258,7 +274,7 @@ fn every_disagreement_is_refused_before_any_byte_moves_then_a_pull_is_exact() {
                 .unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Mismatch, "{name}: {e}");
             assert_eq!(p.offer_state(6), OfferState::Unknown, "{name}");
-            assert_eq!(p.budget().used(), staged, "{name}: nothing staged");
+            assert_eq!(p.staging_in_use(), staged, "{name}: nothing staged");
         }
         assert_eq!(p.offer_state(5), OfferState::Active);
 
@@ -306,7 +322,7 @@ fn every_disagreement_is_refused_before_any_byte_moves_then_a_pull_is_exact() {
         }
         let st = c.stats();
         assert_eq!(st.endpoint.bytes_received, 0);
-        assert_eq!(st.budget.used_bytes, 0);
+        assert_eq!(c.staging_in_use(), 0);
         assert!(st.refused >= 18, "{st:?}");
 
         // A correct pull on the same pipelines is byte-exact, and releases request 5.
@@ -334,13 +350,13 @@ fn every_disagreement_is_refused_before_any_byte_moves_then_a_pull_is_exact() {
         drop(offered);
         let st = c.stats();
         assert!(st.dma_skipped >= 1 && st.dma_last.is_some(), "{st:?}");
-        assert_eq!(st.budget.used_bytes, 0, "destination staging freed");
+        assert_eq!(c.staging_in_use(), 0, "destination staging freed");
         // The producer's staging is freed once the registration ended.
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while p.budget().used() != 0 && std::time::Instant::now() < deadline {
+        while p.staging_in_use() != 0 && std::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        assert_eq!(p.budget().used(), 0);
+        assert_eq!(p.staging_in_use(), 0);
         assert_eq!(p.offer_state(5), OfferState::Released);
         p.shutdown(None).await;
         c.shutdown(None).await;
@@ -476,10 +492,10 @@ fn a_registration_past_the_budget_fails_and_earlier_ones_still_pull_exact() {
         }
         // Their staging went back to the budget: a third registration fits now.
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while p.budget().used() != 0 && std::time::Instant::now() < deadline {
+        while p.staging_in_use() != 0 && std::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        assert_eq!(p.budget().used(), 0);
+        assert_eq!(p.staging_in_use(), 0);
         p.offer(offer(3)).unwrap();
         // A registration that waits for budget gets it once an earlier one ends.
         let w = Arc::new(
@@ -584,9 +600,9 @@ fn a_failed_pull_leaves_the_request_for_a_retry_a_reject_frees_it_and_pulls_wait
         drop(h);
 
         // A reject frees the producer's staging at once and says why.
-        let baseline = p.budget().used();
+        let baseline = p.staging_in_use();
         let h = p.offer(offer(12)).unwrap();
-        assert!(p.budget().used() > baseline);
+        assert!(p.staging_in_use() > baseline);
         c.reject(12, &PeerMap::single(addr(&p)), "the decode side aborted it")
             .await
             .unwrap();
@@ -597,10 +613,10 @@ fn a_failed_pull_leaves_the_request_for_a_retry_a_reject_frees_it_and_pulls_wait
         assert_eq!(p.endpoint().stats().staged_bytes, 0);
         drop(h);
         let deadline = std::time::Instant::now() + Duration::from_millis(100);
-        while p.budget().used() != baseline && std::time::Instant::now() < deadline {
+        while p.staging_in_use() != baseline && std::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        assert_eq!(p.budget().used(), baseline, "staging freed within 100 ms");
+        assert_eq!(p.staging_in_use(), baseline, "staging freed within 100 ms");
         assert_eq!(c.stats().rejects_sent, 1);
 
         // A pull that reaches the producer before the registration waits for it.
@@ -702,6 +718,372 @@ fn a_layerwise_offer_is_pulled_layer_by_layer_and_exact() {
             p.publish_layers(99, 1).unwrap_err().kind(),
             ErrorKind::UnknownRequest
         );
+        p.shutdown(None).await;
+        c.shutdown(None).await;
+    });
+}
+
+/// `placements()` for a request of `tokens` (<= 112) whose block ids are rotated by `rot`: the
+/// leading blocks of each rank, in another order, so the same arena offsets hold other tokens.
+fn placements_of(tokens: u32, rot: usize) -> (Placement, Placement) {
+    let (mut src, mut dst) = placements();
+    for v in &mut src.block_ids {
+        let n = v.len();
+        v.rotate_left(rot % n);
+        v.truncate(tokens.div_ceil(16) as usize);
+    }
+    for v in &mut dst.block_ids {
+        let n = v.len();
+        v.rotate_left(rot % n);
+        v.truncate(tokens.div_ceil(32) as usize);
+    }
+    (src, dst)
+}
+
+/// Waits (up to 5 s) until `p`'s pool holds `n` idle arenas: the stagings of ended operations
+/// are given back when their last holder (the endpoint's transfer or registration) drops them.
+async fn idle_arenas(p: &Pipeline, n: u64) -> u64 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let idle = p.stats().pool.idle_arenas;
+        if idle >= n || std::time::Instant::now() > deadline {
+            return idle;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// One pull (`push` false) or push of a request of `tokens` with block ids rotated by `rot`;
+/// checks every element of the destination.
+async fn one_op(
+    (prod, cons): (&Side, &Side),
+    (p, c): (&Pipeline, &Pipeline),
+    id: u64,
+    (tokens, rot, push): (u32, usize, bool),
+) -> Result<()> {
+    let (src, dst) = placements_of(tokens, rot);
+    let src_kv = kv(
+        prod,
+        (0..2)
+            .map(|r| (r, buffers_of(prod, &src, r, tokens, SRC_SALT)))
+            .collect(),
+    );
+    let dst_bufs = background(cons, &dst, 0);
+    let dst_kv = kv(cons, vec![(0, dst_bufs.clone())]);
+    let want = tokens as u64 * model().bytes_per_token();
+    if push {
+        let rx = c.expect_push(ExpectPush {
+            request_id: id,
+            num_tokens: tokens,
+            src: src.clone(),
+            dst: dst.clone(),
+            kv: dst_kv,
+        })?;
+        let tx = p.push(PushFrom {
+            request_id: id,
+            num_tokens: tokens,
+            src,
+            kv: src_kv,
+            dst: dst.clone(),
+            targets: PeerMap::single(addr(c)),
+        })?;
+        tx.wait().await?;
+        assert_eq!(rx.wait().await?.device_bytes, want);
+    } else {
+        let h = p.offer(Offer {
+            request_id: id,
+            num_tokens: tokens,
+            placement: src.clone(),
+            kv: src_kv,
+            expected_releases: 1,
+        })?;
+        let rep = c
+            .pull(PullInto {
+                request_id: id,
+                num_tokens: tokens,
+                src,
+                sources: PeerMap::single(addr(p)),
+                dst: dst.clone(),
+                kv: dst_kv,
+                wait_for_registration: None,
+            })?
+            .wait()
+            .await?;
+        assert_eq!(rep.device_bytes, want);
+        assert_eq!(h.wait(Duration::from_secs(10)).await?, OfferState::Released);
+    }
+    assert_eq!(verify_of(&dst, 0, &dst_bufs, tokens), want, "request {id}");
+    Ok(())
+}
+
+#[test]
+fn pooled_staging_is_reused_across_operations_of_different_sizes_byte_exact() {
+    let prod = side(2);
+    let cons = side(1);
+    let rt = rt();
+    rt.block_on(async {
+        let p = pipeline("pool-prod", true, TransferOptions::default())
+            .await
+            .unwrap();
+        let c = pipeline("pool-cons", true, TransferOptions::default())
+            .await
+            .unwrap();
+        assert_eq!(p.options().staging_pool_bytes, DEFAULT_POOL_BYTES);
+        // (tokens, block rotation, push): sizes 100 / 40 / 17 tokens (25.6 / 10.2 / 4.4 KB of
+        // destination staging) share the 64 KiB class; rotations put other tokens at the
+        // same arena offsets, so a byte not written by the new operation would show.
+        let ops = [
+            (100, 0, false),
+            (40, 1, false),
+            (100, 0, false),
+            (17, 2, true),
+            (100, 3, true),
+            (100, 0, false),
+        ];
+        for (i, op) in ops.into_iter().enumerate() {
+            one_op((&prod, &cons), (&p, &c), 100 + i as u64, op)
+                .await
+                .unwrap();
+            assert_eq!(idle_arenas(&p, 1).await, 1, "op {i}: producer staging back");
+            assert_eq!(idle_arenas(&c, 1).await, 1, "op {i}: consumer staging back");
+        }
+        let n = ops.len() as u64;
+        for (side, x) in [("producer", &p), ("consumer", &c)] {
+            let st = x.stats().pool;
+            assert_eq!((st.misses, st.hits), (1, n - 1), "{side}: {st:?}");
+            assert_eq!((st.returned, st.released), (n, 0), "{side}: {st:?}");
+            assert_eq!(st.idle_bytes, 64 << 10, "{side}: one 64 KiB class arena");
+            // The idle arena still holds its budget bytes; no operation holds any.
+            assert_eq!(x.budget().used(), st.idle_bytes, "{side}");
+            assert_eq!(x.staging_in_use(), 0, "{side}");
+        }
+        // Plans: the consumer plans each pull and expected push, the producer each push and
+        // each pull it serves; (100, rot 0) three times (two hits), the others once. (The
+        // producer's two source ranks may both miss a new key at once, both building it.)
+        let st = c.stats().plans;
+        assert_eq!(
+            (st.hits, st.misses, st.entries),
+            (2, 4, 4),
+            "consumer: {st:?}"
+        );
+        let st = p.stats().plans;
+        assert!(
+            st.hits >= 2 && st.misses >= 4 && st.entries == 4,
+            "producer: {st:?}"
+        );
+        p.shutdown(None).await;
+        c.shutdown(None).await;
+    });
+}
+
+#[test]
+fn the_pool_respects_its_cap_and_zero_turns_it_off() {
+    let prod = side(2);
+    let cons = side(1);
+    let rt = rt();
+    rt.block_on(async {
+        // Off, and a cap below every staging of these requests (28 KiB): nothing is kept,
+        // every arena is freed as without a pool.
+        let off = TransferOptions {
+            staging_pool_bytes: 0,
+            ..TransferOptions::default()
+        };
+        let small = TransferOptions {
+            staging_pool_bytes: 16 << 10,
+            ..TransferOptions::default()
+        };
+        for (name, opts) in [("off", off), ("small", small)] {
+            let p = pipeline(&format!("cap-{name}-p"), true, opts.clone())
+                .await
+                .unwrap();
+            let c = pipeline(&format!("cap-{name}-c"), true, opts)
+                .await
+                .unwrap();
+            for i in 0..3u64 {
+                one_op((&prod, &cons), (&p, &c), 200 + i, (100, i as usize, i == 1))
+                    .await
+                    .unwrap();
+                let deadline = std::time::Instant::now() + Duration::from_secs(5);
+                while (p.budget().used(), c.budget().used()) != (0, 0)
+                    && std::time::Instant::now() < deadline
+                {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                assert_eq!((p.budget().used(), c.budget().used()), (0, 0), "{name}");
+            }
+            let st = c.stats().pool;
+            assert_eq!(
+                (st.hits, st.idle_arenas, st.idle_bytes),
+                (0, 0, 0),
+                "{name}: {st:?}"
+            );
+            assert_eq!(st.returned, 0, "{name}: {st:?}");
+            assert_eq!((st.misses, st.released), (0, 3), "{name}: {st:?}");
+            p.shutdown(None).await;
+            c.shutdown(None).await;
+        }
+        // A cap of one class: one arena kept; an arena returned while another is idle evicts
+        // the older one.
+        let one = TransferOptions {
+            staging_pool_bytes: 64 << 10,
+            ..TransferOptions::default()
+        };
+        let p = pipeline("cap-one-p", true, one.clone()).await.unwrap();
+        let c = pipeline("cap-one-c", true, one).await.unwrap();
+        // Two registrations live at once: two producer arenas, one of which is kept.
+        let (src, dst) = placements();
+        let src_kv = kv(
+            &prod,
+            (0..2)
+                .map(|r| (r, buffers(&prod, &src, r, SRC_SALT)))
+                .collect(),
+        );
+        let offers: Vec<_> = [301u64, 302]
+            .iter()
+            .map(|&id| {
+                p.offer(Offer {
+                    request_id: id,
+                    num_tokens: TOKENS,
+                    placement: src.clone(),
+                    kv: src_kv.clone(),
+                    expected_releases: 1,
+                })
+                .unwrap()
+            })
+            .collect();
+        for (id, h) in [301u64, 302].into_iter().zip(offers) {
+            let dst_bufs = background(&cons, &dst, 0);
+            c.pull(PullInto {
+                request_id: id,
+                num_tokens: TOKENS,
+                src: src.clone(),
+                sources: PeerMap::single(addr(&p)),
+                dst: dst.clone(),
+                kv: kv(&cons, vec![(0, dst_bufs.clone())]),
+                wait_for_registration: None,
+            })
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+            assert_eq!(
+                verify(&dst, 0, &dst_bufs),
+                TOKENS as u64 * model().bytes_per_token()
+            );
+            h.wait(Duration::from_secs(10)).await.unwrap();
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while p.stats().pool.returned + p.stats().pool.released < 2
+            && std::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let st = p.stats().pool;
+        assert_eq!((st.misses, st.hits), (2, 0), "{st:?}");
+        assert_eq!((st.returned, st.released), (2, 1), "{st:?}");
+        assert_eq!((st.idle_arenas, st.idle_bytes), (1, 64 << 10), "{st:?}");
+        assert!(st.idle_bytes <= st.cap_bytes);
+        p.shutdown(None).await;
+        c.shutdown(None).await;
+    });
+}
+
+#[test]
+fn a_truncated_transfer_into_a_reused_arena_holding_its_very_bytes_still_fails() {
+    use fault_util::{Action, FrameSel, Point, Rule};
+    let (src, dst) = placements();
+    let prod = side(2);
+    let cons = side(1);
+    let rt = rt();
+    rt.block_on(async {
+        let p = pipeline("stale-prod", true, TransferOptions::default())
+            .await
+            .unwrap();
+        let (ep, faults) = fault_util::fault_endpoint(EndpointOptions {
+            name: "stale-cons".into(),
+            listen: None,
+            io_timeout: Duration::from_secs(10),
+            ..EndpointOptions::default()
+        })
+        .await;
+        let c = Pipeline::new(
+            Arc::new(ep),
+            TransferOptions {
+                staging_budget_bytes: Some(1 << 30),
+                ..TransferOptions::default()
+            },
+        )
+        .unwrap();
+        let src_kv = kv(
+            &prod,
+            (0..2)
+                .map(|r| (r, buffers(&prod, &src, r, SRC_SALT)))
+                .collect(),
+        );
+        let offer = |id| Offer {
+            request_id: id,
+            num_tokens: TOKENS,
+            placement: src.clone(),
+            kv: src_kv.clone(),
+            expected_releases: 1,
+        };
+        let pull = |id, bufs: &Vec<DeviceBuffer>| PullInto {
+            request_id: id,
+            num_tokens: TOKENS,
+            src: src.clone(),
+            sources: PeerMap::single(addr(&p)),
+            dst: dst.clone(),
+            kv: kv(&cons, vec![(0, bufs.clone())]),
+            wait_for_registration: None,
+        };
+        let want = TOKENS as u64 * model().bytes_per_token();
+        // A complete pull: the consumer's arena goes back to the pool holding exactly the
+        // bytes the same request will need again, at the same offsets.
+        p.offer(offer(401)).unwrap();
+        let first = background(&cons, &dst, 0);
+        c.pull(pull(401, &first)).unwrap().wait().await.unwrap();
+        assert_eq!(verify(&dst, 0, &first), want);
+        assert_eq!(idle_arenas(&c, 1).await, 1);
+        // The same request again, into that arena; its first data frame arrives half, then the
+        // lane closes: the stale second half is byte for byte what should have arrived.
+        faults.add(Rule::once(
+            Point::Recv(FrameSel::data(402)),
+            Action::Truncate,
+        ));
+        p.offer(offer(402)).unwrap();
+        let cut = background(&cons, &dst, 0);
+        let e = c.pull(pull(402, &cut)).unwrap().wait().await.unwrap_err();
+        assert!(e.is_peer_failure(), "{e}");
+        assert_eq!(faults.fired().len(), 1, "{:?}", faults.fired());
+        let st = c.stats().pool;
+        assert_eq!(
+            (st.hits, st.misses),
+            (1, 1),
+            "the cut pull reused the arena: {st:?}"
+        );
+        // Nothing was written into the device for the failed pull.
+        let bg = RankContents::new(
+            &Placement {
+                block_ids: vec![],
+                dp_rank: u32::MAX,
+                ..dst.clone()
+            },
+            0,
+            TOKENS,
+            DST_SALT,
+        )
+        .unwrap();
+        let mut host = vec![0u8; bg.kv().buffer_bytes() as usize];
+        for (l, b) in cut.iter().enumerate() {
+            b.to_host(&mut host).unwrap();
+            assert_eq!(bg.verify_layer(l as u32, &host).unwrap().mismatches, 0);
+        }
+        // The producer kept the request: a retry (through the reused arena again) is exact.
+        assert_eq!(idle_arenas(&c, 1).await, 1);
+        let again = background(&cons, &dst, 0);
+        c.pull(pull(402, &again)).unwrap().wait().await.unwrap();
+        assert_eq!(verify(&dst, 0, &again), want);
+        assert_eq!(c.stats().pool.hits, 2);
         p.shutdown(None).await;
         c.shutdown(None).await;
     });

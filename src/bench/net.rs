@@ -1088,7 +1088,9 @@ fn push_rid_base(ti: usize, id: u32) -> u64 {
 
 /// Registers push pools in the helper for every case and transport: each case's window of
 /// expected pushes (each one staged by the helper's pipeline) holds at most
-/// [`PUSH_AHEAD_BYTES`], and at least 3 pushes.
+/// [`PUSH_AHEAD_BYTES`], and at least 6 pushes (the helper registers push `rid + window` after
+/// push `rid`'s H2D; with pooled staging this process can push three more before that H2D of a
+/// 64 MiB case ends, and a push of an unregistered request fails).
 fn expect_pushes(peer: &mut Peer, cases: &[DevEntry]) -> Result<Vec<Pushes>> {
     let ts = peer.transports.clone();
     let mut out = Vec::new();
@@ -1096,7 +1098,7 @@ fn expect_pushes(peer: &mut Peer, cases: &[DevEntry]) -> Result<Vec<Pushes>> {
         let mut next = Vec::new();
         for (id, c, _) in cases {
             let first = push_rid_base(ti, *id);
-            let window = (PUSH_AHEAD_BYTES / c.plan.total_bytes().max(1)).clamp(3, 32) as u32;
+            let window = (PUSH_AHEAD_BYTES / c.plan.total_bytes().max(1)).clamp(6, 32) as u32;
             peer.cmd(&PeerCmd::Expect {
                 case: *id,
                 transport: t.clone(),

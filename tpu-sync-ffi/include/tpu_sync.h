@@ -1503,6 +1503,8 @@ enum tpu_sync_status tpu_sync_pacing_stats(char *buf, size_t buf_len, size_t *le
  *  "staging_wait_s": 1,         // wait this long for budget (default: fail at once with
  *                               // TPU_SYNC_STAGING_EXHAUSTED)
  *  "dma_map": true,             // DMA-map staging with the buffers' client (default true)
+ *  "staging_pool_bytes": 268435456, // keep up to this many bytes of ended operations'
+ *                               // staging arenas for reuse (default 256 MiB; 0: off)
  *  "wait_for_registration_s": 5} // pulls wait this long for the producer to register a
  *                               // request it does not know yet (default: no wait)
  * ```
@@ -1915,7 +1917,10 @@ enum tpu_sync_status tpu_sync_transfer_report(const struct tpu_sync_transfer *tr
  * refused before any byte moved: checks, plan, budget), `rejects_sent`, `dma_mapped`,
  * `dma_skipped` (staging arenas whose DMA map the plugin does not implement, e.g. the XLA CPU
  * plugin), `dma_last` (the last outcome, text or null); `staging_budget` {`limit_bytes`,
- * `used_bytes`, `peak_bytes`, `reservations`, `refused`, `waited`}; and `address`,
+ * `used_bytes`, `peak_bytes`, `reservations`, `refused`, `waited`}; `staging_pool`
+ * {`cap_bytes`, `idle_bytes`, `idle_arenas` (gauges), `hits`, `misses`, `returned`,
+ * `released` (totals): the reuse of staging arenas; idle bytes are part of the budget's
+ * `used_bytes`}; `plan_cache` {`capacity`, `entries`, `hits`, `misses`}; and `address`,
  * `transport`, `name`.
  *
  * # Safety

@@ -165,6 +165,7 @@ struct EndpointJson {
     staging_wait_s: Option<f64>,
     dma_map: Option<bool>,
     wait_for_registration_s: Option<f64>,
+    staging_pool_bytes: Option<u64>,
 }
 
 fn secs(v: f64, what: &str) -> FfiResult<Duration> {
@@ -206,6 +207,9 @@ fn options(j: EndpointJson) -> FfiResult<Config> {
     }
     if let Some(d) = j.dma_map {
         t.dma_map = d;
+    }
+    if let Some(n) = j.staging_pool_bytes {
+        t.staging_pool_bytes = n;
     }
     let wait_for_registration = match j.wait_for_registration_s {
         Some(w) => Some(secs(w, "wait_for_registration_s")?),
@@ -298,6 +302,8 @@ fn options(j: EndpointJson) -> FfiResult<Config> {
 ///  "staging_wait_s": 1,         // wait this long for budget (default: fail at once with
 ///                               // TPU_SYNC_STAGING_EXHAUSTED)
 ///  "dma_map": true,             // DMA-map staging with the buffers' client (default true)
+///  "staging_pool_bytes": 268435456, // keep up to this many bytes of ended operations'
+///                               // staging arenas for reuse (default 256 MiB; 0: off)
 ///  "wait_for_registration_s": 5} // pulls wait this long for the producer to register a
 ///                               // request it does not know yet (default: no wait)
 /// ```
@@ -1289,7 +1295,10 @@ fn report_json(r: &Report) -> serde_json::Value {
 /// refused before any byte moved: checks, plan, budget), `rejects_sent`, `dma_mapped`,
 /// `dma_skipped` (staging arenas whose DMA map the plugin does not implement, e.g. the XLA CPU
 /// plugin), `dma_last` (the last outcome, text or null); `staging_budget` {`limit_bytes`,
-/// `used_bytes`, `peak_bytes`, `reservations`, `refused`, `waited`}; and `address`,
+/// `used_bytes`, `peak_bytes`, `reservations`, `refused`, `waited`}; `staging_pool`
+/// {`cap_bytes`, `idle_bytes`, `idle_arenas` (gauges), `hits`, `misses`, `returned`,
+/// `released` (totals): the reuse of staging arenas; idle bytes are part of the budget's
+/// `used_bytes`}; `plan_cache` {`capacity`, `entries`, `hits`, `misses`}; and `address`,
 /// `transport`, `name`.
 ///
 /// # Safety
@@ -1326,6 +1335,16 @@ pub unsafe extern "C" fn tpu_sync_endpoint_stats(
                 "limit_bytes": b.limit_bytes, "used_bytes": b.used_bytes,
                 "peak_bytes": b.peak_bytes, "reservations": b.reservations,
                 "refused": b.refused, "waited": b.waited,
+            },
+            "staging_pool": {
+                "cap_bytes": p.pool.cap_bytes, "idle_bytes": p.pool.idle_bytes,
+                "idle_arenas": p.pool.idle_arenas, "hits": p.pool.hits,
+                "misses": p.pool.misses, "returned": p.pool.returned,
+                "released": p.pool.released,
+            },
+            "plan_cache": {
+                "capacity": p.plans.capacity, "entries": p.plans.entries,
+                "hits": p.plans.hits, "misses": p.plans.misses,
             },
             "address": ep.local_addr().map(|a| a.to_string()),
             "transport": ep.transport_kind().to_string(),

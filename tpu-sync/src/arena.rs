@@ -274,6 +274,17 @@ impl PinnedArena {
         self.dma.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
+    /// Whether the arena is DMA-mapped with no client, or with `client` only: an arena that may
+    /// be reused for `client`'s buffers without a mapping of another client on it (a pooled
+    /// arena, [`crate::staging::ArenaPool`]). `client` `None`: mapped with no client.
+    pub fn dma_mapped_only_with(&self, client: Option<&Client>) -> bool {
+        let mapped = self.dma.lock().unwrap_or_else(|p| p.into_inner());
+        match client {
+            None => mapped.is_empty(),
+            Some(c) => mapped.iter().all(|m| m.raw() == c.raw()),
+        }
+    }
+
     /// Whether the pages are locked, or why not.
     pub fn lock_status(&self) -> &LockStatus {
         &self.lock
@@ -443,6 +454,11 @@ mod tests {
             DmaRegistration::Mapped
         );
         assert_eq!(arena.dma_mapped_clients(), 1);
+        assert!(arena.dma_mapped_only_with(Some(&client)));
+        assert!(
+            !arena.dma_mapped_only_with(None),
+            "mapped: reusable for its client only"
+        );
         let maps: Vec<_> = MAPS
             .lock()
             .unwrap()

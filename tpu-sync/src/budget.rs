@@ -15,10 +15,16 @@
 //! by the hard `RLIMIT_MEMLOCK` where that is finite (and at least 64 MiB), or the value of
 //! `TPU_SYNC_STAGING_BUDGET_BYTES`.
 //!
+//! Reclaimable bytes: a holder of idle reservations (the transfer pipeline's staging arena pool,
+//! [`crate::staging::ArenaPool`]) registers itself with [`StagingBudget::add_reclaimer`]; a
+//! reservation that does not fit first asks every live reclaimer to give idle bytes back
+//! ([`Reclaim::reclaim`]) before it fails or waits, and a holder does not keep bytes idle while a
+//! reservation waits ([`StagingBudget::has_waiters`]).
+//!
 //! Thread-safety: `Send + Sync`; reservations may be taken and dropped from any thread.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -55,6 +61,17 @@ struct State {
     used: u64,
     peak: u64,
     reservations: u64,
+    /// Reservations waiting for bytes now.
+    waiters: u64,
+}
+
+/// A holder of idle reservations that can give them back when a budget needs room
+/// ([`StagingBudget::add_reclaimer`]).
+pub trait Reclaim: Send + Sync + std::fmt::Debug {
+    /// Drops idle reservations of about `bytes` (at least that many where it holds them) and
+    /// returns the bytes given back. Called without any lock of the budget held; must not
+    /// reserve from the budget.
+    fn reclaim(&self, bytes: u64) -> u64;
 }
 
 /// A byte budget for pinned memory. See the [module docs](self).
@@ -66,6 +83,7 @@ pub struct StagingBudget {
     freed: Condvar,
     refused: AtomicU64,
     waited: AtomicU64,
+    reclaimers: Mutex<Vec<Weak<dyn Reclaim>>>,
 }
 
 /// Bytes taken from a [`StagingBudget`]; returned when dropped.
@@ -112,7 +130,49 @@ impl StagingBudget {
             freed: Condvar::new(),
             refused: AtomicU64::new(0),
             waited: AtomicU64::new(0),
+            reclaimers: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Registers a holder of idle reservations of this budget: a reservation that does not fit
+    /// asks it to give bytes back ([`Reclaim::reclaim`]) before failing or waiting. Held weakly
+    /// (a dropped holder is forgotten).
+    pub fn add_reclaimer(&self, r: Weak<dyn Reclaim>) {
+        let mut v = self
+            .reclaimers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        v.retain(|w| w.strong_count() > 0);
+        v.push(r);
+    }
+
+    /// Whether a reservation is waiting for bytes now (a holder of idle bytes then returns them
+    /// instead of keeping them idle).
+    pub fn has_waiters(&self) -> bool {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .waiters
+            > 0
+    }
+
+    /// Asks the registered reclaimers for `bytes`; returns the bytes given back.
+    fn reclaim(&self, bytes: u64) -> u64 {
+        let live: Vec<Arc<dyn Reclaim>> = self
+            .reclaimers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        let mut got = 0;
+        for r in live {
+            if got >= bytes {
+                break;
+            }
+            got += r.reclaim(bytes - got);
+        }
+        got
     }
 
     /// The process-wide budget (limit [`default_limit`], read once), shared by every pipeline
@@ -187,13 +247,26 @@ impl StagingBudget {
         }
         let fits = |s: &State| s.used.saturating_add(bytes) <= self.limit;
         if !fits(&s) {
+            // Idle bytes of reclaimers first (outside the lock: they drop reservations). The
+            // waiter count is raised before, so that a holder returning bytes meanwhile frees
+            // them instead of keeping them idle.
+            let short = s.used.saturating_add(bytes) - self.limit;
+            s.waiters += 1;
+            drop(s);
+            self.reclaim(short);
+            s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            s.waiters -= 1;
+        }
+        if !fits(&s) {
             let Some(d) = wait else {
                 return Err(refuse(s.used, None));
             };
             let deadline = Instant::now() + d;
+            s.waiters += 1;
             loop {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
+                    s.waiters -= 1;
                     return Err(refuse(s.used, Some(d)));
                 }
                 s = self
@@ -202,6 +275,7 @@ impl StagingBudget {
                     .unwrap_or_else(PoisonError::into_inner)
                     .0;
                 if fits(&s) {
+                    s.waiters -= 1;
                     self.waited.fetch_add(1, Ordering::Relaxed);
                     break;
                 }

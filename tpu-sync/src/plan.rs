@@ -20,7 +20,9 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::layout::ParallelLayout;
 
+mod cache;
 mod groups;
+pub use cache::{PlanCache, PlanCacheStats, DEFAULT_PLAN_CACHE_ENTRIES};
 pub use groups::HybridPlacement;
 
 /// Where one request's KV blocks live on one side of a transfer.

@@ -25,6 +25,12 @@
 //! * **Push**: [`Pipeline::push`] (producer-initiated: check, stage D2H, send) and
 //!   [`Pipeline::expect_push`] (its consumer side: check, plan, stage, receive, H2D).
 //!
+//! Staging memory is reused: the pipeline's [`ArenaPool`] keeps the arenas of ended operations
+//! (pre-faulted, locked, DMA-mapped) up to [`TransferOptions::staging_pool_bytes`] for later
+//! operations of a similar size on the same PJRT client, and the endpoint's plan cache
+//! ([`Endpoint::plan_cache`]) plans a repeated `(source, destination, tokens)` once. H2D copies of
+//! at most [`INLINE_H2D_BYTES`] run on the runtime thread instead of the blocking pool.
+//!
 //! Every buffer of every rank and layer is checked against the layout before any byte moves
 //! ([`check_rank_buffers`]: element type, dims, `PJRT_Buffer_OnDeviceSizeInBytes`, physical
 //! layout); a disagreement is [`Error::Mismatch`] before staging or network traffic, and nothing
@@ -57,8 +63,8 @@ use crate::net::{
     SourceHandle, SourceOutcome, SourceRegistration, Transfer, TransferStats,
 };
 use crate::pjrt::{Capabilities, Client, DeviceBuffer};
-use crate::plan::{ByteRange, Placement, Plan};
-use crate::staging::Staging;
+use crate::plan::{ByteRange, Placement, Plan, PlanCacheStats};
+use crate::staging::{ArenaPool, PoolStats, Staging, DEFAULT_POOL_BYTES};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -66,6 +72,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Most ended offers whose outcome a pipeline remembers (oldest forgotten first).
 pub const MAX_ENDED_OFFERS: usize = 1 << 16;
+
+/// H2D copies of at most this many bytes (per operation, or per layer step of a layer-wise
+/// pull) run on the runtime thread that saw the bytes arrive instead of the blocking pool: at
+/// memcpy speed that is tens of microseconds, less than the two thread hand-overs of
+/// `spawn_blocking`; larger copies go to the blocking pool so the runtime keeps serving.
+pub const INLINE_H2D_BYTES: u64 = 256 << 10;
 
 /// Options of a [`Pipeline`], the same for every operation on it.
 #[derive(Debug, Clone)]
@@ -85,6 +97,14 @@ pub struct TransferOptions {
     pub staging_wait: Option<Duration>,
     /// Most D2H copies in flight per rank while staging (default 256).
     pub d2h_max_outstanding: usize,
+    /// Cap in bytes of the pipeline's staging arena pool ([`ArenaPool`]; default
+    /// [`DEFAULT_POOL_BYTES`], 256 MiB): the arenas of ended operations (pre-faulted, locked,
+    /// DMA-mapped) are kept up to this many bytes and reused by later operations of a similar
+    /// size on the same PJRT client, instead of mapping, zeroing and locking new ones. Idle
+    /// arenas count against the staging budget and are freed when a reservation of that
+    /// budget needs the room. 0 turns the pool off (every staging is freed when its operation
+    /// ends).
+    pub staging_pool_bytes: u64,
 }
 
 impl Default for TransferOptions {
@@ -95,6 +115,7 @@ impl Default for TransferOptions {
             staging_budget_bytes: None,
             staging_wait: None,
             d2h_max_outstanding: 256,
+            staging_pool_bytes: DEFAULT_POOL_BYTES,
         }
     }
 }
@@ -125,7 +146,8 @@ impl std::fmt::Display for DmaOutcome {
 /// What one operation did (this side's part). Every field is zero where it does not apply.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Report {
-    /// Pinned bytes staged for the operation (the arena, page-rounded).
+    /// Pinned bytes staged for the operation (the arena's budget reservation: page-rounded, or
+    /// the size class of a pooled arena, [`ArenaPool::class_bytes`]).
     pub staged_bytes: u64,
     /// Bytes copied between device buffers and staging: D2H for offers and pushes, H2D for
     /// pulls and expected pushes.
@@ -556,6 +578,10 @@ pub struct PipelineStats {
     pub dma_skipped: u64,
     /// The last DMA-map outcome, as text (`None` before the first staging).
     pub dma_last: Option<String>,
+    /// The staging arena pool's counters (hits, misses, idle bytes; [`TransferOptions::staging_pool_bytes`]).
+    pub pool: PoolStats,
+    /// The endpoint's plan cache's counters ([`Endpoint::plan_cache`]).
+    pub plans: PlanCacheStats,
 }
 
 struct Job {
@@ -695,6 +721,7 @@ pub struct Pipeline {
     rt: tokio::runtime::Handle,
     opts: TransferOptions,
     budget: Arc<StagingBudget>,
+    pool: Arc<ArenaPool>,
     offers: Arc<Mutex<Offers>>,
     counters: Arc<Counters>,
 }
@@ -728,11 +755,13 @@ impl Pipeline {
             Some(n) => StagingBudget::new(format!("endpoint {}", endpoint.name()), n),
             None => StagingBudget::process().clone(),
         };
+        let pool = ArenaPool::new(opts.staging_pool_bytes, opts.arena.clone(), budget.clone());
         Ok(Pipeline {
             ep: endpoint,
             rt,
             opts,
             budget,
+            pool,
             offers: Arc::default(),
             counters: Arc::default(),
         })
@@ -759,6 +788,19 @@ impl Pipeline {
         &self.opts
     }
 
+    /// The staging arena pool ([`TransferOptions::staging_pool_bytes`]).
+    pub fn staging_pool(&self) -> &Arc<ArenaPool> {
+        &self.pool
+    }
+
+    /// Bytes of the staging budget held by this pipeline's live operations and anyone else
+    /// sharing the budget: the budget's use less the pool's idle arenas.
+    pub fn staging_in_use(&self) -> u64 {
+        self.budget
+            .used()
+            .saturating_sub(self.pool.stats().idle_bytes)
+    }
+
     fn refused<T>(&self, r: Result<T>) -> Result<T> {
         if r.is_err() {
             self.counters.refused.fetch_add(1, Ordering::Relaxed);
@@ -773,10 +815,10 @@ impl Pipeline {
         client: &Client,
         what: &str,
     ) -> Result<(Arc<Staging>, DmaOutcome)> {
-        let staging = Staging::new_in(
+        let staging = Staging::new_pooled(
             ranges,
-            &self.opts.arena,
-            &self.budget,
+            &self.pool,
+            self.opts.dma_map.then_some(client),
             what,
             self.opts.staging_wait,
         )?;
@@ -1028,7 +1070,7 @@ impl Pipeline {
         kv: &KvBuffers,
         what: String,
     ) -> Result<(Arc<Plan>, Arc<Staging>, Report)> {
-        let plan = Arc::new(Plan::build(src, dst, num_tokens)?);
+        let plan = self.ep.plan_cache().get_or_build(src, dst, num_tokens)?;
         kv.check(dst, "destination")?;
         kv.caps().require_h2d()?;
         let ranges = kv
@@ -1131,7 +1173,10 @@ impl Pipeline {
     fn push_inner(&self, p: PushFrom) -> Result<TransferHandle> {
         let t0 = Instant::now();
         net::check_request_id(p.request_id)?;
-        let plan = Arc::new(Plan::build(&p.src, &p.dst, p.num_tokens)?);
+        let plan = self
+            .ep
+            .plan_cache()
+            .get_or_build(&p.src, &p.dst, p.num_tokens)?;
         p.kv.check(&p.src, "source")?;
         let mut ranges = BTreeMap::new();
         for r in p.kv.ranks() {
@@ -1286,6 +1331,8 @@ impl Pipeline {
             dma_mapped: rd(&c.dma_mapped),
             dma_skipped: rd(&c.dma_skipped),
             dma_last: lock(&c.dma_last).clone(),
+            pool: self.pool.stats(),
+            plans: self.ep.plan_cache().stats(),
         }
     }
 
@@ -1311,20 +1358,44 @@ fn check_cancelled(job: &Job, what: &str) -> Result<()> {
 
 /// Writes the staging of every rank in `kv` into its device buffers (H2D) on the blocking pool,
 /// under the caller's span (the request, so a trace names it): every layer, or only `layers`.
+/// At most [`INLINE_H2D_BYTES`] are copied on the calling (runtime) thread instead.
 /// Returns (bytes, copies, time).
 async fn write_to_device(
     staging: Arc<Staging>,
     kv: KvBuffers,
     layers: Option<std::ops::Range<u32>>,
 ) -> Result<(u64, u64, Duration)> {
+    let bytes: u64 = staging
+        .ranks()
+        .filter(|r| kv.get(*r).is_some())
+        .flat_map(|r| staging.ranges(r))
+        .filter(|s| layers.as_ref().is_none_or(|l| l.contains(&s.range.buffer)))
+        .map(|s| s.range.len)
+        .sum();
+    if bytes <= INLINE_H2D_BYTES {
+        return h2d_now(&staging, &kv, layers.as_ref());
+    }
     let span = tracing::Span::current();
     tokio::task::spawn_blocking(move || -> Result<(u64, u64, Duration)> {
         let _span = span.entered();
+        h2d_now(&staging, &kv, layers.as_ref())
+    })
+    .await
+    .map_err(|e| Error::Cancelled(format!("device copy task ended: {e}")))?
+}
+
+/// The H2D copies of [`write_to_device`] on the calling thread.
+fn h2d_now(
+    staging: &Staging,
+    kv: &KvBuffers,
+    layers: Option<&std::ops::Range<u32>>,
+) -> Result<(u64, u64, Duration)> {
+    {
         let t = Instant::now();
         let (mut bytes, mut ops) = (0, 0);
         for r in staging.ranks().collect::<Vec<_>>() {
             let Some(bufs) = kv.get(r) else { continue };
-            let s = match &layers {
+            let s = match layers {
                 None => staging
                     .drain_to_device(kv.caps(), r, bufs)
                     .map_err(|e| e.context(format!("H2D of rank {r}")))?,
@@ -1336,9 +1407,7 @@ async fn write_to_device(
             ops += s.ops;
         }
         Ok((bytes, ops, t.elapsed()))
-    })
-    .await
-    .map_err(|e| Error::Cancelled(format!("device copy task ended: {e}")))?
+    }
 }
 
 /// Waits for a receiving transfer, then writes its staging into the device buffers (H2D, on

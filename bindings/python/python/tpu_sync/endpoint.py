@@ -181,6 +181,10 @@ class Endpoint(Handle):
         wait_for_registration: seconds a pull waits for a producer that does not know the
             request yet (default None: it fails with ``UnknownRequestError``); per call with
             :meth:`pull`'s argument of the same name.
+        staging_pool_bytes: keep up to this many bytes of ended operations' staging arenas
+            (pre-faulted, locked, DMA-mapped) for reuse by later ones (default None: 256 MiB;
+            0 turns the pool off). Idle arenas count in ``stats()["staging_budget"]["used_bytes"]``
+            (see ``stats()["staging_pool"]``) and are freed when the budget needs the room.
 
     Raises:
         InvalidArgumentError (options), IOError (address in use, unreadable credential files).
@@ -196,7 +200,8 @@ class Endpoint(Handle):
                  streams_per_pair: Optional[int] = None, max_lanes_per_peer: Optional[int] = None,
                  max_inbound_lanes: Optional[int] = None, staging_budget_bytes: Optional[int] = None,
                  staging_wait: Optional[float] = None, dma_map: Optional[bool] = None,
-                 wait_for_registration: Optional[float] = None) -> None:
+                 wait_for_registration: Optional[float] = None,
+                 staging_pool_bytes: Optional[int] = None) -> None:
         self._ptr = None
         cfg: Dict[str, Any] = {"transport": ck.text("transport", transport),
                                "timeout_s": ck.number("timeout", timeout, positive=True)}
@@ -217,7 +222,8 @@ class Endpoint(Handle):
                          wait_for_registration_s=wait_for_registration).items():
             if v is not None:
                 cfg[k] = ck.number(k, v, positive=True)
-        for k, v in dict(chunk_bytes=chunk_bytes, staging_budget_bytes=staging_budget_bytes).items():
+        for k, v in dict(chunk_bytes=chunk_bytes, staging_budget_bytes=staging_budget_bytes,
+                         staging_pool_bytes=staging_pool_bytes).items():
             if v is not None:
                 cfg[k] = ck.u64(k, v)
         for k, v in dict(streams_per_pair=streams_per_pair, max_lanes_per_peer=max_lanes_per_peer,
@@ -424,8 +430,11 @@ class Endpoint(Handle):
         ``expected_pushes``, ``refused`` (calls refused before any byte moved),
         ``rejects_sent``, ``dma_mapped``, ``dma_skipped`` (staging the plugin could not DMA-map,
         e.g. on the XLA CPU plugin), ``dma_last``; ``staging_budget`` (``limit_bytes``,
-        ``used_bytes``, ``peak_bytes``, ``reservations``, ``refused``, ``waited``); and
-        ``address``, ``transport``, ``name``."""
+        ``used_bytes``, ``peak_bytes``, ``reservations``, ``refused``, ``waited``);
+        ``staging_pool`` (gauges ``cap_bytes``, ``idle_bytes``, ``idle_arenas``, totals ``hits``,
+        ``misses``, ``returned``, ``released``: reused staging arenas, whose idle bytes are part
+        of the budget's ``used_bytes``); ``plan_cache`` (``capacity``, ``entries``, ``hits``,
+        ``misses``); and ``address``, ``transport``, ``name``."""
         return json_out(lib.tpu_sync_endpoint_stats, self._handle())
 
     def close(self, drain: bool = True) -> None:

@@ -42,7 +42,7 @@ use super::tcp::TcpTransport;
 use super::transport::{Acceptor, Transport, TransportKind, TransportTimeouts};
 use super::EndpointOptions;
 use crate::error::{Error, Result};
-use crate::plan::{spans_digest, Placement, Plan};
+use crate::plan::{spans_digest, Placement, Plan, PlanCache, DEFAULT_PLAN_CACHE_ENTRIES};
 use crate::staging::Staging;
 use crate::wire;
 
@@ -61,6 +61,8 @@ struct SourceIo {
     /// The last plan built for a puller's placement: every stripe of every pair of one pull uses
     /// the same plan, so it is built once per puller, not once per stripe.
     plans: Mutex<Option<(Placement, Arc<Plan>)>>,
+    /// The endpoint's plans (a later registration of the same placements reuses its plan).
+    cache: Arc<PlanCache>,
 }
 
 impl SourceIo {
@@ -70,7 +72,9 @@ impl SourceIo {
                 return Ok(plan.clone());
             }
         }
-        let plan = Arc::new(Plan::build(&self.placement, dst, self.num_tokens)?);
+        let plan = self
+            .cache
+            .get_or_build(&self.placement, dst, self.num_tokens)?;
         *lock(&self.plans) = Some((dst.clone(), plan.clone()));
         Ok(plan)
     }
@@ -91,6 +95,7 @@ struct SinkIo {
     dst: Placement,
     dst_ranks: BTreeSet<u32>,
     cursors: Mutex<Option<SinkCursors>>,
+    cache: Arc<PlanCache>,
 }
 
 /// A peer session's driver side: its lanes stop when `dead` fires.
@@ -125,6 +130,8 @@ pub(crate) struct Inner {
     tasks: Mutex<JoinSet<()>>,
     shutdown: Signal,
     handshake_failures_seen: AtomicU64,
+    /// Plans built here, by (placements, tokens) ([`Endpoint::plan_cache`]).
+    plans: Arc<PlanCache>,
 }
 
 /// One process's network endpoint: listener (optional) + client side. See the [module
@@ -193,12 +200,13 @@ pub(crate) fn make_transport(o: &EndpointOptions) -> Result<Arc<dyn Transport>> 
     })
 }
 
-/// A caller-supplied plan (checked for the obvious) or a new one.
+/// A caller-supplied plan (checked for the obvious) or one of `cache` (built if new).
 fn given_plan(
     plan: Option<&Arc<Plan>>,
     src: &Placement,
     dst: &Placement,
     num_tokens: u32,
+    cache: &PlanCache,
 ) -> Result<Arc<Plan>> {
     match plan {
         Some(p) => {
@@ -212,7 +220,7 @@ fn given_plan(
             }
             Ok(p.clone())
         }
-        None => Ok(Arc::new(Plan::build(src, dst, num_tokens)?)),
+        None => cache.get_or_build(src, dst, num_tokens),
     }
 }
 
@@ -298,6 +306,7 @@ impl Endpoint {
             connecting: Mutex::new(HashMap::new()),
             names: Mutex::new(HashMap::new()),
             lost: Mutex::new(HashMap::new()),
+            plans: Arc::new(PlanCache::new(DEFAULT_PLAN_CACHE_ENTRIES)),
             tasks: Mutex::new(JoinSet::new()),
             shutdown: Signal::default(),
             handshake_failures_seen: AtomicU64::new(0),
@@ -347,6 +356,14 @@ impl Endpoint {
     /// Counters and gauges.
     pub fn stats(&self) -> Stats {
         self.inner.stats()
+    }
+
+    /// The endpoint's plan cache ([`DEFAULT_PLAN_CACHE_ENTRIES`] plans): the producer side of
+    /// a pull, a push registration without a given plan and the transfer pipeline on this
+    /// endpoint plan through it, so repeated requests of the same placements and tokens plan
+    /// once.
+    pub fn plan_cache(&self) -> &Arc<PlanCache> {
+        &self.inner.plans
     }
 
     /// Registers a request's staged blocks for pulling.
@@ -408,6 +425,7 @@ impl Endpoint {
                     num_tokens: reg.num_tokens,
                     generation,
                     plans: Mutex::new(None),
+                    cache: inner.plans.clone(),
                 }),
             );
             actions
@@ -457,8 +475,10 @@ impl Endpoint {
         // Planned here (outside the state machine's lock) when the senders are known.
         let planned = reg.src.as_ref().map(|src| {
             let plan = match &reg.plan {
-                Some(p) => given_plan(Some(p), src, &reg.placement, reg.num_tokens),
-                None => Plan::build(src, &reg.placement, reg.num_tokens).map(Arc::new),
+                Some(p) => given_plan(Some(p), src, &reg.placement, reg.num_tokens, &inner.plans),
+                None => inner
+                    .plans
+                    .get_or_build(src, &reg.placement, reg.num_tokens),
             };
             let r = plan.and_then(|plan| {
                 sink_plan(
@@ -502,6 +522,7 @@ impl Endpoint {
                     dst: reg.placement.clone(),
                     dst_ranks,
                     cursors: Mutex::new(None),
+                    cache: inner.plans.clone(),
                 });
                 if let Some(c) = cursors {
                     sink.install(c, num_layers);
@@ -611,8 +632,15 @@ impl Endpoint {
             transport = self.inner.transport.kind().name()
         );
         let plan = span.in_scope(|| {
-            tracing::info_span!("plan")
-                .in_scope(|| given_plan(req.plan.as_ref(), &req.src, &req.dst, req.num_tokens))
+            tracing::info_span!("plan").in_scope(|| {
+                given_plan(
+                    req.plan.as_ref(),
+                    &req.src,
+                    &req.dst,
+                    req.num_tokens,
+                    &self.inner.plans,
+                )
+            })
         })?;
         let dst_ranks: BTreeSet<u32> = match &req.dst_ranks {
             Some(v) => v.iter().copied().collect(),
@@ -665,8 +693,15 @@ impl Endpoint {
             transport = self.inner.transport.kind().name()
         );
         let plan = span.in_scope(|| {
-            tracing::info_span!("plan")
-                .in_scope(|| given_plan(req.plan.as_ref(), &req.src, &req.dst, req.num_tokens))
+            tracing::info_span!("plan").in_scope(|| {
+                given_plan(
+                    req.plan.as_ref(),
+                    &req.src,
+                    &req.dst,
+                    req.num_tokens,
+                    &self.inner.plans,
+                )
+            })
         })?;
         let src_ranks: Vec<u32> = match &req.src_ranks {
             Some(v) => v.clone(),
@@ -808,7 +843,7 @@ impl SinkIo {
 
     /// Plans from a sender's placement when the state machine says the registration needs it.
     fn plan_from(&self, src: &Placement, num_tokens: u32) -> Result<DriverSinkPlan> {
-        let plan = Plan::build(src, &self.dst, num_tokens)?;
+        let plan = self.cache.get_or_build(src, &self.dst, num_tokens)?;
         sink_plan(
             &plan,
             src,
