@@ -195,3 +195,50 @@ def test_hybrid_pd_reshards_tp1_prefill_into_tp2_decode(engines, plain):
     m = c["metrics"]
     assert m["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(LENS), m
     assert m["vllm:prompt_tokens_by_source{source=external_kv_transfer}"] == sum(LENS), m
+
+
+# Prompt lengths T where the window of the recomputed last prompt token (position T - 1, after
+# a whole-prompt load vLLM sets num_computed_tokens = T - 1) starts one block before the
+# producer's window of T tokens: (T + 1 - 48) % 32 == 0 for 79 and 111 (windows [31, 79) and
+# [63, 111) start in blocks 0 and 1; the producer of 79/111 tokens holds blocks from 1 / 2).
+# 100 is off that boundary (both windows start in block 1).
+EDGE_LENS = (79, 111, 100)
+EDGE_PROMPTS = [[(i * 137 + 29 * k) % 1000 + 5 for i in range(n)] for k, n in enumerate(EDGE_LENS)]
+
+
+def _edge_spec(engines, **kw):
+    s = engines.spec(**kw)
+    s["prompts"] = EDGE_PROMPTS
+    return s
+
+
+@pytest.fixture(scope="module")
+def edge_plain(engines):
+    res = engines.run("hybrid_edge_plain", _edge_spec(engines))
+    assert all(len(t) == MAX_TOKENS for t in toks(res))
+    assert len({tuple(t) for t in toks(res)}) == len(EDGE_PROMPTS), "the model must not be degenerate"
+    return res
+
+
+def test_hybrid_pd_window_boundary_matches_plain(engines, edge_plain):
+    """Whole-request P/D at prompt lengths where the recomputed last prompt token's window
+    reaches one block further back than the window of the whole prompt: the consumer must
+    still match a plain engine token for token."""
+    hold = os.path.join(engines.dir, "hybrid_pd_edge.hold")
+    if os.path.exists(hold):
+        os.remove(hold)
+    prod = engines.start("hybrid_pd_edge_producer", _edge_spec(
+        engines, remote_decode=True, hold_file=hold, connector=dict(kv_role="kv_producer", extra=dict(lease_s=120.0))))
+    cons = engines.start("hybrid_pd_edge_consumer", _edge_spec(
+        engines, params_file=prod.out,
+        connector=dict(kv_role="kv_consumer", policy="fail", extra=dict(pull_timeout_s=60.0))))
+    try:
+        c = engines.finish(cons)
+    finally:
+        open(hold, "w").close()
+    p = engines.finish(prod)
+    assert [t[:1] for t in toks(edge_plain)] == toks(p)
+    params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
+    print("edge params", [[len(g) for g in x["remote_block_ids"]] for x in params])
+    assert toks(c) == toks(edge_plain)
+    assert c["worker_stats"]["pulls_done"] == len(EDGE_LENS) and c["worker_stats"]["pulls_failed"] == 0
