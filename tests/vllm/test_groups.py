@@ -173,6 +173,53 @@ def test_consumer_pulls_into_each_groups_blocks(configs):
     assert sorted(_flat_ids(spec.dst_block_ids)) == [5, 6, 8, 10, 22, 23]
 
 
+@pytest.mark.parametrize("prompt_len", [79, 111, 143, 100, 107, 80, 70])
+def test_pd_hand_off_covers_the_recomputed_last_tokens_window(configs, prompt_len):
+    """After a whole-prompt load vLLM recomputes the last prompt token (``num_computed_tokens``
+    is set to ``T - 1``), whose window reads tokens ``[T - w, T)``. With vLLM's real block
+    allocation (``KVCacheManager``, null blocks before the window of the external tokens) on
+    both sides: the producer hands off ``T`` tokens, or ``T - 1`` where ``(T + 1 - w)`` is a
+    multiple of the block size (79, 111, 143 tokens: vLLM would give the block of token
+    ``T - w`` to a consumer of ``T`` tokens as its null block); the consumer's held blocks are
+    real, the pull writes every block the recomputed token reads, and vLLM then computes
+    exactly the prompt's last token."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    T = prompt_len
+    boundary = (T + 1 - WINDOW) % BS == 0
+    p = connector(configs["kv_producer"])
+    p.set_xfer_handshake_metadata({0: TpuSyncHandshake(0, "10.0.0.1:7001", p.geometry.block_format, NUM_BLOCKS)})
+    toks = tokens(T)
+    pm = KVCacheManager(kv_cache_config(), 4096, BS, BS, enable_caching=False)
+    r = request("p", toks, {"do_remote_decode": True}, max_tokens=1)
+    assert pm.allocate_slots(r, T) is not None  # the prefill of the whole prompt
+    r.num_computed_tokens, r.status = T, RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = p.request_finished_all_groups(r, pm.get_blocks("p").get_block_ids())
+    assert delay is True
+    n = params["remote_num_tokens"]
+    assert n == (T - 1 if boundary else T)
+    c = connector(configs["kv_consumer"])
+    d = request("d", toks, dict(params))
+    assert c.get_num_new_matched_tokens(d, 0) == (n, True)
+    cm = KVCacheManager(kv_cache_config(), 4096, BS, BS, enable_caching=False)
+    got = cm.allocate_slots(d, 0, num_external_computed_tokens=n, delay_cache_blocks=True)
+    c.update_state_after_alloc(d, cm.get_blocks("d"), n)
+    (spec,) = c.build_connector_meta(sched_out({})).recvs
+    assert got is not None and spec.src_block_ids == params["remote_block_ids"]
+    assert [len(s) for s in spec.src_block_ids] == [len(x) for x in spec.dst_block_ids]
+    assert all(b != 0 for ids in spec.dst_block_ids for b in ids)  # never vLLM's null block
+    # The load is done; vLLM recomputes the last token (Scheduler._update_waiting_for_remote_kv).
+    d.num_computed_tokens = n if n < T else T - 1
+    assert d.num_computed_tokens == T - 1
+    assert cm.allocate_slots(d, 1) is not None
+    table = cm.get_blocks("d").get_block_ids()
+    for g, w in enumerate((WINDOW, None)):
+        first = 0 if w is None else (T - w) // BS  # the block of token T - w (T - 1's window)
+        read = list(table[g][first:-(-(T - 1) // BS)])  # blocks holding tokens [T - w, T - 1)
+        assert all(b != 0 for b in read), (g, table[g])
+        assert set(read) <= set(spec.dst_block_ids[g]), (g, read, spec.dst_block_ids[g])
+
+
 def layerwise_config(configs, role):
     return vllm_config(configs["kv_both"].model_config.model, role, extra={"layerwise": True})
 

@@ -214,7 +214,7 @@ def _edge_spec(engines, **kw):
 
 @pytest.fixture(scope="module")
 def edge_plain(engines):
-    res = engines.run("hybrid_edge_plain", _edge_spec(engines))
+    res = engines.run("hybrid_edge_plain", _edge_spec(engines, logprobs=True))
     assert all(len(t) == MAX_TOKENS for t in toks(res))
     assert len({tuple(t) for t in toks(res)}) == len(EDGE_PROMPTS), "the model must not be degenerate"
     return res
@@ -230,7 +230,7 @@ def test_hybrid_pd_window_boundary_matches_plain(engines, edge_plain):
     prod = engines.start("hybrid_pd_edge_producer", _edge_spec(
         engines, remote_decode=True, hold_file=hold, connector=dict(kv_role="kv_producer", extra=dict(lease_s=120.0))))
     cons = engines.start("hybrid_pd_edge_consumer", _edge_spec(
-        engines, params_file=prod.out,
+        engines, params_file=prod.out, logprobs=True,
         connector=dict(kv_role="kv_consumer", policy="fail", extra=dict(pull_timeout_s=60.0))))
     try:
         c = engines.finish(cons)
@@ -239,6 +239,18 @@ def test_hybrid_pd_window_boundary_matches_plain(engines, edge_plain):
     p = engines.finish(prod)
     assert [t[:1] for t in toks(edge_plain)] == toks(p)
     params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
-    print("edge params", [[len(g) for g in x["remote_block_ids"]] for x in params])
+    # T - 1 tokens handed off at the boundaries (KvGeometry.handoff_tokens): the sliding group
+    # holds tokens [T - 48, T - 1) (blocks 0..2 of 79, 1..3 of 111), full attention all blocks.
+    assert [x["remote_num_tokens"] for x in params] == [78, 110, 100]
+    assert [[len(g) for g in x["remote_block_ids"]] for x in params] == [[3, 3], [3, 4], [3, 4]], params
     assert toks(c) == toks(edge_plain)
+    # The greedy tokens of the tiny model survive a missing window block (zeros read from vLLM's
+    # null block; measured before the fix: logprobs off by 1e-2 at 79 tokens, 1.5e-4 at 111),
+    # the logprobs do not: each sampled token's logprob as the plain engine's (0.0 measured).
+    lp = [o["logprobs"] for o in c["runs"][0]["outputs"]]
+    want = [o["logprobs"] for o in edge_plain["runs"][0]["outputs"]]
+    assert all(len(x) == MAX_TOKENS for x in lp)
+    diffs = [max(abs(a - b) for a, b in zip(x, y)) for x, y in zip(lp, want)]
+    assert max(diffs) <= 1e-5, diffs
+    assert c["metrics"]["vllm:prompt_tokens_cached_by_source{source=p2p}"] == 78 + 110 + 100
     assert c["worker_stats"]["pulls_done"] == len(EDGE_LENS) and c["worker_stats"]["pulls_failed"] == 0

@@ -517,6 +517,9 @@ class SchedulerSide:
         n = int(request.num_computed_tokens)
         nb = -(-n // self.block_size)
         if grouped:
+            # A sliding window may need one block more for the last token the consumer's vLLM
+            # recomputes: hand off T - 1 tokens there (KvGeometry.handoff_tokens).
+            n = self.geometry.handoff_tokens(n)
             if len(self.peers) < self.geometry.tp:
                 log.error("tpu_sync: request %s: no P/D endpoint address from the workers; not handing off KV",
                           req_id)
