@@ -174,15 +174,15 @@ def test_consumer_pulls_into_each_groups_blocks(configs):
 
 
 @pytest.mark.parametrize("prompt_len", [79, 111, 143, 100, 107, 80, 70])
-def test_pd_hand_off_covers_the_recomputed_last_tokens_window(configs, prompt_len):
+def test_pd_consumer_covers_the_recomputed_last_tokens_window(configs, prompt_len):
     """After a whole-prompt load vLLM recomputes the last prompt token (``num_computed_tokens``
-    is set to ``T - 1``), whose window reads tokens ``[T - w, T)``. With vLLM's real block
-    allocation (``KVCacheManager``, null blocks before the window of the external tokens) on
-    both sides: the producer hands off ``T`` tokens, or ``T - 1`` where ``(T + 1 - w)`` is a
-    multiple of the block size (79, 111, 143 tokens: vLLM would give the block of token
-    ``T - w`` to a consumer of ``T`` tokens as its null block); the consumer's held blocks are
-    real, the pull writes every block the recomputed token reads, and vLLM then computes
-    exactly the prompt's last token."""
+    is set to ``T - 1``), whose window reads tokens ``[T - w, T - 1)``. With vLLM's real block
+    allocation on both sides (``KVCacheManager``; the producer's out-of-window blocks freed
+    before ``request_finished``, as ``Scheduler._connector_finished`` does): where
+    ``(T + 1 - w)`` is a multiple of the block size (79, 111, 143 tokens) the block of token
+    ``T - w`` is neither held by the producer nor a real block of a consumer of ``T`` tokens, so
+    the consumer prefills locally and rejects the transfer; otherwise it pulls, and every block
+    the recomputed token reads is a real block the pull writes."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     T = prompt_len
@@ -194,30 +194,39 @@ def test_pd_hand_off_covers_the_recomputed_last_tokens_window(configs, prompt_le
     r = request("p", toks, {"do_remote_decode": True}, max_tokens=1)
     assert pm.allocate_slots(r, T) is not None  # the prefill of the whole prompt
     r.num_computed_tokens, r.status = T, RequestStatus.FINISHED_LENGTH_CAPPED
+    pm.remove_skipped_blocks("p", T)  # what vLLM frees before request_finished
     delay, params = p.request_finished_all_groups(r, pm.get_blocks("p").get_block_ids())
-    assert delay is True
-    n = params["remote_num_tokens"]
-    assert n == (T - 1 if boundary else T)
+    assert delay is True and params["remote_num_tokens"] == T
     c = connector(configs["kv_consumer"])
     d = request("d", toks, dict(params))
-    assert c.get_num_new_matched_tokens(d, 0) == (n, True)
+    if boundary:
+        # The producer's sliding group starts at the block after token T - w.
+        assert c.geometry.held_blocks(0, T)[0] == (T - WINDOW) // BS + 1
+        assert c.get_num_new_matched_tokens(d, 0) == (0, False)
+        assert c.get_num_new_matched_tokens(d, 0) == (0, False)  # asked again: counted once
+        c.update_state_after_alloc(d, blocks([], []), 0)
+        meta = c.build_connector_meta(sched_out({}))
+        assert meta.recvs == [] and len(meta.rejects) == 1
+        assert c.scheduler_side.stats["window_local"] == 1
+        return
+    assert c.get_num_new_matched_tokens(d, 0) == (T, True)
     cm = KVCacheManager(kv_cache_config(), 4096, BS, BS, enable_caching=False)
-    got = cm.allocate_slots(d, 0, num_external_computed_tokens=n, delay_cache_blocks=True)
-    c.update_state_after_alloc(d, cm.get_blocks("d"), n)
+    assert cm.allocate_slots(d, 0, num_external_computed_tokens=T, delay_cache_blocks=True) is not None
+    c.update_state_after_alloc(d, cm.get_blocks("d"), T)
     (spec,) = c.build_connector_meta(sched_out({})).recvs
-    assert got is not None and spec.src_block_ids == params["remote_block_ids"]
-    assert [len(s) for s in spec.src_block_ids] == [len(x) for x in spec.dst_block_ids]
+    assert spec.src_block_ids == params["remote_block_ids"]
+    assert [len(x) for x in spec.src_block_ids] == [len(x) for x in spec.dst_block_ids]
     assert all(b != 0 for ids in spec.dst_block_ids for b in ids)  # never vLLM's null block
     # The load is done; vLLM recomputes the last token (Scheduler._update_waiting_for_remote_kv).
-    d.num_computed_tokens = n if n < T else T - 1
-    assert d.num_computed_tokens == T - 1
+    d.num_computed_tokens = T - 1
     assert cm.allocate_slots(d, 1) is not None
     table = cm.get_blocks("d").get_block_ids()
     for g, w in enumerate((WINDOW, None)):
-        first = 0 if w is None else (T - w) // BS  # the block of token T - w (T - 1's window)
-        read = list(table[g][first:-(-(T - 1) // BS)])  # blocks holding tokens [T - w, T - 1)
+        first = 0 if w is None else max(0, T - w) // BS  # the block of token T - w
+        read = list(table[g][first:-(-(T - 1) // BS)])  # the blocks of tokens [T - w, T - 1)
         assert all(b != 0 for b in read), (g, table[g])
         assert set(read) <= set(spec.dst_block_ids[g]), (g, read, spec.dst_block_ids[g])
+    assert c.scheduler_side.stats["window_local"] == 0
 
 
 def layerwise_config(configs, role):

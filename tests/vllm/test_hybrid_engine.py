@@ -222,8 +222,9 @@ def edge_plain(engines):
 
 def test_hybrid_pd_window_boundary_matches_plain(engines, edge_plain):
     """Whole-request P/D at prompt lengths where the recomputed last prompt token's window
-    reaches one block further back than the window of the whole prompt: the consumer must
-    still match a plain engine token for token."""
+    reaches one block further back than the producer's held blocks of the whole prompt: the
+    consumer prefills those locally and matches a plain engine token for token and in each
+    token's logprob."""
     hold = os.path.join(engines.dir, "hybrid_pd_edge.hold")
     if os.path.exists(hold):
         os.remove(hold)
@@ -239,18 +240,21 @@ def test_hybrid_pd_window_boundary_matches_plain(engines, edge_plain):
     p = engines.finish(prod)
     assert [t[:1] for t in toks(edge_plain)] == toks(p)
     params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
-    # T - 1 tokens handed off at the boundaries (KvGeometry.handoff_tokens): the sliding group
-    # holds tokens [T - 48, T - 1) (blocks 0..2 of 79, 1..3 of 111), full attention all blocks.
-    assert [x["remote_num_tokens"] for x in params] == [78, 110, 100]
-    assert [[len(g) for g in x["remote_block_ids"]] for x in params] == [[3, 3], [3, 4], [3, 4]], params
+    # The sliding group's held blocks of T tokens: [T + 1 - 48, T) (blocks 1..2 of 79, 2..3 of
+    # 111, 1..3 of 100; vLLM freed the block before them before request_finished).
+    assert [x["remote_num_tokens"] for x in params] == list(EDGE_LENS)
+    assert [[len(g) for g in x["remote_block_ids"]] for x in params] == [[2, 3], [2, 4], [3, 4]], params
     assert toks(c) == toks(edge_plain)
-    # The greedy tokens of the tiny model survive a missing window block (zeros read from vLLM's
-    # null block; measured before the fix: logprobs off by 1e-2 at 79 tokens, 1.5e-4 at 111),
-    # the logprobs do not: each sampled token's logprob as the plain engine's (0.0 measured).
+    # The greedy tokens of the tiny model survive a missing window block (pulled whole, token
+    # T - 1 read zeros from vLLM's null block: logprobs measured off by 1e-2 at 79 tokens and
+    # 1.5e-4 at 111), the logprobs do not: each sampled token's logprob as the plain engine's.
     lp = [o["logprobs"] for o in c["runs"][0]["outputs"]]
     want = [o["logprobs"] for o in edge_plain["runs"][0]["outputs"]]
     assert all(len(x) == MAX_TOKENS for x in lp)
     diffs = [max(abs(a - b) for a, b in zip(x, y)) for x, y in zip(lp, want)]
     assert max(diffs) <= 1e-5, diffs
-    assert c["metrics"]["vllm:prompt_tokens_cached_by_source{source=p2p}"] == 78 + 110 + 100
-    assert c["worker_stats"]["pulls_done"] == len(EDGE_LENS) and c["worker_stats"]["pulls_failed"] == 0
+    # 79 and 111 tokens are prefilled locally (the producer is told), 100 pulled.
+    assert c["scheduler_stats"]["window_local"] == 2, c["scheduler_stats"]
+    assert c["worker_stats"]["pulls_done"] == 1 and c["worker_stats"]["pulls_failed"] == 0
+    assert c["worker_stats"]["rejects_sent"] == 2, c["worker_stats"]
+    assert c["metrics"]["vllm:prompt_tokens_cached_by_source{source=p2p}"] == 100, c["metrics"]

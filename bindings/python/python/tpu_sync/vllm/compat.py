@@ -143,30 +143,6 @@ class KvGeometry:
         start = max(0, int(num_tokens) + 1 - int(w))
         return min(start // self.block_size, nb), nb
 
-    def handoff_tokens(self, num_tokens: int) -> int:
-        """The tokens a whole-request P/D hand-off of a prefilled prompt of ``num_tokens``
-        tokens moves: ``num_tokens``, or ``num_tokens - 1`` where a sliding window's held blocks
-        of ``num_tokens - 1`` tokens (:meth:`held_blocks`) start one block before those of
-        ``num_tokens``.
-
-        Why: after a load of the whole prompt of ``T`` tokens vLLM recomputes the last one
-        (``Scheduler._update_waiting_for_remote_kv`` sets ``num_computed_tokens = T - 1``), and
-        computing token ``T - 1`` reads a window's tokens ``[T - w, T - 1)``. A consumer told
-        of ``T`` external tokens gets vLLM's null block for every block before token
-        ``T + 1 - w`` (``SlidingWindowManager.get_num_skipped_tokens(T)``), so where ``T + 1 - w``
-        is a multiple of the block size the block of token ``T - w`` would be missing. Handing
-        off ``T - 1`` tokens there makes the consumer report ``T - 1`` external tokens, for
-        which vLLM allocates a real block at token ``T - w`` and then computes token ``T - 1``
-        over the held blocks of ``T - 1`` tokens, as a plain engine does. Elsewhere both
-        counts need the same blocks and ``T`` is kept (vLLM's metrics count ``T`` tokens).
-        Uniform models and full attention always keep ``num_tokens``."""
-        n = int(num_tokens)
-        if n <= 1 or not self.groups:
-            return n
-        if any(self.held_blocks(g, n - 1)[0] < self.held_blocks(g, n)[0] for g in range(self.num_groups)):
-            return n - 1
-        return n
-
     def group_held_ids(self, block_ids: Sequence[Sequence[int]], num_tokens: int) -> List[List[int]]:
         """The held block ids of every group (:meth:`held_blocks`) from vLLM's block ids of a
         request (one list per group, as ``KVCacheBlocks.get_block_ids()`` returns them).
