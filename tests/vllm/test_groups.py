@@ -99,9 +99,11 @@ def test_groups_from_the_kv_cache_config(configs):
 
 
 def test_kinds_the_connector_cannot_move_are_named(configs):
-    mamba = MambaSpec(block_size=BS, shapes=((3, 512), (4, 64, 16)), dtypes=(torch.float32, torch.float32))
-    with pytest.raises(ValueError, match="MambaSpec"):
-        connector(configs["kv_both"], kvc=kv_cache_config(groups=[
+    # Mamba states at block boundaries (prefix caching for Mamba) are not mapped: refused.
+    mamba = MambaSpec(block_size=BS, shapes=((3, 512), (4, 64, 16)), dtypes=(torch.float32, torch.float32),
+                      mamba_cache_mode="align")
+    with pytest.raises(ValueError, match="MambaSpec.*mamba_cache_mode='align'"):
+        connector(configs["kv_producer"], kvc=kv_cache_config(groups=[
             KVCacheGroupSpec(["model.layers.0.mixer"], mamba), KVCacheGroupSpec([L1], FullAttentionSpec(**ATTN))]))
     # Layer-wise P/D and loads work with several groups (below): accepted at start.
     cfg = vllm_config(configs["kv_both"].model_config.model, "kv_producer", extra={"layerwise": True})
@@ -789,3 +791,259 @@ def test_mamba_state_group_of_vllms_cpu_layout_moves_byte_exact():
         cons.close()
         prod.close()
         client.close()
+
+
+# ---- Mamba state groups through the connector -------------------------------------------------
+
+MAMBA = "model.layers.0.mixer"
+#: a tiny Mamba2 state (conv (3, 96), SSM (2, 32, 16), f32: 5,248 dense bytes) in pages padded
+#: to the attention page (2 heads x 32 tokens x 64 x 4 B), as vLLM pads them
+ATTN_PAGE = 2 * BS * 64 * 4
+STATE_DENSE = (3 * 96 + 2 * 32 * 16) * 4
+
+
+def mamba_spec(**kw):
+    args = dict(block_size=2048, shapes=((3, 96), (2, 32, 16)), dtypes=(torch.float32, torch.float32),
+                page_size_padded=ATTN_PAGE)
+    args.update(kw)
+    return MambaSpec(**args)
+
+
+def mamba_kvc(**kw):
+    return kv_cache_config(groups=[KVCacheGroupSpec([MAMBA], mamba_spec(**kw)),
+                                   KVCacheGroupSpec([L1], FullAttentionSpec(**ATTN))])
+
+
+def test_mamba_state_group_geometry_and_start_checks(configs):
+    c = connector(configs["kv_producer"], kvc=mamba_kvc())
+    g = c.geometry
+    assert g.has_state and g.is_state_group(0) and not g.is_state_group(1)
+    assert g.groups[0]["kind"] == "state" and g.groups[0]["layers"] == [0] and g.groups[0]["slot_bytes"] == ATTN_PAGE
+    assert [comp["rows"] for comp in g.groups[0]["state"]["components"]] == [3, 2]
+    # One slot per request whatever its length; the attention group every block.
+    assert g.held_blocks(0, 100) == (0, 1) and g.held_blocks(1, 100) == (0, 4)
+    assert g.group_held_ids(([7], [9, 4, 7, 3]), 100) == [[7], [9, 4, 7, 3]]
+    with pytest.raises(ValueError, match="null block"):
+        g.group_held_ids(([0], [9, 4, 7, 3]), 100)
+    with pytest.raises(ValueError, match="group 0 has 0 blocks"):
+        g.group_held_ids(([], [9, 4, 7, 3]), 100)
+    lay = g.tpu_sync_layout(NUM_BLOCKS)
+    assert lay["model"]["groups"][0]["kind"]["type"] == "state"
+    assert lay["groups"][0] == dict(num_blocks=NUM_BLOCKS, order="nhd", slot_bytes=ATTN_PAGE)
+    import tpu_sync
+
+    # The library accepts the layout (a state group next to an LBHNC attention group).
+    plan = tpu_sync.Plan(tpu_sync.placement(lay, [[[7]], [[9, 4, 7, 3]]]),
+                         tpu_sync.placement(lay, [[[5]], [[1, 2, 3, 4]]]), 100)
+    try:
+        assert plan.total_bytes == STATE_DENSE + 4 * ATTN_PAGE
+    finally:
+        plan.close()
+    # A consumer whose state differs (shape, padding) refuses the producer's geometry.
+    assert g.mismatch(g.to_dict()) is None
+    other = connector(configs["kv_producer"], kvc=mamba_kvc(shapes=((3, 96), (2, 32, 8)))).geometry
+    assert "groups" in g.mismatch(other.to_dict())
+    assert "groups" in g.mismatch(connector(configs["kv_producer"],
+                                            kvc=mamba_kvc(page_size_padded=2 * ATTN_PAGE)).geometry.to_dict())
+    # Refused at start: offload (no state at block boundaries), layer-wise, speculative state
+    # blocks, a state-only model.
+    with pytest.raises(ConfigError, match="offload"):
+        connector(configs["kv_both"], kvc=mamba_kvc())
+    with pytest.raises(ConfigError, match="layerwise"):
+        connector(vllm_config(configs["kv_both"].model_config.model, "kv_producer", extra={"layerwise": True}),
+                  kvc=mamba_kvc())
+    with pytest.raises(ValueError, match="speculative"):
+        connector(configs["kv_producer"], kvc=mamba_kvc(num_speculative_blocks=1))
+    with pytest.raises(ValueError, match="without attention"):
+        connector(configs["kv_producer"], kvc=kv_cache_config(groups=[KVCacheGroupSpec([MAMBA], mamba_spec())]))
+
+
+def mamba_producer_params(configs, n=100):
+    p = connector(configs["kv_producer"], kvc=mamba_kvc())
+    p.set_xfer_handshake_metadata({0: TpuSyncHandshake(0, "10.0.0.1:7001", p.geometry.block_format, NUM_BLOCKS)})
+    toks = tokens(n)
+    r = request("mp1", toks, {"do_remote_decode": True}, max_tokens=8)
+    p.on_new_request(r)
+    return p, toks, r
+
+
+def test_mamba_producer_prefills_the_prompt_less_its_last_token(configs):
+    p, toks, r = mamba_producer_params(configs)
+    # The producer computes KV and state after tokens [0, 99): the consumer computes token 99.
+    assert r.num_prompt_tokens == 99 and list(r.prompt_token_ids) == toks[:99] and r.num_tokens == 99
+    assert r.max_tokens == 1 and r.kv_transfer_params["tpu_sync_truncated"] is True
+    p.on_new_request(r)  # once only (a preempted request is not shortened again)
+    assert r.num_prompt_tokens == 99 and p.scheduler_side.stats["state_truncated"] == 1
+    r.num_computed_tokens, r.status = 99, RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = p.request_finished_all_groups(r, ([7], [9, 4, 7, 3]))
+    assert delay is True
+    assert params["remote_block_ids"] == [[7], [9, 4, 7, 3]] and params["remote_num_tokens"] == 99
+    (send,) = p.build_connector_meta(sched_out({})).sends
+    assert send.block_ids == [[7], [9, 4, 7, 3]] and send.num_tokens == 99
+    # A state slot that is vLLM's null block hands nothing off.
+    r2 = request("mp2", tokens(100, seed=1), {"do_remote_decode": True})
+    p.on_new_request(r2)
+    r2.num_computed_tokens, r2.status = 99, RequestStatus.FINISHED_LENGTH_CAPPED
+    assert p.request_finished_all_groups(r2, ([0], [9, 4, 7, 3])) == (False, None)
+    # A request that is not P/D is left whole.
+    r3 = request("mp3", tokens(100, seed=2))
+    p.on_new_request(r3)
+    assert r3.num_prompt_tokens == 100
+
+
+def test_mamba_consumer_loads_all_but_the_last_prompt_token(configs):
+    p, toks, r = mamba_producer_params(configs)
+    r.num_computed_tokens, r.status = 99, RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = p.request_finished_all_groups(r, ([7], [9, 4, 7, 3]))
+    c = connector(configs["kv_consumer"], kvc=mamba_kvc())
+    d = request("md1", toks, dict(params))
+    c.on_new_request(d)
+    assert d.num_prompt_tokens == 100  # a consumer never shortens
+    # 99 tokens arrive; vLLM computes the 100th from the pulled state (no re-applied token).
+    assert c.get_num_new_matched_tokens(d, 0) == (99, True)
+    # The pull restores every group: vLLM must not zero the state slot it writes.
+    assert c.get_loaded_kv_cache_group_ids(d) == (0, 1)
+    c.update_state_after_alloc(d, blocks([11], [5, 6, 8, 10]), 99)
+    (spec,) = c.build_connector_meta(sched_out({})).recvs
+    assert spec.src_block_ids == [[7], [9, 4, 7, 3]] and spec.dst_block_ids == [[11], [5, 6, 8, 10]]
+    assert spec.num_tokens == 99 and spec.src_layout["groups"][0]["slot_bytes"] == ATTN_PAGE
+    # A consumer state slot that is the null block: a pull that fails at once, nothing written.
+    d2 = request("md2", toks, dict(params))
+    assert c.get_num_new_matched_tokens(d2, 0) == (99, True)
+    c.update_state_after_alloc(d2, blocks([0], [5, 6, 8, 10]), 99)
+    (spec,) = c.build_connector_meta(sched_out({})).recvs
+    assert spec.src_block_ids == []
+
+
+@pytest.mark.parametrize("tamper", ["whole-prompt", "state-shape", "slot-count", "no-state-group"])
+def test_mamba_consumer_refuses_params_it_cannot_use(configs, tamper):
+    from tpu_sync.vllm.compat import prompt_digest
+
+    p, toks, r = mamba_producer_params(configs)
+    r.num_computed_tokens, r.status = 99, RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = p.request_finished_all_groups(r, ([7], [9, 4, 7, 3]))
+    bad = dict(params)
+    if tamper == "whole-prompt":
+        # A producer whose state took the last prompt token too (not shortened): vLLM would
+        # apply that token a second time.
+        bad.update(remote_num_tokens=100, remote_prompt_digest=prompt_digest(toks), remote_block_ids=[[7], [9, 4, 7, 3]])
+    elif tamper == "state-shape":
+        other = connector(configs["kv_producer"], kvc=mamba_kvc(shapes=((3, 96), (2, 32, 8)))).geometry
+        bad["remote_geometry"] = other.to_dict()
+    elif tamper == "slot-count":
+        bad["remote_block_ids"] = [[7, 8], [9, 4, 7, 3]]
+    else:
+        bad["remote_geometry"] = connector(configs["kv_producer"]).geometry.to_dict()  # sliding + full
+    c = connector(configs["kv_consumer"], kvc=mamba_kvc())
+    d = request("md3", toks, bad)
+    assert c.get_num_new_matched_tokens(d, 0) == (0, False)
+    assert c.scheduler_side.stats["refused_params"] == 1
+    c.update_state_after_alloc(d, blocks([11], [5, 6, 8, 10]), 0)
+    meta = c.build_connector_meta(sched_out({}))
+    assert not meta.recvs and [rj.xfer_id for rj in meta.rejects] == [params["remote_request_id"]]
+
+
+def mamba_tensors(seed):
+    """vLLM's CPU layout of the two layers: one raw page pool shared by both groups (a block id
+    is either a state slot or an attention block); the attention layer sees it as f32 [blocks,
+    2, BS, 64], the Mamba layer as raw int8 [blocks, 1, 1, dense state bytes] with the page
+    stride. Random, non-repeating contents."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(-128, 128, (NUM_BLOCKS * ATTN_PAGE,), generator=g, dtype=torch.int8)
+    attn = raw.view(torch.float32).view(NUM_BLOCKS, 2, BS, 64)
+    state = torch.as_strided(raw, (NUM_BLOCKS, 1, 1, STATE_DENSE), (ATTN_PAGE, STATE_DENSE, STATE_DENSE, 1))
+    return raw, {MAMBA: state, L1: attn}
+
+
+def mamba_worker(configs, role, kvc=None):
+    from tpu_sync.vllm.worker import WorkerSide
+
+    c = connector(configs[role], kvc=kvc or mamba_kvc())
+    return WorkerSide(configs[role], ConnectorConfig.parse(role, {}), c.geometry)
+
+
+def test_mamba_worker_pd_moves_state_slot_and_blocks_byte_exact(configs):
+    prod = mamba_worker(configs, "kv_producer")
+    cons = mamba_worker(configs, "kv_consumer")
+    src_raw, src = mamba_tensors(1)
+    dst_raw, dst = mamba_tensors(2)
+    before = dst_raw.clone()
+    try:
+        prod.register_kv_caches(src)
+        cons.register_kv_caches(dst)
+        held_src, held_dst = [[7], [9, 4, 12, 3]], [[11], [5, 6, 8, 10]]
+        prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 78, held_src, 99, 60.0)]))
+        assert prod.stats["registered"] == 1, prod.stats
+        layout = prod.geometry.tpu_sync_layout(NUM_BLOCKS)
+        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 78, {0: prod.transport.address}, layout, held_src,
+                                                            held_dst, 99, 30.0)]))
+        deadline = time.monotonic() + 30
+        res = None
+        while time.monotonic() < deadline:
+            res = cons.get_transfer_results(set())
+            if res.finished_recving:
+                break
+            time.sleep(0.02)
+        assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
+        want = before.clone()
+        # The state slot: its dense bytes, not the page padding after them.
+        want[11 * ATTN_PAGE:11 * ATTN_PAGE + STATE_DENSE] = src_raw[7 * ATTN_PAGE:7 * ATTN_PAGE + STATE_DENSE]
+        for s_id, d_id in zip(held_src[1], held_dst[1]):
+            want[d_id * ATTN_PAGE:(d_id + 1) * ATTN_PAGE] = src_raw[s_id * ATTN_PAGE:(s_id + 1) * ATTN_PAGE]
+        assert torch.equal(dst_raw, want)
+        assert not torch.equal(dst_raw[11 * ATTN_PAGE + STATE_DENSE:12 * ATTN_PAGE],
+                               src_raw[7 * ATTN_PAGE + STATE_DENSE:8 * ATTN_PAGE])
+
+        # Bad input at the worker: two slots for the state group fail the pull, nothing written.
+        snap = dst_raw.clone()
+        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d2", 78, {0: prod.transport.address}, layout,
+                                                            [[7, 8], held_src[1]], [[13, 14], held_dst[1]], 99,
+                                                            5.0)]))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            res = cons.get_transfer_results(set())
+            if res.finished_recving:
+                break
+            time.sleep(0.02)
+        assert res.failed_recving == {"d2"}, cons.stats
+        assert torch.equal(dst_raw, snap)
+        # A source layout whose state differs from the producer's registration (another SSM
+        # state shape): refused at the handshake before any byte moves.
+        other = mamba_worker(configs, "kv_producer", kvc=mamba_kvc(shapes=((3, 96), (2, 32, 8)))).geometry
+        bad_layout = other.tpu_sync_layout(NUM_BLOCKS)
+        prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p3", 79, held_src, 99, 60.0)]))
+        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d3", 79, {0: prod.transport.address}, bad_layout,
+                                                            held_src, held_dst, 99, 5.0)]))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            res = cons.get_transfer_results(set())
+            if res.finished_recving:
+                break
+            time.sleep(0.02)
+        assert res.failed_recving == {"d3"}, cons.stats
+        assert torch.equal(dst_raw, snap)
+    finally:
+        cons.shutdown()
+        prod.shutdown()
+
+
+def test_mamba_worker_refuses_a_state_tensor_of_another_layout(configs):
+    w = mamba_worker(configs, "kv_consumer")
+    raw, kv = mamba_tensors(3)
+    # A block stride other than the spec's padded page.
+    kv[MAMBA] = torch.as_strided(raw, (NUM_BLOCKS // 2, 1, 1, STATE_DENSE),
+                                 (2 * ATTN_PAGE, STATE_DENSE, STATE_DENSE, 1))
+    try:
+        with pytest.raises(ValueError, match="block stride"):
+            w.register_kv_caches(kv)
+        assert w.transport is None  # nothing opened
+    finally:
+        w.shutdown()
+    # Fewer state bytes per block than the spec's components.
+    w = mamba_worker(configs, "kv_consumer", kvc=mamba_kvc(shapes=((3, 96), (2, 32, 32))))
+    raw, kv = mamba_tensors(4)
+    try:
+        with pytest.raises(ValueError, match="state layer"):
+            w.register_kv_caches(kv)
+    finally:
+        w.shutdown()

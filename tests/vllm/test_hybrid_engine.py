@@ -5,6 +5,12 @@ cache groups with their own block tables. P/D (producer + consumer engine) and h
 offload (store, then load in a second pass) are token-identical to a plain engine, and the
 handed-off block ids are per group (the sliding group only its window's blocks).
 
+The tiny granite-4.0-h style Mamba2 hybrid (``build_tiny_hybrid.py --kind granite``: layer 0
+Mamba2, layer 1 attention; vLLM makes a ``MambaSpec`` state group and a full-attention group of
+block size 64): P/D is token-identical to a plain engine. The producer prefills the prompt less
+its last token and hands off the attention blocks and the state slot; the consumer computes the
+last prompt token from that state. Offload is refused at start for this model (docs/vllm.md).
+
 Kept short: two prompts, 8 new tokens. What vLLM's CPU backend runs and what the connector
 moves is in docs/vllm.md ("Hybrid models").
 """
@@ -258,3 +264,67 @@ def test_hybrid_pd_window_boundary_matches_plain(engines, edge_plain):
     assert c["worker_stats"]["pulls_done"] == 1 and c["worker_stats"]["pulls_failed"] == 0
     assert c["worker_stats"]["rejects_sent"] == 2, c["worker_stats"]
     assert c["metrics"]["vllm:prompt_tokens_cached_by_source{source=p2p}"] == 100, c["metrics"]
+
+
+# ---- Mamba2 hybrid (state group + full attention) --------------------------------------------
+
+#: vLLM raises the attention block size to 64 so an attention page holds a Mamba state page.
+GRANITE_BS = 64
+#: 107 tokens: the producer computes 106 (2 blocks), the consumer the 107th; 64: 63 in 1 block.
+GRANITE_LENS = (107, 64)
+GRANITE_PROMPTS = [[(i * 97 + 29 * k) % 1000 + 3 for i in range(n)] for k, n in enumerate(GRANITE_LENS)]
+
+
+@pytest.fixture(scope="module")
+def granite_engines(workdir):
+    import subprocess
+    import sys
+
+    from conftest import ENV, HERE
+
+    path = os.path.join(workdir, "tiny-granite")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        subprocess.run([sys.executable, os.path.join(HERE, "build_tiny_hybrid.py"), path, "--kind", "granite"],
+                       check=True, timeout=300, env=dict(os.environ, **ENV))
+    e = Engines(workdir, path)
+    e.spec = lambda **kw: dict(model=path, prompts=GRANITE_PROMPTS, max_tokens=MAX_TOKENS, **kw)
+    return e
+
+
+@pytest.fixture(scope="module")
+def granite_plain(granite_engines):
+    res = granite_engines.run("granite_plain", granite_engines.spec())
+    assert all(len(t) == MAX_TOKENS for t in toks(res))
+    assert len({tuple(t) for t in toks(res)}) == len(GRANITE_PROMPTS), "the model must not be degenerate"
+    return res
+
+
+def test_mamba_hybrid_pd_decode_matches_plain(granite_engines, granite_plain):
+    e = granite_engines
+    hold = os.path.join(e.dir, "granite_pd.hold")
+    if os.path.exists(hold):
+        os.remove(hold)
+    prod = e.start("granite_pd_producer", e.spec(
+        remote_decode=True, hold_file=hold, connector=dict(kv_role="kv_producer", extra=dict(lease_s=120.0))))
+    cons = e.start("granite_pd_consumer", e.spec(
+        params_file=prod.out, connector=dict(kv_role="kv_consumer", policy="fail", extra=dict(pull_timeout_s=60.0))))
+    try:
+        c = e.finish(cons)
+    finally:
+        open(hold, "w").close()
+    p = e.finish(prod)
+    params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
+    # The producer computed each prompt less its last token: one state slot, and the attention
+    # blocks of n - 1 tokens.
+    assert [x["remote_num_tokens"] for x in params] == [n - 1 for n in GRANITE_LENS], params
+    assert [[len(g) for g in x["remote_block_ids"]] for x in params] == [
+        [1, -(-(n - 1) // GRANITE_BS)] for n in GRANITE_LENS], params
+    assert [g["kind"] for g in params[0]["remote_geometry"]["groups"]] == ["state", "attention"]
+    assert p["scheduler_stats"]["state_truncated"] == len(GRANITE_LENS)
+    assert p["worker_stats"]["registered"] == len(GRANITE_LENS)
+    # The consumer: token-identical to a plain engine.
+    assert toks(c) == toks(granite_plain)
+    m = c["metrics"]
+    assert m["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(n - 1 for n in GRANITE_LENS), m
+    assert c["worker_stats"]["pulls_done"] == len(GRANITE_LENS) and c["worker_stats"]["pulls_failed"] == 0
+    assert c["scheduler_stats"]["refused_params"] == 0

@@ -99,7 +99,10 @@ class KvGeometry:
             uniform model: all layers share one block table, exactly as before groups existed).
             Otherwise vLLM's KV cache groups (``KVCacheConfig.kv_cache_groups``, one block table
             each), in vLLM's group order, as JSON-able dicts (see :func:`kv_groups`):
-            ``{"kind": "attention", "layers": [cache layers], "sliding_window": tokens or None}``.
+            ``{"kind": "attention", "layers": [cache layers], "sliding_window": tokens or None}``,
+            or for a Mamba / linear-attention state group (vLLM ``MambaSpec``, one state slot
+            per request: the group's one block) ``{"kind": "state", "layers": [...], "state":
+            tpu_sync state kind (:func:`mamba_state_group`), "slot_bytes": slot stride}``.
             Cache layers number the per-layer KV tensors in model layer order (the order
             :meth:`tpu_sync.vllm.worker.WorkerSide.register_kv_caches` sorts them in).
     """
@@ -121,6 +124,16 @@ class KvGeometry:
         """KV cache groups (1 for a uniform model)."""
         return len(self.groups) if self.groups else 1
 
+    def is_state_group(self, group: int) -> bool:
+        """Whether ``group`` is a Mamba / linear-attention state group (one slot per request)."""
+        return bool(self.groups) and self.groups[group].get("kind") == "state"
+
+    @property
+    def has_state(self) -> bool:
+        """Whether some group is a state group. Such a model's P/D hands off the state taken
+        after the prompt less its last token (docs/vllm.md, "Hybrid models")."""
+        return any(self.is_state_group(g) for g in range(self.num_groups))
+
     def group_of_layer(self) -> List[int]:
         """The group index of every cache layer (all 0 for a uniform model)."""
         out = [0] * self.num_layers
@@ -135,7 +148,10 @@ class KvGeometry:
         computes them: every block for full attention; for a sliding window ``w`` only the blocks
         of tokens ``[num_tokens + 1 - w, num_tokens)`` (vLLM's
         ``SlidingWindowManager.get_num_skipped_tokens``: the blocks before them are vLLM's null
-        block)."""
+        block). A state group holds one slot per request (vLLM's ``MambaSpec`` group with
+        ``mamba_cache_mode="none"`` gives a request one block, its state slot): ``(0, 1)``."""
+        if self.is_state_group(group):
+            return 0, 1
         nb = -(-int(num_tokens) // self.block_size)
         w = (self.groups[group].get("sliding_window") if self.groups else None)
         if not w:
@@ -215,7 +231,8 @@ class KvGeometry:
         parts = []
         for grp in self.groups:
             w = grp.get("sliding_window")
-            parts.append(("sw%d" % w if w else "full") + ":" + ",".join(str(l) for l in grp["layers"]))
+            kind = "state" if grp.get("kind") == "state" else ("sw%d" % w if w else "full")
+            parts.append(kind + ":" + ",".join(str(l) for l in grp["layers"]))
         return "/groups=" + ";".join(parts)
 
     def tpu_sync_layout(self, num_blocks: int) -> Dict[str, Any]:
@@ -228,7 +245,15 @@ class KvGeometry:
             attn = dict(type="attention", num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                         kv_planes=self.kv_planes, dtype=self.dtype)
             groups = []
+            glayouts = []
             for g, grp in enumerate(self.groups):
+                if grp.get("kind") == "state":
+                    # One slot per block of vLLM's shared pool, slot stride page_size_padded.
+                    groups.append(dict(name=f"g{g}_state", layers=[int(l) for l in grp["layers"]],
+                                       kind=grp["state"]))
+                    glayouts.append(dict(num_blocks=int(num_blocks), order="nhd", slot_bytes=int(grp["slot_bytes"])))
+                    continue
+                glayouts.append(dict(num_blocks=int(num_blocks), block_format=self.block_format))
                 kind = dict(attn)
                 w = grp.get("sliding_window")
                 if w:
@@ -238,7 +263,7 @@ class KvGeometry:
             return dict(
                 model=dict(name=self.model, groups=groups),
                 spec=dict(tp=self.tp, pcp=1, dp=1, block_size=self.block_size, order="lbhnc"),
-                groups=[dict(num_blocks=int(num_blocks), block_format=self.block_format) for _ in self.groups],
+                groups=glayouts,
             )
         return dict(
             model=dict(
@@ -338,21 +363,24 @@ def layer_order(names: Sequence[str]) -> List[str]:
     return sorted(names, key=lambda n: (extract_layer_index(n), n))
 
 
-def kv_groups(kv_cache_config: Any, block_size: int) -> Optional[Tuple[Dict[str, Any], ...]]:
+def kv_groups(kv_cache_config: Any, block_size: int, tp: int = 1) -> Optional[Tuple[Dict[str, Any], ...]]:
     """:attr:`KvGeometry.groups` from vLLM's ``KVCacheConfig``: None when its groups are one
     full-attention group (a uniform model); otherwise one dict per ``kv_cache_groups`` entry
     with the cache layers of its ``layer_names`` and its kind from its ``kv_cache_spec``
-    (``FullAttentionSpec``; ``SlidingWindowSpec.sliding_window`` in tokens). Needs vLLM.
+    (``FullAttentionSpec``; ``SlidingWindowSpec.sliding_window`` in tokens; ``MambaSpec``: a
+    state group, :func:`mamba_state_group`). Needs vLLM.
 
     Raises:
-        ValueError: a group this connector cannot move (``MambaSpec`` state groups, MLA,
-            chunked local attention, cross-attention, ...: the kind is named), or a group
-            whose block size differs from the engine's ``block_size``.
+        ValueError: a group this connector cannot move (MLA, chunked local attention,
+            cross-attention, ...: the kind is named; a ``MambaSpec`` with a
+            ``mamba_cache_mode`` other than ``"none"``, speculative state blocks, a state
+            sharded over TP, or a model of state groups only), or an attention group whose
+            block size differs from the engine's ``block_size``.
     """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
     if not groups:
         return None
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     order = layer_order([n for g in groups for n in g.layer_names])
     index = {n: i for i, n in enumerate(order)}
@@ -365,6 +393,21 @@ def kv_groups(kv_cache_config: Any, block_size: int) -> Optional[Tuple[Dict[str,
             w = None
         elif type(spec) is SlidingWindowSpec:
             w = int(spec.sliding_window)
+        elif type(spec) is MambaSpec:
+            where = f"KV cache group {g} ({', '.join(grp.layer_names[:3])}...) is MambaSpec"
+            mode = str(getattr(spec, "mamba_cache_mode", "none"))
+            if mode != "none":
+                # align/all keep states at block boundaries in several blocks per request; the
+                # connector maps one slot per request (docs/vllm.md, "Hybrid models").
+                raise ValueError(f"TpuSyncConnector: {where} with mamba_cache_mode={mode!r}; only 'none' "
+                                 f"(prefix caching off) is moved")
+            if int(getattr(spec, "num_speculative_blocks", 0) or 0):
+                raise ValueError(f"TpuSyncConnector: {where} with {spec.num_speculative_blocks} speculative state "
+                                 f"blocks; only one state slot per request is moved")
+            state, slot = mamba_state_group(spec, tp)
+            out.append(dict(kind="state", layers=sorted(index[n] for n in grp.layer_names), state=state,
+                            slot_bytes=int(slot)))
+            continue
         else:
             raise ValueError(f"TpuSyncConnector: KV cache group {g} ({', '.join(grp.layer_names[:3])}...) is "
                              f"{kind}; only full attention and sliding window groups are moved")
@@ -372,6 +415,9 @@ def kv_groups(kv_cache_config: Any, block_size: int) -> Optional[Tuple[Dict[str,
             raise ValueError(f"TpuSyncConnector: KV cache group {g} has block size {spec.block_size}, the engine "
                              f"{block_size}")
         out.append(dict(kind="attention", layers=sorted(index[n] for n in grp.layer_names), sliding_window=w))
+    if all(grp["kind"] == "state" for grp in out):
+        raise ValueError("TpuSyncConnector: every KV cache group is a MambaSpec state group; a model without "
+                         "attention layers is not moved")
     if len(out) == 1 and out[0]["sliding_window"] is None:
         return None
     return tuple(out)
@@ -384,8 +430,8 @@ def mamba_state_group(spec: Any, tp: int = 1) -> Tuple[Dict[str, Any], int]:
     layer's states one after another in each block of the group, e.g. the convolution state
     ``(d_conv - 1, conv_dim)`` then the SSM state ``(heads, head_dim, d_state)``), ``rows`` the
     first dimension (1 for 1-D), each row one segment. The spec's shapes are per TP rank, so
-    this describes a TP=1 engine (or a replicated state). Not used by the connector's transfers
-    yet: it refuses Mamba groups (docs/vllm.md, "Hybrid models").
+    this describes a TP=1 engine (or a replicated state). :func:`kv_groups` uses it for the
+    connector's state groups (docs/vllm.md, "Hybrid models").
 
     Raises:
         ValueError: a dtype tpu_sync cannot describe, or ``tp > 1`` for a state sharded over TP
@@ -457,7 +503,7 @@ def kv_geometry(vllm_config: Any, kv_cache_config: Any = None) -> KvGeometry:
         tp=tp,
         block_format=fmt,
         use_mla=bool(getattr(mc, "use_mla", False)),
-        groups=kv_groups(kv_cache_config, block_size) if kv_cache_config is not None else None,
+        groups=kv_groups(kv_cache_config, block_size, tp) if kv_cache_config is not None else None,
     )
 
 

@@ -58,6 +58,21 @@ class TpuSyncConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.parse(ktc.kv_role, ktc.kv_connector_extra_config)
         self.geometry = kv_geometry(vllm_config, kv_cache_config)
+        if self.geometry.has_state and self.config.layerwise:
+            from .config import ConfigError
+
+            # The layer-wise consumer loads block-aligned tokens short of the last one, but a
+            # state slot holds the state after the producer's T - 1 tokens only (docs/vllm.md).
+            raise ConfigError("layerwise is not supported for models with Mamba / linear-attention state "
+                              "groups; leave it off")
+        if self.geometry.has_state and self.config.offload:
+            from .config import ConfigError
+
+            # With mamba_cache_mode "none" vLLM keeps only a request's latest state: no state
+            # exists at the block boundary a host-tier hit ends at (docs/vllm.md).
+            raise ConfigError("offload is not supported for models with Mamba / linear-attention state groups "
+                              "(vLLM's mamba_cache_mode 'none' keeps no state at block boundaries); use P/D "
+                              "only (\"offload\": false)")
         self.scheduler_side = None
         self.worker_side = None
         if role == KVConnectorRole.SCHEDULER:
@@ -192,6 +207,15 @@ class TpuSyncConnector(KVConnectorBase_V1, SupportsHMA):
         """Starts tracking a request."""
         if self.scheduler_side is not None:
             self.scheduler_side.on_new_request(request)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> Tuple[int, ...]:
+        """The KV cache groups a load restores: every transfer group for a P/D pull (it moves the
+        request's own blocks and state slot, so vLLM must not zero them), vLLM's default (the
+        prefix-cacheable groups) for host-tier loads."""
+        params = getattr(request, "kv_transfer_params", None)
+        if params and params.get("do_remote_prefill") and self.config.is_consumer:
+            return tuple(self._kv_cache_config.transfer_group_ids)
+        return tuple(super().get_loaded_kv_cache_group_ids(request))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         """See :meth:`tpu_sync.vllm.scheduler.SchedulerSide.get_num_new_matched_tokens`."""

@@ -19,6 +19,10 @@ Per request (vLLM calls, in order):
 * **P/D producer** (``do_remote_decode``): ``request_finished`` returns ``(True, params)``:
   vLLM keeps the blocks until the worker reports the request in ``finished_sending``, once the
   endpoint has staged them (or the registration failed).
+* **Models with Mamba state groups**: the producer prefills the prompt less its last token
+  (``on_new_request``) and hands off the KV and state slot after ``T - 1`` tokens; the consumer
+  answers ``(T - 1, True)`` and vLLM computes token ``T`` from the pulled state. Params whose
+  state covers the whole prompt are refused (vLLM would apply the last token twice).
 * **Layer-wise** (``layerwise``): a producer registers a ``do_remote_decode`` request in the
   step that completes its prefill (``layer_sends``: the workers stage each layer as vLLM saves
   it) and hands it off in ``request_finished`` under that transfer id (``handoffs`` next step:
@@ -111,10 +115,13 @@ class SchedulerSide:
         #: and loaded (as reported by the workers), failed loads, lookups, KV handed off, params
         #: refused, requests rejected at their producers; layer-wise consumer requests pulled
         #: whole instead (a sliding window the producer's blocks do not cover from the first
-        #: computed token).
+        #: computed token); P/D prompts a producer of a model with state groups shortened by their
+        #: last token; P/D requests a consumer prefilled locally because the sliding window of the
+        #: first token vLLM computes after the load starts before the producer's held blocks.
         self.stats: Dict[str, int] = dict(
             host_hit_tokens=0, p2p_tokens=0, p2p_failed_tokens=0, saved_blocks=0, loaded_blocks=0, failed_loads=0,
-            lookups=0, handed_off=0, refused_params=0, rejects=0, layerwise_whole=0, window_local=0,
+            lookups=0, handed_off=0, refused_params=0, rejects=0, layerwise_whole=0, state_truncated=0,
+            window_local=0,
         )
 
     # ---- start-up -----------------------------------------------------------------------
@@ -138,12 +145,37 @@ class SchedulerSide:
     # ---- admission -----------------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
-        """Starts host-tier bookkeeping of a request."""
+        """Starts host-tier bookkeeping of a request. A producer of a model with state groups
+        prefills a ``do_remote_decode`` request's prompt less its last token (see
+        :meth:`_truncate_for_state`)."""
         if self.cfg.offload:
             self._off[request.request_id] = _OffloadState(request)
         params = getattr(request, "kv_transfer_params", None)
+        if self.geometry.has_state and self.cfg.is_producer and params and params.get("do_remote_decode"):
+            self._truncate_for_state(request, params)
         if self.cfg.layerwise and self.cfg.is_producer and params and params.get("do_remote_decode"):
             self._pd_reqs[request.request_id] = request
+
+    def _truncate_for_state(self, request: Any, params: Dict[str, Any]) -> None:
+        """Drops the last prompt token of a P/D request of a model with state groups (as vLLM's
+        Mooncake connector does), so the producer hands off the KV and the recurrent state after
+        prompt tokens ``[0, T - 1)``: vLLM's consumer computes the last prompt token itself
+        (``Scheduler._update_waiting_for_remote_kv`` recomputes it when the connector supplies the
+        whole prompt), which must start from the state before that token, and with
+        ``mamba_cache_mode="none"`` no earlier state than the latest one exists. The producer's
+        one sampled token then follows ``T - 1`` tokens (a P/D proxy discards it). Once per
+        request (``tpu_sync_truncated`` in its params); prompts of one token are left whole (the
+        consumer then prefills locally)."""
+        if params.get("tpu_sync_truncated") or int(request.num_prompt_tokens) <= 1:
+            return
+        if getattr(request, "prompt_token_ids", None) is None:
+            return  # prompt embeddings: not truncated, the consumer prefills locally
+        request.prompt_token_ids.pop()
+        request._all_token_ids.pop()
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["tpu_sync_truncated"] = True
+        self.stats["state_truncated"] += 1
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         """Tokens the connector can provide beyond ``num_computed_tokens`` (block-aligned local
@@ -234,6 +266,11 @@ class SchedulerSide:
         prompt = list(request.prompt_token_ids or [])
         if why is None and n > len(prompt):
             why = f"producer has {n} tokens, the prompt {len(prompt)}"
+        if why is None and self.geometry.has_state and n >= len(prompt):
+            # vLLM recomputes the last prompt token of a request whose whole prompt was loaded;
+            # a state taken after it would see that token twice.
+            why = (f"the producer's state covers all {len(prompt)} prompt tokens; a model with state groups "
+                   f"needs the state before the last one (a producer of this connector prefills T - 1)")
         if why is None and params.get("remote_prompt_digest") != prompt_digest(prompt[:n]):
             why = "the producer's prompt tokens differ from this request's"
         if why is not None:

@@ -135,10 +135,14 @@ class WorkerSide:
         if len(tensors) != g.num_layers:
             raise ValueError(f"TpuSyncConnector: {len(tensors)} KV tensors for {g.num_layers} layers")
         want = (g.heads_per_rank, g.block_size, g.kv_planes * g.head_dim)
-        first = tensors[0]
-        for n, t in zip(names, tensors):
+        group_of = g.group_of_layer()
+        attn = [i for i in range(len(names)) if not g.is_state_group(group_of[i])]
+        first = tensors[attn[0]]
+        for i, (n, t) in enumerate(zip(names, tensors)):
             if isinstance(t, (list, tuple)):
                 raise ValueError(f"TpuSyncConnector: layer {n} has a list of KV tensors; expected one tensor")
+            if g.is_state_group(group_of[i]):
+                continue  # checked and viewed below
             shape = tuple(int(s) for s in t.shape)
             if len(shape) != 4 or shape[1:] != want:
                 raise ValueError(
@@ -146,9 +150,13 @@ class WorkerSide:
                     f"{want[2]}] (the CPU backend's); layer {n} has shape {list(shape)}"
                 )
             if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
-                raise ValueError(f"TpuSyncConnector: layer {n} differs from layer {names[0]} or is not contiguous")
+                raise ValueError(f"TpuSyncConnector: layer {n} differs from layer {names[attn[0]]} or is not "
+                                 f"contiguous")
             if compat.TORCH_TO_TPU_SYNC_DTYPE.get(str(t.dtype)) != g.dtype:
                 raise ValueError(f"TpuSyncConnector: layer {n} is {t.dtype}, the model's KV dtype is {g.dtype}")
+        for i, n in enumerate(names):
+            if g.is_state_group(group_of[i]):
+                tensors[i] = _state_view(n, tensors[i], g.groups[group_of[i]], int(first.shape[0]))
         layer_block_bytes = int(first.stride(0)) * int(first.element_size())
         if layer_block_bytes != g.layer_block_bytes:
             raise ValueError(f"TpuSyncConnector: block stride {layer_block_bytes} B, expected {g.layer_block_bytes} B")
@@ -662,6 +670,49 @@ class _Failed:
 
     def cancel(self) -> None:
         pass
+
+
+def _state_view(name: str, t: Any, group: Dict[str, Any], num_slots: int) -> Any:
+    """A dense tensor ``[num_slots, slot_bytes / size]`` over the memory of vLLM's state tensor
+    ``t`` of one Mamba layer (the CPU backend registers it as raw bytes ``[blocks, 1, 1, dense
+    state bytes]`` with a block stride of ``slot_bytes``, ``MambaSpec.page_size_padded``), of
+    the components' dtype when they share one that divides the stride, else uint8: the buffer
+    shape tpu_sync's state groups check (``GroupRankKv::shape``). Zero-copy (same storage).
+
+    Raises:
+        ValueError: a block stride other than the group's slot stride, fewer dense bytes per
+            block than the state's components, or a storage too short for ``num_slots`` slots."""
+    import torch
+
+    slot = int(group["slot_bytes"])
+    comps = group["state"]["components"]
+    dense = 0
+    for c in comps:
+        elems = int(c.get("rows", 1)) * sum(int(seg["heads"]) * int(seg["head_elems"]) for seg in c["segments"])
+        dense += elems * {"f32": 4, "bf16": 2, "f16": 2, "fp8": 1}[c["dtype"]]
+    esz = int(t.element_size())
+    stride = int(t.stride(0)) * esz if t.dim() else 0
+    per_block = int(t[0].numel()) * esz if t.dim() and int(t.shape[0]) else 0
+    if t.dim() < 1 or int(t.shape[0]) < num_slots or stride != slot or per_block < dense:
+        raise ValueError(f"TpuSyncConnector: state layer {name} is {t.dtype}{list(t.shape)} with a block stride of "
+                         f"{stride} B; its MambaSpec group needs {num_slots} slots of {slot} B holding {dense} B "
+                         f"of state")
+    dtypes = {c["dtype"] for c in comps}
+    torch_of = {v: k for k, v in compat.TORCH_TO_TPU_SYNC_DTYPE.items()}
+    dt = torch.uint8
+    if len(dtypes) == 1:
+        cand = getattr(torch, torch_of[next(iter(dtypes))].replace("torch.", ""))
+        if slot % torch.empty(0, dtype=cand).element_size() == 0:
+            dt = cand
+    dsz = torch.empty(0, dtype=dt).element_size()
+    storage = t.untyped_storage()
+    off = int(t.storage_offset()) * esz
+    if off % dsz or off + num_slots * slot > storage.nbytes():
+        raise ValueError(f"TpuSyncConnector: state layer {name}: its storage holds {storage.nbytes()} B from offset "
+                         f"{off}, {num_slots} slots need {num_slots * slot} B")
+    view = torch.empty(0, dtype=dt, device=t.device)
+    view.set_(storage, off // dsz, (num_slots, slot // dsz), (slot // dsz, 1))
+    return view
 
 
 def _error_kind(e: BaseException) -> str:
