@@ -17,7 +17,8 @@ SPEC keys:
     request's wall time to its first token when max_tokens is 1).
 
 OUT: {"runs": [{"outputs": [{"token_ids", "num_cached_tokens", "finish_reason",
-"kv_transfer_params", "prompt_len"}], "wall_s"}], "scheduler_stats", "worker_stats",
+"kv_transfer_params", "prompt_len", "logprobs" (with spec "logprobs": each sampled token's
+logprob)}], "wall_s"}], "scheduler_stats", "worker_stats",
 "tier_stats", "t_engine_s", "metrics", "tpu_sync_metrics"}; metrics holds vLLM's own prefix-cache
 counters (``vllm:external_prefix_cache_hits``, ``vllm:prompt_tokens_cached_by_source{source=host|p2p}``,
 ...), i.e. what the engine itself reports about the connector's hits, and the connector's own
@@ -94,17 +95,18 @@ def main() -> None:
                 raise SystemExit(f"no go file {spec['go_file']}")
             time.sleep(0.05)
     runs = []
+    lp = 0 if spec.get("logprobs") else None
     for _ in range(spec.get("repeat", 1)):
         if spec.get("remote_decode"):
-            sps = [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+            sps = [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=lp,
                                   extra_args={"kv_transfer_params": {"do_remote_decode": True}})
                    for _ in prompts]
         elif params:
-            sps = [SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True,
+            sps = [SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True, logprobs=lp,
                                   extra_args={"kv_transfer_params": dict(p)} if p else None)
                    for p in params]
         else:
-            sps = [SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
+            sps = [SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True, logprobs=lp)
                    for _ in prompts]
         outs = []
         t1 = time.time()
@@ -123,6 +125,10 @@ def main() -> None:
             outs.append(dict(prompt_len=len(o.prompt_token_ids), token_ids=list(o.outputs[0].token_ids),
                              num_cached_tokens=o.num_cached_tokens, finish_reason=o.outputs[0].finish_reason,
                              kv_transfer_params=o.kv_transfer_params, ttft_s=getattr(o, "ttft_s", None)))
+            if spec.get("logprobs"):
+                # The sampled token's logprob at each position (SamplingParams(logprobs=0)).
+                outs[-1]["logprobs"] = [float(d[t].logprob)
+                                        for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])]
         runs.append(dict(outputs=outs, wall_s=round(wall, 3)))
     if spec.get("remote_decode") and sched is not None and sched.scheduler_side is not None:
         # Finished prefill requests hold their blocks until the workers registered them with

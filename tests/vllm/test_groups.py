@@ -175,6 +175,62 @@ def test_consumer_pulls_into_each_groups_blocks(configs):
     assert sorted(_flat_ids(spec.dst_block_ids)) == [5, 6, 8, 10, 22, 23]
 
 
+@pytest.mark.parametrize("prompt_len", [79, 111, 143, 100, 107, 80, 70])
+def test_pd_consumer_covers_the_recomputed_last_tokens_window(configs, prompt_len):
+    """After a whole-prompt load vLLM recomputes the last prompt token (``num_computed_tokens``
+    is set to ``T - 1``), whose window reads tokens ``[T - w, T - 1)``. With vLLM's real block
+    allocation on both sides (``KVCacheManager``; the producer's out-of-window blocks freed
+    before ``request_finished``, as ``Scheduler._connector_finished`` does): where
+    ``(T + 1 - w)`` is a multiple of the block size (79, 111, 143 tokens) the block of token
+    ``T - w`` is neither held by the producer nor a real block of a consumer of ``T`` tokens, so
+    the consumer prefills locally and rejects the transfer; otherwise it pulls, and every block
+    the recomputed token reads is a real block the pull writes."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    T = prompt_len
+    boundary = (T + 1 - WINDOW) % BS == 0
+    p = connector(configs["kv_producer"])
+    p.set_xfer_handshake_metadata({0: TpuSyncHandshake(0, "10.0.0.1:7001", p.geometry.block_format, NUM_BLOCKS)})
+    toks = tokens(T)
+    pm = KVCacheManager(kv_cache_config(), 4096, BS, BS, enable_caching=False)
+    r = request("p", toks, {"do_remote_decode": True}, max_tokens=1)
+    assert pm.allocate_slots(r, T) is not None  # the prefill of the whole prompt
+    r.num_computed_tokens, r.status = T, RequestStatus.FINISHED_LENGTH_CAPPED
+    pm.remove_skipped_blocks("p", T)  # what vLLM frees before request_finished
+    delay, params = p.request_finished_all_groups(r, pm.get_blocks("p").get_block_ids())
+    assert delay is True and params["remote_num_tokens"] == T
+    c = connector(configs["kv_consumer"])
+    d = request("d", toks, dict(params))
+    if boundary:
+        # The producer's sliding group starts at the block after token T - w.
+        assert c.geometry.held_blocks(0, T)[0] == (T - WINDOW) // BS + 1
+        assert c.get_num_new_matched_tokens(d, 0) == (0, False)
+        assert c.get_num_new_matched_tokens(d, 0) == (0, False)  # asked again: counted once
+        c.update_state_after_alloc(d, blocks([], []), 0)
+        meta = c.build_connector_meta(sched_out({}))
+        assert meta.recvs == [] and len(meta.rejects) == 1
+        assert c.scheduler_side.stats["window_local"] == 1
+        return
+    assert c.get_num_new_matched_tokens(d, 0) == (T, True)
+    cm = KVCacheManager(kv_cache_config(), 4096, BS, BS, enable_caching=False)
+    assert cm.allocate_slots(d, 0, num_external_computed_tokens=T, delay_cache_blocks=True) is not None
+    c.update_state_after_alloc(d, cm.get_blocks("d"), T)
+    (spec,) = c.build_connector_meta(sched_out({})).recvs
+    assert spec.src_block_ids == params["remote_block_ids"]
+    assert [len(x) for x in spec.src_block_ids] == [len(x) for x in spec.dst_block_ids]
+    assert all(b != 0 for ids in spec.dst_block_ids for b in ids)  # never vLLM's null block
+    # The load is done; vLLM recomputes the last token (Scheduler._update_waiting_for_remote_kv).
+    d.num_computed_tokens = T - 1
+    assert cm.allocate_slots(d, 1) is not None
+    table = cm.get_blocks("d").get_block_ids()
+    for g, w in enumerate((WINDOW, None)):
+        first = 0 if w is None else max(0, T - w) // BS  # the block of token T - w
+        read = list(table[g][first:-(-(T - 1) // BS)])  # the blocks of tokens [T - w, T - 1)
+        assert all(b != 0 for b in read), (g, table[g])
+        assert set(read) <= set(spec.dst_block_ids[g]), (g, read, spec.dst_block_ids[g])
+    assert c.scheduler_side.stats["window_local"] == 0
+
+
 def layerwise_config(configs, role):
     return vllm_config(configs["kv_both"].model_config.model, role, extra={"layerwise": True})
 

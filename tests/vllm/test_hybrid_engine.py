@@ -203,6 +203,69 @@ def test_hybrid_pd_reshards_tp1_prefill_into_tp2_decode(engines, plain):
     assert m["vllm:prompt_tokens_by_source{source=external_kv_transfer}"] == sum(LENS), m
 
 
+# Prompt lengths T where the window of the recomputed last prompt token (position T - 1, after
+# a whole-prompt load vLLM sets num_computed_tokens = T - 1) starts one block before the
+# producer's window of T tokens: (T + 1 - 48) % 32 == 0 for 79 and 111 (windows [31, 79) and
+# [63, 111) start in blocks 0 and 1; the producer of 79/111 tokens holds blocks from 1 / 2).
+# 100 is off that boundary (both windows start in block 1).
+EDGE_LENS = (79, 111, 100)
+EDGE_PROMPTS = [[(i * 137 + 29 * k) % 1000 + 5 for i in range(n)] for k, n in enumerate(EDGE_LENS)]
+
+
+def _edge_spec(engines, **kw):
+    s = engines.spec(**kw)
+    s["prompts"] = EDGE_PROMPTS
+    return s
+
+
+@pytest.fixture(scope="module")
+def edge_plain(engines):
+    res = engines.run("hybrid_edge_plain", _edge_spec(engines, logprobs=True))
+    assert all(len(t) == MAX_TOKENS for t in toks(res))
+    assert len({tuple(t) for t in toks(res)}) == len(EDGE_PROMPTS), "the model must not be degenerate"
+    return res
+
+
+def test_hybrid_pd_window_boundary_matches_plain(engines, edge_plain):
+    """Whole-request P/D at prompt lengths where the recomputed last prompt token's window
+    reaches one block further back than the producer's held blocks of the whole prompt: the
+    consumer prefills those locally and matches a plain engine token for token and in each
+    token's logprob."""
+    hold = os.path.join(engines.dir, "hybrid_pd_edge.hold")
+    if os.path.exists(hold):
+        os.remove(hold)
+    prod = engines.start("hybrid_pd_edge_producer", _edge_spec(
+        engines, remote_decode=True, hold_file=hold, connector=dict(kv_role="kv_producer", extra=dict(lease_s=120.0))))
+    cons = engines.start("hybrid_pd_edge_consumer", _edge_spec(
+        engines, params_file=prod.out, logprobs=True,
+        connector=dict(kv_role="kv_consumer", policy="fail", extra=dict(pull_timeout_s=60.0))))
+    try:
+        c = engines.finish(cons)
+    finally:
+        open(hold, "w").close()
+    p = engines.finish(prod)
+    assert [t[:1] for t in toks(edge_plain)] == toks(p)
+    params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
+    # The sliding group's held blocks of T tokens: [T + 1 - 48, T) (blocks 1..2 of 79, 2..3 of
+    # 111, 1..3 of 100; vLLM freed the block before them before request_finished).
+    assert [x["remote_num_tokens"] for x in params] == list(EDGE_LENS)
+    assert [[len(g) for g in x["remote_block_ids"]] for x in params] == [[2, 3], [2, 4], [3, 4]], params
+    assert toks(c) == toks(edge_plain)
+    # The greedy tokens of the tiny model survive a missing window block (pulled whole, token
+    # T - 1 read zeros from vLLM's null block: logprobs measured off by 1e-2 at 79 tokens and
+    # 1.5e-4 at 111), the logprobs do not: each sampled token's logprob as the plain engine's.
+    lp = [o["logprobs"] for o in c["runs"][0]["outputs"]]
+    want = [o["logprobs"] for o in edge_plain["runs"][0]["outputs"]]
+    assert all(len(x) == MAX_TOKENS for x in lp)
+    diffs = [max(abs(a - b) for a, b in zip(x, y)) for x, y in zip(lp, want)]
+    assert max(diffs) <= 1e-5, diffs
+    # 79 and 111 tokens are prefilled locally (the producer is told), 100 pulled.
+    assert c["scheduler_stats"]["window_local"] == 2, c["scheduler_stats"]
+    assert c["worker_stats"]["pulls_done"] == 1 and c["worker_stats"]["pulls_failed"] == 0
+    assert c["worker_stats"]["rejects_sent"] == 2, c["worker_stats"]
+    assert c["metrics"]["vllm:prompt_tokens_cached_by_source{source=p2p}"] == 100, c["metrics"]
+
+
 # ---- Mamba2 hybrid (state group + full attention) --------------------------------------------
 
 #: vLLM raises the attention block size to 64 so an attention page holds a Mamba state page.

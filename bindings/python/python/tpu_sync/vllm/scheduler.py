@@ -116,10 +116,12 @@ class SchedulerSide:
         #: refused, requests rejected at their producers; layer-wise consumer requests pulled
         #: whole instead (a sliding window the producer's blocks do not cover from the first
         #: computed token); P/D prompts a producer of a model with state groups shortened by their
-        #: last token.
+        #: last token; P/D requests a consumer prefilled locally because the sliding window of the
+        #: first token vLLM computes after the load starts before the producer's held blocks.
         self.stats: Dict[str, int] = dict(
             host_hit_tokens=0, p2p_tokens=0, p2p_failed_tokens=0, saved_blocks=0, loaded_blocks=0, failed_loads=0,
             lookups=0, handed_off=0, refused_params=0, rejects=0, layerwise_whole=0, state_truncated=0,
+            window_local=0,
         )
 
     # ---- start-up -----------------------------------------------------------------------
@@ -192,6 +194,20 @@ class SchedulerSide:
                 return 0, False
             n = self._remote_tokens(request, params)
             if n is not None and n > 0:
+                if not self._layerwise_covers(min(n, int(request.num_tokens) - 1), n):
+                    # vLLM computes token min(n, T - 1) after a load of n tokens (the last
+                    # prompt token again after a whole-prompt load), whose sliding window
+                    # starts one block before the producer's held blocks of n tokens (vLLM's
+                    # producer freed that block before request_finished; a consumer told of n
+                    # tokens gets its null block there): no load from this producer computes
+                    # it right, so prefill it locally (the producer is told: reject).
+                    if request.request_id not in self._pd_local_hit_logged:
+                        self._pd_local_hit_logged.add(request.request_id)
+                        self.stats["window_local"] += 1
+                        log.info("tpu_sync: request %s: the window of the recomputed token %d starts before the "
+                                 "producer's blocks of %d tokens; prefilling locally", request.request_id,
+                                 min(n, int(request.num_tokens) - 1), n)
+                    return 0, False
                 if self.cfg.layerwise:
                     # A synchronous load read layer by layer by this step's forward; vLLM
                     # computes at least the last prompt token (block-aligned, as host-tier hits).
