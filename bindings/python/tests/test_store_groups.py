@@ -96,3 +96,66 @@ def test_grouped_prefix_rule_and_warm_restart(data):
         for x in src + other + dst:
             x.close()
         c.close()
+
+
+SB = 3 * 288 * 4 + 4 * 64 * 16 * 4  # a Mamba2 layer's state slot: conv (3, 288) + SSM (4, 64, 16) f32
+NS = 6  # state slots in the state buffer
+STATE_GROUPS = [dict(role="state", part_bytes=SB), dict(role="full", part_bytes=LBB)]
+
+
+def test_state_part_belongs_to_the_block_it_was_taken_at(data):
+    """A Mamba-style state group beside a full-attention group: a state part is stored at the
+    block after which the state was taken, and a prefix of ``n`` blocks needs the state part of
+    block ``n - 1``. With state parts at blocks 1 and 3 of a, the hit is 4 blocks; once block
+    3's state part is gone it is 2 (block 2 has none), never 3, and a get of that prefix gives
+    a's own state slot, never b's."""
+    c = tpu_sync.Client(cpu_devices=1)
+    kv = c.buffer_from_host(data(NB * LBB, 90), shape=(NB, 2, BT, 64), dtype="f32")
+    states = c.buffer_from_host(data(NS * SB, 91), shape=(NS, SB // 4), dtype="f32")
+    other_states = c.buffer_from_host(data(NS * SB, 92), shape=(NS, SB // 4), dtype="f32")
+    dst_kv = c.buffer_from_host(bytes(NB * LBB), shape=(NB, 2, BT, 64), dtype="f32")
+    dst_states = c.buffer_from_host(bytes(NS * SB), shape=(NS, SB // 4), dtype="f32")
+    kv_b, st_b, ost_b = kv.read(), states.read(), other_states.read()
+    try:
+        with tpu_sync.Store(namespace="py-test groups state:0;full:1", block_bytes=LBB, capacity_bytes=64 * LBB,
+                            lock_memory=False, populate=False, client=c) as s:
+            a = s.chain_keys(list(range(4 * BT)), BT)
+            b = s.chain_keys(list(range(7000, 7000 + 4 * BT)), BT)
+
+            def put(keys, state_buf, at):
+                ps = [(i, 1, [(kv, (4 + i) * LBB, LBB)]) for i in range(4)]
+                ps += [(i, 0, [(state_buf, slot * SB, SB)]) for i, slot in at.items()]
+                return s.put_groups_from_device(STATE_GROUPS, BT, keys, ps)
+
+            # (A state part larger than one tier block takes several slots: ``stored`` counts
+            # slots, ``bytes`` the parts' bytes.)
+            assert put(a, states, {1: 2, 3: 4})["bytes"] == 4 * LBB + 2 * SB
+            assert put(b, other_states, {0: 0, 1: 1, 2: 2, 3: 3})["bytes"] == 4 * LBB + 4 * SB
+            assert s.lookup_groups(STATE_GROUPS, BT, a) == 4
+            assert s.lookup_groups(STATE_GROUPS, BT, a[:3]) == 2  # block 2 holds no state
+            assert s.lookup_groups(STATE_GROUPS, BT, b) == 4
+            # A state part of the wrong size is refused, nothing stored.
+            with pytest.raises(errors.InvalidArgumentError):
+                s.put_groups_from_device(STATE_GROUPS, BT, a[:1], [(0, 1, [(kv, 0, LBB)]),
+                                                                   (0, 0, [(states, 0, SB - 4)])])
+            assert s.remove([a[3]]) >= 1  # the state part taken after block 3
+            assert s.lookup_groups(STATE_GROUPS, BT, a) == 2
+            assert s.pin_groups(STATE_GROUPS, BT, a, 3) is None
+            lease = s.pin_groups(STATE_GROUPS, BT, a, 2)
+            assert lease is not None
+            got = s.get_groups_to_device(STATE_GROUPS, BT, a, [(0, 1, [(dst_kv, 0, LBB)]),
+                                                               (1, 1, [(dst_kv, LBB, LBB)]),
+                                                               (1, 0, [(dst_states, 5 * SB, SB)])])
+            assert got.delivered == 3, got
+            lease.close()
+            want_kv = bytearray(NB * LBB)
+            want_kv[:2 * LBB] = kv_b[4 * LBB:6 * LBB]
+            want_st = bytearray(NS * SB)
+            want_st[5 * SB:] = st_b[2 * SB:3 * SB]  # a's state after block 1 (slot 2), not b's
+            assert dst_kv.read() == bytes(want_kv)
+            assert dst_states.read() == bytes(want_st)
+            assert bytes(want_st[5 * SB:]) != ost_b[1 * SB:2 * SB]
+    finally:
+        for x in (kv, states, other_states, dst_kv, dst_states):
+            x.close()
+        c.close()
