@@ -109,6 +109,10 @@ pub struct BenchArgs {
     /// Payload bytes per data frame (chunk), as `--chunk-bytes` of the prefill/decode commands.
     #[arg(long, default_value_t = 1 << 20)]
     pub chunk_bytes: u64,
+    /// QUIC connections this process opens to the other one (the connecting side of every pull
+    /// and push), as `EndpointOptions::quic_connections_per_peer`.
+    #[arg(long, default_value_t = tpu_sync::net::quic::DEFAULT_CONNECTIONS_PER_PEER)]
+    pub quic_connections: u32,
     /// Operations timed by `latency` per system (default 1000; 20 with --quick).
     #[arg(long)]
     pub samples: Option<u32>,

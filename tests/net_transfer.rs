@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use net_util::*;
 use tpu_sync::net::{
-    Endpoint, PeerMap, PullRequest, PushRequest, SourceOutcome, SourceRegistration, TransportKind,
+    Endpoint, EndpointOptions, PeerMap, PullRequest, PushRequest, SourceOutcome,
+    SourceRegistration, TransportKind,
 };
 use tpu_sync::plan::{Placement, Plan};
 
@@ -580,5 +581,59 @@ fn request_ids_must_survive_json() {
         // A JSON number parsed as a double (as Python or JavaScript do) keeps the id.
         let v: serde_json::Value = serde_json::from_str(&json).unwrap();
         assert_eq!(v["request_id"].as_f64().unwrap() as u64, max);
+    });
+}
+
+/// QUIC with one and with three connections per peer (lanes spread over them) moves every layout
+/// byte-exactly both ways; zero connections is refused when the endpoint is made.
+#[test]
+fn quic_connections_per_peer() {
+    run(Duration::from_secs(120), async {
+        let pki = pki(&["prefill", "decode"]);
+        let m = model(2);
+        for n in [1, 3] {
+            let mk = |name: &str| EndpointOptions {
+                quic_connections_per_peer: n,
+                ..opts(
+                    TransportKind::Quic,
+                    security(TransportKind::Quic, &pki, name),
+                    name,
+                    true,
+                )
+            };
+            let prefill = Endpoint::bind(mk("prefill")).await.unwrap();
+            let decode = Endpoint::bind(mk("decode")).await.unwrap();
+            let mut rid = 7000 + 100 * n as u64;
+            for (i, (s, d, t, dp)) in LAYOUTS.iter().enumerate().take(3) {
+                let c = case(&m, s, d, *t, *dp, i as u64 + 40);
+                rid += 1;
+                assert_eq!(
+                    pull_once(&prefill, &decode, &c, rid).await,
+                    c.plan.total_bytes()
+                );
+                rid += 1;
+                assert_eq!(
+                    push_once(&prefill, &decode, &c, rid).await,
+                    c.plan.total_bytes()
+                );
+            }
+            assert_eq!(decode.stats().checksum_failures, 0);
+            prefill.shutdown(None).await;
+            decode.shutdown(None).await;
+        }
+        let zero = EndpointOptions {
+            quic_connections_per_peer: 0,
+            ..opts(
+                TransportKind::Quic,
+                security(TransportKind::Quic, &pki, "decode"),
+                "decode",
+                true,
+            )
+        };
+        let e = Endpoint::bind(zero)
+            .await
+            .err()
+            .expect("0 connections refused");
+        assert_eq!(e.kind(), tpu_sync::ErrorKind::InvalidArgument, "{e}");
     });
 }

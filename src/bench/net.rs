@@ -452,6 +452,7 @@ fn options(
     listen: Option<std::net::SocketAddr>,
     streams: u32,
     chunk_bytes: u64,
+    quic_connections: u32,
 ) -> Result<EndpointOptions> {
     Ok(EndpointOptions {
         name,
@@ -465,6 +466,7 @@ fn options(
         lease_ttl: Duration::from_secs(3600),
         streams_per_pair: streams,
         chunk_bytes,
+        quic_connections_per_peer: quic_connections,
         ..EndpointOptions::default()
     })
 }
@@ -567,6 +569,7 @@ pub fn peer_main(a: &PeerArgs) -> Result<ExitCode> {
             Some(([127, 0, 0, 1], 0).into()),
             a.streams,
             a.chunk_bytes,
+            tpu_sync::net::quic::DEFAULT_CONNECTIONS_PER_PEER,
         )?;
         let ep = rt.block_on(Endpoint::bind(o))?;
         addrs.insert(
@@ -888,6 +891,7 @@ impl Peer {
                 None,
                 a.streams,
                 a.chunk_bytes,
+                a.quic_connections,
             )?;
             let ep = Arc::new(rt.block_on(Endpoint::bind(o))?);
             let _g = rt.enter();

@@ -377,9 +377,14 @@ pub fn real_transport(opts: &EndpointOptions) -> Arc<dyn Transport> {
         TransportKind::Tls => {
             Arc::new(tpu_sync::net::tcp::TcpTransport::tls(opts.security.clone(), t).unwrap())
         }
-        TransportKind::Quic => {
-            Arc::new(tpu_sync::net::quic::QuicTransport::new(opts.security.clone(), t).unwrap())
-        }
+        TransportKind::Quic => Arc::new(
+            tpu_sync::net::quic::QuicTransport::new(
+                opts.security.clone(),
+                t,
+                opts.quic_connections_per_peer,
+            )
+            .unwrap(),
+        ),
         TransportKind::Shm => Arc::new(tpu_sync::net::shm::ShmTransport::new(t)),
     }
 }

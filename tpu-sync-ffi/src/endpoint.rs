@@ -161,6 +161,7 @@ struct EndpointJson {
     streams_per_pair: Option<u32>,
     max_lanes_per_peer: Option<u32>,
     max_inbound_lanes: Option<u32>,
+    quic_connections_per_peer: Option<u32>,
     staging_budget_bytes: Option<u64>,
     staging_wait_s: Option<f64>,
     dma_map: Option<bool>,
@@ -275,6 +276,9 @@ fn options(j: EndpointJson) -> FfiResult<Config> {
     if let Some(n) = j.max_inbound_lanes {
         o.max_inbound_lanes = n;
     }
+    if let Some(n) = j.quic_connections_per_peer {
+        o.quic_connections_per_peer = n;
+    }
     Ok(Config {
         endpoint: o,
         transfer: t,
@@ -295,6 +299,7 @@ fn options(j: EndpointJson) -> FfiResult<Config> {
 ///  "lease_ttl_s": 120,          // how long an unreleased registration is kept without holders
 ///  "chunk_bytes": 1048576, "streams_per_pair": 2, "max_lanes_per_peer": 16,
 ///  "max_inbound_lanes": 4096,  // inbound sockets/streams served at once; more are closed
+///  "quic_connections_per_peer": 2, // QUIC only: connections opened to each peer (>= 1)
 ///  "staging_budget_bytes": 1073741824, // this endpoint's own budget of pinned staging bytes
 ///                               // (default: the process-wide budget, a quarter of the memory
 ///                               // the process may use, capped by RLIMIT_MEMLOCK; env

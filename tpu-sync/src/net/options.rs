@@ -44,6 +44,12 @@ pub struct EndpointOptions {
     /// connections cannot exhaust tasks or file descriptors. Size it to at least
     /// `peers x (max_lanes_per_peer + 1)` of the peers expected to connect.
     pub max_inbound_lanes: u32,
+    /// QUIC connections this endpoint opens to each peer it connects to (>= 1; QUIC only: TCP and
+    /// TLS already give every lane its own socket). Lanes go to the connection with the fewest
+    /// open lanes; each connection is driven on its own task, so the per-datagram work (AES-GCM,
+    /// packetisation, acknowledgements) of different lanes runs on different runtime threads.
+    /// Default [`crate::net::quic::DEFAULT_CONNECTIONS_PER_PEER`].
+    pub quic_connections_per_peer: u32,
     /// Test-only faults injected by this endpoint when it sends.
     #[doc(hidden)]
     pub faults: FaultHooks,
@@ -66,6 +72,7 @@ impl Default for EndpointOptions {
             streams_per_pair: 2,
             max_lanes_per_peer: 16,
             max_inbound_lanes: 4096,
+            quic_connections_per_peer: crate::net::quic::DEFAULT_CONNECTIONS_PER_PEER,
             faults: FaultHooks::default(),
         }
     }

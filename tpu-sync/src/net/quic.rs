@@ -1,4 +1,14 @@
-//! QUIC transport (quinn): one QUIC connection per peer, one bidirectional stream per lane.
+//! QUIC transport (quinn): a few QUIC connections per peer
+//! ([`crate::net::EndpointOptions::quic_connections_per_peer`], default
+//! [`DEFAULT_CONNECTIONS_PER_PEER`]), one bidirectional stream per lane, each lane on the
+//! connection with the fewest open lanes.
+//!
+//! Why more than one connection: quinn drives each connection (packetisation, acknowledgements,
+//! AES-GCM of every datagram) on one task, so all lanes of one connection share one core; the
+//! profile of `bench net --transports quic` put 30% of the runtime threads' time in that task
+//! (docs/performance.md). Each extra connection of the connecting side also gets its own UDP
+//! socket and quinn endpoint, so receiving is spread too. The accepting side needs nothing:
+//! it queues the lanes of every authenticated connection alike.
 //!
 //! TLS 1.3 is part of QUIC: both sides present certificates and check each other with the
 //! [`super::tls::Security`] in force (CA-signed certificates or a PSK-derived pinned key); there
@@ -7,16 +17,21 @@
 //! (a stream open costs no round trip), and an endpoint uses one UDP socket for listening and
 //! connecting.
 //!
-//! Datagram size and socket buffers, for throughput: path MTU discovery probes up to
-//! [`MAX_UDP_PAYLOAD`] (quinn's default stops at 1452 bytes; loopback and jumbo-frame networks
-//! carry far larger datagrams, and per-datagram costs, crypto and system calls, dominate QUIC's
-//! CPU time), and the UDP socket asks for [`UDP_BUFFER_BYTES`] of send and receive buffer (the
-//! 208 KiB default drops datagrams of a fast sender before the receiver runs; the kernel caps the
-//! request at `net.core.{r,w}mem_max`).
+//! Datagram size and socket buffers, for throughput: path MTU discovery's upper bound is
+//! [`MAX_UDP_PAYLOAD`], but what a peer accepts caps it: quinn's endpoint default of 1472 bytes
+//! (the Ethernet payload), which this transport keeps, so QUIC datagrams are at most 1472 bytes
+//! even on loopback. Raising the accepted size was measured and rejected (docs/performance.md,
+//! QUIC): on loopback the large datagrams were dropped by the receiving socket, quinn's
+//! black-hole detection then fell back to 1200 bytes, and throughput did not rise. The UDP
+//! socket asks for [`UDP_BUFFER_BYTES`] of send and receive buffer (the 208 KiB default drops
+//! datagrams of a fast sender before the receiver runs; the kernel caps the request at
+//! `net.core.{r,w}mem_max`). Each connection's stats (packets sent and lost, congestion events,
+//! MTU, window, RTT) are logged at debug level when it closes.
 
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -39,12 +54,17 @@ use crate::error::{Error, Result};
 pub(crate) struct QuicStream {
     send: quinn::SendStream,
     recv: quinn::RecvStream,
+    /// Open-lane count of the connection it was opened on (connecting side only).
+    load: Option<Arc<AtomicUsize>>,
 }
 
 impl Drop for QuicStream {
     fn drop(&mut self) {
         let _ = self.send.reset(VarInt::from_u32(0));
         let _ = self.recv.stop(VarInt::from_u32(0));
+        if let Some(l) = &self.load {
+            l.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -82,11 +102,20 @@ pub struct QuicTransport {
     timeouts: TransportTimeouts,
     client: quinn::ClientConfig,
     server: quinn::ServerConfig,
+    /// Connections opened to each peer (>= 1).
+    connections: usize,
+    /// The listening endpoint, or the first client endpoint: connection 0 of every peer.
     endpoint: std::sync::Mutex<Option<quinn::Endpoint>>,
+    /// Client-only endpoints (own UDP sockets) of connections 1.. of every peer.
+    extra: std::sync::Mutex<Vec<quinn::Endpoint>>,
 }
 
-/// Largest UDP payload path MTU discovery probes for (QUIC's limit; the largest IPv4 UDP payload
-/// is 65507). Discovery settles on what the path carries.
+/// Default QUIC connections per peer: 2, one per core of the 2-core machines the figures of
+/// docs/performance.md come from; more pays where more cores run the runtime.
+pub const DEFAULT_CONNECTIONS_PER_PEER: u32 = 2;
+
+/// Upper bound of path MTU discovery (the largest IPv4 UDP payload). The peer's accepted
+/// payload size (quinn's default, 1472 bytes) caps it first; see the module docs.
 pub const MAX_UDP_PAYLOAD: u16 = 65507;
 
 /// Send and receive buffer requested for the QUIC UDP socket (capped by the kernel).
@@ -153,8 +182,20 @@ fn transport_config() -> quinn::TransportConfig {
 }
 
 impl QuicTransport {
-    /// A QUIC transport authenticated by `security` (CA or PSK; [`Security::None`] is refused).
-    pub fn new(security: Security, timeouts: TransportTimeouts) -> Result<QuicTransport> {
+    /// A QUIC transport authenticated by `security` (CA or PSK; [`Security::None`] is refused)
+    /// that opens `connections` QUIC connections to each peer it connects to.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for `connections == 0` or credentials rustls refuses.
+    pub fn new(
+        security: Security,
+        timeouts: TransportTimeouts,
+        connections: u32,
+    ) -> Result<QuicTransport> {
+        if connections == 0 {
+            return Err(Error::InvalidArgument(
+                "quic_connections_per_peer must be >= 1".into(),
+            ));
+        }
         let tc = Arc::new(transport_config());
         let cc = QuicClientConfig::try_from(security.client_config()?)
             .map_err(|e| Error::InvalidArgument(format!("QUIC client config: {e}")))?;
@@ -169,23 +210,56 @@ impl QuicTransport {
             timeouts,
             client,
             server,
+            connections: connections as usize,
             endpoint: std::sync::Mutex::new(None),
+            extra: std::sync::Mutex::new(Vec::new()),
         })
     }
 
-    fn endpoint_for(&self, remote: SocketAddr) -> Result<quinn::Endpoint> {
-        let mut g = self.endpoint.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(e) = g.as_ref() {
-            return Ok(e.clone());
-        }
+    /// The quinn endpoint of connection `index` to `remote`: the shared one (listening, or the
+    /// first client endpoint) for 0, a client-only endpoint of its own for each other index,
+    /// made on first use and kept for every peer.
+    fn endpoint_for(&self, remote: SocketAddr, index: usize) -> Result<quinn::Endpoint> {
         let bind: SocketAddr = if remote.is_ipv4() {
             ([0, 0, 0, 0], 0).into()
         } else {
             (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
         };
-        let e = quinn_endpoint(bind, None)?;
-        *g = Some(e.clone());
-        Ok(e)
+        if index == 0 {
+            let mut g = self.endpoint.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(e) = g.as_ref() {
+                return Ok(e.clone());
+            }
+            let e = quinn_endpoint(bind, None)?;
+            *g = Some(e.clone());
+            return Ok(e);
+        }
+        let mut g = self.extra.lock().unwrap_or_else(|p| p.into_inner());
+        while g.len() < index {
+            g.push(quinn_endpoint(bind, None)?);
+        }
+        Ok(g[index - 1].clone())
+    }
+
+    /// One authenticated QUIC connection to `addr` on the endpoint of connection `index`,
+    /// within the connect and handshake timeouts.
+    async fn connect_one(&self, addr: SocketAddr, index: usize) -> Result<quinn::Connection> {
+        let ep = self.endpoint_for(addr, index)?;
+        let name = self.security.server_name();
+        let connecting = ep
+            .connect_with(self.client.clone(), addr, &name.to_str())
+            .map_err(|e| Error::InvalidArgument(format!("QUIC connect to {addr}: {e}")))?;
+        let limit = self.timeouts.connect + self.timeouts.handshake;
+        match tokio::time::timeout(limit, connecting).await {
+            Err(_) => Err(Error::Timeout(format!(
+                "QUIC connect/handshake with {addr} took longer than {limit:?}"
+            ))),
+            Ok(Err(e)) => Err(Error::PeerClosed(format!(
+                "QUIC connection to {addr} failed (peer not authenticated, refused us, or not \
+                 listening): {e}"
+            ))),
+            Ok(Ok(c)) => Ok(c),
+        }
     }
 
     fn psk(&self) -> bool {
@@ -203,7 +277,40 @@ impl Drop for QuicTransport {
         {
             e.close(VarInt::from_u32(0), b"endpoint closed");
         }
+        for e in self
+            .extra
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            e.close(VarInt::from_u32(0), b"endpoint closed");
+        }
     }
+}
+
+/// Runs `futs` concurrently on the calling task and gives their outputs in order (what
+/// `futures::future::join_all` does, without the dependency for one use).
+async fn join_all<F: std::future::Future>(futs: impl Iterator<Item = F>) -> Vec<F::Output> {
+    let mut pending: Vec<Pin<Box<F>>> = futs.map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = pending.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut all = true;
+        for (f, o) in pending.iter_mut().zip(out.iter_mut()) {
+            if o.is_none() {
+                match f.as_mut().poll(cx) {
+                    Poll::Ready(v) => *o = Some(v),
+                    Poll::Pending => all = false,
+                }
+            }
+        }
+        if all {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    })
+    .await;
+    out.into_iter().flatten().collect()
 }
 
 fn identity_of(c: &quinn::Connection, psk: bool) -> Option<String> {
@@ -212,19 +319,46 @@ fn identity_of(c: &quinn::Connection, psk: bool) -> Option<String> {
     cert_identity(Some(&certs), psk)
 }
 
+/// The QUIC connections to one peer, each with its count of open lanes.
 struct QuicConn {
-    conn: quinn::Connection,
+    conns: Vec<(quinn::Connection, Arc<AtomicUsize>)>,
     peer: PeerInfo,
+}
+
+impl QuicConn {
+    /// The live connection with the fewest open lanes (the first on a tie); a closed one only
+    /// when all are closed (its `open_bi` then reports why).
+    fn least_loaded(&self) -> &(quinn::Connection, Arc<AtomicUsize>) {
+        let live = self
+            .conns
+            .iter()
+            .filter(|(c, _)| c.close_reason().is_none())
+            .min_by_key(|(_, n)| n.load(Ordering::Relaxed));
+        live.unwrap_or(&self.conns[0])
+    }
 }
 
 impl Connection for QuicConn {
     fn open_lane(&self) -> BoxFut<'_, Result<Box<dyn Lane>>> {
         Box::pin(async move {
-            let (send, recv) = self.conn.open_bi().await.map_err(|e| {
-                Error::PeerClosed(format!("QUIC stream to {}: {e}", self.peer.addr))
-            })?;
+            let (conn, load) = self.least_loaded();
+            load.fetch_add(1, Ordering::Relaxed);
+            let (send, recv) = match conn.open_bi().await {
+                Ok(s) => s,
+                Err(e) => {
+                    load.fetch_sub(1, Ordering::Relaxed);
+                    return Err(Error::PeerClosed(format!(
+                        "QUIC stream to {}: {e}",
+                        self.peer.addr
+                    )));
+                }
+            };
             Ok(Box::new(Wrapped {
-                inner: QuicStream { send, recv },
+                inner: QuicStream {
+                    send,
+                    recv,
+                    load: Some(load.clone()),
+                },
                 peer: self.peer.clone(),
             }) as Box<dyn Lane>)
         })
@@ -235,13 +369,29 @@ impl Connection for QuicConn {
     }
 
     fn close(&self) {
-        self.conn.close(VarInt::from_u32(0), b"closed");
+        for (i, (c, _)) in self.conns.iter().enumerate() {
+            let st = c.stats();
+            log::debug!(
+                "QUIC connection {i} to {} closed: {} packets sent, {} lost ({} bytes) in {} \
+                 congestion events, MTU {}, cwnd {} bytes, RTT {:?} (min {:?})",
+                self.peer.addr,
+                st.path.sent_packets,
+                st.path.lost_packets,
+                st.path.lost_bytes,
+                st.path.congestion_events,
+                st.path.current_mtu,
+                st.path.cwnd,
+                st.path.rtt,
+                st.path.min_rtt
+            );
+            c.close(VarInt::from_u32(0), b"closed");
+        }
     }
 }
 
 impl Drop for QuicConn {
     fn drop(&mut self) {
-        self.conn.close(VarInt::from_u32(0), b"closed");
+        self.close();
     }
 }
 
@@ -281,7 +431,11 @@ impl Transport for QuicTransport {
                         };
                         while let Ok((send, recv)) = conn.accept_bi().await {
                             let lane = Wrapped {
-                                inner: QuicStream { send, recv },
+                                inner: QuicStream {
+                                    send,
+                                    recv,
+                                    load: None,
+                                },
                                 peer: peer.clone(),
                             };
                             if !queue.send(Box::new(lane)).await {
@@ -298,31 +452,18 @@ impl Transport for QuicTransport {
 
     fn connect(&self, addr: SocketAddr) -> BoxFut<'_, Result<Arc<dyn Connection>>> {
         Box::pin(async move {
-            let ep = self.endpoint_for(addr)?;
-            let name = self.security.server_name();
-            let connecting = ep
-                .connect_with(self.client.clone(), addr, &name.to_str())
-                .map_err(|e| Error::InvalidArgument(format!("QUIC connect to {addr}: {e}")))?;
-            let limit = self.timeouts.connect + self.timeouts.handshake;
-            let conn = match tokio::time::timeout(limit, connecting).await {
-                Err(_) => {
-                    return Err(Error::Timeout(format!(
-                        "QUIC connect/handshake with {addr} took longer than {limit:?}"
-                    )))
-                }
-                Ok(Err(e)) => {
-                    return Err(Error::PeerClosed(format!(
-                        "QUIC connection to {addr} failed (peer not authenticated, refused us, or \
-                         not listening): {e}"
-                    )))
-                }
-                Ok(Ok(c)) => c,
-            };
+            // All connections handshake at once; any failure fails the connect (the ones that
+            // were made close when dropped).
+            let attempts = (0..self.connections).map(|i| self.connect_one(addr, i));
+            let mut conns = Vec::with_capacity(self.connections);
+            for r in join_all(attempts).await {
+                conns.push((r?, Arc::new(AtomicUsize::new(0))));
+            }
             let peer = PeerInfo {
                 addr,
-                identity: identity_of(&conn, self.psk()),
+                identity: identity_of(&conns[0].0, self.psk()),
             };
-            Ok(Arc::new(QuicConn { conn, peer }) as Arc<dyn Connection>)
+            Ok(Arc::new(QuicConn { conns, peer }) as Arc<dyn Connection>)
         })
     }
 }

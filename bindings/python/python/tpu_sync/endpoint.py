@@ -167,6 +167,7 @@ class Endpoint(Handle):
             which a peer is declared dead (its transfers fail, its leases end).
         lease_s: how long a registration is kept without a live consumer (endpoint-wide).
         chunk_bytes, streams_per_pair, max_lanes_per_peer: network tuning (see the Rust docs).
+        quic_connections_per_peer: QUIC only, connections opened to each peer (>= 1; default 2).
         max_inbound_lanes: inbound sockets/streams served at once (default 4096); a connection
             beyond it is closed at once and counted in ``stats()["lanes_refused"]``.
         staging_budget_bytes: this endpoint's own budget of pinned staging bytes (registrations,
@@ -201,7 +202,8 @@ class Endpoint(Handle):
                  max_inbound_lanes: Optional[int] = None, staging_budget_bytes: Optional[int] = None,
                  staging_wait: Optional[float] = None, dma_map: Optional[bool] = None,
                  wait_for_registration: Optional[float] = None,
-                 staging_pool_bytes: Optional[int] = None) -> None:
+                 staging_pool_bytes: Optional[int] = None,
+                 quic_connections_per_peer: Optional[int] = None) -> None:
         self._ptr = None
         cfg: Dict[str, Any] = {"transport": ck.text("transport", transport),
                                "timeout_s": ck.number("timeout", timeout, positive=True)}
@@ -227,7 +229,8 @@ class Endpoint(Handle):
             if v is not None:
                 cfg[k] = ck.u64(k, v)
         for k, v in dict(streams_per_pair=streams_per_pair, max_lanes_per_peer=max_lanes_per_peer,
-                         max_inbound_lanes=max_inbound_lanes).items():
+                         max_inbound_lanes=max_inbound_lanes,
+                         quic_connections_per_peer=quic_connections_per_peer).items():
             if v is not None:
                 cfg[k] = ck.u32(k, v)
         if name is not None:

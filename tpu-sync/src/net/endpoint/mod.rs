@@ -187,7 +187,11 @@ pub(crate) fn make_transport(o: &EndpointOptions) -> Result<Arc<dyn Transport>> 
             Arc::new(TcpTransport::plain(t))
         }
         TransportKind::Tls => Arc::new(TcpTransport::tls(o.security.clone(), t)?),
-        TransportKind::Quic => Arc::new(QuicTransport::new(o.security.clone(), t)?),
+        TransportKind::Quic => Arc::new(QuicTransport::new(
+            o.security.clone(),
+            t,
+            o.quic_connections_per_peer,
+        )?),
         TransportKind::Shm => {
             if o.security.is_authenticated() {
                 return Err(Error::InvalidArgument(
