@@ -254,3 +254,91 @@ fn config_changes_apply_to_later_chunks() {
     assert_eq!(run(&pacer), 4);
     assert!(pacer.stats().peak_inflight_bytes <= 30_000);
 }
+
+/// Small batches of host-addressable copies on an idle engine run on the submitting thread
+/// (counted in `inline_batches`), byte-exact both ways and at the right offsets; a paused
+/// engine, a batch over `INLINE_COPY_BYTES` and a batch over one chunk go through the issuer.
+#[test]
+fn small_batches_on_an_idle_engine_copy_inline() {
+    let c = common::client(1);
+    let caps = Capabilities::probe(&c).unwrap();
+    let dev = c.device(0).unwrap();
+    let n = 400_000usize;
+    let data = pattern(n, 900);
+    let src = c
+        .buffer_from_host(&data, ElementType::U8, &[n as i64], &dev)
+        .unwrap();
+    let orig = pattern(n, 901);
+    let dst = c
+        .buffer_from_host(&orig, ElementType::U8, &[n as i64], &dev)
+        .unwrap();
+    for b in [&src, &dst] {
+        b.ready_event().unwrap().wait().unwrap();
+    }
+    let pacer = Pacer::new(PacingConfig::default()).unwrap();
+    let d2h = |buf: &DeviceBuffer, pieces: &[(u64, u64)]| {
+        let total: u64 = pieces.iter().map(|p| p.1).sum();
+        let mut out = vec![0u8; total as usize];
+        let mut b = CopyBatch::d2h();
+        let mut at = 0usize;
+        for &(off, len) in pieces {
+            b.push(buf, off, len, out[at..].as_mut_ptr()).unwrap();
+            at += len as usize;
+        }
+        // SAFETY: `out` outlives the wait.
+        let h = unsafe { b.submit(&pacer) }.unwrap();
+        assert!(h.wait_timeout(LIMIT));
+        assert_eq!(h.wait().unwrap().bytes, total);
+        out
+    };
+    // D2H of two pieces, inline.
+    let out = d2h(&src, &[(1000, 40_960), (100_000, 61_440)]);
+    assert_eq!(&out[..40_960], &data[1000..41_960]);
+    assert_eq!(&out[40_960..], &data[100_000..161_440]);
+    assert_eq!(
+        (pacer.stats().batches, pacer.stats().inline_batches),
+        (1, 1)
+    );
+    // H2D of 50,000 bytes at offset 12,345, inline; the rest of the buffer untouched.
+    let up = pattern(50_000, 902);
+    let mut b = CopyBatch::h2d(&caps).unwrap();
+    b.push(&dst, 12_345, up.len() as u64, up.as_ptr() as *mut u8)
+        .unwrap();
+    // SAFETY: `up` outlives the wait.
+    let h = unsafe { b.submit(&pacer) }.unwrap();
+    assert_eq!(h.wait().unwrap().bytes, 50_000);
+    assert_eq!(pacer.stats().inline_batches, 2);
+    // A batch over INLINE_COPY_BYTES goes through the issuer (and reads the H2D's bytes).
+    let all = d2h(&dst, &[(0, n as u64)]);
+    let mut want = orig.clone();
+    want[12_345..62_345].copy_from_slice(&up);
+    assert_eq!(all, want);
+    assert!(n as u64 > tpu_sync::device::INLINE_COPY_BYTES);
+    let st = pacer.stats();
+    assert_eq!(
+        (st.batches, st.inline_batches, st.failed_batches),
+        (3, 2, 0)
+    );
+    // Paused: a small batch waits in the queue until resume.
+    pacer.pause();
+    let mut out = vec![0u8; 4096];
+    let mut b = CopyBatch::d2h();
+    b.push(&src, 7, 4096, out.as_mut_ptr()).unwrap();
+    // SAFETY: `out` outlives the wait.
+    let h = unsafe { b.submit(&pacer) }.unwrap();
+    assert!(
+        !h.wait_timeout(Duration::from_millis(200)),
+        "ran while paused"
+    );
+    pacer.resume();
+    assert_eq!(h.wait().unwrap().bytes, 4096);
+    assert_eq!(&out[..], &data[7..4103]);
+    // A chunk size below the batch: issued in chunks by the issuer.
+    pacer.set_config(PacingConfig {
+        chunk_bytes: 1000,
+        max_inflight_bytes: 0,
+    });
+    assert_eq!(d2h(&src, &[(0, 4000)]), &data[..4000]);
+    let st = pacer.stats();
+    assert_eq!((st.batches, st.inline_batches), (5, 2));
+}

@@ -693,7 +693,8 @@ pub extern "C" fn tpu_sync_pacing_pause(paused: bool) -> tpu_sync_status {
 
 /// Writes the process-wide pacer's configuration and counters as JSON into `buf` (`buf`/
 /// `buf_len`/`len_out` as for `tpu_sync_client_info`): `{"chunk_bytes", "max_inflight_bytes",
-/// "bytes", "chunks", "batches", "failed_batches", "inflight_bytes", "peak_inflight_bytes"}`
+/// "bytes", "chunks", "batches", "failed_batches", "inline_batches", "inflight_bytes",
+/// "peak_inflight_bytes"}`
 /// (bytes and chunks count completed copies since the process started).
 ///
 /// # Safety
@@ -714,6 +715,7 @@ pub unsafe extern "C" fn tpu_sync_pacing_stats(
             "chunks": s.chunks,
             "batches": s.batches,
             "failed_batches": s.failed_batches,
+            "inline_batches": s.inline_batches,
             "inflight_bytes": s.inflight_bytes,
             "peak_inflight_bytes": s.peak_inflight_bytes,
         });

@@ -10,7 +10,7 @@ use std::task::{Context, Poll, Waker};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
-use super::pacing::{Counters, Pacer};
+use super::pacing::{host_copy, Counters, Pacer, PendingJob};
 use super::CopyStats;
 use crate::error::{Error, Result};
 use crate::pjrt::ext::RawAlias;
@@ -411,6 +411,9 @@ impl CopyBatch {
                 base: OnceLock::new(),
             }));
         }
+        if let Some(done) = self.try_inline(&kind, &states, pacer)? {
+            return Ok(done);
+        }
         let shared = Arc::new(BatchShared::new(self.pushed.len()));
         let mut events = Vec::new();
         if self.dir == Direction::H2d || matches!(kind, JobKind::D2hHost) {
@@ -470,6 +473,7 @@ impl CopyBatch {
             events,
             max_outstanding_chunks: self.max_outstanding_chunks,
             finished: false,
+            _pending: pacer.pending_job(),
         };
         pacer.enqueue(job)?;
         Ok(CopyHandle {
@@ -477,6 +481,86 @@ impl CopyBatch {
             issuer: pacer.issuer().clone(),
             taken: false,
         })
+    }
+}
+
+/// A batch of host-addressable copies (the XLA CPU plugin's buffers) of at most this many bytes
+/// (and at most one chunk of the pacing configuration) runs on the submitting thread when the
+/// copy engine is idle (nothing queued, waiting or in flight, not paused) and every buffer is
+/// already defined, instead of through the issuer
+/// thread: for small batches the two thread hand-overs (to the issuer and back) cost more than
+/// the copies (docs/performance.md, 64 KiB pulls). Equal to the pipeline's inline H2D limit,
+/// [`crate::transfer::INLINE_H2D_BYTES`]. Such a batch is still counted in [`Pacer::stats`].
+pub const INLINE_COPY_BYTES: u64 = 256 << 10;
+
+impl CopyBatch {
+    /// Runs the batch's copies now on this thread when [`INLINE_COPY_BYTES`] allows (see
+    /// there), returning its completed handle; `None` sends it through the issuer. A copy error
+    /// fails the batch as the issuer would (its first failing op, nothing more copied).
+    fn try_inline(
+        &self,
+        kind: &JobKind,
+        states: &[Arc<BufState>],
+        pacer: &Pacer,
+    ) -> Result<Option<CopyHandle>> {
+        let (d2h, dir) = match kind {
+            JobKind::H2dHost => (false, Direction::H2d),
+            JobKind::D2hHost => (true, Direction::D2h),
+            _ => return Ok(None),
+        };
+        let bytes: u64 = self.ops.iter().map(|o| o.len).sum();
+        if bytes > pacer.inline_room(INLINE_COPY_BYTES) {
+            return Ok(None);
+        }
+        // Every buffer defined now and without error; otherwise the issuer waits on its event.
+        for b in &self.bufs {
+            let ev = b.ready_event()?;
+            if !ev.is_ready()? || ev.wait().is_err() {
+                return Ok(None);
+            }
+        }
+        let shared = Arc::new(BatchShared::new(self.pushed.len()));
+        let mut failed = None;
+        for op in &self.ops {
+            // SAFETY: every op was validated against its buffer's on-device size by `push`;
+            // `states` holds each buffer's external reference and was checked host-addressable
+            // (PJRT_Buffer_IsOnCpu) by `submit`; every buffer is defined (its ready event is
+            // ready without error, above); the host ranges are the caller's, valid and the
+            // batch's alone until the handle completes (submit's contract), which is before
+            // this returns.
+            match unsafe { host_copy(&states[op.buf], op.offset, op.host, op.len, d2h) } {
+                Ok(()) => shared.chunk_ok(op.len),
+                Err(error) => {
+                    failed = Some(CopyError {
+                        op: op.first,
+                        offset: op.offset,
+                        len: op.len,
+                        host: op.host,
+                        error,
+                    });
+                    break;
+                }
+            }
+        }
+        let copied = shared.bytes_done.load(Ordering::Relaxed);
+        let chunks = shared.chunks_done.load(Ordering::Relaxed);
+        let r = match failed {
+            Some(e) => Err(e),
+            None => Ok(CopyStats {
+                bytes: copied,
+                ops: self.pushed.len() as u64,
+                chunks,
+                elapsed: shared.start.elapsed(),
+            }),
+        };
+        pacer.counters().inline_done(copied, chunks, r.is_ok());
+        crate::metrics::device_copy(dir, copied, shared.start.elapsed().as_secs_f64(), r.is_ok());
+        shared.complete(r);
+        Ok(Some(CopyHandle {
+            shared,
+            issuer: pacer.issuer().clone(),
+            taken: false,
+        }))
     }
 }
 
@@ -608,6 +692,8 @@ pub(crate) struct Job {
     pub(crate) events: Vec<Event>,
     pub(crate) max_outstanding_chunks: usize,
     pub(crate) finished: bool,
+    /// Counts the job as pending in its pacer until dropped (after `Drop` below).
+    pub(crate) _pending: PendingJob,
 }
 
 impl Job {

@@ -46,7 +46,7 @@ pub mod pacing;
 
 use std::time::Duration;
 
-pub use batch::{CopyBatch, CopyError, CopyHandle, Direction};
+pub use batch::{CopyBatch, CopyError, CopyHandle, Direction, INLINE_COPY_BYTES};
 pub use pacing::{Pacer, PacerStats, PacingConfig};
 
 use crate::error::Result;

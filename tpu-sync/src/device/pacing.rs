@@ -122,6 +122,9 @@ pub struct PacerStats {
     pub batches: u64,
     /// Batches that completed with an error or were cancelled.
     pub failed_batches: u64,
+    /// Of `batches`: those copied on the submitting thread instead of the issuer's
+    /// ([`crate::device::INLINE_COPY_BYTES`]).
+    pub inline_batches: u64,
     /// Bytes issued and not yet completed right now.
     pub inflight_bytes: u64,
     /// The largest `inflight_bytes` seen since creation or [`Pacer::reset_peak`].
@@ -145,6 +148,18 @@ pub(crate) struct Counters {
     wake_inflight_at: AtomicU64,
     /// Set by [`Pacer::pause`]: no chunk is issued until [`Pacer::resume`].
     paused: std::sync::atomic::AtomicBool,
+    /// Batches submitted to the issuer and not yet dropped by it ([`PendingJob`]).
+    pending_jobs: AtomicU64,
+    inline: AtomicU64,
+}
+
+/// Counts one batch in [`Counters::pending_jobs`] for as long as the issuer holds it.
+pub(crate) struct PendingJob(Arc<Counters>);
+
+impl Drop for PendingJob {
+    fn drop(&mut self) {
+        self.0.pending_jobs.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Counters {
@@ -168,6 +183,18 @@ impl Counters {
             true
         } else {
             false
+        }
+    }
+
+    /// Accounts the copies of a batch run on its submitting thread ([`Pacer::try_inline`]):
+    /// `bytes` in `chunks` completed, and the batch itself.
+    pub(crate) fn inline_done(&self, bytes: u64, chunks: u64, ok: bool) {
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.chunks.fetch_add(chunks, Ordering::Relaxed);
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        self.inline.fetch_add(1, Ordering::Relaxed);
+        if !ok {
+            self.failed.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -297,60 +324,78 @@ impl HostGroup {
     }
 }
 
+/// The host address of `buf`'s device memory (host-addressable buffers only), read once per
+/// batch with `PJRT_Buffer_OpaqueDeviceMemoryDataPointer` and kept in `buf.base`.
+pub(crate) fn host_base(buf: &BufState, d2h: bool) -> Result<usize> {
+    buf.base
+        .get_or_init(|| match buf.xref.opaque_device_ptr() {
+            Ok(p) if !p.is_null() => Ok(p as usize),
+            Ok(_) => Err(Error::Unsupported {
+                plugin: buf.buffer.platform_name().to_string(),
+                what: "OpaqueDeviceMemoryDataPointer returned NULL".into(),
+            }),
+            // A PJRT error (a buffer deleted after submit) keeps its kind and code.
+            Err(e @ Error::Pjrt { .. }) => Err(e),
+            Err(e) => Err(Error::Unsupported {
+                plugin: buf.buffer.platform_name().to_string(),
+                what: e.to_string(),
+            }),
+        })
+        .clone()
+        .map_err(|e| {
+            e.context(format!(
+                "{} through the device pointer",
+                if d2h { "D2H" } else { "in-place H2D" }
+            ))
+        })
+}
+
+/// One host-addressable copy of `len` bytes between `buf`'s device memory at `offset` and the
+/// host address `host`: device to host when `d2h`, else host to device.
+///
+/// # Safety
+/// The range was validated against the buffer's on-device size (at push time); the device
+/// memory is host-addressable (`PJRT_Buffer_IsOnCpu`, checked at submit) and kept alive by the
+/// external reference in `buf`; the buffer was defined (its ready event) before the copy; the
+/// host range is valid for the batch's life, a distinct allocation, and exclusively the batch's
+/// when written (the submit contract).
+pub(crate) unsafe fn host_copy(
+    buf: &BufState,
+    offset: u64,
+    host: usize,
+    len: u64,
+    d2h: bool,
+) -> Result<()> {
+    let base = host_base(buf, d2h)?;
+    if d2h {
+        // SAFETY: the function's contract (reading the device range, writing the host range).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (base as *const u8).add(offset as usize),
+                host as *mut u8,
+                len as usize,
+            )
+        };
+    } else {
+        // SAFETY: the function's contract (reading the host range, writing the device range).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                host as *const u8,
+                (base as *mut u8).add(offset as usize),
+                len as usize,
+            )
+        };
+    }
+    Ok(())
+}
+
 impl HostChunk {
     fn run(self) {
         let HostChunk { ctx, buf, d2h } = self;
-        let r = (|| -> Result<()> {
-            let base = buf
-                .base
-                .get_or_init(|| match buf.xref.opaque_device_ptr() {
-                    Ok(p) if !p.is_null() => Ok(p as usize),
-                    Ok(_) => Err(Error::Unsupported {
-                        plugin: buf.buffer.platform_name().to_string(),
-                        what: "OpaqueDeviceMemoryDataPointer returned NULL".into(),
-                    }),
-                    // A PJRT error (a buffer deleted after submit) keeps its kind and code.
-                    Err(e @ Error::Pjrt { .. }) => Err(e),
-                    Err(e) => Err(Error::Unsupported {
-                        plugin: buf.buffer.platform_name().to_string(),
-                        what: e.to_string(),
-                    }),
-                })
-                .clone()
-                .map_err(|e| {
-                    e.context(format!(
-                        "{} through the device pointer",
-                        if d2h { "D2H" } else { "in-place H2D" }
-                    ))
-                })?;
-            if d2h {
-                // SAFETY: as below, reading: the range was validated at push time, the memory
-                // is host-addressable (PJRT_Buffer_IsOnCpu, checked at submit) and kept alive
-                // by the external reference, the buffer was defined (ready event) before the
-                // batch was issued, and the host destination is valid and exclusively the
-                // batch's until it completes (the submit contract).
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        (base as *const u8).add(ctx.offset as usize),
-                        ctx.host as *mut u8,
-                        ctx.len as usize,
-                    )
-                };
-                return Ok(());
-            }
-            // SAFETY: the range was validated against the buffer's on-device size at push time;
-            // the device memory is host-addressable (checked with PJRT_Buffer_IsOnCpu at submit)
-            // and kept alive by the external reference in `buf`; the host source is valid for
-            // the batch's life (the submit contract) and is a distinct allocation.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    ctx.host as *const u8,
-                    (base as *mut u8).add(ctx.offset as usize),
-                    ctx.len as usize,
-                )
-            };
-            Ok(())
-        })();
+        // SAFETY: the chunk lies in an op validated at push time; the batch's buffer state
+        // (external reference) is held in `buf`, its ready event fired before the batch was
+        // issued, and the host range is the batch's until it completes (submit contract).
+        let r = unsafe { host_copy(&buf, ctx.offset, ctx.host, ctx.len, d2h) };
         // Release our hold on the buffer state before reporting completion: the issuer frees
         // it (on its own thread) once every chunk is complete.
         drop(buf);
@@ -397,6 +442,8 @@ impl Pacer {
             failed: AtomicU64::new(0),
             wake_inflight_at: AtomicU64::new(u64::MAX),
             paused: std::sync::atomic::AtomicBool::new(false),
+            pending_jobs: AtomicU64::new(0),
+            inline: AtomicU64::new(0),
         });
         let weak: std::sync::Weak<dyn crate::metrics::Source> = Arc::downgrade(&counters) as _;
         crate::metrics::register_source(weak);
@@ -456,6 +503,7 @@ impl Pacer {
             chunks: c.chunks.load(Ordering::Relaxed),
             batches: c.batches.load(Ordering::Relaxed),
             failed_batches: c.failed.load(Ordering::Relaxed),
+            inline_batches: c.inline.load(Ordering::Relaxed),
             inflight_bytes: c.inflight.load(Ordering::Relaxed),
             peak_inflight_bytes: c.peak.load(Ordering::Relaxed),
             config: c.config(),
@@ -484,6 +532,34 @@ impl Pacer {
 
     pub(crate) fn issuer(&self) -> &Thread {
         &self.inner.issuer
+    }
+
+    /// Counts a batch about to be queued as pending until the returned guard drops (with its
+    /// job).
+    pub(crate) fn pending_job(&self) -> PendingJob {
+        let c = self.inner.counters.clone();
+        c.pending_jobs.fetch_add(1, Ordering::AcqRel);
+        PendingJob(c)
+    }
+
+    /// The engine's counters (for batches run on the submitting thread).
+    pub(crate) fn counters(&self) -> &Counters {
+        &self.inner.counters
+    }
+
+    /// Most bytes a batch submitted now may copy on the submitting thread without reordering
+    /// against the FIFO or escaping the pacing: 0 unless nothing is queued, waiting or in flight
+    /// and the engine is not paused; then at most `limit` and one chunk of the configuration in
+    /// force (so the batch is the one chunk per op the issuer would have issued).
+    pub(crate) fn inline_room(&self, limit: u64) -> u64 {
+        let c = &self.inner.counters;
+        if c.paused.load(Ordering::Acquire)
+            || c.pending_jobs.load(Ordering::Acquire) != 0
+            || c.inflight.load(Ordering::Acquire) != 0
+        {
+            return 0;
+        }
+        limit.min(c.config().effective_chunk_bytes())
     }
 
     /// Queues a job; the issuer picks it up in FIFO order.
