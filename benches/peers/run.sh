@@ -110,13 +110,26 @@ nixl_round() {
   for cfg in "thread" "poll"; do
     local tt=1 tp=0
     [ "$cfg" = poll ] && { tt=0; tp=1; }
+    local before want got
+    before=$(wc -l <"$OUT/nixl.jsonl" 2>/dev/null || echo 0)
+    want=$(($(echo "$SIZES" | tr ',' '\n' | wc -l) * 2))
     UCX_TLS=tcp UCX_NET_DEVICES=lo NIXL_BENCH_PROG_THREAD=0 NIXL_BENCH_TARGET_PROG_THREAD=$tt \
       NIXL_BENCH_POLL=$tp timeout 600 "$py" benches/peers/nixl_bench.py --sizes "$SIZES" \
       --rounds 3 2>"$OUT/nixl-$cfg.err" |
       "$py" -c "import json, sys
 for l in sys.stdin:
     d = json.loads(l); d['round'] = $r; d['config'] = '$cfg'; print(json.dumps(d))" >>"$OUT/nixl.jsonl" ||
-      { echo "nixl ($cfg) failed:" >&2; tail -5 "$OUT/nixl-$cfg.err" >&2; }
+      {
+        # NIXL 0.x over UCX/TCP can crash in its teardown after the last result was printed:
+        # the results are kept; only a run that reported fewer sizes is a failure.
+        got=$(($(wc -l <"$OUT/nixl.jsonl") - before))
+        if [ "$got" -ge "$want" ]; then
+          echo "nixl ($cfg) exited with an error after reporting all $got results (kept)" >&2
+        else
+          echo "nixl ($cfg) failed after $got of $want results:" >&2
+          tail -5 "$OUT/nixl-$cfg.err" >&2
+        fi
+      }
   done
 }
 

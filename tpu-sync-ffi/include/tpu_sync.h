@@ -1473,7 +1473,8 @@ enum tpu_sync_status tpu_sync_pacing_pause(bool paused);
 /**
  * Writes the process-wide pacer's configuration and counters as JSON into `buf` (`buf`/
  * `buf_len`/`len_out` as for `tpu_sync_client_info`): `{"chunk_bytes", "max_inflight_bytes",
- * "bytes", "chunks", "batches", "failed_batches", "inflight_bytes", "peak_inflight_bytes"}`
+ * "bytes", "chunks", "batches", "failed_batches", "inline_batches", "inflight_bytes",
+ * "peak_inflight_bytes"}`
  * (bytes and chunks count completed copies since the process started).
  *
  * # Safety
@@ -1496,6 +1497,7 @@ enum tpu_sync_status tpu_sync_pacing_stats(char *buf, size_t buf_len, size_t *le
  *  "lease_ttl_s": 120,          // how long an unreleased registration is kept without holders
  *  "chunk_bytes": 1048576, "streams_per_pair": 2, "max_lanes_per_peer": 16,
  *  "max_inbound_lanes": 4096,  // inbound sockets/streams served at once; more are closed
+ *  "quic_connections_per_peer": 2, // QUIC only: connections opened to each peer (>= 1)
  *  "staging_budget_bytes": 1073741824, // this endpoint's own budget of pinned staging bytes
  *                               // (default: the process-wide budget, a quarter of the memory
  *                               // the process may use, capped by RLIMIT_MEMLOCK; env

@@ -91,6 +91,36 @@ unsafe fn groups_arg(
     Ok(Some(StoreGroups::new(out, block_tokens, chunk)?))
 }
 
+/// The groups and the key chain every grouped call takes (`groups_arg`, then `keys_arg`).
+///
+/// # Safety
+/// `groups` holds `num_groups` entries, `keys` `num_keys`.
+unsafe fn chain_args(
+    s: &StoreObj,
+    groups: *const tpu_sync_store_group,
+    num_groups: usize,
+    block_tokens: u32,
+    keys: *const tpu_sync_key,
+    num_keys: usize,
+) -> FfiResult<(Option<StoreGroups>, Vec<BlockKey>)> {
+    // SAFETY: forwarded caller contract.
+    let g = unsafe { groups_arg(s, groups, num_groups, block_tokens) }?;
+    // SAFETY: forwarded caller contract.
+    let keys = unsafe { keys_arg(keys, num_keys) }?;
+    Ok((g, keys))
+}
+
+/// Pairs each part's `(block, group)` with its device data, in order.
+fn group_parts<'a>(
+    at: &[(usize, usize)],
+    data: Vec<DeviceBlock<'a>>,
+) -> Vec<GroupPart<DeviceBlock<'a>>> {
+    at.iter()
+        .zip(data)
+        .map(|(&(block, group), data)| GroupPart { block, group, data })
+        .collect()
+}
+
 /// `(block, group)` of every part, checked against the chain and the groups.
 ///
 /// # Safety
@@ -152,9 +182,8 @@ pub unsafe extern "C" fn tpu_sync_store_lookup_groups(
             return Err(null("hit_out"));
         }
         // SAFETY: forwarded caller contract.
-        let g = unsafe { groups_arg(&s, groups, num_groups, block_tokens) }?;
-        // SAFETY: forwarded caller contract.
-        let keys = unsafe { keys_arg(keys, num_keys) }?;
+        let (g, keys) =
+            unsafe { chain_args(&s, groups, num_groups, block_tokens, keys, num_keys) }?;
         let hit = g
             .map(|g| s.store.lookup_groups(&g, &keys).blocks)
             .unwrap_or(0);
@@ -191,9 +220,8 @@ pub unsafe extern "C" fn tpu_sync_store_pin_groups(
             return Err(null("lease_out"));
         }
         // SAFETY: forwarded caller contract.
-        let g = unsafe { groups_arg(&s, groups, num_groups, block_tokens) }?;
-        // SAFETY: forwarded caller contract.
-        let keys = unsafe { keys_arg(keys, num_keys) }?;
+        let (g, keys) =
+            unsafe { chain_args(&s, groups, num_groups, block_tokens, keys, num_keys) }?;
         let lease = g.and_then(|g| s.store.pin_groups(&g, &keys, blocks));
         let h = match lease {
             Some(l) => handle::insert(K::TPU_SYNC_HANDLE_LEASE, Arc::new(l)),
@@ -248,9 +276,8 @@ pub unsafe extern "C" fn tpu_sync_store_put_groups_from_device(
             return Err(null("result_out"));
         }
         // SAFETY: forwarded caller contract.
-        let g = unsafe { groups_arg(&s, groups, num_groups, block_tokens) }?;
-        // SAFETY: forwarded caller contract.
-        let keys = unsafe { keys_arg(keys, num_keys) }?;
+        let (g, keys) =
+            unsafe { chain_args(&s, groups, num_groups, block_tokens, keys, num_keys) }?;
         let Some(g) = g else {
             let r = PutReport {
                 not_ready: true,
@@ -271,11 +298,7 @@ pub unsafe extern "C" fn tpu_sync_store_put_groups_from_device(
         let (bufs, ranges, per) =
             unsafe { device_pieces(pieces, num_pieces, pieces_per_part, num_parts) }?;
         let data = device_blocks(&bufs, &ranges, &per);
-        let parts: Vec<GroupPart<DeviceBlock<'_>>> = at
-            .iter()
-            .zip(data)
-            .map(|(&(block, group), data)| GroupPart { block, group, data })
-            .collect();
+        let parts = group_parts(&at, data);
         // SAFETY: forwarded caller contract.
         let parent = unsafe { parent_arg(parent) };
         let r = s.store.put_groups_from_device(&g, parent, &keys, &parts)?;
@@ -335,9 +358,8 @@ pub unsafe extern "C" fn tpu_sync_store_get_groups_to_device(
             return Err(null("result_out"));
         }
         // SAFETY: forwarded caller contract.
-        let g = unsafe { groups_arg(&s, groups, num_groups, block_tokens) }?;
-        // SAFETY: forwarded caller contract.
-        let keys = unsafe { keys_arg(keys, num_keys) }?;
+        let (g, keys) =
+            unsafe { chain_args(&s, groups, num_groups, block_tokens, keys, num_keys) }?;
         let Some(g) = g else {
             let r = GetReport {
                 stop: Some(StopReason::NotReady),
@@ -369,11 +391,7 @@ pub unsafe extern "C" fn tpu_sync_store_get_groups_to_device(
             )));
         }
         let data = device_blocks(&bufs, &ranges, &per);
-        let parts: Vec<GroupPart<DeviceBlock<'_>>> = at
-            .iter()
-            .zip(data)
-            .map(|(&(block, group), data)| GroupPart { block, group, data })
-            .collect();
+        let parts = group_parts(&at, data);
         let r = s
             .store
             .get_groups_to_device(&first.caps, &g, &keys, &parts)?;

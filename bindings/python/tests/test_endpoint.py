@@ -237,5 +237,9 @@ def test_local_errors_and_cancel(consumer):
         ep.stats()
     with pytest.raises(errors.InvalidArgumentError):
         tpu_sync.Endpoint(transport="quic")  # QUIC needs credentials
+    with pytest.raises(errors.InvalidArgumentError):  # at least one QUIC connection per peer
+        tpu_sync.Endpoint(transport="quic", psk=bytes(range(32)), quic_connections_per_peer=0)
+    with pytest.raises(errors.InvalidArgumentError):
+        tpu_sync.Endpoint(transport="quic", psk=bytes(range(32)), quic_connections_per_peer=-1)
     with pytest.raises(errors.InvalidArgumentError):
         tpu_sync.Endpoint(transport="pigeon")
