@@ -8,7 +8,7 @@
 //! uses).
 //!
 //! Implementations: [`super::tcp::TcpTransport`] (plain TCP or TLS 1.3 over TCP; one socket per
-//! lane), [`super::quic::QuicTransport`] (one QUIC connection per peer, one stream per lane) and
+//! lane), [`super::quic::QuicTransport`] (a few QUIC connections per peer, one stream per lane) and
 //! [`super::shm::ShmTransport`] (same host: Unix-domain sockets, data copied by the receiver
 //! straight out of the sender's memory; plain TCP to other hosts).
 //!
