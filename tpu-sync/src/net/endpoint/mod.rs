@@ -625,27 +625,40 @@ impl Endpoint {
         }
     }
 
+    /// The `transfer` span of a new pull or push (`kind`) and, inside it, under a `plan` span,
+    /// its plan ([`given_plan`]).
+    fn transfer_plan(
+        &self,
+        kind: &'static str,
+        request_id: u64,
+        plan: Option<&Arc<Plan>>,
+        (src, dst): (&Placement, &Placement),
+        num_tokens: u32,
+    ) -> Result<(tracing::Span, Arc<Plan>)> {
+        let span = tracing::info_span!(
+            "transfer",
+            request_id,
+            kind,
+            transport = self.inner.transport.kind().name()
+        );
+        let plan = span.in_scope(|| {
+            tracing::info_span!("plan")
+                .in_scope(|| given_plan(plan, src, dst, num_tokens, &self.inner.plans))
+        })?;
+        Ok((span, plan))
+    }
+
     /// Starts pulling a request. Validation (plan, staging coverage, peer map) happens before
     /// this returns; network errors surface through the returned [`Transfer`].
     pub fn pull(&self, req: PullRequest) -> Result<Transfer> {
         check_request_id(req.request_id)?;
-        let span = tracing::info_span!(
-            "transfer",
-            request_id = req.request_id,
-            kind = "pull",
-            transport = self.inner.transport.kind().name()
-        );
-        let plan = span.in_scope(|| {
-            tracing::info_span!("plan").in_scope(|| {
-                given_plan(
-                    req.plan.as_ref(),
-                    &req.src,
-                    &req.dst,
-                    req.num_tokens,
-                    &self.inner.plans,
-                )
-            })
-        })?;
+        let (span, plan) = self.transfer_plan(
+            "pull",
+            req.request_id,
+            req.plan.as_ref(),
+            (&req.src, &req.dst),
+            req.num_tokens,
+        )?;
         let dst_ranks: BTreeSet<u32> = match &req.dst_ranks {
             Some(v) => v.iter().copied().collect(),
             None => staged_ranks(&req.dst, &req.staging).into_iter().collect(),
@@ -690,23 +703,13 @@ impl Endpoint {
     /// Starts pushing a request to the endpoints hosting the destination ranks.
     pub fn push(&self, req: PushRequest) -> Result<Transfer> {
         check_request_id(req.request_id)?;
-        let span = tracing::info_span!(
-            "transfer",
-            request_id = req.request_id,
-            kind = "push",
-            transport = self.inner.transport.kind().name()
-        );
-        let plan = span.in_scope(|| {
-            tracing::info_span!("plan").in_scope(|| {
-                given_plan(
-                    req.plan.as_ref(),
-                    &req.src,
-                    &req.dst,
-                    req.num_tokens,
-                    &self.inner.plans,
-                )
-            })
-        })?;
+        let (span, plan) = self.transfer_plan(
+            "push",
+            req.request_id,
+            req.plan.as_ref(),
+            (&req.src, &req.dst),
+            req.num_tokens,
+        )?;
         let src_ranks: Vec<u32> = match &req.src_ranks {
             Some(v) => v.clone(),
             None => staged_ranks(&req.src, &req.staging),
