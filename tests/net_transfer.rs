@@ -110,6 +110,21 @@ async fn push_once(prefill: &Endpoint, decode: &Endpoint, c: &Case, rid: u64) ->
     got.bytes
 }
 
+/// [`pull_once`] then [`push_once`] of `c` (request ids `rid + 1`, `rid + 2`; `rid` advanced),
+/// each moving exactly the plan's bytes.
+async fn pull_and_push(prefill: &Endpoint, decode: &Endpoint, c: &Case, rid: &mut u64) {
+    *rid += 1;
+    assert_eq!(
+        pull_once(prefill, decode, c, *rid).await,
+        c.plan.total_bytes()
+    );
+    *rid += 1;
+    assert_eq!(
+        push_once(prefill, decode, c, *rid).await,
+        c.plan.total_bytes()
+    );
+}
+
 #[test]
 fn pull_and_push_many_layouts_over_every_transport() {
     run(Duration::from_secs(240), async {
@@ -138,10 +153,7 @@ fn pull_and_push_many_layouts_over_every_transport() {
                 9,
             ));
             for c in &cases {
-                rid += 1;
-                pull_once(&prefill, &decode, c, rid).await;
-                rid += 1;
-                push_once(&prefill, &decode, c, rid).await;
+                pull_and_push(&prefill, &decode, c, &mut rid).await;
             }
             // Everything released: nothing registered, leased or staged remains on either side.
             for ep in [&prefill, &decode] {
@@ -233,16 +245,7 @@ fn shm_inline_fallback_and_tcp_peers() {
         ];
         let mut rid = 7000;
         for (prefill, decode, what) in pairs {
-            rid += 1;
-            assert_eq!(
-                pull_once(&prefill, &decode, &c, rid).await,
-                c.plan.total_bytes()
-            );
-            rid += 1;
-            assert_eq!(
-                push_once(&prefill, &decode, &c, rid).await,
-                c.plan.total_bytes()
-            );
+            pull_and_push(&prefill, &decode, &c, &mut rid).await;
             let s = decode.stats();
             assert_eq!(s.bytes_received, 2 * c.plan.total_bytes(), "{what}");
             assert_eq!(s.bytes_received_by_reference, 0, "{what}: {s:?}");
@@ -606,16 +609,7 @@ fn quic_connections_per_peer() {
             let mut rid = 7000 + 100 * n as u64;
             for (i, (s, d, t, dp)) in LAYOUTS.iter().enumerate().take(3) {
                 let c = case(&m, s, d, *t, *dp, i as u64 + 40);
-                rid += 1;
-                assert_eq!(
-                    pull_once(&prefill, &decode, &c, rid).await,
-                    c.plan.total_bytes()
-                );
-                rid += 1;
-                assert_eq!(
-                    push_once(&prefill, &decode, &c, rid).await,
-                    c.plan.total_bytes()
-                );
+                pull_and_push(&prefill, &decode, &c, &mut rid).await;
             }
             assert_eq!(decode.stats().checksum_failures, 0);
             prefill.shutdown(None).await;
