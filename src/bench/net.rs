@@ -629,6 +629,9 @@ pub fn peer_main(a: &PeerArgs) -> Result<ExitCode> {
             p.stop.store(true, std::sync::atomic::Ordering::Release);
         }
     }
+    for (t, p) in &pipes {
+        log::info!("bench-peer {t} staging pool: {:?}", p.stats().pool);
+    }
     rt.block_on(async {
         for ep in eps.values() {
             ep.shutdown(Some(Duration::from_millis(200))).await;
@@ -826,6 +829,9 @@ pub(crate) struct Peer {
 
 impl Drop for Peer {
     fn drop(&mut self) {
+        for (t, p) in &self.pipes {
+            log::info!("bench {t} staging pool: {:?}", p.stats().pool);
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
