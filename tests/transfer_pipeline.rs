@@ -1088,3 +1088,94 @@ fn a_truncated_transfer_into_a_reused_arena_holding_its_very_bytes_still_fails()
         c.shutdown(None).await;
     });
 }
+
+/// A push large enough for its D2H to be split by groups of layers and overlapped with the
+/// network (12 layers, 5 MiB staged on two source ranks: six groups of two layers, each
+/// published as it is staged) arrives byte-exact and resharded, background untouched.
+#[test]
+fn a_large_multi_layer_push_staged_by_layer_groups_is_exact() {
+    let m = ModelKv {
+        name: "toy12".into(),
+        num_layers: 12,
+        num_kv_heads: 8,
+        head_dim: 64,
+        kv_planes: 2,
+        dtype: DType::Bf16,
+    };
+    let tokens = 200;
+    let src = Placement {
+        layout: ParallelLayout::new(m.clone(), ParallelSpec::parse("tp=2,block=16").unwrap(), 16)
+            .unwrap(),
+        dp_rank: 0,
+        block_ids: vec![
+            (0..13).rev().collect(),
+            (0..13).map(|i| (i * 5 + 3) % 16).collect(),
+        ],
+        groups: None,
+    };
+    let dst = Placement {
+        layout: ParallelLayout::new(
+            m.clone(),
+            ParallelSpec::parse("tp=1,block=32,order=hnd").unwrap(),
+            9,
+        )
+        .unwrap(),
+        dp_rank: 0,
+        block_ids: vec![vec![8, 3, 0, 6, 1, 7, 4]],
+        groups: None,
+    };
+    let prod = side(2);
+    let cons = side(1);
+    let rt = rt();
+    rt.block_on(async {
+        let p = pipeline("push12-prod", false, TransferOptions::default())
+            .await
+            .unwrap();
+        let c = pipeline("push12-cons", true, TransferOptions::default())
+            .await
+            .unwrap();
+        let dst_bufs = background(&cons, &dst, 0);
+        let rx = c
+            .expect_push(ExpectPush {
+                request_id: 12,
+                num_tokens: tokens,
+                src: src.clone(),
+                dst: dst.clone(),
+                kv: kv(&cons, vec![(0, dst_bufs.clone())]),
+            })
+            .unwrap();
+        let src_kv = kv(
+            &prod,
+            (0..2)
+                .map(|r| (r, buffers_of(&prod, &src, r, tokens, SRC_SALT)))
+                .collect(),
+        );
+        let tx = p
+            .push(PushFrom {
+                request_id: 12,
+                num_tokens: tokens,
+                src: src.clone(),
+                kv: src_kv,
+                dst: dst.clone(),
+                targets: PeerMap::single(addr(&c)),
+            })
+            .unwrap();
+        let sent = tx.wait().await.unwrap();
+        let got = rx.wait().await.unwrap();
+        let want = tokens as u64 * m.bytes_per_token();
+        assert!(
+            sent.staged_bytes >= tpu_sync::transfer::PUSH_PIPELINE_MIN_BYTES,
+            "{sent:?}"
+        );
+        assert_eq!(
+            (sent.net_bytes, got.net_bytes, got.device_bytes),
+            (want, want, want)
+        );
+        // Every layer's D2H ran: 13 whole blocks of 16 tokens on each of the two ranks, each
+        // rank holding half of every token's bytes (TP=2 splits the heads).
+        assert_eq!(sent.device_bytes, 2 * 13 * 16 * (m.bytes_per_token() / 2));
+        assert_eq!(verify_of(&dst, 0, &dst_bufs, tokens), want);
+        p.shutdown(None).await;
+        c.shutdown(None).await;
+    });
+}

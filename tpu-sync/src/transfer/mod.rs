@@ -1165,7 +1165,14 @@ impl Pipeline {
     /// blocks may be reused as soon as it returns; the transfer completes when every
     /// destination endpoint confirmed.
     ///
-    /// Errors (before anything is sent): as [`Pipeline::pull`], plus device copy errors.
+    /// The D2H of a multi-layer request of at least [`PUSH_PIPELINE_MIN_BYTES`] staged runs in
+    /// up to [`PUSH_PIPELINE_GROUPS`] groups of layers: sending starts once the first group is
+    /// staged, and each further group is published to the network as its D2H completes, so
+    /// the copies overlap the transfer of the layers before them.
+    ///
+    /// Errors (before anything is sent): as [`Pipeline::pull`], plus device copy errors. A D2H
+    /// error of a later group of layers cancels the push already started (its receivers are
+    /// told, nothing past the published layers is sent) and is returned.
     pub fn push(&self, push: PushFrom) -> Result<TransferHandle> {
         self.refused(self.push_inner(push))
     }
@@ -1197,21 +1204,43 @@ impl Pipeline {
             lock: Some(staging.arena().lock_status().clone()),
             ..Report::default()
         };
-        self.fill(&staging, &p.kv, &mut report)?;
+        // D2H overlaps the network by groups of layers: the push starts once the first group
+        // is staged, and each further group is published as soon as its D2H completed (TPU
+        // Sync pipelines D2H by layer the same way). This call still returns only after every
+        // D2H, so the device blocks may be reused when it returns.
+        let layers = p.kv.num_layers();
+        let groups =
+            push_layer_groups(layers, p.src.layout.model.num_layers, staging.total_bytes());
+        let first = groups.first().cloned().unwrap_or(0..layers);
+        self.fill_layers(&staging, &p.kv, first.clone(), &mut report)?;
+        let mut device_time = report.device_time;
         let t = {
             let _g = self.rt.enter();
             self.ep.push(PushRequest {
                 request_id: p.request_id,
                 num_tokens: p.num_tokens,
                 src: p.src,
-                staging,
+                staging: staging.clone(),
                 src_ranks: Some(p.kv.ranks()),
                 dst: p.dst,
                 targets: p.targets,
-                layers_ready: None,
+                layers_ready: (first.end < layers).then_some(first.end),
                 plan: Some(plan),
             })?
         };
+        for g in groups.iter().skip(1) {
+            if let Err(e) = self.fill_layers(&staging, &p.kv, g.clone(), &mut report) {
+                // Nothing past the layers already published is sent; the receivers are told.
+                t.cancel();
+                return Err(e.context(format!(
+                    "D2H of layers {g:?} of request {} (push cancelled)",
+                    p.request_id
+                )));
+            }
+            device_time += report.device_time;
+            t.publish_layers(g.end);
+        }
+        report.device_time = device_time;
         self.counters.pushes.fetch_add(1, Ordering::Relaxed);
         let (handle, job) = self.job(p.request_id, t.clone(), 0);
         self.rt
@@ -1346,6 +1375,33 @@ impl Pipeline {
 
 /// Fails with `Cancelled` when the caller cancelled the job before `what` (e.g. "layer 3 was")
 /// written to the device.
+/// A push's staged bytes below which its D2H is not split by layer (one batch costs more in
+/// hand-overs than overlapping it with the network gains).
+pub const PUSH_PIPELINE_MIN_BYTES: u64 = 2 << 20;
+
+/// Most groups of layers a push's D2H is split into ([`Pipeline::push`]): each group is one D2H
+/// batch per rank, published to the network when it completes.
+pub const PUSH_PIPELINE_GROUPS: u32 = 8;
+
+/// The groups of layers, in order, in which [`Pipeline::push`] stages `layers` layers of
+/// `staged_bytes`: one group (no overlap) when the buffers' layers are not the model's
+/// (`model_layers`), for a single layer, or below [`PUSH_PIPELINE_MIN_BYTES`]; else at most
+/// [`PUSH_PIPELINE_GROUPS`] groups of equal numbers of layers (the last one smaller).
+fn push_layer_groups(
+    layers: u32,
+    model_layers: u32,
+    staged_bytes: u64,
+) -> Vec<std::ops::Range<u32>> {
+    if layers <= 1 || layers != model_layers || staged_bytes < PUSH_PIPELINE_MIN_BYTES {
+        return vec![0..layers];
+    }
+    let per = layers.div_ceil(PUSH_PIPELINE_GROUPS);
+    (0..layers)
+        .step_by(per as usize)
+        .map(|a| a..(a + per).min(layers))
+        .collect()
+}
+
 fn check_cancelled(job: &Job, what: &str) -> Result<()> {
     if job.cancelled.load(Ordering::SeqCst) {
         return Err(Error::Cancelled(format!(
@@ -1485,4 +1541,26 @@ async fn release_all(ep: &Endpoint, addrs: &[String], request_id: u64, delivered
 
 async fn reject_at(ep: &Endpoint, addr: &str, request_id: u64, reason: &str) -> Result<()> {
     ep.reject(addr, request_id, reason).await
+}
+
+#[cfg(test)]
+mod push_groups_tests {
+    use super::*;
+
+    #[test]
+    fn push_layer_groups_split_large_multi_layer_pushes() {
+        let big = PUSH_PIPELINE_MIN_BYTES;
+        assert_eq!(push_layer_groups(1, 1, big), vec![0..1]);
+        assert_eq!(push_layer_groups(32, 32, big - 1), vec![0..32]);
+        // Buffers that are not the model's layers (e.g. grouped KV): never split.
+        assert_eq!(push_layer_groups(4, 32, big), vec![0..4]);
+        let g = push_layer_groups(32, 32, big);
+        assert_eq!(g.len(), 8);
+        assert_eq!((g[0].clone(), g[7].clone()), (0..4, 28..32));
+        let g = push_layer_groups(61, 61, big);
+        assert_eq!(g.len(), 8);
+        assert_eq!(g.last(), Some(&(56..61)));
+        assert!(g.windows(2).all(|w| w[0].end == w[1].start));
+        assert_eq!(push_layer_groups(3, 3, big), vec![0..1, 1..2, 2..3]);
+    }
 }
