@@ -109,6 +109,13 @@ pub struct BenchArgs {
     /// Payload bytes per data frame (chunk), as `--chunk-bytes` of the prefill/decode commands.
     #[arg(long, default_value_t = 1 << 20)]
     pub chunk_bytes: u64,
+    /// Layers of the model (llama-3.1-8b's shapes) each `net` request spans (default 1: a size
+    /// is that many bytes of one layer). With more, every size must be a multiple of 4 KiB x
+    /// layers (one token of every layer), pulls write each layer as it arrives
+    /// (`Pipeline::pull_layerwise`, as the engines' layer-wise loads) and pushes stage by groups
+    /// of layers: device copies overlap the network.
+    #[arg(long, default_value_t = 1)]
+    pub layers: u32,
     /// QUIC connections this process opens to the other one (the connecting side of every pull
     /// and push), as `EndpointOptions::quic_connections_per_peer`.
     #[arg(long, default_value_t = tpu_sync::net::quic::DEFAULT_CONNECTIONS_PER_PEER)]

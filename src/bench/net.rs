@@ -1050,7 +1050,7 @@ impl Peer {
     /// `d`'s destination buffers, release) and waits.
     fn pull_dev(&self, t: &str, id: u32, c: &Case, d: &DevCase) -> Result<PipeReport> {
         let p = &self.pipes[t];
-        let h = p.pull(PullInto {
+        let req = PullInto {
             request_id: SOURCE_RID + id as u64,
             num_tokens: c.tokens,
             src: c.src.clone(),
@@ -1058,7 +1058,13 @@ impl Peer {
             dst: c.dst.clone(),
             kv: d.dst.clone(),
             wait_for_registration: None,
-        })?;
+        };
+        // Several layers: each is written as it arrives (H2D overlaps the network).
+        let h = if d.dst.num_layers() > 1 {
+            p.pull_layerwise(req)?
+        } else {
+            p.pull(req)?
+        };
         self.rt.block_on(h.wait())
     }
 
@@ -1240,28 +1246,31 @@ pub(crate) fn net_scenario(
     b.describe(
         "net",
         &format!(
-            "one request's KV (llama-3.1-8b, 1 layer, TP=1 -> TP=1, 16-token blocks at scattered \
-             ids: pieces of 32 KiB) in PJRT device buffers ({}) moved through \
+            "one request's KV (llama-3.1-8b, {} layer(s), TP=1 -> TP=1, 16-token blocks at \
+             scattered ids: pieces of 32 KiB) in PJRT device buffers ({}) moved through \
              transfer::Pipeline as the engines do: pulled by this process (plan, staging, pull, \
              H2D, release; the other process offered it once) and pushed from it (staging, D2H, \
              push; the other process expects each push into its device buffers), {} stream(s) \
              per pair, {} chunks, over loopback, vs one raw TCP socket between the same two \
              processes moving the same bytes (request + response, blocking I/O)",
+            a.layers.max(1),
             peer.dev.caps.platform,
             a.streams,
             fmt_bytes(a.chunk_bytes)
         ),
     );
-    let bpt = 2 * 8 * 128 * 2u64;
+    let layers = a.layers.max(1);
+    let bpt = 2 * 8 * 128 * 2u64 * layers as u64;
     let mut cases = Vec::new();
     let mut sz = Vec::new();
     for &bytes in sizes {
         if bytes % bpt != 0 {
             return Err(Error::InvalidArgument(format!(
-                "net size {bytes}: must be a multiple of {bpt} bytes (one token of one layer)"
+                "net size {bytes}: must be a multiple of {bpt} bytes (one token of {layers} \
+                 layer(s))"
             )));
         }
-        let spec = CaseSpec::device("llama-3.1-8b", 1, (bytes / bpt) as u32);
+        let spec = CaseSpec::device("llama-3.1-8b", layers, (bytes / bpt) as u32);
         cases.push(peer.setup_dev(&spec)?);
         sz.push(Size {
             bytes,
