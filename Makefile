@@ -39,6 +39,7 @@ test: plugin protoc etcd
 	./target/release/tpu-sync demo --tokens 512 --layers 4
 	./target/release/tpu-sync store-demo --tokens 512 --layers 4
 	./target/release/tpu-sync bench all --quick --no-progress
+	./target/release/tpu-sync bench net --quick --no-progress --layers 4 --sizes 128KiB,4MiB --transports tcp,shm
 	$(MAKE) e2e-vllm
 	$(MAKE) e2e-sglang
 

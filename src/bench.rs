@@ -356,6 +356,12 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     for t in &a.transports {
         tpu_sync::net::TransportKind::parse(t)?;
     }
+    if a.layers == 0 || a.layers > 1024 {
+        return Err(Error::InvalidArgument(format!(
+            "--layers {}: must be 1 to 1024",
+            a.layers
+        )));
+    }
     if a.streams == 0 || a.streams > tpu_sync::wire::MAX_STRIPES {
         return Err(Error::InvalidArgument(format!(
             "--streams {}: must be 1 to {}",
