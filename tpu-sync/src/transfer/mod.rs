@@ -1387,6 +1387,7 @@ pub const PUSH_PIPELINE_GROUPS: u32 = 8;
 /// `staged_bytes`: one group (no overlap) when the buffers' layers are not the model's
 /// (`model_layers`), for a single layer, or below [`PUSH_PIPELINE_MIN_BYTES`]; else at most
 /// [`PUSH_PIPELINE_GROUPS`] groups of equal numbers of layers (the last one smaller).
+#[allow(clippy::single_range_in_vec_init)] // one group of layers, not the layers of a range
 fn push_layer_groups(
     layers: u32,
     model_layers: u32,
@@ -1544,6 +1545,7 @@ async fn reject_at(ep: &Endpoint, addr: &str, request_id: u64, reason: &str) -> 
 }
 
 #[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)] // lists of groups of layers
 mod push_groups_tests {
     use super::*;
 
