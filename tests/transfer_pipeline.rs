@@ -26,7 +26,7 @@ use tpu_sync::pjrt::{Capabilities, Client, DeviceBuffer, ElementType};
 use tpu_sync::plan::Placement;
 use tpu_sync::staging::DEFAULT_POOL_BYTES;
 use tpu_sync::transfer::{
-    DmaOutcome, ExpectPush, KvBuffers, Offer, OfferState, Pipeline, PullInto, PushFrom,
+    DmaOutcome, ExpectPush, KvBuffers, Offer, OfferState, Pipeline, PullInto, PushFrom, Report,
     TransferOptions,
 };
 use tpu_sync::{ErrorKind, Result};
@@ -363,46 +363,66 @@ fn every_disagreement_is_refused_before_any_byte_moves_then_a_pull_is_exact() {
     });
 }
 
+/// Pushes request `rid` (`tokens` tokens of `src`, source ranks 0 and 1 of `prod` holding the
+/// pattern contents) through a producer pipeline into a consumer pipeline's expected push of
+/// `dst` (rank 0 of `cons`, background beforehand), both new (named `name`-prod/-cons) and shut
+/// down afterwards. Returns the sender's and the receiver's reports and the destination
+/// buffers.
+async fn push_through(
+    prod: &Side,
+    cons: &Side,
+    (src, dst): (&Placement, &Placement),
+    tokens: u32,
+    rid: u64,
+    name: &str,
+) -> (Report, Report, Vec<DeviceBuffer>) {
+    let p = pipeline(&format!("{name}-prod"), false, TransferOptions::default())
+        .await
+        .unwrap();
+    let c = pipeline(&format!("{name}-cons"), true, TransferOptions::default())
+        .await
+        .unwrap();
+    let dst_bufs = background(cons, dst, 0);
+    let rx = c
+        .expect_push(ExpectPush {
+            request_id: rid,
+            num_tokens: tokens,
+            src: src.clone(),
+            dst: dst.clone(),
+            kv: kv(cons, vec![(0, dst_bufs.clone())]),
+        })
+        .unwrap();
+    let src_kv = kv(
+        prod,
+        (0..2)
+            .map(|r| (r, buffers_of(prod, src, r, tokens, SRC_SALT)))
+            .collect(),
+    );
+    let tx = p
+        .push(PushFrom {
+            request_id: rid,
+            num_tokens: tokens,
+            src: src.clone(),
+            kv: src_kv,
+            dst: dst.clone(),
+            targets: PeerMap::single(addr(&c)),
+        })
+        .unwrap();
+    let sent = tx.wait().await.unwrap();
+    let got = rx.wait().await.unwrap();
+    p.shutdown(None).await;
+    c.shutdown(None).await;
+    (sent, got, dst_bufs)
+}
+
 #[test]
 fn push_through_the_pipeline_is_exact() {
     let (src, dst) = placements();
     let prod = side(2);
     let cons = side(1);
-    let rt = rt();
-    rt.block_on(async {
-        let p = pipeline("push-prod", false, TransferOptions::default())
-            .await
-            .unwrap();
-        let c = pipeline("push-cons", true, TransferOptions::default())
-            .await
-            .unwrap();
-        let dst_bufs = background(&cons, &dst, 0);
-        let rx = c
-            .expect_push(ExpectPush {
-                request_id: 9,
-                num_tokens: TOKENS,
-                src: src.clone(),
-                dst: dst.clone(),
-                kv: kv(&cons, vec![(0, dst_bufs.clone())]),
-            })
-            .unwrap();
-        let tx = p
-            .push(PushFrom {
-                request_id: 9,
-                num_tokens: TOKENS,
-                src: src.clone(),
-                kv: kv(
-                    &prod,
-                    (0..2)
-                        .map(|r| (r, buffers(&prod, &src, r, SRC_SALT)))
-                        .collect(),
-                ),
-                dst: dst.clone(),
-                targets: PeerMap::single(addr(&c)),
-            })
-            .unwrap();
-        let sent = tx.wait().await.unwrap();
-        let got = rx.wait().await.unwrap();
+    rt().block_on(async {
+        let (sent, got, dst_bufs) =
+            push_through(&prod, &cons, (&src, &dst), TOKENS, 9, "push").await;
         let want = TOKENS as u64 * model().bytes_per_token();
         assert_eq!(
             (sent.net_bytes, got.net_bytes, got.device_bytes),
@@ -410,8 +430,6 @@ fn push_through_the_pipeline_is_exact() {
         );
         assert!(sent.device_bytes > 0 && sent.device_ops > 0);
         assert_eq!(verify(&dst, 0, &dst_bufs), want);
-        p.shutdown(None).await;
-        c.shutdown(None).await;
     });
 }
 
@@ -1126,42 +1144,9 @@ fn a_large_multi_layer_push_staged_by_layer_groups_is_exact() {
     };
     let prod = side(2);
     let cons = side(1);
-    let rt = rt();
-    rt.block_on(async {
-        let p = pipeline("push12-prod", false, TransferOptions::default())
-            .await
-            .unwrap();
-        let c = pipeline("push12-cons", true, TransferOptions::default())
-            .await
-            .unwrap();
-        let dst_bufs = background(&cons, &dst, 0);
-        let rx = c
-            .expect_push(ExpectPush {
-                request_id: 12,
-                num_tokens: tokens,
-                src: src.clone(),
-                dst: dst.clone(),
-                kv: kv(&cons, vec![(0, dst_bufs.clone())]),
-            })
-            .unwrap();
-        let src_kv = kv(
-            &prod,
-            (0..2)
-                .map(|r| (r, buffers_of(&prod, &src, r, tokens, SRC_SALT)))
-                .collect(),
-        );
-        let tx = p
-            .push(PushFrom {
-                request_id: 12,
-                num_tokens: tokens,
-                src: src.clone(),
-                kv: src_kv,
-                dst: dst.clone(),
-                targets: PeerMap::single(addr(&c)),
-            })
-            .unwrap();
-        let sent = tx.wait().await.unwrap();
-        let got = rx.wait().await.unwrap();
+    rt().block_on(async {
+        let (sent, got, dst_bufs) =
+            push_through(&prod, &cons, (&src, &dst), tokens, 12, "push12").await;
         let want = tokens as u64 * m.bytes_per_token();
         assert!(
             sent.staged_bytes >= tpu_sync::transfer::PUSH_PIPELINE_MIN_BYTES,
@@ -1175,7 +1160,5 @@ fn a_large_multi_layer_push_staged_by_layer_groups_is_exact() {
         // rank holding half of every token's bytes (TP=2 splits the heads).
         assert_eq!(sent.device_bytes, 2 * 13 * 16 * (m.bytes_per_token() / 2));
         assert_eq!(verify_of(&dst, 0, &dst_bufs, tokens), want);
-        p.shutdown(None).await;
-        c.shutdown(None).await;
     });
 }
