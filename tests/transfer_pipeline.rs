@@ -210,6 +210,38 @@ fn addr(p: &Pipeline) -> String {
     p.endpoint().local_addr().unwrap().to_string()
 }
 
+/// Pulls request `id` (`TOKENS` tokens of `src`, offered by `from`) through `c` into a fresh
+/// background destination of `dst` (rank 0 of `cons`), checks every destination element (the
+/// request byte-exact, the rest unchanged) and returns the pull's report.
+async fn pull_exact(
+    c: &Pipeline,
+    from: &Pipeline,
+    cons: &Side,
+    (src, dst): (&Placement, &Placement),
+    id: u64,
+) -> Report {
+    let dst_bufs = background(cons, dst, 0);
+    let rep = c
+        .pull(PullInto {
+            request_id: id,
+            num_tokens: TOKENS,
+            src: src.clone(),
+            sources: PeerMap::single(addr(from)),
+            dst: dst.clone(),
+            kv: kv(cons, vec![(0, dst_bufs.clone())]),
+            wait_for_registration: None,
+        })
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    assert_eq!(
+        verify(dst, 0, &dst_bufs),
+        TOKENS as u64 * model().bytes_per_token()
+    );
+    rep
+}
+
 #[test]
 fn every_disagreement_is_refused_before_any_byte_moves_then_a_pull_is_exact() {
     let (src, dst) = placements();
@@ -326,23 +358,10 @@ fn every_disagreement_is_refused_before_any_byte_moves_then_a_pull_is_exact() {
         assert!(st.refused >= 18, "{st:?}");
 
         // A correct pull on the same pipelines is byte-exact, and releases request 5.
-        let dst_bufs = background(&cons, &dst, 0);
-        let t = c
-            .pull(PullInto {
-                request_id: 5,
-                num_tokens: TOKENS,
-                src: src.clone(),
-                sources: PeerMap::single(addr(&p)),
-                dst: dst.clone(),
-                kv: kv(&cons, vec![(0, dst_bufs.clone())]),
-                wait_for_registration: None,
-            })
-            .unwrap();
-        let rep = t.wait().await.unwrap();
+        let rep = pull_exact(&c, &p, &cons, (&src, &dst), 5).await;
         let want = TOKENS as u64 * model().bytes_per_token();
         assert_eq!((rep.net_bytes, rep.device_bytes), (want, want), "{rep:?}");
         assert!(matches!(rep.dma, DmaOutcome::Skipped(_)), "{rep:?}");
-        assert_eq!(verify(&dst, 0, &dst_bufs), want);
         assert_eq!(
             offered.wait(Duration::from_secs(10)).await.unwrap(),
             OfferState::Released
@@ -485,24 +504,7 @@ fn a_registration_past_the_budget_fails_and_earlier_ones_still_pull_exact() {
         );
         // The earlier registrations still pull byte-exact.
         for (id, h) in [(1u64, a), (2, b)] {
-            let dst_bufs = background(&cons, &dst, 0);
-            c.pull(PullInto {
-                request_id: id,
-                num_tokens: TOKENS,
-                src: src.clone(),
-                sources: PeerMap::single(addr(&p)),
-                dst: dst.clone(),
-                kv: kv(&cons, vec![(0, dst_bufs.clone())]),
-                wait_for_registration: None,
-            })
-            .unwrap()
-            .wait()
-            .await
-            .unwrap();
-            assert_eq!(
-                verify(&dst, 0, &dst_bufs),
-                TOKENS as u64 * model().bytes_per_token()
-            );
+            pull_exact(&c, &p, &cons, (&src, &dst), id).await;
             assert_eq!(
                 h.wait(Duration::from_secs(10)).await.unwrap(),
                 OfferState::Released
@@ -970,24 +972,7 @@ fn the_pool_respects_its_cap_and_zero_turns_it_off() {
             })
             .collect();
         for (id, h) in [301u64, 302].into_iter().zip(offers) {
-            let dst_bufs = background(&cons, &dst, 0);
-            c.pull(PullInto {
-                request_id: id,
-                num_tokens: TOKENS,
-                src: src.clone(),
-                sources: PeerMap::single(addr(&p)),
-                dst: dst.clone(),
-                kv: kv(&cons, vec![(0, dst_bufs.clone())]),
-                wait_for_registration: None,
-            })
-            .unwrap()
-            .wait()
-            .await
-            .unwrap();
-            assert_eq!(
-                verify(&dst, 0, &dst_bufs),
-                TOKENS as u64 * model().bytes_per_token()
-            );
+            pull_exact(&c, &p, &cons, (&src, &dst), id).await;
             h.wait(Duration::from_secs(10)).await.unwrap();
         }
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
