@@ -288,31 +288,6 @@ impl Drop for QuicTransport {
     }
 }
 
-/// Runs `futs` concurrently on the calling task and gives their outputs in order (what
-/// `futures::future::join_all` does, without the dependency for one use).
-async fn join_all<F: std::future::Future>(futs: impl Iterator<Item = F>) -> Vec<F::Output> {
-    let mut pending: Vec<Pin<Box<F>>> = futs.map(Box::pin).collect();
-    let mut out: Vec<Option<F::Output>> = pending.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut all = true;
-        for (f, o) in pending.iter_mut().zip(out.iter_mut()) {
-            if o.is_none() {
-                match f.as_mut().poll(cx) {
-                    Poll::Ready(v) => *o = Some(v),
-                    Poll::Pending => all = false,
-                }
-            }
-        }
-        if all {
-            Poll::Ready(())
-        } else {
-            Poll::Pending
-        }
-    })
-    .await;
-    out.into_iter().flatten().collect()
-}
-
 fn identity_of(c: &quinn::Connection, psk: bool) -> Option<String> {
     let any = c.peer_identity()?;
     let certs = any.downcast::<Vec<CertificateDer<'static>>>().ok()?;
@@ -456,7 +431,7 @@ impl Transport for QuicTransport {
             // were made close when dropped).
             let attempts = (0..self.connections).map(|i| self.connect_one(addr, i));
             let mut conns = Vec::with_capacity(self.connections);
-            for r in join_all(attempts).await {
+            for r in futures_util::future::join_all(attempts).await {
                 conns.push((r?, Arc::new(AtomicUsize::new(0))));
             }
             let peer = PeerInfo {
