@@ -1147,3 +1147,77 @@ fn a_large_multi_layer_push_staged_by_layer_groups_is_exact() {
         assert_eq!(verify_of(&dst, 0, &dst_bufs, tokens), want);
     });
 }
+
+/// A pull from two producer endpoints (one per source rank) completes once its bytes are in
+/// place; the delivering releases follow, to both producers at once, and a consumer that shuts
+/// down right after the pull still delivers them: both offers end `Released`, not held until
+/// their lease expires.
+#[test]
+fn releases_of_a_completed_pull_reach_every_producer_even_across_an_immediate_shutdown() {
+    let (src, dst) = placements();
+    let prod = side(2);
+    let cons = side(1);
+    rt().block_on(async {
+        let want = TOKENS as u64 * model().bytes_per_token();
+        for round in 0..3u64 {
+            let id = 40 + round;
+            let mut producers = Vec::new();
+            let mut handles = Vec::new();
+            for r in 0..2u32 {
+                let p = pipeline(&format!("rel-prod{r}"), true, TransferOptions::default())
+                    .await
+                    .unwrap();
+                let h = p
+                    .offer(Offer {
+                        request_id: id,
+                        num_tokens: TOKENS,
+                        placement: src.clone(),
+                        kv: kv(&prod, vec![(r, buffers(&prod, &src, r, SRC_SALT))]),
+                        expected_releases: 1,
+                    })
+                    .unwrap();
+                handles.push(h);
+                producers.push(p);
+            }
+            let c = pipeline("rel-cons", false, TransferOptions::default())
+                .await
+                .unwrap();
+            let sources = PeerMap::parse(&format!(
+                "0={},1={}",
+                addr(&producers[0]),
+                addr(&producers[1])
+            ))
+            .unwrap();
+            let dst_bufs = background(&cons, &dst, 0);
+            let rep = c
+                .pull(PullInto {
+                    request_id: id,
+                    num_tokens: TOKENS,
+                    src: src.clone(),
+                    sources,
+                    dst: dst.clone(),
+                    kv: kv(&cons, vec![(0, dst_bufs.clone())]),
+                    wait_for_registration: None,
+                })
+                .unwrap()
+                .wait()
+                .await
+                .unwrap();
+            assert_eq!((rep.net_bytes, rep.device_bytes), (want, want), "{rep:?}");
+            assert_eq!(verify(&dst, 0, &dst_bufs), want, "round {round}");
+            // No drain: the releases still on their way are flushed before the abort.
+            c.shutdown(None).await;
+            for (r, h) in handles.iter().enumerate() {
+                assert_eq!(
+                    h.wait(Duration::from_secs(10)).await.unwrap(),
+                    OfferState::Released,
+                    "round {round}, producer of rank {r}"
+                );
+            }
+            for p in &producers {
+                assert_eq!(p.offer_state(id), OfferState::Released);
+                p.shutdown(None).await;
+            }
+        }
+    });
+}

@@ -1690,8 +1690,10 @@ enum tpu_sync_status tpu_sync_endpoint_reject(const struct tpu_sync_endpoint *en
  * `num_tokens` tokens, stages exactly the bytes the plan writes (pinned, reserved from the
  * endpoint's staging budget, DMA-mapped with the buffers' client where the plugin supports
  * it), pulls from each producer rank exactly the spans each of this side's ranks needs,
- * verifies every chunk's checksum, writes the bytes in place into `buffers` (H2D), and tells
- * the producers it got the request (a delivering release) before reporting success. After a
+ * verifies every chunk's checksum, writes the bytes in place into `buffers` (H2D), reports
+ * success, and tells the producers it got the request (a delivering release, sent to every
+ * producer at once after the transfer completed; `tpu_sync_endpoint_shutdown` waits for
+ * releases still on their way, at least 2 s). After a
  * failure or cancel the release says the request was not delivered (the producers keep it for
  * a retry until their lease passes, or until `tpu_sync_endpoint_reject`). Returns at once with
  * a transfer handle (owned by the caller); validation errors are returned here, network and
@@ -1936,8 +1938,10 @@ enum tpu_sync_status tpu_sync_endpoint_stats(const struct tpu_sync_endpoint *end
 
 /**
  * Shuts the endpoint down (blocking): stops accepting, waits up to `drain_ms` milliseconds for
- * in-flight transfers to finish (0 or negative: none; they are cancelled at once), then cancels
- * what is left, ends every registration and closes every connection. Later registrations and
+ * in-flight transfers to finish (0 or negative: none; they are cancelled at once), waits for
+ * the delivering releases of completed pulls still on their way (until `drain_ms` passed, and
+ * at least 2 s while any is unanswered), then cancels what is left, ends every registration
+ * and closes every connection. Later registrations and
  * transfers on it return `TPU_SYNC_INVALID_ARGUMENT`; free the handle afterwards. Calling it
  * twice is harmless.
  */

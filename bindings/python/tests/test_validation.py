@@ -4,6 +4,8 @@ the layout is refused with ``MismatchError`` (naming rank, layer and both values
 stays usable, and a correct transfer on it afterwards is byte-exact. Python API only, one
 process, two endpoints over loopback TCP, the real XLA CPU plugin."""
 
+import time
+
 import pytest
 
 import tpu_sync
@@ -109,6 +111,10 @@ def test_producer_refuses_every_disagreement_and_keeps_other_registrations(clien
     init = [b.read() for b in dst]
     cons.pull(8, prod.address, SRC, DST, TOKENS, {0: dst}).wait(timeout=30)
     assert [b.read() for b in dst] == expected_after_pull(src, init)
+    # The delivering release follows the pull's completion (off its critical path).
+    deadline = time.monotonic() + 10
+    while prod.registration_state(8) == "active" and time.monotonic() < deadline:
+        time.sleep(0.005)
     assert prod.registration_state(8) == "released"
 
 

@@ -11,8 +11,9 @@
 //!   client, copies the request's blocks D2H, and registers them. The device blocks may be
 //!   reused as soon as it returns. [`Pipeline::offer_state`] tells how the registration ended.
 //! * **Consumer side**: [`Pipeline::pull`] (decode-initiated) checks, plans, stages exactly the
-//!   bytes the plan writes, pulls them, writes them in place into the device buffers (H2D) and
-//!   only then releases the request at the producers (a delivering release); a failed pull
+//!   bytes the plan writes, pulls them, writes them in place into the device buffers (H2D),
+//!   completes, and releases the request at the producers (a delivering release, off the
+//!   critical path; [`Pipeline::shutdown`] waits for it); a failed pull
 //!   sends a release that does not count as delivered, so a retry can still succeed, and
 //!   [`Pipeline::reject`] tells the producers that this consumer will not pull the request.
 //! * **Layer by layer**: [`Pipeline::offer_layers`] registers a request before its layers are
@@ -724,6 +725,7 @@ pub struct Pipeline {
     pool: Arc<ArenaPool>,
     offers: Arc<Mutex<Offers>>,
     counters: Arc<Counters>,
+    releases: Arc<PendingReleases>,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -764,6 +766,7 @@ impl Pipeline {
             pool,
             offers: Arc::default(),
             counters: Arc::default(),
+            releases: Arc::default(),
         })
     }
 
@@ -1035,8 +1038,11 @@ impl Pipeline {
 
     /// Consumer side: checks, plans `src -> dst`, stages exactly the bytes the plan writes to
     /// `pull.kv`'s ranks (budget, DMA map), and starts pulling. Once every byte arrived and
-    /// verified it is written in place into the buffers (H2D); only then is the request
-    /// released at the producers (a delivering release) and the transfer reported done. A
+    /// verified it is written in place into the buffers (H2D), the transfer is reported done
+    /// and the request is released at the producers (a delivering release, sent to every
+    /// producer endpoint at once; off the critical path, as NIXL's "done reading"
+    /// notification is: the producers free their staging when it arrives, and
+    /// [`Pipeline::shutdown`] waits for releases still on their way). A
     /// failed or cancelled pull releases without delivery (the producer keeps the request for
     /// a retry, until its lease passes or the consumer [rejects](Pipeline::reject) it), except
     /// when the failure is the producer's ([`Error::is_peer_failure`]: dead, unreachable).
@@ -1118,6 +1124,7 @@ impl Pipeline {
         self.counters.pulls.fetch_add(1, Ordering::Relaxed);
         let (handle, job) = self.job(p.request_id, t.clone(), p.kv.num_layers());
         let ep = self.ep.clone();
+        let releases = self.releases.clone();
         let kv = p.kv;
         self.rt
             .spawn(tracing::Instrument::in_current_span(async move {
@@ -1129,9 +1136,13 @@ impl Pipeline {
                 };
                 let delivered = r.is_ok();
                 if delivered {
-                    // The producers free the request now instead of at its lease expiry.
-                    release_all(&ep, &src_addrs, job.0.request_id, true).await;
+                    // The bytes are in place: the pull is done now, and the delivering release
+                    // (the producers free the request instead of holding it until its lease
+                    // expires) leaves the critical path. Counted as pending before the caller
+                    // can see "done", so a shutdown after it still sends it.
+                    let _pending = releases.start();
                     job.0.complete(r);
+                    release_all(&ep, &src_addrs, job.0.request_id, true).await;
                 } else {
                     // A failed pull completes at once; the release (no delivery: the producer keeps
                     // the request for a retry, this consumer's lease ends) is best effort and must
@@ -1365,10 +1376,27 @@ impl Pipeline {
         }
     }
 
-    /// Shuts the endpoint down ([`Endpoint::shutdown`]): every offer ends
-    /// ([`OfferState::Shutdown`]) and its staging is freed.
+    /// Shuts the endpoint down ([`Endpoint::shutdown`]): it stops accepting, waits up to
+    /// `drain` for transfers in flight, then waits for the delivering releases of completed
+    /// pulls still on their way (until the drain's deadline, and at least [`RELEASE_FLUSH`]),
+    /// and aborts what is left: every offer ends ([`OfferState::Shutdown`]) and its staging is
+    /// freed.
     pub async fn shutdown(&self, drain: Option<Duration>) {
-        self.ep.shutdown(drain).await;
+        let start = tokio::time::Instant::now();
+        self.ep.stop_accepting();
+        if let Some(d) = drain {
+            self.ep.drain_until(start + d).await;
+        }
+        let flush = start + drain.unwrap_or_default().max(RELEASE_FLUSH);
+        let left = self.releases.idle_by(flush).await;
+        if left > 0 {
+            log::warn!(
+                "shutdown: {left} delivering release(s) unanswered after {:?}; those producers \
+                 free the requests at their lease expiry",
+                start.elapsed()
+            );
+        }
+        self.ep.shutdown(None).await;
         lock(&self.offers).sweep();
     }
 }
@@ -1532,10 +1560,59 @@ async fn receive_layers(
 /// Releases `request_id` at every address, saying whether it was `delivered` (only a delivering
 /// release counts toward the producer's expected releases); failures are logged (the producers'
 /// leases end them).
+/// Releases `request_id` at every producer endpoint in `addrs` (distinct), all at once: one
+/// round trip for the request, not one per producer. Failures are logged (the producer's lease
+/// frees the request anyway).
 async fn release_all(ep: &Endpoint, addrs: &[String], request_id: u64, delivered: bool) {
-    for a in addrs {
+    let each = addrs.iter().map(|a| async move {
         if let Err(e) = ep.release_with(a, request_id, delivered).await {
             log::debug!("release (delivered: {delivered}) of request {request_id} at {a}: {e}");
+        }
+    });
+    futures_util::future::join_all(each).await;
+}
+
+/// How long [`Pipeline::shutdown`] waits at least for the delivering releases of completed
+/// pulls still on their way (each is one small control round trip; an unreachable producer
+/// frees the request at its lease expiry instead).
+pub const RELEASE_FLUSH: Duration = Duration::from_secs(2);
+
+/// The delivering releases sent after their pulls completed and not yet answered
+/// ([`Pipeline::pull`]), so that [`Pipeline::shutdown`] can wait for them.
+#[derive(Default)]
+struct PendingReleases {
+    count: AtomicU64,
+    idle: tokio::sync::Notify,
+}
+
+/// One pending release; dropping it ends it.
+struct PendingRelease(Arc<PendingReleases>);
+
+impl PendingReleases {
+    fn start(self: &Arc<Self>) -> PendingRelease {
+        self.count.fetch_add(1, Ordering::SeqCst);
+        PendingRelease(self.clone())
+    }
+
+    /// Waits until no release is pending or `deadline` passed; returns how many still are.
+    async fn idle_by(&self, deadline: tokio::time::Instant) -> u64 {
+        loop {
+            let idle = self.idle.notified();
+            tokio::pin!(idle);
+            // Registered before the check, so a release ending in between is not missed.
+            idle.as_mut().enable();
+            let n = self.count.load(Ordering::SeqCst);
+            if n == 0 || tokio::time::timeout_at(deadline, idle).await.is_err() {
+                return self.count.load(Ordering::SeqCst);
+            }
+        }
+    }
+}
+
+impl Drop for PendingRelease {
+    fn drop(&mut self) {
+        if self.0.count.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
         }
     }
 }

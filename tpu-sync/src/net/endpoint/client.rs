@@ -515,25 +515,34 @@ impl Inner {
             )
             .await?;
         // Every destination endpoint learns that our ranks are finished (also those that got
-        // no bytes from us).
-        for addr in targets {
-            let peer = self.peer(&addr).await?;
-            let mut lane = Self::guarded(t, &peer, self.checkout(&peer)).await?;
-            let msg = Control::PushFinish {
-                request_id: req.request_id,
-                src_ranks: src_ranks.clone(),
-                src: req.src.clone(),
-                num_tokens: req.num_tokens,
-            };
-            Self::guarded(t, &peer, lane.f.send(&msg, req.request_id)).await?;
-            match Self::guarded(t, &peer, lane.f.recv(self.opts.io_timeout)).await? {
-                (_, Control::Finished { .. }) => self.give_back(&peer, lane),
-                (_, Control::Failed { message, kind, .. }) => {
-                    self.give_back(&peer, lane);
-                    return Err(remote_error(kind, &message));
+        // no bytes from us), all at once: one round trip, not one per destination.
+        let msg = Control::PushFinish {
+            request_id: req.request_id,
+            src_ranks,
+            src: req.src.clone(),
+            num_tokens: req.num_tokens,
+        };
+        let finish = |addr: String| {
+            let msg = &msg;
+            async move {
+                let peer = self.peer(&addr).await?;
+                let mut lane = Self::guarded(t, &peer, self.checkout(&peer)).await?;
+                Self::guarded(t, &peer, lane.f.send(msg, req.request_id)).await?;
+                match Self::guarded(t, &peer, lane.f.recv(self.opts.io_timeout)).await? {
+                    (_, Control::Finished { .. }) => {
+                        self.give_back(&peer, lane);
+                        Ok(())
+                    }
+                    (_, Control::Failed { message, kind, .. }) => {
+                        self.give_back(&peer, lane);
+                        Err(remote_error(kind, &message))
+                    }
+                    (_, m) => Err(Error::Protocol(format!("expected finished, got {m:?}"))),
                 }
-                (_, m) => return Err(Error::Protocol(format!("expected finished, got {m:?}"))),
             }
+        };
+        for finished in futures_util::future::join_all(targets.into_iter().map(finish)).await {
+            finished?;
         }
         Ok(r.stats(pairs.len(), t))
     }

@@ -775,21 +775,31 @@ impl Endpoint {
     /// then cancels what is left, ends every registration ([`SourceOutcome::Shutdown`]) and
     /// closes every connection.
     pub async fn shutdown(&self, drain: Option<Duration>) {
-        lock(&self.inner.acceptor).take();
+        self.stop_accepting();
         if let Some(d) = drain {
-            let deadline = tokio::time::Instant::now() + d;
-            loop {
-                let pending: Vec<_> = lock(&self.inner.transfers).values().cloned().collect();
-                let Some(t) = pending.first() else { break };
-                if tokio::time::timeout_at(deadline, t.done.wait())
-                    .await
-                    .is_err()
-                {
-                    break;
-                }
-            }
+            self.drain_until(tokio::time::Instant::now() + d).await;
         }
         self.inner.abort_all("endpoint shut down");
+    }
+
+    /// The first step of [`Endpoint::shutdown`]: no new connection is accepted.
+    pub(crate) fn stop_accepting(&self) {
+        lock(&self.inner.acceptor).take();
+    }
+
+    /// The drain of [`Endpoint::shutdown`]: waits until no transfer is in flight or `deadline`
+    /// passed.
+    pub(crate) async fn drain_until(&self, deadline: tokio::time::Instant) {
+        loop {
+            let pending: Vec<_> = lock(&self.inner.transfers).values().cloned().collect();
+            let Some(t) = pending.first() else { break };
+            if tokio::time::timeout_at(deadline, t.done.wait())
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
     }
 }
 
