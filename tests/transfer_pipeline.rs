@@ -210,12 +210,12 @@ fn addr(p: &Pipeline) -> String {
     p.endpoint().local_addr().unwrap().to_string()
 }
 
-/// Pulls request `id` (`TOKENS` tokens of `src`, offered by `from`) through `c` into a fresh
+/// Pulls request `id` (`TOKENS` tokens of `src`, offered at `sources`) through `c` into a fresh
 /// background destination of `dst` (rank 0 of `cons`), checks every destination element (the
 /// request byte-exact, the rest unchanged) and returns the pull's report.
 async fn pull_exact(
     c: &Pipeline,
-    from: &Pipeline,
+    sources: PeerMap,
     cons: &Side,
     (src, dst): (&Placement, &Placement),
     id: u64,
@@ -226,7 +226,7 @@ async fn pull_exact(
             request_id: id,
             num_tokens: TOKENS,
             src: src.clone(),
-            sources: PeerMap::single(addr(from)),
+            sources,
             dst: dst.clone(),
             kv: kv(cons, vec![(0, dst_bufs.clone())]),
             wait_for_registration: None,
@@ -358,7 +358,7 @@ fn every_disagreement_is_refused_before_any_byte_moves_then_a_pull_is_exact() {
         assert!(st.refused >= 18, "{st:?}");
 
         // A correct pull on the same pipelines is byte-exact, and releases request 5.
-        let rep = pull_exact(&c, &p, &cons, (&src, &dst), 5).await;
+        let rep = pull_exact(&c, PeerMap::single(addr(&p)), &cons, (&src, &dst), 5).await;
         let want = TOKENS as u64 * model().bytes_per_token();
         assert_eq!((rep.net_bytes, rep.device_bytes), (want, want), "{rep:?}");
         assert!(matches!(rep.dma, DmaOutcome::Skipped(_)), "{rep:?}");
@@ -504,7 +504,7 @@ fn a_registration_past_the_budget_fails_and_earlier_ones_still_pull_exact() {
         );
         // The earlier registrations still pull byte-exact.
         for (id, h) in [(1u64, a), (2, b)] {
-            pull_exact(&c, &p, &cons, (&src, &dst), id).await;
+            pull_exact(&c, PeerMap::single(addr(&p)), &cons, (&src, &dst), id).await;
             assert_eq!(
                 h.wait(Duration::from_secs(10)).await.unwrap(),
                 OfferState::Released
@@ -972,7 +972,7 @@ fn the_pool_respects_its_cap_and_zero_turns_it_off() {
             })
             .collect();
         for (id, h) in [301u64, 302].into_iter().zip(offers) {
-            pull_exact(&c, &p, &cons, (&src, &dst), id).await;
+            pull_exact(&c, PeerMap::single(addr(&p)), &cons, (&src, &dst), id).await;
             h.wait(Duration::from_secs(10)).await.unwrap();
         }
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
@@ -1188,23 +1188,8 @@ fn releases_of_a_completed_pull_reach_every_producer_even_across_an_immediate_sh
                 addr(&producers[1])
             ))
             .unwrap();
-            let dst_bufs = background(&cons, &dst, 0);
-            let rep = c
-                .pull(PullInto {
-                    request_id: id,
-                    num_tokens: TOKENS,
-                    src: src.clone(),
-                    sources,
-                    dst: dst.clone(),
-                    kv: kv(&cons, vec![(0, dst_bufs.clone())]),
-                    wait_for_registration: None,
-                })
-                .unwrap()
-                .wait()
-                .await
-                .unwrap();
+            let rep = pull_exact(&c, sources, &cons, (&src, &dst), id).await;
             assert_eq!((rep.net_bytes, rep.device_bytes), (want, want), "{rep:?}");
-            assert_eq!(verify(&dst, 0, &dst_bufs), want, "round {round}");
             // No drain: the releases still on their way are flushed before the abort.
             c.shutdown(None).await;
             for (r, h) in handles.iter().enumerate() {
