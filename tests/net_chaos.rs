@@ -522,7 +522,7 @@ async fn dying_listener(kind: TransportKind, hang: bool) -> (String, tokio::task
 #[test]
 fn peer_death_at_every_point_leaks_nothing() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    run(Duration::from_secs(240), async {
+    run(Duration::from_secs(420), async {
         let pki = pki(&["prefill", "decode", "doomed", "receiver"]);
         let f = fx();
         let base = warm_baseline(&pki, &f).await;
@@ -789,6 +789,13 @@ fn peer_death_at_every_point_leaks_nothing() {
                 "pinned staging shows in VmLck"
             );
         }
-        assert_back_to(&base, Duration::from_secs(5), "after every death").await;
+        // A QUIC connection whose peer died while it was being set up (case 7b) may hold its
+        // listener's UDP socket until QUIC's idle timeout, even after the endpoint was dropped.
+        assert_back_to(
+            &base,
+            tpu_sync::net::quic::IDLE_TIMEOUT + Duration::from_secs(10),
+            "after every death",
+        )
+        .await;
     });
 }

@@ -118,6 +118,15 @@ pub const DEFAULT_CONNECTIONS_PER_PEER: u32 = 2;
 /// payload size (quinn's default, 1472 bytes) caps it first; see the module docs.
 pub const MAX_UDP_PAYLOAD: u16 = 65507;
 
+/// QUIC's idle timeout: a connection that hears nothing from its peer this long is dropped
+/// (keep-alives go out every 5 s, so a live peer never reaches it; the endpoint's own
+/// heartbeat declares a silent peer dead much sooner). It is also the bound on a connection
+/// whose peer vanished without a close that reached this side, e.g. a pusher killed while its
+/// connections were being set up: such a connection, and the UDP socket of the listener it
+/// came in on, stay until this timeout even after the endpoint was dropped
+/// (`tests/net_chaos.rs::peer_death_at_every_point_leaks_nothing` waits for it).
+pub const IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
 /// Send and receive buffer requested for the QUIC UDP socket (capped by the kernel).
 pub const UDP_BUFFER_BYTES: usize = 8 << 20;
 
@@ -175,7 +184,7 @@ fn transport_config() -> quinn::TransportConfig {
     tc.send_window(256 << 20);
     // Liveness is the endpoint's own heartbeat; QUIC keep-alives only hold NAT state.
     tc.keep_alive_interval(Some(Duration::from_secs(5)));
-    if let Ok(t) = quinn::IdleTimeout::try_from(Duration::from_secs(120)) {
+    if let Ok(t) = quinn::IdleTimeout::try_from(IDLE_TIMEOUT) {
         tc.max_idle_timeout(Some(t));
     }
     tc
