@@ -1557,12 +1557,10 @@ async fn receive_layers(
     Ok(report)
 }
 
-/// Releases `request_id` at every address, saying whether it was `delivered` (only a delivering
-/// release counts toward the producer's expected releases); failures are logged (the producers'
-/// leases end them).
-/// Releases `request_id` at every producer endpoint in `addrs` (distinct), all at once: one
-/// round trip for the request, not one per producer. Failures are logged (the producer's lease
-/// frees the request anyway).
+/// Releases `request_id` at every producer endpoint in `addrs` (distinct), all at once (one
+/// round trip for the request, not one per producer), saying whether it was `delivered` (only
+/// a delivering release counts toward the producer's expected releases). Failures are logged
+/// (the producers' leases end them).
 async fn release_all(ep: &Endpoint, addrs: &[String], request_id: u64, delivered: bool) {
     let each = addrs.iter().map(|a| async move {
         if let Err(e) = ep.release_with(a, request_id, delivered).await {
