@@ -6,6 +6,7 @@ PJRT_INCLUDE := $(CURDIR)/.deps/xla-cpu-pjrt/xla_plugins/xla_cpu_pjrt/include
 export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 
+.PHONY: stress
 .PHONY: all build plugin protoc etcd demo test test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm bench-vllm-layerwise sglang-env e2e-sglang
 
 all: build
@@ -140,6 +141,12 @@ fuzz: plugin
 SOAK_SECONDS ?= 120
 soak: plugin
 	SOAK_SECONDS=$(SOAK_SECONDS) $(CARGO) test --release --test soak -- --ignored --nocapture
+
+# The Rust and Python suites STRESS_ROUNDS times beside one busy loop per core (not part of
+# `make test`; build first): every round must pass.
+STRESS_ROUNDS ?= 5
+stress: build python $(PYTEST_DEPS)
+	./scripts/stress-test.sh $(STRESS_ROUNDS)
 
 # Sanitizers and leak checks (not part of `make test`): valgrind memcheck over the C tests,
 # C examples and Python tests; AddressSanitizer + LeakSanitizer over the library and the fault

@@ -122,9 +122,30 @@ pub fn validate(job: &JobArgs) -> Result<()> {
             "--tokens 0: the prompt needs at least one token".into(),
         ));
     }
-    sized_layout(&m, prefill_spec(job)?, job.tokens)?;
-    sized_layout(&m, decode_spec(job)?, job.tokens)?;
-    validate_decode(job)
+    let pre = sized_layout(&m, prefill_spec(job)?, job.tokens)?;
+    let dec = sized_layout(&m, decode_spec(job)?, job.tokens)?;
+    validate_decode(job)?;
+    // Both halves' KV buffers, their staging and the host copies used to fill and verify
+    // them live in this machine's memory (the CPU plugin's device memory is host memory): an
+    // impossible size is refused here, before anything is spawned or allocated.
+    let device = |l: &ParallelLayout| -> Result<u64> {
+        let kv = l.rank_kv()?;
+        Ok(kv
+            .buffer_bytes()
+            .saturating_mul(kv.num_layers as u64)
+            .saturating_mul(l.num_ranks() as u64))
+    };
+    let request = m.bytes_per_token().saturating_mul(job.tokens as u64);
+    let need = device(&pre)?
+        .saturating_add(device(&dec)?)
+        .saturating_add(request.saturating_mul(2));
+    tpu_sync::budget::check_fits(
+        need,
+        &format!(
+            "--tokens {} --layers {}: the prefill's and decode's KV buffers and staging",
+            job.tokens, m.num_layers
+        ),
+    )
 }
 
 /// The checks of [`validate`] that apply to `decode` (whose token count and prefill layout come
@@ -258,6 +279,12 @@ fn make_buffers(client: &Client, contents: &[RankContents]) -> Result<Vec<Vec<De
         .map(|n| n.get())
         .unwrap_or(2)
         .clamp(1, 8);
+    // Device buffers (host memory on the CPU plugin) plus one host fill buffer per thread.
+    let need = contents.iter().fold(0u64, |a, c| {
+        let kv = c.kv();
+        a.saturating_add(kv.buffer_bytes().saturating_mul(kv.num_layers as u64 + 1))
+    });
+    tpu_sync::budget::check_fits(need, &format!("KV buffers of {} ranks", contents.len()))?;
     let mut out: Vec<Option<Result<Vec<DeviceBuffer>>>> =
         (0..contents.len()).map(|_| None).collect();
     std::thread::scope(|sc| {

@@ -291,8 +291,9 @@ impl StagingBudget {
     }
 }
 
-/// Memory this process may use: physical memory (`sysconf(_SC_PHYS_PAGES)`), or the cgroup's
-/// limit (`memory.max` of cgroup v2, `memory.limit_in_bytes` of v1) when that is lower.
+/// Memory this process may use: physical memory (`sysconf(_SC_PHYS_PAGES)`), or the lowest
+/// memory limit of the process's own cgroup and its ancestors ([`cgroup_memory`]) when that is
+/// lower.
 pub fn process_memory() -> u64 {
     // SAFETY: sysconf has no preconditions.
     let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
@@ -303,18 +304,106 @@ pub fn process_memory() -> u64 {
     } else {
         8 << 30
     };
-    let cgroup = [
-        "/sys/fs/cgroup/memory.max",
-        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-    ]
-    .iter()
-    .filter_map(|p| std::fs::read_to_string(p).ok())
-    .filter_map(|s| s.trim().parse::<u64>().ok())
-    .min();
-    match cgroup {
-        Some(c) if c > 0 => phys.min(c),
+    match cgroup_memory() {
+        Some((limit, _)) if limit > 0 => phys.min(limit),
         _ => phys,
     }
+}
+
+/// The memory limit that binds this process and that cgroup's usage, in bytes: the lowest
+/// limit of the process's own cgroup (from `/proc/self/cgroup`) and each ancestor up to the
+/// root of the mounted hierarchy. cgroup v2: `memory.max` and `memory.current` under
+/// `/sys/fs/cgroup`; v1: `memory.limit_in_bytes` and `memory.usage_in_bytes` under
+/// `/sys/fs/cgroup/memory`. `None` when no limit is set or nothing is readable (no cgroup
+/// filesystem).
+pub fn cgroup_memory() -> Option<(u64, u64)> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let mut tries: Vec<(std::path::PathBuf, &str, &str)> = Vec::new();
+    for line in own.lines() {
+        let mut f = line.splitn(3, ':');
+        let (_, ctrl, path) = match (f.next(), f.next(), f.next()) {
+            (Some(a), Some(b), Some(c)) => (a, b, c),
+            _ => continue,
+        };
+        let (root, max, cur) = if ctrl.is_empty() {
+            ("/sys/fs/cgroup", "memory.max", "memory.current")
+        } else if ctrl.split(',').any(|c| c == "memory") {
+            (
+                "/sys/fs/cgroup/memory",
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            )
+        } else {
+            continue;
+        };
+        // The cgroup itself, then each ancestor (a container sees its own cgroup as "/").
+        let mut p = std::path::PathBuf::from(root);
+        p.push(path.trim_start_matches('/'));
+        loop {
+            tries.push((p.clone(), max, cur));
+            if p.as_os_str().len() <= root.len() || !p.pop() {
+                break;
+            }
+        }
+    }
+    if tries.is_empty() {
+        tries.push(("/sys/fs/cgroup".into(), "memory.max", "memory.current"));
+        tries.push((
+            "/sys/fs/cgroup/memory".into(),
+            "memory.limit_in_bytes",
+            "memory.usage_in_bytes",
+        ));
+    }
+    let read = |p: &std::path::Path| -> Option<u64> {
+        std::fs::read_to_string(p).ok()?.trim().parse::<u64>().ok()
+    };
+    let mut best: Option<(u64, u64)> = None;
+    for (dir, max, cur) in tries {
+        // v1 reports "no limit" as a huge page-aligned number; anything past 2^62 is none.
+        let Some(limit) = read(&dir.join(max)).filter(|&l| l > 0 && l < (1 << 62)) else {
+            continue;
+        };
+        if best.is_none_or(|(b, _)| limit < b) {
+            best = Some((limit, read(&dir.join(cur)).unwrap_or(0)));
+        }
+    }
+    best
+}
+
+/// Bytes this process could still allocate now: `MemAvailable` of `/proc/meminfo`, or the
+/// binding cgroup's limit less its usage ([`cgroup_memory`]) when that is lower.
+pub fn available_memory() -> u64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let avail = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kib| kib.saturating_mul(1024))
+        .unwrap_or_else(process_memory);
+    match cgroup_memory() {
+        Some((limit, used)) => avail.min(limit.saturating_sub(used)),
+        None => avail,
+    }
+}
+
+/// Refuses an allocation of `bytes` (described by `what`, e.g. "device buffers of 4 ranks")
+/// that this process cannot hold: more than [`available_memory`]. Checked before allocating,
+/// so an impossible size is an error instead of an abort on a failed allocation (a Rust
+/// allocation that fails aborts the process). A size that passes may still fail later if other
+/// processes take the memory first.
+///
+/// Errors: [`Error::HostMemory`] naming `what`, the bytes needed and the bytes available.
+pub fn check_fits(bytes: u64, what: &str) -> Result<()> {
+    let avail = available_memory();
+    if bytes > avail {
+        return Err(Error::HostMemory(format!(
+            "{what} need {} ({bytes} bytes), but this process can allocate at most {} now \
+             (MemAvailable, or its cgroup's memory limit less usage)",
+            fmt_bytes(bytes),
+            fmt_bytes(avail)
+        )));
+    }
+    Ok(())
 }
 
 /// The hard `RLIMIT_MEMLOCK`, `None` when unlimited or unreadable.
@@ -350,6 +439,16 @@ pub fn default_limit() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn impossible_sizes_are_refused_before_allocating() {
+        let e = check_fits(u64::MAX / 2, "device buffers").unwrap_err();
+        assert!(matches!(e, Error::HostMemory(_)), "{e}");
+        assert!(e.to_string().contains("device buffers"), "{e}");
+        check_fits(4096, "a page").unwrap();
+        let avail = available_memory();
+        assert!(avail > 4096 && avail <= process_memory(), "{avail}");
+    }
 
     #[test]
     fn reservations_are_refused_past_the_limit_and_returned_on_drop() {

@@ -352,6 +352,25 @@ impl Staging {
             .collect())
     }
 
+    /// [`Staging::drain_to_device`] (every layer, `layers: None`) or
+    /// [`Staging::drain_layers_to_device`], but only if the copies can run on the calling thread
+    /// without waiting for the copy engine ([`device::try_h2d_batch_inline`]): `Ok(None)` when
+    /// they cannot, and then nothing was copied. For an async runtime's worker threads.
+    pub fn try_drain_inline(
+        &self,
+        caps: &Capabilities,
+        rank: u32,
+        buffers: &[DeviceBuffer],
+        layers: Option<std::ops::Range<u32>>,
+    ) -> Result<Option<CopyStats>> {
+        let ops = match &layers {
+            None => self.copies(rank, buffers)?,
+            Some(l) => self.layer_copies(rank, buffers, l)?,
+        };
+        // SAFETY: as drain_to_device.
+        unsafe { device::try_h2d_batch_inline(caps, &ops) }
+    }
+
     /// H2D: writes every staged range of `rank` into its device buffers in place.
     ///
     /// The caller must not write this rank's staged regions concurrently.

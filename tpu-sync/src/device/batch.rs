@@ -337,6 +337,31 @@ impl CopyBatch {
     /// the H2D destination ranges concurrently (the caller owns those blocks, as a serving
     /// engine owns the blocks it allocated to a request).
     pub unsafe fn submit(self, pacer: &Pacer) -> Result<CopyHandle> {
+        // SAFETY: forwarded caller contract.
+        let h = unsafe { self.submit_with(pacer, false) }?;
+        Ok(h.expect("a batch not limited to the inline path is always submitted"))
+    }
+
+    /// Runs the batch on the calling thread if it can run there without waiting
+    /// ([`INLINE_COPY_BYTES`]: small, the copy engine idle, every buffer defined) and returns
+    /// its completed handle; otherwise returns `None` and issues nothing (the caller then
+    /// submits a new batch where blocking is allowed). For callers on an async runtime's worker
+    /// threads, which must never wait for the copy engine.
+    ///
+    /// Errors: as [`CopyBatch::submit`].
+    ///
+    /// # Safety
+    /// As [`CopyBatch::submit`]; when `None` is returned nothing was read or written.
+    pub unsafe fn submit_inline_only(self, pacer: &Pacer) -> Result<Option<CopyHandle>> {
+        // SAFETY: forwarded caller contract.
+        unsafe { self.submit_with(pacer, true) }
+    }
+
+    /// [`CopyBatch::submit`], or with `inline_only` [`CopyBatch::submit_inline_only`].
+    ///
+    /// # Safety
+    /// As [`CopyBatch::submit`].
+    unsafe fn submit_with(self, pacer: &Pacer, inline_only: bool) -> Result<Option<CopyHandle>> {
         self.check_overlaps()?;
         let kind = match (&self.dir, &self.h2d) {
             // Host-addressable device memory (probed per buffer, PJRT_Buffer_IsOnCpu): read it
@@ -412,7 +437,10 @@ impl CopyBatch {
             }));
         }
         if let Some(done) = self.try_inline(&kind, &states, pacer)? {
-            return Ok(done);
+            return Ok(Some(done));
+        }
+        if inline_only {
+            return Ok(None);
         }
         let shared = Arc::new(BatchShared::new(self.pushed.len()));
         let mut events = Vec::new();
@@ -476,11 +504,11 @@ impl CopyBatch {
             _pending: pacer.pending_job(),
         };
         pacer.enqueue(job)?;
-        Ok(CopyHandle {
+        Ok(Some(CopyHandle {
             shared,
             issuer: pacer.issuer().clone(),
             taken: false,
-        })
+        }))
     }
 }
 

@@ -178,3 +178,21 @@ pub unsafe fn h2d_batch(caps: &Capabilities, ops: &[RawCopy<'_>]) -> Result<Copy
     let handle = unsafe { batch.submit(Pacer::global()) }?;
     Ok(handle.wait()?)
 }
+
+/// [`h2d_batch`] only if it can run on the calling thread without waiting (see
+/// [`CopyBatch::submit_inline_only`]): `Ok(None)` when it cannot, and then nothing was copied.
+/// For an async runtime's worker threads.
+///
+/// # Safety
+/// As [`h2d_batch`].
+pub unsafe fn try_h2d_batch_inline(
+    caps: &Capabilities,
+    ops: &[RawCopy<'_>],
+) -> Result<Option<CopyStats>> {
+    let batch = batch_of(CopyBatch::h2d(caps)?, ops)?;
+    // SAFETY: forwarded caller contract; an inline batch is complete when this returns.
+    match unsafe { batch.submit_inline_only(Pacer::global()) }? {
+        Some(handle) => Ok(Some(handle.wait()?)),
+        None => Ok(None),
+    }
+}

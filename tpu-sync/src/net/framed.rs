@@ -45,6 +45,89 @@ pub(crate) struct Framed {
     /// The data header and piece table of the [`FrameKind::DataRef`] frame being received
     /// (read by [`Framed::data_len`], used by [`Framed::recv_data`]).
     pending_ref: Option<(DataHeader, Vec<(u64, u64)>)>,
+    /// The memory that [`FrameKind::DataRef`] frames sent on this lane point into, kept alive
+    /// until the peer is known to be done reading it ([`Framed::hold_refs`]).
+    hold: Option<RefHold>,
+}
+
+/// Something that keeps the sender's staging mapped (an `Arc` of it).
+pub(crate) type RefHold = std::sync::Arc<dyn std::any::Any + Send + Sync>;
+
+impl Drop for Framed {
+    /// A lane dropped while its peer may still be copying data by reference out of this
+    /// process's staging (a failed or abandoned exchange) lingers: its write side is shut (the
+    /// peer reads what was sent, then end of stream, and reports the exchange as ended by this
+    /// side, not as corrupt), and the staging stays mapped until the peer closed the lane or
+    /// `io_timeout` passed. Runs on the Tokio runtime of the dropping thread; without one the
+    /// staging is released at once.
+    fn drop(&mut self) {
+        let Some(keep) = self.hold.take() else {
+            return;
+        };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut lane = std::mem::replace(&mut self.lane, Box::new(ClosedLane));
+        let t = self.io_timeout;
+        rt.spawn(async move {
+            let _ = tokio::time::timeout(t, async {
+                let _ = lane.shutdown().await;
+                let mut sink = [0u8; 512];
+                while let Ok(n) = lane.read(&mut sink).await {
+                    if n == 0 {
+                        break;
+                    }
+                }
+            })
+            .await;
+            drop(lane);
+            drop(keep);
+        });
+    }
+}
+
+/// The lane left in a [`Framed`] whose lane was taken out: reads end, writes fail.
+struct ClosedLane;
+
+impl tokio::io::AsyncRead for ClosedLane {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        _: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+impl tokio::io::AsyncWrite for ClosedLane {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        _: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::task::Poll::Ready(Err(std::io::ErrorKind::NotConnected.into()))
+    }
+    fn poll_flush(
+        self: Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+    fn poll_shutdown(
+        self: Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+impl Lane for ClosedLane {
+    fn peer(&self) -> super::transport::PeerInfo {
+        super::transport::PeerInfo {
+            addr: std::net::SocketAddr::from(([0, 0, 0, 0], 0)),
+            identity: None,
+        }
+    }
 }
 
 /// What a data frame turned out to be after [`Framed::recv_data`].
@@ -78,6 +161,7 @@ impl Framed {
         Framed {
             shm: lane.shm_peer(),
             pending_ref: None,
+            hold: None,
             lane,
             io_timeout,
             gather: Vec::new(),
@@ -86,6 +170,31 @@ impl Framed {
             rpos: 0,
             rlen: 0,
         }
+    }
+
+    /// The lane itself, for a caller that serves it without frames (the control lanes; only
+    /// right after the hello, see [`Framed`]). Nothing is held on such a lane.
+    pub(crate) fn into_lane(mut self) -> Box<dyn Lane> {
+        self.hold = None;
+        std::mem::replace(&mut self.lane, Box::new(ClosedLane))
+    }
+
+    /// Keeps `keep` (the staging that data frames about to be sent point into) alive until the
+    /// peer is done with this lane's data by reference: until [`Framed::release_refs`] (the
+    /// peer answered the exchange, so it read every frame before it), or, when this `Framed` is
+    /// dropped first (the exchange failed or was abandoned), until the peer closed the lane or
+    /// [`Framed::io_timeout`] passed (see [`Drop`]). Only same-host lanes on which the peer
+    /// reads this process's memory hold anything; on others the bytes are in the socket once
+    /// written.
+    pub(crate) fn hold_refs(&mut self, keep: RefHold) {
+        if self.shm.is_some_and(|p| p.peer_can_read_me) {
+            self.hold = Some(keep);
+        }
+    }
+
+    /// The peer read every data frame sent so far (it answered after them): nothing is held.
+    pub(crate) fn release_refs(&mut self) {
+        self.hold = None;
     }
 
     /// Copies buffered bytes into `dst`; returns how many.
@@ -434,29 +543,34 @@ impl Framed {
         if covered != want {
             return Ok((d, DataOutcome::BadChecksum));
         }
-        // Copied and hashed (in cache-sized steps when `verify_step` is set).
-        let sum =
-            match super::shm::copy_and_hash_from_peer(pid, dst, &pieces, super::shm::verify_step())
-            {
-                Ok(sum) => sum,
-                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
-                    return Err(Error::PeerClosed(format!(
-                        "the sending process {pid} exited in the middle of a data frame"
-                    )))
+        // Copied and hashed (in cache-sized steps when `verify_step` is set); a large copy
+        // hands this runtime worker's other tasks (heartbeats among them) to another thread
+        // first.
+        let copy =
+            || super::shm::copy_and_hash_from_peer(pid, dst, &pieces, super::shm::verify_step());
+        let sum = match off_worker_if_large(want, copy) {
+            Ok(sum) => sum,
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Err(exited(pid)),
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                return Err(Error::io(
+                    format!("copy out of process {pid} (process_vm_readv)"),
+                    e,
+                ))
+            }
+            // EFAULT, a short copy: the region is not (all) there.
+            Err(e) => {
+                if !super::shm::process_alive(pid) {
+                    return Err(exited(pid));
                 }
-                Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
-                    return Err(Error::io(
-                        format!("copy out of process {pid} (process_vm_readv)"),
-                        e,
-                    ))
-                }
-                // EFAULT, a short copy: the region is not (all) there.
-                Err(e) => {
-                    log::warn!("shm: copy out of process {pid} failed: {e}");
-                    return Ok((d, DataOutcome::BadChecksum));
-                }
-            };
+                log::warn!("shm: copy out of process {pid} failed: {e}");
+                return Ok((d, DataOutcome::BadChecksum));
+            }
+        };
         let ok = sum == d.checksum;
+        if !ok && !super::shm::process_alive(pid) {
+            // The sender exited during the copy: its memory went away, nothing was corrupted.
+            return Err(exited(pid));
+        }
         Ok((
             d,
             if ok {
@@ -544,6 +658,30 @@ impl Framed {
         self.bounce = b;
         Ok((d, out?))
     }
+}
+
+/// Copies of more bytes than this, done synchronously inside a lane's future, leave the
+/// runtime worker first ([`off_worker_if_large`]).
+pub(crate) const BLOCKING_COPY_BYTES: u64 = 256 << 10;
+
+/// Runs `f`, a synchronous copy of `bytes`: above [`BLOCKING_COPY_BYTES`] on a multi-threaded
+/// Tokio runtime through `block_in_place`, so the worker's queued tasks (heartbeats, other
+/// lanes) move to another thread while it runs; otherwise (small, or a current-thread runtime
+/// where that is not possible) right here.
+pub(crate) fn off_worker_if_large<T>(bytes: u64, f: impl FnOnce() -> T) -> T {
+    let multi = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if bytes > BLOCKING_COPY_BYTES && multi {
+        tokio::task::block_in_place(f)
+    } else {
+        f()
+    }
+}
+
+fn exited(pid: i32) -> Error {
+    Error::PeerClosed(format!(
+        "the sending process {pid} exited in the middle of a data frame"
+    ))
 }
 
 /// Reads a `len`-byte body from `r` within `t`. The buffer grows with the bytes that actually

@@ -76,10 +76,66 @@ fn unix_addr(port: u16) -> io::Result<std::os::unix::net::SocketAddr> {
     std::os::unix::net::SocketAddr::from_abstract_name(socket_name(port).as_bytes())
 }
 
+/// A non-blocking `connect(2)` to the abstract Unix socket `name` (no leading NUL). A full
+/// listen backlog is `EAGAIN`; no listener is `ECONNREFUSED`.
+fn connect_abstract_nonblocking(name: &[u8]) -> io::Result<std::os::unix::net::UnixStream> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: sockaddr_un is plain old data; all-zero is a valid value.
+    let mut sa: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    sa.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    if name.len() + 1 > sa.sun_path.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "abstract socket name too long",
+        ));
+    }
+    for (d, s) in sa.sun_path[1..].iter_mut().zip(name) {
+        *d = *s as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + 1 + name.len();
+    // SAFETY: plain socket(2) call; the result is checked.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a new socket this function owns.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: `sa` is a valid sockaddr_un of `len` bytes (family, NUL, name).
+    let r = unsafe {
+        libc::connect(
+            fd,
+            (&sa as *const libc::sockaddr_un).cast(),
+            len as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(std::os::unix::net::UnixStream::from(owned))
+}
+
 /// Whether `ip` names this host (in this network namespace): loopback, unspecified, or an
 /// address a socket can be bound to here.
 pub fn is_local_ip(ip: IpAddr) -> bool {
     ip.is_loopback() || ip.is_unspecified() || std::net::UdpSocket::bind((ip, 0)).is_ok()
+}
+
+/// Whether process `pid` still exists (`kill(pid, 0)`; `EPERM` means it exists under another
+/// user). Used before a failed copy out of a peer is reported as corruption.
+pub(crate) fn process_alive(pid: i32) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks that the process exists and may be signalled; nothing is
+    // sent.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
 /// Copies the sender's pieces `src` (`(address, length)` in process `pid`) into `dst` with
@@ -582,9 +638,29 @@ struct ShmConn {
 impl ShmConn {
     /// A Unix lane to the listener of `addr`, or `None` when there is none (use TCP).
     async fn open_unix(&self) -> Result<Option<Box<dyn Lane>>> {
-        let a = unix_addr(self.addr.port()).map_err(|e| Error::io("abstract socket name", e))?;
         let t = self.timeouts;
-        let std = match std::os::unix::net::UnixStream::connect_addr(&a) {
+        let name = socket_name(self.addr.port());
+        // Non-blocking connect: a listener whose backlog is full answers EAGAIN, tried again
+        // within the connect timeout (a blocking connect would stall this runtime worker).
+        let deadline = tokio::time::Instant::now() + t.connect;
+        let connected = loop {
+            match connect_abstract_nonblocking(name.as_bytes()) {
+                Err(e)
+                    if e.raw_os_error() == Some(libc::EAGAIN)
+                        && tokio::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+                    return Err(Error::Timeout(format!(
+                        "connect to @{name}: the listener accepted nothing for {:?}",
+                        t.connect
+                    )))
+                }
+                r => break r,
+            }
+        };
+        let std = match connected {
             Ok(s) => s,
             Err(e)
                 if matches!(
@@ -601,8 +677,6 @@ impl ShmConn {
                 ))
             }
         };
-        std.set_nonblocking(true)
-            .map_err(|e| Error::io("set_nonblocking", e))?;
         let mut s = UnixStream::from_std(std).map_err(|e| Error::io("register Unix lane", e))?;
         let me = SocketAddr::from(([0, 0, 0, 0], 0));
         let (h, shm) =

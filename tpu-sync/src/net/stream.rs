@@ -436,7 +436,8 @@ pub(crate) async fn recv_stripe(
                 }
             }
             DataOutcome::BadChecksum => {
-                counters.checksum_failed();
+                // Counted (and reported) only once the stripe ended well otherwise: a sender
+                // that failed, cancelled or went away in the meantime is the real cause.
                 bad.get_or_insert(Error::Checksum(format!(
                     "request {request_id}: {n} bytes at stream offset {a} (stripe {}/{}, dst rank \
                      {dst_rank})",
@@ -478,6 +479,7 @@ pub(crate) async fn recv_stripe(
         }
     }
     if let Some(e) = bad {
+        counters.checksum_failed();
         return Err(fail(e, true));
     }
     Ok(got)

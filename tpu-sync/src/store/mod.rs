@@ -555,6 +555,12 @@ impl Core {
         }
         let geo = Geometry::new(cfg.block_bytes, cfg.capacity_bytes)?;
         let ns = &cfg.namespace;
+        if cfg.shm_name.is_none() {
+            // A new anonymous segment is pre-faulted: a capacity the machine cannot hold is an
+            // error here, not an OOM kill later. (A named segment may already exist in
+            // /dev/shm and hold its bytes.)
+            crate::budget::check_fits(geo.total_bytes, "the host tier's capacity")?;
+        }
         let seg = match &cfg.shm_name {
             Some(n) => Segment::open_shm(&cfg.shm_dir, n, geo, ns, &cfg.memory)?,
             None => Segment::anonymous(geo, ns, &cfg.memory)?,

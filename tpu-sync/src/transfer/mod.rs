@@ -1458,7 +1458,11 @@ async fn write_to_device(
         .map(|s| s.range.len)
         .sum();
     if bytes <= INLINE_H2D_BYTES {
-        return h2d_now(&staging, &kv, layers.as_ref());
+        // Only where it cannot wait: one rank's small copies with the copy engine idle run on
+        // this (runtime) thread; anything else goes to the blocking pool below.
+        if let Some(done) = h2d_inline(&staging, &kv, layers.as_ref())? {
+            return Ok(done);
+        }
     }
     let span = tracing::Span::current();
     tokio::task::spawn_blocking(move || -> Result<(u64, u64, Duration)> {
@@ -1469,7 +1473,29 @@ async fn write_to_device(
     .map_err(|e| Error::Cancelled(format!("device copy task ended: {e}")))?
 }
 
-/// The H2D copies of [`write_to_device`] on the calling thread.
+/// The H2D copies of [`write_to_device`] on the calling thread if they need no wait: one rank
+/// with staged bytes, copied inline ([`Staging::try_drain_inline`]); `Ok(None)` (nothing
+/// copied) otherwise.
+fn h2d_inline(
+    staging: &Staging,
+    kv: &KvBuffers,
+    layers: Option<&std::ops::Range<u32>>,
+) -> Result<Option<(u64, u64, Duration)>> {
+    let t = Instant::now();
+    let ranks: Vec<u32> = staging.ranks().filter(|r| kv.get(*r).is_some()).collect();
+    let [r] = ranks[..] else {
+        return Ok(None);
+    };
+    let Some(bufs) = kv.get(r) else {
+        return Ok(None);
+    };
+    let s = staging
+        .try_drain_inline(kv.caps(), r, bufs, layers.cloned())
+        .map_err(|e| e.context(format!("H2D of rank {r}")))?;
+    Ok(s.map(|s| (s.bytes, s.ops, t.elapsed())))
+}
+
+/// The H2D copies of [`write_to_device`] on the calling thread (blocking: the blocking pool).
 fn h2d_now(
     staging: &Staging,
     kv: &KvBuffers,

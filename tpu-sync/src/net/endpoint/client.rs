@@ -256,7 +256,7 @@ impl Inner {
         mut rx: mpsc::UnboundedReceiver<Control>,
     ) {
         let CountedLane { f, _count } = lane;
-        let (mut r, mut w) = tokio::io::split(f.lane);
+        let (mut r, mut w) = tokio::io::split(f.into_lane());
         let o = &self.opts;
         let mute = o.faults.mute_heartbeats;
         let reader = async {
@@ -711,6 +711,9 @@ async fn push_stripe(
         (_, m) => return Err(Error::Protocol(format!("expected ready, got {m:?}")).into()),
     }
     let gate = t.gate.as_ref().map(|g| g.subscribe());
+    // Same host: the receiver copies out of this staging after our writes; it stays mapped
+    // until the receiver answered (or, if this exchange is abandoned, saw the lane close).
+    lane.f.hold_refs(staging.clone());
     let n = Inner::guarded(
         &t,
         &peer,
@@ -729,11 +732,13 @@ async fn push_stripe(
     .await?;
     match Inner::guarded(&t, &peer, lane.f.recv(io)).await? {
         (_, Control::StreamAck { bytes, .. }) if bytes == n => {
+            lane.f.release_refs();
             t.bytes.fetch_add(n, Ordering::Relaxed);
             me.give_back(&peer, lane);
             Ok(n)
         }
         (_, Control::Failed { message, kind, .. }) => {
+            lane.f.release_refs();
             me.give_back(&peer, lane);
             Err(StripeError {
                 error: remote_error(kind, &message),

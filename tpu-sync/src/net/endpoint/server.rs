@@ -172,7 +172,7 @@ impl Inner {
     /// every message tells the state machine the session is alive. The session dies when the
     /// lane closes or the state machine declares it silent.
     async fn server_control(self: Arc<Self>, s: Arc<SessionIo>, f: Framed, _count: LaneCount) {
-        let (mut r, mut w) = tokio::io::split(f.lane);
+        let (mut r, mut w) = tokio::io::split(f.into_lane());
         let (tx, mut rx) = mpsc::unbounded_channel::<Control>();
         let o = &self.opts;
         let mute = o.faults.mute_heartbeats;
@@ -406,6 +406,9 @@ impl Inner {
             Ok(_) => Next::Continue,
             Err(e) => {
                 log::info!("pull of request {rid} by {} ended: {e}", s.name);
+                // The consumer may still be copying frames already sent out of this staging
+                // (same host): it stays mapped until the consumer has seen the lane close.
+                f.hold_refs(io.staging.clone());
                 Next::Close
             }
         }

@@ -48,13 +48,15 @@ impl Peers {
             .min()
     }
 
-    pub(super) fn timeout(&mut self, now: Instant, cfg: &Config) -> Vec<Action> {
+    /// Pings due peers; with `judge`, declares dead those silent past `heartbeat_timeout`
+    /// (without it, the late-timer guard of [`super::Proto::handle_timeout`] holds verdicts).
+    pub(super) fn timeout(&mut self, now: Instant, cfg: &Config, judge: bool) -> Vec<Action> {
         let mut ids: Vec<PeerId> = self.live.keys().copied().collect();
         ids.sort();
         let mut out = Vec::new();
         for p in ids {
             let x = self.live.get_mut(&p).expect("listed");
-            if now.saturating_duration_since(x.last_heard) >= cfg.heartbeat_timeout {
+            if judge && now.saturating_duration_since(x.last_heard) >= cfg.heartbeat_timeout {
                 self.live.remove(&p);
                 out.push(Action::PeerDead {
                     peer: p,

@@ -209,7 +209,21 @@ pub(crate) struct Proto {
     /// Requests whose last pull failed (for the `delivered` flag of a release).
     failed_pulls: client::Recent,
     shut_down: bool,
+    /// Late-timer guard: liveness verdicts (silent sessions, unanswering peers) deferred until
+    /// this instant because the timer fired late ([`Proto::handle_timeout`]).
+    liveness_deferred: Option<Instant>,
+    /// When the current deferral began (a deferral never lasts past `heartbeat_timeout`).
+    deferring_since: Option<Instant>,
 }
+
+/// A timer that fires later than this after its deadline means this process did not run (it
+/// was descheduled, or its runtime's threads were busy): the messages that arrived meanwhile
+/// have not been read, so no peer is declared dead on that tick.
+pub(crate) const LATE_TIMER: Duration = Duration::from_millis(200);
+
+/// How long liveness verdicts wait after a late tick: long enough for the lanes' reader tasks,
+/// ready since their bytes arrived, to run first.
+pub(crate) const LATE_TIMER_RECHECK: Duration = Duration::from_millis(50);
 
 impl Proto {
     pub(crate) fn new(cfg: Config) -> Proto {
@@ -224,6 +238,8 @@ impl Proto {
             failed: 0,
             failed_pulls: client::Recent::new(1 << 16),
             shut_down: false,
+            liveness_deferred: None,
+            deferring_since: None,
             cfg,
         }
     }
@@ -637,15 +653,53 @@ impl Proto {
     /// after every `handle_*` call that creates a session, registration, peer or release wait.
     #[must_use]
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
-        [
+        // Liveness deadlines wait for a deferral of the late-timer guard; the others do not.
+        let liveness = [
             self.sessions.next_timeout(&self.cfg),
-            self.sources.next_timeout(),
-            self.sinks.next_timeout(&self.cfg),
             self.peers.next_timeout(&self.cfg),
         ]
         .into_iter()
         .flatten()
         .min()
+        .map(|t| self.liveness_deferred.map_or(t, |d| t.max(d)));
+        [
+            liveness,
+            self.sources.next_timeout(),
+            self.sinks.next_timeout(&self.cfg),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// The late-timer guard of [`Proto::handle_timeout`]: whether liveness may be judged at
+    /// `now`. A tick more than [`LATE_TIMER`] after the earliest liveness deadline that was due
+    /// defers the verdicts by [`LATE_TIMER_RECHECK`] (the readers run first and record what
+    /// arrived); a deferral never lasts past `heartbeat_timeout`, so a process that is always
+    /// late still judges.
+    fn may_judge_liveness(&mut self, now: Instant) -> bool {
+        if self.liveness_deferred.is_some_and(|d| now < d) {
+            return false;
+        }
+        let due = [
+            self.sessions.next_timeout(&self.cfg),
+            self.peers.next_timeout(&self.cfg),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        let late = due.is_some_and(|d| now.saturating_duration_since(d) > LATE_TIMER);
+        let capped = self
+            .deferring_since
+            .is_some_and(|s| now.saturating_duration_since(s) >= self.cfg.heartbeat_timeout);
+        if late && !capped && self.liveness_deferred.is_none() {
+            self.deferring_since.get_or_insert(now);
+            self.liveness_deferred = Some(now + LATE_TIMER_RECHECK);
+            return false;
+        }
+        self.liveness_deferred = None;
+        self.deferring_since = None;
+        true
     }
 
     /// Runs the timers due at `now`: silent sessions die (their leases end `PeerLost`), unheld
@@ -654,14 +708,17 @@ impl Proto {
     #[must_use]
     pub(crate) fn handle_timeout(&mut self, now: Instant) -> Vec<Action> {
         let mut out = Vec::new();
-        for (s, why) in self.sessions.silent(now, &self.cfg) {
-            out.extend(self.session_died(now, s, why));
+        let judge = self.may_judge_liveness(now);
+        if judge {
+            for (s, why) in self.sessions.silent(now, &self.cfg) {
+                out.extend(self.session_died(now, s, why));
+            }
         }
         out.extend(self.sources.timeout(now, &self.cfg));
         for (t, e) in self.sinks.idle(now, &self.cfg) {
             out.extend(self.finish_transfer(t, Err(e)));
         }
-        out.extend(self.peers.timeout(now, &self.cfg));
+        out.extend(self.peers.timeout(now, &self.cfg, judge));
         out
     }
 

@@ -601,6 +601,52 @@ fn heartbeat_loss_either_way() {
 }
 
 #[test]
+fn a_late_timer_reads_before_it_judges() {
+    let f = fx();
+    let mut p = Pair::new();
+    p.register(&f, 1, 1).unwrap();
+    p.send_up(Up::Describe(1));
+    p.advance(HB_TIMEOUT);
+    // The process did not run for 3 heartbeat timeouts (descheduled): its timer fires late,
+    // with the consumer's heartbeats of that time still unread in the socket.
+    let late = p.now + HB_TIMEOUT * 3;
+    let a = p.prod.handle_timeout(late);
+    assert!(
+        !a.iter().any(|a| matches!(a, Action::SessionDead { .. })),
+        "no verdict on a late tick: {a:?}"
+    );
+    let a = p.cons.handle_timeout(late);
+    assert!(
+        !a.iter().any(|a| matches!(a, Action::PeerDead { .. })),
+        "{a:?}"
+    );
+    // The verdicts wait a short recheck, not a heartbeat timeout.
+    let again = p.prod.poll_timeout().unwrap();
+    assert!(
+        again > late && again <= late + super::LATE_TIMER_RECHECK,
+        "{again:?}"
+    );
+    // The readers run first: the heartbeats that arrived are recorded, nobody dies.
+    p.prod.handle_heard(late, p.sess);
+    p.cons.handle_peer_heard(late, p.peer);
+    let a = p.prod.handle_timeout(again);
+    assert!(!a.iter().any(|a| matches!(a, Action::SessionDead { .. })));
+    let a = p.cons.handle_timeout(again);
+    assert!(!a.iter().any(|a| matches!(a, Action::PeerDead { .. })));
+    assert_eq!(p.prod.stats().sessions, 1);
+    // A peer that really went silent is still judged at the recheck after a late tick.
+    let later = again + HB_TIMEOUT * 3;
+    let a = p.prod.handle_timeout(later);
+    assert!(!a.iter().any(|a| matches!(a, Action::SessionDead { .. })));
+    let when = p.prod.poll_timeout().unwrap();
+    let a = p.prod.handle_timeout(when);
+    assert!(
+        a.iter().any(|a| matches!(a, Action::SessionDead { .. })),
+        "{a:?}"
+    );
+}
+
+#[test]
 fn release_before_the_last_stripe() {
     let f = fx();
     let mut p = Pair::new();
