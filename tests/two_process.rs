@@ -204,6 +204,16 @@ fn bad_inputs_are_clear_errors() {
         (&["demo", "--decode", "tp=1,pcp=0"][..], "pcp (0)"),
         (&["demo", "--prefill", "tp=0"][..], "tp (0)"),
         (&["demo", "--staging-budget", "x"][..], "--staging-budget"),
+        // A size the machine cannot hold is refused before anything is allocated (it used to
+        // end with the prefill child killed by SIGABRT on a failed allocation).
+        (
+            &["demo", "--tokens", "4000000000", "--layers", "1"][..],
+            "host memory: --tokens 4000000000 --layers 1",
+        ),
+        (
+            &["prefill", "--tokens", "400000", "--layers", "32"][..],
+            "this process can allocate at most",
+        ),
         (
             &[
                 "decode",

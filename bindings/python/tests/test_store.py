@@ -136,6 +136,19 @@ def test_bad_configuration_is_typed():
         tpu_sync.Store("positional", 1, 2)  # keyword-only
 
 
+def test_a_capacity_the_machine_cannot_hold_is_refused_before_allocating():
+    # 1 PiB: an error naming the capacity, not an abort on a failed allocation.
+    with pytest.raises((errors.HostMemoryError, errors.StagingExhaustedError)) as e:
+        small_store(block_bytes=1 << 20, capacity_bytes=1 << 50)
+    assert "capacity" in str(e.value) or "staging" in str(e.value), e.value
+    # Past a budget raised out of the way, the machine's memory refuses it.
+    with pytest.raises(errors.HostMemoryError, match="host tier's capacity"):
+        small_store(block_bytes=1 << 20, capacity_bytes=1 << 50, staging_budget_bytes=1 << 60)
+    # The same process still creates a store that fits.
+    with small_store() as s:
+        assert s.stats()["free_slots"] == 16
+
+
 @pytest.fixture
 def shm_dir(tmp_path):
     d = tmp_path / "shm"
