@@ -42,7 +42,11 @@ for r in $(seq "$ROUNDS"); do
     t=$(( $(date +%s) - t0 ))
     load=$(cut -d' ' -f1-3 /proc/loadavg)
     if [ $rc -eq 0 ]; then
-      summary=$(grep -E "^test result:|passed|failed" "$log" | tail -1)
+      if [ "$s" = rust ]; then
+        summary=$(awk '/^test result:/ {b++; p+=$4; f+=$6} END {printf "%d binaries, %d passed, %d failed", b, p, f}' "$log")
+      else
+        summary=$(grep -E "passed|failed" "$log" | tail -1)
+      fi
       echo "round $r $s: ok in ${t}s (load $load) $summary"
     else
       failed=$((failed + 1))

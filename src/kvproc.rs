@@ -580,7 +580,23 @@ pub fn decode(job: &JobArgs, connect: &str, tokens: Option<u32>) -> Result<ExitC
             .clone()
             .or_else(|| sources.by_rank.values().next().cloned())
             .expect("non-empty peer map");
-        let (src, num_tokens) = p.describe(&first, job.request_id).await?;
+        // A prefill listens before its request is staged and registered (the D2H runs after
+        // the bind): a decode started beside it asks again until the registration appears,
+        // within --timeout.
+        let until = Instant::now() + Duration::from_secs(job.timeout);
+        let mut pause = Duration::from_millis(10);
+        let (src, num_tokens) = loop {
+            match p.describe(&first, job.request_id).await {
+                Err(e)
+                    if e.kind() == tpu_sync::ErrorKind::UnknownRequest
+                        && Instant::now() + pause < until =>
+                {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(250));
+                }
+                r => break r?,
+            }
+        };
         let r = match tokens {
             Some(t) if t != num_tokens => Err(Error::InvalidArgument(format!(
                 "--tokens {t}: the prefill at {first} serves request {} with {num_tokens} tokens \
