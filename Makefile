@@ -7,7 +7,7 @@ export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 
 .PHONY: stress
-.PHONY: all build plugin protoc etcd demo test test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm bench-vllm-layerwise sglang-env e2e-sglang
+.PHONY: all build plugin protoc etcd demo test test-lean test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm bench-vllm-layerwise sglang-env e2e-sglang
 
 all: build
 
@@ -34,6 +34,7 @@ demo: build
 test: plugin protoc etcd
 	$(CARGO) build --release --workspace --all-targets
 	$(CARGO) test --release --workspace
+	$(MAKE) test-lean
 	$(MAKE) test-c
 	$(MAKE) examples-c
 	$(MAKE) test-python
@@ -43,6 +44,13 @@ test: plugin protoc etcd
 	./target/release/tpu-sync bench net --quick --no-progress --layers 4 --sizes 128KiB,4MiB --transports tcp,shm
 	$(MAKE) e2e-vllm
 	$(MAKE) e2e-sglang
+
+# The lean core (issue 23): the library crate with no optional feature (no cluster directory,
+# KV events, metrics endpoint or QUIC) builds and passes its tests with no protoc to be found.
+# (`cargo test` builds the library itself, so the `cargo build` after it only checks it is there.)
+test-lean:
+	PROTOC=/nonexistent/protoc $(CARGO) test --release -p tpu-sync --no-default-features
+	PROTOC=/nonexistent/protoc $(CARGO) build --release -p tpu-sync --no-default-features
 
 CFLAGS_STRICT := -std=c11 -Wall -Wextra -Werror -pedantic -I$(CURDIR)/tpu-sync-ffi/include
 LIBDIR := $(CURDIR)/target/release
@@ -74,6 +82,7 @@ header:
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	PROTOC=/nonexistent/protoc $(CARGO) clippy -p tpu-sync --no-default-features --all-targets -- -D warnings
 
 bench: plugin
 	$(CARGO) bench --bench device_copy

@@ -202,6 +202,15 @@ impl From<std::io::Error> for Error {
 }
 
 impl Error {
+    /// The error for a part of the library that this build left out: `what` was asked for, and
+    /// the cargo feature `feature` of the `tpu-sync` crate (off in this build) provides it.
+    #[allow(dead_code)]
+    pub(crate) fn feature_missing(what: &str, feature: &str) -> Self {
+        Error::InvalidArgument(format!(
+            "{what}: this tpu-sync was built without its `{feature}` cargo feature"
+        ))
+    }
+
     /// Wraps an `std::io::Error` with a short description of the operation.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io {

@@ -50,12 +50,20 @@
 //! tokio runtime with the pure-Rust `zeromq` crate) encodes and sends. The PUB socket delivers to
 //! the subscribers connected at the time, like any ZMQ PUB; a subscriber that missed batches asks
 //! the replay socket.
+//!
+//! The publisher is the cargo feature `kv-events` (on by default); without it the types and
+//! [`encode_batch`] stay, and [`KvEventPublisher::start`] (so a store with
+//! [`crate::store::StoreConfig::kv_events`] set) fails with an error that names the feature.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
+#[cfg(feature = "kv-events")]
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
+#[cfg(feature = "kv-events")]
 use bytes::Bytes;
+#[cfg(feature = "kv-events")]
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::error::{Error, Result};
@@ -241,6 +249,7 @@ fn endpoint_for(ep: &str, rank: u32) -> Result<String> {
 }
 
 enum Msg {
+    #[cfg_attr(not(feature = "kv-events"), allow(dead_code))]
     Batch(Vec<KvEvent>),
 }
 
@@ -265,8 +274,8 @@ impl KvEventPublisher {
     /// Binds the sockets and starts the thread.
     ///
     /// Errors: [`Error::InvalidArgument`] for an endpoint that is not `tcp://HOST:PORT` or a
-    /// zero `buffer_steps`/`max_queue_size`; [`Error::Io`] when a socket cannot be bound or the
-    /// thread not started.
+    /// zero `buffer_steps`/`max_queue_size`, or a build without the `kv-events` feature;
+    /// [`Error::Io`] when a socket cannot be bound or the thread not started.
     pub fn start(cfg: &KvEventsConfig) -> Result<KvEventPublisher> {
         if cfg.buffer_steps == 0 || cfg.max_queue_size == 0 {
             return Err(Error::InvalidArgument(
@@ -279,6 +288,17 @@ impl KvEventPublisher {
             .as_deref()
             .map(|r| endpoint_for(r, cfg.data_parallel_rank))
             .transpose()?;
+        #[cfg(not(feature = "kv-events"))]
+        {
+            let _ = (ep, replay);
+            Err(Error::feature_missing("KV events publisher", "kv-events"))
+        }
+        #[cfg(feature = "kv-events")]
+        Self::spawn(cfg, ep, replay)
+    }
+
+    #[cfg(feature = "kv-events")]
+    fn spawn(cfg: &KvEventsConfig, ep: String, replay: Option<String>) -> Result<KvEventPublisher> {
         let (tx, rx) = tokio::sync::mpsc::channel::<Msg>(cfg.max_queue_size);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(String, Option<String>)>>();
         let c = cfg.clone();
@@ -337,6 +357,7 @@ impl KvEventPublisher {
     }
 }
 
+#[cfg(feature = "kv-events")]
 fn io_err(what: &str, e: impl std::fmt::Display) -> Error {
     Error::Io {
         context: what.to_string(),
@@ -344,6 +365,7 @@ fn io_err(what: &str, e: impl std::fmt::Display) -> Error {
     }
 }
 
+#[cfg(feature = "kv-events")]
 fn publisher_thread(
     cfg: KvEventsConfig,
     ep: String,

@@ -4,14 +4,24 @@
 //! Nothing listens unless asked: [`serve`] (a server owned by the caller), [`serve_global`]
 //! (one per process, kept until exit), or [`super::ENV_ADDR`] read at the first use of the
 //! library ([`serve_from_env`]).
+//!
+//! The server is the cargo feature `metrics-http` (on by default); without it [`parse_addr`]
+//! stays, and [`serve_from_env`] refuses a configured address with an error that names the
+//! feature.
 
+#[cfg(feature = "metrics-http")]
 use std::convert::Infallible;
 use std::net::{SocketAddr, ToSocketAddrs};
+#[cfg(feature = "metrics-http")]
 use std::sync::{Mutex, OnceLock};
 
+#[cfg(feature = "metrics-http")]
 use http_body_util::Full;
+#[cfg(feature = "metrics-http")]
 use hyper::body::Bytes;
+#[cfg(feature = "metrics-http")]
 use hyper::{Method, Request, Response, StatusCode};
+#[cfg(feature = "metrics-http")]
 use hyper_util::rt::TokioIo;
 
 use crate::error::{Error, Result};
@@ -51,6 +61,7 @@ pub fn parse_addr(s: &str, rank: u32) -> Result<Option<SocketAddr>> {
     Ok(Some(addr))
 }
 
+#[cfg(feature = "metrics-http")]
 /// A running metrics endpoint. Dropping it stops the server and joins its thread.
 #[derive(Debug)]
 pub struct MetricsServer {
@@ -59,6 +70,7 @@ pub struct MetricsServer {
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
+#[cfg(feature = "metrics-http")]
 impl MetricsServer {
     /// The address bound (with the real port when 0 was asked for).
     pub fn addr(&self) -> SocketAddr {
@@ -66,6 +78,7 @@ impl MetricsServer {
     }
 }
 
+#[cfg(feature = "metrics-http")]
 impl Drop for MetricsServer {
     fn drop(&mut self) {
         if let Some(s) = self.stop.take() {
@@ -77,6 +90,7 @@ impl Drop for MetricsServer {
     }
 }
 
+#[cfg(feature = "metrics-http")]
 async fn answer(
     req: Request<hyper::body::Incoming>,
 ) -> std::result::Result<Response<Full<Bytes>>, Infallible> {
@@ -111,6 +125,7 @@ async fn answer(
     })
 }
 
+#[cfg(feature = "metrics-http")]
 /// Serves `GET /metrics` on `addr` until the returned server is dropped. The socket is bound
 /// before this returns (so a port in use is reported here); connections are answered on the
 /// `tpu-sync-metrics` thread, each with a 30 s limit.
@@ -181,11 +196,13 @@ pub fn serve(addr: SocketAddr) -> Result<MetricsServer> {
     })
 }
 
+#[cfg(feature = "metrics-http")]
 fn global() -> &'static Mutex<Option<MetricsServer>> {
     static G: OnceLock<Mutex<Option<MetricsServer>>> = OnceLock::new();
     G.get_or_init(|| Mutex::new(None))
 }
 
+#[cfg(feature = "metrics-http")]
 /// Starts the process's metrics endpoint on `addr` (kept until the process exits), or returns
 /// the address of the one already running (whatever `addr` says).
 ///
@@ -203,6 +220,7 @@ pub fn serve_global(addr: SocketAddr) -> Result<SocketAddr> {
     Ok(a)
 }
 
+#[cfg(feature = "metrics-http")]
 /// The address of the process's endpoint ([`serve_global`] or the environment), if running.
 pub fn served_addr() -> Option<SocketAddr> {
     global()
@@ -221,14 +239,26 @@ pub fn serve_from_env() -> Result<Option<SocketAddr>> {
     let Ok(v) = std::env::var(super::ENV_ADDR) else {
         return Ok(None);
     };
-    let rank = match std::env::var(super::ENV_RANK) {
-        Ok(r) if !r.trim().is_empty() => r.trim().parse::<u32>().map_err(|_| {
+    serve_from_env_value(&v, std::env::var(super::ENV_RANK).ok().as_deref())
+}
+
+/// [`serve_from_env`] with the two variables' values given: `addr` of [`super::ENV_ADDR`],
+/// `rank` of [`super::ENV_RANK`] (`None` or blank: rank 0).
+pub(crate) fn serve_from_env_value(addr: &str, rank: Option<&str>) -> Result<Option<SocketAddr>> {
+    let rank = match rank {
+        Some(r) if !r.trim().is_empty() => r.trim().parse::<u32>().map_err(|_| {
             Error::InvalidArgument(format!("{}={r:?} is not a rank", super::ENV_RANK))
         })?,
         _ => 0,
     };
-    match parse_addr(&v, rank)? {
+    match parse_addr(addr, rank)? {
         None => Ok(None),
+        #[cfg(feature = "metrics-http")]
         Some(a) => serve_global(a).map(Some),
+        #[cfg(not(feature = "metrics-http"))]
+        Some(_) => Err(Error::feature_missing(
+            &format!("{}={addr:?}", super::ENV_ADDR),
+            "metrics-http",
+        )),
     }
 }

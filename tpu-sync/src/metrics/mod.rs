@@ -51,7 +51,11 @@ use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::{Registry, Unit};
 
 pub use histogram::Histogram;
-pub use http::{parse_addr, serve, serve_from_env, serve_global, served_addr, MetricsServer};
+#[cfg(all(test, not(feature = "metrics-http")))]
+pub(crate) use http::serve_from_env_value;
+pub use http::{parse_addr, serve_from_env};
+#[cfg(feature = "metrics-http")]
+pub use http::{serve, serve_global, served_addr, MetricsServer};
 
 use crate::device::Direction;
 use crate::error::ErrorKind;

@@ -87,13 +87,14 @@
 //!
 //! See `docs/network.md` for the design rationale and measurements.
 
+#[cfg(feature = "quic")]
 pub mod quic;
 pub mod shm;
 pub mod tcp;
 pub mod tls;
 pub mod transport;
 
-mod endpoint;
+pub(crate) mod endpoint;
 mod framed;
 mod options;
 mod peer_map;
@@ -104,7 +105,7 @@ mod stats;
 mod stream;
 
 pub use endpoint::{Endpoint, SourceHandle, Transfer};
-pub use options::{EndpointOptions, FaultHooks};
+pub use options::{EndpointOptions, FaultHooks, DEFAULT_QUIC_CONNECTIONS_PER_PEER};
 pub use peer_map::PeerMap;
 pub use proto::{SourceOutcome, TransferKind, TransferStats};
 pub use request::{

@@ -110,9 +110,8 @@ pub struct QuicTransport {
     extra: std::sync::Mutex<Vec<quinn::Endpoint>>,
 }
 
-/// Default QUIC connections per peer: 2, one per core of the 2-core machines the figures of
-/// docs/performance.md come from; more pays where more cores run the runtime.
-pub const DEFAULT_CONNECTIONS_PER_PEER: u32 = 2;
+/// Default QUIC connections per peer ([`super::DEFAULT_QUIC_CONNECTIONS_PER_PEER`]).
+pub const DEFAULT_CONNECTIONS_PER_PEER: u32 = super::DEFAULT_QUIC_CONNECTIONS_PER_PEER;
 
 /// Upper bound of path MTU discovery (the largest IPv4 UDP payload). The peer's accepted
 /// payload size (quinn's default, 1472 bytes) caps it first; see the module docs.

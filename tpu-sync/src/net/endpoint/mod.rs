@@ -31,6 +31,7 @@ use super::proto::{
     Action, Config, PeerId, PlannedPair, Proto, ReleaseToken, SessionId, SinkPlan, SinkSpec,
     SourceOutcome, SourceSpec, TransferId, TransferKind, TransferStats,
 };
+#[cfg(feature = "quic")]
 use super::quic::QuicTransport;
 use super::request::{
     check_request_id, PullRequest, PushRequest, SinkRegistration, SourceRegistration,
@@ -187,15 +188,19 @@ pub(crate) fn make_transport(o: &EndpointOptions) -> Result<Arc<dyn Transport>> 
             Arc::new(TcpTransport::plain(t))
         }
         TransportKind::Tls => Arc::new(TcpTransport::tls(o.security.clone(), t)?),
+        #[cfg(feature = "quic")]
         TransportKind::Quic => Arc::new(QuicTransport::new(
             o.security.clone(),
             t,
             o.quic_connections_per_peer,
         )?),
+        #[cfg(not(feature = "quic"))]
+        TransportKind::Quic => return Err(Error::feature_missing("transport quic", "quic")),
         TransportKind::Shm => {
             if o.security.is_authenticated() {
                 return Err(Error::InvalidArgument(
-                    "the shm transport cannot authenticate peers (it trusts the host): use tls                      or quic with credentials"
+                    "the shm transport cannot authenticate peers (it trusts the host): use tls \
+                     or quic with credentials"
                         .into(),
                 ));
             }
