@@ -46,6 +46,35 @@ def tiny_model(workdir) -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def zygote(workdir):
+    """The fork server of the engine processes (``zygote.py``): imports torch and vLLM once, so
+    that each engine run skips that import. ``TPU_SYNC_VLLM_ZYGOTE=0`` turns it off (every
+    engine then imports for itself)."""
+    if os.environ.get("TPU_SYNC_VLLM_ZYGOTE") == "0":
+        os.environ.pop("TPU_SYNC_VLLM_ZYGOTE")
+        yield None
+        return
+    path = os.path.join(workdir, f"zygote-{os.getpid()}.sock")
+    log = open(os.path.join(workdir, "zygote.log"), "w")
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "zygote.py"), "serve", path], env=dict(os.environ),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    os.environ["TPU_SYNC_VLLM_ZYGOTE"] = path
+    try:
+        yield path
+    finally:
+        os.environ.pop("TPU_SYNC_VLLM_ZYGOTE", None)
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for p in (path, path + ".tmp"):
+            if os.path.exists(p):
+                os.remove(p)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def clean_vllm_shm():
     """Removes the ``/dev/shm/vllm_dist_*`` broadcast segments that vLLM's TP>1 workers leave
     behind when an engine is killed (as the producer-death test does), so repeated runs do not

@@ -72,7 +72,12 @@ class Engines:
         sp = os.path.join(self.dir, tag + ".spec.json")
         json.dump(spec, open(sp, "w"))
         log = open(os.path.join(self.dir, tag + ".log"), "w")
-        proc = subprocess.Popen([sys.executable, os.path.join(HERE, "run_engine.py"), sp, out], env=self.env,
+        # Through the fork server when the session has one (conftest.py's ``zygote``); the
+        # process started here stands for the engine either way (exit status, kill).
+        zyg = os.environ.get("TPU_SYNC_VLLM_ZYGOTE")
+        cmd = [os.path.join(HERE, "zygote.py"), "run"] if zyg else [os.path.join(HERE, "run_engine.py")]
+        env = dict(self.env, TPU_SYNC_VLLM_ZYGOTE=zyg) if zyg else self.env
+        proc = subprocess.Popen([sys.executable] + cmd + [sp, out], env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         proc.tag, proc.out = tag, out
         return proc

@@ -64,9 +64,65 @@ pub struct PinnedArena {
     ptr: NonNull<u8>,
     len: usize,
     lock: LockStatus,
-    /// Clients the arena is DMA-mapped with (unmapped in `Drop`, before `_map` goes).
+    /// Clients the arena is DMA-mapped with (unmapped in `Drop`, before `map` goes).
     dma: Mutex<Vec<Client>>,
-    _map: memmap2::MmapMut,
+    /// The memory; `None` only once `Drop` handed it to the unmap thread.
+    map: Option<memmap2::MmapMut>,
+}
+
+/// Arenas at least this large (bytes) that are dropped on a tokio runtime thread are unmapped
+/// (and DMA-unmapped) on the `tpu-sync-unmap` thread instead: `munmap` of tens of MiB of locked
+/// pages, and a plugin's `DmaUnmap` (`cudaHostUnregister`), take milliseconds, which a runtime
+/// worker that answers heartbeats must not spend (issue 23).
+pub const UNMAP_OFF_RUNTIME_BYTES: usize = 1 << 20;
+
+/// An arena's memory and DMA mappings on their way to being undone.
+struct Unmap {
+    ptr: *mut u8,
+    dma: Vec<Client>,
+    map: memmap2::MmapMut,
+}
+
+// SAFETY: `ptr` is the start of `map`, which the `Unmap` owns alone (its arena is gone); the
+// clients are reference-counted PJRT handles usable from any thread.
+unsafe impl Send for Unmap {}
+
+impl Unmap {
+    fn run(self) {
+        for c in self.dma {
+            // SAFETY: mapped by `register_dma` with this client; the arena was dropped, so no
+            // transfer uses it any more, and `map` (the memory) is still mapped here.
+            if let Err(e) = unsafe { c.dma_unmap(self.ptr) } {
+                log::warn!("PJRT_Client_DmaUnmap of a pinned arena: {e}");
+            }
+        }
+        drop(self.map);
+    }
+}
+
+/// The unmap thread (`tpu-sync-unmap`, one per process, started with the first arena so that
+/// it exists before any baseline a leak check takes): `None` when it could not be started (the
+/// arenas are then unmapped where they drop).
+fn unmapper() -> Option<&'static std::sync::mpsc::Sender<Unmap>> {
+    static S: std::sync::OnceLock<Option<std::sync::mpsc::Sender<Unmap>>> =
+        std::sync::OnceLock::new();
+    S.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Unmap>();
+        match std::thread::Builder::new()
+            .name("tpu-sync-unmap".into())
+            .spawn(move || {
+                while let Ok(u) = rx.recv() {
+                    u.run();
+                }
+            }) {
+            Ok(_) => Some(tx),
+            Err(e) => {
+                log::warn!("tpu-sync-unmap thread not started ({e}): arenas unmap where they drop");
+                None
+            }
+        }
+    })
+    .as_ref()
 }
 
 /// Outcome of [`PinnedArena::register_dma`].
@@ -81,15 +137,28 @@ pub enum DmaRegistration {
 }
 
 impl Drop for PinnedArena {
+    /// Undoes the DMA mappings, then unmaps the memory: here, or on the `tpu-sync-unmap` thread
+    /// when the arena is dropped on a tokio runtime thread and is at least
+    /// [`UNMAP_OFF_RUNTIME_BYTES`] (the memory then goes a moment later, in drop order).
     fn drop(&mut self) {
-        let clients = std::mem::take(&mut *self.dma.lock().unwrap_or_else(|p| p.into_inner()));
-        for c in clients {
-            // SAFETY: mapped by `register_dma` with this client; the arena is being dropped, so
-            // no transfer uses it any more, and `_map` (the memory) is still mapped here.
-            if let Err(e) = unsafe { c.dma_unmap(self.ptr.as_ptr()) } {
-                log::warn!("PJRT_Client_DmaUnmap of a pinned arena: {e}");
+        let dma = std::mem::take(&mut *self.dma.lock().unwrap_or_else(|p| p.into_inner()));
+        let Some(map) = self.map.take() else { return };
+        let u = Unmap {
+            ptr: self.ptr.as_ptr(),
+            dma,
+            map,
+        };
+        let off_runtime =
+            self.len >= UNMAP_OFF_RUNTIME_BYTES && tokio::runtime::Handle::try_current().is_ok();
+        if off_runtime {
+            if let Some(tx) = unmapper() {
+                if let Err(std::sync::mpsc::SendError(u)) = tx.send(u) {
+                    u.run();
+                }
+                return;
             }
         }
+        u.run();
     }
 }
 
@@ -137,6 +206,7 @@ impl PinnedArena {
         if len == 0 {
             return Err(Error::HostMemory("arena size must be > 0".into()));
         }
+        let _ = unmapper();
         let page = 4096usize;
         let len = len.div_ceil(page) * page;
         let mut mo = memmap2::MmapOptions::new();
@@ -176,7 +246,7 @@ impl PinnedArena {
             len,
             lock,
             dma: Mutex::new(Vec::new()),
-            _map: map,
+            map: Some(map),
         })
     }
 
@@ -242,7 +312,7 @@ impl PinnedArena {
             return Ok(DmaRegistration::Mapped);
         }
         // SAFETY: the arena stays mapped until after the unmap in `Drop` (which runs before the
-        // `_map` field is dropped).
+        // `map` field is dropped).
         match unsafe { client.dma_map(self.ptr.as_ptr(), self.len) } {
             Ok(()) => {
                 mapped.push(client.clone());
@@ -391,7 +461,7 @@ mod tests {
     // exactly what it mapped, while the memory is still mapped (the CPU plugin only answers
     // UNIMPLEMENTED; `tests/device_sources.rs` covers that).
     static MAPS: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
-    static UNMAPS: Mutex<Vec<(usize, bool)>> = Mutex::new(Vec::new());
+    static UNMAPS: Mutex<Vec<(usize, bool, String)>> = Mutex::new(Vec::new());
     static NAME_CALLS: AtomicUsize = AtomicUsize::new(0);
 
     unsafe extern "C" fn fake_name(
@@ -424,7 +494,11 @@ mod tests {
         let mut vec = [0u8; 1];
         // SAFETY: mincore only inspects the mapping (ENOMEM when the page is not mapped).
         let mapped = unsafe { libc::mincore(a.data, 4096, vec.as_mut_ptr()) } == 0;
-        UNMAPS.lock().unwrap().push((a.data as usize, mapped));
+        let thread = std::thread::current().name().unwrap_or("").to_string();
+        UNMAPS
+            .lock()
+            .unwrap()
+            .push((a.data as usize, mapped, thread));
         std::ptr::null_mut()
     }
 
@@ -473,12 +547,44 @@ mod tests {
             .unwrap()
             .iter()
             .filter(|m| m.0 == base)
-            .copied()
+            .map(|m| (m.0, m.1))
             .collect();
         assert_eq!(
             unmaps,
             vec![(base, true)],
             "unmapped once, while still mapped"
+        );
+
+        // A large arena dropped on a tokio runtime thread is DMA-unmapped and unmapped on the
+        // tpu-sync-unmap thread (in that order), not on the runtime's.
+        let big =
+            PinnedArena::new(UNMAP_OFF_RUNTIME_BYTES + 4096, &ArenaOptions::default()).unwrap();
+        let bbase = big.base() as usize;
+        big.register_dma(&client).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(async move { drop(big) });
+        // (The address itself may be reused at once by another test's mapping, so the check is
+        // the fake plugin's record of the DMA unmap, which runs just before the munmap.)
+        let t0 = std::time::Instant::now();
+        let unmaps = loop {
+            let u: Vec<_> = UNMAPS
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|m| m.0 == bbase)
+                .cloned()
+                .collect();
+            if !u.is_empty() || t0.elapsed() > std::time::Duration::from_secs(10) {
+                break u;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
+        assert_eq!(
+            unmaps,
+            vec![(bbase, true, "tpu-sync-unmap".to_string())],
+            "DMA-unmapped once, off the runtime thread, while still mapped"
         );
     }
 

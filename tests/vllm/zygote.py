@@ -1,0 +1,309 @@
+"""A fork server for the engine processes of the vLLM tests: imports torch and vLLM once, then
+forks one child per engine run, so that each of the suite's ~40 engines skips the ~15 s import
+(issue 23: `make test` in 25 minutes on 2 cores).
+
+    python zygote.py serve SOCKET     # the server (conftest.py starts one per test session)
+    python zygote.py run SPEC OUT     # a client: what ``run_engine.py SPEC OUT`` would do
+
+A client is a small process that stands for its engine: the test starts it as it would start
+``run_engine.py`` (``subprocess.Popen``, its own session), and the engine, forked by the server,
+gets the client's stdin/stdout/stderr (passed over the socket), environment, working directory
+and arguments. The client exits with the engine's exit status (128 + N for a signal N). When the
+client dies (the tests' ``os.killpg(proc.pid, SIGKILL)`` and ``Popen.kill``), the server kills the
+engine's process group at once, so killing a client kills its engine as it would kill a plain
+``run_engine.py``.
+
+Where the server cannot be used, the client runs ``run_engine.py`` itself (``execv``): no
+``TPU_SYNC_VLLM_ZYGOTE`` socket, a server that is gone, or an environment that differs from the
+server's in a variable that is read at import time (``IMPORT_TIME_ENV``). Nothing is shared
+between engines but the imported modules: every engine is a fresh fork of a process that ran no
+model and no torch operation, and that has no Python thread but its main one (checked before
+each fork; the native threads it has are OpenBLAS's idle pools of numpy and torch, which OpenBLAS
+shuts down and restarts around a fork with its own ``pthread_atfork`` handlers), and
+``tpu_sync`` is first imported in the child.
+
+Who may connect: the socket is a file in the test's work directory with mode 0600 (the test
+user only); requests are JSON lines with file descriptors attached (``SCM_RIGHTS``).
+"""
+
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RUN_ENGINE = os.path.join(HERE, "run_engine.py")
+ENV_SOCKET = "TPU_SYNC_VLLM_ZYGOTE"
+# Variables that change what an import does or how the interpreter starts: a request whose value
+# differs from the server's runs without the server. Not ``LD_*``: the loader reads them when a
+# program starts, so a fork keeps the server's libraries either way, while the engine's own
+# subprocesses (TP workers) start with the request's values. (vLLM's CPU platform sets
+# ``LD_PRELOAD`` in the environment of whatever process built a config, pytest's included, for
+# the workers it starts; the first engines of a session never had it.)
+IMPORT_TIME_ENV = ("OMP_", "KMP_", "MKL_", "PYTHON", "TORCH_", "VLLM_LOGGING", "VLLM_CONFIGURE_LOGGING",
+                   "CUDA_", "HF_HOME", "TRANSFORMERS_", "MALLOC_")
+ENV_IGNORED = ("PYTHONPATH", ENV_SOCKET)
+# Modules vLLM imports lazily while it builds a CPU engine of a Llama model; imported by the
+# server so that the children skip them too (a missing one is skipped).
+PREIMPORT = (
+    "torch", "vllm", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.v1.engine.core",
+    "vllm.v1.executor.uniproc_executor", "vllm.v1.executor.multiproc_executor", "vllm.v1.worker.cpu_worker",
+    "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.models.llama", "vllm.model_executor.models.gemma2",
+    "vllm.v1.attention.backends.cpu_attn", "vllm.distributed.kv_transfer.kv_connector.factory",
+    "vllm.distributed.kv_transfer.kv_connector.v1.base", "transformers", "safetensors.torch",
+)
+
+
+def _import_relevant(env):
+    return {k: v for k, v in env.items()
+            if k.startswith(IMPORT_TIME_ENV) and k not in ENV_IGNORED}
+
+
+def _threads():
+    import threading
+
+    return threading.active_count()
+
+
+# ---- server ---------------------------------------------------------------------------------
+
+def serve(path):
+    t0 = time.time()
+    env0 = dict(os.environ)  # before the imports, which set some variables themselves
+    import importlib
+
+    sys.path.insert(0, HERE)
+    for m in PREIMPORT:
+        try:
+            importlib.import_module(m)
+        except Exception as e:  # an optional module of this vLLM version
+            print(f"zygote: skipped {m}: {e}", flush=True)
+    import run_engine  # noqa: F401  (the children call its main)
+
+    base_env = _import_relevant(env0)
+    # What the imports set (e.g. vLLM's defaults for torch): a child gets these too, where its
+    # request left the variable as the server was given it.
+    set_by_imports = {k: v for k, v in os.environ.items() if env0.get(k) != v}
+    unset_by_imports = [k for k in env0 if k not in os.environ]
+    base_env = (base_env, env0, set_by_imports, unset_by_imports)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tmp = path + ".tmp"
+    if os.path.exists(tmp):
+        os.remove(tmp)
+    old = os.umask(0o177)
+    try:
+        srv.bind(tmp)
+    finally:
+        os.umask(old)
+    srv.listen(64)
+    os.replace(tmp, path)  # ready: clients connect only once the imports are done
+    print(f"zygote: ready in {time.time() - t0:.1f} s on {path}", flush=True)
+    sel = selectors.DefaultSelector()
+    sel.register(srv, selectors.EVENT_READ, None)
+    children = {}  # pid -> client connection
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    while not stop:
+        for key, _ in sel.select(timeout=0.05):
+            if key.data is None:
+                conn, _ = srv.accept()
+                try:
+                    pid = _spawn(conn, sel, srv, base_env)
+                except Exception as e:
+                    _send(conn, {"error": f"{type(e).__name__}: {e}"})
+                    conn.close()
+                    continue
+                if pid is None:
+                    conn.close()
+                    continue
+                children[pid] = conn
+                sel.register(conn, selectors.EVENT_READ, pid)
+            else:
+                # A client's socket is readable only when it closed (it sends nothing more):
+                # its process died, so its engine dies too.
+                pid = key.data
+                try:
+                    data = key.fileobj.recv(64)
+                except OSError:
+                    data = b""
+                if not data:
+                    _kill(pid)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is None:
+                continue
+            code = os.waitstatus_to_exitcode(status)
+            _send(conn, {"exit": code if code >= 0 else 128 - code})
+            try:
+                sel.unregister(conn)
+            except (KeyError, ValueError):
+                pass
+            conn.close()
+    for pid in list(children):
+        _kill(pid)
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _kill(pid):
+    for f in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        try:
+            f()
+            return
+        except OSError:
+            pass
+
+
+def _send(conn, msg):
+    try:
+        conn.sendall((json.dumps(msg) + "\n").encode())
+    except OSError:
+        pass
+
+
+def _spawn(conn, sel, srv, base_env):
+    """Reads one request (JSON line + stdin/stdout/stderr) from ``conn`` and forks its engine;
+    answers ``{"pid": N}``, or ``{"fallback": why}`` (then ``None``: the client runs it itself)."""
+    conn.settimeout(10)
+    msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    while not msg.endswith(b"\n"):
+        more = conn.recv(1 << 20)
+        if not more:
+            raise ConnectionError("request cut short")
+        msg += more
+    conn.settimeout(None)
+    req = json.loads(msg)
+    if len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"expected 3 descriptors, got {len(fds)}")
+    relevant, env0, set_by_imports, unset_by_imports = base_env
+    # A variable may have the value the server was started with, or the one its own imports set
+    # (a parent that imported vLLM too, as pytest does for the connector tests, passes those on).
+    env1 = dict(os.environ)
+    asked = _import_relevant(req["env"])
+    differ = sorted(k for k in set(asked) | set(relevant) | set(_import_relevant(env1))
+                    if asked.get(k) not in (env0.get(k), env1.get(k)))
+    if differ:
+        for fd in fds:
+            os.close(fd)
+        _send(conn, {"fallback": "its import-time environment differs from the server's in " + ", ".join(differ)})
+        return None
+    n = _threads()
+    if n != 1:
+        for fd in fds:
+            os.close(fd)
+        _send(conn, {"fallback": f"the server has {n} Python threads"})
+        return None
+    pid = os.fork()
+    if pid == 0:  # the engine
+        code = 1
+        try:
+            os.setsid()
+            sel.close()
+            srv.close()
+            conn.close()
+            for i, fd in enumerate(fds):
+                os.dup2(fd, i)
+                os.close(fd)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            env = dict(req["env"])
+            for k, v in set_by_imports.items():
+                if env.get(k) == env0.get(k):
+                    env[k] = v
+            for k in unset_by_imports:
+                if env.get(k) == env0.get(k):
+                    env.pop(k, None)
+            os.environ.clear()
+            os.environ.update(env)
+            os.chdir(req["cwd"])
+            for p in reversed([p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]):
+                if p not in sys.path:
+                    sys.path.insert(0, p)
+            sys.argv = [RUN_ENGINE] + req["args"]
+            import random
+
+            random.seed()
+            import run_engine
+
+            run_engine.main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, int) and e.code is not None:
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        finally:
+            try:
+                import atexit
+
+                atexit._run_exitfuncs()
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+    for fd in fds:
+        os.close(fd)
+    _send(conn, {"pid": pid})
+    return pid
+
+
+# ---- client ---------------------------------------------------------------------------------
+
+def _fallback(args, why):
+    if why:
+        print(f"zygote: running run_engine.py directly: {why}", file=sys.stderr, flush=True)
+    os.execv(sys.executable, [sys.executable, RUN_ENGINE] + args)
+
+
+def run(args):
+    path = os.environ.get(ENV_SOCKET)
+    if not path:
+        _fallback(args, None)
+    # The server becomes ready (its socket appears) once its imports are done.
+    deadline = time.time() + 180
+    while not os.path.exists(path):
+        if time.time() > deadline:
+            _fallback(args, f"no server at {path}")
+        time.sleep(0.1)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        req = dict(args=args, env=dict(os.environ), cwd=os.getcwd())
+        socket.send_fds(s, [(json.dumps(req) + "\n").encode()], [0, 1, 2])
+        f = s.makefile("rb")
+        first = json.loads(f.readline() or b"{}")
+    except (OSError, ValueError) as e:
+        _fallback(args, f"server at {path}: {e}")
+    if "pid" not in first:
+        _fallback(args, first.get("fallback") or first.get("error") or "server closed")
+    # SIGTERM/SIGINT end this process, whose closed socket makes the server kill the engine.
+    line = f.readline()
+    if not line:
+        print("zygote: server gone before the engine finished", file=sys.stderr, flush=True)
+        sys.exit(1)
+    sys.exit(int(json.loads(line)["exit"]))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "serve":
+        serve(sys.argv[2])
+    elif len(sys.argv) >= 2 and sys.argv[1] == "run":
+        run(sys.argv[2:])
+    else:
+        sys.exit(__doc__)
