@@ -173,7 +173,8 @@ vllm-env: python
 	"$$(./scripts/bootstrap-python.sh)/bin/uv" pip install -q --python $(VLLM_VENV)/bin/python --force-reinstall --no-deps target/wheels/tpu_sync-*.whl
 
 # Engine tests (P/D, offload, warm restart, poisoned/corrupted tier, producer death, proxy) and the
-# connector's unit tests against vLLM's classes; every engine runs in its own process.
+# connector's unit tests against vLLM's classes; every engine runs in its own process, forked from
+# a server that imported torch and vLLM once (tests/vllm/zygote.py; TPU_SYNC_VLLM_ZYGOTE=0: none).
 e2e-vllm: vllm-env etcd
 	timeout 2400 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
 

@@ -8,8 +8,9 @@
 //! fails with an explicit error within its bound (a benign one succeeds), a failed pull is served
 //! again by its producer (nothing stored lost), every block the store delivers is the block that
 //! was put, a failing get loses nothing. Resources (RSS, fds, sockets, threads, locked memory,
-//! mappings) are sampled and printed as a table; after the warm-up (first quarter) they must stay
-//! within stated bounds of the warm level, and after shutdown return to the start baseline.
+//! mappings) are sampled and printed as a table; over the last half they must stay within fixed
+//! slacks of the first half's maximum (see the bounds), and after shutdown return to the start
+//! baseline.
 
 mod fault_util;
 mod net_util;
@@ -673,19 +674,22 @@ fn soak() {
         );
         w.store.debug_check().unwrap();
 
-        // Flat after warm-up: the maximum after the first quarter stays within bounds of the
-        // warm level (the largest sample of the first quarter).
-        let warm_n = (samples.len() / 4).max(1);
+        // Flat over the last half: its maximum stays within a fixed slack of the first half's
+        // maximum (warm-up and settling). The slacks are far below what leaking one request's
+        // staging (or one socket, fd, mapping) per request would add over the last half's
+        // thousands of requests: 16 MiB of RSS is 1.3 KiB per request at the ~12,000 requests
+        // of a 1,800 s run's last half (and 5 KiB at 300 s), 16 fds/sockets/maps, 1 thread.
+        let warm_n = (samples.len() / 2).max(1);
         let (warm, rest) = samples.split_at(warm_n.min(samples.len()));
         let wmax = |f: fn(&Sample) -> u64| warm.iter().map(f).max().unwrap_or(0);
         let rmax = |f: fn(&Sample) -> u64| rest.iter().map(f).max().unwrap_or(0);
         let bounds: [Bound; 5] = [
             // (what, value, absolute slack, relative slack in %)
-            ("RSS KiB", |s| s.r.rss_kib, 64 << 10, 50),
-            ("fds", |s| s.r.fds as u64, 64, 0),
-            ("sockets", |s| s.r.sockets as u64, 64, 0),
-            ("threads", |s| s.r.threads as u64, 2, 0),
-            ("maps", |s| s.r.maps as u64, 64, 0),
+            ("RSS KiB", |s| s.r.rss_kib, 16 << 10, 0),
+            ("fds", |s| s.r.fds as u64, 16, 0),
+            ("sockets", |s| s.r.sockets as u64, 16, 0),
+            ("threads", |s| s.r.threads as u64, 1, 0),
+            ("maps", |s| s.r.maps as u64, 16, 0),
         ];
         for (what, f, abs, pct) in bounds {
             let (a, b) = (wmax(f), rmax(f));
