@@ -630,3 +630,43 @@ fn quic_connections_per_peer() {
         assert_eq!(e.kind(), tpu_sync::ErrorKind::InvalidArgument, "{e}");
     });
 }
+
+/// A push whose source has ranks with nothing for the request (TP=2 x PCP=2, 32-token blocks,
+/// a request of one block: the second PCP rank holds no token) delivers every byte and ends on
+/// both sides (the soak's `tcp push tp=2,pcp=2,block=32 -> tp=2,block=16 (32 tokens)` failed with
+/// the receiver waiting for a sender).
+#[test]
+fn push_from_sources_that_hold_no_token_of_the_request() {
+    run(Duration::from_secs(60), async {
+        let m = model(2);
+        let pki = pki(&["prefill", "decode"]);
+        for kind in [
+            TransportKind::Tcp,
+            TransportKind::Tls,
+            TransportKind::Quic,
+            TransportKind::Shm,
+        ] {
+            let prefill = endpoint(kind, &pki, "prefill", false).await;
+            let decode = endpoint(kind, &pki, "decode", true).await;
+            let mut rid = 9000;
+            for tokens in [1, 16, 31, 32, 33, 64, 65] {
+                let c = case(
+                    &m,
+                    "tp=2,pcp=2,block=32",
+                    "tp=2,block=16",
+                    tokens,
+                    0,
+                    tokens as u64,
+                );
+                rid += 1;
+                let got = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    push_once(&prefill, &decode, &c, rid),
+                )
+                .await
+                .unwrap_or_else(|_| panic!("{kind:?} push of {tokens} tokens hangs"));
+                assert_eq!(got, c.plan.total_bytes(), "{tokens} tokens");
+            }
+        }
+    });
+}

@@ -236,9 +236,16 @@ fn given_plan(
 /// The ranks of `p`'s replica that `staging` holds.
 fn staged_ranks(p: &Placement, staging: &Staging) -> Vec<u32> {
     (0..p.layout.spec.ranks_per_replica())
+        .filter(|l| !staging.ranges(p.global_rank(*l)).is_empty() || holds_no_block(p, *l))
         .map(|l| p.global_rank(l))
-        .filter(|r| !staging.ranges(*r).is_empty())
         .collect()
+}
+
+/// Whether local rank `l` of `p` holds no block of the request (a PCP rank past a prompt too
+/// short to reach it): it has nothing to stage, and a push of the whole replica declares it
+/// finished with the others, or its receivers would wait for it.
+fn holds_no_block(p: &Placement, l: u32) -> bool {
+    p.block_ids.get(l as usize).is_none_or(|b| b.is_empty())
 }
 
 impl Endpoint {

@@ -382,7 +382,11 @@ impl Sinks {
                         "source rank {r} is not in the senders' DP replica"
                     )));
                 }
-                if k.senders.get(&r).is_some_and(|o| *o != s) {
+                // A rank with bytes for this registration has one sender; a rank without (no
+                // token of the request, or nothing for these destination ranks) may be declared
+                // finished by any of the pushers (each pushing the whole replica's empty ranks).
+                let has_bytes = k.slots.keys().any(|(sr, _)| *sr == r);
+                if has_bytes && k.senders.get(&r).is_some_and(|o| *o != s) {
                     return Err(Error::Protocol(format!(
                         "source rank {r} of request {rid} is pushed by another sender"
                     )));
@@ -399,7 +403,9 @@ impl Sinks {
                          delivering its bytes for destination ranks {incomplete:?}"
                     )));
                 }
-                k.senders.insert(r, s);
+                if has_bytes || !k.senders.contains_key(&r) {
+                    k.senders.insert(r, s);
+                }
                 k.finished_ranks.insert(r);
             }
             Ok(())
