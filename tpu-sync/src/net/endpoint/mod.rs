@@ -236,7 +236,19 @@ fn given_plan(
 /// The ranks of `p`'s replica that `staging` holds.
 fn staged_ranks(p: &Placement, staging: &Staging) -> Vec<u32> {
     (0..p.layout.spec.ranks_per_replica())
-        .filter(|l| !staging.ranges(p.global_rank(*l)).is_empty() || holds_no_block(p, *l))
+        .map(|l| p.global_rank(l))
+        .filter(|r| !staging.ranges(*r).is_empty())
+        .collect()
+}
+
+/// The source ranks a push of `staging` declares finished: its staged ranks, plus (for a
+/// placement without block groups) the ranks that hold no block of the request.
+fn pushed_ranks(p: &Placement, staging: &Staging) -> Vec<u32> {
+    (0..p.layout.spec.ranks_per_replica())
+        .filter(|l| {
+            !staging.ranges(p.global_rank(*l)).is_empty()
+                || (p.groups.is_none() && holds_no_block(p, *l))
+        })
         .map(|l| p.global_rank(l))
         .collect()
 }
@@ -724,7 +736,7 @@ impl Endpoint {
         )?;
         let src_ranks: Vec<u32> = match &req.src_ranks {
             Some(v) => v.clone(),
-            None => staged_ranks(&req.src, &req.staging),
+            None => pushed_ranks(&req.src, &req.staging),
         };
         if src_ranks.is_empty() {
             return Err(Error::InvalidArgument(
