@@ -22,7 +22,9 @@ use crate::layout::ParallelLayout;
 
 mod cache;
 mod groups;
-pub use cache::{PlanCache, PlanCacheStats, DEFAULT_PLAN_CACHE_ENTRIES};
+pub use cache::{
+    plan_is_large, PlanCache, PlanCacheStats, DEFAULT_PLAN_CACHE_ENTRIES, LARGE_PLAN_TOKEN_HEADS,
+};
 pub use groups::HybridPlacement;
 
 /// Where one request's KV blocks live on one side of a transfer.

@@ -1,4 +1,4 @@
-//! Small formatting helpers.
+//! Small helpers: byte formatting, leaving a Tokio worker for a long synchronous call.
 
 /// Formats a byte count with binary units (`512 B`, `4.0 KiB`, `1.50 GiB`).
 pub fn fmt_bytes(n: u64) -> String {
@@ -17,6 +17,22 @@ pub fn fmt_bytes(n: u64) -> String {
         format!("{v:.1} {}", UNITS[u])
     } else {
         format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+/// Runs `f`, a synchronous call that may take long (a plan build, a large copy): on a worker
+/// of a multi-threaded Tokio runtime through `block_in_place`, which first hands the worker's
+/// queued tasks (heartbeats, other lanes) to another thread of the runtime's bounded blocking
+/// pool; on any other thread (no runtime, a current-thread runtime, a blocking-pool thread)
+/// right here. Not for calls inside a `LocalSet` or `block_on` of a current-thread runtime
+/// that needs to keep polling.
+pub fn off_worker<T>(f: impl FnOnce() -> T) -> T {
+    let multi = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if multi {
+        tokio::task::block_in_place(f)
+    } else {
+        f()
     }
 }
 

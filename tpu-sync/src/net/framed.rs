@@ -669,10 +669,8 @@ pub(crate) const BLOCKING_COPY_BYTES: u64 = 256 << 10;
 /// lanes) move to another thread while it runs; otherwise (small, or a current-thread runtime
 /// where that is not possible) right here.
 pub(crate) fn off_worker_if_large<T>(bytes: u64, f: impl FnOnce() -> T) -> T {
-    let multi = tokio::runtime::Handle::try_current()
-        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-    if bytes > BLOCKING_COPY_BYTES && multi {
-        tokio::task::block_in_place(f)
+    if bytes > BLOCKING_COPY_BYTES {
+        crate::util::off_worker(f)
     } else {
         f()
     }

@@ -121,9 +121,10 @@ pub const MAX_UDP_PAYLOAD: u16 = 65507;
 /// (keep-alives go out every 5 s, so a live peer never reaches it; the endpoint's own
 /// heartbeat declares a silent peer dead much sooner). It is also the bound on a connection
 /// whose peer vanished without a close that reached this side, e.g. a pusher killed while its
-/// connections were being set up: such a connection, and the UDP socket of the listener it
-/// came in on, stay until this timeout even after the endpoint was dropped
-/// (`tests/net_chaos.rs::peer_death_at_every_point_leaks_nothing` waits for it).
+/// connections were being set up, while this side's endpoint is alive. Dropping the listener
+/// (or the endpoint) closes every connection at once instead, so none of them, and no UDP
+/// socket, outlives it by more than QUIC's drain period (three probe timeouts, about 3 s on
+/// loopback; `tests/net_chaos.rs::quic_peer_vanishing_mid_setup_releases_the_listener`).
 pub const IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// Send and receive buffer requested for the QUIC UDP socket (capped by the kernel).
@@ -302,6 +303,15 @@ fn identity_of(c: &quinn::Connection, psk: bool) -> Option<String> {
     cert_identity(Some(&certs), psk)
 }
 
+/// Closes a QUIC connection when dropped (a listener's per-connection task holds one).
+struct CloseOnDrop(quinn::Connection);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.0.close(VarInt::from_u32(0), b"closed");
+    }
+}
+
 /// The QUIC connections to one peer, each with its count of open lanes.
 struct QuicConn {
     conns: Vec<(quinn::Connection, Arc<AtomicUsize>)>,
@@ -395,6 +405,7 @@ impl Transport for QuicTransport {
                 }
             }
             let (sink, rx) = QueuedAcceptor::queue();
+            let ep_close = ep.clone();
             let hs = self.timeouts.handshake;
             let psk = self.psk();
             let queue = sink.clone();
@@ -408,6 +419,10 @@ impl Transport for QuicTransport {
                         let Some(conn) = queue.handshake(hs, incoming, what).await else {
                             return;
                         };
+                        // However this task ends (the peer closed, the listener was dropped and
+                        // aborted it), the connection is closed then, not when its last stream
+                        // handle goes or its idle timeout passes.
+                        let _close = CloseOnDrop(conn.clone());
                         let peer = PeerInfo {
                             addr: remote,
                             identity: identity_of(&conn, psk),
@@ -429,7 +444,17 @@ impl Transport for QuicTransport {
                     while conns.try_join_next().is_some() {}
                 }
             });
-            Ok(QueuedAcceptor::start(local, &sink, rx, vec![task], None))
+            // Dropping the acceptor closes the listening endpoint first: every connection
+            // that came in on it closes at once (a peer that died mid-setup never answers, and
+            // its connection would otherwise hold the UDP socket until IDLE_TIMEOUT).
+            let closer = ep_close.clone();
+            Ok(QueuedAcceptor::start_with_close(
+                local,
+                &sink,
+                rx,
+                vec![task],
+                Box::new(move || closer.close(VarInt::from_u32(0), b"listener closed")),
+            ))
         })
     }
 

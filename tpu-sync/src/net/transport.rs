@@ -264,6 +264,9 @@ pub(crate) struct QueuedAcceptor {
     /// An acceptor whose lanes a task of this one forwards (the shm transport's TCP side for
     /// peers on other hosts): kept alive with this one, its handshake failures added to ours.
     inner: Option<Arc<dyn Acceptor>>,
+    /// Runs when the acceptor is dropped, before the tasks are aborted (the QUIC listener closes
+    /// its endpoint there: every connection that came in on it, whoever still holds a stream).
+    on_drop: Option<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl QueuedAcceptor {
@@ -289,12 +292,34 @@ impl QueuedAcceptor {
             failures: sink.failures.clone(),
             tasks,
             inner,
+            on_drop: None,
+        })
+    }
+
+    /// [`Self::start`] with `on_drop` run when the acceptor is dropped (see the field).
+    pub(crate) fn start_with_close(
+        local: SocketAddr,
+        sink: &LaneSink,
+        rx: tokio::sync::mpsc::Receiver<Box<dyn Lane>>,
+        tasks: Vec<tokio::task::JoinHandle<()>>,
+        on_drop: Box<dyn Fn() + Send + Sync>,
+    ) -> Arc<dyn Acceptor> {
+        Arc::new(QueuedAcceptor {
+            local,
+            rx: tokio::sync::Mutex::new(rx),
+            failures: sink.failures.clone(),
+            tasks,
+            inner: None,
+            on_drop: Some(on_drop),
         })
     }
 }
 
 impl Drop for QueuedAcceptor {
     fn drop(&mut self) {
+        if let Some(f) = self.on_drop.take() {
+            f();
+        }
         for t in &self.tasks {
             t.abort();
         }

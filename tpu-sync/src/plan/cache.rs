@@ -33,6 +33,12 @@ struct Entry {
     plan: Arc<Plan>,
 }
 
+impl Entry {
+    fn same(&self, hash: u64, src: &Placement, dst: &Placement, num_tokens: u32) -> bool {
+        self.hash == hash && self.num_tokens == num_tokens && self.src == *src && self.dst == *dst
+    }
+}
+
 /// Plans by `(source placement, destination placement, tokens)`, least recently used evicted
 /// past the capacity. [`Plan::build`] is a pure function of those three, so a hit is the plan a
 /// build would return; keys compare by value (the whole placements, block ids included), a hash
@@ -54,6 +60,29 @@ impl std::fmt::Debug for PlanCache {
             .field("stats", &self.stats())
             .finish()
     }
+}
+
+/// Token-heads (tokens x KV heads, KV cache groups counted four times) above which a plan build
+/// leaves the async worker ([`PlanCache::get_or_build_off_worker`]): [`Plan::build`] walks
+/// every (token, head) row of the destination once, a few tens of nanoseconds each, so this
+/// many take about a millisecond on one core (Llama-3.1-8B's 8 heads at 2,048 tokens: 16,384).
+pub const LARGE_PLAN_TOKEN_HEADS: u64 = 16 << 10;
+
+/// Whether building `src -> dst` for `num_tokens` is large enough to leave an async worker
+/// ([`LARGE_PLAN_TOKEN_HEADS`]).
+pub fn plan_is_large(src: &Placement, dst: &Placement, num_tokens: u32) -> bool {
+    let heads = src
+        .layout
+        .model
+        .num_kv_heads
+        .max(dst.layout.model.num_kv_heads)
+        .max(1) as u64;
+    let groups = if src.groups.is_some() || dst.groups.is_some() {
+        4
+    } else {
+        1
+    };
+    num_tokens as u64 * heads * groups >= LARGE_PLAN_TOKEN_HEADS
 }
 
 fn key_hash(src: &Placement, dst: &Placement, num_tokens: u32) -> u64 {
@@ -89,27 +118,59 @@ impl PlanCache {
         dst: &Placement,
         num_tokens: u32,
     ) -> Result<Arc<Plan>> {
+        if let Some(p) = self.cached(src, dst, num_tokens) {
+            return Ok(p);
+        }
+        self.build(src, dst, num_tokens)
+    }
+
+    /// [`PlanCache::get_or_build`] from async code: a hit is answered here; a build that
+    /// [`plan_is_large`] runs with the runtime worker handed over to another thread first
+    /// ([`crate::util::off_worker`]), so the worker's other tasks (heartbeats, lanes) keep
+    /// running meanwhile; a small one (tens of microseconds) runs here.
+    ///
+    /// Errors: those of [`Plan::build`].
+    pub fn get_or_build_off_worker(
+        &self,
+        src: &Placement,
+        dst: &Placement,
+        num_tokens: u32,
+    ) -> Result<Arc<Plan>> {
+        if let Some(p) = self.cached(src, dst, num_tokens) {
+            return Ok(p);
+        }
+        if plan_is_large(src, dst, num_tokens) {
+            crate::util::off_worker(|| self.build(src, dst, num_tokens))
+        } else {
+            self.build(src, dst, num_tokens)
+        }
+    }
+
+    /// The cached plan of `src -> dst` for `num_tokens` (counted as a hit), if any.
+    pub fn cached(&self, src: &Placement, dst: &Placement, num_tokens: u32) -> Option<Arc<Plan>> {
         if self.capacity == 0 {
-            self.misses.fetch_add(1, Ordering::Relaxed);
-            return Plan::build(src, dst, num_tokens).map(Arc::new);
+            return None;
         }
         let hash = key_hash(src, dst, num_tokens);
-        let same = |e: &Entry| {
-            e.hash == hash && e.num_tokens == num_tokens && e.src == *src && e.dst == *dst
-        };
-        {
-            let mut g = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(e) = g.iter().position(same).and_then(|n| g.remove(n)) {
-                let plan = e.plan.clone();
-                g.push_back(e);
-                self.hits.fetch_add(1, Ordering::Relaxed);
-                return Ok(plan);
-            }
-        }
+        let mut g = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        let n = g.iter().position(|e| e.same(hash, src, dst, num_tokens))?;
+        let e = g.remove(n)?;
+        let plan = e.plan.clone();
+        g.push_back(e);
+        self.hits.fetch_add(1, Ordering::Relaxed);
+        Some(plan)
+    }
+
+    /// Builds the plan (a miss) and caches it.
+    fn build(&self, src: &Placement, dst: &Placement, num_tokens: u32) -> Result<Arc<Plan>> {
         self.misses.fetch_add(1, Ordering::Relaxed);
         let plan = Arc::new(Plan::build(src, dst, num_tokens)?);
+        if self.capacity == 0 {
+            return Ok(plan);
+        }
+        let hash = key_hash(src, dst, num_tokens);
         let mut g = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(e) = g.iter().find(|e| same(e)) {
+        if let Some(e) = g.iter().find(|e| e.same(hash, src, dst, num_tokens)) {
             return Ok(e.plan.clone());
         }
         while g.len() >= self.capacity {

@@ -73,9 +73,10 @@ impl SourceIo {
                 return Ok(plan.clone());
             }
         }
+        // Called on the lane's task: a new plan is built off the runtime worker.
         let plan = self
             .cache
-            .get_or_build(&self.placement, dst, self.num_tokens)?;
+            .get_or_build_off_worker(&self.placement, dst, self.num_tokens)?;
         *lock(&self.plans) = Some((dst.clone(), plan.clone()));
         Ok(plan)
     }
@@ -883,16 +884,27 @@ impl SinkIo {
     }
 
     /// Plans from a sender's placement when the state machine says the registration needs it.
+    ///
+    /// Called on a lane's task (once per registration): a large plan's build and its pairs'
+    /// digests and coverage checks, which grow with the tokens and heads, run off the runtime
+    /// worker ([`crate::plan::plan_is_large`]).
     fn plan_from(&self, src: &Placement, num_tokens: u32) -> Result<DriverSinkPlan> {
-        let plan = self.cache.get_or_build(src, &self.dst, num_tokens)?;
-        sink_plan(
-            &plan,
-            src,
-            num_tokens,
-            &self.dst,
-            &self.dst_ranks,
-            &self.staging,
-        )
+        let build = || {
+            let plan = self.cache.get_or_build(src, &self.dst, num_tokens)?;
+            sink_plan(
+                &plan,
+                src,
+                num_tokens,
+                &self.dst,
+                &self.dst_ranks,
+                &self.staging,
+            )
+        };
+        if crate::plan::plan_is_large(src, &self.dst, num_tokens) {
+            crate::util::off_worker(build)
+        } else {
+            build()
+        }
     }
 }
 
