@@ -31,7 +31,9 @@ build: plugin protoc
 demo: build
 	./target/release/tpu-sync demo $(DEMO_ARGS)
 
+# The engine environments install in the background meanwhile (scripts/engine-envs.sh).
 test: plugin protoc etcd
+	./scripts/engine-envs.sh start
 	$(CARGO) build --release --workspace --all-targets
 	$(CARGO) test --release --workspace
 	$(MAKE) test-lean
@@ -42,6 +44,7 @@ test: plugin protoc etcd
 	./target/release/tpu-sync store-demo --tokens 512 --layers 4
 	./target/release/tpu-sync bench all --quick --no-progress
 	./target/release/tpu-sync bench net --quick --no-progress --layers 4 --sizes 128KiB,4MiB --transports tcp,shm
+	./scripts/engine-envs.sh wait
 	$(MAKE) e2e-vllm
 	$(MAKE) e2e-sglang
 
