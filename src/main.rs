@@ -7,19 +7,32 @@
 
 /// `println!` that never panics: when stdout is closed (the `demo` parent is gone, `| head`),
 /// the line is dropped. SIGPIPE stays ignored (Rust's default; network code relies on EPIPE errors), so a plain
-/// `println!` would panic with "failed printing to stdout: Broken pipe".
+/// `println!` would panic with "failed printing to stdout: Broken pipe". The line is formatted
+/// first and written with one `write_all`, so lines of processes sharing a pipe (the demo's
+/// prefill and decode) never interleave mid-line (a pipe write of at most `PIPE_BUF`, 4 KiB,
+/// is atomic; `writeln!` on unbuffered stderr issues one write per formatted piece).
 macro_rules! outln {
+    () => {
+        outln!("")
+    };
     ($($t:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stdout().lock(), $($t)*);
+        let mut line = format!($($t)*);
+        line.push('\n');
+        let _ = std::io::stdout().lock().write_all(line.as_bytes());
     }};
 }
 
-/// `eprintln!` that never panics (see [`outln!`]).
+/// `eprintln!` that never panics, one write per line (see [`outln!`]).
 macro_rules! errln {
+    () => {
+        errln!("")
+    };
     ($($t:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stderr().lock(), $($t)*);
+        let mut line = format!($($t)*);
+        line.push('\n');
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
     }};
 }
 

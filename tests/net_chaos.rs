@@ -258,7 +258,7 @@ async fn pull_case(kind: TransportKind, pki: &Pki, f: &Fx, case: &Case) {
     let addr = prefill.local_addr().unwrap().to_string();
     let (a, b) = (1, 2);
     let ha = register(&prefill, f, a);
-    let _hb = register(&prefill, f, b);
+    let hb = register(&prefill, f, b);
     // Connect first, so both requests share the peer's connection and lane pool.
     decode.describe(&addr, b).await.unwrap();
     match case.on {
@@ -312,15 +312,21 @@ async fn pull_case(kind: TransportKind, pki: &Pki, f: &Fx, case: &Case) {
     // Nothing stored is lost: the producer still serves A (re-registered if the consumer's
     // session ended with the connection).
     if case.whole_connection {
-        // The consumer's session ended with its connection: the producer released both.
+        // The consumer's session ended with its connection: A, which it was being served, ended
+        // with it (`PeerLost`); B ended in the same step if the dead session was being served
+        // B too, and stays registered if that session had only described it (a describe ends
+        // nothing, issue 24). Either way nothing else ended.
         let h = ha;
         eventually(Duration::from_secs(3), &what, || h.outcome().is_some()).await;
-        eventually(Duration::from_secs(3), &what, || {
-            prefill.stats().source_registrations == 0
-        })
-        .await;
+        assert!(
+            matches!(h.outcome(), Some(SourceOutcome::PeerLost(_))),
+            "{what}: {:?}",
+            h.outcome()
+        );
         register(&prefill, f, a);
-        register(&prefill, f, b);
+        if hb.outcome().is_some() {
+            register(&prefill, f, b);
+        }
     } else {
         assert_eq!(ha.outcome(), None, "{what}");
     }
@@ -404,7 +410,13 @@ fn push_cases() -> Vec<Case> {
 /// (the pusher's transfer and the receiver's registration) must end explicitly.
 async fn push_case(kind: TransportKind, pki: &Pki, f: &Fx, case: &Case) {
     let what = format!("{kind} push: {}", case.name);
-    let (decode, df) = ep(kind, pki, "decode", true).await;
+    // A sender whose first offer never left cannot cancel the receiver's registration (only a
+    // sender of a push may, issue 24), so that registration ends at its lease of no activity:
+    // short here, within the test's bound.
+    let no_offer_reached = case.name == "failed submit of the push";
+    let mut dopts = o(kind, pki, "decode", true);
+    dopts.lease_ttl = Duration::from_secs(2);
+    let (decode, df) = fault_endpoint(dopts).await;
     let (prefill, pf) = ep(kind, pki, "prefill", false).await;
     let addr = decode.local_addr().unwrap().to_string();
     let (a, b) = (1, 2);
@@ -429,7 +441,9 @@ async fn push_case(kind: TransportKind, pki: &Pki, f: &Fx, case: &Case) {
             assert!(check(&e), "{what}: unexpected error {e}");
             let e = rs.expect_err(&format!("{what}: receiver"));
             assert!(
-                e.is_peer_failure() || matches!(e, Error::Checksum(_) | Error::Cancelled(_)),
+                e.is_peer_failure()
+                    || matches!(e, Error::Checksum(_) | Error::Cancelled(_))
+                    || (no_offer_reached && matches!(e, Error::Timeout(_))),
                 "{what}: receiver: {e}"
             );
         }

@@ -136,8 +136,11 @@ fn wrong_address_then_right_one() {
             ErrorKind::UnknownRequest
         );
         assert!(!any_nonzero(&st), "nothing arrived");
-        // The engine releases after a failed pull: not a delivery, the registration stays.
-        decode.release(&addr(&prefill), 1).await.unwrap();
+        // An engine that releases after a pull that never reached this producer is refused
+        // (a session that neither pulled nor described a request cannot release it, issue 24;
+        // the registration stays).
+        let e = decode.release(&addr(&prefill), 1).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
         assert_eq!(h.outcome(), None);
         assert_eq!(prefill.stats().source_registrations, 1);
         // The retry to the right address is byte-exact and its release ends the registration.
@@ -221,12 +224,15 @@ fn release_after_a_failed_pull_is_not_a_delivery() {
         // every stripe, does not count it.
         decode.release_with(&addr(&prefill), 4, true).await.unwrap();
         assert_eq!(h.outcome(), None);
-        // A second consumer's explicit "not delivered" is not counted either.
+        // A second consumer, which never pulled it, cannot release it at all (issue 24).
         let second = ep("decode-2", false).await;
-        second
-            .release_with(&addr(&prefill), 4, false)
-            .await
-            .unwrap();
+        for delivered in [false, true] {
+            let e = second
+                .release_with(&addr(&prefill), 4, delivered)
+                .await
+                .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+        }
         assert_eq!(h.outcome(), None);
         // A retry is byte-exact and its release is the delivery.
         pull_exact(&decode, &f, 4, PeerMap::single(addr(&prefill))).await;

@@ -103,14 +103,39 @@ fn header_mismatches_reformat_with_a_reason() {
         a => panic!("{a:?}"),
     }
     drop(s);
-    // Readable by others: not trusted, reformatted, and made private again.
+    // Readable by others: not trusted, and replaced by a new private file (a new inode, so
+    // whoever opened the loose one while it was loose does not see the new contents).
     fill(shm_config(&g.0, 4));
     std::fs::set_permissions(g.path(), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let early = std::fs::File::open(g.path()).unwrap();
+    let old_ino = std::os::unix::fs::MetadataExt::ino(&early.metadata().unwrap());
     let s = KvStore::open(shm_config(&g.0, 4)).unwrap();
     match s.info().unwrap().attach {
-        Attach::Reformatted(r) => assert!(r.contains("mode was 0644"), "{r}"),
+        Attach::Reformatted(r) => {
+            assert!(r.contains("mode was 0644"), "{r}");
+            assert!(r.contains("created anew"), "{r}");
+        }
         a => panic!("{a:?}"),
     }
+    let new_ino = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(g.path()).unwrap());
+    assert_ne!(old_ino, new_ino, "the loose file was replaced, not re-used");
+    // Blocks stored now (keys the old file never held) are not in the old file.
+    let fresh = chain(2, 77);
+    put_chain(&s, &fresh, LEN);
+    let (r, bufs) = get_chain(&s, &fresh, LEN);
+    assert_eq!(r.delivered, 2);
+    assert_exact(&fresh, &bufs, 2);
+    let mut seen = Vec::new();
+    std::io::Read::read_to_end(&mut &early, &mut seen).unwrap();
+    assert!(!seen.is_empty());
+    for b in &bufs {
+        let probe = &b[..b.len().min(256)];
+        assert!(
+            !seen.windows(probe.len()).any(|w| w == probe),
+            "a block stored after the reformat is visible through the old file"
+        );
+    }
+    drop(early);
     assert_eq!(s.lookup(&keys), 0);
     let mode = std::fs::metadata(g.path()).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600);

@@ -1491,7 +1491,7 @@ enum tpu_sync_status tpu_sync_pacing_stats(char *buf, size_t buf_len, size_t *le
  *  "transport": "tcp",          // "tcp" (plain, trusted networks only) | "tls" | "quic" | "shm" (same host: shared memory, plain TCP to other hosts)
  *  "tls": {"cert": "a.pem", "key": "a.key", "ca": "ca.pem", "server_name": "..."},
  *  "psk_hex": "00ff...",        // or "psk_file": path; tls and quic need tls or a psk
- *  "name": "prefill-0",         // unique per live process (default tpu-sync-<pid>)
+ *  "name": "prefill-0",         // shown to peers (default tpu-sync-<host>-<pid>-<random>)
  *  "timeout_s": 30,             // connect, handshake and I/O limits (or each *_timeout_s)
  *  "heartbeat_interval_s": 1, "heartbeat_timeout_s": 5,
  *  "lease_ttl_s": 120,          // how long an unreleased registration is kept without holders

@@ -105,7 +105,9 @@ mod stats;
 mod stream;
 
 pub use endpoint::{Endpoint, SourceHandle, Transfer};
-pub use options::{EndpointOptions, FaultHooks, DEFAULT_QUIC_CONNECTIONS_PER_PEER};
+pub use options::{
+    default_endpoint_name, EndpointOptions, FaultHooks, DEFAULT_QUIC_CONNECTIONS_PER_PEER,
+};
 pub use peer_map::PeerMap;
 pub use proto::{SourceOutcome, TransferKind, TransferStats};
 pub use request::{

@@ -15,8 +15,10 @@ pub const DEFAULT_QUIC_CONNECTIONS_PER_PEER: u32 = 2;
 /// Configuration of an [`Endpoint`].
 #[derive(Debug, Clone)]
 pub struct EndpointOptions {
-    /// Endpoint name, unique per live process (peers use it to recognise a restart). Default:
-    /// `tpu-sync-<pid>`.
+    /// Endpoint name, shown in peers' logs and outcomes; a peer keys its session by (name,
+    /// incarnation), so two live endpoints of one name never end each other's sessions.
+    /// Default: [`default_endpoint_name`] (`tpu-sync-<host>-<pid>-<random>`, unique across
+    /// hosts and containers that share pids).
     pub name: String,
     /// Transport.
     pub transport: TransportKind,
@@ -60,10 +62,42 @@ pub struct EndpointOptions {
     pub faults: FaultHooks,
 }
 
+/// A name unique across hosts and containers: `tpu-sync-<host>-<pid>-<8 hex digits>` (the
+/// host name from `gethostname(2)`, cut to 64 bytes; `localhost` when it has none; the digits
+/// from the system's CSPRNG, so containers with the same host name and pid still differ).
+pub fn default_endpoint_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` is writable for its whole length, which is what we pass.
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) };
+    let host = if r == 0 {
+        let n = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        String::from_utf8_lossy(&buf[..n.min(64)]).into_owned()
+    } else {
+        String::new()
+    };
+    let host = if host.is_empty() {
+        "localhost".to_string()
+    } else {
+        host
+    };
+    let mut r = [0u8; 4];
+    let id = match ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut r) {
+        Ok(()) => u32::from_le_bytes(r),
+        Err(_) => {
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.subsec_nanos())
+                .unwrap_or(0);
+            t ^ std::process::id().rotate_left(16)
+        }
+    };
+    format!("tpu-sync-{host}-{}-{id:08x}", std::process::id())
+}
+
 impl Default for EndpointOptions {
     fn default() -> Self {
         EndpointOptions {
-            name: format!("tpu-sync-{}", std::process::id()),
+            name: default_endpoint_name(),
             transport: TransportKind::Tcp,
             security: Security::None,
             listen: None,

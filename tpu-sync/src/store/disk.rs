@@ -412,7 +412,34 @@ impl DiskTier {
                 ),
             ));
         }
-        let _ = std::fs::write(ns_dir.join("NAMESPACE"), format!("{}\n", ns.description()));
+        // NAMESPACE (informational: which model/layout the directory holds). The namespace
+        // directory may be shared with other users (the shared disk tier): it must be a real
+        // directory, not a symlink, and the file is opened with O_NOFOLLOW, so a symlink a
+        // co-tenant planted under that name is refused instead of written through.
+        let nsmd = std::fs::symlink_metadata(&ns_dir)
+            .map_err(|e| Error::io(format!("stat {}", ns_dir.display()), e))?;
+        if !nsmd.file_type().is_dir() {
+            return Err(Error::io(
+                format!("disk tier {}", ns_dir.display()),
+                std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    "the namespace directory is not a directory (a symlink?): refusing it",
+                ),
+            ));
+        }
+        let nsf = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(ns_dir.join("NAMESPACE"));
+        match nsf.and_then(|mut f| {
+            std::io::Write::write_all(&mut f, format!("{}\n", ns.description()).as_bytes())
+        }) {
+            Ok(()) => {}
+            Err(e) => log::info!("disk tier {}: NAMESPACE not written: {e}", ns_dir.display()),
+        }
         let writer = opts.shared.as_ref().map(|s| s.writer.clone());
         let lock_name = match &writer {
             Some(w) => format!(".lock.{w}"),
@@ -424,6 +451,7 @@ impl DiskTier {
             .create(true)
             .truncate(false)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(dir.join(&lock_name))
             .map_err(|e| Error::io(format!("open {}/{lock_name}", dir.display()), e))?;
         // SAFETY: flock on our open descriptor.

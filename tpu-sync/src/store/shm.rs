@@ -453,15 +453,30 @@ impl Segment {
         })?;
         let mut reason: Option<String> = None;
         let mode = md.permissions().mode() & 0o777;
+        let mut len = md.len();
         if mode & 0o077 != 0 {
-            file.set_permissions(std::fs::Permissions::from_mode(0o600))
-                .map_err(|e| Error::io(format!("chmod 0600 {shown}"), e))?;
+            // Another user may have opened (and may still map) this inode while its mode let
+            // them: a chmod would leave their mapping live. The name is unlinked and a new
+            // file (a new inode) created in its place, exclusively, so nobody else holds it.
+            std::fs::remove_file(&path)
+                .map_err(|e| Error::io(format!("unlink loose segment {shown}"), e))?;
+            file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(&path)
+                .map_err(|e| Error::io(format!("create shared-memory segment {shown} anew"), e))?;
+            flock_exclusive(&file)
+                .map_err(|e| Error::io(format!("lock the new shared-memory segment {shown}"), e))?;
+            len = 0;
             reason = Some(format!(
-                "mode was {mode:04o} (accessible to other users), contents not trusted"
+                "mode was {mode:04o} (accessible to other users), contents not trusted; \
+                 unlinked and created anew"
             ));
         }
-        let len = md.len();
-        let created = len == 0;
+        let created = len == 0 && reason.is_none();
         if reason.is_none() && !created {
             if len < HEADER_BYTES {
                 reason = Some(format!("file is only {len} B, shorter than a header"));

@@ -142,29 +142,32 @@ impl Inner {
         }
     }
 
-    /// The session of `(name, incarnation)`; a new incarnation of a known name replaces (and
-    /// cleans up) the old one: that process restarted. `None` once the endpoint shut down.
+    /// The session of `(name, incarnation)` (another live incarnation of the same name keeps
+    /// its own). `None` once the endpoint shut down, or when it has
+    /// [`crate::net::proto::MAX_SESSIONS`] sessions (the lane is closed).
     fn session(&self, name: &str, incarnation: u64) -> Option<Arc<SessionIo>> {
-        let (s, actions) = {
-            let mut p = lock(&self.proto);
-            if p.is_shut_down() {
+        let mut p = lock(&self.proto);
+        if p.is_shut_down() {
+            return None;
+        }
+        let id = match p.handle_hello(Instant::now(), name, incarnation) {
+            Ok(id) => id,
+            Err(e) => {
+                log::warn!("{e}");
                 return None;
             }
-            let (id, actions) = p.handle_hello(Instant::now(), name, incarnation);
-            let s = lock(&self.sessions)
-                .entry(id)
-                .or_insert_with(|| {
-                    crate::metrics::peer_connected();
-                    Arc::new(SessionIo {
-                        id,
-                        name: name.to_string(),
-                        dead: Signal::default(),
-                    })
-                })
-                .clone();
-            (s, actions)
         };
-        self.apply(actions);
+        let s = lock(&self.sessions)
+            .entry(id)
+            .or_insert_with(|| {
+                crate::metrics::peer_connected();
+                Arc::new(SessionIo {
+                    id,
+                    name: name.to_string(),
+                    dead: Signal::default(),
+                })
+            })
+            .clone();
         Some(s)
     }
 
@@ -241,7 +244,8 @@ impl Inner {
                 let waiting = {
                     let mut p = lock(&self.proto);
                     match p.handle_release(now, s.id, request_id, delivered) {
-                        ReleaseStep::Now(ended) => Err(ended),
+                        ReleaseStep::Refused(e) => Err(Err(e)),
+                        ReleaseStep::Now(ended) => Err(Ok(ended)),
                         ReleaseStep::Wait(token) => {
                             // Registered under the state machine's lock, so the decision cannot
                             // come before its waiter.
@@ -252,7 +256,8 @@ impl Inner {
                     }
                 };
                 let ended = match waiting {
-                    Err(ended) => ended,
+                    Err(Err(e)) => return reply(f, failed(request_id, &e), rid).await,
+                    Err(Ok(ended)) => ended,
                     Ok(rx) => tokio::select! {
                         r = rx => r.ok().flatten(),
                         _ = s.dead.wait() => return Next::Close,

@@ -19,6 +19,7 @@
 
 mod client;
 mod session;
+pub use session::MAX_SESSIONS;
 mod sink;
 mod source;
 #[cfg(test)]
@@ -314,28 +315,24 @@ impl Proto {
     // Sessions (server side)
     // -----------------------------------------------------------------------------------------
 
-    /// A lane said hello as `(name, incarnation)`: its session (new or existing). A new
-    /// incarnation of a known name replaces the old session (that process restarted), which
-    /// dies with everything it held.
-    #[must_use]
+    /// A peer endpoint said hello as `(name, incarnation)`: its session (the same one for
+    /// every lane of that incarnation). Errors: [`Error::InvalidArgument`] when
+    /// [`MAX_SESSIONS`] sessions exist. Another live incarnation of the same name keeps its
+    /// own session: an old incarnation ends only when it is dead.
     pub(crate) fn handle_hello(
         &mut self,
         now: Instant,
         name: &str,
         incarnation: u64,
-    ) -> (SessionId, Vec<Action>) {
-        let (sid, stale) = self
-            .sessions
-            .hello(now, name, incarnation, &mut self.next_id);
-        let mut out = Vec::new();
-        for old in stale {
-            out.extend(self.session_died(
-                now,
-                old,
-                format!("peer {name} restarted (new incarnation)"),
-            ));
-        }
-        (sid, out)
+    ) -> Result<SessionId> {
+        self.sessions
+            .hello(now, name, incarnation, &mut self.next_id)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "hello from {name} refused: this endpoint already has {} peer sessions",
+                    MAX_SESSIONS
+                ))
+            })
     }
 
     /// A session sent something (a heartbeat, a request): it is alive.
@@ -360,7 +357,7 @@ impl Proto {
         self.sessions.alive(s)
     }
 
-    fn session_died(&mut self, _now: Instant, s: SessionId, why: String) -> Vec<Action> {
+    fn session_died(&mut self, now: Instant, s: SessionId, why: String) -> Vec<Action> {
         let Some(dead) = self.sessions.remove(s) else {
             return Vec::new();
         };
@@ -382,7 +379,7 @@ impl Proto {
             session: s,
             why: why.clone(),
         }];
-        out.extend(self.sources.session_died(s, &why));
+        out.extend(self.sources.session_died(now, &self.cfg, s, &why));
         for (rid, t) in pushing {
             out.extend(self.finish_transfer(
                 t,
@@ -424,7 +421,8 @@ impl Proto {
         self.sources.placement(request_id)
     }
 
-    /// A consumer describes a source registration: it takes a lease.
+    /// A consumer describes a source registration: it takes a lease (held while its session
+    /// lives; the session's death drops it and ends nothing, unlike a pull's).
     pub(crate) fn handle_describe_source(
         &mut self,
         now: Instant,
@@ -609,7 +607,17 @@ impl Proto {
         request_id: u64,
         push: bool,
     ) -> Vec<Action> {
-        if !push && !self.sinks.is_pushing(request_id, s) {
+        // Only a sender of the push (a session that offered it a stripe or finished ranks of
+        // it) can end it; `push` is what such a sender says, not a permission, and a cancel
+        // from any other session is ignored (a sender that failed before its first stripe
+        // reached this side leaves the registration to its no-activity timeout or lease).
+        if !self.sinks.is_pushing(request_id, s) {
+            if push {
+                log::info!(
+                    "cancel of push {request_id} from {} ignored: it is not a sender of it",
+                    self.sessions.name(s)
+                );
+            }
             return Vec::new();
         }
         let name = self.sessions.name(s);
@@ -763,10 +771,13 @@ impl Proto {
 }
 
 /// How a release is answered ([`Proto::handle_release`]).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub(crate) enum ReleaseStep {
     /// Answer now; then end the registration with this outcome if `Some`.
     Now(Option<SourceOutcome>),
     /// Wait for [`Action::ReleaseDecided`] with this token.
     Wait(ReleaseToken),
+    /// Refused (the session never pulled nor described the request): answer with this error;
+    /// nothing changed.
+    Refused(Error),
 }

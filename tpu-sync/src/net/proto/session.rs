@@ -1,10 +1,16 @@
 //! Peer sessions on the server side: one per `(name, incarnation)` of a connected endpoint,
-//! alive while it is heard from within the heartbeat timeout.
+//! alive while it is heard from within the heartbeat timeout (at most [`MAX_SESSIONS`]).
 
 use std::collections::HashMap;
 use std::time::Instant;
 
 use super::{Config, SessionId};
+
+/// Most peer sessions one endpoint keeps at once (a session is one `(name, incarnation)` of a
+/// connected endpoint; it ends with its control lane or after the heartbeat timeout of
+/// silence). A hello that would create one more is refused, so a peer that says hello under
+/// ever new names or incarnations cannot grow the endpoint's state without bound.
+pub const MAX_SESSIONS: usize = 4096;
 
 pub(super) struct Session {
     pub(super) name: String,
@@ -21,25 +27,25 @@ pub(super) struct Sessions {
 }
 
 impl Sessions {
-    /// The session of `(name, incarnation)` (created if new) and the other incarnations of
-    /// `name`, which are stale (the process restarted).
+    /// The session of `(name, incarnation)`, created if new; `None` when it is new and
+    /// [`MAX_SESSIONS`] sessions exist. Other incarnations of `name` are left alone: two live
+    /// endpoints may share a name (containers with the same pid), and an old incarnation ends
+    /// only when it is dead (its control lane closed, or it was silent for the heartbeat
+    /// timeout), never because a newer one said hello. O(1).
     pub(super) fn hello(
         &mut self,
         now: Instant,
         name: &str,
         incarnation: u64,
         next_id: &mut u64,
-    ) -> (SessionId, Vec<SessionId>) {
-        let stale: Vec<SessionId> = self
-            .by_key
-            .iter()
-            .filter(|(k, _)| k.0 == name && k.1 != incarnation)
-            .map(|(_, s)| *s)
-            .collect();
+    ) -> Option<SessionId> {
         let key = (name.to_string(), incarnation);
         let id = match self.by_key.get(&key) {
             Some(id) => *id,
             None => {
+                if self.by_id.len() >= MAX_SESSIONS {
+                    return None;
+                }
                 let id = SessionId(*next_id);
                 *next_id += 1;
                 self.by_key.insert(key, id);
@@ -55,7 +61,7 @@ impl Sessions {
             }
         };
         self.heard(now, id);
-        (id, stale)
+        Some(id)
     }
 
     pub(super) fn heard(&mut self, now: Instant, s: SessionId) {

@@ -10,8 +10,31 @@ use crate::error::{Error, Result};
 use crate::plan::{spans_digest, Placement, Plan, Span};
 use crate::wire::Stripe;
 
-/// Most early rejects remembered at once.
-const MAX_EARLY_REJECTS: usize = 1 << 16;
+/// Most early rejects (rejects of requests not registered yet) remembered at once, for all
+/// peers together; each keeps a reason of at most [`MAX_REJECT_REASON_BYTES`], so they hold at
+/// most about 4 MiB. Past the cap a reject of an unregistered request is answered but not
+/// remembered (its registration, when it comes, then waits for its lease to expire).
+pub(crate) const MAX_EARLY_REJECTS: usize = 4096;
+
+/// Most early rejects remembered per peer session (a quarter of [`MAX_EARLY_REJECTS`]), so one
+/// peer cannot use up the room of the others.
+pub(crate) const MAX_EARLY_REJECTS_PER_SESSION: usize = MAX_EARLY_REJECTS / 4;
+
+/// Longest reject reason kept (bytes of UTF-8; a longer one is cut at a character boundary
+/// and marked with "..."). The reason only goes into logs and the registration's outcome.
+pub(crate) const MAX_REJECT_REASON_BYTES: usize = 1024;
+
+/// `reason` cut to at most [`MAX_REJECT_REASON_BYTES`].
+pub(crate) fn bounded_reason(reason: &str) -> std::borrow::Cow<'_, str> {
+    if reason.len() <= MAX_REJECT_REASON_BYTES {
+        return reason.into();
+    }
+    let mut end = MAX_REJECT_REASON_BYTES - 3;
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &reason[..end]).into()
+}
 
 /// A source registration as the state machine sees it (the staging itself stays with the
 /// driver).
@@ -93,6 +116,9 @@ struct Source {
     deadline: Instant,
     served: HashMap<SessionId, HashMap<(u32, u32), Served>>,
     serving: HashMap<SessionId, u32>,
+    /// Sessions granted at least one stripe of it (a later refusal of a pair does not undo
+    /// that): the death of one of them ends the registration `PeerLost`.
+    granted: BTreeSet<SessionId>,
     pending: Vec<Pending>,
 }
 
@@ -109,10 +135,17 @@ impl Source {
         }
     }
 
+    /// Whether `s` was served at least one pair and every stripe of every pair it asked for (a
+    /// session that was never served anything was not served completely).
     fn served_completely(&self, s: SessionId) -> bool {
         self.served
             .get(&s)
-            .is_none_or(|m| m.values().all(Served::complete))
+            .is_some_and(|m| !m.is_empty() && m.values().all(Served::complete))
+    }
+
+    /// Whether `s` was granted at least one stripe (not only refused, not only a describe).
+    fn was_served(&self, s: SessionId) -> bool {
+        self.granted.contains(&s) || self.serving.contains_key(&s)
     }
 
     fn refused(&mut self, s: SessionId, pair: (u32, u32)) {
@@ -137,6 +170,7 @@ impl Source {
         self.holders.remove(&s);
         let complete = self.served_completely(s);
         self.served.remove(&s);
+        self.granted.remove(&s);
         self.deadline = now + cfg.lease_ttl;
         if delivered && complete {
             self.releases += 1;
@@ -211,6 +245,7 @@ impl Sources {
             deadline: now + cfg.lease_ttl,
             served: HashMap::new(),
             serving: HashMap::new(),
+            granted: BTreeSet::new(),
             pending: Vec::new(),
         };
         let mut end = None;
@@ -321,6 +356,7 @@ impl Sources {
             }
         };
         reg.holders.insert(s);
+        reg.granted.insert(s);
         let served = reg
             .served
             .entry(s)
@@ -441,6 +477,16 @@ impl Sources {
         let Some(reg) = self.regs.get_mut(&rid) else {
             return ReleaseStep::Now(None);
         };
+        // Only a consumer that holds a lease on it (it described or pulled it) or was served
+        // some of it may release it; any other session is refused, and nothing changes (its
+        // lease deadline included). A consumer that will never pull it rejects it instead.
+        if !reg.holders.contains(&s) && !reg.served.contains_key(&s) {
+            log::warn!("release of request {rid} by {name} refused: it never pulled it");
+            return ReleaseStep::Refused(Error::InvalidArgument(format!(
+                "request {rid}: {name} neither pulled nor described it, so it cannot release it \
+                 (a consumer that will not pull a request rejects it)"
+            )));
+        }
         // A delivery is counted only after the stripes still being served to this consumer
         // ended (it may have their bytes before the sender saw its write complete).
         if delivered && reg.serving.get(&s).copied().unwrap_or(0) > 0 {
@@ -470,15 +516,20 @@ impl Sources {
         rid: u64,
         reason: &str,
     ) -> (bool, Vec<Action>) {
+        let reason = bounded_reason(reason);
         let why = format!("consumer {name} rejected the request: {reason}");
         let Some(reg) = self.regs.get_mut(&rid) else {
             let n = self.early.len();
+            let mine = self.early.values().filter(|e| e.by.contains(&s)).count();
             match self.early.get_mut(&rid) {
-                Some(e) => {
+                Some(e) if e.by.contains(&s) || e.by.len() < MAX_EARLY_REJECTS_PER_SESSION => {
                     e.by.insert(s);
                     e.until = now + cfg.lease_ttl;
                 }
-                None if n < MAX_EARLY_REJECTS => {
+                Some(_) => {
+                    log::warn!("reject of unregistered request {rid} not remembered: too many")
+                }
+                None if n < MAX_EARLY_REJECTS && mine < MAX_EARLY_REJECTS_PER_SESSION => {
                     self.early.insert(
                         rid,
                         EarlyReject {
@@ -494,6 +545,7 @@ impl Sources {
         };
         reg.holders.remove(&s);
         reg.served.remove(&s);
+        reg.granted.remove(&s);
         if !reg.rejected_by.insert(s) {
             // This consumer's reject is already counted.
             return (true, Vec::new());
@@ -506,12 +558,20 @@ impl Sources {
         (true, end.map(|o| self.end(rid, o)).unwrap_or_default())
     }
 
-    /// A session died: registrations it held end `PeerLost`; what it was served is forgotten.
-    pub(super) fn session_died(&mut self, s: SessionId, why: &str) -> Vec<Action> {
+    /// A session died: registrations it was served some of (it was pulling them) end
+    /// `PeerLost`; one it only described or was only refused keeps going (its lease is
+    /// dropped: a describe ends nothing); what it was served is forgotten.
+    pub(super) fn session_died(
+        &mut self,
+        now: Instant,
+        cfg: &Config,
+        s: SessionId,
+        why: &str,
+    ) -> Vec<Action> {
         let mut held: Vec<u64> = self
             .regs
             .iter()
-            .filter(|(_, r)| r.holders.contains(&s))
+            .filter(|(_, r)| r.holders.contains(&s) && r.was_served(s))
             .map(|(id, _)| *id)
             .collect();
         held.sort_unstable();
@@ -521,8 +581,12 @@ impl Sources {
         }
         let mut dropped = Vec::new();
         for (rid, r) in self.regs.iter_mut() {
+            if r.holders.remove(&s) && r.holders.is_empty() {
+                r.deadline = now + cfg.lease_ttl;
+            }
             r.served.remove(&s);
             r.serving.remove(&s);
+            r.granted.remove(&s);
             r.pending.retain(|p| {
                 let gone = p.session == s;
                 if gone {

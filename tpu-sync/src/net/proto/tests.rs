@@ -140,7 +140,8 @@ impl Pair {
         let now = Instant::now();
         let mut prod = Proto::new(cfg());
         let mut cons = Proto::new(cfg());
-        let (sess, a) = prod.handle_hello(now, "decode", 7);
+        let sess = prod.handle_hello(now, "decode", 7).unwrap();
+        let a: Vec<Action> = Vec::new();
         assert!(a.is_empty());
         let peer = cons.peer_connected(now);
         Pair {
@@ -350,6 +351,9 @@ impl Pair {
                     ReleaseStep::Wait(token) => {
                         self.waits.insert(token, rid);
                     }
+                    // A release of a request this consumer never pulled (random order):
+                    // refused, nothing changed; the consumer sees its answer.
+                    ReleaseStep::Refused(_) => self.send_down(Down::Released(rid)),
                 }
             }
             Up::Reject(rid, why) => {
@@ -571,19 +575,28 @@ fn lease_expiry() {
 #[test]
 fn heartbeat_loss_either_way() {
     let f = fx();
-    // A hung consumer: its session dies after the heartbeat timeout, its lease with it.
+    // A hung consumer: its session dies after the heartbeat timeout, its lease with it. One
+    // that was being served request 2 ends it `PeerLost`; request 1, which it only described,
+    // goes on (a describe ends nothing) and expires a lease TTL later.
     let mut p = Pair::new();
     p.register(&f, 1, 1).unwrap();
+    p.register(&f, 2, 1).unwrap();
+    p.serve_time = Duration::from_secs(60);
     p.send_up(Up::Describe(1));
+    let _t = p.pull(&f, 2, 1, None);
     p.advance(HB_TIMEOUT * 2);
     assert_eq!(p.outcome(1), None, "heartbeats keep it");
+    assert_eq!(p.outcome(2), None, "heartbeats keep it");
     p.mute_pings = true;
     p.advance(HB_TIMEOUT - Duration::from_millis(200));
     assert_eq!(p.sessions_dead, 0);
     p.advance(Duration::from_millis(300));
     assert_eq!(p.sessions_dead, 1);
-    assert!(matches!(p.outcome(1), Some(SourceOutcome::PeerLost(w)) if w.contains("no heartbeat")));
+    assert!(matches!(p.outcome(2), Some(SourceOutcome::PeerLost(w)) if w.contains("no heartbeat")));
+    assert_eq!(p.outcome(1), None, "a describe-only lease ends nothing");
     assert_eq!(p.prod.stats().sessions_lost, 1);
+    p.advance(TTL + Duration::from_millis(10));
+    assert_eq!(p.outcome(1), Some(SourceOutcome::Expired));
     // A hung producer: the consumer declares it dead and its pull fails.
     let mut p = Pair::new();
     p.register(&f, 1, 1).unwrap();
@@ -760,7 +773,7 @@ fn reject() {
         p.drive();
     }
     assert_eq!(p.outcome(7), None, "one consumer of two rejected");
-    let (other, _) = p.prod.handle_hello(p.now, "decode-2", 9);
+    let other = p.prod.handle_hello(p.now, "decode-2", 9).unwrap();
     let (_, a) = p.prod.handle_reject(p.now, other, 7, "too");
     p.prod_actions(a);
     assert!(matches!(p.outcome(7), Some(SourceOutcome::Rejected(w)) if w.contains("twice")));
@@ -822,17 +835,116 @@ fn pull_waits_for_a_late_registration() {
     assert!(p.now - t0 >= Duration::from_millis(100));
 }
 
+/// Issue 24: a new incarnation of a name (a second live endpoint with the same name, e.g. in
+/// another container with the same pid) does not end the first one's session or its leases;
+/// the old session ends only when it is dead (here: its control lane is lost).
 #[test]
-fn a_restarted_consumer_loses_its_leases() {
+fn a_new_incarnation_of_a_live_name_keeps_the_old_session() {
     let f = fx();
     let mut p = Pair::new();
     p.register(&f, 1, 1).unwrap();
     p.send_up(Up::Describe(1));
     p.drive();
-    let (s2, a) = p.prod.handle_hello(p.now, "decode", 8);
+    let s2 = p.prod.handle_hello(p.now, "decode", 8).unwrap();
     assert_ne!(s2, p.sess);
+    assert!(
+        p.prod.session_alive(p.sess),
+        "the live old incarnation keeps its session"
+    );
+    assert!(p.prod.session_alive(s2));
+    assert_eq!(p.outcome(1), None);
+    assert_eq!(p.prod.stats().leases, 1);
+    // Its lane closes: it is dead now; a describe-only lease ends nothing (see below).
+    let a = p
+        .prod
+        .handle_session_lost(p.now, p.sess, "lane closed".into());
     p.prod_actions(a);
-    assert!(matches!(p.outcome(1), Some(SourceOutcome::PeerLost(w)) if w.contains("restarted")));
+    assert!(!p.prod.session_alive(p.sess));
+    assert_eq!(p.outcome(1), None);
+    assert_eq!(p.prod.stats().leases, 0);
+}
+
+/// Issue 24: a session that only described a request (took a lease, pulled nothing) and then
+/// disconnected does not end it; the registration stays pullable by its real consumer.
+#[test]
+fn a_describe_then_disconnect_ends_nothing() {
+    let f = fx();
+    let mut p = Pair::new();
+    p.register(&f, 1, 1).unwrap();
+    let stranger = p.prod.handle_hello(p.now, "stranger", 99).unwrap();
+    p.prod.handle_describe_source(p.now, stranger, 1).unwrap();
+    assert_eq!(p.prod.stats().leases, 1);
+    let a = p
+        .prod
+        .handle_session_lost(p.now, stranger, "lane closed".into());
+    p.prod_actions(a);
+    assert_eq!(p.outcome(1), None, "a describe ends nothing");
+    let t = p.pull(&f, 1, 1, None);
+    p.drive();
+    assert!(p.result(t).unwrap().is_ok());
+}
+
+/// Issue 24: `Release{delivered: true}` from a session that never pulled the request is
+/// refused and changes nothing: the real consumer's pull still gets every byte, and only its
+/// release ends the registration as released.
+#[test]
+fn a_release_from_a_session_that_never_pulled_is_refused() {
+    let f = fx();
+    let mut p = Pair::new();
+    p.register(&f, 1, 1).unwrap();
+    let stranger = p.prod.handle_hello(p.now, "stranger", 99).unwrap();
+    match p.prod.handle_release(p.now, stranger, 1, true) {
+        ReleaseStep::Refused(e) => assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}"),
+        _ => panic!("a stranger's release must be refused"),
+    }
+    assert_eq!(p.outcome(1), None);
+    assert_eq!(p.prod.stats().source_registrations, 1);
+    let t = p.pull(&f, 1, 1, None);
+    p.drive();
+    assert!(p.result(t).unwrap().is_ok());
+    p.send_up(Up::Release(1, true));
+    p.drive();
+    assert!(matches!(p.outcome(1), Some(SourceOutcome::Released)));
+}
+
+/// Issue 24: reject reasons are kept to [`MAX_REJECT_REASON_BYTES`] and early rejects of one
+/// session to [`MAX_EARLY_REJECTS_PER_SESSION`], however many and large a peer sends.
+#[test]
+fn rejects_of_one_peer_are_bounded() {
+    use super::source::{MAX_EARLY_REJECTS_PER_SESSION, MAX_REJECT_REASON_BYTES};
+    let f = fx();
+    let mut p = Pair::new();
+    let big = "\u{e9}".repeat(8 << 20);
+    for rid in 0..(MAX_EARLY_REJECTS_PER_SESSION as u64 + 100) {
+        let (known, a) = p
+            .prod
+            .handle_reject(p.now, p.sess, 1000 + rid, &big[..1 << 12]);
+        assert!(!known);
+        assert!(a.is_empty());
+    }
+    // The first ones are remembered: a registration of one of them ends rejected at once, its
+    // reason cut to the bound (at a character boundary).
+    p.register(&f, 1000, 1).unwrap();
+    match p.outcome(1000) {
+        Some(SourceOutcome::Rejected(r)) => {
+            assert!(r.len() <= MAX_REJECT_REASON_BYTES + 64, "{}", r.len());
+            assert!(r.ends_with("..."));
+        }
+        o => panic!("{o:?}"),
+    }
+    // One past this session's cap was not remembered: it registers and stays.
+    let late = 1000 + MAX_EARLY_REJECTS_PER_SESSION as u64 + 50;
+    p.register(&f, late, 1).unwrap();
+    assert_eq!(p.outcome(late), None);
+    // A huge reason on a registered request is cut too.
+    p.register(&f, 7, 1).unwrap();
+    let (known, a) = p.prod.handle_reject(p.now, p.sess, 7, &big);
+    assert!(known);
+    p.prod_actions(a);
+    match p.outcome(7) {
+        Some(SourceOutcome::Rejected(r)) => assert!(r.len() <= MAX_REJECT_REASON_BYTES + 64),
+        o => panic!("{o:?}"),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -854,7 +966,7 @@ impl Sink {
         let f = fx();
         let now = Instant::now();
         let mut p = Proto::new(cfg());
-        let (s, _) = p.handle_hello(now, "prefill", 1);
+        let s = p.handle_hello(now, "prefill", 1).unwrap();
         let t = p.start_transfer(TransferKind::PushReceive, 5, 777);
         p.expect_push(
             now,
@@ -1018,7 +1130,7 @@ fn duplicate_and_late_stripes_and_geometry() {
     // A rank pushed by a second sender.
     let mut k = Sink::new();
     k.push(k.s, &k.ask(0, 0, 2, 8192)).unwrap();
-    let (other, _) = k.p.handle_hello(k.now, "prefill-2", 3);
+    let other = k.p.handle_hello(k.now, "prefill-2", 3).unwrap();
     assert_eq!(
         k.push(other, &k.ask(0, 1, 2, 8192)).unwrap_err().kind(),
         ErrorKind::Protocol
@@ -1189,8 +1301,7 @@ proptest! {
                 Op::MutePongs(m) => p.mute_pongs = m,
                 Op::Reconnect => {
                     incarnation += 1;
-                    let (s, a) = p.prod.handle_hello(p.now, "decode", incarnation);
-                    p.prod_actions(a);
+                    let s = p.prod.handle_hello(p.now, "decode", incarnation).unwrap();
                     p.sess = s;
                     let a = p.cons.peer_connected(p.now);
                     p.cons.peer_gone(p.peer);
@@ -1257,7 +1368,7 @@ proptest! {
     #[test]
     fn pushes_in_any_order(ops in proptest::collection::vec(push_op(), 1..60)) {
         let mut k = Sink::new();
-        let (s2, _) = k.p.handle_hello(k.now, "prefill-2", 2);
+        let s2 = k.p.handle_hello(k.now, "prefill-2", 2).unwrap();
         let senders = [k.s, s2];
         let npairs = k.f.plan.pairs().len();
         let mut accepted: HashSet<(usize, u32)> = HashSet::new();
