@@ -31,10 +31,14 @@ build: plugin protoc
 demo: build
 	./target/release/tpu-sync demo $(DEMO_ARGS)
 
-# The engine environments install in the background meanwhile (scripts/engine-envs.sh).
+# The engine environments install in the background meanwhile (scripts/engine-envs.sh). Every
+# cargo build of `make test` uses the same flags (TEST_BUILD), so one feature resolution (dev
+# dependencies included) serves the Rust suite, the C tests and the demos: a plain `--workspace`
+# build resolves dependency features differently and would compile the crates a second time.
+TEST_BUILD := --release --workspace --all-targets
 test: plugin protoc etcd
 	./scripts/engine-envs.sh start
-	$(CARGO) build --release --workspace --all-targets
+	$(CARGO) build $(TEST_BUILD)
 	$(CARGO) test --release --workspace
 	$(MAKE) test-lean
 	$(MAKE) test-c
@@ -60,7 +64,7 @@ LIBDIR := $(CURDIR)/target/release
 
 # C ABI tests: compiled with the committed header and the C compiler only, linked to libtpu_sync.
 test-c: plugin protoc
-	$(CARGO) build --release --workspace
+	$(CARGO) build $(TEST_BUILD)
 	mkdir -p target/c
 	set -e; for t in tpu-sync-ffi/tests/c/*.c; do \
 	  n=$$(basename $$t .c); \
@@ -70,7 +74,7 @@ test-c: plugin protoc
 
 # C examples: built with the committed header and the C compiler only, linked to libtpu_sync, run.
 examples-c: plugin protoc
-	$(CARGO) build --release --workspace
+	$(CARGO) build $(TEST_BUILD)
 	mkdir -p target/c
 	set -e; for e in examples/c/*.c; do \
 	  n=example_$$(basename $$e .c); \

@@ -7,7 +7,8 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="${VLLM_VENV:-$root/.venv-vllm}"
 stamp="$venv/.tpu-sync-vllm-0.32.0"
-if [ -f "$stamp" ] && "$venv/bin/python" -c "import vllm" 2>/dev/null; then
+# (find_spec, not an import: importing vLLM takes about 15 s.)
+if [ -f "$stamp" ] && "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" 2>/dev/null; then
   exit 0
 fi
 uv="$("$root/scripts/bootstrap-python.sh")/bin/uv"

@@ -169,3 +169,142 @@ fn two_live_endpoints_with_one_name_pull_concurrently() {
         assert_eq!(prefill.stats().sessions, 2, "one session per live endpoint");
     });
 }
+
+/// A squatter of another user holds the producer's abstract socket name `@tpu-sync-shm/<port>`
+/// (abstract names have no permissions: whoever binds first owns them). The consumer, seeing
+/// by `SO_PEERCRED` that the name is not held by its own user, never speaks to it (not a byte
+/// of hello) and pulls over TCP instead, byte-exact. Needs root to run the squatter as
+/// `nobody`; skipped (with a message) otherwise.
+#[test]
+fn a_squatted_shm_name_of_another_user_is_not_spoken_to() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to run a squatter as another user");
+        return;
+    }
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    // The squatter: binds the name as uid 65534, accepts, reports every byte it is sent.
+    let script = format!(
+        "import socket,sys\n\
+         s=socket.socket(socket.AF_UNIX,socket.SOCK_STREAM)\n\
+         s.bind('\\0tpu-sync-shm/{port}')\n\
+         s.listen(16)\n\
+         print('ready',flush=True)\n\
+         s.settimeout(30)\n\
+         n=0\n\
+         try:\n\
+         \x20while True:\n\
+         \x20 c,_=s.accept()\n\
+         \x20 c.settimeout(2)\n\
+         \x20 try:\n\
+         \x20  while True:\n\
+         \x20   b=c.recv(4096)\n\
+         \x20   if not b: break\n\
+         \x20   n+=len(b)\n\
+         \x20 except OSError: pass\n\
+         \x20 print('got',n,flush=True)\n\
+         except OSError: pass\n"
+    );
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    let mut squatter = std::process::Command::new("python3")
+        .args(["-c", &script])
+        .uid(65534)
+        .gid(65534)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(squatter.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "ready", "the squatter bound the name");
+    run(Duration::from_secs(60), async move {
+        let pki = pki(&["prefill", "decode"]);
+        let f = reshard_fixture(2, 96, 47);
+        let mut po = opts(
+            TransportKind::Shm,
+            security(TransportKind::Shm, &pki, "prefill"),
+            "prefill",
+            true,
+        );
+        po.listen = Some(format!("127.0.0.1:{port}").parse().unwrap());
+        let prefill = tpu_sync::net::Endpoint::bind(po).await.unwrap();
+        let decode = endpoint(TransportKind::Shm, &pki, "decode", false).await;
+        let addr = prefill.local_addr().unwrap().to_string();
+        let h = register_whole(&prefill, &f.src, f.tokens, 5);
+        let st = dest_staging(&f.plan, &f.dst, None);
+        let t = pull_fx(&decode, &f, 5, &addr, st.clone());
+        let r = t.wait_timeout(Duration::from_secs(20)).await;
+        assert!(r.is_ok(), "the pull goes over TCP: {r:?}");
+        verify_dest(&f.dst, f.tokens, &st, None);
+        decode.release(&addr, 5).await.unwrap();
+        assert_eq!(
+            h.wait(Duration::from_secs(5)).await.unwrap(),
+            SourceOutcome::Released
+        );
+    });
+    let _ = squatter.kill();
+    let _ = squatter.wait();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+    for l in rest.lines() {
+        assert_eq!(l.trim(), "got 0", "the squatter was sent bytes: {rest}");
+    }
+}
+
+/// Issue 24: handshakes before authentication are capped per listener
+/// (`MAX_HANDSHAKES_IN_PROGRESS`): 300 TCP connections to a TLS listener that never send a
+/// byte hold at most that many handshakes; the rest are closed at once and counted. Once their
+/// handshake timeout passed, an authenticated consumer connects and pulls byte-exact.
+#[test]
+fn handshakes_before_authentication_are_capped() {
+    use tpu_sync::net::transport::MAX_HANDSHAKES_IN_PROGRESS;
+    run(Duration::from_secs(90), async {
+        let pki = pki(&["prefill", "decode"]);
+        let f = reshard_fixture(2, 96, 53);
+        let mut po = opts(
+            TransportKind::Tls,
+            security(TransportKind::Tls, &pki, "prefill"),
+            "prefill",
+            true,
+        );
+        po.handshake_timeout = Duration::from_secs(2);
+        let prefill = tpu_sync::net::Endpoint::bind(po).await.unwrap();
+        let addr = prefill.local_addr().unwrap();
+        let n = MAX_HANDSHAKES_IN_PROGRESS + 44;
+        let mut silent = Vec::new();
+        for _ in 0..n {
+            silent.push(TcpStream::connect(addr).await.unwrap());
+        }
+        // The ones past the cap are closed at once: a read sees end of stream (or a reset).
+        let mut closed = 0;
+        for s in silent.iter_mut() {
+            let mut b = [0u8; 1];
+            match tokio::time::timeout(Duration::from_millis(20), s.read(&mut b)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => closed += 1,
+                _ => {}
+            }
+        }
+        assert!(
+            closed >= n - MAX_HANDSHAKES_IN_PROGRESS,
+            "{closed} of {n} closed at once"
+        );
+        assert!(prefill.stats().handshake_failures >= (n - MAX_HANDSHAKES_IN_PROGRESS) as u64);
+        drop(silent);
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        let decode = endpoint(TransportKind::Tls, &pki, "decode", false).await;
+        let h = register_whole(&prefill, &f.src, f.tokens, 9);
+        let st = dest_staging(&f.plan, &f.dst, None);
+        let t = pull_fx(&decode, &f, 9, &addr.to_string(), st.clone());
+        t.wait_timeout(Duration::from_secs(20)).await.unwrap();
+        verify_dest(&f.dst, f.tokens, &st, None);
+        decode.release(&addr.to_string(), 9).await.unwrap();
+        assert_eq!(
+            h.wait(Duration::from_secs(5)).await.unwrap(),
+            SourceOutcome::Released
+        );
+    });
+}

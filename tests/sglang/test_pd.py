@@ -147,3 +147,28 @@ def test_hooks_add_the_backend():
     from sglang.srt.disaggregation.fake import FakeKVManager
 
     assert get_kv_class(TransferBackend("fake"), KVClassType.MANAGER) is FakeKVManager
+
+
+def test_metadata_rows_from_the_wire_are_checked_before_any_copy():
+    """Issue 24: a prefill's READY carries a metadata row and its item lengths; the decode copies
+    it into its own metadata buffers only after checking every length and index, so a short row
+    (a heap over-read before the fix), a length that differs from ours, a negative or
+    non-integer length, or a row index outside the buffers is refused with a clear error."""
+    item_lens = [8, 16]
+    data_lens = [8 * 4, 16 * 4]
+    row = bytes(range(1, 25))
+    assert pd.aux_copies(row, [8, 16], item_lens, data_lens, 3) == [(0, 24, 0, 8), (1, 48, 8, 16)]
+    with pytest.raises(ValueError, match="shorter than its items"):
+        pd.aux_copies(row[:20], [8, 16], item_lens, data_lens, 0)
+    with pytest.raises(ValueError, match="prefill item 9 bytes"):
+        pd.aux_copies(row, [9, 16], item_lens, data_lens, 0)
+    with pytest.raises(ValueError, match="list of ints"):
+        pd.aux_copies(row, [8, "16"], item_lens, data_lens, 0)
+    with pytest.raises(ValueError, match="prefill item -8 bytes"):
+        pd.aux_copies(row, [-8, 16], item_lens, data_lens, 0)
+    with pytest.raises(ValueError, match="outside buffer 0"):
+        pd.aux_copies(row, [8, 16], item_lens, data_lens, 4)
+    with pytest.raises(ValueError, match="is not a row"):
+        pd.aux_copies(row, [8, 16], item_lens, data_lens, -1)
+    with pytest.raises(ValueError, match="not bytes"):
+        pd.aux_copies("x" * 24, [8, 16], item_lens, data_lens, 0)

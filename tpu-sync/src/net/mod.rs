@@ -119,3 +119,58 @@ pub use tls::Security;
 pub use transport::{ShmPeer, TransportKind};
 
 pub(crate) use stats::Counters;
+
+/// Raises this process's soft `RLIMIT_NOFILE` to its hard limit (once per process; where the
+/// kernel allows it, which it does for an unprivileged process up to the hard limit) and returns
+/// the soft limit in effect: the usual 1024 soft limit is below the default
+/// [`EndpointOptions::max_inbound_lanes`] (4096). Thread-safe.
+pub fn raise_nofile_limit() -> u64 {
+    static SOFT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *SOFT.get_or_init(|| {
+        let mut r = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: `r` is a valid rlimit for getrlimit to fill.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
+            return 1024;
+        }
+        if r.rlim_cur < r.rlim_max {
+            let want = libc::rlimit {
+                rlim_cur: r.rlim_max,
+                rlim_max: r.rlim_max,
+            };
+            // SAFETY: a valid rlimit; raising the soft limit up to the hard one is allowed.
+            if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } == 0 {
+                log::debug!(
+                    "RLIMIT_NOFILE soft limit raised from {} to {}",
+                    r.rlim_cur,
+                    r.rlim_max
+                );
+                r.rlim_cur = r.rlim_max;
+            }
+        }
+        r.rlim_cur as u64
+    })
+}
+
+/// Inbound lanes an endpoint serves: `configured`, at most half of the open-file limit `nofile`
+/// less 64 (the other half for its own outbound lanes, staging, the plugin and the engine).
+pub fn inbound_lanes_for(configured: u32, nofile: u64) -> usize {
+    let room = (nofile.saturating_sub(64) / 2).max(16);
+    (configured as u64).min(room) as usize
+}
+
+#[cfg(test)]
+mod limit_tests {
+    #[test]
+    fn inbound_lanes_fit_the_open_file_limit() {
+        assert_eq!(super::inbound_lanes_for(4096, 1024), 480);
+        assert_eq!(super::inbound_lanes_for(4096, 1 << 20), 4096);
+        assert_eq!(super::inbound_lanes_for(100, 1024), 100);
+        assert_eq!(super::inbound_lanes_for(4096, 10), 16);
+        let soft = super::raise_nofile_limit();
+        assert!(soft >= 16);
+        assert_eq!(super::raise_nofile_limit(), soft, "once per process");
+    }
+}

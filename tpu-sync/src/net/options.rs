@@ -49,7 +49,10 @@ pub struct EndpointOptions {
     /// ones still in their hello) this endpoint serves at once (>= 1). A lane beyond it is closed
     /// as soon as it is accepted and counted in [`Stats::lanes_refused`], so a flood of
     /// connections cannot exhaust tasks or file descriptors. Size it to at least
-    /// `peers x (max_lanes_per_peer + 1)` of the peers expected to connect.
+    /// `peers x (max_lanes_per_peer + 1)` of the peers expected to connect. Binding raises the
+    /// process's soft open-file limit to its hard one ([`super::raise_nofile_limit`]) and serves
+    /// at most half of that limit less 64 ([`super::inbound_lanes_for`], with a warning), so
+    /// the default never exceeds what the process can open.
     pub max_inbound_lanes: u32,
     /// QUIC connections this endpoint opens to each peer it connects to (>= 1; QUIC only: TCP and
     /// TLS already give every lane its own socket). Lanes go to the connection with the fewest

@@ -36,7 +36,12 @@
 //! outside the sender's mappings, or memory that changed under the copy, is a checksum failure
 //! of that request (the lane stays in sync); a sender that exited is [`Error::PeerClosed`].
 //!
-//! Security: no authentication or encryption (like plain TCP); the kernel only lets a process
+//! Security: no encryption; the peer's credentials are checked both ways with `SO_PEERCRED`
+//! before a byte is written: a listener speaks only to processes of its own uid, and a client
+//! whose name `@tpu-sync-shm/<port>` is held by another user's process (abstract names have no
+//! permissions, so whoever binds first owns them) never speaks to it and reaches the port over
+//! TCP instead; memory is read by reference only from the socket's peer pid (`SO_PEERCRED`), and
+//! only when the hello's pid is that pid (not across PID namespaces). The kernel only lets a process
 //! read the memory of processes it could ptrace (same user). The receiver only ever writes into
 //! its own resolved staging ranges; a table can make it read nothing but the sender's memory.
 
@@ -124,6 +129,12 @@ fn connect_abstract_nonblocking(name: &[u8]) -> io::Result<std::os::unix::net::U
 /// address a socket can be bound to here.
 pub fn is_local_ip(ip: IpAddr) -> bool {
     ip.is_loopback() || ip.is_unspecified() || std::net::UdpSocket::bind((ip, 0)).is_ok()
+}
+
+/// This process's effective uid.
+fn own_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() }
 }
 
 /// Whether process `pid` still exists (`kill(pid, 0)`; `EPERM` means it exists under another
@@ -402,9 +413,27 @@ async fn handshake(
     me: SocketAddr,
     by_reference: bool,
 ) -> Result<(Hello, ShmPeer)> {
-    let pid = s
+    let cred = s
         .peer_cred()
-        .map_err(|e| Error::io("SO_PEERCRED on a Unix lane", e))?
+        .map_err(|e| Error::io("SO_PEERCRED on a Unix lane", e))?;
+    // Abstract socket names have no permissions: whoever binds a name first owns it, and anyone
+    // on the host (in this network namespace) can connect. Only a peer running as this
+    // process's own user is spoken to, and before anything is written (no pid or address is
+    // handed to a stranger).
+    let me_uid = own_uid();
+    if cred.uid() != me_uid {
+        return Err(Error::io(
+            "shm hello",
+            io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "the peer process runs as uid {}, this one as uid {me_uid}: refused",
+                    cred.uid()
+                ),
+            ),
+        ));
+    }
+    let pid = cred
         .pid()
         .ok_or_else(|| Error::Protocol("Unix peer without a pid".into()))?;
     let io = |e: io::Error| match e.kind() {
@@ -678,6 +707,22 @@ impl ShmConn {
             }
         };
         let mut s = UnixStream::from_std(std).map_err(|e| Error::io("register Unix lane", e))?;
+        // The name is held by a process of another user (it bound it first): never speak to
+        // it; this peer is reached over TCP instead (authenticated or not, as configured).
+        match s.peer_cred() {
+            Ok(c) if c.uid() == own_uid() && c.pid().is_some() => {}
+            Ok(c) => {
+                log::warn!(
+                    "shm: @{name} is held by uid {} (pid {:?}), not by this user: reaching {} \
+                     over TCP",
+                    c.uid(),
+                    c.pid(),
+                    self.addr
+                );
+                return Ok(None);
+            }
+            Err(e) => return Err(Error::io("SO_PEERCRED on a Unix lane", e)),
+        }
         let me = SocketAddr::from(([0, 0, 0, 0], 0));
         let (h, shm) =
             match tokio::time::timeout(t.handshake, handshake(&mut s, me, self.by_reference)).await

@@ -222,7 +222,17 @@ const ACCEPT_QUEUE_LANES: usize = 1024;
 pub(crate) struct LaneSink {
     pub(crate) tx: tokio::sync::mpsc::Sender<Box<dyn Lane>>,
     pub(crate) failures: Arc<std::sync::atomic::AtomicU64>,
+    /// Handshakes in progress on this listener ([`MAX_HANDSHAKES_IN_PROGRESS`] permits).
+    handshakes: Arc<tokio::sync::Semaphore>,
 }
+
+/// Most transport handshakes (TLS, QUIC, the shm hello) one listener runs at once, before any
+/// peer is authenticated or counted in `max_inbound_lanes`: a connection that arrives while
+/// this many are in progress is closed at once and counted in
+/// [`Acceptor::handshake_failures`], so unauthenticated peers that open connections and never
+/// finish them cannot make the listener hold more than this many sockets and handshake states
+/// (each for at most `handshake_timeout`).
+pub const MAX_HANDSHAKES_IN_PROGRESS: usize = 256;
 
 impl LaneSink {
     /// Runs one incoming connection's handshake `fut` under `limit`. A failure or a timeout is
@@ -234,6 +244,14 @@ impl LaneSink {
         fut: impl std::future::IntoFuture<Output = std::result::Result<T, E>>,
         peer: impl std::fmt::Display,
     ) -> Option<T> {
+        let Ok(_permit) = self.handshakes.clone().try_acquire_owned() else {
+            self.failures
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            log::warn!(
+                "refused {peer}: {MAX_HANDSHAKES_IN_PROGRESS} handshakes already in progress"
+            );
+            return None;
+        };
         let failed = match tokio::time::timeout(limit, fut).await {
             Ok(Ok(v)) => return Some(v),
             Ok(Err(e)) => format!("refused {peer}: {e}"),
@@ -274,7 +292,15 @@ impl QueuedAcceptor {
     pub(crate) fn queue() -> (LaneSink, tokio::sync::mpsc::Receiver<Box<dyn Lane>>) {
         let (tx, rx) = tokio::sync::mpsc::channel(ACCEPT_QUEUE_LANES);
         let failures = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        (LaneSink { tx, failures }, rx)
+        let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES_IN_PROGRESS));
+        (
+            LaneSink {
+                tx,
+                failures,
+                handshakes,
+            },
+            rx,
+        )
     }
 
     /// The acceptor bound at `local`, taking from `rx` the lanes `sink`'s tasks (`tasks`, aborted

@@ -30,7 +30,9 @@ pub(super) struct Peer {
     pub(super) id: PeerId,
     pub(super) addr: SocketAddr,
     pub(super) conn: Arc<dyn Connection>,
-    pub(super) idle: Mutex<Vec<CountedLane>>,
+    /// Idle data lanes, each with when it was given back (one idle past
+    /// [`super::lanes::CLIENT_LANE_IDLE`] is closed instead of reused).
+    pub(super) idle: Mutex<Vec<(std::time::Instant, CountedLane)>>,
     pub(super) permits: Arc<Semaphore>,
     pub(super) dead: Signal,
     /// Messages for the control lane's writer (heartbeats, cancellations).
@@ -300,7 +302,14 @@ impl Inner {
             p = peer.permits.clone().acquire_owned() => p.map_err(|_| Error::PeerClosed("peer closed".into()))?,
             _ = peer.dead.wait() => return Err(Error::PeerClosed(format!("peer {}: {}", peer.addr, peer.dead.reason()))),
         };
-        if let Some(f) = lock(&peer.idle).pop() {
+        let pooled = {
+            let mut idle = lock(&peer.idle);
+            // The server closes lanes idle for SERVER_LANE_IDLE; ours go well before that, so a
+            // pooled lane is never one the server is closing.
+            idle.retain(|(since, _)| since.elapsed() < super::lanes::CLIENT_LANE_IDLE);
+            idle.pop().map(|(_, l)| l)
+        };
+        if let Some(f) = pooled {
             return Ok(LaneGuard {
                 f: f.f,
                 _count: f._count,
@@ -322,10 +331,13 @@ impl Inner {
         if peer.dead.is_set() || self.shutdown.is_set() {
             return;
         }
-        lock(&peer.idle).push(CountedLane {
-            f: g.f,
-            _count: g._count,
-        });
+        lock(&peer.idle).push((
+            std::time::Instant::now(),
+            CountedLane {
+                f: g.f,
+                _count: g._count,
+            },
+        ));
     }
 
     /// One request/answer exchange on a data lane to `addr`; a [`Control::Failed`] answer is the

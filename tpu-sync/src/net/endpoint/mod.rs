@@ -308,7 +308,16 @@ impl Endpoint {
             None => None,
         };
         let local_addr = acceptor.as_ref().map(|a| a.local_addr());
-        let inbound = Arc::new(Semaphore::new(opts.max_inbound_lanes as usize));
+        let nofile = crate::net::raise_nofile_limit();
+        let lanes = crate::net::inbound_lanes_for(opts.max_inbound_lanes, nofile);
+        if (lanes as u32) < opts.max_inbound_lanes {
+            log::warn!(
+                "max_inbound_lanes {} exceeds what the open-file limit ({nofile}) leaves room \
+                 for: serving at most {lanes} inbound lanes",
+                opts.max_inbound_lanes
+            );
+        }
+        let inbound = Arc::new(Semaphore::new(lanes));
         let proto = Proto::new(Config {
             lease_ttl: opts.lease_ttl,
             heartbeat_interval: opts.heartbeat_interval,

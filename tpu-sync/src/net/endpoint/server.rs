@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::lanes::{read_ctl, write_ctl, LaneCount, FOREVER};
+use super::lanes::{read_ctl, write_ctl, LaneCount, SERVER_LANE_IDLE};
 use super::{lock, DriverSinkPlan, Inner, SessionIo, SinkIo};
 use crate::error::{Error, Result};
 use crate::net::framed::Framed;
@@ -121,13 +121,17 @@ impl Inner {
             LaneRole::Control => self.server_control(session, f, count).await,
             LaneRole::Data => loop {
                 let r = tokio::select! {
-                    r = f.recv(FOREVER) => r,
+                    r = f.recv(SERVER_LANE_IDLE) => r,
                     _ = session.dead.wait() => return,
                     _ = self.shutdown.wait() => return,
                 };
                 let (rid, msg) = match r {
                     Ok(m) => m,
                     Err(Error::PeerClosed(_)) => return,
+                    Err(Error::Timeout(_)) => {
+                        log::debug!("idle data lane from {name} closed after {SERVER_LANE_IDLE:?}");
+                        return;
+                    }
                     Err(e) => {
                         log::info!("data lane from {name}: {e}");
                         return;

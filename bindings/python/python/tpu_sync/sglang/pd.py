@@ -89,6 +89,46 @@ STATUS_TAG = b"TPS_STATUS"
 
 _MAX_RID = (1 << 53) - 1
 
+# Bounds on what peers' messages can make this process keep (issue 24): registered decode
+# peers, rooms with metadata waiting for the prefill's request, decode ranks per room, and the
+# prefill ranks a READY may name. Past them a message is refused (logged; the room fails).
+MAX_DECODE_PEERS = 4096
+MAX_PENDING_ROOMS = 65536
+MAX_RANKS = 1024
+
+
+def aux_copies(data: bytes, lens: Any, item_lens: List[int], data_lens: Optional[List[int]],
+               aux_index: int) -> List[Tuple[int, int, int, int]]:
+    """The copies of one metadata row from a prefill's READY message into this decode's
+    metadata buffers: ``(buffer, dst_offset, src_offset, nbytes)`` per buffer, after checking
+    every length and index that came from the wire: ``lens`` (the prefill's item bytes per
+    buffer) must be non-negative ints equal to ``item_lens`` (ours) for each of our buffers;
+    ``data`` must hold all of them (no read past its end); ``aux_index`` must be a row of each
+    buffer (``data_lens``: each buffer's total bytes, when known). Raises ``ValueError``."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"metadata row is {type(data).__name__}, not bytes")
+    if not isinstance(lens, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in lens):
+        raise ValueError("metadata item lengths must be a list of ints")
+    if not isinstance(aux_index, int) or aux_index < 0:
+        raise ValueError(f"metadata row index {aux_index!r} is not a row")
+    out = []
+    at = 0
+    for i, mine in enumerate(item_lens):
+        if i >= len(lens):
+            break
+        n = lens[i]
+        if n != mine:
+            raise ValueError(f"metadata buffer {i}: prefill item {n} bytes, decode {mine}")
+        if data_lens is not None and i < len(data_lens) and (aux_index + 1) * n > int(data_lens[i]):
+            raise ValueError(f"metadata row {aux_index} is outside buffer {i} ({data_lens[i]} bytes of "
+                             f"{n}-byte rows)")
+        if at + n > len(data):
+            raise ValueError(f"metadata row of {len(data)} bytes is shorter than its items "
+                             f"({at + n} bytes by buffer {i})")
+        out.append((i, n * aux_index, at, n))
+        at += n
+    return out
+
 
 def _env_float(name: str, default: float) -> float:
     v = os.environ.get(name)
@@ -390,7 +430,12 @@ class TpuSyncKVManager(CommonKVManager):
         if diff:
             peer.mismatch = "KV geometry differs between prefill and decode: " + "; ".join(diff)
             log.error("tpu_sync.sglang P/D: decode %s:%d: %s", ip, port, peer.mismatch)
+        if not (0 < port < 65536 and 0 <= peer.tp_rank < peer.tp_size <= MAX_RANKS):
+            raise ValueError(f"decode registration {ip}:{port} with TP rank {peer.tp_rank} of {peer.tp_size}")
         with self._lock:
+            if (ip, port) not in self._decode_peers and len(self._decode_peers) >= MAX_DECODE_PEERS:
+                raise ValueError(f"decode registration {ip}:{port} refused: {MAX_DECODE_PEERS} decode peers "
+                                 "are registered")
             self._decode_peers[(ip, port)] = peer
 
     def _on_meta(self, msg: List[bytes]) -> None:
@@ -401,8 +446,15 @@ class TpuSyncKVManager(CommonKVManager):
                              pages=np.frombuffer(msg[5], dtype=np.int32).copy(),
                              aux_index=int(msg[6]) if msg[6] else None, required_dst_info_num=int(msg[7]),
                              is_dummy=is_dummy, decode_prefix_len=int(msg[9]))
+        if not 1 <= info.required_dst_info_num <= MAX_RANKS:
+            raise ValueError(f"room {room}: {info.required_dst_info_num} decode ranks announced")
         self._count(meta_received=1)
         with self._lock:
+            if room not in self.transfer_infos and len(self.transfer_infos) >= MAX_PENDING_ROOMS:
+                raise ValueError(f"room {room} refused: {MAX_PENDING_ROOMS} rooms are waiting")
+            if len(self.transfer_infos.get(room, {})) >= info.required_dst_info_num and \
+                    (ip, port) not in self.transfer_infos.get(room, {}):
+                raise ValueError(f"room {room}: more decode ranks than the {info.required_dst_info_num} announced")
             infos = self.transfer_infos.setdefault(room, {})
             infos[(ip, port)] = info
             complete = len(infos) == info.required_dst_info_num
@@ -583,12 +635,22 @@ class TpuSyncKVManager(CommonKVManager):
         ready = dict(address=msg[3].decode("ascii"), registered=msg[4] == b"1", placement=body["placement"],
                      num_tokens=int(body["num_tokens"]), aux=bytes(msg[6]), aux_lens=json.loads(msg[7]),
                      crc=int(msg[8]))
+        bad = None
         with self._lock:
             r = self._decode_rooms.get(room)
             if r is None or r.closed:
                 return
-            r.ready[rank] = ready
-            start = len(r.ready) == r.expected and r.transfer is None
+            if not isinstance(ready["aux_lens"], list):
+                bad = f"READY from prefill rank {rank} without a list of metadata lengths"
+            elif not 0 <= rank < MAX_RANKS or (rank not in r.ready and len(r.ready) >= r.expected):
+                bad = (f"READY from prefill rank {rank}, but {r.expected} ranks are expected and "
+                       f"{sorted(r.ready)} answered")
+            else:
+                r.ready[rank] = ready
+            start = bad is None and len(r.ready) == r.expected and r.transfer is None
+        if bad is not None:
+            self._fail(room, bad)
+            return
         if not start:
             return
         try:
@@ -661,14 +723,12 @@ class TpuSyncKVManager(CommonKVManager):
 
         mine = [int(n) for n in self.kv_args.aux_item_lens]
         self.check_peer_aux_buffer_count("prefill", len(lens))
-        at = 0
-        for i, n in enumerate(lens):
-            if i >= len(mine):
-                break
-            if n != mine[i]:
-                raise RuntimeError(f"metadata buffer {i}: prefill item {n} bytes, decode {mine[i]}")
-            ctypes.memmove(int(self.kv_args.aux_data_ptrs[i]) + n * aux_index, data[at:at + n], n)
-            at += n
+        totals = getattr(self.kv_args, "aux_data_lens", None)
+        totals = [int(n) for n in totals] if totals is not None else None
+        view = memoryview(data)
+        for i, dst, at, n in aux_copies(data, lens, mine, totals, aux_index):
+            src = (ctypes.c_char * n).from_buffer_copy(view[at:at + n])
+            ctypes.memmove(int(self.kv_args.aux_data_ptrs[i]) + dst, src, n)
 
     @staticmethod
     def _stop(t: Any) -> None:
