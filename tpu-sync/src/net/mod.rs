@@ -150,7 +150,7 @@ pub fn raise_nofile_limit() -> u64 {
                 r.rlim_cur = r.rlim_max;
             }
         }
-        r.rlim_cur as u64
+        r.rlim_cur
     })
 }
 

@@ -323,6 +323,7 @@ impl QueuedAcceptor {
     }
 
     /// [`Self::start`] with `on_drop` run when the acceptor is dropped (see the field).
+    #[cfg(feature = "quic")]
     pub(crate) fn start_with_close(
         local: SocketAddr,
         sink: &LaneSink,
