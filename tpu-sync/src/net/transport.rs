@@ -312,17 +312,11 @@ impl QueuedAcceptor {
         tasks: Vec<tokio::task::JoinHandle<()>>,
         inner: Option<Arc<dyn Acceptor>>,
     ) -> Arc<dyn Acceptor> {
-        Arc::new(QueuedAcceptor {
-            local,
-            rx: tokio::sync::Mutex::new(rx),
-            failures: sink.failures.clone(),
-            tasks,
-            inner,
-            on_drop: None,
-        })
+        Self::make((local, sink, rx), tasks, inner, None)
     }
 
-    /// [`Self::start`] with `on_drop` run when the acceptor is dropped (see the field).
+    /// [`Self::start`] (no inner acceptor) with `on_drop` run when the acceptor is dropped
+    /// (see the field).
     #[cfg(feature = "quic")]
     pub(crate) fn start_with_close(
         local: SocketAddr,
@@ -331,13 +325,26 @@ impl QueuedAcceptor {
         tasks: Vec<tokio::task::JoinHandle<()>>,
         on_drop: Box<dyn Fn() + Send + Sync>,
     ) -> Arc<dyn Acceptor> {
+        Self::make((local, sink, rx), tasks, None, Some(on_drop))
+    }
+
+    fn make(
+        (local, sink, rx): (
+            SocketAddr,
+            &LaneSink,
+            tokio::sync::mpsc::Receiver<Box<dyn Lane>>,
+        ),
+        tasks: Vec<tokio::task::JoinHandle<()>>,
+        inner: Option<Arc<dyn Acceptor>>,
+        on_drop: Option<Box<dyn Fn() + Send + Sync>>,
+    ) -> Arc<dyn Acceptor> {
         Arc::new(QueuedAcceptor {
             local,
             rx: tokio::sync::Mutex::new(rx),
             failures: sink.failures.clone(),
             tasks,
-            inner: None,
-            on_drop: Some(on_drop),
+            inner,
+            on_drop,
         })
     }
 }

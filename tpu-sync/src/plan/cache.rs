@@ -136,13 +136,12 @@ impl PlanCache {
         dst: &Placement,
         num_tokens: u32,
     ) -> Result<Arc<Plan>> {
-        if let Some(p) = self.cached(src, dst, num_tokens) {
-            return Ok(p);
-        }
-        if plan_is_large(src, dst, num_tokens) {
-            crate::util::off_worker(|| self.build(src, dst, num_tokens))
-        } else {
-            self.build(src, dst, num_tokens)
+        match self.cached(src, dst, num_tokens) {
+            Some(p) => Ok(p),
+            None if plan_is_large(src, dst, num_tokens) => {
+                crate::util::off_worker(|| self.build(src, dst, num_tokens))
+            }
+            None => self.build(src, dst, num_tokens),
         }
     }
 
