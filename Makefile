@@ -35,15 +35,21 @@ demo: build
 # cargo build of `make test` uses the same flags (TEST_BUILD), so one feature resolution (dev
 # dependencies included) serves the Rust suite, the C tests and the demos: a plain `--workspace`
 # build resolves dependency features differently and would compile the crates a second time.
+# The Rust suite mostly waits (timers, sockets, child processes: about 20 s of CPU in 100 s), so
+# it runs in the background (scripts/background.sh; its output is printed when it ends) while
+# the lean build and maturin's build of the wheel compile: cargo holds its build-directory lock
+# only while it compiles, so once the suite's first test binary runs, the other builds proceed.
 TEST_BUILD := --release --workspace --all-targets
 test: plugin protoc etcd
 	./scripts/engine-envs.sh start
 	$(CARGO) build $(TEST_BUILD)
-	$(CARGO) test --release --workspace
-	$(MAKE) test-lean
+	./scripts/background.sh start rust-suite $(CARGO) test --release --workspace
+	./scripts/background.sh until rust-suite '^ +Running '
+	$(MAKE) test-lean || { ./scripts/background.sh kill rust-suite; exit 1; }
+	$(MAKE) test-python || { ./scripts/background.sh kill rust-suite; exit 1; }
+	./scripts/background.sh wait rust-suite
 	$(MAKE) test-c
 	$(MAKE) examples-c
-	$(MAKE) test-python
 	./target/release/tpu-sync demo --tokens 512 --layers 4
 	./target/release/tpu-sync store-demo --tokens 512 --layers 4
 	./target/release/tpu-sync bench all --quick --no-progress
@@ -181,7 +187,7 @@ vllm-env: python
 
 # Engine tests (P/D, offload, warm restart, poisoned/corrupted tier, producer death, proxy) and the
 # connector's unit tests against vLLM's classes; every engine runs in its own process, forked from
-# a server that imported torch and vLLM once (tests/vllm/zygote.py; TPU_SYNC_VLLM_ZYGOTE=0: none).
+# a server that imported torch and vLLM once (tests/zygote.py; TPU_SYNC_VLLM_ZYGOTE=0: none).
 e2e-vllm: vllm-env etcd
 	timeout 2400 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
 
@@ -205,6 +211,8 @@ sglang-env: python
 # Class-level tests against SGLang's real host and device pools (every layout; linker; P/D data
 # path), then engine tests (I/O backend vs SGLang's direct backend, L3 hits after a restart, a
 # corrupted page recomputed, the linker's tier hit by a second process, P/D TP=1 -> TP=1 and
-# TP=2 -> TP=1, a killed prefill); every engine runs in its own process, all started at once.
+# TP=2 -> TP=1, a killed prefill); every engine runs in its own process, all started at once,
+# forked (with its scheduler and detokenizer processes) from a server that imported torch and
+# SGLang once (tests/zygote.py; TPU_SYNC_SGLANG_ZYGOTE=0: none).
 e2e-sglang: sglang-env
 	cd tests/sglang && timeout 2400 $(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider .

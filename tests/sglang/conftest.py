@@ -30,6 +30,8 @@ ENV = {
     "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
 }
 os.environ.update(ENV)
+sys.path.insert(0, os.path.dirname(HERE))
+import zygote as fork_server  # noqa: E402  (tests/zygote.py: the engines' fork server)
 
 
 def build_model(path: str) -> str:
@@ -53,7 +55,21 @@ def tiny_model(workdir) -> str:
 
 
 @pytest.fixture(scope="session")
-def engines(workdir, tiny_model):
+def zygote(workdir):
+    """The fork server of the engine processes (``tests/zygote.py`` serving ``run_engine.py``):
+    imports torch and SGLang once, and each engine, forked from it, forks its scheduler and
+    detokenizer processes too (``run_engine.zygote_child``), so that no engine process imports
+    SGLang for itself. ``TPU_SYNC_SGLANG_ZYGOTE=0`` turns it off (every process then imports for
+    itself, as SGLang starts them)."""
+    if os.environ.get("TPU_SYNC_SGLANG_ZYGOTE") == "0":
+        yield None
+        return
+    with fork_server.serving(os.path.join(HERE, "run_engine.py"), workdir) as path:
+        yield path
+
+
+@pytest.fixture(scope="session")
+def engines(workdir, tiny_model, zygote):
     """Every engine process of the run (:mod:`engines`); whatever is still running at the end of
     the session is killed."""
     import engines as eng

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from conftest import HERE
+from conftest import HERE, fork_server
 
 PAGE = 16
 _rng = random.Random(20261201)
@@ -82,7 +82,9 @@ class Engines:
         sp = self.path(tag + ".spec.json")
         json.dump(spec, open(sp, "w"))
         log = open(self.path(tag + ".log"), "w")
-        p = subprocess.Popen([sys.executable, os.path.join(HERE, "run_engine.py"), sp, out], stdout=log,
+        # Through the fork server when the session has one (conftest.py's ``zygote``); the
+        # process started here stands for the engine either way (exit status, kill).
+        p = subprocess.Popen(fork_server.command(os.path.join(HERE, "run_engine.py")) + [sp, out], stdout=log,
                              stderr=subprocess.STDOUT, start_new_session=True)
         p.tag, p.out, p.stats = tag, out, stats
         self.procs[tag] = p

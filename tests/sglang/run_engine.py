@@ -18,6 +18,37 @@ import os
 import sys
 import time
 
+# The fork server (tests/zygote.py) imports these once; its children, and through
+# :func:`zygote_child` the engines' scheduler and detokenizer processes, skip them.
+ZYGOTE_PREIMPORT = (
+    "torch", "transformers", "sglang", "sglang.srt.entrypoints.engine", "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.detokenizer_manager", "sglang.srt.managers.tokenizer_manager",
+    "sglang.srt.models.llama", "sglang.srt.model_executor.model_runner",
+    "sglang.srt.mem_cache.hiradix_cache", "sglang.srt.mem_cache.pool_host.mha",
+    "sglang.srt.disaggregation.prefill", "sglang.srt.disaggregation.decode", "safetensors.torch",
+)
+# SGLang reads its own variables when it uses them (sglang.srt.environ), not at import time.
+ZYGOTE_IMPORT_TIME_ENV = ()
+
+
+def zygote_child() -> None:
+    """In an engine forked by the fork server: SGLang starts its scheduler and detokenizer
+    processes with multiprocessing's ``spawn`` (``_set_envs_and_config``), and each of them
+    would import torch and SGLang again (about 30 s of CPU each); they are forked from this
+    process instead, which has imported everything and run no torch operation when it starts
+    them. Everything else about them is SGLang's own (same targets, arguments and pipes)."""
+    import multiprocessing as mp
+
+    import sglang.srt.entrypoints.engine as engine
+
+    original = engine._set_envs_and_config
+
+    def _set_envs_and_config(*args, **kwargs):
+        original(*args, **kwargs)
+        mp.set_start_method("fork", force=True)
+
+    engine._set_envs_and_config = _set_envs_and_config
+
 
 def _record(o):
     mi = o.get("meta_info", {})

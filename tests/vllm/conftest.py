@@ -12,6 +12,8 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+import zygote as fork_server  # noqa: E402  (tests/zygote.py: the engines' fork server)
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKDIR = os.environ.get("TPU_SYNC_VLLM_WORKDIR", os.path.join(ROOT, "target", "vllm-e2e"))
 
@@ -47,31 +49,15 @@ def tiny_model(workdir) -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def zygote(workdir):
-    """The fork server of the engine processes (``zygote.py``): imports torch and vLLM once, so
-    that each engine run skips that import. ``TPU_SYNC_VLLM_ZYGOTE=0`` turns it off (every
-    engine then imports for itself)."""
+    """The fork server of the engine processes (``tests/zygote.py`` serving ``run_engine.py``):
+    imports torch and vLLM once, so that each engine run skips that import; its socket is in
+    ``TPU_SYNC_ZYGOTE`` meanwhile. ``TPU_SYNC_VLLM_ZYGOTE=0`` turns it off (every engine then
+    imports for itself)."""
     if os.environ.get("TPU_SYNC_VLLM_ZYGOTE") == "0":
-        os.environ.pop("TPU_SYNC_VLLM_ZYGOTE")
         yield None
         return
-    path = os.path.join(workdir, f"zygote-{os.getpid()}.sock")
-    log = open(os.path.join(workdir, "zygote.log"), "w")
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "zygote.py"), "serve", path], env=dict(os.environ),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    os.environ["TPU_SYNC_VLLM_ZYGOTE"] = path
-    try:
+    with fork_server.serving(os.path.join(HERE, "run_engine.py"), workdir) as path:
         yield path
-    finally:
-        os.environ.pop("TPU_SYNC_VLLM_ZYGOTE", None)
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        for p in (path, path + ".tmp"):
-            if os.path.exists(p):
-                os.remove(p)
 
 
 @pytest.fixture(scope="session", autouse=True)

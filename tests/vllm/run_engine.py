@@ -34,6 +34,18 @@ import os
 import sys
 import time
 
+# The fork server (tests/zygote.py) imports these once; its children skip them. Modules vLLM
+# imports lazily while it builds a CPU engine of a Llama model are among them.
+ZYGOTE_PREIMPORT = (
+    "torch", "vllm", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.v1.engine.core",
+    "vllm.v1.executor.uniproc_executor", "vllm.v1.executor.multiproc_executor", "vllm.v1.worker.cpu_worker",
+    "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.models.llama", "vllm.model_executor.models.gemma2",
+    "vllm.v1.attention.backends.cpu_attn", "vllm.distributed.kv_transfer.kv_connector.factory",
+    "vllm.distributed.kv_transfer.kv_connector.v1.base", "transformers", "safetensors.torch",
+)
+# vLLM's variables read at import time (besides the fork server's own list).
+ZYGOTE_IMPORT_TIME_ENV = ("VLLM_LOGGING", "VLLM_CONFIGURE_LOGGING")
+
 
 def connectors(llm):
     """The scheduler-side and worker-side connectors (in-process engine only)."""

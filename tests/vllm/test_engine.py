@@ -26,7 +26,7 @@ import urllib.request
 
 import pytest
 
-from conftest import ENV, HERE, ROOT
+from conftest import ENV, HERE, ROOT, fork_server
 
 BACKEND = os.environ.get("TPU_SYNC_VLLM_BACKEND", "tpu_sync")
 BS = 32
@@ -74,10 +74,9 @@ class Engines:
         log = open(os.path.join(self.dir, tag + ".log"), "w")
         # Through the fork server when the session has one (conftest.py's ``zygote``); the
         # process started here stands for the engine either way (exit status, kill).
-        zyg = os.environ.get("TPU_SYNC_VLLM_ZYGOTE")
-        cmd = [os.path.join(HERE, "zygote.py"), "run"] if zyg else [os.path.join(HERE, "run_engine.py")]
-        env = dict(self.env, TPU_SYNC_VLLM_ZYGOTE=zyg) if zyg else self.env
-        proc = subprocess.Popen([sys.executable] + cmd + [sp, out], env=env,
+        zyg = os.environ.get(fork_server.ENV_SOCKET)
+        env = dict(self.env, **{fork_server.ENV_SOCKET: zyg}) if zyg else self.env
+        proc = subprocess.Popen(fork_server.command(os.path.join(HERE, "run_engine.py")) + [sp, out], env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         proc.tag, proc.out = tag, out
         return proc

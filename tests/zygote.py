@@ -1,31 +1,41 @@
-"""A fork server for the engine processes of the vLLM tests: imports torch and vLLM once, then
-forks one child per engine run, so that each of the suite's ~40 engines skips the ~15 s import
-(issue 23: `make test` in 25 minutes on 2 cores).
+"""A fork server for the engine processes of the engine tests (vLLM: ``tests/vllm``, SGLang:
+``tests/sglang``): imports torch and the engine once, then forks one child per engine run, so
+that each of a suite's engines skips the 15-35 s import (issue 23: `make test` in 25 minutes on
+2 cores).
 
-    python zygote.py serve SOCKET     # the server (conftest.py starts one per test session)
-    python zygote.py run SPEC OUT     # a client: what ``run_engine.py SPEC OUT`` would do
+    python zygote.py serve SOCKET RUNNER    # the server (each suite's conftest.py starts one)
+    python zygote.py run RUNNER ARGS...     # a client: what ``python RUNNER ARGS...`` would do
+
+``RUNNER`` is an engine runner script (``tests/vllm/run_engine.py``, ``tests/sglang/
+run_engine.py``). Its module is imported by the server (its top level must import nothing
+heavy) and gives ``main()`` (run in each forked child with ``sys.argv = [RUNNER] + ARGS``), and
+optionally ``ZYGOTE_PREIMPORT`` (the modules the server imports: what the engine imports while
+it starts; a missing one is skipped), ``ZYGOTE_IMPORT_TIME_ENV`` (prefixes of environment
+variables read at import time, see below) and ``zygote_child()`` (called in each child before
+``main``).
 
 A client is a small process that stands for its engine: the test starts it as it would start
-``run_engine.py`` (``subprocess.Popen``, its own session), and the engine, forked by the server,
-gets the client's stdin/stdout/stderr (passed over the socket), environment, working directory
-and arguments. The client exits with the engine's exit status (128 + N for a signal N). When the
+``RUNNER`` (``subprocess.Popen``, its own session), and the engine, forked by the server, gets
+the client's stdin/stdout/stderr (passed over the socket), environment, working directory and
+arguments. The client exits with the engine's exit status (128 + N for a signal N). When the
 client dies (the tests' ``os.killpg(proc.pid, SIGKILL)`` and ``Popen.kill``), the server kills the
 engine's process group at once, so killing a client kills its engine as it would kill a plain
-``run_engine.py``.
+``RUNNER``.
 
-Where the server cannot be used, the client runs ``run_engine.py`` itself (``execv``): no
-``TPU_SYNC_VLLM_ZYGOTE`` socket, a server that is gone, or an environment that differs from the
-server's in a variable that is read at import time (``IMPORT_TIME_ENV``). Nothing is shared
-between engines but the imported modules: every engine is a fresh fork of a process that ran no
-model and no torch operation, and that has no Python thread but its main one (checked before
-each fork; the native threads it has are OpenBLAS's idle pools of numpy and torch, which OpenBLAS
-shuts down and restarts around a fork with its own ``pthread_atfork`` handlers), and
-``tpu_sync`` is first imported in the child.
+Where the server cannot be used, the client runs ``RUNNER`` itself (``execv``): no
+``TPU_SYNC_ZYGOTE`` socket in its environment, a server that is gone or serves another runner,
+or an environment that differs from the server's in a variable that is read at import time
+(``IMPORT_TIME_ENV`` plus the runner's own). Nothing is shared between engines but the imported
+modules: every engine is a fresh fork of a process that ran no model and no torch operation, and
+that has no Python thread but its main one (checked before each fork; the native threads it has
+are OpenBLAS's idle pools of numpy and torch, which OpenBLAS shuts down and restarts around a
+fork with its own ``pthread_atfork`` handlers), and ``tpu_sync`` is first imported in the child.
 
 Who may connect: the socket is a file in the test's work directory with mode 0600 (the test
 user only); requests are JSON lines with file descriptors attached (``SCM_RIGHTS``).
 """
 
+import contextlib
 import json
 import os
 import selectors
@@ -34,32 +44,32 @@ import socket
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RUN_ENGINE = os.path.join(HERE, "run_engine.py")
-ENV_SOCKET = "TPU_SYNC_VLLM_ZYGOTE"
+ENV_SOCKET = "TPU_SYNC_ZYGOTE"
 # Variables that change what an import does or how the interpreter starts: a request whose value
 # differs from the server's runs without the server. Not ``LD_*``: the loader reads them when a
 # program starts, so a fork keeps the server's libraries either way, while the engine's own
 # subprocesses (TP workers) start with the request's values. (vLLM's CPU platform sets
 # ``LD_PRELOAD`` in the environment of whatever process built a config, pytest's included, for
-# the workers it starts; the first engines of a session never had it.)
-IMPORT_TIME_ENV = ("OMP_", "KMP_", "MKL_", "PYTHON", "TORCH_", "VLLM_LOGGING", "VLLM_CONFIGURE_LOGGING",
-                   "CUDA_", "HF_HOME", "TRANSFORMERS_", "MALLOC_")
+# the workers it starts; the first engines of a session never had it.) A runner adds its
+# engine's own (``ZYGOTE_IMPORT_TIME_ENV``).
+IMPORT_TIME_ENV = ("OMP_", "KMP_", "MKL_", "PYTHON", "TORCH_", "CUDA_", "HF_HOME", "TRANSFORMERS_", "MALLOC_")
 ENV_IGNORED = ("PYTHONPATH", ENV_SOCKET)
-# Modules vLLM imports lazily while it builds a CPU engine of a Llama model; imported by the
-# server so that the children skip them too (a missing one is skipped).
-PREIMPORT = (
-    "torch", "vllm", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.v1.engine.core",
-    "vllm.v1.executor.uniproc_executor", "vllm.v1.executor.multiproc_executor", "vllm.v1.worker.cpu_worker",
-    "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.models.llama", "vllm.model_executor.models.gemma2",
-    "vllm.v1.attention.backends.cpu_attn", "vllm.distributed.kv_transfer.kv_connector.factory",
-    "vllm.distributed.kv_transfer.kv_connector.v1.base", "transformers", "safetensors.torch",
-)
+_import_time_env = IMPORT_TIME_ENV
+
+
+def _load_runner(path):
+    """Imports the runner script ``path`` as a module (its folder first on ``sys.path``)."""
+    import importlib
+
+    here = os.path.dirname(os.path.abspath(path))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module(os.path.splitext(os.path.basename(path))[0])
 
 
 def _import_relevant(env):
     return {k: v for k, v in env.items()
-            if k.startswith(IMPORT_TIME_ENV) and k not in ENV_IGNORED}
+            if k.startswith(_import_time_env) and k not in ENV_IGNORED}
 
 
 def _threads():
@@ -70,18 +80,20 @@ def _threads():
 
 # ---- server ---------------------------------------------------------------------------------
 
-def serve(path):
+def serve(path, runner_path):
+    global _import_time_env
     t0 = time.time()
     env0 = dict(os.environ)  # before the imports, which set some variables themselves
     import importlib
 
-    sys.path.insert(0, HERE)
-    for m in PREIMPORT:
+    runner_path = os.path.abspath(runner_path)
+    runner = _load_runner(runner_path)  # the children call its main
+    _import_time_env = IMPORT_TIME_ENV + tuple(getattr(runner, "ZYGOTE_IMPORT_TIME_ENV", ()))
+    for m in getattr(runner, "ZYGOTE_PREIMPORT", ()):
         try:
             importlib.import_module(m)
-        except Exception as e:  # an optional module of this vLLM version
+        except Exception as e:  # an optional module of this engine version
             print(f"zygote: skipped {m}: {e}", flush=True)
-    import run_engine  # noqa: F401  (the children call its main)
 
     base_env = _import_relevant(env0)
     # What the imports set (e.g. vLLM's defaults for torch): a child gets these too, where its
@@ -111,7 +123,7 @@ def serve(path):
             if key.data is None:
                 conn, _ = srv.accept()
                 try:
-                    pid = _spawn(conn, sel, srv, base_env)
+                    pid = _spawn(conn, sel, srv, base_env, runner, runner_path)
                 except Exception as e:
                     _send(conn, {"error": f"{type(e).__name__}: {e}"})
                     conn.close()
@@ -172,7 +184,7 @@ def _send(conn, msg):
         pass
 
 
-def _spawn(conn, sel, srv, base_env):
+def _spawn(conn, sel, srv, base_env, runner, runner_path):
     """Reads one request (JSON line + stdin/stdout/stderr) from ``conn`` and forks its engine;
     answers ``{"pid": N}``, or ``{"fallback": why}`` (then ``None``: the client runs it itself)."""
     conn.settimeout(10)
@@ -188,6 +200,11 @@ def _spawn(conn, sel, srv, base_env):
         for fd in fds:
             os.close(fd)
         raise ValueError(f"expected 3 descriptors, got {len(fds)}")
+    if os.path.abspath(req.get("runner", "")) != runner_path:
+        for fd in fds:
+            os.close(fd)
+        _send(conn, {"fallback": f"the server runs {runner_path}"})
+        return None
     relevant, env0, set_by_imports, unset_by_imports = base_env
     # A variable may have the value the server was started with, or the one its own imports set
     # (a parent that imported vLLM too, as pytest does for the connector tests, passes those on).
@@ -231,13 +248,14 @@ def _spawn(conn, sel, srv, base_env):
             for p in reversed([p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]):
                 if p not in sys.path:
                     sys.path.insert(0, p)
-            sys.argv = [RUN_ENGINE] + req["args"]
+            sys.argv = [runner_path] + req["args"]
             import random
 
             random.seed()
-            import run_engine
-
-            run_engine.main()
+            child = getattr(runner, "zygote_child", None)
+            if child is not None:
+                child()
+            runner.main()
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -263,35 +281,74 @@ def _spawn(conn, sel, srv, base_env):
     return pid
 
 
+# ---- for the tests ---------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def serving(runner_path, workdir):
+    """Runs a server for ``runner_path`` (its log: ``workdir/zygote.log``) while the ``with``
+    block runs, its socket in ``os.environ[TPU_SYNC_ZYGOTE]``; yields the socket's path. The server
+    is ready once its socket exists (clients wait for it)."""
+    import subprocess
+
+    path = os.path.join(workdir, f"zygote-{os.getpid()}.sock")
+    with open(os.path.join(workdir, "zygote.log"), "w") as log:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", path, runner_path],
+                                env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    os.environ[ENV_SOCKET] = path
+    try:
+        yield path
+    finally:
+        os.environ.pop(ENV_SOCKET, None)
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for p in (path, path + ".tmp"):
+            if os.path.exists(p):
+                os.remove(p)
+
+
+def command(runner_path):
+    """The command line that runs ``runner_path``: through the server when one is up
+    (``TPU_SYNC_ZYGOTE`` set), else the script itself. Append the runner's arguments; the started
+    process stands for the engine either way (exit status, kill)."""
+    if os.environ.get(ENV_SOCKET):
+        return [sys.executable, os.path.abspath(__file__), "run", runner_path]
+    return [sys.executable, runner_path]
+
+
 # ---- client ---------------------------------------------------------------------------------
 
-def _fallback(args, why):
+def _fallback(runner_path, args, why):
     if why:
-        print(f"zygote: running run_engine.py directly: {why}", file=sys.stderr, flush=True)
-    os.execv(sys.executable, [sys.executable, RUN_ENGINE] + args)
+        print(f"zygote: running {os.path.basename(runner_path)} directly: {why}", file=sys.stderr, flush=True)
+    os.execv(sys.executable, [sys.executable, runner_path] + args)
 
 
-def run(args):
+def run(runner_path, args):
+    runner_path = os.path.abspath(runner_path)
     path = os.environ.get(ENV_SOCKET)
     if not path:
-        _fallback(args, None)
+        _fallback(runner_path, args, None)
     # The server becomes ready (its socket appears) once its imports are done.
     deadline = time.time() + 180
     while not os.path.exists(path):
         if time.time() > deadline:
-            _fallback(args, f"no server at {path}")
+            _fallback(runner_path, args, f"no server at {path}")
         time.sleep(0.1)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(path)
-        req = dict(args=args, env=dict(os.environ), cwd=os.getcwd())
+        req = dict(runner=runner_path, args=args, env=dict(os.environ), cwd=os.getcwd())
         socket.send_fds(s, [(json.dumps(req) + "\n").encode()], [0, 1, 2])
         f = s.makefile("rb")
         first = json.loads(f.readline() or b"{}")
     except (OSError, ValueError) as e:
-        _fallback(args, f"server at {path}: {e}")
+        _fallback(runner_path, args, f"server at {path}: {e}")
     if "pid" not in first:
-        _fallback(args, first.get("fallback") or first.get("error") or "server closed")
+        _fallback(runner_path, args, first.get("fallback") or first.get("error") or "server closed")
     # SIGTERM/SIGINT end this process, whose closed socket makes the server kill the engine.
     line = f.readline()
     if not line:
@@ -301,9 +358,9 @@ def run(args):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "serve":
-        serve(sys.argv[2])
-    elif len(sys.argv) >= 2 and sys.argv[1] == "run":
-        run(sys.argv[2:])
+    if len(sys.argv) == 4 and sys.argv[1] == "serve":
+        serve(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) >= 3 and sys.argv[1] == "run":
+        run(sys.argv[2], sys.argv[3:])
     else:
         sys.exit(__doc__)
