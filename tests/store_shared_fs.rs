@@ -319,3 +319,80 @@ fn bad_names_are_refused() {
     assert_eq!(SharedFs::tp_rank(4, 3, "w").partition, "tp4_r3");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 24: the namespace directory of a shared disk tier may be writable by co-tenants, so
+/// the names the writer opens there are symlink-proof: a `NAMESPACE` planted as a symlink is
+/// not written through (the store still opens: the file is informational), a lock file planted
+/// as a symlink refuses the open, and a namespace directory replaced by a symlink is refused.
+/// The files the symlinks point at keep their bytes, and nothing is created where they point.
+#[test]
+fn symlinks_planted_in_the_namespace_directory_are_never_followed() {
+    use std::os::unix::fs::symlink;
+
+    let dir = tmpdir("shfs-symlink");
+    let victim = dir.join("victim");
+    let precious = b"precious bytes of another tenant\n".to_vec();
+    let root = dir.join("root");
+    drop(open_writer(&root, "w0", 4));
+    let ns_dir = std::fs::read_dir(&root)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.is_dir())
+        .expect("the namespace directory");
+    let reset_victim = || std::fs::write(&victim, &precious).unwrap();
+
+    // NAMESPACE as a symlink: the store opens and stores, the victim is untouched.
+    reset_victim();
+    std::fs::remove_file(ns_dir.join("NAMESPACE")).unwrap();
+    symlink(&victim, ns_dir.join("NAMESPACE")).unwrap();
+    let s = open_writer(&root, "w0", 4);
+    let chain = store_util::chain(2, 71);
+    put_chain(&s, &chain, 0);
+    drop(s);
+    assert_eq!(
+        std::fs::read(&victim).unwrap(),
+        precious,
+        "NAMESPACE was written through"
+    );
+    assert!(std::fs::symlink_metadata(ns_dir.join("NAMESPACE"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+
+    // The writer's lock file as a symlink: refused, the victim untouched.
+    reset_victim();
+    let lock = ns_dir.join(PART).join(".lock.w1");
+    let _ = std::fs::remove_file(&lock);
+    symlink(&victim, &lock).unwrap();
+    let mut c = store_util::config(BLOCK as u64, 4);
+    let mut d = DiskOptions::new(&root, 1 << 30);
+    d.shared = Some(SharedFs {
+        partition: PART.into(),
+        writer: "w1".into(),
+    });
+    c.disk = Some(d);
+    let e = KvStore::open(c).unwrap_err();
+    assert_eq!(e.kind(), tpu_sync::ErrorKind::Io, "{e}");
+    assert_eq!(
+        std::fs::read(&victim).unwrap(),
+        precious,
+        "the lock file was followed"
+    );
+
+    // The namespace directory as a symlink to another directory: refused, nothing created there.
+    let elsewhere = dir.join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    std::fs::rename(&ns_dir, dir.join("moved-away")).unwrap();
+    symlink(&elsewhere, &ns_dir).unwrap();
+    let mut c = store_util::config(BLOCK as u64, 4);
+    c.disk = Some(DiskOptions::new(&root, 1 << 30));
+    let e = KvStore::open(c).unwrap_err();
+    assert_eq!(e.kind(), tpu_sync::ErrorKind::Io, "{e}");
+    assert_eq!(
+        std::fs::read_dir(&elsewhere).unwrap().count(),
+        0,
+        "written through the symlink"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
