@@ -162,12 +162,14 @@ fuzz: plugin
 # fds, sockets and threads over time and fails if they grow after the warm-up (tests/soak.rs).
 SOAK_SECONDS ?= 120
 soak: plugin
-	SOAK_SECONDS=$(SOAK_SECONDS) $(CARGO) test --release --test soak -- --ignored --nocapture
+	SOAK_SECONDS=$(SOAK_SECONDS) $(CARGO) test --release --workspace --test soak -- --ignored --nocapture
 
 # The Rust and Python suites STRESS_ROUNDS times beside one busy loop per core (not part of
-# `make test`; build first): every round must pass.
+# `make test`): every round must pass. Built as `make test` builds (TEST_BUILD), so after it
+# nothing is compiled again.
 STRESS_ROUNDS ?= 5
-stress: build python $(PYTEST_DEPS)
+stress: plugin protoc python $(PYTEST_DEPS)
+	$(CARGO) build $(TEST_BUILD)
 	./scripts/stress-test.sh $(STRESS_ROUNDS)
 
 # Sanitizers and leak checks (not part of `make test`): valgrind memcheck over the C tests,
