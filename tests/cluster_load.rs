@@ -85,6 +85,7 @@ fn ropts() -> RemoteOptions {
     RemoteOptions {
         connect_timeout: Duration::from_secs(1),
         io_timeout: Duration::from_secs(2),
+        ..RemoteOptions::default()
     }
 }
 

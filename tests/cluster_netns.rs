@@ -272,10 +272,14 @@ fn directory() -> Directory {
     Directory::connect(c).unwrap()
 }
 
+/// The remote tier across hosts: servers and clients authenticate each other with the fleet's
+/// pre-shared key (a non-loopback server without credentials refuses to start).
 fn ropts() -> RemoteOptions {
     RemoteOptions {
         connect_timeout: Duration::from_secs(2),
         io_timeout: Duration::from_secs(3),
+        security: tpu_sync::net::Security::from_psk(b"cluster-netns fleet key, 32 bytes").unwrap(),
+        ..RemoteOptions::default()
     }
 }
 

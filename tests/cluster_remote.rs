@@ -15,6 +15,16 @@ use tpu_sync::ErrorKind;
 
 const B: usize = 8192;
 
+/// The tests of this file run one at a time: one of them counts the remote tier's threads of
+/// the whole process.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn store(slots: u64) -> KvStore {
     KvStore::open(store_util::config(B as u64, slots)).unwrap()
 }
@@ -29,6 +39,7 @@ fn opts() -> RemoteOptions {
     RemoteOptions {
         connect_timeout: Duration::from_secs(1),
         io_timeout: Duration::from_secs(2),
+        ..RemoteOptions::default()
     }
 }
 
@@ -49,6 +60,7 @@ fn fetch_check(addr: &str, ns: &Namespace, chain: &[BlockKey]) -> tpu_sync::Resu
 
 #[test]
 fn fetch_through_the_directory() {
+    let _serial = serial();
     let Some(e) = cluster_util::Etcd::start("fetch_through_the_directory") else {
         return;
     };
@@ -128,6 +140,7 @@ fn fetch_through_the_directory() {
 
 #[test]
 fn bad_input() {
+    let _serial = serial();
     let ns = store_util::ns();
     let chain = store_util::chain(2, 1);
     let mut one = vec![0u8; B];
@@ -167,4 +180,275 @@ fn bad_input() {
         ErrorKind::Protocol
     );
     t.join().unwrap();
+}
+
+// ---- Trust boundary of the remote tier (issue 24 item 3): credentials, caps, streamed offers.
+
+fn psk(key: &[u8]) -> RemoteOptions {
+    RemoteOptions {
+        security: tpu_sync::net::Security::from_psk(key).unwrap(),
+        ..opts()
+    }
+}
+
+const FLEET_KEY: &[u8] = b"remote tier fleet key: 32 bytes!";
+
+fn fetch_with(
+    addr: &str,
+    ns: &Namespace,
+    chain: &[BlockKey],
+    o: &RemoteOptions,
+) -> tpu_sync::Result<Vec<Vec<u8>>> {
+    let mut bufs: Vec<Vec<u8>> = chain.iter().map(|_| vec![0u8; B]).collect();
+    let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+    let n = remote::fetch(addr, ns, chain, &mut dst, o)?;
+    bufs.truncate(n);
+    Ok(bufs)
+}
+
+#[test]
+fn a_server_without_credentials_listens_beyond_loopback_only_when_told_insecure() {
+    let _serial = serial();
+    let s = store(4);
+    let e = RemoteServer::serve(s.clone(), "0.0.0.0:0", opts()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert!(e.to_string().contains("without credentials"), "{e}");
+    // Loopback needs no credentials; credentials or an explicit `insecure` allow any address.
+    drop(RemoteServer::serve(s.clone(), "127.0.0.1:0", opts()).unwrap());
+    drop(RemoteServer::serve(s.clone(), "0.0.0.0:0", psk(FLEET_KEY)).unwrap());
+    let insecure = RemoteOptions {
+        insecure: true,
+        ..opts()
+    };
+    drop(RemoteServer::serve(s, "0.0.0.0:0", insecure).unwrap());
+}
+
+#[test]
+fn with_a_pre_shared_key_only_members_fetch_and_offer_and_members_fetch_only_from_members() {
+    let _serial = serial();
+    let ns = store_util::ns();
+    let chain = store_util::chain(6, 41);
+    let a = store(8);
+    put(&a, &chain);
+    let server = RemoteServer::serve(a.clone(), "127.0.0.1:0", psk(FLEET_KEY)).unwrap();
+    let addr = server.local_addr().to_string();
+
+    // A member: byte-exact.
+    let got = fetch_with(&addr, &ns, &chain, &psk(FLEET_KEY)).unwrap();
+    assert_eq!(got.len(), 6);
+    for (i, b) in got.iter().enumerate() {
+        assert_eq!(*b, store_util::bytes_of(chain[i], B), "block {i}");
+    }
+    // No credentials, or another key: refused during the handshake, not a single block sent.
+    let before = server.stats();
+    for o in [opts(), psk(b"another fleet's key, 32 bytes!!!")] {
+        let e = fetch_with(&addr, &ns, &chain, &o).unwrap_err();
+        assert!(
+            matches!(
+                e.kind(),
+                ErrorKind::Protocol | ErrorKind::PeerClosed | ErrorKind::Timeout
+            ),
+            "{e}"
+        );
+    }
+    // The server counts a failed handshake once it has read the client's alert (or its plain
+    // bytes), which may be a moment after the client gave up.
+    let t0 = std::time::Instant::now();
+    while server.stats().handshake_failures < before.handshake_failures + 2
+        && t0.elapsed() < Duration::from_secs(5)
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let after = server.stats();
+    assert_eq!(after.blocks_sent, before.blocks_sent);
+    assert_eq!(
+        after.handshake_failures,
+        before.handshake_failures + 2,
+        "{after:?}"
+    );
+
+    // An outsider's raw offer (plain frames to a TLS port) plants nothing.
+    let planted = store_util::chain(1, 42);
+    {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        let mut w = Vec::new();
+        w.extend_from_slice(b"TSRT");
+        w.extend_from_slice(&1u16.to_le_bytes());
+        w.extend_from_slice(&2u16.to_le_bytes());
+        w.extend_from_slice(&ns.id().to_le_bytes());
+        w.extend_from_slice(&1u32.to_le_bytes());
+        let body = store_util::bytes_of(planted[0], B);
+        w.extend_from_slice(&planted[0].0.to_le_bytes());
+        w.extend_from_slice(&(B as u64).to_le_bytes());
+        w.extend_from_slice(&tpu_sync::store::checksum::checksum(&body).to_le_bytes());
+        w.extend_from_slice(&body);
+        let _ = s.write_all(&w);
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+        assert!(
+            !sink.starts_with(b"TSRT"),
+            "a plain reply from a TLS server"
+        );
+    }
+    assert_eq!(a.lookup(&planted), 0, "an unauthenticated offer was stored");
+
+    // A member's offer is stored; a non-member's is refused.
+    let b_chain = store_util::chain(2, 43);
+    let blocks: Vec<Vec<u8>> = b_chain
+        .iter()
+        .map(|&k| store_util::bytes_of(k, B))
+        .collect();
+    let refs: Vec<&[u8]> = blocks.iter().map(|v| v.as_slice()).collect();
+    assert!(remote::offer(&addr, &ns, &b_chain, &refs, &opts()).is_err());
+    assert_eq!(a.lookup(&b_chain), 0);
+    assert_eq!(
+        remote::offer(&addr, &ns, &b_chain, &refs, &psk(FLEET_KEY)).unwrap(),
+        2
+    );
+    assert_eq!(a.lookup(&b_chain), 2);
+
+    // A member never takes bytes from a server that cannot prove the key (a plain server at an
+    // address a record names): the handshake fails, nothing is delivered.
+    let plain = RemoteServer::serve(a.clone(), "127.0.0.1:0", opts()).unwrap();
+    let e = fetch_with(
+        &plain.local_addr().to_string(),
+        &ns,
+        &chain,
+        &psk(FLEET_KEY),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e.kind(),
+            ErrorKind::Protocol | ErrorKind::PeerClosed | ErrorKind::Timeout
+        ),
+        "{e}"
+    );
+    assert_eq!(plain.stats().blocks_sent, 0);
+}
+
+/// Threads of this process whose name starts with `prefix`.
+fn threads_named(prefix: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|c| c.starts_with(prefix))
+        .count()
+}
+
+#[test]
+fn connections_are_capped_served_by_a_fixed_pool_and_a_trickling_peer_is_cut_off() {
+    let _serial = serial();
+    let ns = store_util::ns();
+    let chain = store_util::chain(3, 44);
+    let a = store(4);
+    put(&a, &chain);
+    let o = RemoteOptions {
+        io_timeout: Duration::from_millis(1500),
+        workers: 2,
+        max_queued: 2,
+        ..opts()
+    };
+    let server = RemoteServer::serve(a.clone(), "127.0.0.1:0", o.clone()).unwrap();
+    let addr = server.local_addr();
+    // Two workers and the accept thread (each names itself once it runs).
+    let t0 = std::time::Instant::now();
+    while threads_named("tpu-sync-remot") < 3 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let threads = threads_named("tpu-sync-remot");
+    assert_eq!(threads, 3, "two workers and the accept thread");
+    let wait_for = |what: &str, f: &dyn Fn(&remote::RemoteStats) -> bool| {
+        let t0 = std::time::Instant::now();
+        while !f(&server.stats()) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "never {what}: {:?}",
+                server.stats()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    // Twelve strangers connect and send nothing: two are being served (each worker waits up to
+    // io_timeout for a request), two wait in the queue, the rest are closed at once. No thread
+    // per connection.
+    let mut idle: Vec<std::net::TcpStream> = (0..2)
+        .map(|_| std::net::TcpStream::connect(addr).unwrap())
+        .collect();
+    wait_for("two connections in service", &|s| s.serving == 2);
+    idle.extend((0..10).map(|_| std::net::TcpStream::connect(addr).unwrap()));
+    wait_for("eight refused", &|s| s.refused >= 8);
+    let st = server.stats();
+    assert_eq!((st.refused, st.serving), (8, 2), "{st:?}");
+    assert_eq!(threads_named("tpu-sync-remot"), threads);
+    // A peer that trickles one byte of a request every 200 ms holds a worker for at most one
+    // io_timeout, so the pool frees and a member's fetch goes through.
+    let trickle = std::thread::spawn(move || {
+        use std::io::Write;
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        let t0 = std::time::Instant::now();
+        for b in b"TSRT\x01\x00\x01\x00".iter().cycle().take(40) {
+            if s.write_all(&[*b]).is_err() {
+                return t0.elapsed();
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        t0.elapsed()
+    });
+    drop(idle);
+    let t1 = std::time::Instant::now();
+    let got = loop {
+        match fetch_with(&addr.to_string(), &ns, &chain, &o) {
+            Ok(g) => break g,
+            Err(e) if t1.elapsed() < Duration::from_secs(10) => {
+                log::debug!("retrying after {e}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("the pool never freed: {e}"),
+        }
+    };
+    assert_eq!(got.len(), 3);
+    assert_eq!(got[2], store_util::bytes_of(chain[2], B));
+    // The trickler was cut off well before its 8 s of bytes were sent.
+    let held = trickle.join().unwrap();
+    assert!(
+        held < Duration::from_secs(7),
+        "a trickling peer held a worker for {held:?}"
+    );
+}
+
+#[test]
+fn an_offer_larger_than_one_batch_is_streamed_into_the_store_as_one_chain() {
+    let _serial = serial();
+    const BIG: usize = 1 << 20;
+    let ns = store_util::ns();
+    // 40 blocks of 1 MiB: two and a half batches of OFFER_BATCH_BYTES (16 MiB).
+    assert!(40 * BIG as u64 > 2 * remote::OFFER_BATCH_BYTES);
+    let a = KvStore::open(store_util::config(BIG as u64, 48)).unwrap();
+    let server = RemoteServer::serve(a.clone(), "127.0.0.1:0", psk(FLEET_KEY)).unwrap();
+    let addr = server.local_addr().to_string();
+    let chain = store_util::chain(40, 45);
+    let blocks: Vec<Vec<u8>> = chain
+        .iter()
+        .map(|&k| store_util::bytes_of(k, BIG))
+        .collect();
+    let refs: Vec<&[u8]> = blocks.iter().map(|v| v.as_slice()).collect();
+    assert_eq!(
+        remote::offer(&addr, &ns, &chain, &refs, &psk(FLEET_KEY)).unwrap(),
+        40
+    );
+    assert_eq!(server.stats().blocks_offered, 40);
+    // One chain: the whole prefix is found and reads back byte-exact.
+    assert_eq!(a.lookup(&chain), 40);
+    let mut bufs: Vec<Vec<u8>> = chain.iter().map(|_| vec![0u8; BIG]).collect();
+    let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+    assert_eq!(
+        remote::fetch(&addr, &ns, &chain, &mut dst, &psk(FLEET_KEY)).unwrap(),
+        40
+    );
+    for (i, b) in bufs.iter().enumerate() {
+        assert!(*b == blocks[i], "block {i} differs");
+    }
 }

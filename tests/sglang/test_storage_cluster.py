@@ -29,9 +29,13 @@ def etcd():
         yield curl
 
 
+#: The remote tier's pre-shared key of these instances (each serves its pages only to holders).
+FLEET_PSK_HEX = "a7" * 8 + "fedcba9876543210" * 3
+
+
 def cluster(curl, host_id, **kw):
     return dict(dict(endpoints=[curl], advertise="127.0.0.1:0", host_id=host_id, prefix=PREFIX, lease_ttl=3,
-                     fetch_timeout=3), **kw)
+                     fetch_timeout=3, remote_psk_hex=FLEET_PSK_HEX), **kw)
 
 
 def storage(pool, curl, host_id):

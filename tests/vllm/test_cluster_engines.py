@@ -34,10 +34,14 @@ def block_entries(curl):
     return count_keys(curl, PREFIX + "/b/")
 
 
+#: The remote tier's pre-shared key of these engines (each serves its host tier only to holders).
+FLEET_PSK_HEX = "5c" * 8 + "0123456789abcdef" * 3
+
+
 def cluster_spec(engines, curl, host_id, **kw):
     extra = dict(host_capacity_bytes=64 << 20,
                  cluster=dict(endpoints=[curl], advertise="127.0.0.1:0", host_id=host_id, prefix=PREFIX,
-                              lease_ttl=5))
+                              lease_ttl=5, remote_psk_hex=FLEET_PSK_HEX))
     spec = engines.spec(connector=dict(kv_role="kv_both", policy="recompute", extra=extra))
     spec.update(kw)
     return spec

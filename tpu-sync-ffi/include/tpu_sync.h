@@ -1141,11 +1141,13 @@ enum tpu_sync_status tpu_sync_publisher_stats(const struct tpu_sync_publisher *p
 enum tpu_sync_status tpu_sync_publisher_free(struct tpu_sync_publisher *publisher);
 
 /**
- * Serves `store`'s blocks to other instances on TCP address `listen` (NUL-terminated, e.g.
- * `0.0.0.0:7800`; port 0 picks a free one, see [`tpu_sync_remote_server_addr`]). Plain TCP: for
- * trusted networks only. `server_out` receives a new handle owned by the caller.
+ * Serves `store`'s blocks to other instances on TCP address `listen` (NUL-terminated; port 0
+ * picks a free one, see [`tpu_sync_remote_server_addr`]) with default options: plain TCP,
+ * which is refused on a non-loopback address (`TPU_SYNC_INVALID_ARGUMENT`); use
+ * [`tpu_sync_remote_serve_with`] for credentials. `server_out` receives a new handle owned by
+ * the caller.
  *
- * Errors: `TPU_SYNC_IO` when the address cannot be bound.
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT`, `TPU_SYNC_IO` when the address cannot be bound.
  *
  * # Safety
  * `listen` NUL-terminated; `server_out` writable.
@@ -1153,6 +1155,35 @@ enum tpu_sync_status tpu_sync_publisher_free(struct tpu_sync_publisher *publishe
 enum tpu_sync_status tpu_sync_remote_serve(const struct tpu_sync_store *store,
                                            const char *listen,
                                            struct tpu_sync_remote_server **server_out);
+
+/**
+ * Serves `store`'s blocks to other instances on TCP address `listen` (NUL-terminated, e.g.
+ * `0.0.0.0:7800`; port 0 picks a free one) with `options_json` (NUL-terminated, borrowed for
+ * the call; NULL or empty: defaults), every key optional:
+ *
+ * ```text
+ * {"psk_hex": "00ff...",                 // or "psk_file": path, or "tls": {"cert": "a.pem",
+ *                                        //   "key": "a.key", "ca": "ca.pem", "server_name": ".."}
+ *  "insecure": false,                    // true: plain TCP allowed on a non-loopback address
+ *  "timeout_s": 10, "connect_timeout_s": 3, "io_timeout_s": 10,
+ *  "workers": 8,                         // connections served at once (threads, fixed)
+ *  "max_queued": 64}                     // accepted connections waiting; more are closed
+ * ```
+ *
+ * With credentials every connection is TLS 1.3 with mutual authentication: only clients with
+ * the same credentials are served. Without them, a non-loopback `listen` is refused unless
+ * `insecure` is true. `server_out` receives a new handle owned by the caller.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` (JSON, credentials, a non-loopback address without
+ * credentials), `TPU_SYNC_IO` when the address cannot be bound or a credentials file read.
+ *
+ * # Safety
+ * `listen` NUL-terminated; `options_json` NULL or NUL-terminated; `server_out` writable.
+ */
+enum tpu_sync_status tpu_sync_remote_serve_with(const struct tpu_sync_store *store,
+                                                const char *listen,
+                                                const char *options_json,
+                                                struct tpu_sync_remote_server **server_out);
 
 /**
  * Writes the server's listening address (`ip:port`) into `buf` (as for
@@ -1198,6 +1229,28 @@ enum tpu_sync_status tpu_sync_remote_fetch(const char *addr,
                                            size_t *delivered_out);
 
 /**
+ * As [`tpu_sync_remote_fetch`] (plain TCP, no credentials), with the options of
+ * [`tpu_sync_remote_serve_with`] (`options_json`, NUL-terminated, borrowed for the call; NULL or
+ * empty: defaults): with credentials the server must prove the same ones in a TLS 1.3
+ * handshake before a byte is read from it (a server without them is `TPU_SYNC_PROTOCOL`,
+ * `TPU_SYNC_PEER_CLOSED` or `TPU_SYNC_TIMEOUT`, never a source of bytes). `workers`,
+ * `max_queued` and `insecure` are the server's and ignored here.
+ *
+ * Errors: as [`tpu_sync_remote_fetch`]; `TPU_SYNC_INVALID_ARGUMENT` for bad options.
+ *
+ * # Safety
+ * As [`tpu_sync_remote_fetch`]; `options_json` NULL or NUL-terminated.
+ */
+enum tpu_sync_status tpu_sync_remote_fetch_with(const char *addr,
+                                                const char *namespace_,
+                                                const struct tpu_sync_key *keys,
+                                                void *const *dsts,
+                                                const uint64_t *lens,
+                                                size_t num_keys,
+                                                const char *options_json,
+                                                size_t *delivered_out);
+
+/**
  * Loads the present prefix of a prompt that other instances hold in their host tiers (served
  * by `tpu_sync_remote_serve`, one store per producer rank) into this side's device blocks,
  * resharded from the producer's layout to this side's (other TP split, block size, block
@@ -1209,7 +1262,9 @@ enum tpu_sync_status tpu_sync_remote_fetch(const char *addr,
  *   per rank of the producer's replica (index = its local rank `pcp * tp + tp_rank`), key `i` of a
  *   source holding request block `i` of that rank (the producer's block size);
  *   `staging_budget_bytes` (optional) bounds this call's pinned memory (default: the process
- *   budget).
+ *   budget); `"remote": {...}` (optional): the fetches' credentials and timeouts, the options
+ *   of [`tpu_sync_remote_serve_with`] (with credentials, a source that cannot prove them is a
+ *   failed load, never a source of bytes); `timeout_ms` still sets the deadlines when given.
  * * `dst_placement_json`: this side's placement of `num_tokens` tokens (as for
  *   `tpu_sync_endpoint_pull`); `ranks`, `buffers`, `num_layers`: this side's ranks and their
  *   per-layer buffers (borrowed for the call), as for `tpu_sync_endpoint_pull`.

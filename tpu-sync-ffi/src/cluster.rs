@@ -315,11 +315,80 @@ pub extern "C" fn tpu_sync_publisher_free(publisher: *mut tpu_sync_publisher) ->
     })
 }
 
-/// Serves `store`'s blocks to other instances on TCP address `listen` (NUL-terminated, e.g.
-/// `0.0.0.0:7800`; port 0 picks a free one, see [`tpu_sync_remote_server_addr`]). Plain TCP: for
-/// trusted networks only. `server_out` receives a new handle owned by the caller.
+/// Options of the remote tier as JSON (every key optional; see `tpu_sync_remote_serve_with`).
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RemoteJson {
+    tls: Option<crate::endpoint::TlsJson>,
+    psk_hex: Option<String>,
+    psk_file: Option<String>,
+    insecure: Option<bool>,
+    timeout_s: Option<f64>,
+    connect_timeout_s: Option<f64>,
+    io_timeout_s: Option<f64>,
+    workers: Option<usize>,
+    max_queued: Option<usize>,
+}
+
+fn remote_options(j: Option<RemoteJson>) -> FfiResult<RemoteOptions> {
+    let mut o = RemoteOptions::default();
+    let Some(j) = j else {
+        return Ok(o);
+    };
+    o.security = crate::endpoint::security_of(j.tls, j.psk_hex, j.psk_file)?;
+    o.insecure = j.insecure.unwrap_or(false);
+    if let Some(t) = j.timeout_s {
+        o.io_timeout = crate::endpoint::secs(t, "timeout_s")?;
+        o.connect_timeout = o.io_timeout;
+    }
+    if let Some(t) = j.connect_timeout_s {
+        o.connect_timeout = crate::endpoint::secs(t, "connect_timeout_s")?;
+    }
+    if let Some(t) = j.io_timeout_s {
+        o.io_timeout = crate::endpoint::secs(t, "io_timeout_s")?;
+    }
+    if let Some(n) = j.workers {
+        if n == 0 || n > 1024 {
+            return Err(invalid(format!("workers must be 1..=1024, got {n}")));
+        }
+        o.workers = n;
+    }
+    if let Some(n) = j.max_queued {
+        if n > 65_536 {
+            return Err(invalid(format!(
+                "max_queued must be at most 65536, got {n}"
+            )));
+        }
+        o.max_queued = n;
+    }
+    Ok(o)
+}
+
+/// Parses an optional options JSON argument (NULL or empty: defaults).
 ///
-/// Errors: `TPU_SYNC_IO` when the address cannot be bound.
+/// # Safety
+/// `json` NULL or NUL-terminated.
+unsafe fn remote_options_arg(json: *const c_char) -> FfiResult<RemoteOptions> {
+    if json.is_null() {
+        return remote_options(None);
+    }
+    // SAFETY: caller contract.
+    let j = unsafe { str_arg(json, "options_json") }?;
+    if j.trim().is_empty() {
+        return remote_options(None);
+    }
+    let j: RemoteJson =
+        serde_json::from_str(j).map_err(|e| invalid(format!("options_json: {e}")))?;
+    remote_options(Some(j))
+}
+
+/// Serves `store`'s blocks to other instances on TCP address `listen` (NUL-terminated; port 0
+/// picks a free one, see [`tpu_sync_remote_server_addr`]) with default options: plain TCP,
+/// which is refused on a non-loopback address (`TPU_SYNC_INVALID_ARGUMENT`); use
+/// [`tpu_sync_remote_serve_with`] for credentials. `server_out` receives a new handle owned by
+/// the caller.
+///
+/// Errors: `TPU_SYNC_INVALID_ARGUMENT`, `TPU_SYNC_IO` when the address cannot be bound.
 ///
 /// # Safety
 /// `listen` NUL-terminated; `server_out` writable.
@@ -329,14 +398,49 @@ pub unsafe extern "C" fn tpu_sync_remote_serve(
     listen: *const c_char,
     server_out: *mut *mut tpu_sync_remote_server,
 ) -> tpu_sync_status {
-    boundary("tpu_sync_remote_serve", || {
+    // SAFETY: forwarded caller contract (NULL options: defaults).
+    unsafe { tpu_sync_remote_serve_with(store, listen, std::ptr::null(), server_out) }
+}
+
+/// Serves `store`'s blocks to other instances on TCP address `listen` (NUL-terminated, e.g.
+/// `0.0.0.0:7800`; port 0 picks a free one) with `options_json` (NUL-terminated, borrowed for
+/// the call; NULL or empty: defaults), every key optional:
+///
+/// ```text
+/// {"psk_hex": "00ff...",                 // or "psk_file": path, or "tls": {"cert": "a.pem",
+///                                        //   "key": "a.key", "ca": "ca.pem", "server_name": ".."}
+///  "insecure": false,                    // true: plain TCP allowed on a non-loopback address
+///  "timeout_s": 10, "connect_timeout_s": 3, "io_timeout_s": 10,
+///  "workers": 8,                         // connections served at once (threads, fixed)
+///  "max_queued": 64}                     // accepted connections waiting; more are closed
+/// ```
+///
+/// With credentials every connection is TLS 1.3 with mutual authentication: only clients with
+/// the same credentials are served. Without them, a non-loopback `listen` is refused unless
+/// `insecure` is true. `server_out` receives a new handle owned by the caller.
+///
+/// Errors: `TPU_SYNC_INVALID_ARGUMENT` (JSON, credentials, a non-loopback address without
+/// credentials), `TPU_SYNC_IO` when the address cannot be bound or a credentials file read.
+///
+/// # Safety
+/// `listen` NUL-terminated; `options_json` NULL or NUL-terminated; `server_out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_remote_serve_with(
+    store: *const tpu_sync_store,
+    listen: *const c_char,
+    options_json: *const c_char,
+    server_out: *mut *mut tpu_sync_remote_server,
+) -> tpu_sync_status {
+    boundary("tpu_sync_remote_serve_with", || {
         let s = get_store(store)?;
         // SAFETY: caller contract.
         let l = unsafe { str_arg(listen, "listen") }?;
         if server_out.is_null() {
             return Err(null("server_out"));
         }
-        let srv = RemoteServer::serve(s.store.clone(), l, RemoteOptions::default())?;
+        // SAFETY: caller contract.
+        let o = unsafe { remote_options_arg(options_json) }?;
+        let srv = RemoteServer::serve(s.store.clone(), l, o)?;
         let h = handle::insert(K::TPU_SYNC_HANDLE_REMOTE_SERVER, Arc::new(ServerObj(srv)));
         // SAFETY: checked non-NULL.
         unsafe { out(server_out, h, "server_out") }
@@ -389,6 +493,7 @@ pub extern "C" fn tpu_sync_remote_server_free(
 /// 0); each `dsts[i]` has `lens[i]` writable bytes not accessed by anyone else during the call;
 /// `delivered_out` writable.
 #[no_mangle]
+#[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn tpu_sync_remote_fetch(
     addr: *const c_char,
     namespace: *const c_char,
@@ -399,7 +504,88 @@ pub unsafe extern "C" fn tpu_sync_remote_fetch(
     timeout_ms: i64,
     delivered_out: *mut usize,
 ) -> tpu_sync_status {
-    boundary("tpu_sync_remote_fetch", || {
+    let options = || {
+        let mut o = RemoteOptions::default();
+        if let Some(t) = crate::completion::timeout_ms(timeout_ms) {
+            o.io_timeout = t.max(Duration::from_millis(1));
+            o.connect_timeout = o.io_timeout;
+        }
+        Ok(o)
+    };
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        remote_fetch(
+            "tpu_sync_remote_fetch",
+            addr,
+            namespace,
+            keys,
+            dsts,
+            lens,
+            num_keys,
+            options,
+            delivered_out,
+        )
+    }
+}
+
+/// As [`tpu_sync_remote_fetch`] (plain TCP, no credentials), with the options of
+/// [`tpu_sync_remote_serve_with`] (`options_json`, NUL-terminated, borrowed for the call; NULL or
+/// empty: defaults): with credentials the server must prove the same ones in a TLS 1.3
+/// handshake before a byte is read from it (a server without them is `TPU_SYNC_PROTOCOL`,
+/// `TPU_SYNC_PEER_CLOSED` or `TPU_SYNC_TIMEOUT`, never a source of bytes). `workers`,
+/// `max_queued` and `insecure` are the server's and ignored here.
+///
+/// Errors: as [`tpu_sync_remote_fetch`]; `TPU_SYNC_INVALID_ARGUMENT` for bad options.
+///
+/// # Safety
+/// As [`tpu_sync_remote_fetch`]; `options_json` NULL or NUL-terminated.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn tpu_sync_remote_fetch_with(
+    addr: *const c_char,
+    namespace: *const c_char,
+    keys: *const tpu_sync_key,
+    dsts: *const *mut c_void,
+    lens: *const u64,
+    num_keys: usize,
+    options_json: *const c_char,
+    delivered_out: *mut usize,
+) -> tpu_sync_status {
+    // SAFETY: caller contract (`options_json` NULL or NUL-terminated).
+    let options = || unsafe { remote_options_arg(options_json) };
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        remote_fetch(
+            "tpu_sync_remote_fetch_with",
+            addr,
+            namespace,
+            keys,
+            dsts,
+            lens,
+            num_keys,
+            options,
+            delivered_out,
+        )
+    }
+}
+
+/// The body of [`tpu_sync_remote_fetch`] and [`tpu_sync_remote_fetch_with`].
+///
+/// # Safety
+/// As theirs.
+#[allow(clippy::too_many_arguments)]
+unsafe fn remote_fetch(
+    what: &'static str,
+    addr: *const c_char,
+    namespace: *const c_char,
+    keys: *const tpu_sync_key,
+    dsts: *const *mut c_void,
+    lens: *const u64,
+    num_keys: usize,
+    options: impl FnOnce() -> FfiResult<RemoteOptions>,
+    delivered_out: *mut usize,
+) -> tpu_sync_status {
+    boundary(what, || {
         // SAFETY: caller contract.
         let addr = unsafe { str_arg(addr, "addr") }?;
         // SAFETY: caller contract.
@@ -430,11 +616,7 @@ pub unsafe extern "C" fn tpu_sync_remote_fetch(
                 unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l as usize) }
             });
         }
-        let mut o = RemoteOptions::default();
-        if let Some(t) = crate::completion::timeout_ms(timeout_ms) {
-            o.io_timeout = t.max(Duration::from_millis(1));
-            o.connect_timeout = o.io_timeout;
-        }
+        let o = options()?;
         let n = remote::fetch(addr, &ns, &keys, &mut dst, &o)?;
         // SAFETY: checked non-NULL.
         unsafe { out(delivered_out, n, "delivered_out") }
@@ -476,6 +658,7 @@ struct LoadJson {
     src_layout: tpu_sync::layout::ParallelLayout,
     sources: Vec<LoadSourceJson>,
     staging_budget_bytes: Option<u64>,
+    remote: Option<RemoteJson>,
 }
 
 /// Loads the present prefix of a prompt that other instances hold in their host tiers (served
@@ -489,7 +672,9 @@ struct LoadJson {
 ///   per rank of the producer's replica (index = its local rank `pcp * tp + tp_rank`), key `i` of a
 ///   source holding request block `i` of that rank (the producer's block size);
 ///   `staging_budget_bytes` (optional) bounds this call's pinned memory (default: the process
-///   budget).
+///   budget); `"remote": {...}` (optional): the fetches' credentials and timeouts, the options
+///   of [`tpu_sync_remote_serve_with`] (with credentials, a source that cannot prove them is a
+///   failed load, never a source of bytes); `timeout_ms` still sets the deadlines when given.
 /// * `dst_placement_json`: this side's placement of `num_tokens` tokens (as for
 ///   `tpu_sync_endpoint_pull`); `ranks`, `buffers`, `num_layers`: this side's ranks and their
 ///   per-layer buffers (borrowed for the call), as for `tpu_sync_endpoint_pull`.
@@ -554,7 +739,10 @@ pub unsafe extern "C" fn tpu_sync_remote_load(
                 chain,
             });
         }
-        let mut o = LoadOptions::default();
+        let mut o = LoadOptions {
+            remote: remote_options(j.remote)?,
+            ..LoadOptions::default()
+        };
         if let Some(t) = crate::completion::timeout_ms(timeout_ms) {
             o.remote.io_timeout = t.max(Duration::from_millis(1));
             o.remote.connect_timeout = o.remote.io_timeout;

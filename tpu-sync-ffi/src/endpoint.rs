@@ -134,7 +134,7 @@ struct TransferObj {
 
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
-struct TlsJson {
+pub(crate) struct TlsJson {
     cert: String,
     key: String,
     ca: String,
@@ -169,7 +169,7 @@ struct EndpointJson {
     staging_pool_bytes: Option<u64>,
 }
 
-fn secs(v: f64, what: &str) -> FfiResult<Duration> {
+pub(crate) fn secs(v: f64, what: &str) -> FfiResult<Duration> {
     Duration::try_from_secs_f64(v)
         .ok()
         .filter(|d| !d.is_zero())
@@ -189,6 +189,27 @@ fn hex_bytes(s: &str) -> FfiResult<Vec<u8>> {
         .step_by(2)
         .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("checked hex"))
         .collect())
+}
+
+/// The credentials of a configuration's `tls` / `psk_hex` / `psk_file` (at most one; none:
+/// [`Security::None`]). Shared by endpoints and the remote tier.
+pub(crate) fn security_of(
+    tls: Option<TlsJson>,
+    psk_hex: Option<String>,
+    psk_file: Option<String>,
+) -> FfiResult<Security> {
+    Ok(match (tls, psk_hex, psk_file) {
+        (None, None, None) => Security::None,
+        (Some(t), None, None) => Security::from_pem_files(
+            &PathBuf::from(t.cert),
+            &PathBuf::from(t.key),
+            &PathBuf::from(t.ca),
+            t.server_name.as_deref(),
+        )?,
+        (None, Some(h), None) => Security::from_psk(&hex_bytes(&h)?)?,
+        (None, None, Some(f)) => Security::from_psk_file(&PathBuf::from(f))?,
+        _ => return Err(invalid("give at most one of tls, psk_hex and psk_file")),
+    })
 }
 
 /// The endpoint, pipeline and pull options of a configuration.
@@ -228,18 +249,7 @@ fn options(j: EndpointJson) -> FfiResult<Config> {
                 .map_err(|_| invalid(format!("listen `{a}` is not an IP:port address")))?,
         ),
     };
-    o.security = match (j.tls, j.psk_hex, j.psk_file) {
-        (None, None, None) => Security::None,
-        (Some(t), None, None) => Security::from_pem_files(
-            &PathBuf::from(t.cert),
-            &PathBuf::from(t.key),
-            &PathBuf::from(t.ca),
-            t.server_name.as_deref(),
-        )?,
-        (None, Some(h), None) => Security::from_psk(&hex_bytes(&h)?)?,
-        (None, None, Some(f)) => Security::from_psk_file(&PathBuf::from(f))?,
-        _ => return Err(invalid("give at most one of tls, psk_hex and psk_file")),
-    };
+    o.security = security_of(j.tls, j.psk_hex, j.psk_file)?;
     if let Some(t) = j.timeout_s {
         let d = secs(t, "timeout_s")?;
         o.connect_timeout = d;

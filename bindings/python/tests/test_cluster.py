@@ -64,6 +64,40 @@ def test_publish_lookup_fetch(etcd, data):
     a.close()
 
 
+def test_remote_tier_credentials(data, tmp_path):
+    """With a pre-shared key only holders fetch and offer, a holder takes bytes only from a server
+    that proves the key, and a plain server beyond loopback needs ``insecure`` (issue 24)."""
+    a = store()
+    keys = a.chain_keys(list(range(3, 3 + 4 * 16)), 16)
+    blocks = [data(BLOCK, 300 + i) for i in range(4)]
+    assert a.put(keys, blocks).complete
+    key_file = tmp_path / "fleet.psk"
+    key_file.write_bytes(os.urandom(32).hex().encode())
+    creds = {"psk_hex": key_file.read_text()}
+    srv = cluster.RemoteServer(a, "127.0.0.1:0", remote=creds)
+    outs = [bytearray(BLOCK) for _ in keys]
+    assert cluster.fetch(srv.addr, NS, keys, outs, remote=creds) == 4
+    assert [bytes(o) for o in outs] == [bytes(b) for b in blocks]
+    for other in (None, {"psk_hex": "ab" * 32}):
+        outs = [bytearray(BLOCK) for _ in keys]
+        with pytest.raises((errors.ProtocolError, errors.PeerClosedError, errors.TimeoutError)):
+            cluster.fetch(srv.addr, NS, keys, outs, timeout=3, remote=other)
+        assert all(o == bytearray(BLOCK) for o in outs)
+    plain = cluster.RemoteServer(a, "127.0.0.1:0")
+    with pytest.raises((errors.ProtocolError, errors.PeerClosedError, errors.TimeoutError)):
+        cluster.fetch(plain.addr, NS, keys, [bytearray(BLOCK) for _ in keys], timeout=3, remote=creds)
+    with pytest.raises(errors.InvalidArgumentError, match="without credentials"):
+        cluster.RemoteServer(a, "0.0.0.0:0")
+    cluster.RemoteServer(a, "0.0.0.0:0", remote={"insecure": True}).close()
+    cluster.RemoteServer(a, "0.0.0.0:0", remote={"psk_file": str(key_file)}).close()
+    with pytest.raises(errors.InvalidArgumentError):
+        cluster.RemoteServer(a, "127.0.0.1:0", remote={"psk_hex": "ab" * 4})  # too short
+    with pytest.raises(errors.InvalidArgumentError):
+        cluster.RemoteServer(a, "127.0.0.1:0", remote={"no_such_option": 1})
+    for h in (srv, plain, a):
+        h.close()
+
+
 def test_bad_configuration():
     with pytest.raises(errors.InvalidArgumentError):
         cluster.Directory([])

@@ -13,6 +13,9 @@
 //!
 //! # Wire format (this module only; little endian)
 //!
+//! One request per connection (the server closes it after its reply); with credentials the
+//! connection is TLS 1.3, mutually authenticated, ALPN [`ALPN`].
+//!
 //! Request: magic `TSRT` (4 bytes), version `u16` = 1, op `u16` (1 fetch, 2 offer), namespace id
 //! `u128`, block count `u32` (at most [`MAX_CHAIN`]), then for a fetch the keys (`u128` each),
 //! for an offer per block: key `u128`, length `u64`, xxh3-64 `u64`, the bytes.
@@ -21,19 +24,39 @@
 //! `u64::MAX` ends the reply early (a block could not be read after all: the rest is a miss). The
 //! server holds one block in memory at a time. An offer may carry at most as many blocks as the
 //! peer's store has slots, each at most its block size. Offer reply: magic, status, stored `u32`.
-//! Every read and write has a deadline ([`RemoteOptions::io_timeout`]); a peer that dies or stalls
-//! fails the call with [`Error::PeerClosed`] or [`Error::Timeout`], never a hang.
+//! Every item read or written (a header, the key list, one block) has a deadline of
+//! [`RemoteOptions::io_timeout`] from its start, and the TLS handshake one of the same length; a
+//! peer that dies, stalls or trickles fails the call with [`Error::PeerClosed`] or
+//! [`Error::Timeout`], never a hang.
 //!
-//! Plain TCP: no authentication or encryption; for trusted networks only, like the network
-//! layer's plain TCP transport (`docs/security.md`).
+//! # Who may connect (`docs/security.md`)
+//!
+//! * **Credentials** ([`RemoteOptions::security`], the endpoints' [`Security`]: mutual TLS
+//!   against a CA, or a pre-shared key): the server completes a TLS 1.3 handshake before it reads
+//!   a request byte and serves only a client that proved the same credentials; a client fetches
+//!   and offers only to a server that proved them (a record in the directory naming any other
+//!   address is a failed fetch, never a source of bytes).
+//! * **Plain TCP** ([`Security::None`]): no authentication or encryption, for trusted networks
+//!   only. [`RemoteServer::serve`] refuses to listen on a non-loopback address without
+//!   credentials unless [`RemoteOptions::insecure`] says so.
+//!
+//! # Resources
+//!
+//! A fixed pool of [`RemoteOptions::workers`] threads serves the connections, one at a time each
+//! (handshakes included: at most that many handshakes are in progress); accepted connections
+//! wait in a queue of at most [`RemoteOptions::max_queued`], and a connection that finds the
+//! queue full is closed at once ([`RemoteStats::refused`]). An offer is streamed into the store
+//! in batches of at most [`OFFER_BATCH_BYTES`], so a server holds one batch of an offer in
+//! memory, whatever its length; a fetch holds one block.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::net::Security;
 use crate::store::{checksum, BlockKey, KvStore, Namespace};
 
 const MAGIC: [u8; 4] = *b"TSRT";
@@ -46,14 +69,30 @@ pub const MAX_CHAIN: u32 = 65_536;
 const END: u64 = u64::MAX;
 /// Largest block accepted (bytes).
 pub const MAX_BLOCK: u64 = 1 << 30;
+/// Most bytes of an offer the server holds before it stores them (one batch; a single block
+/// larger than this is a batch of its own).
+pub const OFFER_BATCH_BYTES: u64 = 16 << 20;
+/// ALPN protocol id of the remote tier's TLS connections (distinct from the endpoints' so that
+/// neither side mistakes the other's port for its own).
+pub const ALPN: &[u8] = b"tpu-sync-remote/1";
 
-/// Timeouts of the remote tier.
+/// Options of the remote tier: timeouts, credentials and the server's resource caps.
 #[derive(Debug, Clone)]
 pub struct RemoteOptions {
     /// Deadline of connecting (default 3 s).
     pub connect_timeout: Duration,
-    /// Deadline of every read and write (default 10 s).
+    /// Deadline of each item read or written and of the TLS handshake (default 10 s).
     pub io_timeout: Duration,
+    /// Peer authentication, both ways (default [`Security::None`]: plain TCP). Server and
+    /// clients of one fleet use the same credentials.
+    pub security: Security,
+    /// Lets [`RemoteServer::serve`] listen on a non-loopback address without credentials
+    /// (anyone who reaches the port can then read blocks by key and offer blocks). Default false.
+    pub insecure: bool,
+    /// Server: threads serving connections, one connection each at a time (default 8, at least 1).
+    pub workers: usize,
+    /// Server: accepted connections waiting for a worker; more are closed at once (default 64).
+    pub max_queued: usize,
 }
 
 impl Default for RemoteOptions {
@@ -61,6 +100,10 @@ impl Default for RemoteOptions {
         RemoteOptions {
             connect_timeout: Duration::from_secs(3),
             io_timeout: Duration::from_secs(10),
+            security: Security::None,
+            insecure: false,
+            workers: 8,
+            max_queued: 64,
         }
     }
 }
@@ -76,8 +119,14 @@ pub struct RemoteStats {
     pub bytes_sent: u64,
     /// Blocks stored from offers.
     pub blocks_offered: u64,
-    /// Requests refused or failed.
+    /// Requests refused or failed (handshakes included).
     pub errors: u64,
+    /// TLS handshakes that failed (no or wrong credentials, a stall, a non-TLS client).
+    pub handshake_failures: u64,
+    /// Connections closed unserved because the queue was full.
+    pub refused: u64,
+    /// Connections being served now (at most [`RemoteOptions::workers`]; a gauge).
+    pub serving: u64,
 }
 
 #[derive(Default)]
@@ -87,15 +136,18 @@ struct Counters {
     bytes_sent: AtomicU64,
     blocks_offered: AtomicU64,
     errors: AtomicU64,
+    handshake_failures: AtomicU64,
+    refused: AtomicU64,
+    serving: AtomicU64,
 }
 
-/// Serves one store's blocks (see the module docs). Stops when dropped (connections in
-/// progress finish their current request).
+/// Serves one store's blocks (see the module docs). Stops when dropped: the listener closes, and
+/// connections in progress finish their current item (each is bounded by its deadline).
 pub struct RemoteServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
     c: Arc<Counters>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for RemoteServer {
@@ -124,41 +176,255 @@ fn io(what: &str, e: std::io::Error) -> Error {
     }
 }
 
-fn rd<const N: usize>(s: &mut impl Read) -> std::io::Result<[u8; N]> {
-    let mut b = [0u8; N];
-    s.read_exact(&mut b)?;
-    Ok(b)
+fn timed_out() -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::TimedOut, "deadline passed")
+}
+
+/// Time left until `deadline`, or a `TimedOut` error when none is.
+fn left(deadline: Instant) -> std::io::Result<Duration> {
+    let d = deadline.saturating_duration_since(Instant::now());
+    if d.is_zero() {
+        Err(timed_out())
+    } else {
+        Ok(d)
+    }
+}
+
+/// One connection, plain or TLS. Every call completes within its deadline or fails: socket
+/// reads and writes are given the time left, and rustls is driven here record by record (its
+/// own `complete_io` would loop on a trickling peer with a fresh timeout per read).
+enum Conn {
+    Plain(TcpStream),
+    Tls(Box<rustls::Connection>, TcpStream),
+}
+
+impl Conn {
+    /// Sends what rustls has queued.
+    fn flush_tls(
+        c: &mut rustls::Connection,
+        s: &mut TcpStream,
+        end: Instant,
+    ) -> std::io::Result<()> {
+        while c.wants_write() {
+            s.set_write_timeout(Some(left(end)?))?;
+            c.write_tls(s)?;
+        }
+        Ok(())
+    }
+
+    /// Reads one TLS flight from the socket and processes it.
+    fn pump_tls(
+        c: &mut rustls::Connection,
+        s: &mut TcpStream,
+        end: Instant,
+    ) -> std::io::Result<()> {
+        s.set_read_timeout(Some(left(end)?))?;
+        if c.read_tls(s)? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        if let Err(e) = c.process_new_packets() {
+            // Tell the peer why (an alert) before failing; best effort.
+            let _ = Self::flush_tls(c, s, end);
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e));
+        }
+        Ok(())
+    }
+
+    /// Completes the TLS handshake within `within` (no-op for plain TCP).
+    fn handshake(&mut self, within: Duration) -> std::io::Result<()> {
+        let end = Instant::now() + within;
+        if let Conn::Tls(c, s) = self {
+            while c.is_handshaking() {
+                Self::flush_tls(c, s, end)?;
+                if !c.is_handshaking() {
+                    break;
+                }
+                Self::pump_tls(c, s, end)?;
+            }
+            Self::flush_tls(c, s, end)?;
+        }
+        Ok(())
+    }
+
+    /// Fills `buf` within `within`; a clean close before it is full is `UnexpectedEof`.
+    fn read_full(&mut self, buf: &mut [u8], within: Duration) -> std::io::Result<()> {
+        let end = Instant::now() + within;
+        let mut off = 0;
+        while off < buf.len() {
+            match self {
+                Conn::Plain(s) => {
+                    s.set_read_timeout(Some(left(end)?))?;
+                    match s.read(&mut buf[off..]) {
+                        Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                        Ok(n) => off += n,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                Conn::Tls(c, s) => match c.reader().read(&mut buf[off..]) {
+                    Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                    Ok(n) => off += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        Self::flush_tls(c, s, end)?;
+                        Self::pump_tls(c, s, end)?;
+                    }
+                    Err(e) => return Err(e),
+                },
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes all of `data` within `within`.
+    fn write_full(&mut self, data: &[u8], within: Duration) -> std::io::Result<()> {
+        let end = Instant::now() + within;
+        let mut off = 0;
+        while off < data.len() {
+            match self {
+                Conn::Plain(s) => {
+                    s.set_write_timeout(Some(left(end)?))?;
+                    match s.write(&data[off..]) {
+                        Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                        Ok(n) => off += n,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                Conn::Tls(c, s) => {
+                    // rustls buffers a bounded amount of plaintext; send it before queueing more.
+                    let n = c.writer().write(&data[off..])?;
+                    off += n;
+                    Self::flush_tls(c, s, end)?;
+                    if n == 0 && !c.wants_write() {
+                        return Err(std::io::ErrorKind::WriteZero.into());
+                    }
+                }
+            }
+        }
+        if let Conn::Tls(c, s) = self {
+            Self::flush_tls(c, s, end)?;
+        }
+        Ok(())
+    }
+
+    /// Sends a TLS close_notify (best effort) so the peer sees a clean end.
+    fn close(&mut self, within: Duration) {
+        if let Conn::Tls(c, s) = self {
+            c.send_close_notify();
+            let _ = Self::flush_tls(c, s, Instant::now() + within);
+        }
+    }
+}
+
+/// The server-side TLS configuration of `sec` with the remote tier's ALPN (`None`: plain).
+fn server_tls(sec: &Security) -> Result<Option<Arc<rustls::ServerConfig>>> {
+    if !sec.is_authenticated() {
+        return Ok(None);
+    }
+    let mut cfg = (*sec.server_config()?).clone();
+    cfg.alpn_protocols = vec![ALPN.to_vec()];
+    Ok(Some(Arc::new(cfg)))
+}
+
+/// The client-side TLS configuration of `sec` with the remote tier's ALPN (`None`: plain).
+fn client_tls(sec: &Security) -> Result<Option<Arc<rustls::ClientConfig>>> {
+    if !sec.is_authenticated() {
+        return Ok(None);
+    }
+    let mut cfg = (*sec.client_config()?).clone();
+    cfg.alpn_protocols = vec![ALPN.to_vec()];
+    Ok(Some(Arc::new(cfg)))
+}
+
+struct Shared {
+    store: KvStore,
+    opts: RemoteOptions,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    c: Arc<Counters>,
+    stop: Arc<AtomicBool>,
 }
 
 impl RemoteServer {
     /// Listens on `listen` (e.g. `0.0.0.0:7800`; port 0 picks one, see
-    /// [`RemoteServer::local_addr`]) and serves `store` from a thread per connection.
+    /// [`RemoteServer::local_addr`]) and serves `store` from a pool of
+    /// [`RemoteOptions::workers`] threads (see the module docs).
     ///
-    /// Errors: [`Error::Io`] when the address cannot be bound.
+    /// Errors: [`Error::InvalidArgument`] for a non-loopback address without credentials unless
+    /// [`RemoteOptions::insecure`], or unusable credentials; [`Error::Io`] when the address
+    /// cannot be bound or a thread cannot be started.
     pub fn serve(store: KvStore, listen: &str, opts: RemoteOptions) -> Result<RemoteServer> {
+        let tls = server_tls(&opts.security)?;
         let l = TcpListener::bind(listen).map_err(|e| Error::io(format!("bind {listen}"), e))?;
         let addr = l
             .local_addr()
             .map_err(|e| Error::io("remote tier local address", e))?;
+        if tls.is_none() && !addr.ip().is_loopback() && !opts.insecure {
+            return Err(Error::InvalidArgument(format!(
+                "remote tier: refusing to serve {addr} without credentials: anyone who reaches a \
+                 non-loopback port could read blocks by key and plant blocks. Give mutual TLS or a \
+                 pre-shared key (the same as the fleet's other members), or set insecure to serve \
+                 plain TCP on a trusted network"
+            )));
+        }
+        if tls.is_none() && !addr.ip().is_loopback() {
+            log::warn!(
+                "remote tier: serving {addr} over plain TCP without authentication (insecure)"
+            );
+        }
         l.set_nonblocking(true)
             .map_err(|e| Error::io("remote tier listener", e))?;
         let stop = Arc::new(AtomicBool::new(false));
         let c = Arc::new(Counters::default());
-        let (st, cc) = (stop.clone(), c.clone());
-        let thread = std::thread::Builder::new()
+        let (tx, rx) = crossbeam_channel::bounded::<TcpStream>(opts.max_queued);
+        let workers = opts.workers.max(1);
+        let sh = Arc::new(Shared {
+            store,
+            opts,
+            tls,
+            c: c.clone(),
+            stop: stop.clone(),
+        });
+        let mut server = RemoteServer {
+            addr,
+            stop: stop.clone(),
+            c: c.clone(),
+            threads: Vec::with_capacity(workers + 1),
+        };
+        for i in 0..workers {
+            let (sh, rx) = (sh.clone(), rx.clone());
+            let t = std::thread::Builder::new()
+                .name(format!("tpu-sync-remote-{i}"))
+                .spawn(move || {
+                    while !sh.stop.load(Ordering::Acquire) {
+                        match rx.recv_timeout(Duration::from_millis(50)) {
+                            Ok(s) => {
+                                sh.c.serving.fetch_add(1, Ordering::Relaxed);
+                                if let Err(e) = serve_conn(s, &sh) {
+                                    sh.c.errors.fetch_add(1, Ordering::Relaxed);
+                                    log::debug!("remote tier connection: {e}");
+                                }
+                                sh.c.serving.fetch_sub(1, Ordering::Relaxed);
+                            }
+                            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+                            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+                        }
+                    }
+                })
+                .map_err(|e| Error::io("spawn a remote tier worker", e))?;
+            server.threads.push(t);
+        }
+        drop(rx);
+        let t = std::thread::Builder::new()
             .name("tpu-sync-remote".into())
             .spawn(move || {
-                while !st.load(Ordering::Acquire) {
+                while !stop.load(Ordering::Acquire) {
                     match l.accept() {
-                        Ok((s, _)) => {
-                            let (store, opts, cc) = (store.clone(), opts.clone(), cc.clone());
-                            let _ = std::thread::Builder::new()
-                                .name("tpu-sync-remote-conn".into())
-                                .spawn(move || {
-                                    if let Err(e) = serve_conn(s, &store, &opts, &cc) {
-                                        log::debug!("remote tier connection: {e}");
-                                    }
-                                });
+                        Ok((s, peer)) => {
+                            if let Err(crossbeam_channel::TrySendError::Full(s)) = tx.try_send(s) {
+                                c.refused.fetch_add(1, Ordering::Relaxed);
+                                log::debug!("remote tier: queue full, closing {peer}");
+                                drop(s);
+                            }
                         }
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                             std::thread::sleep(Duration::from_millis(5));
@@ -171,12 +437,8 @@ impl RemoteServer {
                 }
             })
             .map_err(|e| Error::io("spawn the remote tier thread", e))?;
-        Ok(RemoteServer {
-            addr,
-            stop,
-            c,
-            thread: Some(thread),
-        })
+        server.threads.push(t);
+        Ok(server)
     }
 
     /// The address it listens on.
@@ -192,6 +454,9 @@ impl RemoteServer {
             bytes_sent: self.c.bytes_sent.load(Ordering::Relaxed),
             blocks_offered: self.c.blocks_offered.load(Ordering::Relaxed),
             errors: self.c.errors.load(Ordering::Relaxed),
+            handshake_failures: self.c.handshake_failures.load(Ordering::Relaxed),
+            refused: self.c.refused.load(Ordering::Relaxed),
+            serving: self.c.serving.load(Ordering::Relaxed),
         }
     }
 }
@@ -199,144 +464,200 @@ impl RemoteServer {
 impl Drop for RemoteServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
+        for t in self.threads.drain(..) {
             let _ = t.join();
         }
     }
 }
 
-fn serve_conn(mut s: TcpStream, store: &KvStore, o: &RemoteOptions, c: &Counters) -> Result<()> {
+/// Serves the one request of connection `s`.
+fn serve_conn(s: TcpStream, sh: &Shared) -> Result<()> {
+    let o = &sh.opts;
+    let t = o.io_timeout;
     s.set_nonblocking(false).map_err(|e| io("socket", e))?;
-    s.set_read_timeout(Some(o.io_timeout))
-        .map_err(|e| io("socket", e))?;
-    s.set_write_timeout(Some(o.io_timeout))
-        .map_err(|e| io("socket", e))?;
     let _ = s.set_nodelay(true);
-    loop {
-        let mut hdr = [0u8; 28];
-        match s.read_exact(&mut hdr) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(io("read a request", e)),
+    let mut s = match &sh.tls {
+        None => Conn::Plain(s),
+        Some(cfg) => {
+            let c = rustls::ServerConnection::new(cfg.clone())
+                .map_err(|e| Error::Protocol(format!("remote tier: TLS: {e}")))?;
+            let mut conn = Conn::Tls(Box::new(c.into()), s);
+            if let Err(e) = conn.handshake(t) {
+                sh.c.handshake_failures.fetch_add(1, Ordering::Relaxed);
+                return Err(io("TLS handshake", e));
+            }
+            conn
         }
-        let ver = u16::from_le_bytes([hdr[4], hdr[5]]);
-        let op = u16::from_le_bytes([hdr[6], hdr[7]]);
-        let ns = u128::from_le_bytes(hdr[8..24].try_into().expect("16"));
-        let n = u32::from_le_bytes(hdr[24..28].try_into().expect("4"));
-        let bad = hdr[0..4] != MAGIC || ver != VERSION || n > MAX_CHAIN;
-        let wrong_ns = store.namespace().map(|x| x.id()) != Some(ns);
-        if bad {
-            c.errors.fetch_add(1, Ordering::Relaxed);
-            reply_status(&mut s, 2, 0)?;
-            return Err(Error::Protocol("remote tier: bad request header".into()));
-        }
-        match op {
-            OP_FETCH => {
-                let mut keys = Vec::with_capacity(n as usize);
-                for _ in 0..n {
-                    keys.push(BlockKey(u128::from_le_bytes(
-                        rd::<16>(&mut s).map_err(|e| io("read keys", e))?,
-                    )));
+    };
+    let r = serve_request(&mut s, sh);
+    s.close(Duration::from_millis(200));
+    r
+}
+
+fn serve_request(s: &mut Conn, sh: &Shared) -> Result<()> {
+    let (store, c, t) = (&sh.store, &*sh.c, sh.opts.io_timeout);
+    let mut hdr = [0u8; 28];
+    match s.read_full(&mut hdr, t) {
+        Ok(()) => {}
+        // A connection closed before a request (e.g. a port probe) is no error.
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+        Err(e) => return Err(io("read a request", e)),
+    }
+    let ver = u16::from_le_bytes([hdr[4], hdr[5]]);
+    let op = u16::from_le_bytes([hdr[6], hdr[7]]);
+    let ns = u128::from_le_bytes(hdr[8..24].try_into().expect("16"));
+    let n = u32::from_le_bytes(hdr[24..28].try_into().expect("4"));
+    if hdr[0..4] != MAGIC || ver != VERSION || n > MAX_CHAIN {
+        reply_status(s, t, 2, 0)?;
+        return Err(Error::Protocol("remote tier: bad request header".into()));
+    }
+    let wrong_ns = store.namespace().map(|x| x.id()) != Some(ns);
+    match op {
+        OP_FETCH => {
+            let mut raw = vec![0u8; n as usize * 16];
+            s.read_full(&mut raw, t).map_err(|e| io("read keys", e))?;
+            let keys: Vec<BlockKey> = raw
+                .chunks_exact(16)
+                .map(|k| BlockKey(u128::from_le_bytes(k.try_into().expect("16"))))
+                .collect();
+            if wrong_ns {
+                reply_status(s, t, 1, 0)?;
+                return Err(Error::Mismatch(
+                    "remote tier: fetch for another namespace".into(),
+                ));
+            }
+            c.fetches.fetch_add(1, Ordering::Relaxed);
+            // Pin the present prefix while it is copied and sent, one block at a time (memory
+            // stays one block, whatever the chain's length).
+            let mut lease = Some(store.pin(&keys));
+            let held = lease.as_ref().map_or(0, |l| l.len());
+            let block = store.info().map(|i| i.geometry.block_bytes).unwrap_or(0);
+            reply_status(s, t, 0, held as u32)?;
+            let mut buf = vec![0u8; block as usize];
+            for (i, &k) in keys[..held].iter().enumerate() {
+                let ok = read_block(store, k, &mut buf);
+                if !ok || i + 1 == held {
+                    // Nothing more to read: unpin before the last write, so that a consumer
+                    // who has its reply never finds the blocks still pinned.
+                    lease.take();
                 }
-                if wrong_ns {
-                    c.errors.fetch_add(1, Ordering::Relaxed);
-                    reply_status(&mut s, 1, 0)?;
-                    continue;
-                }
-                c.fetches.fetch_add(1, Ordering::Relaxed);
-                // Pin the present prefix while it is copied and sent, one block at a time (memory
-                // stays one block, whatever the chain's length).
-                let mut lease = Some(store.pin(&keys));
-                let held = lease.as_ref().map_or(0, |l| l.len());
-                let block = store.info().map(|i| i.geometry.block_bytes).unwrap_or(0);
-                let mut w = Vec::with_capacity(10);
-                w.extend_from_slice(&MAGIC);
-                w.extend_from_slice(&0u16.to_le_bytes());
-                w.extend_from_slice(&(held as u32).to_le_bytes());
-                s.write_all(&w).map_err(|e| io("send a reply", e))?;
-                let mut buf = vec![0u8; block as usize];
-                for (i, &k) in keys[..held].iter().enumerate() {
-                    let ok = read_block(store, k, &mut buf);
-                    if !ok || i + 1 == held {
-                        // Nothing more to read: unpin before the last write, so that a consumer
-                        // who has its reply never finds the blocks still pinned.
-                        lease.take();
-                    }
-                    if !ok {
-                        // The rest is a miss: an end marker instead of a block.
-                        let mut h = [0u8; 16];
-                        h[..8].copy_from_slice(&END.to_le_bytes());
-                        s.write_all(&h).map_err(|e| io("send a block", e))?;
-                        break;
-                    }
-                    let sum = checksum::checksum(&buf);
+                if !ok {
+                    // The rest is a miss: an end marker instead of a block.
                     let mut h = [0u8; 16];
-                    h[..8].copy_from_slice(&(buf.len() as u64).to_le_bytes());
-                    h[8..].copy_from_slice(&sum.to_le_bytes());
-                    s.write_all(&h).map_err(|e| io("send a block", e))?;
-                    s.write_all(&buf).map_err(|e| io("send a block", e))?;
-                    c.blocks_sent.fetch_add(1, Ordering::Relaxed);
-                    c.bytes_sent.fetch_add(buf.len() as u64, Ordering::Relaxed);
+                    h[..8].copy_from_slice(&END.to_le_bytes());
+                    s.write_full(&h, t).map_err(|e| io("send a block", e))?;
+                    break;
                 }
-                drop(lease);
+                let sum = checksum::checksum(&buf);
+                let mut h = [0u8; 16];
+                h[..8].copy_from_slice(&(buf.len() as u64).to_le_bytes());
+                h[8..].copy_from_slice(&sum.to_le_bytes());
+                s.write_full(&h, t).map_err(|e| io("send a block", e))?;
+                s.write_full(&buf, t).map_err(|e| io("send a block", e))?;
+                c.blocks_sent.fetch_add(1, Ordering::Relaxed);
+                c.bytes_sent.fetch_add(buf.len() as u64, Ordering::Relaxed);
             }
-            OP_OFFER => {
-                let mut keys = Vec::new();
-                let mut blocks: Vec<Vec<u8>> = Vec::new();
-                let mut ok = true;
-                // What the store can take: no more blocks than its slots, none over its block size.
-                let (block, slots) = store
-                    .info()
-                    .map(|i| (i.geometry.block_bytes, i.geometry.num_slots))
-                    .unwrap_or((0, 0));
-                if n as u64 > slots {
-                    c.errors.fetch_add(1, Ordering::Relaxed);
-                    reply_status(&mut s, 2, 0)?;
-                    return Err(Error::Protocol(format!(
-                        "remote tier: offer of {n} blocks to a store of {slots} slots"
-                    )));
-                }
-                for _ in 0..n {
-                    let k = u128::from_le_bytes(rd::<16>(&mut s).map_err(|e| io("read", e))?);
-                    let len = u64::from_le_bytes(rd::<8>(&mut s).map_err(|e| io("read", e))?);
-                    let sum = u64::from_le_bytes(rd::<8>(&mut s).map_err(|e| io("read", e))?);
-                    if len > block.min(MAX_BLOCK) {
-                        c.errors.fetch_add(1, Ordering::Relaxed);
-                        reply_status(&mut s, 2, 0)?;
-                        return Err(Error::Protocol("remote tier: offered block too big".into()));
-                    }
-                    let mut b = vec![0u8; len as usize];
-                    s.read_exact(&mut b).map_err(|e| io("read a block", e))?;
-                    if checksum::checksum(&b) != sum {
-                        ok = false;
-                    }
-                    if ok {
-                        keys.push(BlockKey(k));
-                        blocks.push(b);
-                    }
-                }
-                if wrong_ns {
-                    reply_status(&mut s, 1, 0)?;
-                    continue;
-                }
-                let refs: Vec<&[u8]> = blocks.iter().map(|b| b.as_slice()).collect();
-                let stored = match store.put_from_host(None, &keys, &refs) {
-                    Ok(r) => r.stored + r.present,
-                    Err(e) => {
-                        log::debug!("remote tier offer: {e}");
-                        0
-                    }
-                };
-                c.blocks_offered.fetch_add(stored as u64, Ordering::Relaxed);
-                reply_status(&mut s, 0, stored as u32)?;
-            }
-            _ => {
-                c.errors.fetch_add(1, Ordering::Relaxed);
-                reply_status(&mut s, 2, 0)?;
-                return Err(Error::Protocol(format!("remote tier: unknown op {op}")));
-            }
+            drop(lease);
+            Ok(())
+        }
+        OP_OFFER => serve_offer(s, sh, n, wrong_ns),
+        _ => {
+            reply_status(s, t, 2, 0)?;
+            Err(Error::Protocol(format!("remote tier: unknown op {op}")))
         }
     }
+}
+
+/// Reads an offer of `n` blocks and stores its leading valid blocks as one chain, batch by batch
+/// (at most [`OFFER_BATCH_BYTES`] held at a time). Once a block fails its checksum, the store
+/// refuses a batch or has no room, the rest is read and dropped.
+fn serve_offer(s: &mut Conn, sh: &Shared, n: u32, wrong_ns: bool) -> Result<()> {
+    let (store, c, t) = (&sh.store, &*sh.c, sh.opts.io_timeout);
+    // What the store can take: no more blocks than its slots, none over its block size.
+    let (block, slots) = store
+        .info()
+        .map(|i| (i.geometry.block_bytes, i.geometry.num_slots))
+        .unwrap_or((0, 0));
+    if n as u64 > slots {
+        reply_status(s, t, 2, 0)?;
+        return Err(Error::Protocol(format!(
+            "remote tier: offer of {n} blocks to a store of {slots} slots"
+        )));
+    }
+    let mut storing = !wrong_ns;
+    let mut stored = 0u64;
+    let mut parent: Option<BlockKey> = None;
+    let mut keys: Vec<BlockKey> = Vec::new();
+    let mut bufs: Vec<Vec<u8>> = Vec::new();
+    let mut held = 0u64;
+    let mut flush = |keys: &mut Vec<BlockKey>,
+                     bufs: &mut Vec<Vec<u8>>,
+                     held: &mut u64,
+                     storing: &mut bool,
+                     parent: &mut Option<BlockKey>| {
+        if *storing && !keys.is_empty() {
+            let refs: Vec<&[u8]> = bufs.iter().map(|b| b.as_slice()).collect();
+            let got = match store.put_from_host(*parent, keys, &refs) {
+                Ok(r) => (r.stored + r.present) as u64,
+                Err(e) => {
+                    log::debug!("remote tier offer: {e}");
+                    0
+                }
+            };
+            stored += got;
+            if got < keys.len() as u64 {
+                // The chain stops here: later blocks would have no parent in the store.
+                *storing = false;
+            }
+            *parent = keys.last().copied();
+        }
+        keys.clear();
+        bufs.clear();
+        *held = 0;
+    };
+    for _ in 0..n {
+        let mut h = [0u8; 32];
+        s.read_full(&mut h, t).map_err(|e| io("read an offer", e))?;
+        let k = u128::from_le_bytes(h[..16].try_into().expect("16"));
+        let len = u64::from_le_bytes(h[16..24].try_into().expect("8"));
+        let sum = u64::from_le_bytes(h[24..].try_into().expect("8"));
+        if len > block.min(MAX_BLOCK) {
+            reply_status(s, t, 2, 0)?;
+            return Err(Error::Protocol(format!(
+                "remote tier: offered block of {len} B exceeds the store's {block} B"
+            )));
+        }
+        if held > 0 && held + len > OFFER_BATCH_BYTES {
+            flush(&mut keys, &mut bufs, &mut held, &mut storing, &mut parent);
+        }
+        let mut b = vec![0u8; len as usize];
+        s.read_full(&mut b, t).map_err(|e| io("read a block", e))?;
+        if !storing {
+            continue;
+        }
+        if checksum::checksum(&b) != sum {
+            log::debug!(
+                "remote tier offer: block {} arrived corrupt; the chain ends",
+                keys.len()
+            );
+            flush(&mut keys, &mut bufs, &mut held, &mut storing, &mut parent);
+            storing = false;
+            continue;
+        }
+        held += len;
+        keys.push(BlockKey(k));
+        bufs.push(b);
+    }
+    flush(&mut keys, &mut bufs, &mut held, &mut storing, &mut parent);
+    drop(flush);
+    if wrong_ns {
+        reply_status(s, t, 1, 0)?;
+        return Err(Error::Mismatch(
+            "remote tier: offer for another namespace".into(),
+        ));
+    }
+    c.blocks_offered.fetch_add(stored, Ordering::Relaxed);
+    reply_status(s, t, 0, stored as u32)
 }
 
 /// Copies one block out of the store. Stores served by the remote tier hold blocks of exactly
@@ -354,15 +675,18 @@ fn read_block(store: &KvStore, k: BlockKey, buf: &mut [u8]) -> bool {
     }
 }
 
-fn reply_status(s: &mut TcpStream, status: u16, n: u32) -> Result<()> {
+fn reply_status(s: &mut Conn, t: Duration, status: u16, n: u32) -> Result<()> {
     let mut w = Vec::with_capacity(10);
     w.extend_from_slice(&MAGIC);
     w.extend_from_slice(&status.to_le_bytes());
     w.extend_from_slice(&n.to_le_bytes());
-    s.write_all(&w).map_err(|e| io("send a reply", e))
+    s.write_full(&w, t).map_err(|e| io("send a reply", e))
 }
 
-fn connect(addr: &str, o: &RemoteOptions) -> Result<TcpStream> {
+/// Connects to `addr` and, with credentials, completes the TLS handshake (the server must
+/// prove the same credentials).
+fn connect(addr: &str, o: &RemoteOptions) -> Result<Conn> {
+    let tls = client_tls(&o.security)?;
     let sa: Vec<SocketAddr> = addr
         .to_socket_addrs()
         .map_err(|e| Error::InvalidArgument(format!("remote tier address {addr:?}: {e}")))?
@@ -371,12 +695,24 @@ fn connect(addr: &str, o: &RemoteOptions) -> Result<TcpStream> {
     for a in sa {
         match TcpStream::connect_timeout(&a, o.connect_timeout) {
             Ok(s) => {
-                s.set_read_timeout(Some(o.io_timeout))
-                    .map_err(|e| io("socket", e))?;
-                s.set_write_timeout(Some(o.io_timeout))
-                    .map_err(|e| io("socket", e))?;
                 let _ = s.set_nodelay(true);
-                return Ok(s);
+                let Some(cfg) = tls else {
+                    return Ok(Conn::Plain(s));
+                };
+                let c = rustls::ClientConnection::new(cfg, o.security.server_name())
+                    .map_err(|e| Error::Protocol(format!("remote tier: TLS: {e}")))?;
+                let mut conn = Conn::Tls(Box::new(c.into()), s);
+                conn.handshake(o.io_timeout).map_err(|e| {
+                    if e.kind() == std::io::ErrorKind::InvalidData {
+                        Error::Protocol(format!(
+                            "remote tier {addr}: TLS handshake refused (the peer does not hold \
+                             this fleet's credentials): {e}"
+                        ))
+                    } else {
+                        io(&format!("TLS handshake with {addr}"), e)
+                    }
+                })?;
+                return Ok(conn);
             }
             Err(e) => last = Some(e),
         }
@@ -397,8 +733,10 @@ fn header(op: u16, ns: &Namespace, n: usize) -> Vec<u8> {
     w
 }
 
-fn read_reply(s: &mut TcpStream, addr: &str) -> Result<u32> {
-    let h = rd::<10>(s).map_err(|e| io(&format!("reply from {addr}"), e))?;
+fn read_reply(s: &mut Conn, addr: &str, t: Duration) -> Result<u32> {
+    let mut h = [0u8; 10];
+    s.read_full(&mut h, t)
+        .map_err(|e| io(&format!("reply from {addr}"), e))?;
     if h[0..4] != MAGIC {
         return Err(Error::Protocol(format!(
             "remote tier {addr}: bad reply magic"
@@ -452,14 +790,15 @@ pub fn fetch(
     if chain.is_empty() {
         return Ok(0);
     }
+    let t = o.io_timeout;
     let mut s = connect(addr, o)?;
     let mut w = header(OP_FETCH, ns, chain.len());
     for k in chain {
         w.extend_from_slice(&k.0.to_le_bytes());
     }
-    s.write_all(&w)
+    s.write_full(&w, t)
         .map_err(|e| io(&format!("send to {addr}"), e))?;
-    let n = read_reply(&mut s, addr)? as usize;
+    let n = read_reply(&mut s, addr, t)? as usize;
     if n > chain.len() {
         return Err(Error::Protocol(format!(
             "remote tier {addr}: {n} blocks for a chain of {}",
@@ -467,7 +806,9 @@ pub fn fetch(
         )));
     }
     for (i, d) in dst.iter_mut().enumerate().take(n) {
-        let h = rd::<16>(&mut s).map_err(|e| io(&format!("block from {addr}"), e))?;
+        let mut h = [0u8; 16];
+        s.read_full(&mut h, t)
+            .map_err(|e| io(&format!("block from {addr}"), e))?;
         let len = u64::from_le_bytes(h[..8].try_into().expect("8"));
         let sum = u64::from_le_bytes(h[8..].try_into().expect("8"));
         if len == END {
@@ -480,7 +821,7 @@ pub fn fetch(
                 d.len()
             )));
         }
-        s.read_exact(d)
+        s.read_full(d, t)
             .map_err(|e| io(&format!("block from {addr}"), e))?;
         if checksum::checksum(d) != sum {
             return Err(Error::Checksum(format!(
@@ -510,18 +851,21 @@ pub fn offer(
             blocks.len()
         )));
     }
+    let t = o.io_timeout;
     let mut s = connect(addr, o)?;
-    s.write_all(&header(OP_OFFER, ns, chain.len()))
+    s.write_full(&header(OP_OFFER, ns, chain.len()), t)
         .map_err(|e| io(&format!("send to {addr}"), e))?;
     for (k, b) in chain.iter().zip(blocks) {
         let mut h = Vec::with_capacity(32);
         h.extend_from_slice(&k.0.to_le_bytes());
         h.extend_from_slice(&(b.len() as u64).to_le_bytes());
         h.extend_from_slice(&checksum::checksum(b).to_le_bytes());
-        s.write_all(&h)
+        s.write_full(&h, t)
             .map_err(|e| io(&format!("send to {addr}"), e))?;
-        s.write_all(b)
+        s.write_full(b, t)
             .map_err(|e| io(&format!("send to {addr}"), e))?;
     }
-    Ok(read_reply(&mut s, addr)? as usize)
+    let n = read_reply(&mut s, addr, t)? as usize;
+    s.close(Duration::from_millis(200));
+    Ok(n)
 }

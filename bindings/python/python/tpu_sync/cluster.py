@@ -6,12 +6,18 @@ them to others (:class:`RemoteServer`), and before recomputing a prompt asks the
 holds its prefix (:meth:`Directory.lookup`) and fetches it (:func:`fetch`)::
 
     d = Directory(endpoints=["http://etcd-0:2379"])
-    srv = RemoteServer(store, "0.0.0.0:7800")
+    creds = {"psk_file": "/etc/tpu-sync/fleet.psk"}  # or {"tls": {"cert", "key", "ca"}}
+    srv = RemoteServer(store, "0.0.0.0:7800", remote=creds)
     pub = d.publish(store, host_id="node-3", addr="10.0.0.3:7800")
     for cand in d.lookup(namespace, keys):          # longest prefix first; a hint
-        n = fetch(cand["addr"], namespace, keys[:cand["blocks"]], outs)
+        n = fetch(cand["addr"], namespace, keys[:cand["blocks"]], outs, remote=creds)
         if n:
             break
+
+The remote tier authenticates with the endpoints' credentials (``remote``: mutual TLS or a
+pre-shared key, TLS 1.3 both ways): a server serves only clients that hold them, and a client
+takes bytes only from a server that proves them. Without credentials it is plain TCP, and a
+server refuses a non-loopback address unless ``remote={"insecure": True}``.
 
 The directory is a hint: a fetch may deliver fewer blocks than the lookup said (evicted since),
 never wrong bytes (each block's length and xxh3-64 are checked on arrival). Errors are the
@@ -34,7 +40,8 @@ from .errors import InvalidArgumentError
 from .store import Store, _keys
 from . import _check as ck
 
-__all__ = ["Directory", "Member", "Publisher", "RemoteServer", "SETTINGS", "fetch", "load", "settings"]
+__all__ = ["Directory", "Member", "Publisher", "REMOTE_OPTIONS", "RemoteServer", "SETTINGS", "fetch", "load",
+           "settings"]
 
 
 class Publisher(Handle):
@@ -107,15 +114,43 @@ class Directory(Handle):
         return p
 
 
+#: Keys of the remote tier's options (``remote`` of :class:`RemoteServer`, :func:`fetch`,
+#: :func:`load`; the C library's ``tpu_sync_remote_serve_with``): credentials ``tls`` (a dict
+#: ``cert``, ``key``, ``ca``, optional ``server_name``: PEM files, mutual TLS against that CA),
+#: ``psk_hex`` or ``psk_file`` (a pre-shared key of at least 16 bytes; 32 random bytes
+#: recommended), at most one of the three; ``insecure`` (bool: a server without credentials may
+#: listen beyond loopback); ``timeout_s``, ``connect_timeout_s``, ``io_timeout_s`` (seconds);
+#: ``workers``, ``max_queued`` (the server's connection caps).
+REMOTE_OPTIONS = frozenset({"tls", "psk_hex", "psk_file", "insecure", "timeout_s", "connect_timeout_s",
+                            "io_timeout_s", "workers", "max_queued"})
+
+
+def _remote(remote: Optional[Dict[str, Any]], where: str = "remote") -> Dict[str, Any]:
+    if remote is None:
+        return {}
+    if not isinstance(remote, dict):
+        raise ck.fail(f"{where} must be a dict, got {type(remote).__name__}")
+    unknown = set(remote) - REMOTE_OPTIONS
+    if unknown:
+        raise ck.fail(f"unknown {where} options {sorted(unknown)}; known: {sorted(REMOTE_OPTIONS)}")
+    return dict(remote)
+
+
 class RemoteServer(Handle):
     """Serves ``store``'s blocks to other instances on TCP ``listen`` (``host:port``; port 0 picks
-    one, see :attr:`addr`). Plain TCP: trusted networks only."""
+    one, see :attr:`addr`) from a fixed pool of threads. ``remote``: the options of
+    :data:`REMOTE_OPTIONS`; with credentials only clients that hold the same ones are served
+    (TLS 1.3, mutual). Without credentials: plain TCP, for trusted networks, and a non-loopback
+    ``listen`` raises InvalidArgumentError unless ``remote["insecure"]`` is true.
+
+    Raises: InvalidArgumentError, IoError (the address cannot be bound)."""
 
     _free = lib.tpu_sync_remote_server_free
 
-    def __init__(self, store: Store, listen: str) -> None:
+    def __init__(self, store: Store, listen: str, *, remote: Optional[Dict[str, Any]] = None) -> None:
         out = ffi.new("tpu_sync_remote_server **")
-        check(lib.tpu_sync_remote_serve(store._handle(), str(listen).encode(), out))
+        opts = json.dumps(_remote(remote)).encode()
+        check(lib.tpu_sync_remote_serve_with(store._handle(), str(listen).encode(), opts, out))
         super().__init__(out[0])
         self._store = store
 
@@ -126,13 +161,16 @@ class RemoteServer(Handle):
 
 
 def fetch(addr: str, namespace: str, keys: Sequence[bytes], outs: Sequence[Any],
-          timeout: float = 10.0) -> int:
+          timeout: float = 10.0, *, remote: Optional[Dict[str, Any]] = None) -> int:
     """Fetches the leading blocks of ``keys`` from the remote server at ``addr`` into writable host
     arrays (``outs[i]`` exactly as long as block ``keys[i]``). Returns how many leading blocks
-    arrived byte-exact (a smaller count is a miss, not an error).
+    arrived byte-exact (a smaller count is a miss, not an error). ``remote``: credentials (and
+    options) of :data:`REMOTE_OPTIONS`; with them the server must prove the same ones before a
+    byte is read from it. ``timeout`` (seconds) is each read's and write's deadline.
 
     Raises: MismatchError (another namespace), PeerClosedError / TimeoutError (server gone or
-    stalled), ProtocolError, ChecksumError, InvalidArgumentError."""
+    stalled), ProtocolError (also: a server without this fleet's credentials), ChecksumError,
+    InvalidArgumentError."""
     arr, n = _keys(keys)
     outs = list(outs)
     if len(outs) != n:
@@ -143,14 +181,17 @@ def fetch(addr: str, namespace: str, keys: Sequence[bytes], outs: Sequence[Any],
     ptrs = ffi.new("void *[]", [ffi.cast("void *", v.ptr) for v in views] or [ffi.NULL])
     lens = ffi.new("uint64_t[]", [v.nbytes for v in views] or [0])
     got = ffi.new("size_t *")
-    check(lib.tpu_sync_remote_fetch(str(addr).encode(), str(namespace).encode(), arr, ptrs, lens, n,
-                                    int(timeout * 1000), got))
+    opts = _remote(remote)
+    opts.setdefault("timeout_s", float(timeout))
+    check(lib.tpu_sync_remote_fetch_with(str(addr).encode(), str(namespace).encode(), arr, ptrs, lens, n,
+                                         json.dumps(opts).encode(), got))
     return int(got[0])
 
 
 def load(src_layout: Dict[str, Any], sources: Sequence[Dict[str, Any]], dst_placement: Any,
          num_tokens: int, kv: Any, *, timeout: float = 10.0,
-         staging_budget_bytes: Optional[int] = None) -> Dict[str, int]:
+         staging_budget_bytes: Optional[int] = None,
+         remote: Optional[Dict[str, Any]] = None) -> Dict[str, int]:
     """Loads the present prefix of a prompt from other instances' host tiers into this side's
     device buffers, resharded from the producer's layout ``src_layout`` (``tpu_sync.layout``) to
     ``dst_placement``'s (other TP split, block size, block order; any PCP on the producer, whose
@@ -160,7 +201,7 @@ def load(src_layout: Dict[str, Any], sources: Sequence[Dict[str, Any]], dst_plac
     tp``): ``{"addr": remote server "host:port", "namespace": that rank's store namespace,
     "keys": [16-byte keys]}``, key ``i`` holding the rank's request block ``i`` (a PCP rank
     holds only some of them). ``kv``: ``{rank: [layer buffers]}`` as for
-    :meth:`tpu_sync.Endpoint.pull`.
+    :meth:`tpu_sync.Endpoint.pull`. ``remote``: the fetches' credentials (:data:`REMOTE_OPTIONS`).
 
     Returns ``{"tokens", "dst_blocks", "fetched_bytes", "device_bytes", "staged_bytes", "spans",
     "elapsed_ns"}``: ``tokens`` loaded (the longest prefix every producer rank still holds, in
@@ -187,6 +228,8 @@ def load(src_layout: Dict[str, Any], sources: Sequence[Dict[str, Any]], dst_plac
     req: Dict[str, Any] = {"src_layout": src_layout, "sources": srcs}
     if staging_budget_bytes is not None:
         req["staging_budget_bytes"] = int(staging_budget_bytes)
+    if remote:
+        req["remote"] = _remote(remote)
     dst = _placement(dst_placement, "dst_placement")
     ranks, bufs, n, layers, keep = _kv(kv)
     st = ffi.new("tpu_sync_remote_load_stats *")
@@ -201,7 +244,8 @@ def load(src_layout: Dict[str, Any], sources: Sequence[Dict[str, Any]], dst_plac
 #: ``kv_connector_extra_config["cluster"]``, the SGLang storage backend's
 #: ``hicache_storage_backend_extra_config["cluster"]``); see :class:`Member`.
 SETTINGS = frozenset({"endpoints", "advertise", "listen", "host_id", "prefix", "lease_ttl", "user", "password",
-                      "tls_ca_file", "tls_cert_file", "tls_key_file", "tls_domain", "fetch_timeout"})
+                      "tls_ca_file", "tls_cert_file", "tls_key_file", "tls_domain", "fetch_timeout",
+                      "remote_tls", "remote_psk_hex", "remote_psk_file", "insecure"})
 
 _DIRECTORY_SETTINGS = ("prefix", "lease_ttl", "user", "password", "tls_ca_file", "tls_cert_file", "tls_key_file",
                        "tls_domain")
@@ -236,7 +280,8 @@ class Member:
         etcd client URLs.
     ``advertise`` (str, required)
         ``host:port`` other instances fetch this store's blocks from (port 0: the port the
-        server picked); the server listens on ``listen`` (default ``0.0.0.0:<advertise port>``).
+        server picked); the server listens on ``listen`` (default ``0.0.0.0:<advertise port>``
+        with credentials or ``insecure``, the ``advertise`` address itself otherwise).
     ``host_id`` (str)
         this store's id in the directory (default ``<advertise host>_<port>-r<rank>``).
     ``prefix``, ``lease_ttl`` (seconds), ``user``, ``password``, ``tls_ca_file``,
@@ -244,6 +289,14 @@ class Member:
         as :class:`Directory`.
     ``fetch_timeout`` (seconds, default 5)
         deadline of each fetch from a peer (:attr:`timeout`).
+    ``remote_tls`` (dict ``cert``, ``key``, ``ca``, optional ``server_name``), ``remote_psk_hex``, ``remote_psk_file``
+        the fleet's credentials for the remote tier (at most one; :data:`REMOTE_OPTIONS`):
+        this store is served only to members that hold them, and fetches from peers take bytes
+        only from members that prove them (:attr:`remote`).
+    ``insecure`` (bool, default false)
+        without credentials, lets the server listen beyond loopback (plain TCP: anyone who
+        reaches the port can read and offer blocks). Without credentials and without it, a
+        non-loopback ``listen`` raises InvalidArgumentError.
 
     ``meta`` is published with the store's record (e.g. a ``StoreSource`` JSON). Not
     thread-safe to close while in use; the handles are.
@@ -257,10 +310,20 @@ class Member:
             raise ck.fail("cluster settings are empty")
         self.timeout = float(c.get("fetch_timeout", 5.0))
         advertise = str(c["advertise"])
-        listen = str(c.get("listen") or f"0.0.0.0:{advertise.rpartition(':')[2]}")
+        #: the remote tier's credentials, for :func:`fetch` and :func:`load` from peers
+        self.remote: Dict[str, Any] = {k[len("remote_"):]: c[k] for k in ("remote_tls", "remote_psk_hex",
+                                                                           "remote_psk_file") if c.get(k)}
+        server_opts = dict(self.remote)
+        if c.get("insecure"):
+            server_opts["insecure"] = True
+        # All interfaces only for a server that authenticates its clients (or is told insecure);
+        # otherwise the advertised address itself, which must then be loopback.
+        port = advertise.rpartition(':')[2]
+        open_to_all = bool(self.remote) or bool(c.get("insecure"))
+        listen = str(c.get("listen") or (f"0.0.0.0:{port}" if open_to_all else advertise))
         self.directory = Directory(list(c["endpoints"]), **{k: c[k] for k in _DIRECTORY_SETTINGS if k in c})
         try:
-            self.server = RemoteServer(store, listen)
+            self.server = RemoteServer(store, listen, remote=server_opts)
         except Exception:
             self.directory.close()
             raise

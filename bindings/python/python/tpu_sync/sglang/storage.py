@@ -429,7 +429,8 @@ class TpuSyncStorage(HiCacheStorage):
                 continue
             outs = [bytearray(tier.page_bytes) for _ in want]
             try:
-                n = cluster.fetch(p["addr"], tier.namespace, want, outs, timeout=tier.member.timeout)
+                n = cluster.fetch(p["addr"], tier.namespace, want, outs, timeout=tier.member.timeout,
+                                  remote=tier.member.remote)
             except Exception as e:  # a dead, stalled or stale peer is a miss
                 log.warning("tpu_sync.sglang: fetching %d pages from %s (%s) failed: %s", len(want), p["id"],
                             p["addr"], e)

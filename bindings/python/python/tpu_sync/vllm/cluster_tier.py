@@ -203,7 +203,8 @@ class ClusterTier(StoreTier):
             sources = [dict(s, keys=s["keys"][:m]) for s in cand["sources"]]
             try:
                 r = cluster.load(cand["src_layout"], sources, dict(dst, block_ids=[ids[:m] for ids in dst["block_ids"]]),
-                                 m * bs, {self._rank: self._caches.views}, timeout=self._timeout)
+                                 m * bs, {self._rank: self._caches.views}, timeout=self._timeout,
+                                 remote=self.member.remote)
             except Exception as e:  # a dead or stale peer is a miss
                 log.warning("tpu_sync: remote load from %s failed: %s", cand["id"], e)
                 continue
