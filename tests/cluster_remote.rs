@@ -240,7 +240,14 @@ fn with_a_pre_shared_key_only_members_fetch_and_offer_and_members_fetch_only_fro
         assert_eq!(*b, store_util::bytes_of(chain[i], B), "block {i}");
     }
     // No credentials, or another key: refused during the handshake, not a single block sent.
+    // The server counts a block once its write returned, which can be after the client has read
+    // it: take the baseline once the member's connection is done (`serving` back to 0).
+    let t0 = std::time::Instant::now();
+    while server.stats().serving > 0 && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let before = server.stats();
+    assert_eq!(before.blocks_sent, 6, "{before:?}");
     for o in [opts(), psk(b"another fleet's key, 32 bytes!!!")] {
         let e = fetch_with(&addr, &ns, &chain, &o).unwrap_err();
         assert!(
