@@ -649,7 +649,6 @@ fn serve_offer(s: &mut Conn, sh: &Shared, n: u32, wrong_ns: bool) -> Result<()> 
         bufs.push(b);
     }
     flush(&mut keys, &mut bufs, &mut held, &mut storing, &mut parent);
-    drop(flush);
     if wrong_ns {
         reply_status(s, t, 1, 0)?;
         return Err(Error::Mismatch(
