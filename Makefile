@@ -150,7 +150,7 @@ test-python: python $(PYTEST_DEPS)
 # Fuzzing (not part of `make test`): each cargo-fuzz target runs FUZZ_SECONDS. cargo-fuzz needs
 # nightly features; RUSTC_BOOTSTRAP=1 enables them on the stable toolchain this project uses.
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := wire_frame endpoint_lane stripe_chunks layout_validate placement_json plan_layouts ffi_calls
+FUZZ_TARGETS := wire_frame endpoint_lane stripe_chunks layout_validate placement_json plan_layouts ffi_calls remote_tier shm_hello
 fuzz: plugin
 	command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
 	cd fuzz && for t in $(FUZZ_TARGETS); do \
