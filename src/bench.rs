@@ -6,7 +6,7 @@
 //! | `d2h` | KV blocks from PJRT device buffers into pinned staging (`Staging::fill_from_device`, the engines' path) | `memcpy` of the same pieces between host buffers |
 //! | `h2d` | staged KV blocks written into the device buffers in place (`Staging::drain_to_device`) | `memcpy` of the same pieces |
 //! | `net` | a request pulled and pushed through `net::Endpoint` over TCP, TLS and QUIC, to and from a separate process | one raw TCP socket between the same two processes moving the same bytes |
-//! | `reshard` | a prefill->decode resharding plan, and an MLA cache to a TP=4 decode per rank and per host (fan-out) | a plain transfer of the same bytes (TP=1 -> TP=1) |
+//! | `reshard` | a prefill->decode resharding plan, an MLA cache to a TP=4 decode per rank and per host (fan-out), and the TPU engines' RPA v3 caches resharded (TPU TP changes, NHD -> RPA v3, head_dim 64; bytes moved / needed noted) | a plain transfer of the same bytes (TP=1 -> TP=1) |
 //! | `latency` | p50/p99 of one 16 KiB block pulled/pushed | the raw socket's 16 KiB round trip |
 //! | `store` | host KV tier put (copy + xxh3) and get (with and without verification), lookups | `memcpy` of the same blocks |
 //!

@@ -1426,7 +1426,8 @@ fn pull_system<'a>(name: &str, peer: &'a Peer, t: &'a str, cases: &'a [(u32, Cas
 /// TP=1 x DP=2, 16-token HND blocks, as `tpu-sync demo`) against a plain TP=1 -> TP=1 transfer
 /// of the same bytes; (2) DeepSeek-V3's MLA latent cache (replicated over TP) to a TP=4 decode,
 /// once per destination rank and once per destination host with a local fan-out, against a
-/// plain transfer of the request's bytes. All pulls over TCP.
+/// plain transfer of the request's bytes; (3) the TPU layout pairs ([`tpu_pairs`]). All pulls
+/// over TCP.
 pub(crate) fn reshard_scenario(b: &mut Bench, _a: &BenchArgs, peer: &mut Peer) -> Result<()> {
     let q = b.cfg.quick;
     let layers = if q { 2 } else { 4 };
@@ -1576,5 +1577,153 @@ pub(crate) fn reshard_scenario(b: &mut Bench, _a: &BenchArgs, peer: &mut Peer) -
     }
     drop_cases(peer, base.iter().map(|c| c.0))?;
     drop_cases(peer, mla.iter().map(|c| c.0))?;
+    r?;
+    tpu_pairs(b, peer, &t, layers, tokens)
+}
+
+/// The TPU layout pairs of `reshard` (docs/tpu.md): the TPU engines' RPA v3 caches (padded,
+/// K and V interleaved and packed) resharded between TPU TP degrees and from a GPU-style NHD
+/// prefill, pulled and checked byte-exact; for each, the bytes that crossed the wire against
+/// the bytes the destination needs (real heads and tokens only, never padding), which must be
+/// 1.00. The llama-3.1-8b pairs are also timed against a plain TP=1 -> TP=1 transfer.
+fn tpu_pairs(b: &mut Bench, peer: &mut Peer, t: &str, layers: u32, tokens: &[u32]) -> Result<()> {
+    // (name, preset, source spec, destination spec, destination DP rank, timed)
+    let pairs: &[(&str, &str, &str, &str, u32, bool)] = &[
+        (
+            "vLLM-TorchTPU TP=2 -> tpu-inference TP=4 (rpa3)",
+            "llama-3.1-8b",
+            "tp=2,block=64,order=rpa3",
+            "tp=4,block=32,order=rpa3",
+            0,
+            true,
+        ),
+        (
+            "tpu-inference TP=4 -> TP=2 (rpa3)",
+            "llama-3.1-8b",
+            "tp=4,block=32,order=rpa3",
+            "tp=2,block=64,order=rpa3",
+            0,
+            true,
+        ),
+        (
+            "GPU prefill TP=2xPCP=2 NHD -> TPU decode TP=1xDP=2 (rpa3)",
+            "llama-3.1-8b",
+            "tp=2,pcp=2,block=64,order=nhd",
+            "tp=1,dp=2,block=64,order=rpa3",
+            1,
+            true,
+        ),
+        (
+            "head_dim 64: TP=2 -> TP=8 (rpa3hd64, a padded slot per token)",
+            "llama-3.2-1b",
+            "tp=2,block=64,order=rpa3hd64",
+            "tp=8,block=64,order=rpa3hd64",
+            0,
+            false,
+        ),
+        (
+            "head_dim 64 in the v3 kernel's layout: NHD TP=1 -> rpa3 TP=2 (half the lanes padding)",
+            "llama-3.2-1b",
+            "tp=1,block=16,order=nhd",
+            "tp=2,block=64,order=rpa3",
+            0,
+            false,
+        ),
+    ];
+    b.describe(
+        "tpu",
+        &format!(
+            "pulls over {t}: the TPU engines' RPA v3 KV caches resharded ({layers} layers; \
+             llama-3.1-8b: 8 KV heads x 128, llama-3.2-1b: 8 x 64; bf16) vs a plain TP=1 -> \
+             TP=1 transfer of the same bytes; x = tokens; every pair checked byte-exact, its wire \
+             bytes / needed bytes noted"
+        ),
+    );
+    let mut plain = Vec::new();
+    let mut cases: Vec<Vec<(u32, Case)>> = pairs.iter().map(|_| Vec::new()).collect();
+    let mut sz = Vec::new();
+    for &n in tokens {
+        let pc = peer.setup(&CaseSpec::plain("llama-3.1-8b", layers, n))?;
+        sz.push(Size {
+            bytes: pc.1.plan.total_bytes(),
+            x: n as u64,
+            label: format!("{n}"),
+        });
+        plain.push(pc);
+        for (k, &(_, preset, src, dst, dst_dp, _)) in pairs.iter().enumerate() {
+            cases[k].push(peer.setup(&CaseSpec {
+                preset: preset.into(),
+                layers,
+                tokens: n,
+                src: src.into(),
+                dst: dst.into(),
+                dst_dp,
+                device: false,
+            })?);
+        }
+    }
+    let wire = std::cell::RefCell::new(BTreeMap::<(usize, usize), u64>::new());
+    let r = {
+        let peer_ref = &*peer;
+        let wire = &wire;
+        let mut systems = vec![pull_system("plain tp=1 -> tp=1", peer_ref, t, &plain)];
+        for (k, p) in pairs.iter().enumerate().filter(|(_, p)| p.5) {
+            let cs = &cases[k];
+            systems.push(System::new(p.0, move |i, check| {
+                let (id, c) = &cs[i];
+                let before = peer_ref.bytes_received(t);
+                if check {
+                    c.clear_dst();
+                }
+                peer_ref.pull(t, *id, c, None)?;
+                if check {
+                    c.verify_dst()?;
+                    wire.borrow_mut()
+                        .insert((k, i), peer_ref.bytes_received(t) - before);
+                }
+                Ok(())
+            }));
+        }
+        b.measure("tpu", "tokens", &sz, &mut systems, 0)
+    };
+    // The untimed pairs: one checked pull each.
+    for (k, _) in pairs.iter().enumerate().filter(|(_, p)| !p.5) {
+        for (i, (id, c)) in cases[k].iter().enumerate() {
+            let before = peer.bytes_received(t);
+            c.clear_dst();
+            peer.pull(t, *id, c, None)?;
+            c.verify_dst()?;
+            wire.borrow_mut()
+                .insert((k, i), peer.bytes_received(t) - before);
+        }
+    }
+    for (k, p) in pairs.iter().enumerate() {
+        let w = wire.borrow();
+        let ratios: Vec<String> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let c = &cases[k][i].1;
+                let needed = c.request_bytes * c.dst.layout.head_replicas().unwrap_or(1) as u64;
+                let moved = w.get(&(k, i)).copied().unwrap_or(0);
+                format!(
+                    "{n} tokens {:.2} (plan {:.2}, {} needed)",
+                    moved as f64 / needed as f64,
+                    c.plan.total_bytes() as f64 / needed as f64,
+                    fmt_bytes(needed)
+                )
+            })
+            .collect();
+        b.report.note(
+            "tpu",
+            format!("{}: bytes moved / bytes needed", p.0),
+            ratios.join(", "),
+        );
+    }
+    drop(wire);
+    drop_cases(peer, plain.iter().map(|c| c.0))?;
+    for cs in &cases {
+        drop_cases(peer, cs.iter().map(|c| c.0))?;
+    }
     r
 }

@@ -18,6 +18,13 @@
 //! planes * head_dim]` cache (its `LBHNC` layout, the only one of its CPU attention backend)
 //! whose `(block, head)` interior is packed by the attention kernel: the bytes of one
 //! `(block, head)` are an opaque region, moved whole and never split by token or plane.
+//!
+//! Two more orders are the TPU engines' caches (vLLM-TorchTPU, tpu-inference), written by the
+//! ragged paged attention v3 kernels: [`BlockOrder::Rpa3`], per layer `[num_blocks, block_size,
+//! R, P, D']` with K and V interleaved per head and packed `P` to a 32-bit word, and
+//! [`BlockOrder::Rpa3Hd64`], the head_dim-64 kernel's `[num_blocks, block_size, R, P, 128]` with K
+//! and V side by side in the 128 lanes. Both are padded (heads to a multiple of `P`, head_dim to
+//! 128 lanes); padding is never moved and stays zero. See [`KvLayout::packing`] for the sources.
 
 use serde::{Deserialize, Serialize};
 
@@ -92,21 +99,80 @@ pub enum BlockOrder {
     /// whole blocks, or head slices of blocks when TP differs. Both sides must use this order,
     /// the same block size and the same [`ParallelLayout::block_format`] tag.
     Lbhnc,
+    /// The TPU engines' ragged paged attention v3 cache, per layer `[num_blocks, block_size, R,
+    /// P, D']`: `P` = 32 / element bits ([`KvLayout::packing`]), `D'` = head_dim rounded up to
+    /// 128 lanes, `R` = `ceil(2 * heads / P)`. Row `j = 2 * head + plane` (K = plane 0, V = 1) of
+    /// a token sits at `r = j / P`, `p = j % P`; slots `j >= 2 * heads` and lanes `d >= head_dim`
+    /// are zero padding. Source: `PallasAttentionBackend.get_kv_cache_shape`
+    /// (`vllm_torchtpu/layers/adapter/attention.py`, vllm-torchtpu-core 0.29.0) and `merge_kv`
+    /// (`kernels/ragged_paged_attention/v3/kernel.py`, the same in tpu-inference 0.32.0);
+    /// `docs/tpu.md`. Needs two planes.
+    Rpa3,
+    /// The ragged paged attention v3 head_dim-64 kernel's cache, per layer `[num_blocks,
+    /// block_size, R, P, 128]` with `R` = `ceil(heads / P)`: head `h` at `r = h / P`, `p = h %
+    /// P`, K in lanes 0..64 and V in lanes 64..128; slots `h >= heads` are zero padding. Source:
+    /// `kernels/ragged_paged_attention/v3/kernel_hd64.py` (`get_kv_cache_shape`, `merge_kv`) of
+    /// vllm-torchtpu-core 0.29.0 and tpu-inference 0.32.0. Needs two planes and head_dim 64.
+    Rpa3Hd64,
 }
 
 impl BlockOrder {
-    /// `nhd`, `hnd` or `lbhnc`.
+    /// `nhd`, `hnd`, `lbhnc`, `rpa3` or `rpa3hd64` (also the JSON and layout-spec names).
     pub fn name(self) -> &'static str {
         match self {
             BlockOrder::Nhd => "nhd",
             BlockOrder::Hnd => "hnd",
             BlockOrder::Lbhnc => "lbhnc",
+            BlockOrder::Rpa3 => "rpa3",
+            BlockOrder::Rpa3Hd64 => "rpa3hd64",
         }
+    }
+
+    /// Every order, in declaration order.
+    pub const ALL: [BlockOrder; 5] = [
+        BlockOrder::Nhd,
+        BlockOrder::Hnd,
+        BlockOrder::Lbhnc,
+        BlockOrder::Rpa3,
+        BlockOrder::Rpa3Hd64,
+    ];
+
+    /// The order named `name` (case-insensitive), as [`BlockOrder::name`] spells it.
+    ///
+    /// Errors: [`Error::Layout`] listing the known names.
+    pub fn parse(name: &str) -> Result<BlockOrder> {
+        let n = name.trim().to_ascii_lowercase();
+        BlockOrder::ALL
+            .into_iter()
+            .find(|o| o.name() == n)
+            .ok_or_else(|| {
+                Error::Layout(format!(
+                    "unknown block order `{name}` (known: nhd, hnd, lbhnc (vLLM CPU's opaque \
+                     blocks), rpa3 and rpa3hd64 (the TPU engines' ragged paged attention v3 \
+                     caches))"
+                ))
+            })
     }
 
     /// Whether the block interior is opaque (moved in whole `(block, head)` regions).
     pub fn is_opaque(self) -> bool {
         self == BlockOrder::Lbhnc
+    }
+
+    /// Whether the planes (K and V) of a block are interleaved inside it, so that a block's bytes
+    /// are one contiguous range of the layer buffer (LBHNC and the RPA v3 orders) rather than
+    /// one range per plane (NHD, HND). [`KvLayout::block_offset`] then names the `p`-th
+    /// [`KvLayout::block_bytes`] slice of the block as plane `p`.
+    pub fn planes_within_block(self) -> bool {
+        matches!(
+            self,
+            BlockOrder::Lbhnc | BlockOrder::Rpa3 | BlockOrder::Rpa3Hd64
+        )
+    }
+
+    /// Whether this is one of the TPU engines' ragged paged attention v3 orders (padded).
+    pub fn is_rpa3(self) -> bool {
+        matches!(self, BlockOrder::Rpa3 | BlockOrder::Rpa3Hd64)
     }
 }
 
@@ -132,7 +198,13 @@ pub struct ModelKv {
 pub const MAX_RANKS: u32 = 4096;
 
 /// Preset names accepted by [`ModelKv::preset`].
-pub const PRESETS: &[&str] = &["llama-3.1-8b", "qwen3-32b", "llama-3.1-70b", "deepseek-v3"];
+pub const PRESETS: &[&str] = &[
+    "llama-3.1-8b",
+    "qwen3-32b",
+    "llama-3.1-70b",
+    "deepseek-v3",
+    "llama-3.2-1b",
+];
 
 impl ModelKv {
     /// Geometry of a published model, bf16 KV.
@@ -141,13 +213,15 @@ impl ModelKv {
     /// `num_key_value_heads` 8, head_dim 128 (4096/32); Qwen3-32B 64 layers, 8 KV heads,
     /// `head_dim` 128; Llama-3.1-70B 80 layers, 8 KV heads, head_dim 128 (8192/64); DeepSeek-V3
     /// 61 layers, MLA with `kv_lora_rank` 512 + `qk_rope_head_dim` 64 = one 576-wide latent per
-    /// token, replicated over TP.
+    /// token, replicated over TP; Llama-3.2-1B 16 layers, 8 KV heads, head_dim 64 (2048/32: the
+    /// TPU kernels' head_dim-64 case).
     pub fn preset(name: &str) -> Result<ModelKv> {
         let (layers, heads, dim, planes) = match name {
             "llama-3.1-8b" => (32, 8, 128, 2),
             "qwen3-32b" => (64, 8, 128, 2),
             "llama-3.1-70b" => (80, 8, 128, 2),
             "deepseek-v3" => (61, 1, 576, 1),
+            "llama-3.2-1b" => (16, 8, 64, 2),
             _ => {
                 return Err(Error::Layout(format!(
                     "unknown model preset `{name}` (known: {})",
@@ -268,7 +342,7 @@ impl std::fmt::Display for ParallelSpec {
 
 impl ParallelSpec {
     /// Parses `key=value` pairs separated by commas among `tp`, `pcp`, `dp`, `block`, `order`
-    /// (`nhd`|`hnd`|`lbhnc`); missing keys keep the values of `base`.
+    /// (`nhd`|`hnd`|`lbhnc`|`rpa3`|`rpa3hd64`); missing keys keep the values of `base`.
     ///
     /// Example: `tp=2,pcp=2,block=64,order=nhd`.
     pub fn parse_with(spec: &str, base: ParallelSpec) -> Result<ParallelSpec> {
@@ -288,16 +362,9 @@ impl ParallelSpec {
                 "dp" => out.dp = num(v)?,
                 "block" => out.block_size = num(v)?,
                 "order" => {
-                    out.order = match v.trim().to_ascii_lowercase().as_str() {
-                        "nhd" => BlockOrder::Nhd,
-                        "hnd" => BlockOrder::Hnd,
-                        "lbhnc" => BlockOrder::Lbhnc,
-                        o => {
-                            return Err(Error::Layout(format!(
-                                "order `{o}` in layout spec `{spec}`: expected nhd or hnd (or lbhnc, vLLM's opaque blocks)"
-                            )))
-                        }
-                    }
+                    out.order = BlockOrder::parse(v).map_err(|e| {
+                        Error::Layout(format!("in layout spec `{spec}`: {}", e.detail()))
+                    })?
                 }
                 other => {
                     return Err(Error::Layout(format!(
@@ -453,7 +520,24 @@ impl ParallelLayout {
 
     /// Errors with [`Error::Mismatch`] naming both layouts when both sides' physical layouts are
     /// known and differ (raw bytes copied between them would be garbage: TPU layouts are tiled).
+    ///
+    /// The RPA v3 orders are planned per head row, which only the dense row-major layout keeps
+    /// contiguous: a known tiled layout of either side (a TPU's `{4,3,2,1,0:T(4,128)(4,1)}`
+    /// interleaves the `P` slots of each packed row lane by lane) is refused naming it.
     pub fn check_physical_layout(&self, other: &ParallelLayout) -> Result<()> {
+        for l in [self, other] {
+            if let (true, Some(p)) = (l.spec.order.is_rpa3(), &l.physical_layout) {
+                if !crate::transfer::is_dense_row_major(p, 5) {
+                    return Err(Error::Mismatch(format!(
+                        "physical layout `{p}` of the {} buffers ({}): tpu-sync moves RPA v3 \
+                         caches by head row, which only the dense row-major layout `{{4,3,2,1,0}}` \
+                         keeps contiguous; tiled TPU layouts are not mapped yet (docs/tpu.md)",
+                        l.spec.order.name(),
+                        l.describe()
+                    )));
+                }
+            }
+        }
         match (&self.physical_layout, &other.physical_layout) {
             (Some(a), Some(b)) if a != b => Err(Error::Mismatch(format!(
                 "physical KV buffer layouts differ: `{a}` ({}) vs `{b}` ({}); raw KV bytes can \
@@ -496,7 +580,16 @@ impl ParallelLayout {
         if self.num_blocks == 0 {
             return Err(Error::Layout("num_blocks must be > 0".into()));
         }
-        let bytes = self.rank_kv()?.buffer_bytes();
+        check_order_fits(s.order, &self.model)?;
+        let kv = self.rank_kv()?;
+        // In u128 first: the padded RPA v3 sizes of a peer's u32 fields must not wrap.
+        if kv.buffer_bytes_wide() > (i64::MAX / 2) as u128 {
+            return Err(Error::Layout(format!(
+                "per-layer buffer of {} bytes is too large",
+                kv.buffer_bytes_wide()
+            )));
+        }
+        let bytes = kv.buffer_bytes();
         if bytes > i64::MAX as u64 / 2 {
             return Err(Error::Layout(format!(
                 "per-layer buffer of {bytes} bytes is too large"
@@ -625,11 +718,35 @@ impl ParallelLayout {
     }
 }
 
+/// Errors with [`Error::Layout`] unless `order` can hold `model`'s KV: the RPA v3 orders need two
+/// planes (K and V; MLA caches have their own TPU layout, not supported here) and
+/// [`BlockOrder::Rpa3Hd64`] a head_dim of 64.
+pub fn check_order_fits(order: BlockOrder, model: &ModelKv) -> Result<()> {
+    if order.is_rpa3() && model.kv_planes != 2 {
+        return Err(Error::Layout(format!(
+            "model `{}`: block order {} holds K and V planes; an MLA latent cache ({} plane) \
+             has another TPU layout, which tpu-sync does not support yet",
+            model.name,
+            order.name(),
+            model.kv_planes
+        )));
+    }
+    if order == BlockOrder::Rpa3Hd64 && model.head_dim != 64 {
+        return Err(Error::Layout(format!(
+            "model `{}`: block order rpa3hd64 is the head_dim-64 kernel's cache, but head_dim is \
+             {} (use rpa3)",
+            model.name, model.head_dim
+        )));
+    }
+    Ok(())
+}
+
 /// One rank's KV buffers: one buffer per layer of shape
 /// `[kv_planes, num_blocks, block_size, num_heads, head_dim]` (NHD),
 /// `[kv_planes, num_blocks, num_heads, block_size, head_dim]` (HND) or
 /// `[num_blocks, num_heads, block_size, kv_planes * head_dim]` (LBHNC, opaque `(block, head)`
-/// regions of [`KvLayout::region_bytes`]; [`KvLayout::dims`] gives it a leading 1).
+/// regions of [`KvLayout::region_bytes`]; [`KvLayout::dims`] gives it a leading 1), or
+/// `[num_blocks, block_size, R, P, D']` (the RPA v3 orders, padded: [`KvLayout::packing`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KvLayout {
@@ -652,14 +769,116 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
-    /// Bytes of one head's row (`head_dim * dtype size`).
+    /// Bytes of one head's row of one plane (`head_dim * dtype size`): the real bytes, never
+    /// padding.
     pub fn row_bytes(&self) -> u64 {
         self.head_dim as u64 * self.dtype.size()
     }
 
-    /// Bytes of one block of one plane.
+    /// `P`, the elements packed into one 32-bit word along the RPA v3 caches' fourth dimension:
+    /// 32 / element bits (fp32 1, bf16 and f16 2, fp8 4). Source: `get_dtype_packing` (`32 //
+    /// bits`) in `kernels/ragged_paged_attention/v3/util.py` of vllm-torchtpu-core 0.29.0 and
+    /// tpu-inference 0.32.0. 1 for the other orders (no packing).
+    pub fn packing(&self) -> u32 {
+        if self.order.is_rpa3() {
+            (4 / self.dtype.size()) as u32
+        } else {
+            1
+        }
+    }
+
+    /// `D'`: lanes per packed slot, head_dim rounded up to 128 (`TPU_HEAD_SIZE_ALIGNMENT`);
+    /// always 128 for [`BlockOrder::Rpa3Hd64`] (K and V side by side). `head_dim` for the other
+    /// orders.
+    pub fn padded_head_dim(&self) -> u32 {
+        match self.order {
+            BlockOrder::Rpa3 => self.head_dim.div_ceil(128).saturating_mul(128),
+            BlockOrder::Rpa3Hd64 => 128,
+            _ => self.head_dim,
+        }
+    }
+
+    /// `R`: packed rows per token of the RPA v3 orders, `ceil(2 * heads / P)` ([`BlockOrder::
+    /// Rpa3`]) or `ceil(heads / P)` ([`BlockOrder::Rpa3Hd64`]); for the other orders the heads.
+    pub fn packed_rows(&self) -> u32 {
+        let p = self.packing();
+        match self.order {
+            BlockOrder::Rpa3 => self.num_heads.saturating_mul(2).div_ceil(p),
+            BlockOrder::Rpa3Hd64 => self.num_heads.div_ceil(p),
+            _ => self.num_heads,
+        }
+    }
+
+    /// Bytes of one token of one block in the RPA v3 orders (`R * P * D' * dtype size`, padding
+    /// included): the stride between tokens. Each of its `R` packed rows of `P * D'` elements is
+    /// what a tiled TPU layout keeps contiguous.
+    fn rpa3_token_bytes(&self) -> u64 {
+        self.packed_rows() as u64
+            * self.packing() as u64
+            * self.padded_head_dim() as u64
+            * self.dtype.size()
+    }
+
+    /// Bytes of one block of one plane. For the orders whose planes are interleaved inside a
+    /// block ([`BlockOrder::planes_within_block`]) a block is `kv_planes * block_bytes()`
+    /// contiguous bytes (RPA v3: padding included, `block_size * R * P * D' * size / 2`).
     pub fn block_bytes(&self) -> u64 {
+        if self.order.is_rpa3() {
+            return self.block_size as u64 * self.rpa3_token_bytes() / self.kv_planes.max(1) as u64;
+        }
         self.block_size as u64 * self.num_heads as u64 * self.row_bytes()
+    }
+
+    /// [`KvLayout::buffer_bytes`] in `u128`, without wrapping (for validating a peer's fields).
+    pub fn buffer_bytes_wide(&self) -> u128 {
+        let token = if self.order.is_rpa3() {
+            let p = self.packing() as u128;
+            let rows = match self.order {
+                BlockOrder::Rpa3 => (2 * self.num_heads as u128).div_ceil(p),
+                _ => (self.num_heads as u128).div_ceil(p),
+            };
+            let lanes = match self.order {
+                BlockOrder::Rpa3 => (self.head_dim as u128).div_ceil(128) * 128,
+                _ => 128,
+            };
+            rows * p * lanes * self.dtype.size() as u128
+        } else {
+            self.kv_planes as u128
+                * self.num_heads as u128
+                * self.head_dim as u128
+                * self.dtype.size() as u128
+        };
+        self.num_blocks as u128 * self.block_size as u128 * token
+    }
+
+    /// Byte ranges `(offset, len)` of one token's padding inside its block, relative to the
+    /// token's first byte, in the RPA v3 orders (empty for the others, which have none): the
+    /// unused slots `j >= 2 * heads` (`>= heads` for head_dim 64) and the lanes `d >= head_dim`
+    /// of used slots. Padding is never moved; a destination's stays as it was (zero).
+    pub fn token_padding(&self) -> Vec<(u64, u64)> {
+        let es = self.dtype.size();
+        let slot = self.padded_head_dim() as u64 * es;
+        let slots = self.packed_rows() as u64 * self.packing() as u64;
+        let (used, real) = match self.order {
+            BlockOrder::Rpa3 => (2 * self.num_heads as u64, self.row_bytes()),
+            BlockOrder::Rpa3Hd64 => (self.num_heads as u64, 2 * self.row_bytes()),
+            _ => return Vec::new(),
+        };
+        let mut v = Vec::new();
+        if real < slot {
+            for j in 0..used {
+                v.push((j * slot + real, slot - real));
+            }
+        }
+        if used < slots {
+            v.push((used * slot, (slots - used) * slot));
+        }
+        v
+    }
+
+    /// Byte offset of token `token` of `block` in the RPA v3 orders.
+    pub fn token_offset(&self, block: u32, token: u32) -> u64 {
+        (block as u64 * self.block_size as u64 + token as u64) * self.rpa3_token_bytes()
     }
 
     /// Bytes of one plane (all blocks).
@@ -684,12 +903,22 @@ impl KvLayout {
     }
 
     /// Dimensions of one layer's buffer, in elements (LBHNC: `[1, num_blocks, num_heads,
-    /// block_size, kv_planes * head_dim]`, vLLM's per-layer shape with a leading 1).
+    /// block_size, kv_planes * head_dim]`, vLLM's per-layer shape with a leading 1; RPA v3:
+    /// `[num_blocks, block_size, R, P, D']`).
     pub fn dims(&self) -> [i64; 5] {
+        if self.order.is_rpa3() {
+            return [
+                self.num_blocks as i64,
+                self.block_size as i64,
+                self.packed_rows() as i64,
+                self.packing() as i64,
+                self.padded_head_dim() as i64,
+            ];
+        }
         let (a, b) = match self.order {
             BlockOrder::Nhd => (self.block_size, self.num_heads),
             BlockOrder::Hnd => (self.num_heads, self.block_size),
-            BlockOrder::Lbhnc => {
+            BlockOrder::Lbhnc | BlockOrder::Rpa3 | BlockOrder::Rpa3Hd64 => {
                 return [
                     1,
                     self.num_blocks as i64,
@@ -722,18 +951,30 @@ impl KvLayout {
                 return self.region_offset(block, head)
                     + (token as u64 * self.kv_planes as u64 + plane as u64) * self.row_bytes()
             }
+            BlockOrder::Rpa3 => {
+                // Slot j = 2 * head + plane at (r, p) = (j / P, j % P): slot j's lanes start at
+                // ((r * P) + p) * D' = j * D' elements into the token.
+                let j = 2 * head as u64 + plane as u64;
+                return self.token_offset(block, token)
+                    + j * self.padded_head_dim() as u64 * self.dtype.size();
+            }
+            BlockOrder::Rpa3Hd64 => {
+                return self.token_offset(block, token)
+                    + head as u64 * 128 * self.dtype.size()
+                    + plane as u64 * self.row_bytes();
+            }
         };
         plane as u64 * self.plane_bytes()
             + block as u64 * self.block_bytes()
             + within * self.row_bytes()
     }
 
-    /// Byte offset of the start of `block` in `plane`. For [`BlockOrder::Lbhnc`], where the
-    /// planes of a block are interleaved inside its regions, plane `p` names the `p`-th
+    /// Byte offset of the start of `block` in `plane`. For the orders whose planes are
+    /// interleaved inside a block ([`BlockOrder::planes_within_block`]), plane `p` names the `p`-th
     /// `block_bytes()` slice of the block's `kv_planes * block_bytes()` bytes, so the planes
     /// together cover the whole block.
     pub fn block_offset(&self, plane: u32, block: u32) -> u64 {
-        if self.order.is_opaque() {
+        if self.order.planes_within_block() {
             return (block as u64 * self.kv_planes as u64 + plane as u64) * self.block_bytes();
         }
         plane as u64 * self.plane_bytes() + block as u64 * self.block_bytes()

@@ -154,6 +154,11 @@ impl RankContents {
                 kv.buffer_bytes()
             )));
         }
+        if kv.order.is_rpa3() {
+            // The padding of the RPA v3 orders is zero (as the engines allocate it); the rows
+            // are written below.
+            out.fill(0);
+        }
         let es = kv.dtype.size() as usize;
         let rb = kv.row_bytes() as usize;
         self.for_each_row(|off, who| {
@@ -217,6 +222,33 @@ impl RankContents {
                 }
             }
         });
+        // The RPA v3 orders' padding (unused slots and lanes) is never written: it must still
+        // be zero, as the engines allocate it.
+        let pad = kv.token_padding();
+        if !pad.is_empty() {
+            for block in 0..kv.num_blocks {
+                for tok in 0..kv.block_size {
+                    let base = kv.token_offset(block, tok);
+                    for &(o, n) in &pad {
+                        let at = (base + o) as usize;
+                        let bytes = &data[at..at + n as usize];
+                        c.padding_bytes += n;
+                        if let Some(i) = bytes.iter().position(|&b| b != 0) {
+                            c.mismatches += 1;
+                            if c.first_mismatch.is_none() {
+                                c.first_mismatch = Some(format!(
+                                    "rank {} layer {layer} block {block} token {tok}: padding \
+                                     byte {} is {:#04x}, not zero",
+                                    self.rank,
+                                    at + i,
+                                    bytes[i]
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+        }
         Ok(c)
     }
 }
@@ -228,7 +260,9 @@ pub struct LayerCheck {
     pub request_bytes: u64,
     /// Bytes outside the request checked (must be unchanged).
     pub background_bytes: u64,
-    /// Elements that differ from the expectation.
+    /// Padding bytes of the RPA v3 orders checked (must be zero).
+    pub padding_bytes: u64,
+    /// Elements (or padding runs) that differ from the expectation.
     pub mismatches: u64,
     /// Description of the first mismatch.
     pub first_mismatch: Option<String>,
@@ -239,6 +273,7 @@ impl LayerCheck {
     pub fn merge(&mut self, o: LayerCheck) {
         self.request_bytes += o.request_bytes;
         self.background_bytes += o.background_bytes;
+        self.padding_bytes += o.padding_bytes;
         self.mismatches += o.mismatches;
         if self.first_mismatch.is_none() {
             self.first_mismatch = o.first_mismatch;

@@ -627,7 +627,7 @@ impl FanOut {
                     let end = range.offset + range.len;
                     while o < end {
                         let (u, within) = (o / bb, o % bb);
-                        let (plane, block) = if kv.order.is_opaque() {
+                        let (plane, block) = if kv.order.planes_within_block() {
                             (
                                 (u % kv.kv_planes as u64) as u32,
                                 (u / kv.kv_planes as u64) as u32,

@@ -424,7 +424,7 @@ pub fn load_to_device(
 fn stored_offset(kv: &KvLayout, layer: u32, offset: u64) -> Result<(u64, u64)> {
     let bb = kv.block_bytes();
     let planes = kv.kv_planes as u64;
-    let (plane, block) = if kv.order.is_opaque() {
+    let (plane, block) = if kv.order.planes_within_block() {
         let q = offset / bb;
         (q % planes, q / planes)
     } else {

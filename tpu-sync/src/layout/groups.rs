@@ -1177,6 +1177,13 @@ impl HybridLayout {
                     grp.kind.name()
                 ));
             }
+            if gl.order.unwrap_or(s.order).is_rpa3() {
+                return bad(format!(
+                    "block order {} (the TPU engines' RPA v3 cache) is supported for uniform \
+                     layouts only; hybrid TPU pools are not mapped yet (docs/tpu.md)",
+                    gl.order.unwrap_or(s.order).name()
+                ));
+            }
             // Sizes in u128: a peer's u32 fields must not wrap.
             let bytes = self.buffer_bytes_wide(g);
             if bytes > (i64::MAX / 2) as u128 {

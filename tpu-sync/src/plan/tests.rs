@@ -2,7 +2,7 @@
 //! check every destination byte.
 
 use super::*;
-use crate::layout::{BlockOrder, DType, ModelKv, ParallelSpec};
+use crate::layout::{BlockOrder, DType, KvLayout, ModelKv, ParallelSpec};
 use crate::pattern::RankContents;
 use proptest::prelude::*;
 
@@ -584,4 +584,269 @@ proptest! {
         prop_assert!(fan.pulled.len() as u32 <= (groups * hosts).min(dst.layout.spec.ranks_per_replica()));
         simulate_fan_out(&src, &dst, tokens, &plan, &fan);
     }
+}
+
+// ---------------------------------------------------------------- the TPU engines' RPA v3 caches
+
+/// A non-zero, non-repeating value of `size` bytes for one logical KV element.
+fn rpa3_value(layer: u32, token: u32, head: u32, plane: u32, d: u32, size: usize) -> Vec<u8> {
+    let key = ((layer as u64) << 56)
+        ^ ((token as u64) << 36)
+        ^ ((head as u64) << 24)
+        ^ ((plane as u64) << 20)
+        ^ d as u64;
+    let v = crate::pattern::mix64(key ^ 0x7470_755f_7270_6133);
+    let mut b = v.to_le_bytes()[..size].to_vec();
+    b[0] |= 1;
+    b
+}
+
+/// An independent reference of one rank's layer buffer in the TPU engines' RPA v3 layouts,
+/// built as the kernels' `merge_kv` builds each token (vllm-torchtpu-core 0.29.0 and
+/// tpu-inference 0.32.0, `kernels/ragged_paged_attention/v3/kernel.py` and `kernel_hd64.py`):
+/// K and V of each head concatenated along the last axis; reshaped to `2H` rows of `D` (v3) or
+/// kept as `H` rows of `2D = 128` lanes (head_dim 64); rows padded with zeros to a multiple of
+/// `P = 32 / bits`, lanes to a multiple of 128; reshaped to `[R, P, D']`; token `k` of block
+/// `b` at `[b, k]` of `[num_blocks, block_size, R, P, D']`. Everything else is zero.
+/// `heads`: the rank's global heads; `blocks`: (request block index, block id).
+#[allow(clippy::too_many_arguments)]
+fn rpa3_reference(
+    hd64: bool,
+    layer: u32,
+    heads: std::ops::Range<u32>,
+    head_dim: u32,
+    dtype: DType,
+    block_size: u32,
+    num_blocks: u32,
+    blocks: &[(u32, u32)],
+    num_tokens: u32,
+) -> Vec<u8> {
+    let size = dtype.size() as usize;
+    let p = 4 / size;
+    let h = heads.len();
+    let lanes = if hd64 {
+        128
+    } else {
+        (head_dim as usize).div_ceil(128) * 128
+    };
+    let rows = if hd64 { h } else { 2 * h };
+    let padded_rows = rows.div_ceil(p) * p;
+    let token_bytes = padded_rows * lanes * size;
+    let mut out = vec![0u8; num_blocks as usize * block_size as usize * token_bytes];
+    for &(i, id) in blocks {
+        for k in 0..block_size {
+            let t = i * block_size + k;
+            if t >= num_tokens {
+                break;
+            }
+            // One token: `rows` rows of the concatenation, then zero rows and lanes.
+            let mut merged: Vec<Vec<u8>> = Vec::new();
+            for g in heads.clone() {
+                let plane_row = |plane: u32| -> Vec<u8> {
+                    (0..head_dim)
+                        .flat_map(|d| rpa3_value(layer, t, g, plane, d, size))
+                        .collect()
+                };
+                let (k_row, v_row) = (plane_row(0), plane_row(1));
+                if hd64 {
+                    merged.push([k_row, v_row].concat());
+                } else {
+                    merged.push(k_row);
+                    merged.push(v_row);
+                }
+            }
+            let base = (id as usize * block_size as usize + k as usize) * token_bytes;
+            for (j, row) in merged.iter().enumerate() {
+                let at = base + j * lanes * size;
+                out[at..at + row.len()].copy_from_slice(row);
+            }
+        }
+    }
+    out
+}
+
+/// Builds every rank's reference buffers of `pl` for layer `layer`.
+fn rpa3_rank_buffers(pl: &Placement, layer: u32, num_tokens: u32) -> Vec<Vec<u8>> {
+    let l = &pl.layout;
+    let hd64 = l.spec.order == BlockOrder::Rpa3Hd64;
+    (0..l.num_ranks())
+        .map(|r| {
+            let c = l.coord(r).unwrap();
+            let first = l.first_head(c.tp).unwrap();
+            let heads = first..first + l.heads_per_rank().unwrap();
+            let blocks: Vec<(u32, u32)> = match pl.local_rank(r) {
+                Some(local) => {
+                    let chunk = l.pcp_chunk(num_tokens, c.pcp).unwrap();
+                    chunk
+                        .zip(pl.block_ids[local as usize].iter().copied())
+                        .collect()
+                }
+                None => Vec::new(),
+            };
+            rpa3_reference(
+                hd64,
+                layer,
+                heads,
+                l.model.head_dim,
+                l.model.dtype,
+                l.spec.block_size,
+                l.num_blocks,
+                &blocks,
+                num_tokens,
+            )
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: if cfg!(miri) { 1 } else { 64 }, .. ProptestConfig::default() })]
+
+    /// RPA v3 to RPA v3 (v3 or head_dim 64, fp32, bf16 and fp8, any TP on either side, odd
+    /// local head counts that leave padded slots, other block sizes, PCP on the source):
+    /// applying the plan to source buffers built by the independent `merge_kv` reference gives
+    /// exactly the destination's reference buffers, padding still zero, and the plan moves
+    /// exactly the real bytes of the request (moved / needed = 1).
+    #[test]
+    fn rpa3_reshards_byte_exact_against_a_merge_kv_reference(
+        heads in proptest::sample::select(vec![1u32, 2, 3, 4, 6, 8]),
+        dim in proptest::sample::select(vec![32u32, 64, 80, 128, 192]),
+        dtype in prop_oneof![Just(DType::F32), Just(DType::Bf16), Just(DType::Fp8)],
+        hd64 in any::<bool>(),
+        tokens in 1u32..70,
+        seed in any::<u64>(),
+        s_tp in proptest::sample::select(vec![1u32, 2, 4, 8]),
+        d_tp in proptest::sample::select(vec![1u32, 2, 4, 8]),
+        s_pcp in 1u32..=2,
+        s_bs in proptest::sample::select(vec![1u32, 4, 16]),
+        d_bs in proptest::sample::select(vec![3u32, 8, 16]),
+    ) {
+        let ok = |tp: u32| heads % tp == 0 || tp % heads == 0;
+        prop_assume!(ok(s_tp) && ok(d_tp));
+        let order = if hd64 { BlockOrder::Rpa3Hd64 } else { BlockOrder::Rpa3 };
+        let m = ModelKv {
+            name: "tpu".into(),
+            num_layers: 2,
+            num_kv_heads: heads,
+            head_dim: if hd64 { 64 } else { dim },
+            kv_planes: 2,
+            dtype,
+        };
+        let src = placement(layout(&m, s_tp, s_pcp, 1, s_bs, order, tokens), 0, tokens, seed);
+        let dst = placement(layout(&m, d_tp, 1, 1, d_bs, order, tokens), 0, tokens, !seed);
+        src.layout.validate().unwrap();
+        dst.layout.validate().unwrap();
+        let plan = Plan::build(&src, &dst, tokens).unwrap();
+        for layer in 0..m.num_layers {
+            let from = rpa3_rank_buffers(&src, layer, tokens);
+            let want = rpa3_rank_buffers(&dst, layer, tokens);
+            let mut got: Vec<Vec<u8>> = want.iter().map(|b| vec![0u8; b.len()]).collect();
+            for s in plan.spans.iter().filter(|s| s.src_buffer == layer) {
+                prop_assert_eq!(s.dst_buffer, layer);
+                for (so, dof) in s.runs() {
+                    let (so, dof, n) = (so as usize, dof as usize, s.len as usize);
+                    got[s.dst_rank as usize][dof..dof + n]
+                        .copy_from_slice(&from[s.src_rank as usize][so..so + n]);
+                }
+            }
+            for r in 0..got.len() {
+                prop_assert!(got[r] == want[r], "layer {} rank {} differs from the reference", layer, r);
+            }
+        }
+        let needed = tokens as u64 * m.bytes_per_token() * dst.layout.head_replicas().unwrap() as u64;
+        prop_assert_eq!(plan.total_bytes(), needed);
+    }
+
+    /// RPA v3 against every other order (NHD, HND; TP, PCP, DP and block sizes differing) with
+    /// the pattern simulation: every destination byte exactly once, nothing else touched, and
+    /// the padding of an RPA v3 destination still zero.
+    #[test]
+    fn rpa3_and_the_gpu_orders_convert_both_ways(
+        heads in proptest::sample::select(vec![1u32, 2, 4, 6]),
+        dtype in prop_oneof![Just(DType::F32), Just(DType::Bf16), Just(DType::Fp8)],
+        tokens in 1u32..60,
+        seed in any::<u64>(),
+        s in arb_side(8),
+        d in arb_side(8),
+        to_tpu in any::<bool>(),
+        hd64 in any::<bool>(),
+    ) {
+        let ok = |tp: u32| heads % tp == 0 || tp % heads == 0;
+        prop_assume!(ok(s.0) && ok(d.0));
+        let m = ModelKv {
+            head_dim: if hd64 { 64 } else { 96 },
+            ..model(heads, 2, dtype)
+        };
+        let tpu = if hd64 { BlockOrder::Rpa3Hd64 } else { BlockOrder::Rpa3 };
+        let (so, dord) = if to_tpu { (s.4, tpu) } else { (tpu, d.4) };
+        let sl = layout(&m, s.0, s.1, s.2, s.3, so, tokens);
+        let dl = layout(&m, d.0, d.1, d.2, d.3, dord, tokens);
+        let src = placement(sl, seed as u32 % s.2, tokens, seed);
+        let dst = placement(dl, (seed >> 8) as u32 % d.2, tokens, !seed);
+        let plan = Plan::build(&src, &dst, tokens).unwrap();
+        simulate(&src, &dst, tokens, &plan);
+    }
+}
+
+/// The shapes of the engines' caches, from their formulas (`get_kv_cache_shape` in
+/// `vllm_torchtpu/layers/adapter/attention.py` and `kernels/ragged_paged_attention/v3/
+/// kernel.py` / `kernel_hd64.py`): `(N, BS, align(2H, P) / P, P, align(D, 128))` and `(N, BS,
+/// align(H, P) / P, P, 128)` with `P = 32 / bits`.
+#[test]
+fn rpa3_shapes_follow_the_engines_formulas() {
+    let kv = |heads, head_dim, dtype, order| KvLayout {
+        num_layers: 1,
+        kv_planes: 2,
+        num_blocks: 10,
+        block_size: 16,
+        num_heads: heads,
+        head_dim,
+        dtype,
+        order,
+    };
+    // Llama-3.1-8B per TP=1 rank, bf16: 8 heads -> 16 rows of K/V, P = 2 -> R = 8.
+    assert_eq!(
+        kv(8, 128, DType::Bf16, BlockOrder::Rpa3).dims(),
+        [10, 16, 8, 2, 128]
+    );
+    // fp8: P = 4; 3 heads -> 6 rows -> padded to 8 -> R = 2.
+    let k = kv(3, 128, DType::Fp8, BlockOrder::Rpa3);
+    assert_eq!(k.dims(), [10, 16, 2, 4, 128]);
+    assert_eq!(k.buffer_bytes(), 10 * 16 * 2 * 4 * 128);
+    assert_eq!(k.token_padding(), vec![(6 * 128, 2 * 128)]);
+    // fp32: P = 1; head_dim 80 -> 128 lanes.
+    let k = kv(2, 80, DType::F32, BlockOrder::Rpa3);
+    assert_eq!(k.dims(), [10, 16, 4, 1, 128]);
+    assert_eq!(
+        k.token_padding(),
+        (0..4).map(|j| (j * 512 + 320, 192)).collect::<Vec<_>>()
+    );
+    // Row j = 2h + plane: head 1's V is slot 3.
+    assert_eq!(k.row_offset(1, 2, 5, 1), (2 * 16 + 5) * 4 * 512 + 3 * 512);
+    // head_dim 64: K and V side by side; bf16 P = 2, 3 heads -> R = 2, one padded slot.
+    let k = kv(3, 64, DType::Bf16, BlockOrder::Rpa3Hd64);
+    assert_eq!(k.dims(), [10, 16, 2, 2, 128]);
+    assert_eq!(k.row_offset(1, 0, 0, 2), 2 * 256 + 128);
+    assert_eq!(k.token_padding(), vec![(3 * 256, 256)]);
+    // A block is contiguous; its planes name its halves.
+    assert_eq!(
+        k.block_offset(1, 3),
+        3 * 2 * k.block_bytes() + k.block_bytes()
+    );
+    assert_eq!(2 * k.block_bytes(), 16 * 4 * 256);
+    // Spec names.
+    let s = ParallelSpec::parse("tp=2,order=rpa3hd64").unwrap();
+    assert_eq!(s.order, BlockOrder::Rpa3Hd64);
+    assert_eq!(BlockOrder::parse("RPA3").unwrap(), BlockOrder::Rpa3);
+    assert!(ParallelSpec::parse("order=rpa4")
+        .unwrap_err()
+        .to_string()
+        .contains("rpa3hd64"));
+    // Refused: MLA in an RPA v3 order, rpa3hd64 with another head_dim.
+    let mla = ModelKv::preset("deepseek-v3").unwrap();
+    let e = ParallelLayout::new(mla, ParallelSpec::parse("order=rpa3").unwrap(), 4).unwrap_err();
+    assert!(e.to_string().contains("MLA"), "{e}");
+    let llama = ModelKv::preset("llama-3.1-8b").unwrap();
+    let e =
+        ParallelLayout::new(llama, ParallelSpec::parse("order=rpa3hd64").unwrap(), 4).unwrap_err();
+    assert!(e.to_string().contains("head_dim"), "{e}");
 }

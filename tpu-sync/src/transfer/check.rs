@@ -57,6 +57,8 @@ fn expected(kv: &KvLayout) -> String {
             crate::layout::BlockOrder::Hnd => "[planes, blocks, heads, block tokens, head_dim]",
             crate::layout::BlockOrder::Lbhnc =>
                 "[1, blocks, heads, block tokens, planes * head_dim]",
+            crate::layout::BlockOrder::Rpa3 | crate::layout::BlockOrder::Rpa3Hd64 =>
+                "[blocks, block tokens, packed rows, packing, padded head_dim]",
         },
         kv.buffer_bytes()
     )
