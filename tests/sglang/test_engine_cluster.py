@@ -19,6 +19,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from etcd import count_keys, etcd_bin, etcd_server  # noqa: E402
 
 PREFIX = "/tpu-sync/sgl-e2e"
+#: The fleet's pre-shared key: the remote tier between the two engines is TLS 1.3 with mutual PSK
+#: authentication (docs/security.md), as a deployment beyond one host must run it.
+FLEET_PSK_HEX = "3d" * 8 + "89abcdef01234567" * 3
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +35,7 @@ def etcd():
 def engine(curl, host_id):
     storage = {k: v for k, v in STORAGE.items() if k != "shm_name"}
     storage["cluster"] = dict(endpoints=[curl], advertise="127.0.0.1:0", host_id=host_id, prefix=PREFIX,
-                              lease_ttl=5, fetch_timeout=10)
+                              lease_ttl=5, fetch_timeout=10, remote_psk_hex=FLEET_PSK_HEX)
     # wait_complete: a prefetch from L3 is never cut short by SGLang's timeout on a loaded machine.
     return dict(HICACHE, hicache_storage_backend="dynamic", hicache_storage_prefetch_policy="wait_complete",
                 hicache_storage_backend_extra_config=json.dumps(storage))

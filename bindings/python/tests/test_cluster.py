@@ -111,11 +111,14 @@ def test_bad_configuration():
     d.close()
 
 
-def test_connector_cluster_tier_loads_a_peer_prefix(etcd, data):
+@pytest.mark.parametrize("psk", [None, "5e" * 32], ids=["plain", "psk"])
+def test_connector_cluster_tier_loads_a_peer_prefix(etcd, data, psk):
     """The vLLM connector's host tier with ``cluster`` settings, without vLLM: engine A stores a
     prompt's blocks from its KV tensors; engine B (other block ids) finds them through the
     directory and loads them straight into its own KV tensors (tpu_sync.cluster.load) byte-exact,
-    then holds them in its own tier; a peer gone between lookup and load is a miss."""
+    then holds them in its own tier; a peer gone between lookup and load is a miss. With a fleet
+    PSK (``remote_psk_hex``) both the device path and the layer-wise host path
+    (``get_host``) fetch over the authenticated remote tier."""
     np = pytest.importorskip("numpy")
     from tpu_sync.vllm.backends import KvCaches, make_host_tier
     from tpu_sync.vllm.cluster_tier import ClusterTier
@@ -129,14 +132,17 @@ def test_connector_cluster_tier_loads_a_peer_prefix(etcd, data):
         tensors = [tpu_sync.aligned_array((nblocks, 2, 16, 32), "float32") for _ in range(g.num_layers)]
         caches = KvCaches(names=[f"l{i}" for i in range(g.num_layers)], tensors=tensors, num_blocks=nblocks,
                           layer_block_bytes=g.layer_block_bytes, tp_rank=0)
-        cfg = ConnectorConfig.parse("kv_both", {"host_capacity_bytes": 64 * g.block_bytes, "cluster": {
-            "endpoints": [etcd], "advertise": "127.0.0.1:0", "host_id": port_tag, "lease_ttl": 2}})
+        settings = {"endpoints": [etcd], "advertise": "127.0.0.1:0", "host_id": port_tag, "lease_ttl": 2}
+        if psk:
+            settings["remote_psk_hex"] = psk
+        cfg = ConnectorConfig.parse("kv_both", {"host_capacity_bytes": 64 * g.block_bytes, "cluster": settings})
         return make_host_tier(cfg, g, caches), tensors
 
     # Two layouts of the same model: A's KV tensors have 12 blocks, B's 14.
     a, ta = engine("engine-a", 12)
     b, tb = engine("engine-b", 14)
     assert isinstance(a, ClusterTier) and isinstance(b, ClusterTier)
+    assert bool(b.member.remote) == bool(psk)
     hashes = [bytes([i]) * 32 for i in range(1, 6)]
     src_ids, dst_ids = [3, 7, 0, 11, 5], [9, 1, 13, 10, 2]
     for li, t in enumerate(ta):

@@ -135,3 +135,37 @@ pub struct FaultHooks {
     /// Stop answering heartbeats (a peer that hangs without closing its sockets).
     pub mute_heartbeats: bool,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 24: default names carry the host name, the pid and a random part, so two
+    /// processes of one host and pid (containers) still get different names.
+    #[test]
+    fn default_endpoint_names_name_the_host_and_differ_per_call() {
+        let mut buf = [0u8; 256];
+        // SAFETY: `buf` is writable for its whole length, which is what we pass.
+        assert_eq!(
+            unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) },
+            0
+        );
+        let n = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        let host = String::from_utf8_lossy(&buf[..n.min(64)]).into_owned();
+        let prefix = format!("tpu-sync-{host}-{}-", std::process::id());
+        let names: std::collections::HashSet<String> =
+            (0..64).map(|_| default_endpoint_name()).collect();
+        assert_eq!(names.len(), 64, "64 calls, 64 different names");
+        for name in &names {
+            let id = name
+                .strip_prefix(&prefix)
+                .unwrap_or_else(|| panic!("{name}"));
+            assert_eq!(id.len(), 8, "{name}");
+            assert!(id.chars().all(|c| c.is_ascii_hexdigit()), "{name}");
+        }
+        assert_eq!(
+            EndpointOptions::default().name.len(),
+            names.iter().next().unwrap().len()
+        );
+    }
+}

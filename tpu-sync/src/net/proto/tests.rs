@@ -947,6 +947,57 @@ fn rejects_of_one_peer_are_bounded() {
     }
 }
 
+/// Issue 24: the early rejects of all peers together are bounded ([`MAX_EARLY_REJECTS`]): four
+/// peers at their own cap fill it, and a fifth peer's rejects of unregistered requests are
+/// answered but not remembered (its request, registered later, waits for its lease), while the
+/// remembered ones still end their registrations at once.
+#[test]
+fn early_rejects_of_all_peers_together_are_bounded() {
+    use super::source::{MAX_EARLY_REJECTS, MAX_EARLY_REJECTS_PER_SESSION};
+    let f = fx();
+    let mut p = Pair::new();
+    let peers = MAX_EARLY_REJECTS / MAX_EARLY_REJECTS_PER_SESSION;
+    let mut rid = 10_000u64;
+    for i in 0..=peers {
+        let s = p
+            .prod
+            .handle_hello(p.now, &format!("decode-{i}"), i as u64 + 1)
+            .unwrap();
+        for _ in 0..MAX_EARLY_REJECTS_PER_SESSION {
+            let (known, a) = p.prod.handle_reject(p.now, s, rid, "not mine");
+            assert!(!known && a.is_empty());
+            rid += 1;
+        }
+    }
+    // The first peer's first reject was remembered; the last peer's were not.
+    p.register(&f, 10_000, 1).unwrap();
+    assert!(matches!(
+        p.outcome(10_000),
+        Some(SourceOutcome::Rejected(_))
+    ));
+    let last = rid - 1;
+    p.register(&f, last, 1).unwrap();
+    assert_eq!(p.outcome(last), None, "past the cap: not remembered");
+}
+
+/// Issue 24: at most [`MAX_SESSIONS`] peer sessions; one more hello is refused with a clear
+/// error (nothing else changes), and once a session is gone a new peer is admitted.
+#[test]
+fn peer_sessions_are_capped() {
+    let mut p = Proto::new(cfg());
+    let now = Instant::now();
+    let ids: Vec<SessionId> = (0..MAX_SESSIONS)
+        .map(|i| p.handle_hello(now, &format!("peer-{i}"), 1).unwrap())
+        .collect();
+    let e = p.handle_hello(now, "one-too-many", 1).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert!(e.to_string().contains("4096 peer sessions"), "{e}");
+    // An existing session's hello (another lane of it) is still answered.
+    assert_eq!(p.handle_hello(now, "peer-7", 1).unwrap(), ids[7]);
+    let _ = p.handle_session_lost(now, ids[0], "closed".into());
+    assert!(p.handle_hello(now, "one-too-many", 1).is_ok());
+}
+
 // ---------------------------------------------------------------------------------------------
 // Push receptions
 // ---------------------------------------------------------------------------------------------
@@ -1187,6 +1238,46 @@ fn cancel_racing_a_completion() {
         .is_empty());
     assert!(!p.delivered(2), "a cancelled pull is no delivery");
     assert_eq!(p.stats().staged_bytes, 0);
+}
+
+/// Issue 24: only a push's sender can cancel it. A session that never offered the push a
+/// stripe (a stranger that connected and said `Cancel{push: true}`, a decode that only pulls)
+/// is ignored, before and after the real sender's first stripe; the push then completes with
+/// every byte. The sender itself can still cancel.
+#[test]
+fn a_cancel_of_a_push_from_a_session_that_is_not_its_sender_is_ignored() {
+    let mut k = Sink::new();
+    let stranger = k.p.handle_hello(k.now, "stranger", 9).unwrap();
+    // Before any stripe: nobody is a sender yet.
+    assert!(k.p.handle_remote_cancel(stranger, 5, true).is_empty());
+    assert!(k.p.handle_remote_cancel(k.s, 5, true).is_empty());
+    let a = k.ask(0, 0, 1, 1 << 20);
+    let g = k.push(k.s, &a).unwrap();
+    // While the real sender pushes: the stranger's cancel, push flag or not, changes nothing.
+    assert!(k.p.handle_remote_cancel(stranger, 5, true).is_empty());
+    assert!(k.p.handle_remote_cancel(stranger, 5, false).is_empty());
+    assert!(k.results.is_empty());
+    assert_eq!(k.p.stats().sink_registrations, 1);
+    k.end(g, Ok(a.total_bytes));
+    for pair in 1..k.f.plan.pairs().len() {
+        let a = k.ask(pair, 0, 1, 1 << 20);
+        let g = k.push(k.s, &a).unwrap();
+        k.end(g, Ok(a.total_bytes));
+    }
+    assert!(k.finish(k.s).unwrap());
+    assert_eq!(k.results.len(), 1);
+    assert_eq!(k.results[0].as_ref().unwrap().bytes, k.f.plan.total_bytes());
+    // The real sender's cancel, mid-push, ends it as cancelled.
+    let mut k = Sink::new();
+    let a = k.ask(0, 0, 1, 1 << 20);
+    let g = k.push(k.s, &a).unwrap();
+    k.end(g, Ok(a.total_bytes));
+    let acts = k.p.handle_remote_cancel(k.s, 5, true);
+    k.actions(acts);
+    assert_eq!(
+        k.results[0].as_ref().unwrap_err().kind(),
+        ErrorKind::Cancelled
+    );
 }
 
 #[test]

@@ -238,7 +238,8 @@ class ClusterTier(StoreTier):
                 continue  # another layout: the host path does not reshard
             s = next(x for x in cand["sources"] if x["namespace"] == self._ns)  # this rank's blocks
             try:
-                n = cluster.fetch(s["addr"], s["namespace"], s["keys"][: len(outs)], outs, timeout=self._timeout)
+                n = cluster.fetch(s["addr"], s["namespace"], s["keys"][: len(outs)], outs, timeout=self._timeout,
+                                  remote=self.member.remote)
             except Exception as e:
                 log.warning("tpu_sync: fetch from %s failed: %s", cand["id"], e)
                 continue
