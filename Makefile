@@ -200,7 +200,7 @@ vllm-env: python
 # connector's unit tests against vLLM's classes; every engine runs in its own process, forked from
 # a server that imported torch and vLLM once (tests/zygote.py; TPU_SYNC_VLLM_ZYGOTE=0: none).
 e2e-vllm: vllm-env etcd
-	timeout 2400 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+	timeout 2400 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=12 tests/vllm
 
 # TTFT of a 2,000-token prompt loaded from the host tier vs recomputed (prints the ratio).
 bench-vllm: vllm-env
@@ -226,4 +226,4 @@ sglang-env: python
 # forked (with its scheduler and detokenizer processes) from a server that imported torch and
 # SGLang once (tests/zygote.py; TPU_SYNC_SGLANG_ZYGOTE=0: none).
 e2e-sglang: sglang-env
-	cd tests/sglang && timeout 2400 $(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider .
+	cd tests/sglang && timeout 2400 $(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=12 .

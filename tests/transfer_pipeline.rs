@@ -1212,3 +1212,182 @@ fn releases_of_a_completed_pull_reach_every_producer_even_across_an_immediate_sh
         }
     });
 }
+
+// ------------------------------------------------------------ the staging budget in a container
+
+/// Memory limit of the test's memory cgroup: the "1.2 GiB container" of issue 24.
+const CGROUP_LIMIT: u64 = 1200 << 20;
+/// Environment of the child process: the `cgroup.procs` file to join (or `-` for the fallback
+/// with a lowered budget instead of a cgroup).
+const CGROUP_CHILD_ENV: &str = "TSYNC_TEST_CGROUP_PROCS";
+const CGROUP_TEST: &str =
+    "a_producer_in_a_memory_cgroup_refuses_registrations_instead_of_being_oom_killed";
+
+/// A memory cgroup of its own (v1 `memory` controller or v2 with `memory` enabled), removed on
+/// drop; `None` where this process cannot make one (not root, no writable cgroup filesystem).
+struct MemoryCgroup {
+    dir: std::path::PathBuf,
+}
+
+impl MemoryCgroup {
+    fn create(limit: u64) -> Option<MemoryCgroup> {
+        let name = format!("tpu-sync-test-{}", std::process::id());
+        let tries = [
+            ("/sys/fs/cgroup/memory", "memory.limit_in_bytes"),
+            ("/sys/fs/cgroup", "memory.max"),
+        ];
+        for (root, file) in tries {
+            let root = std::path::Path::new(root);
+            if !root.join("cgroup.procs").exists() {
+                continue;
+            }
+            let dir = root.join(&name);
+            if std::fs::create_dir(&dir).is_err() {
+                continue;
+            }
+            let cg = MemoryCgroup { dir };
+            if std::fs::write(cg.dir.join(file), limit.to_string()).is_ok() {
+                return Some(cg);
+            }
+        }
+        None
+    }
+}
+
+impl Drop for MemoryCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// Issue 24, item 6: the staging budget follows the process's own memory cgroup. A producer in
+/// a 1.2 GiB memory cgroup (a container; this test makes one where it may, as root) registers
+/// 47 MiB requests until the budget (a quarter of the cgroup's limit, not of the host's memory)
+/// refuses one with `StagingExhausted`; it is never OOM-killed, and its earlier registrations
+/// stay. Before the fix the budget was a quarter of the host's memory, so the registrations
+/// outgrew the cgroup and the kernel killed the producer. Where no cgroup can be made, the child
+/// runs with the budget lowered to the same bytes instead (`TPU_SYNC_STAGING_BUDGET_BYTES`).
+#[test]
+fn a_producer_in_a_memory_cgroup_refuses_registrations_instead_of_being_oom_killed() {
+    if let Some(procs) = std::env::var_os(CGROUP_CHILD_ENV) {
+        return cgroup_child(procs);
+    }
+    let cg = MemoryCgroup::create(CGROUP_LIMIT);
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", CGROUP_TEST, "--nocapture", "--test-threads=1"]);
+    match &cg {
+        Some(c) => {
+            cmd.env(CGROUP_CHILD_ENV, c.dir.join("cgroup.procs"));
+            cmd.env_remove("TPU_SYNC_STAGING_BUDGET_BYTES");
+        }
+        None => {
+            eprintln!("no memory cgroup can be made here: the child runs with a lowered budget");
+            cmd.env(CGROUP_CHILD_ENV, "-");
+            cmd.env(
+                "TPU_SYNC_STAGING_BUDGET_BYTES",
+                (CGROUP_LIMIT / 4).to_string(),
+            );
+        }
+    }
+    let out = cmd.output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    {
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(
+            out.status.signal(),
+            None,
+            "the producer was killed (OOM?):\n{text}"
+        );
+    }
+    assert!(out.status.success(), "{text}");
+    let line = text
+        .lines()
+        .find_map(|l| l.split("CGROUP-CHILD registered ").nth(1))
+        .unwrap_or_else(|| panic!("no result line:\n{text}"));
+    let n: u64 = line.split_whitespace().next().unwrap().parse().unwrap();
+    // A quarter of 1.2 GiB holds six 47 MiB stagings (each rounded up to whole pages).
+    assert!((5..=6).contains(&n), "{n} registrations:\n{text}");
+    drop(cg);
+}
+
+/// The child of the cgroup test: joins the cgroup, then registers until refused.
+fn cgroup_child(procs: std::ffi::OsString) {
+    if procs != "-" {
+        std::fs::write(&procs, std::process::id().to_string()).unwrap();
+        let (limit, _) = tpu_sync::budget::cgroup_memory().expect("the cgroup's limit is seen");
+        assert_eq!(limit, CGROUP_LIMIT);
+    }
+    assert_eq!(
+        tpu_sync::budget::StagingBudget::process().limit(),
+        CGROUP_LIMIT / 4,
+        "the process budget is a quarter of the cgroup's limit"
+    );
+    // 47 MiB of KV per request: 2 layers x 2 planes x 8 heads x 128 x bf16 = 8 KiB per token.
+    let m = ModelKv {
+        name: "toy-47mib".into(),
+        num_layers: 2,
+        num_kv_heads: 8,
+        head_dim: 128,
+        kv_planes: 2,
+        dtype: DType::Bf16,
+    };
+    let tokens = 6016;
+    let nb = tokens / 16;
+    let src = Placement {
+        layout: ParallelLayout::new(m, ParallelSpec::parse("tp=1,block=16").unwrap(), nb).unwrap(),
+        dp_rank: 0,
+        block_ids: vec![(0..nb).collect()],
+        groups: None,
+    };
+    let s = side(1);
+    let kvl = src.layout.rank_kv().unwrap();
+    let dev = s.client.device(0).unwrap();
+    let zeros = vec![0u8; kvl.buffer_bytes() as usize];
+    let bufs: Vec<DeviceBuffer> = (0..kvl.num_layers)
+        .map(|_| {
+            s.client
+                .buffer_from_host(&zeros, kvl.dtype.element_type(), &kvl.dims(), &dev)
+                .unwrap()
+        })
+        .collect();
+    drop(zeros);
+    let rt = rt();
+    rt.block_on(async {
+        let p = Pipeline::bind(
+            EndpointOptions {
+                name: "cgroup-prod".into(),
+                listen: Some("127.0.0.1:0".parse().unwrap()),
+                ..EndpointOptions::default()
+            },
+            TransferOptions::default(),
+        )
+        .await
+        .unwrap();
+        let kvb = kv(&s, vec![(0, bufs)]);
+        let mut held = Vec::new();
+        let err = loop {
+            match p.offer(Offer {
+                request_id: held.len() as u64 + 1,
+                num_tokens: tokens,
+                placement: src.clone(),
+                kv: kvb.clone(),
+                expected_releases: 1,
+            }) {
+                Ok(h) => held.push(h),
+                Err(e) => break e,
+            }
+            assert!(held.len() < 64, "the budget never refused a registration");
+        };
+        assert_eq!(err.kind(), ErrorKind::StagingExhausted, "{err}");
+        // The earlier registrations are still there.
+        for id in 1..=held.len() as u64 {
+            assert_eq!(p.offer_state(id), OfferState::Active);
+        }
+        println!("CGROUP-CHILD registered {} refused: {err}", held.len());
+        p.shutdown(None).await;
+    });
+}
