@@ -8,6 +8,8 @@
 //! - Two live endpoints named alike (separate containers, same pid) pulling concurrently from
 //!   one producer keep their own sessions: every pull arrives byte-exact.
 //! - A reject reason of megabytes is kept to 1 KiB.
+//! - A stranger's `Cancel{push: true}` of a push registration changes nothing.
+//! - Idle data lanes are closed by the server after `lane_idle_timeout`.
 
 mod net_util;
 
@@ -126,6 +128,128 @@ fn a_peer_that_never_pulled_cannot_end_a_request() {
                 assert!(r.ends_with("..."), "{r}");
             }
             o => panic!("{o:?}"),
+        }
+    });
+}
+
+/// Issue 24, item 1: only a push's sender can cancel it. A stranger's `Cancel{push: true}` for a
+/// push registration, sent as a raw frame on a control lane, changes nothing:
+/// the registration stays open, and the real sender's push then arrives byte-exact.
+#[test]
+fn a_stranger_cannot_cancel_a_push() {
+    run(Duration::from_secs(60), async {
+        let pki = pki(&["prefill", "decode"]);
+        let f = reshard_fixture(2, 96, 47);
+        let prefill = endpoint(TransportKind::Tcp, &pki, "prefill", false).await;
+        let decode = endpoint(TransportKind::Tcp, &pki, "decode", true).await;
+        let addr = decode.local_addr().unwrap();
+        let st = dest_staging(&f.plan, &f.dst, None);
+        let sink = decode
+            .expect_push(sink_whole(&f.dst, f.tokens, 5, st.clone(), None))
+            .unwrap();
+        let mut raw = Raw::open(addr, "stranger", LaneRole::Control).await;
+        raw.send(&Control::Cancel {
+            request_id: 5,
+            push: true,
+        })
+        .await;
+        // The control lane is read in order: the answer to a ping sent after the cancel proves
+        // that the cancel was handled.
+        raw.send(&Control::Ping { seq: 7 }).await;
+        assert!(matches!(raw.recv().await, Some(Control::Pong { seq: 7 })));
+        drop(raw);
+        assert!(
+            sink.poll().is_none(),
+            "a stranger ended the push registration"
+        );
+        assert!(!any_nonzero(&st), "bytes landed before the push");
+        let t = prefill
+            .push(push_whole(
+                &f.src,
+                &f.dst,
+                f.tokens,
+                5,
+                None,
+                tpu_sync::net::PeerMap::single(addr.to_string()),
+            ))
+            .unwrap();
+        t.wait_timeout(Duration::from_secs(20)).await.unwrap();
+        sink.wait_timeout(Duration::from_secs(20)).await.unwrap();
+        verify_dest(&f.dst, f.tokens, &st, None);
+    });
+}
+
+/// Issue 24, item 5: a data lane that carries no request for `lane_idle_timeout` is closed by the
+/// server (a peer that opens lanes and leaves them does not keep them), and a client with the
+/// same setting never reuses a pooled lane the server closed: pulls separated by more than the
+/// timeout both arrive byte-exact.
+#[test]
+fn idle_data_lanes_are_closed_by_the_server() {
+    run(Duration::from_secs(60), async {
+        let f = reshard_fixture(2, 96, 59);
+        let idle = Duration::from_millis(800);
+        let mut po = opts(
+            TransportKind::Tcp,
+            tpu_sync::net::Security::None,
+            "prefill",
+            true,
+        );
+        po.lane_idle_timeout = idle;
+        let prefill = tpu_sync::net::Endpoint::bind(po).await.unwrap();
+        let addr = prefill.local_addr().unwrap();
+        let before = prefill.stats().lanes_open;
+        // The idler's session stays alive (its control lane pings every 100 ms, well within the
+        // heartbeat timeout): its data lanes close because they are idle, not because it died.
+        let mut ctl = Raw::open(addr, "idler", LaneRole::Control).await;
+        let pinger = tokio::spawn(async move {
+            for seq in 0.. {
+                ctl.send(&Control::Ping { seq }).await;
+                assert!(matches!(ctl.recv().await, Some(Control::Pong { .. })));
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        let mut lanes = Vec::new();
+        for _ in 0..8 {
+            lanes.push(Raw::open(addr, "idler", LaneRole::Data).await);
+        }
+        assert_eq!(prefill.stats().lanes_open, before + 9);
+        let t0 = std::time::Instant::now();
+        for raw in lanes.iter_mut() {
+            assert!(raw.recv().await.is_none(), "an idle lane got a message");
+        }
+        let waited = t0.elapsed();
+        assert!(
+            waited >= idle - Duration::from_millis(100),
+            "closed after {waited:?}"
+        );
+        assert!(!pinger.is_finished(), "the idler's control lane failed");
+        pinger.abort();
+        eventually(Duration::from_secs(5), "idle lanes counted closed", || {
+            prefill.stats().lanes_open == before
+        })
+        .await;
+
+        let mut co = opts(
+            TransportKind::Tcp,
+            tpu_sync::net::Security::None,
+            "decode",
+            false,
+        );
+        co.lane_idle_timeout = idle;
+        let decode = tpu_sync::net::Endpoint::bind(co).await.unwrap();
+        for rid in [11, 12] {
+            let h = register_whole(&prefill, &f.src, f.tokens, rid);
+            let st = dest_staging(&f.plan, &f.dst, None);
+            let t = pull_fx(&decode, &f, rid, &addr.to_string(), st.clone());
+            t.wait_timeout(Duration::from_secs(20)).await.unwrap();
+            verify_dest(&f.dst, f.tokens, &st, None);
+            decode.release(&addr.to_string(), rid).await.unwrap();
+            assert_eq!(
+                h.wait(Duration::from_secs(5)).await.unwrap(),
+                SourceOutcome::Released
+            );
+            // Past the server's timeout: every lane of the first pull is closed by now.
+            tokio::time::sleep(idle + Duration::from_millis(400)).await;
         }
     });
 }

@@ -83,12 +83,32 @@ fn header_mismatches_reformat_with_a_reason() {
     let mut bytes = std::fs::read(g.path()).unwrap();
     bytes[0] ^= 0xff;
     std::fs::write(g.path(), &bytes).unwrap();
+    // Whoever wrote the bad contents may still hold the file: it is replaced (a new inode),
+    // never formatted in place (issue 24, item 8).
+    let writer = std::fs::File::open(g.path()).unwrap();
+    let old_ino = std::os::unix::fs::MetadataExt::ino(&writer.metadata().unwrap());
     let s = KvStore::open(shm_config(&g.0, 4)).unwrap();
     match s.info().unwrap().attach {
-        Attach::Reformatted(r) => assert!(r.contains("no valid header"), "{r}"),
+        Attach::Reformatted(r) => {
+            assert!(r.contains("no valid header"), "{r}");
+            assert!(r.contains("created anew"), "{r}");
+        }
         a => panic!("{a:?}"),
     }
-    drop(s);
+    let new_ino = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(g.path()).unwrap());
+    assert_ne!(
+        old_ino, new_ino,
+        "the segment with a bad header was formatted in place"
+    );
+    let fresh = chain(2, 78);
+    put_chain(&s, &fresh, LEN);
+    let mut seen = Vec::new();
+    std::io::Read::read_to_end(&mut &writer, &mut seen).unwrap();
+    assert!(
+        seen == bytes,
+        "the old file changed after the store moved on"
+    );
+    drop((s, writer));
     // A truncated file.
     fill(shm_config(&g.0, 4));
     let f = std::fs::OpenOptions::new()

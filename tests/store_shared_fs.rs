@@ -396,3 +396,90 @@ fn symlinks_planted_in_the_namespace_directory_are_never_followed() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 24, item 8: block names are opened through directory descriptors with `O_NOFOLLOW` and
+/// never wait on what a co-tenant planted. A FIFO under a block's name (it would block an
+/// `open(O_RDONLY)` forever) and a symlink to another file under another block's name are
+/// misses for the reader and are skipped, never followed, by a writer's scan at open; the files
+/// the symlinks name keep their bytes. The partition directory renamed away and replaced by a
+/// symlink while a writer is open: the writer's later puts still land in the real directory.
+#[test]
+fn fifos_and_symlinks_under_block_names_are_refused_without_waiting() {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::symlink;
+
+    let dir = tmpdir("shfs-fifo");
+    let root = dir.join("root");
+    let chain = store_util::chain(4, 81);
+    {
+        let s = open_writer(&root, "w0", 8);
+        put_chain(&s, &chain[..2], 0);
+    }
+    let r = SharedReader::open(&root, &store_util::ns(), PART, false).unwrap();
+    let part = r.dir().to_path_buf();
+    let victim = dir.join("victim");
+    let precious = content(chain[3], 0);
+    std::fs::write(&victim, &precious).unwrap();
+    let fifo = std::ffi::CString::new(
+        part.join(format!("{}.kvb", chain[2].hex()))
+            .as_os_str()
+            .as_bytes(),
+    )
+    .unwrap();
+    // SAFETY: NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    symlink(&victim, part.join(format!("{}.kvb", chain[3].hex()))).unwrap();
+
+    // Each step runs on a thread with a deadline: an open that waits on the FIFO is a failure.
+    fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("{what} waited on a FIFO planted under a block name"))
+    }
+    let r = std::sync::Arc::new(r);
+    let (r2, c2) = (r.clone(), chain.clone());
+    assert_eq!(within("lookup", move || r2.lookup(&c2)), 2);
+    let (r2, c2) = (r.clone(), chain.clone());
+    let (got, bufs) = within("get_to_host", move || {
+        let mut bufs = vec![vec![0u8; BLOCK]; c2.len()];
+        let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+        let got = r2.get_to_host(&c2, &mut dst).unwrap();
+        (got, bufs)
+    });
+    assert_eq!(got.delivered, 2, "{got:?}");
+    assert!(
+        got.stop.is_some() && got.stop != Some(tpu_sync::store::disk::Miss::Missing),
+        "{got:?}"
+    );
+    for (k, b) in chain[..2].iter().zip(&bufs) {
+        assert!(b == &content(*k, 0), "block {k} differs");
+    }
+    // A writer's open scans the partition: it neither hangs on the FIFO nor follows the symlink.
+    let root2 = root.clone();
+    let s = within("a writer's open", move || open_writer(&root2, "w0", 8));
+    assert_eq!(std::fs::read(&victim).unwrap(), precious);
+    // Renamed away and replaced by a symlink to another directory while the writer is open:
+    // its next put lands in the directory it checked, nothing in the other one.
+    let elsewhere = dir.join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    let moved = dir.join("moved-partition");
+    std::fs::rename(&part, &moved).unwrap();
+    symlink(&elsewhere, &part).unwrap();
+    let more = store_util::chain(2, 82);
+    put_chain(&s, &more, 0);
+    drop(s);
+    assert_eq!(
+        std::fs::read_dir(&elsewhere).unwrap().count(),
+        0,
+        "written through the symlink"
+    );
+    for k in &more {
+        let b = std::fs::read(moved.join(format!("{}.kvb", k.hex()))).unwrap();
+        assert_eq!(b.len(), 4096 + BLOCK, "block {k}");
+        assert!(b[4096..] == content(*k, 0)[..], "block {k} differs");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

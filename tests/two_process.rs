@@ -163,7 +163,7 @@ fn bad_inputs_are_clear_errors() {
     fails(&["demo", "--prefill", "tp=3"], "cannot be split over TP=3");
     fails(
         &["demo", "--decode", "tp=2,order=xyz"],
-        "expected nhd or hnd",
+        "unknown block order `xyz` (known: nhd, hnd, lbhnc",
     );
     fails(&["demo", "--preset", "gpt-5"], "unknown model preset");
     // Staging past the budget is refused before anything is copied.

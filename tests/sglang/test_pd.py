@@ -172,3 +172,63 @@ def test_metadata_rows_from_the_wire_are_checked_before_any_copy():
         pd.aux_copies(row, [8, 16], item_lens, data_lens, -1)
     with pytest.raises(ValueError, match="not bytes"):
         pd.aux_copies("x" * 24, [8, 16], item_lens, data_lens, 0)
+
+
+def test_peer_registrations_and_waiting_rooms_are_bounded(monkeypatch):
+    """Issue 24, item 7: what decode peers' messages make a prefill keep is bounded. Registered
+    decode peers past ``MAX_DECODE_PEERS`` and rooms waiting past ``MAX_PENDING_ROOMS`` are refused
+    (the caps lowered here to 2 and 3), a re-registration of a known peer is not a new one, a TP
+    rank outside its size, more ranks than announced for a room, or a rank count outside
+    1..``MAX_RANKS`` are refused; what was accepted before stays. The prefill's control handlers
+    run on a manager without an engine (only the state they touch is set up)."""
+    import json
+    import threading
+
+    import numpy as np
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    monkeypatch.setattr(pd, "MAX_DECODE_PEERS", 2)
+    monkeypatch.setattr(pd, "MAX_PENDING_ROOMS", 3)
+    g = dict(buffers=4, planes=2, layers=2, kv_heads=HEADS, head_dim=DIM, dtype="f32", page_size=PAGE, mla=False)
+    m = object.__new__(pd.TpuSyncKVManager)
+    m.geometry = lambda: g
+    m._lock = threading.Lock()
+    m._decode_peers, m.transfer_infos, m.req_to_decode_prefix_len = {}, {}, {}
+    failed, statuses = {}, {}
+    m._fail = lambda room, why: failed.__setitem__(room, why)
+    m.update_status = lambda room, st: statuses.__setitem__(room, st)
+    m._count = lambda **kw: None
+
+    def reg(port, rank=0, size=1):
+        return [pd.REG_TAG, b"10.0.0.1", str(port).encode(), str(rank).encode(), str(size).encode(),
+                json.dumps(g).encode()]
+
+    def meta(room, port, ranks):
+        return [pd.META_TAG, str(room).encode(), b"10.0.0.1", str(port).encode(), b"0",
+                np.arange(4, dtype=np.int32).tobytes(), b"", str(ranks).encode(), b"0", b"0"]
+
+    m._on_register(reg(7001))
+    m._on_register(reg(7002))
+    m._on_register(reg(7001))
+    with pytest.raises(ValueError, match="2 decode peers are registered"):
+        m._on_register(reg(7003))
+    with pytest.raises(ValueError, match="TP rank 5 of 2"):
+        m._on_register(reg(7003, 5, 2))
+    with pytest.raises(ValueError, match="TP rank 0 of 5000"):
+        m._on_register(reg(7003, 0, 5000))
+    assert sorted(m._decode_peers) == [("10.0.0.1", 7001), ("10.0.0.1", 7002)]
+
+    for room in (1, 2, 3):
+        m._on_meta(meta(room, 7001, 2))
+    with pytest.raises(ValueError, match="3 rooms are waiting"):
+        m._on_meta(meta(4, 7001, 2))
+    for n in (0, pd.MAX_RANKS + 1):
+        with pytest.raises(ValueError, match="decode ranks announced"):
+            m._on_meta(meta(5, 7001, n))
+    m._on_meta(meta(1, 7002, 2))
+    assert statuses == {1: KVPoll.WaitingForInput}
+    with pytest.raises(ValueError, match="more decode ranks than the 2 announced"):
+        m._on_meta(meta(1, 7003, 2))
+    assert sorted(m.transfer_infos) == [1, 2, 3]
+    assert sorted(m.transfer_infos[1]) == [("10.0.0.1", 7001), ("10.0.0.1", 7002)]
+    assert failed == {}

@@ -1549,6 +1549,8 @@ enum tpu_sync_status tpu_sync_pacing_stats(char *buf, size_t buf_len, size_t *le
  *  "name": "prefill-0",         // shown to peers (default tpu-sync-<host>-<pid>-<random>)
  *  "timeout_s": 30,             // connect, handshake and I/O limits (or each *_timeout_s)
  *  "heartbeat_interval_s": 1, "heartbeat_timeout_s": 5,
+ *  "lane_idle_timeout_s": 120,  // a served data lane idle this long is closed (give peers
+ *                               // the same value: clients reuse a pooled lane for half of it)
  *  "lease_ttl_s": 120,          // how long an unreleased registration is kept without holders
  *  "chunk_bytes": 1048576, "streams_per_pair": 2, "max_lanes_per_peer": 16,
  *  "max_inbound_lanes": 4096,  // inbound sockets/streams served at once; more are closed

@@ -156,6 +156,7 @@ struct EndpointJson {
     io_timeout_s: Option<f64>,
     heartbeat_interval_s: Option<f64>,
     heartbeat_timeout_s: Option<f64>,
+    lane_idle_timeout_s: Option<f64>,
     lease_ttl_s: Option<f64>,
     chunk_bytes: Option<u64>,
     streams_per_pair: Option<u32>,
@@ -271,6 +272,9 @@ fn options(j: EndpointJson) -> FfiResult<Config> {
     if let Some(t) = j.heartbeat_timeout_s {
         o.heartbeat_timeout = secs(t, "heartbeat_timeout_s")?;
     }
+    if let Some(t) = j.lane_idle_timeout_s {
+        o.lane_idle_timeout = secs(t, "lane_idle_timeout_s")?;
+    }
     if let Some(t) = j.lease_ttl_s {
         o.lease_ttl = secs(t, "lease_ttl_s")?;
     }
@@ -306,6 +310,8 @@ fn options(j: EndpointJson) -> FfiResult<Config> {
 ///  "name": "prefill-0",         // shown to peers (default tpu-sync-<host>-<pid>-<random>)
 ///  "timeout_s": 30,             // connect, handshake and I/O limits (or each *_timeout_s)
 ///  "heartbeat_interval_s": 1, "heartbeat_timeout_s": 5,
+///  "lane_idle_timeout_s": 120,  // a served data lane idle this long is closed (give peers
+///                               // the same value: clients reuse a pooled lane for half of it)
 ///  "lease_ttl_s": 120,          // how long an unreleased registration is kept without holders
 ///  "chunk_bytes": 1048576, "streams_per_pair": 2, "max_lanes_per_peer": 16,
 ///  "max_inbound_lanes": 4096,  // inbound sockets/streams served at once; more are closed

@@ -104,7 +104,7 @@ mod signal;
 mod stats;
 mod stream;
 
-pub use endpoint::{Endpoint, SourceHandle, Transfer};
+pub use endpoint::{Endpoint, SourceHandle, Transfer, DEFAULT_LANE_IDLE};
 pub use options::{
     default_endpoint_name, EndpointOptions, FaultHooks, DEFAULT_QUIC_CONNECTIONS_PER_PEER,
 };

@@ -36,6 +36,12 @@ pub struct EndpointOptions {
     pub heartbeat_interval: Duration,
     /// A peer silent for this long (no heartbeat or answer) is declared dead.
     pub heartbeat_timeout: Duration,
+    /// A data lane this endpoint serves that carries no request for this long is closed (an
+    /// idle pooled lane holds a socket and a task; a peer that opens lanes and leaves them must
+    /// not keep them forever). As a client, this endpoint stops reusing a pooled lane after half
+    /// of it, so a lane it takes is never one the server is closing: give both sides the same
+    /// value. Default 120 s; must be at least 2 ms.
+    pub lane_idle_timeout: Duration,
     /// How long a source registration without a live lease holder is kept, and how long a push
     /// registration waits without any push activity before it fails.
     pub lease_ttl: Duration,
@@ -109,6 +115,7 @@ impl Default for EndpointOptions {
             io_timeout: Duration::from_secs(30),
             heartbeat_interval: Duration::from_secs(1),
             heartbeat_timeout: Duration::from_secs(5),
+            lane_idle_timeout: super::endpoint::DEFAULT_LANE_IDLE,
             lease_ttl: Duration::from_secs(120),
             chunk_bytes: 1 << 20,
             streams_per_pair: 2,
@@ -146,10 +153,8 @@ mod tests {
     fn default_endpoint_names_name_the_host_and_differ_per_call() {
         let mut buf = [0u8; 256];
         // SAFETY: `buf` is writable for its whole length, which is what we pass.
-        assert_eq!(
-            unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) },
-            0
-        );
+        let r = unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) };
+        assert_eq!(r, 0);
         let n = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
         let host = String::from_utf8_lossy(&buf[..n.min(64)]).into_owned();
         let prefix = format!("tpu-sync-{host}-{}-", std::process::id());

@@ -16,7 +16,10 @@
 //!
 //! The namespace directory is created with mode 0700 and refused unless it is owned by this user
 //! and not writable by others; block files owned by another user are never read (a checksum is
-//! not a signature). The directory is locked (`flock` on `.lock`) by one store at a time.
+//! not a signature). The directory is locked (`flock` on `.lock`) by one store at a time. Below
+//! the configured root, directories and files are created, opened, renamed and deleted relative
+//! to open directory descriptors with `O_NOFOLLOW` (`super::dirfd`), so a symlink planted under
+//! any name is refused and a directory swapped after its checks cannot redirect a write.
 //!
 //! # I/O paths
 //!
@@ -48,12 +51,13 @@
 use std::fs::File;
 use std::io::Read;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::error::{Error, Result};
+use crate::store::dirfd::DirFd;
 use crate::store::key::{BlockKey, Namespace};
 
 /// First 8 bytes of a block file.
@@ -265,6 +269,9 @@ impl Drop for AlignedBuf {
 /// The disk tier of one store (see the module docs).
 pub struct DiskTier {
     dir: PathBuf,
+    /// The partition (or namespace) directory, opened once and checked: every file is reached
+    /// through it (`openat` with `O_NOFOLLOW`, `renameat`, `unlinkat`; see [`super::dirfd`]).
+    dirfd: DirFd,
     ns: u128,
     capacity_bytes: u64,
     /// `None` inside once the ring failed (never entered again, so nothing stale is submitted).
@@ -361,6 +368,11 @@ pub(crate) fn parse_header(ns: u128, h: &[u8]) -> std::result::Result<FileMeta, 
     })
 }
 
+/// The name of `key`'s block file in the tier's directory.
+fn file_name(key: u128) -> String {
+    format!("{}.kvb", BlockKey(key).hex())
+}
+
 fn env_disables_uring() -> bool {
     matches!(
         std::env::var("TPU_SYNC_STORE_IO_URING").as_deref(),
@@ -379,22 +391,39 @@ impl DiskTier {
         if let Some(s) = &opts.shared {
             s.validate()?;
         }
-        let ns_dir = opts.dir.join(format!("{:032x}", ns.id()));
+        let ns_name = format!("{:032x}", ns.id());
+        let ns_dir = opts.dir.join(&ns_name);
         std::fs::create_dir_all(&opts.dir)
             .map_err(|e| Error::io(format!("create disk tier {}", opts.dir.display()), e))?;
-        let mut dirs = vec![ns_dir.clone()];
-        if let Some(s) = &opts.shared {
-            dirs.push(ns_dir.join(&s.partition));
-        }
-        for d in &dirs {
-            match std::fs::DirBuilder::new().mode(0o700).create(d) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                Err(e) => return Err(Error::io(format!("create disk tier {}", d.display()), e)),
-            }
-        }
-        let dir = dirs.last().expect("one at least").clone();
-        let md = std::fs::symlink_metadata(&dir)
+        // Every directory below the configured root is created and opened relative to its
+        // parent's descriptor with O_NOFOLLOW (the namespace directory may be shared with other
+        // writers, even other users: a symlink planted under a name is refused, and a directory
+        // renamed away after the checks below cannot redirect a later write or delete).
+        let root = DirFd::open(&opts.dir)
+            .map_err(|e| Error::io(format!("open disk tier {}", opts.dir.display()), e))?;
+        let sub = |parent: &DirFd, name: &str| -> Result<DirFd> {
+            let shown = parent.path().join(name);
+            parent
+                .mkdir(name, 0o700)
+                .map_err(|e| Error::io(format!("create disk tier {}", shown.display()), e))?;
+            parent.subdir(name).map_err(|e| {
+                Error::io(
+                    format!(
+                        "open disk tier {} (a directory, never a symlink)",
+                        shown.display()
+                    ),
+                    e,
+                )
+            })
+        };
+        let ns_fd = sub(&root, &ns_name)?;
+        let dirfd = match &opts.shared {
+            Some(s) => sub(&ns_fd, &s.partition)?,
+            None => sub(&root, &ns_name)?,
+        };
+        let dir = dirfd.path().to_path_buf();
+        let md = dirfd
+            .metadata()
             .map_err(|e| Error::io(format!("stat {}", dir.display()), e))?;
         // SAFETY: geteuid has no preconditions.
         let me = unsafe { libc::geteuid() };
@@ -412,28 +441,14 @@ impl DiskTier {
                 ),
             ));
         }
-        // NAMESPACE (informational: which model/layout the directory holds). The namespace
-        // directory may be shared with other users (the shared disk tier): it must be a real
-        // directory, not a symlink, and the file is opened with O_NOFOLLOW, so a symlink a
-        // co-tenant planted under that name is refused instead of written through.
-        let nsmd = std::fs::symlink_metadata(&ns_dir)
-            .map_err(|e| Error::io(format!("stat {}", ns_dir.display()), e))?;
-        if !nsmd.file_type().is_dir() {
-            return Err(Error::io(
-                format!("disk tier {}", ns_dir.display()),
-                std::io::Error::new(
-                    std::io::ErrorKind::PermissionDenied,
-                    "the namespace directory is not a directory (a symlink?): refusing it",
-                ),
-            ));
-        }
-        let nsf = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o644)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(ns_dir.join("NAMESPACE"));
+        // NAMESPACE (informational: which model/layout the directory holds), written through the
+        // namespace directory's descriptor with O_NOFOLLOW, so a symlink a co-tenant planted
+        // under that name is refused instead of written through.
+        let nsf = ns_fd.open_file(
+            "NAMESPACE",
+            libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC,
+            0o644,
+        );
         match nsf.and_then(|mut f| {
             std::io::Write::write_all(&mut f, format!("{}\n", ns.description()).as_bytes())
         }) {
@@ -445,14 +460,8 @@ impl DiskTier {
             Some(w) => format!(".lock.{w}"),
             None => ".lock".to_string(),
         };
-        let lock = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(dir.join(&lock_name))
+        let lock = dirfd
+            .open_file(&lock_name, libc::O_RDWR | libc::O_CREAT, 0o600)
             .map_err(|e| Error::io(format!("open {}/{lock_name}", dir.display()), e))?;
         // SAFETY: flock on our open descriptor.
         if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
@@ -488,6 +497,7 @@ impl DiskTier {
         };
         let tier = DiskTier {
             dir,
+            dirfd,
             ns: ns.id(),
             capacity_bytes: opts.capacity_bytes,
             ring,
@@ -537,16 +547,20 @@ impl DiskTier {
 
     /// Path of `key`'s block file.
     pub fn file_path(&self, key: u128) -> PathBuf {
-        self.dir.join(format!("{}.kvb", BlockKey(key).hex()))
+        self.dir.join(file_name(key))
     }
 
     fn scan(&self) -> Result<Vec<FileMeta>> {
-        let rd = std::fs::read_dir(&self.dir)
+        let names = self
+            .dirfd
+            .entries()
             .map_err(|e| Error::io(format!("read {}", self.dir.display()), e))?;
         let mut out = Vec::new();
-        for ent in rd.flatten() {
-            let name = ent.file_name().to_string_lossy().into_owned();
-            let path = ent.path();
+        for name in names {
+            let Ok(name) = name.into_string() else {
+                continue;
+            };
+            let path = self.dir.join(&name);
             if name.starts_with('.') && name.ends_with(".tmp") {
                 // `.<key>.<writer>.<pid>.<n>.tmp` on a shared file system: only our own.
                 let mine = match &self.writer {
@@ -554,14 +568,14 @@ impl DiskTier {
                     Some(w) => name.split('.').nth(2) == Some(w.as_str()),
                 };
                 if mine {
-                    let _ = std::fs::remove_file(&path);
+                    let _ = self.dirfd.unlink(&name);
                 }
                 continue;
             }
             let Some(key) = name.strip_suffix(".kvb").and_then(BlockKey::from_hex) else {
                 continue;
             };
-            match self.read_header_buffered(&path, key.0) {
+            match self.read_header_buffered(&name, key.0) {
                 Ok((m, w)) => {
                     if self.writer.is_none() || w == self.writer {
                         out.push(m)
@@ -572,7 +586,7 @@ impl DiskTier {
                 }
                 Err(miss) => {
                     log::warn!("disk tier: dropping {}: {miss}", path.display());
-                    let _ = std::fs::remove_file(&path);
+                    let _ = self.dirfd.unlink(&name);
                 }
             }
         }
@@ -581,13 +595,12 @@ impl DiskTier {
 
     fn read_header_buffered(
         &self,
-        path: &Path,
+        name: &str,
         key: u128,
     ) -> std::result::Result<(FileMeta, Option<String>), Miss> {
-        let mut f = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(path)
+        let mut f = self
+            .dirfd
+            .open_file(name, libc::O_RDONLY, 0)
             .map_err(|e| Miss::Io(e.to_string()))?;
         let md = f.metadata().map_err(|e| Miss::Io(e.to_string()))?;
         if !md.is_file() || md.uid() != self.uid {
@@ -611,17 +624,17 @@ impl DiskTier {
         Ok((m, writer_of(&h)))
     }
 
-    fn open_file(&self, path: &Path, write: bool) -> std::io::Result<File> {
-        let mut o = std::fs::OpenOptions::new();
-        if write {
-            o.write(true).create_new(true).mode(0o600);
+    /// Opens block or temporary file `name` of the tier's directory (through its descriptor,
+    /// `O_NOFOLLOW`): for writing, a new file (`O_EXCL`, mode 0600); `O_DIRECT` while the file
+    /// system accepts it.
+    fn open_file(&self, name: &str, write: bool) -> std::io::Result<File> {
+        let (flags, mode) = if write {
+            (libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL, 0o600)
         } else {
-            o.read(true);
-        }
+            (libc::O_RDONLY, 0)
+        };
         if self.direct.load(Ordering::Relaxed) {
-            let mut od = o.clone();
-            od.custom_flags(libc::O_DIRECT | libc::O_CLOEXEC | libc::O_NOFOLLOW);
-            match od.open(path) {
+            match self.dirfd.open_file(name, flags | libc::O_DIRECT, mode) {
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                     if self.direct.swap(false, Ordering::Relaxed) {
                         log::warn!(
@@ -636,8 +649,7 @@ impl DiskTier {
         if self.direct_requested {
             self.direct_fallbacks.fetch_add(1, Ordering::Relaxed);
         }
-        o.custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW);
-        o.open(path)
+        self.dirfd.open_file(name, flags, mode)
     }
 
     /// Writes blocks to their files (batched through io_uring when available). Returns one result
@@ -657,7 +669,8 @@ impl DiskTier {
 
     unsafe fn write_chunk(&self, items: &[WriteItem]) -> Vec<Result<()>> {
         struct Job {
-            tmp: PathBuf,
+            tmp: String,
+            key: String,
             file: Option<File>,
             hdr: AlignedBuf,
             bounce: Option<AlignedBuf>,
@@ -671,8 +684,8 @@ impl DiskTier {
             let n = self.tmp_counter.fetch_add(1, Ordering::Relaxed);
             let key = BlockKey(it.meta.key).hex();
             let tmp = match &self.writer {
-                Some(w) => self.dir.join(format!(".{key}.{w}.{pid}.{n}.tmp")),
-                None => self.dir.join(format!(".{key}.{pid}.{n}.tmp")),
+                Some(w) => format!(".{key}.{w}.{pid}.{n}.tmp"),
+                None => format!(".{key}.{pid}.{n}.tmp"),
             };
             let mut hdr = AlignedBuf::zeroed(FILE_HEADER);
             header_bytes(self.ns, &it.meta, hdr.as_mut_slice());
@@ -703,6 +716,7 @@ impl DiskTier {
             };
             jobs.push(Job {
                 tmp,
+                key,
                 file,
                 hdr,
                 bounce,
@@ -733,28 +747,26 @@ impl DiskTier {
                 let r = match j.res.expect("every job has a result") {
                     Ok(n) if n == j.want => {
                         drop(j.file);
-                        let final_path = self.dir.join(
-                            j.tmp
-                                .file_name()
-                                .and_then(|n| n.to_str())
-                                .and_then(|n| n.get(1..33))
-                                .map(|k| format!("{k}.kvb"))
-                                .unwrap_or_default(),
-                        );
-                        std::fs::rename(&j.tmp, &final_path)
-                            .map_err(|e| Error::io(format!("rename {}", j.tmp.display()), e))
+                        self.dirfd
+                            .rename(&j.tmp, &format!("{}.kvb", j.key))
+                            .map_err(|e| {
+                                Error::io(format!("rename {}", self.dir.join(&j.tmp).display()), e)
+                            })
                     }
                     Ok(n) => Err(Error::io(
-                        format!("write {}", j.tmp.display()),
+                        format!("write {}", self.dir.join(&j.tmp).display()),
                         std::io::Error::new(
                             std::io::ErrorKind::WriteZero,
                             format!("short write: {n} of {} bytes", j.want),
                         ),
                     )),
-                    Err(e) => Err(Error::io(format!("write {}", j.tmp.display()), e)),
+                    Err(e) => Err(Error::io(
+                        format!("write {}", self.dir.join(&j.tmp).display()),
+                        e,
+                    )),
                 };
                 if r.is_err() {
-                    let _ = std::fs::remove_file(&j.tmp);
+                    let _ = self.dirfd.unlink(&j.tmp);
                 }
                 r
             })
@@ -791,7 +803,7 @@ impl DiskTier {
             let plen = padded(it.len) as usize;
             let want = FILE_HEADER + plen;
             let mut res = None;
-            let file = match self.open_file(&self.file_path(it.key), false) {
+            let file = match self.open_file(&file_name(it.key), false) {
                 Ok(f) => match f.metadata() {
                     Ok(md) if md.uid() != self.uid => {
                         res = Some(Err(Miss::Corrupt(format!(
@@ -905,7 +917,7 @@ impl DiskTier {
                         "disk tier: block {} unreadable ({m}); dropping its file",
                         BlockKey(it.key)
                     );
-                    let _ = std::fs::remove_file(self.file_path(it.key));
+                    let _ = self.dirfd.unlink(&file_name(it.key));
                 }
             }
             out.push(r);
@@ -915,7 +927,7 @@ impl DiskTier {
 
     /// Deletes `key`'s block file (a missing file is fine).
     pub fn remove(&self, key: u128) {
-        if let Err(e) = std::fs::remove_file(self.file_path(key)) {
+        if let Err(e) = self.dirfd.unlink(&file_name(key)) {
             if e.kind() != std::io::ErrorKind::NotFound {
                 log::warn!("disk tier: cannot delete block {}: {e}", BlockKey(key));
             }

@@ -87,6 +87,7 @@
 //! parallel. One process at a time may use a named segment or a disk directory (file locks).
 
 pub mod checksum;
+mod dirfd;
 pub mod disk;
 pub mod groups;
 pub mod index;

@@ -15,11 +15,12 @@
 //! Thread-safety: [`SharedReader`] is `Send + Sync`; reads of different chains may run in
 //! parallel.
 
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use super::checksum;
+use super::dirfd::DirFd;
 use super::disk::{self, AlignedBuf, Miss, FILE_HEADER};
 use super::key::{BlockKey, Namespace};
 use crate::error::{Error, Result};
@@ -39,7 +40,11 @@ pub struct SharedGet {
 /// A reader of one partition of a shared disk tier (see the module docs).
 #[derive(Debug)]
 pub struct SharedReader {
+    /// The partition directory's path (for messages; files are reached through [`DirFd`]s).
     dir: PathBuf,
+    root: PathBuf,
+    ns_name: String,
+    partition: String,
     ns: u128,
     direct: AtomicBool,
     fallbacks: AtomicU64,
@@ -59,11 +64,12 @@ impl SharedReader {
         direct: bool,
     ) -> Result<SharedReader> {
         disk::validate_component("partition", partition)?;
+        let ns_name = format!("{:032x}", ns.id());
         Ok(SharedReader {
-            dir: root
-                .as_ref()
-                .join(format!("{:032x}", ns.id()))
-                .join(partition),
+            dir: root.as_ref().join(&ns_name).join(partition),
+            root: root.as_ref().to_path_buf(),
+            ns_name,
+            partition: partition.to_string(),
             ns: ns.id(),
             direct: AtomicBool::new(direct),
             fallbacks: AtomicU64::new(0),
@@ -87,17 +93,18 @@ impl SharedReader {
         self.fallbacks.load(Ordering::Relaxed)
     }
 
-    fn path(&self, key: BlockKey) -> PathBuf {
-        self.dir.join(format!("{}.kvb", key.hex()))
+    /// Opens the partition directory: the configured root, then the namespace and partition
+    /// directories relative to it with `O_NOFOLLOW` (a symlink planted under either name by
+    /// another writer is refused, and files are then opened through the descriptor).
+    fn open_dir(&self) -> std::io::Result<DirFd> {
+        DirFd::open(&self.root)?
+            .subdir(&self.ns_name)?
+            .subdir(&self.partition)
     }
 
-    fn open_file(&self, p: &Path) -> std::io::Result<std::fs::File> {
+    fn open_file(&self, d: &DirFd, name: &str) -> std::io::Result<std::fs::File> {
         if self.direct.load(Ordering::Relaxed) {
-            match std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECT | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-                .open(p)
-            {
+            match d.open_file(name, libc::O_RDONLY | libc::O_DIRECT, 0) {
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                     if self.direct.swap(false, Ordering::Relaxed) {
                         log::warn!(
@@ -110,17 +117,13 @@ impl SharedReader {
                 r => return r,
             }
         }
-        std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(p)
+        d.open_file(name, libc::O_RDONLY, 0)
     }
 
     /// Reads and checks one block file; returns the data length and the aligned buffer holding
     /// header + data.
-    fn read_one(&self, key: BlockKey) -> std::result::Result<(usize, AlignedBuf), Miss> {
-        let p = self.path(key);
-        let f = match self.open_file(&p) {
+    fn read_one(&self, d: &DirFd, key: BlockKey) -> std::result::Result<(usize, AlignedBuf), Miss> {
+        let f = match self.open_file(d, &format!("{}.kvb", key.hex())) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(Miss::Missing),
             Err(e) => return Err(Miss::Io(e.to_string())),
@@ -168,10 +171,15 @@ impl SharedReader {
     /// Number of leading blocks of `chain` whose files exist with a valid header and size (the
     /// data checksum is checked when the blocks are read).
     pub fn lookup(&self, chain: &[BlockKey]) -> usize {
+        let Ok(d) = self.open_dir() else {
+            return 0;
+        };
         let mut n = 0;
         for &k in chain {
-            let ok = std::fs::symlink_metadata(self.path(k))
-                .map(|m| m.is_file() && m.size() as usize >= FILE_HEADER)
+            let ok = d
+                .open_file(&format!("{}.kvb", k.hex()), libc::O_RDONLY, 0)
+                .and_then(|f| f.metadata())
+                .map(|m| m.size() as usize >= FILE_HEADER && m.uid() == self.uid)
                 .unwrap_or(false);
             if !ok {
                 break;
@@ -195,8 +203,20 @@ impl SharedReader {
             )));
         }
         let mut r = SharedGet::default();
+        let d = match self.open_dir() {
+            Ok(d) => d,
+            Err(e) => {
+                if !chain.is_empty() {
+                    r.stop = Some(match e.kind() {
+                        std::io::ErrorKind::NotFound => Miss::Missing,
+                        _ => Miss::Io(format!("open {}: {e}", self.dir.display())),
+                    });
+                }
+                return Ok(r);
+            }
+        };
         for (i, &k) in chain.iter().enumerate() {
-            match self.read_one(k) {
+            match self.read_one(&d, k) {
                 Ok((len, mut buf)) if len == dst[i].len() => {
                     dst[i].copy_from_slice(&buf.as_mut_slice()[FILE_HEADER..FILE_HEADER + len]);
                     r.delivered += 1;

@@ -27,8 +27,11 @@
 //! takes an exclusive `flock` for as long as the segment is mapped, so two servers can never use
 //! one name at once, and the kernel drops the lock when the owner dies. An existing segment is
 //! re-attached only if magic, version, namespace and geometry all match; otherwise it is
-//! reformatted and the reason logged. The header's magic is written last, so a segment whose
-//! formatting was interrupted is reformatted on the next attach.
+//! reformatted and the reason logged. Reformatting never reuses the file: the name is unlinked
+//! and a new file (a new inode, `O_EXCL`) created in its place, so a process that opened or
+//! mapped the old one keeps only the old bytes and never sees a block of the new store. The
+//! header's magic is written last, so a segment whose formatting was interrupted is reformatted
+//! on the next attach.
 //!
 //! Thread-safety: [`Segment`] is `Send + Sync`; slot metas are atomics, slot data is accessed
 //! through raw pointers under the store's slot ownership rules.
@@ -273,6 +276,26 @@ fn flock_exclusive(f: &File) -> std::io::Result<()> {
     }
 }
 
+/// Unlinks the segment at `path` and creates a new, empty file (a new inode, mode 0600,
+/// exclusively: `O_EXCL`, `O_NOFOLLOW`) under the same name, locked with an exclusive `flock`.
+/// Errors: [`Error::Io`] when the name cannot be unlinked, another process created it meanwhile
+/// (`AlreadyExists`), or the lock cannot be taken.
+fn recreate(path: &Path, shown: &str) -> Result<File> {
+    std::fs::remove_file(path)
+        .map_err(|e| Error::io(format!("unlink untrusted segment {shown}"), e))?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| Error::io(format!("create shared-memory segment {shown} anew"), e))?;
+    flock_exclusive(&file)
+        .map_err(|e| Error::io(format!("lock the new shared-memory segment {shown}"), e))?;
+    Ok(file)
+}
+
 fn rd_u32(h: &[u8], off: usize) -> u32 {
     u32::from_le_bytes(h[off..off + 4].try_into().expect("4 bytes"))
 }
@@ -451,42 +474,34 @@ impl Segment {
                 e,
             )
         })?;
-        let mut reason: Option<String> = None;
         let mode = md.permissions().mode() & 0o777;
-        let mut len = md.len();
-        if mode & 0o077 != 0 {
-            // Another user may have opened (and may still map) this inode while its mode let
-            // them: a chmod would leave their mapping live. The name is unlinked and a new
-            // file (a new inode) created in its place, exclusively, so nobody else holds it.
-            std::fs::remove_file(&path)
-                .map_err(|e| Error::io(format!("unlink loose segment {shown}"), e))?;
-            file = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-                .open(&path)
-                .map_err(|e| Error::io(format!("create shared-memory segment {shown} anew"), e))?;
-            flock_exclusive(&file)
-                .map_err(|e| Error::io(format!("lock the new shared-memory segment {shown}"), e))?;
-            len = 0;
-            reason = Some(format!(
-                "mode was {mode:04o} (accessible to other users), contents not trusted; \
-                 unlinked and created anew"
-            ));
-        }
-        let created = len == 0 && reason.is_none();
-        if reason.is_none() && !created {
-            if len < HEADER_BYTES {
-                reason = Some(format!("file is only {len} B, shorter than a header"));
-            } else {
-                let mut h = vec![0u8; HEADER_BYTES as usize];
-                file.read_exact(&mut h)
-                    .map_err(|e| Error::io(format!("read header of {shown}"), e))?;
-                reason = header_mismatch(&h, len, ns, &geo);
+        let len = md.len();
+        let created = len == 0 && mode & 0o077 == 0;
+        let reason = if mode & 0o077 != 0 {
+            Some(format!(
+                "mode was {mode:04o} (accessible to other users), contents not trusted"
+            ))
+        } else if created {
+            None
+        } else if len < HEADER_BYTES {
+            Some(format!("file is only {len} B, shorter than a header"))
+        } else {
+            let mut h = vec![0u8; HEADER_BYTES as usize];
+            file.read_exact(&mut h)
+                .map_err(|e| Error::io(format!("read header of {shown}"), e))?;
+            header_mismatch(&h, len, ns, &geo)
+        };
+        let reason = match reason {
+            Some(r) => {
+                // Whoever opened this inode earlier (while its mode let them, or a process that
+                // wrote the contents we refuse) may still hold it or map it: formatting it in
+                // place would hand them the new blocks. The name is unlinked and a new file (a
+                // new inode) created in its place, exclusively, so nobody else holds it.
+                file = recreate(&path, &shown)?;
+                Some(format!("{r}; unlinked and created anew"))
             }
-        }
+            None => None,
+        };
         let fresh = created || reason.is_some();
         if fresh {
             // Drop every old page, then size the file; the new pages read as zero (empty slots).

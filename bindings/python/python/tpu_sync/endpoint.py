@@ -166,6 +166,9 @@ class Endpoint(Handle):
         heartbeat_interval, heartbeat_timeout: seconds between heartbeats, and of silence after
             which a peer is declared dead (its transfers fail, its leases end).
         lease_s: how long a registration is kept without a live consumer (endpoint-wide).
+        lane_idle_timeout: seconds after which a data lane this endpoint serves that carries no
+            request is closed (default 120); as a client it reuses a pooled lane for half of it,
+            so give peers the same value.
         chunk_bytes, streams_per_pair, max_lanes_per_peer: network tuning (see the Rust docs).
         quic_connections_per_peer: QUIC only, connections opened to each peer (>= 1; default 2).
         max_inbound_lanes: inbound sockets/streams served at once (default 4096); a connection
@@ -203,7 +206,8 @@ class Endpoint(Handle):
                  staging_wait: Optional[float] = None, dma_map: Optional[bool] = None,
                  wait_for_registration: Optional[float] = None,
                  staging_pool_bytes: Optional[int] = None,
-                 quic_connections_per_peer: Optional[int] = None) -> None:
+                 quic_connections_per_peer: Optional[int] = None,
+                 lane_idle_timeout: Optional[float] = None) -> None:
         self._ptr = None
         cfg: Dict[str, Any] = {"transport": ck.text("transport", transport),
                                "timeout_s": ck.number("timeout", timeout, positive=True)}
@@ -221,7 +225,8 @@ class Endpoint(Handle):
             ck.instance("client", client, Client)
         for k, v in dict(heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout,
                          lease_ttl_s=lease_s, staging_wait_s=staging_wait,
-                         wait_for_registration_s=wait_for_registration).items():
+                         wait_for_registration_s=wait_for_registration,
+                         lane_idle_timeout_s=lane_idle_timeout).items():
             if v is not None:
                 cfg[k] = ck.number(k, v, positive=True)
         for k, v in dict(chunk_bytes=chunk_bytes, staging_budget_bytes=staging_budget_bytes,

@@ -31,7 +31,7 @@ pub(super) struct Peer {
     pub(super) addr: SocketAddr,
     pub(super) conn: Arc<dyn Connection>,
     /// Idle data lanes, each with when it was given back (one idle past
-    /// [`super::lanes::CLIENT_LANE_IDLE`] is closed instead of reused).
+    /// half of [`crate::net::EndpointOptions::lane_idle_timeout`] is closed instead of reused).
     pub(super) idle: Mutex<Vec<(std::time::Instant, CountedLane)>>,
     pub(super) permits: Arc<Semaphore>,
     pub(super) dead: Signal,
@@ -304,9 +304,10 @@ impl Inner {
         };
         let pooled = {
             let mut idle = lock(&peer.idle);
-            // The server closes lanes idle for SERVER_LANE_IDLE; ours go well before that, so a
-            // pooled lane is never one the server is closing.
-            idle.retain(|(since, _)| since.elapsed() < super::lanes::CLIENT_LANE_IDLE);
+            // The server closes lanes idle for its lane_idle_timeout; ours go after half of it
+            // (the same option), so a pooled lane is never one the server is closing.
+            let keep = self.opts.lane_idle_timeout / 2;
+            idle.retain(|(since, _)| since.elapsed() < keep);
             idle.pop().map(|(_, l)| l)
         };
         if let Some(f) = pooled {

@@ -17,14 +17,11 @@ use crate::wire::{Control, FrameHeader, FrameKind, HEADER_LEN};
 /// heartbeat's business).
 pub(super) const FOREVER: Duration = Duration::from_secs(365 * 24 * 3600);
 
-/// A server's data lane that carries no request for this long is closed (issue 24: an idle
-/// pooled lane holds a socket and a task, so a peer that opens lanes and leaves them must not
-/// keep them forever).
-pub(crate) const SERVER_LANE_IDLE: Duration = Duration::from_secs(120);
-
-/// A client closes a pooled data lane idle for this long instead of reusing it: half of
-/// [`SERVER_LANE_IDLE`], so the lane a request takes is never one the server is closing.
-pub(crate) const CLIENT_LANE_IDLE: Duration = Duration::from_secs(60);
+/// Default of [`crate::net::EndpointOptions::lane_idle_timeout`]: a server's data lane that
+/// carries no request for this long is closed (issue 24: an idle pooled lane holds a socket and
+/// a task, so a peer that opens lanes and leaves them must not keep them forever). A client
+/// closes a pooled lane idle for half of it instead of reusing it.
+pub const DEFAULT_LANE_IDLE: Duration = Duration::from_secs(120);
 
 /// Counts an open lane for [`crate::net::Stats::lanes_open`].
 pub(super) struct LaneCount(Arc<Counters>);

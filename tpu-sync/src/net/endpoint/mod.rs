@@ -24,6 +24,7 @@ use tokio::sync::{oneshot, watch, Semaphore};
 use tokio::task::JoinSet;
 
 pub use handles::{SourceHandle, Transfer};
+pub use lanes::DEFAULT_LANE_IDLE;
 
 use self::client::Peer;
 use self::handles::{SourceShared, TransferShared};
@@ -296,6 +297,12 @@ impl Endpoint {
                 "streams_per_pair {} exceeds {}",
                 opts.streams_per_pair,
                 wire::MAX_STRIPES
+            )));
+        }
+        if opts.lane_idle_timeout < Duration::from_millis(2) {
+            return Err(Error::InvalidArgument(format!(
+                "lane_idle_timeout must be at least 2 ms (got {:?})",
+                opts.lane_idle_timeout
             )));
         }
         if opts.heartbeat_interval.is_zero() || opts.heartbeat_timeout <= opts.heartbeat_interval {

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::lanes::{read_ctl, write_ctl, LaneCount, SERVER_LANE_IDLE};
+use super::lanes::{read_ctl, write_ctl, LaneCount};
 use super::{lock, DriverSinkPlan, Inner, SessionIo, SinkIo};
 use crate::error::{Error, Result};
 use crate::net::framed::Framed;
@@ -120,8 +120,9 @@ impl Inner {
         match role {
             LaneRole::Control => self.server_control(session, f, count).await,
             LaneRole::Data => loop {
+                let idle = self.opts.lane_idle_timeout;
                 let r = tokio::select! {
-                    r = f.recv(SERVER_LANE_IDLE) => r,
+                    r = f.recv(idle) => r,
                     _ = session.dead.wait() => return,
                     _ = self.shutdown.wait() => return,
                 };
@@ -129,7 +130,7 @@ impl Inner {
                     Ok(m) => m,
                     Err(Error::PeerClosed(_)) => return,
                     Err(Error::Timeout(_)) => {
-                        log::debug!("idle data lane from {name} closed after {SERVER_LANE_IDLE:?}");
+                        log::debug!("idle data lane from {name} closed after {idle:?}");
                         return;
                     }
                     Err(e) => {
