@@ -8,7 +8,9 @@ SPEC keys:
     process per rank, whose counters are then not in OUT), repeat (1: generate the
     prompts this many times in the same engine), max_model_len (4096), dtype ("float32"),
     connector (None | {"kv_role": ..., "extra": {...}, "policy": "fail"|"recompute",
-    "by_name": bool}), remote_decode (bool: send kv_transfer_params {"do_remote_decode": true},
+    "by_name": bool, "multi": bool (the connector as the only child of vLLM's MultiConnector, as
+    vLLM-TorchTPU runs it: its platform accepts only its own connector names, among them
+    TPUMultiConnector, a MultiConnector subclass)}), remote_decode (bool: send kv_transfer_params {"do_remote_decode": true},
     i.e. act as the prefill instance of a P/D pair), params (list of kv_transfer_params per
     prompt), params_file (a producer's OUT.json: once the engine is up, wait for it and use the
     kv_transfer_params of its outputs), go_file (then wait for this file before generating),
@@ -48,11 +50,19 @@ ZYGOTE_PREIMPORT = (
 ZYGOTE_IMPORT_TIME_ENV = ("VLLM_LOGGING", "VLLM_CONFIGURE_LOGGING")
 
 
+def unwrap(c):
+    """Our connector itself when ``c`` is a MultiConnector holding it (``spec["connector"]["multi"]``)."""
+    for child in getattr(c, "_connectors", None) or ():
+        if hasattr(child, "scheduler_side"):
+            return child
+    return c
+
+
 def connectors(llm):
     """The scheduler-side and worker-side connectors (in-process engine only)."""
     sched = None
     try:
-        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        sched = unwrap(llm.llm_engine.engine_core.engine_core.scheduler.connector)
     except AttributeError:
         pass
     worker = None
@@ -60,7 +70,7 @@ def connectors(llm):
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
         if has_kv_transfer_group():
-            worker = get_kv_transfer_group()
+            worker = unwrap(get_kv_transfer_group())
     except Exception:
         pass
     return sched, worker
@@ -86,6 +96,11 @@ def main() -> None:
                    kv_load_failure_policy=c.get("policy", "recompute"))
         if not c.get("by_name"):
             ktc["kv_connector_module_path"] = "tpu_sync.vllm"
+        if c.get("multi"):
+            child = {k: v for k, v in ktc.items() if k != "kv_load_failure_policy"}
+            ktc = dict(kv_connector="MultiConnector", kv_role=c["kv_role"],
+                       kv_connector_extra_config={"connectors": [child]},
+                       kv_load_failure_policy=ktc["kv_load_failure_policy"])
         kw["kv_transfer_config"] = ktc
     t0 = time.time()
     llm = LLM(**kw)

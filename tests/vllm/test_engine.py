@@ -258,16 +258,20 @@ SHM = f"tpusync-vllm-e2e-{os.getpid()}"
 def test_pd_layerwise_matches_plain(engines, plain):
     """Layer-wise P/D (``layerwise``): the producer registers each request before its prefill's
     forward and publishes every layer as vLLM saves it; the consumer admits the request at once
-    and its forward waits for each pulled layer. Output token-identical to a plain engine."""
+    and its forward waits for each pulled layer. Output token-identical to a plain engine. Both
+    sides run the connector as the only child of vLLM's ``MultiConnector``, as vLLM-TorchTPU
+    does (docs/tpu.md): the P/D hooks (request_finished, get_finished, the layer hooks) reach it
+    through the wrapper."""
     hold = os.path.join(engines.dir, "pdl.hold")
     if os.path.exists(hold):
         os.remove(hold)
     prod = engines.start("pdl_producer", engines.spec(
         remote_decode=True, hold_file=hold,
-        connector=dict(kv_role="kv_producer", extra=pd_extra(lease_s=120.0, layerwise=True))))
+        connector=dict(kv_role="kv_producer", extra=pd_extra(lease_s=120.0, layerwise=True), multi=True)))
     cons = engines.start("pdl_consumer", engines.spec(
         params_file=prod.out,
-        connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=60.0, layerwise=True))))
+        connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=60.0, layerwise=True),
+                       multi=True)))
     try:
         c = engines.finish(cons)
     finally:
@@ -343,12 +347,16 @@ def test_offload_second_pass_hits_host_tier(engines, plain, offload_state, workd
 
 def test_offload_layerwise_loads_match_plain(engines, plain, offload_state):
     """``layerwise`` host-tier loads (background read, then layer by layer under
-    ``wait_for_layer_load``) in a fresh tier: second pass token-identical to plain."""
+    ``wait_for_layer_load``) in a fresh tier: second pass token-identical to plain. The connector
+    runs as the only child of vLLM's ``MultiConnector``, the way vLLM-TorchTPU runs it (its
+    platform accepts only its own connector names; ``TPUMultiConnector`` subclasses
+    ``MultiConnector`` and adds ``register_runner``; docs/tpu.md): every hook, the layer-wise
+    ones included, reaches it through the wrapper."""
     shm = SHM + "-lw"
     extra = offload_extra(shm_name=shm, host_capacity_bytes=HOST_CAPACITY, layerwise=True)
     try:
         res = engines.run("offload_lw", engines.spec(
-            connector=dict(kv_role="kv_both", policy="recompute", extra=extra), repeat=2))
+            connector=dict(kv_role="kv_both", policy="recompute", extra=extra, multi=True), repeat=2))
     finally:
         if BACKEND != "ref":
             import tpu_sync

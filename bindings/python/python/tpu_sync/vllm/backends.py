@@ -27,7 +27,8 @@ class KvCaches:
 
     Attributes:
         names: layer names, in model layer order.
-        tensors: per-layer tensors ``[num_blocks, heads_per_rank, block_size, 2 * head_dim]``.
+        tensors: per-layer tensors ``[num_blocks, ...]`` (:meth:`KvGeometry.layer_shape` per block:
+            vLLM CPU's LBHNC or a TPU backend's ragged paged attention v3 cache).
         num_blocks: blocks per layer tensor.
         layer_block_bytes: bytes of one block of one layer (the tensor's block stride).
         tp_rank: this worker's tensor-parallel rank.

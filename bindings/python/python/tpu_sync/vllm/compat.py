@@ -30,6 +30,10 @@ TORCH_TO_TPU_SYNC_DTYPE = {
     "torch.float8_e4m3fn": "fp8",
 }
 
+#: ``tpu_sync`` block orders of the TPU backends' ragged paged attention v3 caches
+#: (``docs/tpu.md``).
+RPA3_ORDERS = ("rpa3", "rpa3hd64")
+
 #: vLLM's null block (``BlockPool.null_block``, the pool's first block, id 0): stands for the
 #: blocks a sliding-window group no longer holds; never a request's own KV.
 NULL_BLOCK_ID = 0
@@ -95,6 +99,13 @@ class KvGeometry:
         block_format: what packs a block's bytes, e.g. ``vllm-cpu/vec/float32``
             (platform, attention kernel, cache dtype).
         use_mla: an MLA model (one latent plane).
+        kv_order: the per-layer tensor layout (``tpu_sync`` block order): ``lbhnc`` for vLLM's
+            CPU backend (``[num_blocks, heads_per_rank, block_size, 2 * head_dim]``, opaque
+            blocks tagged by :attr:`block_format`), ``rpa3`` or ``rpa3hd64`` for the TPU
+            backends' ragged paged attention v3 caches (``[num_blocks, block_size, R, P, D']``,
+            :meth:`layer_shape`; vllm-torchtpu 0.29 ``PallasAttentionBackend.get_kv_cache_shape``
+            in ``vllm_torchtpu/layers/adapter/attention.py``, which picks the head_dim-64 kernel
+            when ``head_size == 64``).
         groups: None for a model whose layers are one full-attention KV cache group (every
             uniform model: all layers share one block table, exactly as before groups existed).
             Otherwise vLLM's KV cache groups (``KVCacheConfig.kv_cache_groups``, one block table
@@ -118,6 +129,7 @@ class KvGeometry:
     block_format: str
     use_mla: bool = False
     groups: Optional[Tuple[Dict[str, Any], ...]] = None
+    kv_order: str = "lbhnc"
 
     @property
     def num_groups(self) -> int:
@@ -194,9 +206,36 @@ class KvGeometry:
         return {"f32": 4, "bf16": 2, "f16": 2, "fp8": 1}[self.dtype]
 
     @property
+    def is_rpa3(self) -> bool:
+        """Whether the tensors are a TPU backend's ragged paged attention v3 caches."""
+        return self.kv_order in RPA3_ORDERS
+
+    @property
+    def packing(self) -> int:
+        """Elements packed into one 32-bit word of an RPA v3 cache (``P = 32 / bits``: fp32 1,
+        bf16 and f16 2, fp8 4; ``get_dtype_packing`` of the TPU backends)."""
+        return 4 // self.elem_bytes
+
+    def layer_shape(self) -> Tuple[int, ...]:
+        """The shape of one block of one layer on one rank (the tensor's shape without its
+        ``num_blocks`` axis): ``(heads_per_rank, block_size, planes * head_dim)`` for ``lbhnc``;
+        ``(block_size, R, P, D')`` for ``rpa3`` with ``R = align(2 * heads, P) / P`` and
+        ``D' = align(head_dim, 128)``; ``(block_size, align(heads, P) / P, P, 128)`` for
+        ``rpa3hd64``."""
+        h, p = self.heads_per_rank, self.packing
+        if self.kv_order == "rpa3":
+            return (self.block_size, -(-2 * h // p), p, -(-self.head_dim // 128) * 128)
+        if self.kv_order == "rpa3hd64":
+            return (self.block_size, -(-h // p), p, 128)
+        return (h, self.block_size, self.kv_planes * self.head_dim)
+
+    @property
     def layer_block_bytes(self) -> int:
-        """Bytes of one block of one layer on one rank."""
-        return self.heads_per_rank * self.block_size * self.kv_planes * self.head_dim * self.elem_bytes
+        """Bytes of one block of one layer on one rank (padding of an RPA v3 cache included)."""
+        n = 1
+        for d in self.layer_shape():
+            n *= d
+        return n * self.elem_bytes
 
     @property
     def block_bytes(self) -> int:
@@ -211,10 +250,13 @@ class KvGeometry:
         """Why KV blocks of a peer with geometry ``other`` (a :meth:`to_dict`) cannot be used
         here, or None when they can. Compares everything that fixes a block's bytes (layers,
         heads, head_dim, dtype, block size, MLA, block format); TP may differ (resharded)."""
-        keys = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "use_mla", "block_format", "groups")
+        keys = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "use_mla", "block_format", "groups",
+                "kv_order")
         mine = self.to_dict()
-        diff = [f"{k}: local {mine[k]!r}, remote {other.get(k)!r}" for k in keys
-                if _plain(other.get(k)) != _plain(mine[k])]
+        theirs = dict(other)
+        theirs.setdefault("kv_order", "lbhnc")  # a peer from before the field: vLLM's CPU layout
+        diff = [f"{k}: local {mine[k]!r}, remote {theirs.get(k)!r}" for k in keys
+                if _plain(theirs.get(k)) != _plain(mine[k])]
         return "; ".join(diff) if diff else None
 
     def namespace(self, extra: str = "") -> str:
@@ -237,10 +279,14 @@ class KvGeometry:
 
     def tpu_sync_layout(self, num_blocks: int) -> Dict[str, Any]:
         """The ``tpu_sync`` layout (``ParallelLayout`` JSON) of this engine: order ``lbhnc``
-        with the block format tag, ``num_blocks`` blocks per rank. With :attr:`groups` the groups
+        with the block format tag, ``num_blocks`` blocks per rank; for an RPA v3 cache the order
+        :attr:`kv_order` (the planner then reshards between TP sizes and block sizes and moves
+        only real heads and tokens, never padding). With :attr:`groups` the groups
         form (``tpu_sync::layout::HybridLayout`` JSON): one group per vLLM KV cache group, each
         ``num_blocks`` blocks per rank (vLLM's groups share one block pool) and the block format
         tag."""
+        if self.groups and self.is_rpa3:
+            raise ValueError("TpuSyncConnector: KV cache groups with an RPA v3 cache are not supported yet")
         if self.groups:
             attn = dict(type="attention", num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                         kv_planes=self.kv_planes, dtype=self.dtype)
@@ -274,9 +320,9 @@ class KvGeometry:
                 kv_planes=self.kv_planes,
                 dtype=self.dtype,
             ),
-            spec=dict(tp=self.tp, pcp=1, dp=1, block_size=self.block_size, order="lbhnc"),
+            spec=dict(tp=self.tp, pcp=1, dp=1, block_size=self.block_size, order=self.kv_order),
             num_blocks=int(num_blocks),
-            block_format=self.block_format,
+            **({} if self.is_rpa3 else dict(block_format=self.block_format)),
         )
 
 
@@ -486,8 +532,14 @@ def kv_geometry(vllm_config: Any, kv_cache_config: Any = None) -> KvGeometry:
     head_dim = int(mc.get_head_size())
     block_size = int(cc.block_size)
     device = getattr(current_platform, "device_type", "") or "unknown"
+    order = "lbhnc"
     if device == "cpu":
         fmt = cpu_block_format(torch_dtype, block_size, head_dim, cache_dtype or "auto")
+    elif device == "tpu":
+        # vllm-torchtpu's PallasAttentionBackend (and tpu-inference): ragged paged attention v3,
+        # the head_dim-64 kernel when head_size == 64 (vllm_torchtpu/layers/adapter/attention.py).
+        order = "rpa3hd64" if head_dim == 64 else "rpa3"
+        fmt = f"vllm-tpu/{order}/{name.replace('torch.', '')}"
     else:
         fmt = f"vllm-{device}/default/{name.replace('torch.', '')}"
     total_heads = int(mc.get_total_num_kv_heads())
@@ -504,6 +556,7 @@ def kv_geometry(vllm_config: Any, kv_cache_config: Any = None) -> KvGeometry:
         block_format=fmt,
         use_mla=bool(getattr(mc, "use_mla", False)),
         groups=kv_groups(kv_cache_config, block_size, tp) if kv_cache_config is not None else None,
+        kv_order=order,
     )
 
 

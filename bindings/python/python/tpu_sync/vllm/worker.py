@@ -110,8 +110,11 @@ class WorkerSide:
     # ---- start-up -----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
-        """Checks vLLM's tensors are the LBHNC per-layer cache this connector moves, orders them
-        by layer, and opens the host tier and the P/D endpoint over zero-copy views of them.
+        """Checks vLLM's tensors are the per-layer cache this connector moves (the CPU backend's
+        LBHNC ``[num_blocks, heads, block_size, 2 * head_dim]``, or a TPU backend's ragged paged
+        attention v3 ``[num_blocks, block_size, R, P, D']`` when the geometry's ``kv_order`` is
+        ``rpa3``/``rpa3hd64``: :meth:`KvGeometry.layer_shape`), orders them by layer, and opens
+        the host tier and the P/D endpoint over zero-copy views of them.
 
         Raises:
             ValueError: another cache layout (e.g. a GPU backend's ``[2, blocks, ...]``), tensors
@@ -134,7 +137,9 @@ class WorkerSide:
         tensors = [kv_caches[n] for n in names]
         if len(tensors) != g.num_layers:
             raise ValueError(f"TpuSyncConnector: {len(tensors)} KV tensors for {g.num_layers} layers")
-        want = (g.heads_per_rank, g.block_size, g.kv_planes * g.head_dim)
+        want = g.layer_shape()
+        kind = ("the TPU backends' ragged paged attention v3 per-layer KV cache" if g.is_rpa3 else
+                "vLLM's LBHNC per-layer KV cache")
         group_of = g.group_of_layer()
         attn = [i for i in range(len(names)) if not g.is_state_group(group_of[i])]
         first = tensors[attn[0]]
@@ -144,10 +149,10 @@ class WorkerSide:
             if g.is_state_group(group_of[i]):
                 continue  # checked and viewed below
             shape = tuple(int(s) for s in t.shape)
-            if len(shape) != 4 or shape[1:] != want:
+            if len(shape) != 1 + len(want) or shape[1:] != want:
                 raise ValueError(
-                    f"TpuSyncConnector needs vLLM's LBHNC per-layer KV cache [num_blocks, {want[0]}, {want[1]}, "
-                    f"{want[2]}] (the CPU backend's); layer {n} has shape {list(shape)}"
+                    f"TpuSyncConnector needs {kind} [num_blocks, {', '.join(str(d) for d in want)}] "
+                    f"({g.kv_order}, {g.dtype}); layer {n} has shape {list(shape)}"
                 )
             if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
                 raise ValueError(f"TpuSyncConnector: layer {n} differs from layer {names[attn[0]]} or is not "

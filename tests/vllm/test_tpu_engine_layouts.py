@@ -1,0 +1,206 @@
+"""The connector's worker side with the TPU backends' KV caches (issue 25; docs/tpu.md): per-layer
+tensors of exactly the shapes vLLM-TorchTPU's ``PallasAttentionBackend.get_kv_cache_shape``
+allocates (ragged paged attention v3 ``[num_blocks, block_size, R, P, D']`` and the head_dim-64
+kernel's ``[num_blocks, block_size, ceil(H / P), P, 128]``), as torch CPU tensors viewed
+zero-copy as PJRT CPU buffers, filled as the kernels' ``merge_kv`` fills them (the numpy
+reference of ``bindings/python/tests/test_tpu_layouts.py``). P/D between worker sides over
+loopback TCP, resharded between TP sizes (bf16, fp8 with an odd number of local heads,
+head_dim 64), and host-tier store then load: byte-exact, padding zero, every other block
+unchanged. The engine around the buffers is vLLM's CPU build: the tensors' shapes, dtypes and
+contents are the TPU engines'; only their memory is host memory (no TPU here)."""
+
+import dataclasses
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+vllm = pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from test_connector import configs, connector, vllm_config  # noqa: E402,F401  (fixtures)
+from tpu_sync.vllm import compat  # noqa: E402
+from tpu_sync.vllm.compat import KvGeometry  # noqa: E402
+from tpu_sync.vllm.config import ConnectorConfig  # noqa: E402
+from tpu_sync.vllm.metadata import RecvSpec, SendSpec, TierOp, TpuSyncMetadata  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "bindings", "python", "tests"))
+from test_tpu_layouts import DTYPES, logical_kv, merge_kv  # noqa: E402
+
+NB, BS = 16, 16
+NAMES = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+TORCH = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "f32": torch.float32}
+TORCH_BITS = {"bf16": torch.int16, "fp8": torch.uint8, "f32": torch.int32}
+
+
+def pallas_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, bits):
+    """vllm-torchtpu 0.29.0 ``PallasAttentionBackend.get_kv_cache_shape`` for a concrete dtype
+    (``vllm_torchtpu/layers/adapter/attention.py``), restated: pad head_size to 128, pack
+    ``32 / bits`` values per word, ``num_kv_heads * 2`` rows (``num_kv_heads`` for head_size 64)
+    rounded up to the packing."""
+    padded = -(-head_size // 128) * 128
+    packing = 32 // bits
+    rows = num_kv_heads if head_size == 64 else num_kv_heads * 2
+    rows = -(-rows // packing) * packing
+    return (num_blocks, block_size, rows // packing, packing, padded)
+
+
+def geometry(heads, dim, dtype, tp):
+    order = "rpa3hd64" if dim == 64 else "rpa3"
+    return KvGeometry(model="tpu-test", num_layers=len(NAMES), num_kv_heads=heads, heads_per_rank=max(1, heads // tp),
+                      head_dim=dim, dtype=dtype, block_size=BS, tp=tp,
+                      block_format=f"vllm-tpu/{order}/{dtype}", kv_order=order)
+
+
+def rank_tensors(g, rank, tokens, block_ids, seed, fill_seed):
+    """One TP rank's per-layer caches: every block filled as ``merge_kv`` fills it with the
+    logical K/V of seed ``fill_seed`` (so blocks the request does not use hold other KV, never
+    zero), then the request's ``tokens`` tokens of seed ``seed`` written at ``block_ids``."""
+    np_t = DTYPES[g.dtype]
+    hd64 = g.kv_order == "rpa3hd64"
+    local = g.heads_per_rank
+    out = {}
+    for layer, name in enumerate(NAMES):
+        cache = np.zeros((NB,) + g.layer_shape(), dtype=np_t)
+        k, v = logical_kv(layer, NB * BS, g.num_kv_heads, g.head_dim, np_t, fill_seed)
+        sl = slice(rank * local, (rank + 1) * local)
+        cache.reshape((NB * BS,) + g.layer_shape()[1:])[:] = merge_kv(k[:, sl], v[:, sl], g.packing, hd64)
+        k, v = logical_kv(layer, tokens, g.num_kv_heads, g.head_dim, np_t, seed)
+        merged = merge_kv(k[:, sl], v[:, sl], g.packing, hd64)
+        for t in range(tokens):
+            cache[block_ids[t // BS], t % BS] = merged[t]
+        bits = torch.from_numpy(cache.view(np.dtype(str(TORCH_BITS[g.dtype]).replace("torch.", ""))))
+        # Allocated by torch as the engine allocates its caches (64-byte aligned, which a
+        # zero-copy PJRT view needs), then filled.
+        t = torch.empty(bits.shape, dtype=TORCH_BITS[g.dtype])
+        t.copy_(bits)
+        out[name] = t.view(TORCH[g.dtype])
+    return out
+
+
+def as_bytes(t):
+    return t.view(torch.uint8).numpy()
+
+
+def worker(configs, role, g, extra=None):
+    from tpu_sync.vllm.worker import WorkerSide
+
+    return WorkerSide(configs[role], ConnectorConfig.parse(role, extra or {}), g)
+
+
+def register(monkeypatch, w, tensors, rank):
+    """``register_kv_caches`` as vLLM's TP worker ``rank`` calls it."""
+    import vllm.distributed.parallel_state as ps
+
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: rank)
+    w.register_kv_caches(tensors)
+
+
+def test_geometry_of_the_tpu_backends_matches_their_shape_formula(configs, monkeypatch):
+    for heads, dim, dtype, tp in [(8, 128, "bf16", 2), (6, 128, "fp8", 2), (8, 64, "bf16", 1), (8, 64, "fp8", 8),
+                                  (4, 80, "f32", 1), (2, 128, "bf16", 4)]:
+        g = geometry(heads, dim, dtype, tp)
+        bits = {"f32": 32, "bf16": 16, "fp8": 8}[dtype]
+        assert (NB,) + g.layer_shape() == pallas_kv_cache_shape(NB, BS, g.heads_per_rank, dim, bits), g
+        assert g.layer_block_bytes == int(np.prod(g.layer_shape())) * bits // 8
+        lay = g.tpu_sync_layout(NB)
+        assert lay["spec"]["order"] == g.kv_order and "block_format" not in lay
+    # A peer of another layout is refused by name; a peer from before the field is vLLM's CPU one.
+    g = geometry(8, 128, "bf16", 2)
+    assert "kv_order" in g.mismatch(dict(g.to_dict(), kv_order="rpa3hd64"))
+    old = g.to_dict()
+    del old["kv_order"]
+    assert "kv_order: local 'rpa3', remote 'lbhnc'" in g.mismatch(old)
+    # On a TPU platform the geometry of the engine's config is the RPA v3 one.
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "device_type", "tpu", raising=False)
+    tg = compat.kv_geometry(configs["kv_both"])
+    want = "rpa3hd64" if tg.head_dim == 64 else "rpa3"
+    assert tg.kv_order == want and tg.block_format == f"vllm-tpu/{want}/float32", tg
+
+
+def test_worker_refuses_tensors_of_another_layout(configs, monkeypatch):
+    g = geometry(8, 128, "bf16", 2)
+    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 16 << 20})
+    try:
+        lbhnc = {n: torch.zeros((NB, 4, BS, 256), dtype=torch.bfloat16) for n in NAMES}
+        with pytest.raises(ValueError, match=r"ragged paged attention v3 .*\[num_blocks, 16, 4, 2, 128\]"):
+            register(monkeypatch, w, lbhnc, 0)
+        wrong_dtype = {n: torch.zeros((NB,) + g.layer_shape(), dtype=torch.float16) for n in NAMES}
+        with pytest.raises(ValueError, match="float16"):
+            register(monkeypatch, w, wrong_dtype, 0)
+    finally:
+        w.shutdown()
+
+
+@pytest.mark.parametrize("heads,dim,dtype,src_tp,dst_tp", [
+    (8, 128, "bf16", 2, 1),   # vLLM-TorchTPU TP=2 prefill -> TP=1 decode
+    (6, 128, "fp8", 1, 2),    # fp8, 3 local heads on the decode: a packed row cut between heads
+    (4, 64, "bf16", 2, 4),    # the head_dim-64 kernel, one padded slot per token on TP=4
+])
+def test_worker_pd_reshards_rpa3_caches_byte_exact(configs, monkeypatch, heads, dim, dtype, src_tp, dst_tp):
+    tokens = 40  # 3 blocks, the last one partial
+    src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
+    gs, gd = geometry(heads, dim, dtype, src_tp), geometry(heads, dim, dtype, dst_tp)
+    src = [rank_tensors(gs, r, tokens, src_ids, seed=3, fill_seed=11) for r in range(src_tp)]
+    dst = [rank_tensors(gd, r, 0, dst_ids, seed=3, fill_seed=12) for r in range(dst_tp)]
+    want = [rank_tensors(gd, r, tokens, dst_ids, seed=3, fill_seed=12) for r in range(dst_tp)]
+    src_before = [{n: t.clone() for n, t in r.items()} for r in src]
+    prods = [worker(configs, "kv_producer", gs) for _ in range(src_tp)]
+    conss = [worker(configs, "kv_consumer", gd) for _ in range(dst_tp)]
+    try:
+        for r, w in enumerate(prods):
+            register(monkeypatch, w, src[r], r)
+        for r, w in enumerate(conss):
+            register(monkeypatch, w, dst[r], r)
+        for w in prods:
+            w.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 91, src_ids, tokens, 60.0, dst_tp)]))
+            assert w.stats["registered"] == 1, w.stats
+        peers = {r: w.transport.address for r, w in enumerate(prods)}
+        layout = gs.tpu_sync_layout(NB)
+        for w in conss:
+            w.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 91, peers, layout, src_ids, dst_ids, tokens, 30.0)]))
+        for r, w in enumerate(conss):
+            deadline, res = time.monotonic() + 30, None
+            while time.monotonic() < deadline:
+                res = w.get_transfer_results(set())
+                if res.finished_recving or res.failed_recving:
+                    break
+                time.sleep(0.02)
+            assert res.finished_recving == {"d1"} and not res.failed_recving, (r, w.stats)
+        for r in range(dst_tp):
+            for n in NAMES:
+                got, exp = as_bytes(dst[r][n]), as_bytes(want[r][n])
+                assert np.array_equal(got, exp), (r, n, np.argwhere(got != exp)[:4])
+        for r in range(src_tp):
+            for n in NAMES:
+                assert np.array_equal(as_bytes(src[r][n]), as_bytes(src_before[r][n])), (r, n)
+    finally:
+        for w in conss + prods:
+            w.shutdown()
+
+
+def test_worker_host_tier_store_then_load_rpa3_blocks(configs, monkeypatch):
+    g = geometry(8, 128, "bf16", 2)
+    kv = rank_tensors(g, 1, 3 * BS, [3, 4, 5], seed=21, fill_seed=22)
+    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 64 << 20})
+    try:
+        register(monkeypatch, w, kv, 1)
+        orig = {n: t.clone() for n, t in kv.items()}
+        hashes = [bytes([i]) * 32 for i in range(1, 4)]
+        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [3, 4, 5])]))
+        assert w.stats["saved_blocks"] == 3
+        w.start_load_kv(TpuSyncMetadata(lookups={"o1": hashes + [b"\x08" * 32]}))
+        assert w.build_worker_meta().lookup_hits == {"o1": 3}
+        w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o1", hashes, [12, 13, 14])]))
+        assert w.stats["loaded_blocks"] == 3 and w.stats["failed_loads"] == 0, w.stats
+        for n in NAMES:
+            want = orig[n].clone()
+            want[12:15] = orig[n][3:6]
+            assert np.array_equal(as_bytes(kv[n]), as_bytes(want)), n
+    finally:
+        w.shutdown()
