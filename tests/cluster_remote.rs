@@ -336,6 +336,78 @@ fn with_a_pre_shared_key_only_members_fetch_and_offer_and_members_fetch_only_fro
     assert_eq!(plain.stats().blocks_sent, 0);
 }
 
+/// Issue 24, item 3, the other credential: certificates of a private CA (mutual TLS, as the
+/// endpoints' `Security::from_pem_files`). A member (a certificate the CA signed) fetches
+/// byte-exact and offers; a peer with a certificate of another CA, with none, or with a PSK is
+/// refused in the handshake: no block sent, nothing stored, each failure counted.
+#[test]
+fn with_certificates_of_a_private_ca_only_members_fetch_and_offer() {
+    let _serial = serial();
+    let base = std::env::temp_dir().join(format!("tpu-sync-remote-pki-{}", std::process::id()));
+    let fleet =
+        tpu_sync::net::tls::generate_test_pki(&base.join("fleet"), &["host-a", "host-b"]).unwrap();
+    let rogue = tpu_sync::net::tls::generate_test_pki(&base.join("rogue"), &["host-b"]).unwrap();
+    let tls = |p: &tpu_sync::net::tls::TestPki, name: &str| RemoteOptions {
+        security: p.security(name).unwrap(),
+        ..opts()
+    };
+    let ns = store_util::ns();
+    let chain = store_util::chain(4, 51);
+    let a = store(8);
+    put(&a, &chain);
+    let server = RemoteServer::serve(a.clone(), "127.0.0.1:0", tls(&fleet, "host-a")).unwrap();
+    let addr = server.local_addr().to_string();
+    let got = fetch_with(&addr, &ns, &chain, &tls(&fleet, "host-b")).unwrap();
+    assert_eq!(got.len(), 4);
+    for (i, b) in got.iter().enumerate() {
+        assert_eq!(*b, store_util::bytes_of(chain[i], B), "block {i}");
+    }
+    let t0 = std::time::Instant::now();
+    while server.stats().serving > 0 && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let before = server.stats();
+    for o in [tls(&rogue, "host-b"), opts(), psk(FLEET_KEY)] {
+        let e = fetch_with(&addr, &ns, &chain, &o).unwrap_err();
+        assert!(
+            matches!(
+                e.kind(),
+                ErrorKind::Protocol | ErrorKind::PeerClosed | ErrorKind::Timeout
+            ),
+            "{e}"
+        );
+    }
+    let t0 = std::time::Instant::now();
+    while server.stats().handshake_failures < before.handshake_failures + 3
+        && t0.elapsed() < Duration::from_secs(5)
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let after = server.stats();
+    assert_eq!(after.blocks_sent, before.blocks_sent, "{after:?}");
+    assert_eq!(
+        after.handshake_failures,
+        before.handshake_failures + 3,
+        "{after:?}"
+    );
+    // Offers: the rogue's is refused and stores nothing; the member's is stored.
+    let b_chain = store_util::chain(2, 52);
+    let blocks: Vec<Vec<u8>> = b_chain
+        .iter()
+        .map(|&k| store_util::bytes_of(k, B))
+        .collect();
+    let refs: Vec<&[u8]> = blocks.iter().map(|v| v.as_slice()).collect();
+    assert!(remote::offer(&addr, &ns, &b_chain, &refs, &tls(&rogue, "host-b")).is_err());
+    assert_eq!(a.lookup(&b_chain), 0);
+    assert_eq!(
+        remote::offer(&addr, &ns, &b_chain, &refs, &tls(&fleet, "host-b")).unwrap(),
+        2
+    );
+    assert_eq!(a.lookup(&b_chain), 2);
+    drop(server);
+    let _ = std::fs::remove_dir_all(&base);
+}
+
 /// Threads of this process whose name starts with `prefix`.
 fn threads_named(prefix: &str) -> usize {
     std::fs::read_dir("/proc/self/task")

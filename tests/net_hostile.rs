@@ -379,6 +379,74 @@ fn a_squatted_shm_name_of_another_user_is_not_spoken_to() {
     }
 }
 
+/// Issue 24, item 5, on the same-host transport: connections to the abstract socket
+/// `@tpu-sync-shm/<port>` that never say hello hold at most `MAX_HANDSHAKES_IN_PROGRESS`
+/// handshakes; the rest are closed at once and counted. Once their handshake timeout passed, a
+/// consumer on this host pulls byte-exact over shm.
+#[test]
+fn shm_handshakes_before_the_hello_are_capped() {
+    use std::os::linux::net::SocketAddrExt;
+    use tpu_sync::net::transport::MAX_HANDSHAKES_IN_PROGRESS;
+    run(Duration::from_secs(90), async {
+        let f = reshard_fixture(2, 96, 61);
+        let mut po = opts(
+            TransportKind::Shm,
+            tpu_sync::net::Security::None,
+            "prefill",
+            true,
+        );
+        po.handshake_timeout = Duration::from_secs(2);
+        let prefill = tpu_sync::net::Endpoint::bind(po).await.unwrap();
+        let addr = prefill.local_addr().unwrap();
+        let name = std::os::unix::net::SocketAddr::from_abstract_name(format!(
+            "tpu-sync-shm/{}",
+            addr.port()
+        ))
+        .unwrap();
+        let n = MAX_HANDSHAKES_IN_PROGRESS + 44;
+        let mut silent = Vec::new();
+        for _ in 0..n {
+            let s = std::os::unix::net::UnixStream::connect_addr(&name).unwrap();
+            s.set_nonblocking(true).unwrap();
+            silent.push(tokio::net::UnixStream::from_std(s).unwrap());
+        }
+        // The ones past the cap are closed at once: a read sees end of stream (or a reset).
+        let mut closed = 0;
+        for s in silent.iter_mut() {
+            let mut b = [0u8; 64];
+            match tokio::time::timeout(Duration::from_millis(20), s.read(&mut b)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => closed += 1,
+                _ => {}
+            }
+        }
+        assert!(
+            closed >= n - MAX_HANDSHAKES_IN_PROGRESS,
+            "{closed} of {n} closed at once"
+        );
+        assert!(prefill.stats().handshake_failures >= (n - MAX_HANDSHAKES_IN_PROGRESS) as u64);
+        drop(silent);
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        let decode = tpu_sync::net::Endpoint::bind(opts(
+            TransportKind::Shm,
+            tpu_sync::net::Security::None,
+            "decode",
+            false,
+        ))
+        .await
+        .unwrap();
+        let h = register_whole(&prefill, &f.src, f.tokens, 9);
+        let st = dest_staging(&f.plan, &f.dst, None);
+        let t = pull_fx(&decode, &f, 9, &addr.to_string(), st.clone());
+        t.wait_timeout(Duration::from_secs(20)).await.unwrap();
+        verify_dest(&f.dst, f.tokens, &st, None);
+        decode.release(&addr.to_string(), 9).await.unwrap();
+        assert_eq!(
+            h.wait(Duration::from_secs(5)).await.unwrap(),
+            SourceOutcome::Released
+        );
+    });
+}
+
 /// Issue 24: handshakes before authentication are capped per listener
 /// (`MAX_HANDSHAKES_IN_PROGRESS`): 300 TCP connections to a TLS listener that never send a
 /// byte hold at most that many handshakes; the rest are closed at once and counted. Once their
