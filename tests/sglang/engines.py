@@ -199,13 +199,21 @@ def _meta_received(e, tag):
     return sum(s.get("meta_received", 0) for s in e.stats(tag)["pd-prefill"])
 
 
+def _pulls_done(e, tag):
+    return sum(s.get("pulls_done", 0) for s in e.stats(tag)["pd-decode"])
+
+
 def _kill_prefill1(e):
     """Kills the TP=1 prefill engine (its whole process group) once it has served its two
-    requests and the decode engine has announced request X to it (its third metadata message),
-    so that X waits for KV from a dead prefill. Records the prefill's stats and the time."""
+    requests, the decode engine has pulled them (a prefill's request ends once its KV is staged
+    and announced, before the decode's pull: killing it then reset that pull, which failed this
+    test once in a clean-clone run), and the decode has announced request X to it (its third
+    metadata message), so that X waits for KV from a dead prefill. The decode's four pulls (two
+    from each prefill) are all it makes. Records the prefill's stats and the time."""
     deadline = time.time() + ENGINE_TIMEOUT
     while time.time() < deadline:
-        if os.path.exists(e.path("pd-prefill1.done")) and _meta_received(e, "pd-prefill1") >= 3:
+        if (os.path.exists(e.path("pd-prefill1.done")) and _meta_received(e, "pd-prefill1") >= 3
+                and _pulls_done(e, "pd-decode") >= 4):
             e.killed["pd-prefill1"] = dict(stats=e.stats("pd-prefill1"), at=time.time())
             e.kill("pd-prefill1")
             return

@@ -259,7 +259,8 @@ class TpuSyncKVManager(CommonKVManager):
         self._geometry: Optional[Dict[str, Any]] = None
         self._views: List[Any] = []
         self.counters: Dict[str, int] = dict(registrations=0, registered_bytes=0, ready_sent=0, pulls=0,
-                                             pull_bytes=0, pull_failures=0, meta_received=0, failures=0)
+                                             pulls_done=0, pull_bytes=0, pull_failures=0, meta_received=0,
+                                             failures=0)
         kw: Dict[str, Any] = dict(timeout=_env_float("TPU_SYNC_SGLANG_PD_TIMEOUT_S", 30.0),
                                   transport=os.environ.get("TPU_SYNC_SGLANG_PD_TRANSPORT", "tcp"),
                                   name=f"sglang-{disaggregation_mode.value}-{self.local_ip}-{self.rank_port}")
@@ -715,7 +716,7 @@ class TpuSyncKVManager(CommonKVManager):
         except Exception as e:
             self._fail(room, f"writing the request's metadata row failed: {e}")
             return
-        self._count(pull_bytes=int(t.wait(0)["device_bytes"]) if t.done else 0)
+        self._count(pulls_done=1, pull_bytes=int(t.wait(0)["device_bytes"]) if t.done else 0)
         self.update_status(room, KVPoll.Success)
 
     def _write_aux(self, aux_index: int, data: bytes, lens: List[int]) -> None:
