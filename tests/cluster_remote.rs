@@ -206,6 +206,63 @@ fn fetch_with(
     Ok(bufs)
 }
 
+/// Fetches `chain` from `server` with each of `outsiders` (credentials it must refuse): each
+/// fails in the handshake, no block is sent, and each refusal is counted.
+fn assert_refused(
+    server: &RemoteServer,
+    ns: &Namespace,
+    chain: &[BlockKey],
+    outsiders: &[RemoteOptions],
+) {
+    let addr = server.local_addr().to_string();
+    // The server counts a block once its write returned, which can be after the client has read
+    // it: take the baseline once earlier connections are done (`serving` back to 0).
+    let t0 = std::time::Instant::now();
+    while server.stats().serving > 0 && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let before = server.stats();
+    for o in outsiders {
+        let e = fetch_with(&addr, ns, chain, o).unwrap_err();
+        assert!(
+            matches!(
+                e.kind(),
+                ErrorKind::Protocol | ErrorKind::PeerClosed | ErrorKind::Timeout
+            ),
+            "{e}"
+        );
+    }
+    // The server counts a failed handshake once it has read the client's alert (or its plain
+    // bytes), which may be a moment after the client gave up.
+    let want = before.handshake_failures + outsiders.len() as u64;
+    let t0 = std::time::Instant::now();
+    while server.stats().handshake_failures < want && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let after = server.stats();
+    assert_eq!(after.blocks_sent, before.blocks_sent, "{after:?}");
+    assert_eq!(after.handshake_failures, want, "{after:?}");
+}
+
+/// Offers a fresh chain of two blocks (seed `seed`) to the server at `addr` over `store`: with
+/// `outsider` it is refused and nothing is stored; with `member` both blocks are stored.
+fn assert_only_members_offer(
+    addr: &str,
+    ns: &Namespace,
+    store: &KvStore,
+    seed: u64,
+    outsider: &RemoteOptions,
+    member: &RemoteOptions,
+) {
+    let chain = store_util::chain(2, seed);
+    let blocks: Vec<Vec<u8>> = chain.iter().map(|&k| store_util::bytes_of(k, B)).collect();
+    let refs: Vec<&[u8]> = blocks.iter().map(|v| v.as_slice()).collect();
+    assert!(remote::offer(addr, ns, &chain, &refs, outsider).is_err());
+    assert_eq!(store.lookup(&chain), 0);
+    assert_eq!(remote::offer(addr, ns, &chain, &refs, member).unwrap(), 2);
+    assert_eq!(store.lookup(&chain), 2);
+}
+
 #[test]
 fn a_server_without_credentials_listens_beyond_loopback_only_when_told_insecure() {
     let _serial = serial();
@@ -240,39 +297,13 @@ fn with_a_pre_shared_key_only_members_fetch_and_offer_and_members_fetch_only_fro
         assert_eq!(*b, store_util::bytes_of(chain[i], B), "block {i}");
     }
     // No credentials, or another key: refused during the handshake, not a single block sent.
-    // The server counts a block once its write returned, which can be after the client has read
-    // it: take the baseline once the member's connection is done (`serving` back to 0).
-    let t0 = std::time::Instant::now();
-    while server.stats().serving > 0 && t0.elapsed() < Duration::from_secs(5) {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let before = server.stats();
-    assert_eq!(before.blocks_sent, 6, "{before:?}");
-    for o in [opts(), psk(b"another fleet's key, 32 bytes!!!")] {
-        let e = fetch_with(&addr, &ns, &chain, &o).unwrap_err();
-        assert!(
-            matches!(
-                e.kind(),
-                ErrorKind::Protocol | ErrorKind::PeerClosed | ErrorKind::Timeout
-            ),
-            "{e}"
-        );
-    }
-    // The server counts a failed handshake once it has read the client's alert (or its plain
-    // bytes), which may be a moment after the client gave up.
-    let t0 = std::time::Instant::now();
-    while server.stats().handshake_failures < before.handshake_failures + 2
-        && t0.elapsed() < Duration::from_secs(5)
-    {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let after = server.stats();
-    assert_eq!(after.blocks_sent, before.blocks_sent);
-    assert_eq!(
-        after.handshake_failures,
-        before.handshake_failures + 2,
-        "{after:?}"
+    assert_refused(
+        &server,
+        &ns,
+        &chain,
+        &[opts(), psk(b"another fleet's key, 32 bytes!!!")],
     );
+    assert_eq!(server.stats().blocks_sent, 6);
 
     // An outsider's raw offer (plain frames to a TLS port) plants nothing.
     let planted = store_util::chain(1, 42);
@@ -302,19 +333,7 @@ fn with_a_pre_shared_key_only_members_fetch_and_offer_and_members_fetch_only_fro
     assert_eq!(a.lookup(&planted), 0, "an unauthenticated offer was stored");
 
     // A member's offer is stored; a non-member's is refused.
-    let b_chain = store_util::chain(2, 43);
-    let blocks: Vec<Vec<u8>> = b_chain
-        .iter()
-        .map(|&k| store_util::bytes_of(k, B))
-        .collect();
-    let refs: Vec<&[u8]> = blocks.iter().map(|v| v.as_slice()).collect();
-    assert!(remote::offer(&addr, &ns, &b_chain, &refs, &opts()).is_err());
-    assert_eq!(a.lookup(&b_chain), 0);
-    assert_eq!(
-        remote::offer(&addr, &ns, &b_chain, &refs, &psk(FLEET_KEY)).unwrap(),
-        2
-    );
-    assert_eq!(a.lookup(&b_chain), 2);
+    assert_only_members_offer(&addr, &ns, &a, 43, &opts(), &psk(FLEET_KEY));
 
     // A member never takes bytes from a server that cannot prove the key (a plain server at an
     // address a record names): the handshake fails, nothing is delivered.
@@ -362,48 +381,21 @@ fn with_certificates_of_a_private_ca_only_members_fetch_and_offer() {
     for (i, b) in got.iter().enumerate() {
         assert_eq!(*b, store_util::bytes_of(chain[i], B), "block {i}");
     }
-    let t0 = std::time::Instant::now();
-    while server.stats().serving > 0 && t0.elapsed() < Duration::from_secs(5) {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let before = server.stats();
-    for o in [tls(&rogue, "host-b"), opts(), psk(FLEET_KEY)] {
-        let e = fetch_with(&addr, &ns, &chain, &o).unwrap_err();
-        assert!(
-            matches!(
-                e.kind(),
-                ErrorKind::Protocol | ErrorKind::PeerClosed | ErrorKind::Timeout
-            ),
-            "{e}"
-        );
-    }
-    let t0 = std::time::Instant::now();
-    while server.stats().handshake_failures < before.handshake_failures + 3
-        && t0.elapsed() < Duration::from_secs(5)
-    {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let after = server.stats();
-    assert_eq!(after.blocks_sent, before.blocks_sent, "{after:?}");
-    assert_eq!(
-        after.handshake_failures,
-        before.handshake_failures + 3,
-        "{after:?}"
+    assert_refused(
+        &server,
+        &ns,
+        &chain,
+        &[tls(&rogue, "host-b"), opts(), psk(FLEET_KEY)],
     );
     // Offers: the rogue's is refused and stores nothing; the member's is stored.
-    let b_chain = store_util::chain(2, 52);
-    let blocks: Vec<Vec<u8>> = b_chain
-        .iter()
-        .map(|&k| store_util::bytes_of(k, B))
-        .collect();
-    let refs: Vec<&[u8]> = blocks.iter().map(|v| v.as_slice()).collect();
-    assert!(remote::offer(&addr, &ns, &b_chain, &refs, &tls(&rogue, "host-b")).is_err());
-    assert_eq!(a.lookup(&b_chain), 0);
-    assert_eq!(
-        remote::offer(&addr, &ns, &b_chain, &refs, &tls(&fleet, "host-b")).unwrap(),
-        2
+    assert_only_members_offer(
+        &addr,
+        &ns,
+        &a,
+        52,
+        &tls(&rogue, "host-b"),
+        &tls(&fleet, "host-b"),
     );
-    assert_eq!(a.lookup(&b_chain), 2);
     drop(server);
     let _ = std::fs::remove_dir_all(&base);
 }

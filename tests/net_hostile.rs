@@ -56,6 +56,41 @@ impl Raw {
     }
 }
 
+/// How many of `silent` (connections that never sent a byte) the listener closed at once: a
+/// read sees end of stream (or a reset) within 20 ms.
+async fn closed_at_once<S: tokio::io::AsyncRead + Unpin>(silent: &mut [S]) -> usize {
+    let mut closed = 0;
+    for s in silent.iter_mut() {
+        let mut b = [0u8; 64];
+        match tokio::time::timeout(Duration::from_millis(20), s.read(&mut b)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => closed += 1,
+            _ => {}
+        }
+    }
+    closed
+}
+
+/// Registers request `rid` of `f` at `prefill`, pulls it with `decode` byte-exact, releases it,
+/// and checks that the registration ends as released.
+async fn pull_and_release(
+    prefill: &tpu_sync::net::Endpoint,
+    decode: &tpu_sync::net::Endpoint,
+    f: &Fx,
+    rid: u64,
+) {
+    let addr = prefill.local_addr().unwrap().to_string();
+    let h = register_whole(prefill, &f.src, f.tokens, rid);
+    let st = dest_staging(&f.plan, &f.dst, None);
+    let t = pull_fx(decode, f, rid, &addr, st.clone());
+    t.wait_timeout(Duration::from_secs(20)).await.unwrap();
+    verify_dest(&f.dst, f.tokens, &st, None);
+    decode.release(&addr, rid).await.unwrap();
+    assert_eq!(
+        h.wait(Duration::from_secs(5)).await.unwrap(),
+        SourceOutcome::Released
+    );
+}
+
 #[test]
 fn a_peer_that_never_pulled_cannot_end_a_request() {
     run(Duration::from_secs(60), async {
@@ -238,16 +273,7 @@ fn idle_data_lanes_are_closed_by_the_server() {
         co.lane_idle_timeout = idle;
         let decode = tpu_sync::net::Endpoint::bind(co).await.unwrap();
         for rid in [11, 12] {
-            let h = register_whole(&prefill, &f.src, f.tokens, rid);
-            let st = dest_staging(&f.plan, &f.dst, None);
-            let t = pull_fx(&decode, &f, rid, &addr.to_string(), st.clone());
-            t.wait_timeout(Duration::from_secs(20)).await.unwrap();
-            verify_dest(&f.dst, f.tokens, &st, None);
-            decode.release(&addr.to_string(), rid).await.unwrap();
-            assert_eq!(
-                h.wait(Duration::from_secs(5)).await.unwrap(),
-                SourceOutcome::Released
-            );
+            pull_and_release(&prefill, &decode, &f, rid).await;
             // Past the server's timeout: every lane of the first pull is closed by now.
             tokio::time::sleep(idle + Duration::from_millis(400)).await;
         }
@@ -410,15 +436,8 @@ fn shm_handshakes_before_the_hello_are_capped() {
             s.set_nonblocking(true).unwrap();
             silent.push(tokio::net::UnixStream::from_std(s).unwrap());
         }
-        // The ones past the cap are closed at once: a read sees end of stream (or a reset).
-        let mut closed = 0;
-        for s in silent.iter_mut() {
-            let mut b = [0u8; 64];
-            match tokio::time::timeout(Duration::from_millis(20), s.read(&mut b)).await {
-                Ok(Ok(0)) | Ok(Err(_)) => closed += 1,
-                _ => {}
-            }
-        }
+        // The ones past the cap are closed at once.
+        let closed = closed_at_once(&mut silent).await;
         assert!(
             closed >= n - MAX_HANDSHAKES_IN_PROGRESS,
             "{closed} of {n} closed at once"
@@ -434,16 +453,7 @@ fn shm_handshakes_before_the_hello_are_capped() {
         ))
         .await
         .unwrap();
-        let h = register_whole(&prefill, &f.src, f.tokens, 9);
-        let st = dest_staging(&f.plan, &f.dst, None);
-        let t = pull_fx(&decode, &f, 9, &addr.to_string(), st.clone());
-        t.wait_timeout(Duration::from_secs(20)).await.unwrap();
-        verify_dest(&f.dst, f.tokens, &st, None);
-        decode.release(&addr.to_string(), 9).await.unwrap();
-        assert_eq!(
-            h.wait(Duration::from_secs(5)).await.unwrap(),
-            SourceOutcome::Released
-        );
+        pull_and_release(&prefill, &decode, &f, 9).await;
     });
 }
 
@@ -471,15 +481,8 @@ fn handshakes_before_authentication_are_capped() {
         for _ in 0..n {
             silent.push(TcpStream::connect(addr).await.unwrap());
         }
-        // The ones past the cap are closed at once: a read sees end of stream (or a reset).
-        let mut closed = 0;
-        for s in silent.iter_mut() {
-            let mut b = [0u8; 1];
-            match tokio::time::timeout(Duration::from_millis(20), s.read(&mut b)).await {
-                Ok(Ok(0)) | Ok(Err(_)) => closed += 1,
-                _ => {}
-            }
-        }
+        // The ones past the cap are closed at once.
+        let closed = closed_at_once(&mut silent).await;
         assert!(
             closed >= n - MAX_HANDSHAKES_IN_PROGRESS,
             "{closed} of {n} closed at once"
@@ -488,15 +491,6 @@ fn handshakes_before_authentication_are_capped() {
         drop(silent);
         tokio::time::sleep(Duration::from_millis(2500)).await;
         let decode = endpoint(TransportKind::Tls, &pki, "decode", false).await;
-        let h = register_whole(&prefill, &f.src, f.tokens, 9);
-        let st = dest_staging(&f.plan, &f.dst, None);
-        let t = pull_fx(&decode, &f, 9, &addr.to_string(), st.clone());
-        t.wait_timeout(Duration::from_secs(20)).await.unwrap();
-        verify_dest(&f.dst, f.tokens, &st, None);
-        decode.release(&addr.to_string(), 9).await.unwrap();
-        assert_eq!(
-            h.wait(Duration::from_secs(5)).await.unwrap(),
-            SourceOutcome::Released
-        );
+        pull_and_release(&prefill, &decode, &f, 9).await;
     });
 }
