@@ -206,6 +206,14 @@ fn fetch_with(
     Ok(bufs)
 }
 
+/// `got` holds exactly `n` blocks, each byte-exact to its key's contents in `chain`.
+fn assert_exact(got: &[Vec<u8>], chain: &[BlockKey], n: usize) {
+    assert_eq!(got.len(), n);
+    for (i, b) in got.iter().enumerate() {
+        assert_eq!(*b, store_util::bytes_of(chain[i], B), "block {i}");
+    }
+}
+
 /// Fetches `chain` from `server` with each of `outsiders` (credentials it must refuse): each
 /// fails in the handshake, no block is sent, and each refusal is counted.
 fn assert_refused(
@@ -292,10 +300,7 @@ fn with_a_pre_shared_key_only_members_fetch_and_offer_and_members_fetch_only_fro
 
     // A member: byte-exact.
     let got = fetch_with(&addr, &ns, &chain, &psk(FLEET_KEY)).unwrap();
-    assert_eq!(got.len(), 6);
-    for (i, b) in got.iter().enumerate() {
-        assert_eq!(*b, store_util::bytes_of(chain[i], B), "block {i}");
-    }
+    assert_exact(&got, &chain, 6);
     // No credentials, or another key: refused during the handshake, not a single block sent.
     assert_refused(
         &server,
@@ -377,10 +382,7 @@ fn with_certificates_of_a_private_ca_only_members_fetch_and_offer() {
     let server = RemoteServer::serve(a.clone(), "127.0.0.1:0", tls(&fleet, "host-a")).unwrap();
     let addr = server.local_addr().to_string();
     let got = fetch_with(&addr, &ns, &chain, &tls(&fleet, "host-b")).unwrap();
-    assert_eq!(got.len(), 4);
-    for (i, b) in got.iter().enumerate() {
-        assert_eq!(*b, store_util::bytes_of(chain[i], B), "block {i}");
-    }
+    assert_exact(&got, &chain, 4);
     assert_refused(
         &server,
         &ns,
