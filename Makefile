@@ -7,7 +7,7 @@ export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 
 .PHONY: stress
-.PHONY: all build plugin protoc etcd demo test test-lean test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm bench-vllm-layerwise sglang-env e2e-sglang
+.PHONY: all build plugin protoc etcd demo test test-lean test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm bench-vllm-layerwise bench-vllm-saves sglang-env e2e-sglang
 
 all: build
 
@@ -210,6 +210,11 @@ bench-vllm: vllm-env
 # (2,000 tokens, real engines, modes interleaved; prints min/median/max and ratios).
 bench-vllm-layerwise: vllm-env
 	$(VLLM_VENV)/bin/python benches/vllm_layerwise_ttft.py
+
+# Throughput of a batch with host-tier saves asynchronous, synchronous and off (no connector):
+# three engines, rounds interleaved, outputs compared (prints min/median/max and ratios).
+bench-vllm-saves: vllm-env
+	$(VLLM_VENV)/bin/python benches/vllm_offload_saves.py
 
 # SGLang integration (tpu_sync.sglang): a real SGLang 0.5.23 CPU engine in a cached virtualenv
 # (.venv-sglang, created by scripts/install-sglang.sh when missing, with the CPU test shim of

@@ -82,12 +82,14 @@ fn case(bytes: u64) -> Case {
             .collect()
     };
     let src = Placement {
+        first_token: 0,
         layout: l.clone(),
         dp_rank: 0,
         block_ids: vec![ids(1)],
         groups: None,
     };
     let dst = Placement {
+        first_token: 0,
         layout: l,
         dp_rank: 0,
         block_ids: vec![ids(2)],

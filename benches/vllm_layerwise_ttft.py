@@ -88,12 +88,21 @@ def serve(role, model, max_len):
         if role == "kv_producer":
             sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
                                 extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+        elif cmd.get("params") is None:
+            sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # computed here
         else:
             sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
                                 extra_args={"kv_transfer_params": cmd["params"]})
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        wst = get_kv_transfer_group().worker_side.stats
+        pull_us = wst.get("pull_us", 0)
+        t = time.perf_counter()
         o = llm.generate([{"prompt_token_ids": cmd["prompt"]}], sp, use_tqdm=False)[0]
+        dt = time.perf_counter() - t
         print(json.dumps({"tokens": list(o.outputs[0].token_ids), "params": o.kv_transfer_params,
-                          "cached": o.num_cached_tokens}), file=out, flush=True)
+                          "cached": o.num_cached_tokens, "engine_s": dt,
+                          "pull_s": (wst.get("pull_us", 0) - pull_us) / 1e6}), file=out, flush=True)
         if role == "kv_producer":
             # A serving engine keeps stepping: registration (whole mode) and block frees.
             deadline = time.time() + 30
@@ -140,30 +149,54 @@ def fmt(s):
 
 
 def bench_pd(a, model, max_len, rng):
+    """P/D whole and layer-wise, and the same prompt length computed on the consumer engine
+    alone (``local``: the single-engine TTFT), interleaved; per P/D request also the producer's
+    prefill (prefill request sent -> answered), the consumer's part (params sent -> first token)
+    and the pull's own time (the consumer's ``pull_us``)."""
     prod = Proc("kv_producer", model, max_len)
     cons = Proc("kv_consumer", model, max_len)
-    times = {False: [], True: []}
-    tokens = {}
+    modes = ["local", False, True]
+    times = {m: [] for m in modes}
+    prefill = {False: [], True: []}
+    consumer = {False: [], True: []}
+    pull = {False: [], True: []}
     try:
-        modes = [False, True]
-        for r in range(a.rounds + 1):  # round 0 warms both modes
-            for lw in (modes if r % 2 == 0 else modes[::-1]):
+        for r in range(a.rounds + 1):  # round 0 warms every mode
+            k = r % len(modes)
+            for m in modes[k:] + modes[:k]:
                 prompt = [rng.randrange(3, 1000) for _ in range(a.tokens)]
                 t = time.perf_counter()
-                p = prod.ask(prompt=prompt, layerwise=lw)
-                c = cons.ask(prompt=prompt, params=p["params"], layerwise=lw)
+                if m == "local":
+                    c = cons.ask(prompt=prompt, params=None, layerwise=False)
+                    dt = time.perf_counter() - t
+                    if r:
+                        times[m].append(dt)
+                        print(f"pd round {r} local    : TTFT {dt * 1e3:7.1f} ms", flush=True)
+                    continue
+                p = prod.ask(prompt=prompt, layerwise=m)
+                tp = time.perf_counter() - t
+                c = cons.ask(prompt=prompt, params=p["params"], layerwise=m)
                 dt = time.perf_counter() - t
                 if c["tokens"] != p["tokens"]:
                     raise SystemExit(f"round {r}: consumer token {c['tokens']} != producer's {p['tokens']}")
                 if r:
-                    times[lw].append(dt)
-                    print(f"pd round {r} {'layerwise' if lw else 'whole    '}: TTFT {dt * 1e3:7.1f} ms "
+                    times[m].append(dt)
+                    prefill[m].append(tp)
+                    consumer[m].append(dt - tp)
+                    pull[m].append(c["pull_s"])
+                    print(f"pd round {r} {'layerwise' if m else 'whole    '}: TTFT {dt * 1e3:7.1f} ms = prefill "
+                          f"{tp * 1e3:7.1f} + consumer {(dt - tp) * 1e3:7.1f} (pull {c['pull_s'] * 1e3:6.1f}) ms "
                           f"(consumer cached {c['cached']})", flush=True)
-                tokens[(r, lw)] = c["tokens"]
     finally:
         prod.close()
         cons.close()
-    return {"whole": summary(times[False]), "layerwise": summary(times[True])}
+    out = {"local": summary(times["local"])}
+    for m, name in ((False, "whole"), (True, "layerwise")):
+        out[name] = summary(times[m])
+        out[name + "_prefill"] = summary(prefill[m])
+        out[name + "_consumer"] = summary(consumer[m])
+        out[name + "_pull"] = summary(pull[m])
+    return out
 
 
 def bench_offload(a, model, max_len, rng):
@@ -229,8 +262,15 @@ def main():
     print()
     if "pd" in res:
         d = res["pd"]
-        print(f"P/D TTFT, whole requests : {fmt(d['whole'])}")
-        print(f"P/D TTFT, layer-wise     : {fmt(d['layerwise'])}")
+        print(f"single-engine TTFT       : {fmt(d['local'])}")
+        for name in ("whole", "layerwise"):
+            print(f"P/D TTFT, {name:15s}: {fmt(d[name])}")
+            print(f"  producer prefill       : {fmt(d[name + '_prefill'])}")
+            print(f"  consumer (to 1st token): {fmt(d[name + '_consumer'])}")
+            print(f"  pull                   : {fmt(d[name + '_pull'])}")
+            over = d[name]["median"] - d[name + "_prefill"]["median"]
+            print(f"  P/D / single engine (medians): {d[name]['median'] / d['local']['median']:.2f}; "
+                  f"(P/D - prefill) / pull: {over / max(d[name + '_pull']['median'], 1e-9):.1f}")
         print(f"  whole / layer-wise (medians): {d['whole']['median'] / d['layerwise']['median']:.2f}")
     if "offload" in res:
         d = res["offload"]
@@ -238,6 +278,8 @@ def main():
         print(f"offload TTFT, sync loads : {fmt(d['sync'])}")
         print(f"offload TTFT, layer-wise : {fmt(d['layerwise'])}")
         print(f"  sync / layer-wise (medians): {d['sync']['median'] / d['layerwise']['median']:.2f}")
+    res["loadavg"] = os.getloadavg()
+    print(f"load average: {' '.join(f'{x:.2f}' for x in res['loadavg'])}")
     if a.json:
         json.dump(res, open(a.json, "w"), indent=1)
 

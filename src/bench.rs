@@ -601,6 +601,7 @@ fn device_scenario(b: &mut Bench, a: &BenchArgs, d2h: bool) -> Result<()> {
         // Every other block, in reverse order: scattered like a real request.
         let ids: Vec<u32> = (0..req_blocks).rev().map(|i| i * 2 + 1).collect();
         let place = Placement {
+            first_token: 0,
             layout,
             dp_rank: 0,
             block_ids: vec![ids],

@@ -240,6 +240,7 @@ fn placement(layout: ParallelLayout, dp_rank: u32, tokens: u32, seed: u64) -> Re
         })
         .collect::<Result<_>>()?;
     Ok(Placement {
+        first_token: 0,
         layout,
         dp_rank,
         block_ids,
@@ -714,6 +715,7 @@ async fn decode_request(
     caps.require_h2d()?;
     // Every rank starts with background contents; only the request's bytes may change.
     let background = Placement {
+        first_token: 0,
         block_ids: vec![],
         dp_rank: u32::MAX,
         ..dst.clone()

@@ -226,6 +226,7 @@ impl Setup {
         }
         ids.truncate(self.blocks as usize);
         Placement {
+            first_token: 0,
             layout: self.layout.clone(),
             dp_rank: 0,
             block_ids: vec![ids],
@@ -436,6 +437,7 @@ fn phase_get(a: &StoreDemoArgs) -> Result<ExitCode> {
     let ns = namespace(&s, &client, &caps);
     // Fresh buffers, background only; the prompt goes to other block ids.
     let empty = Placement {
+        first_token: 0,
         block_ids: vec![vec![]],
         ..s.placement(0)
     };

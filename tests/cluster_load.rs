@@ -31,6 +31,7 @@ fn layout(spec: &str, num_blocks: u32) -> ParallelLayout {
 
 fn placement(l: &ParallelLayout, ids: &[u32]) -> Placement {
     Placement {
+        first_token: 0,
         layout: l.clone(),
         dp_rank: 0,
         block_ids: vec![ids.to_vec(); l.spec.tp as usize],
@@ -123,6 +124,7 @@ fn producer(client: &Client, spec: &str, tokens: u32, prompt_len: u32) -> Produc
         .map(|r| l.pcp_chunk(tokens, r / l.spec.tp).unwrap())
         .collect();
     let p = Placement {
+        first_token: 0,
         layout: l.clone(),
         dp_rank: 0,
         block_ids: chunks
@@ -358,6 +360,7 @@ fn failures_leave_the_destination_untouched() {
     assert_eq!(load(&req).unwrap_err().kind(), ErrorKind::InvalidArgument);
     let mut req = c.request(&p, 64);
     req.dst = Placement {
+        first_token: 0,
         layout: layout("tp=1,pcp=2,block=32,order=nhd", 24),
         dp_rank: 0,
         block_ids: vec![vec![4], vec![9]],

@@ -215,6 +215,7 @@ impl Dev {
     /// The placement of a request whose blocks are `ids` on every rank.
     fn placement(&self, ids: Vec<u32>) -> Placement {
         Placement {
+            first_token: 0,
             layout: self.layout.clone(),
             dp_rank: 0,
             block_ids: vec![ids; self.layout.spec.tp as usize],

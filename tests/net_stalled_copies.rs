@@ -41,6 +41,7 @@ fn model() -> ModelKv {
 
 fn place(spec: &str, blocks: u32, ids: Vec<u32>) -> Placement {
     Placement {
+        first_token: 0,
         layout: ParallelLayout::new(model(), ParallelSpec::parse(spec).unwrap(), blocks).unwrap(),
         dp_rank: 0,
         block_ids: vec![ids],
@@ -126,6 +127,7 @@ fn heartbeats_are_answered_while_every_device_copy_is_stalled() {
         .block_on(Pipeline::bind(opts("stall-cons", false), topts()))
         .unwrap();
     let bg = Placement {
+        first_token: 0,
         block_ids: vec![],
         dp_rank: u32::MAX,
         ..dst.clone()

@@ -45,6 +45,7 @@ fn dev() -> Dev {
 impl Dev {
     fn placement(&self, ids: Vec<u32>) -> Placement {
         Placement {
+            first_token: 0,
             layout: self.layout.clone(),
             dp_rank: 0,
             block_ids: vec![ids],

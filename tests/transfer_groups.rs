@@ -385,6 +385,7 @@ fn grouped_placements_keep_their_form_on_the_wire() {
     assert!(p.try_block_ranges(2).is_err());
     // A uniform placement is unchanged on the wire (no `groups` key).
     let u = tpu_sync::plan::Placement {
+        first_token: 0,
         groups: None,
         ..p.clone()
     };

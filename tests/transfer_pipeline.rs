@@ -49,6 +49,7 @@ fn model() -> ModelKv {
 /// Producer TP=2 (16-token NHD blocks), consumer TP=1 (32-token HND blocks): a reshard.
 fn placements() -> (Placement, Placement) {
     let src = Placement {
+        first_token: 0,
         layout: ParallelLayout::new(model(), ParallelSpec::parse("tp=2,block=16").unwrap(), 9)
             .unwrap(),
         dp_rank: 0,
@@ -56,6 +57,7 @@ fn placements() -> (Placement, Placement) {
         groups: None,
     };
     let dst = Placement {
+        first_token: 0,
         layout: ParallelLayout::new(
             model(),
             ParallelSpec::parse("tp=1,block=32,order=hnd").unwrap(),
@@ -129,6 +131,7 @@ fn verify_of(dst: &Placement, rank: u32, bufs: &[DeviceBuffer], tokens: u32) -> 
 /// blocks hold background until written).
 fn background(s: &Side, dst: &Placement, rank: u32) -> Vec<DeviceBuffer> {
     let bg = Placement {
+        first_token: 0,
         block_ids: vec![],
         dp_rank: u32::MAX,
         ..dst.clone()
@@ -1073,6 +1076,7 @@ fn a_truncated_transfer_into_a_reused_arena_holding_its_very_bytes_still_fails()
         // Nothing was written into the device for the failed pull.
         let bg = RankContents::new(
             &Placement {
+                first_token: 0,
                 block_ids: vec![],
                 dp_rank: u32::MAX,
                 ..dst.clone()
@@ -1113,6 +1117,7 @@ fn a_large_multi_layer_push_staged_by_layer_groups_is_exact() {
     };
     let tokens = 200;
     let src = Placement {
+        first_token: 0,
         layout: ParallelLayout::new(m.clone(), ParallelSpec::parse("tp=2,block=16").unwrap(), 16)
             .unwrap(),
         dp_rank: 0,
@@ -1123,6 +1128,7 @@ fn a_large_multi_layer_push_staged_by_layer_groups_is_exact() {
         groups: None,
     };
     let dst = Placement {
+        first_token: 0,
         layout: ParallelLayout::new(
             m.clone(),
             ParallelSpec::parse("tp=1,block=32,order=hnd").unwrap(),
@@ -1338,6 +1344,7 @@ fn cgroup_child(procs: std::ffi::OsString) {
     let tokens = 6016;
     let nb = tokens / 16;
     let src = Placement {
+        first_token: 0,
         layout: ParallelLayout::new(m, ParallelSpec::parse("tp=1,block=16").unwrap(), nb).unwrap(),
         dp_rank: 0,
         block_ids: vec![(0..nb).collect()],

@@ -143,13 +143,13 @@ fn world() -> &'static World {
     W.get_or_init(|| {
         let m = ModelKv { name: "fuzz".into(), num_layers: 2, num_kv_heads: 2, head_dim: 8, kv_planes: 2, dtype: DType::Bf16 };
         let spec = |tp, block, order| ParallelSpec { tp, pcp: 1, dp: 1, block_size: block, order };
-        let src = Placement {
+        let src = Placement { first_token: 0,
             layout: ParallelLayout::new(m.clone(), spec(2, 4, BlockOrder::Nhd), 16).unwrap(),
             dp_rank: 0,
             block_ids: vec![(0..10).rev().collect(), (3..13).collect()],
             groups: None,
         };
-        let dst = Placement {
+        let dst = Placement { first_token: 0,
             layout: ParallelLayout::new(m, spec(1, 8, BlockOrder::Hnd), 8).unwrap(),
             dp_rank: 0,
             block_ids: vec![vec![4, 0, 6, 2, 7]],

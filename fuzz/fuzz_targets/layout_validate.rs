@@ -63,7 +63,7 @@ fuzz_target!(|inp: Input| {
         assert_eq!(layout.rank(layout.coord(r).unwrap()), r);
     }
     let tokens = if raw { inp.tokens } else { inp.tokens % 512 };
-    let p = Placement {
+    let p = Placement { first_token: 0,
         layout: layout.clone(),
         dp_rank: if raw { inp.dp_rank } else { inp.dp_rank % 3 },
         block_ids: inp.ids.iter().take(64).map(|v| v.iter().take(64).map(|&b| if raw { b } else { b % 64 }).collect()).collect(),

@@ -38,7 +38,7 @@ fn side(m: &ModelKv, s: &Side) -> Option<Placement> {
         order: if s.hnd { BlockOrder::Hnd } else { BlockOrder::Nhd },
     };
     let layout = ParallelLayout { model: m.clone(), spec, num_blocks: (s.num_blocks % 40) as u32, physical_layout: None, block_format: None };
-    Some(Placement {
+    Some(Placement { first_token: 0,
         layout,
         dp_rank: (s.dp_rank % 3) as u32,
         block_ids: s.ids.iter().take(40).map(|v| v.iter().take(40).map(|&b| b as u32).collect()).collect(),

@@ -126,6 +126,7 @@ fn sized_placement(m: &ModelKv, spec: &str, dp: u32, tokens: u32, seed: u64) -> 
         })
         .collect::<Result<Vec<Vec<u32>>>>()?;
     Ok(Placement {
+        first_token: 0,
         layout,
         dp_rank: dp,
         block_ids,

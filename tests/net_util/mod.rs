@@ -65,6 +65,7 @@ pub fn placement(layout: ParallelLayout, dp_rank: u32, tokens: u32, seed: u64) -
         })
         .collect();
     Placement {
+        first_token: 0,
         layout,
         dp_rank,
         block_ids,

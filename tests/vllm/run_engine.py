@@ -17,7 +17,9 @@ SPEC keys:
     hold_file (producer: after writing OUT.json, keep
     serving until this file exists or hold_s passes; the tests create it once the consumer is
     done, so hold_s only guards against a test that died), hold_s (1800), ttft (bool: record each
-    request's wall time to its first token when max_tokens is 1).
+    request's wall time to its first token when max_tokens is 1), prefix_caching (bool, default
+    off), waves (lists of prompt indices: generate them one list after the other, so a later
+    wave can hit the prefix cache an earlier one filled).
 
 OUT: {"runs": [{"outputs": [{"token_ids", "num_cached_tokens", "finish_reason",
 "kv_transfer_params", "prompt_len", "logprobs" (with spec "logprobs": each sampled token's
@@ -84,7 +86,7 @@ def main() -> None:
     kw = dict(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True,
               max_model_len=spec.get("max_model_len", 4096), max_num_seqs=4,
               max_num_batched_tokens=spec.get("max_model_len", 4096), block_size=32,
-              enable_prefix_caching=False, seed=0, distributed_executor_backend="uni",
+              enable_prefix_caching=bool(spec.get("prefix_caching")), seed=0, distributed_executor_backend="uni",
               disable_log_stats=False)
     if spec.get("tp", 1) > 1:
         # One worker process per TP rank (bind them to cores with VLLM_CPU_OMP_THREADS_BIND).
@@ -146,6 +148,14 @@ def main() -> None:
                 res += llm.generate([p], sp, use_tqdm=False)
                 outs_t = time.perf_counter() - t
                 res[-1].ttft_s = outs_t
+        elif spec.get("waves"):
+            # Prompts in waves, one generate call each (a later wave's requests can hit the
+            # prefix cache of an earlier one's); outputs in prompt order.
+            by_index = {}
+            for wave in spec["waves"]:
+                got = llm.generate([prompts[i] for i in wave], [sps[i] for i in wave], use_tqdm=False)
+                by_index.update(zip(wave, got))
+            res = [by_index[i] for i in range(len(prompts))]
         else:
             res = llm.generate(prompts, sps, use_tqdm=False)
         wall = time.time() - t1
@@ -158,11 +168,12 @@ def main() -> None:
                 outs[-1]["logprobs"] = [float(d[t].logprob)
                                         for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])]
         runs.append(dict(outputs=outs, wall_s=round(wall, 3)))
-    if spec.get("remote_decode") and sched is not None and sched.scheduler_side is not None:
-        # Finished prefill requests hold their blocks until the workers registered them with
-        # the endpoint: step the engine until that happened.
+    if sched is not None and sched.scheduler_side is not None:
+        # Finished requests hold their blocks until the workers registered them with the
+        # endpoint (prefill requests) or saved them to the host tier (async saves): step the
+        # engine until that happened, so the counters below are final.
         deadline = time.time() + 30
-        while sched.scheduler_side.pending_sends() and time.time() < deadline:
+        while sched.scheduler_side.pending_frees() and time.time() < deadline:
             llm.llm_engine.step()
     metrics = {}
     for m in llm.get_metrics():

@@ -242,17 +242,51 @@ def test_consumer_rejects_what_it_will_not_pull(configs):
     pickle.loads(pickle.dumps(meta))
 
 
-def test_consumer_with_local_prefix_hit_computes_locally(configs):
-    # The producer serves whole requests; the first blocks are shared prefix-cache blocks here.
+def test_consumer_with_local_prefix_hit_pulls_only_the_rest(configs):
+    # A local prefix-cache hit of 2 blocks (64 tokens, shared with other requests): the pull
+    # covers tokens 64..100 only, into this request's own blocks 52 and 53, never the shared 50
+    # and 51; the tokens count as pulled only for what moves.
     _, toks, _, params = producer_params(configs)
     c = connector(configs["kv_consumer"])
     r = request("d2", toks, dict(params))
-    assert c.get_num_new_matched_tokens(r, 64) == (0, False)
-    c.update_state_after_alloc(r, blocks([50, 51, 52, 53]), 0)
+    assert c.get_num_new_matched_tokens(r, 64) == (36, True)
+    c.update_state_after_alloc(r, blocks([50, 51, 52, 53]), 36)
     meta = c.build_connector_meta(sched_out({}))
-    assert meta.recvs == []
-    # The producer is told at once that its KV will not be pulled.
-    assert [(x.req_id, x.xfer_id) for x in meta.rejects] == [("d2", params["remote_request_id"])]
+    assert meta.rejects == []
+    [spec] = meta.recvs
+    assert (spec.first_token, spec.num_tokens, spec.src_block_ids, spec.dst_block_ids) == (64, 100, [9, 4, 7, 30],
+                                                                                          [52, 53])
+    st = c.scheduler_side.stats
+    assert st["p2p_partial"] == 1 and st["p2p_local_hit_tokens"] == 64
+    c.update_connector_output(KVConnectorOutput(finished_recving={"d2"}))
+    assert st["p2p_tokens"] == 36
+    assert c.get_external_cache_hit_sources(r, 36) == {CacheHitSource.P2P: 36}
+    pickle.loads(pickle.dumps(meta))
+    # A hit that covers every token the producer has: nothing to pull, the rest is computed
+    # here and the producer is told at once.
+    r2 = request("d4", toks + [5, 6, 7], dict(params, remote_request_id=params["remote_request_id"] + 1))
+    assert c.get_num_new_matched_tokens(r2, 96) == (4, True)  # 96 < 100: still pulls 96..100
+    r3 = request("d5", toks, dict(params, remote_request_id=params["remote_request_id"] + 2))
+    assert c.get_num_new_matched_tokens(r3, 128) == (0, False)
+    c.update_state_after_alloc(r3, blocks([50, 51, 52, 53]), 0)
+    assert [x.req_id for x in c.build_connector_meta(sched_out({})).rejects] == ["d5"]
+
+
+def test_layerwise_consumer_with_local_prefix_hit_loads_only_the_rest(tiny_model):
+    # Layer-wise: a synchronous load of the block-aligned tokens short of the last one, from
+    # the hit on (tokens 32..96 of 100).
+    cfg = vllm_config(tiny_model, "kv_consumer", dict(layerwise=True))
+    pcfg = vllm_config(tiny_model, "kv_producer", dict(layerwise=True))
+    _, toks, _, params = producer_params({"kv_producer": pcfg})
+    c = connector(cfg)
+    r = request("l1", toks, dict(params))
+    assert c.get_num_new_matched_tokens(r, 32) == (64, False)
+    c.update_state_after_alloc(r, blocks([50, 51, 52, 53]), 64)
+    [spec] = c.build_connector_meta(sched_out({})).layer_recvs
+    assert (spec.first_token, spec.dst_block_ids) == (32, [51, 52, 53])
+    # A hit up to the last full block: nothing left to load.
+    r2 = request("l2", toks, dict(params, remote_request_id=params["remote_request_id"] + 1))
+    assert c.get_num_new_matched_tokens(r2, 96) == (0, False)
 
 
 @pytest.mark.parametrize("tamper", ["geometry", "prompt", "version", "blocks"])
@@ -326,10 +360,96 @@ def test_offload_full_hit_leaves_one_token_and_failed_load_is_saved_again(config
     meta = c.build_connector_meta(sched_out({"o2": 128}))
     assert [s.block_ids for s in meta.saves] == [[1, 2, 3, 4]]
     assert c.scheduler_side.stats["failed_loads"] == 1
-    # Finishing drops the state; nothing is handed off.
+    # Finishing drops the state; nothing is handed off, but the blocks it saved stay allocated
+    # until the workers report the (asynchronous) saves done.
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert c.request_finished(r, [1, 2, 3, 4]) == (True, None)
+    assert c.scheduler_side.pending_frees() == 1 and c.has_pending_block_frees()
+    assert c.build_connector_meta(sched_out({"o2": 1})).saves == []
+    c.update_connector_output(KVConnectorOutput(finished_sending={"o2"}))
+    assert c.scheduler_side.pending_frees() == 0
+
+
+def test_synchronous_saves_free_blocks_at_once(tiny_model):
+    # async_saves=False: saves run inside wait_for_save, so a finished request's blocks are
+    # freed at once.
+    c = connector(vllm_config(tiny_model, "kv_both", dict(async_saves=False)))
+    mgr = FakeManager()
+    c.bind_kv_cache_manager(SimpleNamespace(block_pool=None, **{"get_block_ids": mgr.get_block_ids}))
+    r = request("s1", tokens(100, seed=5))
+    c.on_new_request(r)
+    mgr.ids["s1"] = [1, 2, 3, 4]
+    assert [s.block_ids for s in c.build_connector_meta(sched_out({"s1": 100})).saves] == [[1, 2, 3]]
     r.status = RequestStatus.FINISHED_LENGTH_CAPPED
     assert c.request_finished(r, [1, 2, 3, 4]) == (False, None)
-    assert c.build_connector_meta(sched_out({"o2": 1})).saves == []
+    assert c.scheduler_side.pending_frees() == 0
+
+
+def test_async_saves_report_blocks_free_only_once_saved(tiny_model):
+    """The worker side's saver: wait_for_save returns while the save still runs; the request is
+    reported in finished_sending only after it finished and its saves completed; a lookup of a
+    block being saved waits for it; a preempted request's saves are waited for."""
+    import threading
+
+    from tpu_sync.vllm.config import ConnectorConfig
+    from tpu_sync.vllm.metadata import TierOp
+    from tpu_sync.vllm.worker import WorkerSide
+
+    gate = threading.Event()
+
+    class SlowTier:
+        def __init__(self):
+            self.saved = {}
+
+        def put(self, hashes, block_ids, parent=None):
+            gate.wait(30)
+            for h, b in zip(hashes, block_ids):
+                self.saved[h] = b
+            return len(hashes)
+
+        def lookup(self, hashes):
+            n = 0
+            while n < len(hashes) and hashes[n] in self.saved:
+                n += 1
+            return n
+
+        def pin(self, hashes):
+            return None
+
+        def close(self):
+            pass
+
+    cfg = ConnectorConfig.parse("kv_both", dict(max_pending_save_blocks=4))
+    w = WorkerSide(None, cfg, None)
+    from tpu_sync.vllm.worker import _Saver
+
+    w.tier = SlowTier()
+    w._saver = _Saver(w.tier, cfg.max_pending_save_blocks)
+    h = [bytes([i]) * 32 for i in range(6)]
+    w.wait_for_save(TpuSyncMetadata(saves=[TierOp("a", h[:3], [5, 6, 7])]))
+    assert w._saver.pending("a") == 1  # returned before the save ran
+    # Back-pressure: 3 queued + 3 more > 4: dropped, never blocking.
+    w.wait_for_save(TpuSyncMetadata(saves=[TierOp("b", h[3:6], [8, 9, 10])]))
+    assert w.stats["saves_dropped"] == 3
+    # Both finished: "b" (its saves dropped, nothing pending) is reported at once, "a" not
+    # while its save runs.
+    assert w.get_transfer_results({"a", "b"}).finished_sending == {"b"}
+    assert w.get_transfer_results(set()).finished_sending == set()
+    t = threading.Timer(0.2, gate.set)
+    t.start()
+    # A lookup of a block being saved waits for the save, then sees it.
+    assert w._lookup("x", h[:3]) == 3 and w.stats["save_waits"] == 1
+    assert w.get_transfer_results(set()).finished_sending == {"a"}
+    assert w.stats["saved_blocks"] == 3
+    assert w.get_transfer_results(set()).finished_sending == set()  # reported once
+    # Preempted: handle_preemptions waits for the request's saves.
+    gate.clear()
+    w.wait_for_save(TpuSyncMetadata(saves=[TierOp("c", h[3:5], [1, 2])]))
+    threading.Timer(0.2, gate.set).start()
+    w.handle_preemptions(TpuSyncMetadata(preempted=["c"]))
+    assert w._saver.pending("c") == 0 and w.stats["save_waits"] == 2
+    assert w.flush_saves(5) and w.stats["saved_blocks"] == 5
+    w.shutdown()
 
 
 def test_pullers_follow_the_plan():

@@ -297,6 +297,78 @@ def test_pd_layerwise_matches_plain(engines, plain):
     assert c["scheduler_stats"]["p2p_tokens"] == sum(want)
 
 
+# A shared system prompt of 3 blocks, then each request's own tokens: 149 (a partial last
+# block), 136 and 160 (exactly 5 blocks) tokens.
+_srng = random.Random(20261204)
+SYSTEM = [_srng.randrange(3, 1024) for _ in range(3 * BS)]
+SHARED_PROMPTS = [SYSTEM + [_srng.randrange(3, 1024) for _ in range(n - len(SYSTEM))] for n in (149, 136, 160)]
+# The first request fills the decode instance's prefix cache; the other two hit its 3 blocks.
+SHARED_WAVES = [[0], [1, 2]]
+
+
+def block_bytes(geometry):
+    """Bytes of one block of every layer (K and V) of a vLLM CPU engine's cache."""
+    elem = {"f32": 4, "bf16": 2, "f16": 2, "fp8": 1}[geometry["dtype"]]
+    return geometry["num_layers"] * 2 * geometry["num_kv_heads"] * geometry["head_dim"] * geometry["block_size"] * elem
+
+
+def shared_spec(engines, **kw):
+    return dict(model=engines.model, prompts=SHARED_PROMPTS, max_tokens=16, prefix_caching=True, waves=SHARED_WAVES,
+                **kw)
+
+
+@pytest.fixture(scope="module")
+def plain_shared(engines):
+    """A plain engine with prefix caching on the shared-system-prompt requests."""
+    res = engines.run("plain_shared", shared_spec(engines))
+    assert len({tuple(t) for t in toks(res)}) == len(SHARED_PROMPTS)
+    # Its own prefix cache served the system prompt to the second wave.
+    assert cached(res) == [0, len(SYSTEM), len(SYSTEM)], cached(res)
+    return res
+
+
+def test_pd_shared_system_prompt_pulls_only_the_uncached_blocks(engines, plain_shared):
+    """A decode instance with prefix caching whose requests share a system prompt: the first
+    request pulls its whole prompt; the next two hit the system prompt's 3 blocks in the local
+    prefix cache and pull only the blocks after it (the plan covers that token range). Outputs
+    token-identical to a plain engine with prefix caching; the bytes received are exactly those
+    of the uncomputed blocks."""
+    if BACKEND == "ref":
+        pytest.skip("the reference transport moves whole requests")
+    spec = shared_spec(engines)
+    hold = os.path.join(engines.dir, "pd_shared.hold")
+    if os.path.exists(hold):
+        os.remove(hold)
+    prod = engines.start("pd_shared_producer", dict(
+        spec, remote_decode=True, hold_file=hold, prefix_caching=False, waves=None,
+        connector=dict(kv_role="kv_producer", extra=pd_extra(lease_s=120.0))))
+    cons = engines.start("pd_shared_consumer", dict(
+        spec, params_file=prod.out,
+        connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=60.0))))
+    try:
+        c = engines.finish(cons)
+    finally:
+        open(hold, "w").close()
+    p = engines.finish(prod)
+    assert toks(c) == toks(plain_shared)
+    lens = [len(x) for x in SHARED_PROMPTS]
+    hit = len(SYSTEM)
+    st = c["scheduler_stats"]
+    assert st["p2p_partial"] == 2 and st["p2p_local_hit_tokens"] == 2 * hit, st
+    assert st["p2p_tokens"] == lens[0] + (lens[1] - hit) + (lens[2] - hit), st
+    assert st["rejects"] == 0 and st["refused_params"] == 0, st
+    assert c["worker_stats"]["pulls_done"] == 3 and c["worker_stats"]["pulls_failed"] == 0
+    m = c["metrics"]
+    assert m["vllm:prompt_tokens_cached_by_source{source=p2p}"] == st["p2p_tokens"], m
+    # Bytes: CPU blocks move whole (opaque lbhnc blocks), so the first request's 5 blocks and
+    # the 2 past the hit of each other one, and nothing of the shared blocks.
+    geo = p["runs"][0]["outputs"][0]["kv_transfer_params"]["remote_geometry"]
+    want = block_bytes(geo) * sum(-(-n // BS) - k for n, k in zip(lens, (0, 3, 3)))
+    assert m["vllm:tpu_sync_bytes_transferred"] == want, (m, want)
+    lib = tpu_sync_samples(c)
+    assert lib[("tpu_sync_net_bytes_total", (("direction", "receive"), ("transport", "tcp")))] == want
+
+
 @pytest.fixture(scope="module")
 def offload_state():
     state = {}
@@ -343,6 +415,41 @@ def test_offload_second_pass_hits_host_tier(engines, plain, offload_state, workd
         assert lib[("tpu_sync_store_lookup_blocks_total", (("result", "hit"), ("tier", "dram")))] >= sum(want) // BS
         assert lib[("tpu_sync_store_blocks", (("tier", "dram"),))] == sum(n // BS for n in LENS)
     offload_state["b"] = True
+
+
+def test_offload_after_a_device_prefix_hit_loads_only_the_rest(engines, plain_shared):
+    """Host tier behind the device prefix cache, requests sharing a system prompt: a first
+    engine computes and saves every full prompt block (the system prompt's once); a restarted
+    engine (warm /dev/shm tier) loads the first request's blocks from the tier, and for the
+    other two, whose system prompt then hits the device prefix cache, only the block after it
+    that the tier holds. Token-identical to a plain engine with prefix caching."""
+    shm = SHM + "-shared"
+    spec = shared_spec(engines, connector=dict(kv_role="kv_both", policy="recompute", extra=offload_extra(
+        shm_name=shm, host_capacity_bytes=HOST_CAPACITY)))
+    try:
+        first = engines.run("offload_shared_1", spec)
+        second = engines.run("offload_shared_2", spec)
+    finally:
+        if BACKEND != "ref":
+            import tpu_sync
+
+            tpu_sync.remove_segment(shm, force=True)
+    assert toks(first) == toks(plain_shared)
+    assert toks(second) == toks(plain_shared)
+    lens = [len(x) for x in SHARED_PROMPTS]
+    hit = len(SYSTEM)
+    # First engine: the system prompt's blocks saved once, then each request's own full blocks.
+    assert first["scheduler_stats"]["host_hit_tokens"] == 0
+    assert first["worker_stats"]["saved_blocks"] == lens[0] // BS + sum(n // BS - hit // BS for n in lens[1:])
+    # Restarted engine: the first request loads every full block short of its last token; the
+    # others hit the system prompt on the device and load only their next block from the tier.
+    want = [expected_host_hits(lens[0])] + [expected_host_hits(n) - hit for n in lens[1:]]
+    assert want == [128, 32, 32]
+    s = second["scheduler_stats"]
+    assert s["host_hit_tokens"] == sum(want) and s["failed_loads"] == 0, s
+    assert second["worker_stats"]["loaded_blocks"] == sum(want) // BS
+    assert cached(second) == [want[0], hit + want[1], hit + want[2]], cached(second)
+    assert second["metrics"]["vllm:prompt_tokens_cached_by_source{source=host}"] == sum(want), second["metrics"]
 
 
 def test_offload_layerwise_loads_match_plain(engines, plain, offload_state):

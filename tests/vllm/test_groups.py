@@ -432,9 +432,11 @@ def test_worker_host_tier_store_then_load_per_group(configs):
         orig = {n: t.clone() for n, t in kv.items()}
         hashes = [bytes([i]) * 32 for i in range(1, 4)]
         w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [30, 31, 32], None, [[3, 4, 5], [6, 7, 8]])]))
+        assert w.flush_saves(30)  # asynchronous saves: wait for them
         assert w.stats["saved_blocks"] == 3
         # A save whose sliding group holds the null block is refused whole (a warning), nothing stored.
         w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o2", [b"\x09" * 32], [9], None, [[0], [9]])]))
+        assert w.flush_saves(30)  # asynchronous saves: wait for them
         assert w.stats["saved_blocks"] == 3
         w.start_load_kv(TpuSyncMetadata(lookups={"o1": hashes + [b"\x08" * 32]}))
         assert w.build_worker_meta().lookup_hits == {"o1": 3}
@@ -527,6 +529,7 @@ def test_worker_layerwise_host_tier_load_per_group(configs):
         orig = {n: t.clone() for n, t in kv.items()}
         hashes = [bytes([i]) * 32 for i in range(11, 14)]
         w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [1, 2, 3], None, [[1, 2, 3], [4, 5, 6]])]))
+        assert w.flush_saves(30)  # asynchronous saves: wait for them
         assert w.stats["saved_blocks"] == 3
         w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o1", hashes, [16, 17, 18], None, [[0, 14, 15], [16, 17, 18]])]))
         assert w.stats["layerwise_loads"] == 1

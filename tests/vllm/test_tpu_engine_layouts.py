@@ -193,6 +193,7 @@ def test_worker_host_tier_store_then_load_rpa3_blocks(configs, monkeypatch):
         orig = {n: t.clone() for n, t in kv.items()}
         hashes = [bytes([i]) * 32 for i in range(1, 4)]
         w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [3, 4, 5])]))
+        assert w.flush_saves(30)  # asynchronous saves: wait for them
         assert w.stats["saved_blocks"] == 3
         w.start_load_kv(TpuSyncMetadata(lookups={"o1": hashes + [b"\x08" * 32]}))
         assert w.build_worker_meta().lookup_hits == {"o1": 3}

@@ -463,6 +463,9 @@ pub struct tpu_sync_span {
 /// Plans a request of `num_tokens` tokens from the source placement to the destination placement,
 /// both given as NUL-terminated JSON (the serde form of `tpu_sync::plan::Placement`:
 /// `{"layout": {"model": {...}, "spec": {...}, "num_blocks": N}, "dp_rank": R, "block_ids": [[...], ...]}`,
+/// with an optional `"first_token": T` (a block-aligned token range `T..num_tokens`: a destination
+/// that already holds the first `T` tokens lists only the blocks from `T / block_size` on and
+/// receives only the rest),
 /// or for a hybrid model the KV cache groups form
 /// `{"layout": {"model": {"name": ..., "groups": [...]}, "spec": {...}, "groups": [{"num_blocks": N}, ...]},
 /// "dp_rank": R, "block_ids": [[[ids of rank 0], ...] of group 0, ...]}`, see docs/hybrid.md; every

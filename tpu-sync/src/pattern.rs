@@ -97,7 +97,7 @@ impl RankContents {
         let mut request_block = vec![u32::MAX; kv.num_blocks as usize];
         let c = l.coord(rank)?;
         if let Some(local) = placement.local_rank(rank) {
-            let chunk = l.pcp_chunk(num_tokens, c.pcp)?;
+            let chunk = placement.held_chunk(num_tokens, c.pcp)?;
             let ids = placement.block_ids.get(local as usize).map(Vec::as_slice);
             for (i, &id) in ids.unwrap_or_default().iter().enumerate() {
                 let slot = request_block.get_mut(id as usize).ok_or_else(|| {

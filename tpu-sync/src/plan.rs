@@ -53,6 +53,22 @@ pub struct Placement {
     /// on the groups.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub groups: Option<Box<HybridPlacement>>,
+    /// The first token of the request whose KV this side holds or wants (default 0, absent in
+    /// JSON when 0): a multiple of `layout.spec.block_size`, below the request's token count.
+    /// A destination with `first_token = k * block_size` already holds tokens `[0,
+    /// first_token)` (a prefix-cache hit) and receives only the rest: entry `(pcp, tp)` of
+    /// `block_ids` then lists the request blocks [`Placement::held_chunk`] (the PCP chunk from
+    /// request block `k` on), and a plan copies only tokens `first_token..num_tokens`. A source
+    /// must hold every token its destination wants (its `first_token` <= the destination's).
+    /// Uniform placements only: a grouped placement with a non-zero `first_token` is refused
+    /// ([`Error::InvalidArgument`]), and so is a plan between a placement with a non-zero
+    /// `first_token` and a grouped one.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub first_token: u32,
+}
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
 }
 
 impl Placement {
@@ -75,6 +91,13 @@ impl Placement {
     /// number of block ids, an id `>= num_blocks`, or an id used twice on one rank.
     pub fn validate(&self, num_tokens: u32) -> Result<()> {
         if let Some(h) = &self.groups {
+            if self.first_token != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "a placement with KV cache groups holds the whole request; first_token {} \
+                     (a token range) is for uniform placements only",
+                    self.first_token
+                )));
+            }
             self.check_carrier(h)?;
             return h.validate(num_tokens);
         }
@@ -85,6 +108,13 @@ impl Placement {
             ));
         }
         let s = &self.layout.spec;
+        if self.first_token % s.block_size != 0 || self.first_token >= num_tokens {
+            return Err(Error::InvalidArgument(format!(
+                "first_token {} must be a multiple of the block size {} below the request's \
+                 {num_tokens} tokens",
+                self.first_token, s.block_size
+            )));
+        }
         if self.dp_rank >= s.dp {
             return Err(Error::Layout(format!(
                 "DP rank {} out of range for DP={}",
@@ -103,15 +133,16 @@ impl Placement {
         let nb = self.layout.num_blocks;
         for (local, ids) in self.block_ids.iter().enumerate() {
             let pcp = local as u32 / s.tp;
-            let want = self.layout.pcp_chunk(num_tokens, pcp)?.len();
+            let want = self.held_chunk(num_tokens, pcp)?.len();
             if ids.len() != want {
                 return Err(Error::BlockRange(format!(
                     "rank {} (pcp {pcp}, tp {}) lists {} block ids; {num_tokens} tokens at block \
-                     size {} need {want} on this rank",
+                     size {} from token {} need {want} on this rank",
                     self.global_rank(local as u32),
                     local as u32 % s.tp,
                     ids.len(),
-                    s.block_size
+                    s.block_size,
+                    self.first_token
                 )));
             }
             let mut seen = vec![false; nb as usize];
@@ -131,6 +162,17 @@ impl Placement {
             }
         }
         Ok(())
+    }
+
+    /// The request blocks (indices into the request's block sequence) whose ids entry `(pcp,
+    /// tp)` of `block_ids` lists: PCP rank `pcp`'s chunk ([`ParallelLayout::pcp_chunk`]) from
+    /// request block `first_token / block_size` on (possibly empty).
+    ///
+    /// Errors: [`Error::Layout`] for a zero PCP or block size.
+    pub fn held_chunk(&self, num_tokens: u32, pcp: u32) -> Result<std::ops::Range<u32>> {
+        let c = self.layout.pcp_chunk(num_tokens, pcp)?;
+        let first = self.first_token / self.layout.spec.block_size;
+        Ok(c.start.max(first).min(c.end)..c.end)
     }
 
     /// Whole-block byte ranges of local rank `local`'s request blocks in one layer buffer
@@ -283,6 +325,12 @@ impl Plan {
         src.layout.check_block_format(&dst.layout)?;
         src.validate(num_tokens)?;
         dst.validate(num_tokens)?;
+        if src.first_token > dst.first_token {
+            return Err(Error::Mismatch(format!(
+                "the destination wants tokens from {}, the source holds them from {}",
+                dst.first_token, src.first_token
+            )));
+        }
         if src.layout.spec.order.is_opaque() {
             return Self::build_regions(src, dst, num_tokens);
         }
@@ -302,14 +350,16 @@ impl Plan {
             let dst_rank = dst.global_rank(ld);
             let dc = dl.coord(dst_rank)?;
             let first_head = dl.first_head(dc.tp)?;
-            let chunk = dl.pcp_chunk(t, dc.pcp)?;
+            let chunk = dst.held_chunk(t, dc.pcp)?;
             let dst_heads = dl.heads_per_rank()?;
             for (i, jd) in chunk.enumerate() {
                 let dst_block = dst.block_ids[ld as usize][i];
+                // Every token of a held destination block is wanted (first_token is a multiple
+                // of its block size) and held by the source (src.first_token <= it).
                 for tok in jd * dbs..((jd + 1) * dbs).min(t) {
                     let js = tok / sbs;
                     let ps = sl.pcp_of_block(t, js)?;
-                    let idx_s = (js - sl.pcp_chunk(t, ps)?.start) as usize;
+                    let idx_s = (js - src.held_chunk(t, ps)?.start) as usize;
                     for hl in 0..dst_heads {
                         let g = first_head + hl;
                         let reps = sl.tp_ranks_of_head(g)?;
@@ -354,11 +404,11 @@ impl Plan {
             let dc = dl.coord(dst_rank)?;
             let first_head = dl.first_head(dc.tp)?;
             let dst_heads = dl.heads_per_rank()?;
-            for (i, jd) in dl.pcp_chunk(t, dc.pcp)?.enumerate() {
+            for (i, jd) in dst.held_chunk(t, dc.pcp)?.enumerate() {
                 let dst_block = dst.block_ids[ld as usize][i];
                 // Equal block sizes: request block `jd` is the same block on both sides.
                 let ps = sl.pcp_of_block(t, jd)?;
-                let idx_s = (jd - sl.pcp_chunk(t, ps)?.start) as usize;
+                let idx_s = (jd - src.held_chunk(t, ps)?.start) as usize;
                 for hl in 0..dst_heads {
                     let g = first_head + hl;
                     let reps = sl.tp_ranks_of_head(g)?;

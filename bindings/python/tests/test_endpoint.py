@@ -93,13 +93,13 @@ def consumer(data):
     c.close()
 
 
-def check_against_plan(bufs, init, data):
+def check_against_plan(bufs, init, data, dst=DST):
     """Every span of the plan holds its source bytes; every other byte is as it was."""
     src = {(r, layer): data(SRC_BYTES, 10 + r * 2 + layer) for r in (0, 1) for layer in (0, 1)}
     got = [bytearray(b.read()) for b in bufs]
     covered = [bytearray(DST_BYTES) for _ in bufs]
     moved = 0
-    with tpu_sync.Plan(SRC, DST, TOKENS) as plan:
+    with tpu_sync.Plan(SRC, dst, TOKENS) as plan:
         for s in plan.spans():
             assert s.dst_rank == 0
             for i in range(s.count):
@@ -128,6 +128,34 @@ def test_two_process_pull(consumer, data):
             t.close()
         assert check_against_plan(bufs, init, data) == stats["bytes"]
         assert read_line(p, "STATE") == "released"  # the pull released the producer's blocks
+        assert p.wait(30) == 0
+    finally:
+        p.kill()
+
+
+def test_two_process_pull_past_a_prefix_hit(consumer, data):
+    """A consumer that already holds the request's first block (32 tokens, a prefix-cache hit)
+    pulls only tokens 32..100 into its blocks 1, 3 and 0; its block 5 (where the hit is) and
+    every other byte stay as they were."""
+    c, bufs, init = consumer
+    dst = tpu_sync.placement(DST_LAYOUT, [[1, 3, 0]], first_token=32)
+    p = start_producer("serve", 45)
+    try:
+        addr = read_line(p, "ADDRESS")
+        with tpu_sync.Endpoint(listen=None, timeout=20) as ep:
+            t = ep.pull(45, addr, SRC, dst, TOKENS, {0: bufs})
+            stats = t.wait(timeout=60)
+            assert t.error is None
+            assert stats["bytes"] == (TOKENS - 32) * 2 * 2 * 4 * 8 * 2
+            t.close()
+            # Refused before anything moves: unaligned, past the request, ids of the whole request.
+            for bad in (tpu_sync.placement(DST_LAYOUT, [[1, 3, 0]], first_token=16),
+                        tpu_sync.placement(DST_LAYOUT, [[1, 3, 0]], first_token=128),
+                        tpu_sync.placement(DST_LAYOUT, [[5, 1, 3, 0]], first_token=32)):
+                with pytest.raises((errors.InvalidArgumentError, errors.BlockRangeError)):
+                    ep.pull(46, addr, SRC, bad, TOKENS, {0: bufs})
+        assert check_against_plan(bufs, init, data, dst) == stats["bytes"]
+        assert read_line(p, "STATE") == "released"
         assert p.wait(30) == 0
     finally:
         p.kill()

@@ -209,6 +209,16 @@ pub fn load_to_device(
                 .into(),
         });
     }
+    if req.dst.first_token != 0 {
+        return Err(Error::Unsupported {
+            plugin: "tpu-sync".into(),
+            what: format!(
+                "remote load into a placement from token {}: a remote load delivers the \
+                 matched prefix from token 0",
+                req.dst.first_token
+            ),
+        });
+    }
     let ranks = src.spec.ranks_per_replica() as usize;
     if req.sources.len() != ranks {
         return Err(Error::InvalidArgument(format!(
@@ -340,6 +350,7 @@ pub fn load_to_device(
     //    block ids) to the consumer's blocks of those tokens.
     let n_src = src.request_blocks(tokens)? as usize;
     let vplace = Placement {
+        first_token: 0,
         layout: vsrc,
         dp_rank: 0,
         block_ids: vec![(0..n_src as u32).collect(); tp],
@@ -347,6 +358,7 @@ pub fn load_to_device(
     };
     let n_dst = req.dst.layout.request_blocks(tokens)? as usize;
     let dplace = Placement {
+        first_token: 0,
         layout: req.dst.layout.clone(),
         dp_rank: req.dst.dp_rank,
         block_ids: req

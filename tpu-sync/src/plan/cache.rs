@@ -92,6 +92,7 @@ fn key_hash(src: &Placement, dst: &Placement, num_tokens: u32) -> u64 {
         p.dp_rank.hash(&mut h);
         p.block_ids.hash(&mut h);
         p.groups.is_some().hash(&mut h);
+        p.first_token.hash(&mut h);
     }
     num_tokens.hash(&mut h);
     h.finish()
@@ -211,6 +212,7 @@ mod tests {
             dtype: DType::Bf16,
         };
         Placement {
+            first_token: 0,
             layout: ParallelLayout::new(model, ParallelSpec::parse(spec).unwrap(), 16).unwrap(),
             dp_rank: 0,
             block_ids: ids,

@@ -455,6 +455,7 @@ impl Placement {
             dp_rank: h.dp_rank,
             block_ids: vec![Vec::new(); rpr as usize],
             groups: Some(Box::new(h)),
+            first_token: 0,
         })
     }
 
@@ -499,6 +500,8 @@ struct PlacementFields {
     block_ids: Vec<Vec<u32>>,
     #[serde(default)]
     groups: Option<Box<HybridPlacement>>,
+    #[serde(default)]
+    first_token: u32,
 }
 
 impl TryFrom<serde_json::Value> for Placement {
@@ -520,6 +523,7 @@ impl TryFrom<serde_json::Value> for Placement {
             dp_rank: f.dp_rank,
             block_ids: f.block_ids,
             groups: f.groups,
+            first_token: f.first_token,
         })
     }
 }
@@ -538,6 +542,13 @@ pub(super) fn grouped_block_ranges(h: &HybridPlacement, local: u32) -> Result<Ve
 /// [`Plan::build`] when either side is grouped: both sides' uniform fields checked against
 /// their groups, then [`Plan::build_groups`].
 pub(super) fn build_placements(src: &Placement, dst: &Placement, num_tokens: u32) -> Result<Plan> {
+    if src.first_token != 0 || dst.first_token != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "token ranges (first_token {} -> {}) are planned between uniform placements only, \
+             not with KV cache groups",
+            src.first_token, dst.first_token
+        )));
+    }
     for (p, side) in [(src, "source"), (dst, "destination")] {
         if let Some(h) = &p.groups {
             p.check_carrier(h)

@@ -18,20 +18,32 @@ fn scattered(num_blocks: u32, n: usize, seed: u64) -> Vec<u32> {
 }
 
 fn placement(layout: ParallelLayout, dp_rank: u32, num_tokens: u32, seed: u64) -> Placement {
-    let s = layout.spec;
-    let block_ids = (0..s.ranks_per_replica())
-        .map(|local| {
-            let pcp = local / s.tp;
-            let n = layout.pcp_chunk(num_tokens, pcp).unwrap().len();
-            scattered(layout.num_blocks, n, seed ^ local as u64)
-        })
-        .collect();
-    Placement {
+    placement_from(layout, dp_rank, num_tokens, seed, 0)
+}
+
+/// A placement of the request's tokens `first_token..num_tokens`.
+fn placement_from(
+    layout: ParallelLayout,
+    dp_rank: u32,
+    num_tokens: u32,
+    seed: u64,
+    first_token: u32,
+) -> Placement {
+    let mut p = Placement {
+        first_token,
         layout,
         dp_rank,
-        block_ids,
+        block_ids: vec![],
         groups: None,
-    }
+    };
+    let s = p.layout.spec;
+    p.block_ids = (0..s.ranks_per_replica())
+        .map(|local| {
+            let n = p.held_chunk(num_tokens, local / s.tp).unwrap().len();
+            scattered(p.layout.num_blocks, n, seed ^ local as u64)
+        })
+        .collect();
+    p
 }
 
 /// Applies `plan` to simulated buffers and checks the destination byte by byte, including that
@@ -54,6 +66,7 @@ fn simulate(src: &Placement, dst: &Placement, num_tokens: u32, plan: &Plan) {
         .collect();
     // Destination starts with a background of its own (request blocks included).
     let empty = Placement {
+        first_token: 0,
         block_ids: vec![],
         dp_rank: u32::MAX,
         ..dst.clone()
@@ -110,7 +123,8 @@ fn simulate(src: &Placement, dst: &Placement, num_tokens: u32, plan: &Plan) {
         }
     }
     let model = &src.layout.model;
-    let expect = dst.layout.covered_tokens(num_tokens).unwrap() as u64 * model.bytes_per_token();
+    let expect = (dst.layout.covered_tokens(num_tokens).unwrap() - dst.first_token) as u64
+        * model.bytes_per_token();
     assert_eq!(total, expect * dst.layout.head_replicas().unwrap() as u64);
     assert_eq!(plan.total_bytes(), total);
 }
@@ -199,6 +213,7 @@ fn physical_layouts_must_agree_when_both_are_known() {
     let dense = "{4,3,2,1,0}";
     let tiled = "{4,3,2,1,0:T(8,128)(2,1)}";
     let with = |p: &Placement, l: Option<&str>| Placement {
+        first_token: 0,
         layout: ParallelLayout {
             physical_layout: l.map(str::to_string),
             ..p.layout.clone()
@@ -307,6 +322,79 @@ proptest! {
             prop_assert_eq!(spans_digest(&plan.pair_spans(a, b)), spans_digest(&again.pair_spans(a, b)));
         }
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: if cfg!(miri) { 2 } else { 64 }, .. ProptestConfig::default() })]
+
+    /// A destination that already holds the first `k` blocks of the request (a prefix-cache
+    /// hit) receives exactly tokens `k * block_size..`: every byte of them once, nothing of the
+    /// blocks it did not list, and the plan is the full plan's spans of those tokens.
+    #[test]
+    fn token_ranges_deliver_exactly_the_wanted_tokens(
+        heads in proptest::sample::select(vec![1u32, 2, 4, 8]),
+        tokens in 2u32..80,
+        seed in any::<u64>(),
+        s in arb_side(8),
+        d in arb_side(8),
+        src_from in any::<bool>(),
+        pick in any::<u32>(),
+    ) {
+        let m = model(heads, 2, DType::Bf16);
+        let ok = |tp: u32| heads % tp == 0 || tp % heads == 0;
+        prop_assume!(ok(s.0) && ok(d.0));
+        let sl = layout(&m, s.0, s.1, s.2, s.3, s.4, tokens);
+        let dl = layout(&m, d.0, d.1, d.2, d.3, d.4, tokens);
+        let dbs = dl.spec.block_size;
+        let first = (pick % tokens.div_ceil(dbs)) * dbs;
+        prop_assume!(first < tokens);
+        // The source holds every token, or only those from a block boundary at or before `first`.
+        let src_first = if src_from { (first / sl.spec.block_size) * sl.spec.block_size } else { 0 };
+        let src = placement_from(sl, seed as u32 % s.2, tokens, seed, src_first);
+        let dst = placement_from(dl, (seed >> 8) as u32 % d.2, tokens, !seed, first);
+        let plan = Plan::build(&src, &dst, tokens).unwrap();
+        simulate(&src, &dst, tokens, &plan);
+        // A source that lacks wanted tokens is refused, not planned short.
+        let sbs = src.layout.spec.block_size;
+        if sbs < tokens {
+            let late = placement_from(src.layout.clone(), src.dp_rank, tokens, seed, sbs);
+            let whole = placement_from(dst.layout.clone(), dst.dp_rank, tokens, !seed, 0);
+            let e = Plan::build(&late, &whole, tokens).unwrap_err();
+            prop_assert!(matches!(e, Error::Mismatch(_)), "{e}");
+        }
+    }
+}
+
+#[test]
+fn token_ranges_refuse_unaligned_starts_and_wrong_id_counts() {
+    let m = model(4, 2, DType::Bf16);
+    let l = layout(&m, 2, 1, 1, 16, BlockOrder::Nhd, 100);
+    let src = placement(l.clone(), 0, 100, 1);
+    let dst = placement_from(l.clone(), 0, 100, 2, 32);
+    assert_eq!(
+        dst.block_ids[0].len(),
+        5,
+        "blocks 2..7 of a 100-token request"
+    );
+    Plan::build(&src, &dst, 100).unwrap();
+    for bad in [8u32, 100, 112] {
+        let mut d = dst.clone();
+        d.first_token = bad;
+        let e = Plan::build(&src, &d, 100).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{bad}: {e}");
+    }
+    // The ids of the whole request with a first_token: the count is wrong, refused.
+    let mut d = placement(l, 0, 100, 2);
+    d.first_token = 32;
+    let e = Plan::build(&src, &d, 100).unwrap_err();
+    assert!(matches!(e, Error::BlockRange(_)), "{e}");
+    // JSON: absent when 0, read back when set; an old reader's field list is unchanged.
+    let j = serde_json::to_value(&src).unwrap();
+    assert!(j.get("first_token").is_none());
+    let j = serde_json::to_value(&dst).unwrap();
+    assert_eq!(j["first_token"], 32);
+    let back: Placement = serde_json::from_value(j).unwrap();
+    assert_eq!(back, dst);
 }
 
 /// An LBHNC layout with a block format tag.

@@ -95,15 +95,26 @@ def layout(model: Dict[str, Any], *, tp: int = 1, pcp: int = 1, dp: int = 1, blo
     return dict(model=model, spec=spec, num_blocks=ck.u32("num_blocks", num_blocks))
 
 
-def placement(layout: Dict[str, Any], block_ids: Sequence[Sequence[int]], dp_rank: int = 0) -> Dict[str, Any]:
+def placement(layout: Dict[str, Any], block_ids: Sequence[Sequence[int]], dp_rank: int = 0,
+              first_token: int = 0) -> Dict[str, Any]:
     """Where a request's blocks are: for each rank of DP replica ``dp_rank`` (index
     ``pcp * tp + tp_rank``), the device block ids of its request blocks, in order. For a layout
     with KV cache groups, ``block_ids[group][rank]``: a sliding-window group lists only its
     window's blocks, a state group one slot id (docs/hybrid.md); every buffer is then checked
-    against its own group's geometry."""
+    against its own group's geometry.
+
+    ``first_token`` (tokens, a multiple of the block size, below the request's token count;
+    uniform layouts only): the placement holds the request from that token on. A pull's
+    destination with ``first_token = k * block_size`` already has tokens ``[0, first_token)``
+    (a local prefix-cache hit) and receives only the rest; its ``block_ids`` then list the
+    request blocks from ``k`` on (of each rank's PCP chunk). Checked when planned
+    (InvalidArgumentError: unaligned, past the request, or with groups; BlockRangeError: a
+    wrong number of ids)."""
     if not isinstance(layout, dict):
         raise ck.fail(f"layout must be a dict (tpu_sync.layout(...)), got {type(layout).__name__}")
     if "groups" in layout:
+        if first_token:
+            raise ck.fail("first_token (a token range) is for uniform layouts only, not with KV cache groups")
         # Groups form: block_ids[group][rank] (one slot id per rank for a state group).
         gids = [[[ck.u32(f"block_ids[{g}][{i}][{j}]", b) for j, b in enumerate(ck.items(f"block_ids[{g}][{i}]", r))]
                  for i, r in enumerate(ck.items(f"block_ids[{g}]", per))]
@@ -111,7 +122,11 @@ def placement(layout: Dict[str, Any], block_ids: Sequence[Sequence[int]], dp_ran
         return dict(layout=layout, dp_rank=ck.u32("dp_rank", dp_rank), block_ids=gids)
     ids = [[ck.u32(f"block_ids[{i}][{j}]", b) for j, b in enumerate(ck.items(f"block_ids[{i}]", r))]
            for i, r in enumerate(ck.items("block_ids", block_ids))]
-    return dict(layout=layout, dp_rank=ck.u32("dp_rank", dp_rank), block_ids=ids)
+    out = dict(layout=layout, dp_rank=ck.u32("dp_rank", dp_rank), block_ids=ids)
+    first = ck.u32("first_token", first_token)
+    if first:
+        out["first_token"] = first
+    return out
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ fn placement(spec: &str, tokens: u32, seed: u64) -> Placement {
         })
         .collect();
     Placement {
+        first_token: 0,
         layout,
         dp_rank: 0,
         block_ids,

@@ -315,6 +315,7 @@ fn uniform_placement_is_one_group_with_the_same_plan() {
             })
             .collect();
         crate::plan::Placement {
+            first_token: 0,
             layout: l,
             dp_rank,
             block_ids,
@@ -626,7 +627,7 @@ proptest! {
             let ids = (0..l.spec.ranks_per_replica())
                 .map(|local| scattered(l.num_blocks, uniform_chunk(&l, tokens, local / l.spec.tp).len(), seed ^ local as u64))
                 .collect();
-            crate::plan::Placement { layout: l, dp_rank: dp, block_ids: ids, groups: None }
+            crate::plan::Placement { first_token: 0, layout: l, dp_rank: dp, block_ids: ids, groups: None }
         };
         let src = place(sl, seed as u32 % s.2, seed);
         let dst = place(dl, (seed >> 8) as u32 % d.2, !seed);

@@ -336,11 +336,13 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def placement(layout: Dict[str, Any], block_ids: Sequence[Any]) -> Dict[str, Any]:
+def placement(layout: Dict[str, Any], block_ids: Sequence[Any], first_token: int = 0) -> Dict[str, Any]:
     """``tpu_sync`` placement of a request whose blocks have the same ids on every TP rank (as
     in vLLM, where all TP workers share one block table). For a layout with groups
     (:meth:`KvGeometry.tpu_sync_layout` of a grouped geometry) ``block_ids`` holds one list per
-    group: that group's held blocks (:meth:`KvGeometry.group_held_ids`).
+    group: that group's held blocks (:meth:`KvGeometry.group_held_ids`). ``first_token``
+    (uniform layouts): the blocks hold the request from that token (block-aligned) on, as
+    :func:`tpu_sync.plan.placement` reads it.
 
     Raises:
         ValueError: a grouped layout given a number of lists other than its group count."""
@@ -353,7 +355,10 @@ def placement(layout: Dict[str, Any], block_ids: Sequence[Any]) -> Dict[str, Any
         gids = [[int(b) for b in ids] for ids in block_ids]
         return dict(layout=layout, dp_rank=0, block_ids=[[list(ids) for _ in range(tp)] for ids in gids])
     ids = [int(b) for b in block_ids]
-    return dict(layout=layout, dp_rank=0, block_ids=[list(ids) for _ in range(tp)])
+    out = dict(layout=layout, dp_rank=0, block_ids=[list(ids) for _ in range(tp)])
+    if first_token:
+        out["first_token"] = int(first_token)
+    return out
 
 
 def pullers_of_rank(src: Dict[str, Any], rank: int, num_tokens: int, decode_tp: int) -> int:

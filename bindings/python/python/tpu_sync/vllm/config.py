@@ -74,6 +74,18 @@ Host-DRAM offload (on by default for ``kv_both``):
     Keep the tier in ``/dev/shm/<name>`` so a restarted engine re-attaches it warm.
 ``disk_dir`` (str), ``disk_capacity_bytes`` (int)
     Spill DRAM victims to files in this directory.
+``async_saves`` (bool)
+    Save to the host tier off the step (default True): ``wait_for_save`` queues the D2H of the
+    blocks the step filled and returns; a background thread copies them into the tier. The
+    blocks stay allocated until their saves are done: a finished request's blocks are freed
+    once the workers report its saves complete (``request_finished`` returns True, as vLLM's
+    offloading connector does), a preempted request's saves are waited for before the next
+    forward (``handle_preemptions``), and a lookup of a block still being saved waits for it.
+    False: saves run inside ``wait_for_save``.
+``max_pending_save_blocks`` (int)
+    Back-pressure of ``async_saves``: saves that would take the queued blocks past this many are
+    dropped (counted as ``saves_dropped``, a future miss), so a slow tier never stalls the
+    engine nor holds its blocks. Default 2048.
 ``verify_checksums`` (bool)
     Check each block's checksum when loading it (default True). A mismatch makes the connector
     report the blocks as failed loads, so vLLM recomputes them (set
@@ -113,6 +125,8 @@ DEFAULT_HOST_CAPACITY = 1 << 30
 DEFAULT_LEASE_S = 120.0
 #: Default seconds a consumer waits for a pull.
 DEFAULT_PULL_TIMEOUT_S = 30.0
+#: Default cap on blocks queued for asynchronous host-tier saves.
+DEFAULT_MAX_PENDING_SAVE_BLOCKS = 2048
 #: Engines' peer silence limit (see ``heartbeat_timeout_s`` above).
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 
@@ -138,6 +152,8 @@ _KEYS = {
     "disk_dir": str,
     "disk_capacity_bytes": (int, float),
     "verify_checksums": bool,
+    "async_saves": bool,
+    "max_pending_save_blocks": int,
     "namespace": str,
     "host_tier": str,
     "cluster": dict,  # a prefix cache shared across instances: see tpu_sync.vllm.cluster_tier
@@ -175,6 +191,8 @@ class ConnectorConfig:
     disk_dir: Optional[str] = None
     disk_capacity_bytes: Optional[int] = None
     verify_checksums: bool = True
+    async_saves: bool = True
+    max_pending_save_blocks: int = DEFAULT_MAX_PENDING_SAVE_BLOCKS
     namespace: str = ""
     host_tier: Optional[str] = None
     kv_events: Optional[Dict[str, Any]] = None
@@ -243,6 +261,8 @@ class ConnectorConfig:
             disk_dir=extra.get("disk_dir"),
             disk_capacity_bytes=(int(extra["disk_capacity_bytes"]) if "disk_capacity_bytes" in extra else None),
             verify_checksums=extra.get("verify_checksums", True),
+            async_saves=extra.get("async_saves", True),
+            max_pending_save_blocks=int(extra.get("max_pending_save_blocks", DEFAULT_MAX_PENDING_SAVE_BLOCKS)),
             namespace=extra.get("namespace", ""),
             host_tier=extra.get("host_tier"),
             kv_events=extra.get("kv_events"),
@@ -252,6 +272,8 @@ class ConnectorConfig:
         )
         if cfg.lease_s <= 0 or cfg.pull_timeout_s <= 0 or not cfg.heartbeat_timeout_s > 0:
             raise ConfigError("lease_s, pull_timeout_s and heartbeat_timeout_s must be > 0")
+        if cfg.max_pending_save_blocks < 1:
+            raise ConfigError("max_pending_save_blocks must be >= 1")
         if cfg.decode_tp_size < 1:
             raise ConfigError("decode_tp_size must be >= 1")
         if cfg.staging_budget_bytes is not None and not 0 < cfg.staging_budget_bytes < 2**64:

@@ -134,8 +134,16 @@ class TpuSyncConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker_side is not None and self.config.layerwise:
             self.worker_side.save_kv_layer(layer_name)
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Before the forward: waits for the host-tier saves of requests preempted this step
+        (vLLM freed their blocks; ``async_saves``)."""
+        if self.worker_side is not None and isinstance(kv_connector_metadata, TpuSyncMetadata):
+            self.worker_side.handle_preemptions(kv_connector_metadata)
+
     def wait_for_save(self) -> None:
-        """Saves the prompt blocks this step filled to the host tier (synchronously)."""
+        """Saves the prompt blocks this step filled to the host tier: queues their D2H and
+        returns (``async_saves``, the default; the blocks stay allocated until the saves are
+        done), or copies them before returning."""
         meta = self._connector_metadata
         if self.worker_side is not None and isinstance(meta, TpuSyncMetadata):
             self.worker_side.wait_for_save(meta)
@@ -254,5 +262,6 @@ class TpuSyncConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.request_finished(request, block_ids)
 
     def has_pending_block_frees(self) -> bool:
-        """Blocks held for pullers are freed once registered (next step), not by preemption."""
-        return bool(self.scheduler_side and self.scheduler_side.pending_sends())
+        """Blocks held for pullers (freed once registered, next step) or for host-tier saves
+        (freed once saved) come back without preempting anyone."""
+        return bool(self.scheduler_side and self.scheduler_side.pending_frees())

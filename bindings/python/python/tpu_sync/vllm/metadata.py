@@ -51,6 +51,9 @@ class RecvSpec:
             one list per group, as ``src_block_ids``).
         num_tokens: tokens covered by these blocks (the last block may be partial).
         timeout_s: the pull fails after this many seconds.
+        first_token: tokens the consumer already holds (a local prefix-cache hit, a multiple
+            of its block size): only tokens ``first_token..num_tokens`` are pulled, and
+            ``dst_block_ids`` are the local blocks from block ``first_token // block_size`` on.
     """
 
     req_id: str
@@ -61,6 +64,7 @@ class RecvSpec:
     dst_block_ids: List[int]
     num_tokens: int
     timeout_s: float
+    first_token: int = 0
 
 
 @dataclass
@@ -124,6 +128,10 @@ class TpuSyncMetadata(KVConnectorMetadata):
     #: consumer (``layerwise``): pulls this step's forward reads layer by layer
     #: (``wait_for_layer_load``); the request is scheduled at once (a synchronous load).
     layer_recvs: List[RecvSpec] = field(default_factory=list)
+    #: requests vLLM preempted this step that have host-tier saves (``async_saves``): the
+    #: workers wait for those saves before the forward (``handle_preemptions``), since vLLM
+    #: freed their blocks at once.
+    preempted: List[str] = field(default_factory=list)
 
 
 @dataclass

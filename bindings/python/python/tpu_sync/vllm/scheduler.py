@@ -36,7 +36,9 @@ Per request (vLLM calls, in order):
   (``get_num_new_matched_tokens`` answers ``None`` for the one step the lookup takes, then the
   hit); hits load synchronously before the forward (``(n, False)``, leaving at least one prompt
   token to compute); every prompt block that becomes full is saved after the step that computed
-  it. Hits are reported as ``CacheHitSource.HOST``.
+  it (``async_saves``, the default: the workers queue the D2H and return, and a finished
+  request's blocks are freed once its saves are done: ``request_finished`` answers True and
+  the workers report it in ``finished_sending``). Hits are reported as ``CacheHitSource.HOST``.
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ class SchedulerSide:
         self._recvs: Dict[str, RecvSpec] = {}
         self._sending: Dict[str, float] = {}
         self._pd_local_hit_logged: Set[str] = set()
+        #: P/D consumer requests with a local prefix hit: the hit's tokens (block-aligned), as
+        #: answered by the last get_num_new_matched_tokens (update_state_after_alloc follows it)
+        self._pd_first: Dict[str, int] = {}
         self._rejects: List[RejectSpec] = []
         #: tokens of pulls planned or running, counted as pulled once they succeed
         self._pulling: Dict[str, int] = {}
@@ -103,6 +108,10 @@ class SchedulerSide:
         self._withdraws: List[int] = []
         self._layer_recvs: List[RecvSpec] = []
         # Offload
+        #: requests with host-tier saves planned (``async_saves``): their blocks are freed once
+        #: the workers report the saves done; of them, finished requests whose frees wait
+        self._save_planned: Set[str] = set()
+        self._save_delayed: Set[str] = set()
         self._off: Dict[str, _OffloadState] = {}
         self._lookup_wanted: Dict[str, List[bytes]] = {}
         self._lookup_sent: Set[str] = set()
@@ -117,11 +126,13 @@ class SchedulerSide:
         #: whole instead (a sliding window the producer's blocks do not cover from the first
         #: computed token); P/D prompts a producer of a model with state groups shortened by their
         #: last token; P/D requests a consumer prefilled locally because the sliding window of the
-        #: first token vLLM computes after the load starts before the producer's held blocks.
+        #: first token vLLM computes after the load starts before the producer's held blocks;
+        #: P/D pulls after a local prefix hit (only the tokens past the hit pulled) and the hits'
+        #: tokens.
         self.stats: Dict[str, int] = dict(
             host_hit_tokens=0, p2p_tokens=0, p2p_failed_tokens=0, saved_blocks=0, loaded_blocks=0, failed_loads=0,
             lookups=0, handed_off=0, refused_params=0, rejects=0, layerwise_whole=0, state_truncated=0,
-            window_local=0,
+            window_local=0, p2p_partial=0, p2p_local_hit_tokens=0,
         )
 
     # ---- start-up -----------------------------------------------------------------------
@@ -183,16 +194,32 @@ class SchedulerSide:
         host-tier lookup per request."""
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill") and self.cfg.is_consumer:
-            if num_computed_tokens > 0:
-                # A local prefix-cache hit: the producer serves the whole request only, and its
-                # first blocks would land in blocks shared with other requests. Compute the rest
-                # of the prompt here instead.
+            self._pd_first.pop(request.request_id, None)
+            if num_computed_tokens > 0 and self.geometry.groups:
+                # A local prefix-cache hit of a model with KV cache groups: a pull writes every
+                # group's held blocks of the whole request (token ranges are planned for uniform
+                # layouts only), and the first ones are shared with other requests. Compute the
+                # rest of the prompt here instead.
                 if request.request_id not in self._pd_local_hit_logged:
                     self._pd_local_hit_logged.add(request.request_id)
-                    log.info("tpu_sync: request %s hit %d tokens locally; prefilling the rest locally",
-                             request.request_id, num_computed_tokens)
+                    log.info("tpu_sync: request %s hit %d tokens locally (a model with KV cache groups); "
+                             "prefilling the rest locally", request.request_id, num_computed_tokens)
                 return 0, False
             n = self._remote_tokens(request, params)
+            if n is not None and num_computed_tokens > 0:
+                # A local prefix-cache hit of k blocks (vLLM's hits are block-aligned): pull only
+                # the producer's tokens from k * block_size on into this request's own blocks
+                # (the plan covers that token range; the shared blocks are never written).
+                if n <= num_computed_tokens:
+                    return 0, False  # the hit covers all the producer has: compute the rest here
+                if self.cfg.layerwise:
+                    m = (min(n, int(request.num_tokens) - 1) // self.block_size) * self.block_size
+                    if m <= num_computed_tokens:
+                        return 0, False
+                    self._pd_first[request.request_id] = num_computed_tokens
+                    return m - num_computed_tokens, False
+                self._pd_first[request.request_id] = num_computed_tokens
+                return n - num_computed_tokens, True
             if n is not None and n > 0:
                 if not self._layerwise_covers(min(n, int(request.num_tokens) - 1), n):
                     # vLLM computes token min(n, T - 1) after a load of n tokens (the last
@@ -298,7 +325,10 @@ class SchedulerSide:
             params["do_remote_prefill"] = False
             n = int(params["remote_num_tokens"])
             nb = -(-n // bs)
-            dst_ids: Any = block_ids[:nb]
+            # A local prefix hit of `first` tokens: its blocks are this request's first ones
+            # (shared, already computed); the pull fills blocks first // bs .. nb only.
+            first = self._pd_first.pop(req_id, 0)
+            dst_ids: Any = block_ids[first // bs:nb]
             src_ids: Any = ([[int(b) for b in g] for g in params["remote_block_ids"]] if self.geometry.groups
                             else [int(b) for b in params["remote_block_ids"]])
             if self.geometry.groups:
@@ -322,7 +352,11 @@ class SchedulerSide:
                 dst_block_ids=dst_ids,
                 num_tokens=n,
                 timeout_s=self.cfg.pull_timeout_s,
+                first_token=first,
             )
+            if first:
+                self.stats["p2p_partial"] += 1
+                self.stats["p2p_local_hit_tokens"] += first
             self._source[req_id] = CacheHitSource.P2P
             if self.cfg.layerwise and num_external_tokens < n:
                 # Pulled and read within the next step (failures come back as load errors).
@@ -392,6 +426,10 @@ class SchedulerSide:
         self._lookup_wanted, self._loads, self._sends, self._recvs, self._rejects = {}, [], [], {}, []
         if self.cfg.offload:
             meta.saves = self._plan_saves(scheduler_output)
+            if self.cfg.async_saves:
+                self._save_planned.update(op.req_id for op in meta.saves)
+                meta.preempted = [r for r in (getattr(scheduler_output, "preempted_req_ids", None) or ())
+                                  if r in self._save_planned]
         return meta
 
     def _plan_layer_sends(self, scheduler_output: Any) -> List[SendSpec]:
@@ -506,6 +544,7 @@ class SchedulerSide:
             self.stats["loaded_blocks"] += meta.loaded_blocks
         for req_id in output.finished_sending or ():
             self._sending.pop(req_id, None)
+            self._save_delayed.discard(req_id)
         failed = set(getattr(output, "failed_recving", None) or ())
         for req_id in output.finished_recving or ():
             n = self._pulling.pop(req_id, None)
@@ -538,8 +577,20 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: List[Any],
                          grouped: bool = False) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """Producer: keeps a prefilled request's blocks and returns the params a decode instance
-        pulls with. Everyone: drops the request's state. ``grouped``: ``block_ids`` holds one
-        list per KV cache group (see :meth:`request_finished_all_groups`)."""
+        pulls with. Offload with ``async_saves``: keeps the blocks of a request with host-tier
+        saves until the workers report them done (in ``finished_sending``, with its P/D
+        registration if it has one). Everyone: drops the request's state. ``grouped``:
+        ``block_ids`` holds one list per KV cache group (see
+        :meth:`request_finished_all_groups`)."""
+        delay, params = self._request_finished(request, block_ids, grouped)
+        if request.request_id in self._save_planned:
+            self._save_planned.discard(request.request_id)
+            self._save_delayed.add(request.request_id)
+            return True, params
+        return delay, params
+
+    def _request_finished(self, request: Any, block_ids: List[Any],
+                          grouped: bool) -> Tuple[bool, Optional[Dict[str, Any]]]:
         req_id = request.request_id
         params = request.kv_transfer_params
         if params and self.cfg.is_consumer:
@@ -640,6 +691,11 @@ class SchedulerSide:
     def pending_sends(self) -> int:
         """Finished requests whose blocks are still held for pullers."""
         return len(self._sending)
+
+    def pending_frees(self) -> int:
+        """Finished requests whose blocks are still held: for pullers, or for host-tier saves
+        (``async_saves``)."""
+        return len(self._sending.keys() | self._save_delayed)
 
 
 def _remote_layout(params: Dict[str, Any]) -> Dict[str, Any]:

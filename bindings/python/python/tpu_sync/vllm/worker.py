@@ -42,6 +42,8 @@ log = logging.getLogger("tpu_sync.vllm")
 #: How long a consumer retries a pull that the producer does not know yet (the producer
 #: registers the request one engine step after it finished).
 UNKNOWN_REQUEST_RETRY_S = 0.05
+#: Longest wait for queued host-tier saves (a preempted request's, a lookup's, shutdown).
+SAVE_WAIT_S = 60.0
 
 
 @dataclass
@@ -65,6 +67,108 @@ class _Pull:
     next_try: float = 0.0
 
 
+class _Saver:
+    """Host-tier saves on a background thread (``async_saves``): :meth:`submit` queues a save
+    op and returns; the thread copies the blocks out of the KV tensors (D2H) into the tier, one
+    op at a time, in order. Tracks what is pending per request and per block hash, so the
+    worker can report a finished request's blocks free only once their saves are done, wait for
+    a preempted request's saves before vLLM reuses its blocks, and make a lookup of a block
+    still being saved wait for it (read-your-writes). Back-pressure: an op that would take the
+    pending blocks past ``max_pending_blocks`` is refused (the caller drops it: a future miss),
+    so a slow or full tier never stalls the engine. Thread-safe."""
+
+    def __init__(self, tier: Any, max_pending_blocks: int) -> None:
+        self.tier = tier
+        self.max_pending_blocks = max_pending_blocks
+        self._q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._by_req: Dict[str, int] = {}
+        self._by_hash: Dict[bytes, int] = {}
+        self._blocks = 0
+        #: finished ops not yet taken: (op, blocks in the tier afterwards, error or None)
+        self._results: List[Any] = []
+        self._thread = threading.Thread(target=self._run, name="tpu-sync-saves", daemon=True)
+        self._thread.start()
+
+    def submit(self, op: Any) -> bool:
+        """Queues ``op``; False (nothing queued) when the pending blocks would pass the cap."""
+        n = len(op.hashes)
+        with self._cv:
+            if self._blocks and self._blocks + n > self.max_pending_blocks:
+                return False
+            self._blocks += n
+            self._by_req[op.req_id] = self._by_req.get(op.req_id, 0) + 1
+            for h in op.hashes:
+                self._by_hash[h] = self._by_hash.get(h, 0) + 1
+        self._q.put(op)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            op = self._q.get()
+            if op is None:
+                return
+            err: Optional[BaseException] = None
+            n = 0
+            try:
+                if getattr(op, "group_block_ids", None) is not None:
+                    n = int(self.tier.put_groups(op.hashes, op.group_block_ids, op.parent))
+                else:
+                    n = int(self.tier.put(op.hashes, op.block_ids, op.parent))
+            except Exception as e:  # a failed save is a future miss
+                err = e
+            with self._cv:
+                self._blocks -= len(op.hashes)
+                left = self._by_req[op.req_id] - 1
+                if left:
+                    self._by_req[op.req_id] = left
+                else:
+                    del self._by_req[op.req_id]
+                for h in op.hashes:
+                    c = self._by_hash[h] - 1
+                    if c:
+                        self._by_hash[h] = c
+                    else:
+                        del self._by_hash[h]
+                self._results.append((op, n, err))
+                self._cv.notify_all()
+
+    def pending(self, req_id: str) -> int:
+        """Save ops of ``req_id`` queued or running."""
+        with self._cv:
+            return self._by_req.get(req_id, 0)
+
+    def pending_blocks(self) -> int:
+        with self._cv:
+            return self._blocks
+
+    def wait_requests(self, req_ids: Any, timeout: float) -> bool:
+        """Waits until no save of ``req_ids`` is pending; False after ``timeout`` seconds."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not any(r in self._by_req for r in req_ids), timeout)
+
+    def wait_hashes(self, hashes: Any, timeout: float) -> bool:
+        """Waits until no save of a block in ``hashes`` is pending; False after ``timeout``."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not any(h in self._by_hash for h in hashes), timeout)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Waits until nothing is queued or running; False after ``timeout`` seconds."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._blocks, timeout)
+
+    def take_results(self) -> List[Any]:
+        with self._cv:
+            out, self._results = self._results, []
+            return out
+
+    def close(self, timeout: float) -> bool:
+        """Lets the queued saves finish (up to ``timeout`` seconds) and stops the thread."""
+        self._q.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
 class WorkerSide:
     """Worker-side state of :class:`~tpu_sync.vllm.connector.TpuSyncConnector`. Called from
     the model-runner thread only."""
@@ -85,6 +189,12 @@ class WorkerSide:
         self._reject_queue: "queue.Queue[Optional[RejectSpec]]" = queue.Queue()
         self._reject_thread: Optional[threading.Thread] = None
         self._pull_waits = False
+        # Asynchronous host-tier saves (``async_saves``): the saver, the requests with a save
+        # op (the scheduler delays freeing their blocks), and those of them that finished and
+        # wait for their saves before they are reported in ``finished_sending``.
+        self._saver: Optional[_Saver] = None
+        self._save_reqs: Set[str] = set()
+        self._save_finished: Set[str] = set()
         # Layer-wise state (``layerwise``): layer index by name, registrations being staged
         # this step (xfer id -> spec), this step's pulls read layer by layer, host-tier loads.
         self._layer_index: Dict[str, int] = {}
@@ -93,11 +203,15 @@ class WorkerSide:
         self._layer_load: Optional[_LayerLoad] = None
         #: counters: blocks saved / loaded, pulls done / failed / cancelled, registrations,
         #: failed loads, lookups, rejects sent to producers (and those that failed), whether AMX
-        #: tile permission was granted; layer-wise registrations, pulls and host-tier load ops.
+        #: tile permission was granted; layer-wise registrations, pulls and host-tier load ops;
+        #: asynchronous saves: ops that failed, blocks dropped by back-pressure, waits for a
+        #: save (a preempted request's, or a lookup of a block being saved); microseconds of the
+        #: successful pulls (each from its start to its last byte written).
         self.stats: Dict[str, int] = dict(saved_blocks=0, loaded_blocks=0, pulls_done=0, pulls_failed=0, pulls_cancelled=0,
                                           registered=0, register_failed=0, failed_loads=0, lookups=0, rejects_sent=0,
                                           rejects_failed=0, amx_permission=0, layerwise_registered=0,
-                                          layerwise_pulls=0, layerwise_loads=0)
+                                          layerwise_pulls=0, layerwise_loads=0, saves_failed=0, saves_dropped=0,
+                                          save_waits=0, pull_us=0)
         #: this interval's observations for vLLM's connector-stats hooks (None: vLLM lacks them).
         self.xfer_stats: Any = None
         try:
@@ -174,6 +288,8 @@ class WorkerSide:
         self._layer_index = {n: i for i, n in enumerate(names)}
         if self.cfg.offload:
             self.tier = make_host_tier(self.cfg, g, self.caches)
+            if self.cfg.async_saves:
+                self._saver = _Saver(self.tier, self.cfg.max_pending_save_blocks)
         if self.cfg.pd:
             self.transport = make_pd_transport(self.cfg, g, self.caches)
             try:
@@ -282,7 +398,8 @@ class WorkerSide:
         assert self.caches is not None
         s = p.spec
         try:
-            dst = compat.placement(self.geometry.tpu_sync_layout(self.caches.num_blocks), s.dst_block_ids)
+            dst = compat.placement(self.geometry.tpu_sync_layout(self.caches.num_blocks), s.dst_block_ids,
+                                   getattr(s, "first_token", 0))
             src = compat.placement(s.src_layout, s.src_block_ids)
             p.handle = self.transport.pull(s.xfer_id, s.peers, src, dst, s.num_tokens,
                                            wait_for_registration=max(0.0, p.deadline - time.monotonic()),
@@ -405,15 +522,40 @@ class WorkerSide:
                 self._fail_layer_pull(p, e)
                 continue
             self.stats["pulls_done"] += 1
-            if self.xfer_stats is not None:
-                try:
-                    self.xfer_stats.record_pull(st["elapsed_s"], st["bytes"])
-                except Exception as e:  # stats are best effort
-                    log.debug("tpu_sync: no stats of pull %s: %s", p.spec.req_id, e)
+            self._book_pull(p.spec.req_id, st)
             _close(h)
+
+    def _take_saves(self) -> None:
+        """Books the saves the saver finished (counters, warnings)."""
+        if self._saver is None:
+            return
+        for op, n, err in self._saver.take_results():
+            if err is not None:
+                self.stats["saves_failed"] += 1
+                log.warning("tpu_sync: saving %d blocks of %s failed: %s", len(op.hashes), op.req_id, err)
+                continue
+            self.stats["saved_blocks"] += n
+            self._record("saved_blocks", n)
+            self._report.saved_blocks += n
+
+    def handle_preemptions(self, meta: Optional[TpuSyncMetadata]) -> None:
+        """Before the forward: waits for the saves of requests vLLM preempted this step (their
+        blocks are free and may be written by this very forward)."""
+        if self._saver is None or meta is None:
+            return
+        reqs = [r for r in getattr(meta, "preempted", ()) if self._saver.pending(r)]
+        if reqs:
+            self.stats["save_waits"] += 1
+            if not self._saver.wait_requests(reqs, SAVE_WAIT_S):
+                log.error("tpu_sync: saves of preempted requests %s still running after %s s", reqs, SAVE_WAIT_S)
 
     def _lookup(self, req_id: str, hashes: List[bytes]) -> int:
         self.stats["lookups"] += 1
+        if self._saver is not None and not self._saver.wait_hashes(hashes, 0):
+            # Blocks of this chain are being saved: wait for them (a D2H of a few blocks), so a
+            # request sees what an earlier one stored.
+            self.stats["save_waits"] += 1
+            self._saver.wait_hashes(hashes, SAVE_WAIT_S)
         old = self._leases.pop(req_id, None)
         if old is not None:
             _close(old)
@@ -477,7 +619,8 @@ class WorkerSide:
                 continue
             s = p.spec
             try:
-                dst = compat.placement(self.geometry.tpu_sync_layout(self.caches.num_blocks), s.dst_block_ids)
+                dst = compat.placement(self.geometry.tpu_sync_layout(self.caches.num_blocks), s.dst_block_ids,
+                                   getattr(s, "first_token", 0))
                 src = compat.placement(s.src_layout, s.src_block_ids)
                 if self._pull_waits:
                     # The producer registers one engine step after the request finished: the pull
@@ -511,6 +654,18 @@ class WorkerSide:
             self._end_layer_loads()
         if self.tier is None or meta is None:
             return
+        if self._saver is not None:
+            # Asynchronous: queue the D2H and return; the blocks stay allocated (the scheduler
+            # delays freeing a finished request's blocks until get_transfer_results reports
+            # its saves done, and handle_preemptions waits for a preempted request's).
+            for op in meta.saves:
+                self._save_reqs.add(op.req_id)
+                if not self._saver.submit(op):
+                    self.stats["saves_dropped"] += len(op.hashes)
+                    log.warning("tpu_sync: %d host-tier saves of %s dropped: %d blocks already queued (cap %d)",
+                                len(op.hashes), op.req_id, self._saver.pending_blocks(),
+                                self._saver.max_pending_blocks)
+            return
         for op in meta.saves:
             try:
                 if getattr(op, "group_block_ids", None) is not None:
@@ -535,7 +690,17 @@ class WorkerSide:
             if lease is not None:
                 _close(lease)
         res = KVConnectorTransferResults()
-        if self._sent:
+        if self._saver is not None:
+            # A finished request whose blocks had saves (the scheduler delayed freeing them) is
+            # reported once they are all done, together with a registration if it had one.
+            self._take_saves()
+            self._save_finished.update(r for r in finished_req_ids if r in self._save_reqs)
+            ready = {r for r in self._sent | self._save_finished if not self._saver.pending(r)}
+            self._sent -= ready
+            self._save_finished -= ready
+            self._save_reqs -= ready
+            res.finished_sending = ready
+        elif self._sent:
             res.finished_sending, self._sent = self._sent, set()
         for req_id in finished_req_ids & self._pulls.keys():
             # Aborted while its KV was arriving: vLLM holds the blocks until we report the
@@ -574,12 +739,12 @@ class WorkerSide:
                 res.finished_recving.add(req_id)
                 if err is None:
                     self.stats["pulls_done"] += 1
-                    if self.xfer_stats is not None:
-                        try:
-                            st = p.handle.wait(0)
-                            self.xfer_stats.record_pull(st["elapsed_s"], st["bytes"])
-                        except Exception as e:  # stats are best effort
-                            log.debug("tpu_sync: no stats of pull %s: %s", req_id, e)
+                    try:
+                        st = p.handle.wait(0)
+                    except Exception as e:  # stats are best effort
+                        log.debug("tpu_sync: no stats of pull %s: %s", req_id, e)
+                    else:
+                        self._book_pull(req_id, st)
                 else:
                     log.error("tpu_sync: pull for %s failed: %s", req_id, err)
                     self.stats["pulls_failed"] += 1
@@ -621,6 +786,15 @@ class WorkerSide:
         out, self._load_errors = self._load_errors, set()
         return out
 
+    def _book_pull(self, req_id: str, st: Any) -> None:
+        """Counts a finished pull's time and bytes (``pull_us``, vLLM's connector stats)."""
+        try:
+            self.stats["pull_us"] += int(float(st["elapsed_s"]) * 1e6)
+            if self.xfer_stats is not None:
+                self.xfer_stats.record_pull(st["elapsed_s"], st["bytes"])
+        except Exception as e:  # stats are best effort
+            log.debug("tpu_sync: no stats of pull %s: %s", req_id, e)
+
     def _record(self, key: str, n: int) -> None:
         if self.xfer_stats is not None and n:
             self.xfer_stats.add(key, n)
@@ -632,8 +806,19 @@ class WorkerSide:
             return None
         return self.xfer_stats.clone_and_reset()
 
+    def flush_saves(self, timeout: float = SAVE_WAIT_S) -> bool:
+        """Waits until every queued host-tier save is done and books them; False after
+        ``timeout`` seconds. (Tools and tests that read the counters; the engine never needs
+        it.)"""
+        if self._saver is None:
+            return True
+        ok = self._saver.wait_idle(timeout)
+        self._take_saves()
+        return ok
+
     def build_worker_meta(self) -> Optional[TpuSyncWorkerMetadata]:
         """Lookup answers and counters of this step (None when there is nothing to say)."""
+        self._take_saves()
         rep, self._report = self._report, TpuSyncWorkerMetadata()
         return None if rep.is_empty() else rep
 
@@ -650,6 +835,11 @@ class WorkerSide:
         if self._layer_load is not None and self._layer_load.thread is not None:
             self._layer_load.thread.join()
         self._layer_load = None
+        if self._saver is not None:
+            # Queued saves finish before the tier closes (a warm restart finds them).
+            if not self._saver.close(SAVE_WAIT_S):
+                log.error("tpu_sync: host-tier saves still running at shutdown after %s s", SAVE_WAIT_S)
+            self._saver = None
         if self._reject_thread is not None:
             self._reject_queue.put(None)
             self._reject_thread.join(timeout=max(1.0, self.cfg.pull_timeout_s))
