@@ -85,11 +85,11 @@ def serve(role, model, max_len):
         if cmd.get("op") == "quit":
             break
         sched = set_layerwise(llm, bool(cmd["layerwise"]))
-        if role == "kv_producer":
+        if cmd.get("local"):
+            sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # computed here alone
+        elif role == "kv_producer":
             sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
                                 extra_args={"kv_transfer_params": {"do_remote_decode": True}})
-        elif cmd.get("params") is None:
-            sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # computed here
         else:
             sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
                                 extra_args={"kv_transfer_params": cmd["params"]})
@@ -149,8 +149,8 @@ def fmt(s):
 
 
 def bench_pd(a, model, max_len, rng):
-    """P/D whole and layer-wise, and the same prompt length computed on the consumer engine
-    alone (``local``: the single-engine TTFT), interleaved; per P/D request also the producer's
+    """P/D whole and layer-wise, and the same prompt length computed by the prefill engine
+    alone (``local``, no transfer: the single-engine TTFT), interleaved; per P/D request also the producer's
     prefill (prefill request sent -> answered), the consumer's part (params sent -> first token)
     and the pull's own time (the consumer's ``pull_us``)."""
     prod = Proc("kv_producer", model, max_len)
@@ -167,7 +167,9 @@ def bench_pd(a, model, max_len, rng):
                 prompt = [rng.randrange(3, 1000) for _ in range(a.tokens)]
                 t = time.perf_counter()
                 if m == "local":
-                    c = cons.ask(prompt=prompt, params=None, layerwise=False)
+                    # On the prefill engine: the same engine, the same neighbour (the decode
+                    # engine, idle after its last request) as the P/D prefill.
+                    c = prod.ask(prompt=prompt, local=True, layerwise=False)
                     dt = time.perf_counter() - t
                     if r:
                         times[m].append(dt)

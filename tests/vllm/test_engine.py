@@ -158,6 +158,10 @@ def test_pd_decode_matches_plain_and_reports_external_tokens(engines, plain, wor
     params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
     assert all(x and x["do_remote_prefill"] and x["remote_num_tokens"] == n for x, n in zip(params, LENS))
     assert p["scheduler_stats"]["handed_off"] == len(LENS) and p["worker_stats"]["registered"] == len(LENS)
+    if BACKEND != "ref":
+        # Registered in the step that completed each prefill (early_register), staged right after
+        # its forward: before the producer answered.
+        assert p["worker_stats"]["layerwise_registered"] == len(LENS), p["worker_stats"]
     # The decode instance's output is token-identical to a plain engine's.
     assert toks(c) == toks(plain)
     assert all(o["finish_reason"] == "length" for o in c["runs"][0]["outputs"])

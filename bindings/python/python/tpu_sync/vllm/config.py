@@ -50,6 +50,12 @@ P/D (prefill/decode disaggregation; on by default for ``kv_producer`` and ``kv_c
 ``staging_wait_s`` (float)
     How long a registration waits for budget before it fails. Default: it fails at once.
 
+``early_register`` (bool)
+    Producer: register a ``do_remote_decode`` request in the step that completes its prefill
+    (staged right after that step's forward, as layer-wise producers do layer by layer) rather
+    than one engine step after it finished, so a consumer's pull, which starts once the producer
+    answered, finds it staged. Default True. (A request that then computes more tokens than it
+    was registered with is withdrawn and registered whole when it finishes.)
 ``layerwise`` (bool)
     Layer-wise P/D and host-tier loads. Producer: a request whose prefill completes in a step
     is registered before that step's forward and each layer is staged and published as vLLM
@@ -160,6 +166,7 @@ _KEYS = {
     "kv_events": dict,
     "metrics_addr": str,
     "layerwise": bool,
+    "early_register": bool,
 }
 
 
@@ -198,6 +205,7 @@ class ConnectorConfig:
     kv_events: Optional[Dict[str, Any]] = None
     metrics_addr: Optional[str] = None
     layerwise: bool = False
+    early_register: bool = True
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -268,6 +276,7 @@ class ConnectorConfig:
             kv_events=extra.get("kv_events"),
             metrics_addr=extra.get("metrics_addr"),
             layerwise=extra.get("layerwise", False),
+            early_register=extra.get("early_register", True),
             extra=extra,
         )
         if cfg.lease_s <= 0 or cfg.pull_timeout_s <= 0 or not cfg.heartbeat_timeout_s > 0:

@@ -18,7 +18,10 @@ Per request (vLLM calls, in order):
   recomputed after a failed pull are ``p2p_failed_tokens``.
 * **P/D producer** (``do_remote_decode``): ``request_finished`` returns ``(True, params)``:
   vLLM keeps the blocks until the worker reports the request in ``finished_sending``, once the
-  endpoint has staged them (or the registration failed).
+  endpoint has staged them (or the registration failed). With ``early_register`` (the
+  default) the request is registered in the step that completes its prefill and staged right
+  after that step's forward (the layer-wise machinery below, all layers published at once), so
+  it is staged before the producer answers.
 * **Models with Mamba state groups**: the producer prefills the prompt less its last token
   (``on_new_request``) and hands off the KV and state slot after ``T - 1`` tokens; the consumer
   answers ``(T - 1, True)`` and vLLM computes token ``T`` from the pulled state. Params whose
@@ -164,7 +167,8 @@ class SchedulerSide:
         params = getattr(request, "kv_transfer_params", None)
         if self.geometry.has_state and self.cfg.is_producer and params and params.get("do_remote_decode"):
             self._truncate_for_state(request, params)
-        if self.cfg.layerwise and self.cfg.is_producer and params and params.get("do_remote_decode"):
+        if ((self.cfg.layerwise or self.cfg.early_register) and self.cfg.is_producer and params
+                and params.get("do_remote_decode")):
             self._pd_reqs[request.request_id] = request
 
     def _truncate_for_state(self, request: Any, params: Dict[str, Any]) -> None:
