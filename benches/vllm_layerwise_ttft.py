@@ -13,7 +13,10 @@ the same engines, caches and machine load), min/median/max and the ratio of the 
   arrived. Layer-wise mode: the producer registered the request before the prefill's forward
   and staged each layer as vLLM saved it; the consumer schedules the request at once and its
   forward waits for each layer. The producer process keeps stepping its engine after answering,
-  as a serving engine does.
+  as a serving engine does. Interleaved with them, ``local``: the same prompt length computed
+  by the prefill engine alone (no transfer), the single-engine TTFT that P/D is compared with;
+  and per P/D request the producer's prefill (prefill request sent -> answered), the consumer's
+  part (params sent -> first token) and the pull's own time (the consumer worker's ``pull_us``).
 * **Offload**: one ``kv_both`` engine; each round prefills a fresh prompt (saved to the host
   tier), then loads it from the tier twice (vLLM's own prefix cache is off), once with
   synchronous loads in ``start_load_kv`` and once with layer-wise loads, alternating which goes
