@@ -38,14 +38,15 @@ import dataclasses
 import json
 import os
 import random
-import statistics
-import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-       "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1"}
+from vllm_bench_engines import ENV, ROOT, answer_channel, common_args, ensure_model, summary
+from vllm_bench_engines import Proc as _Proc
+
+
+def Proc(role, model, max_len):
+    return _Proc(__file__, [role, "--model", model, "--max-len", str(max_len)])
 
 
 def build_llm(model, max_len, role, extra):
@@ -75,10 +76,7 @@ def set_layerwise(llm, on):
 
 def serve(role, model, max_len):
     """A producer or consumer process: JSON commands on stdin, one JSON answer per line."""
-    # Answers go to the original stdout; everything else (vLLM logs to stdout) to stderr.
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    out = answer_channel()
     from vllm import SamplingParams
 
     llm = build_llm(model, max_len, role, dict(pull_timeout_s=60.0, lease_s=120.0))
@@ -111,40 +109,6 @@ def serve(role, model, max_len):
             deadline = time.time() + 30
             while sched.scheduler_side.pending_sends() and time.time() < deadline:
                 llm.llm_engine.step()
-
-
-class Proc:
-    def __init__(self, role, model, max_len):
-        env = dict(os.environ, **ENV)
-        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", role, "--model", model,
-                                   "--max-len", str(max_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  env=env, text=True)
-        self.read()
-
-    def read(self):
-        while True:
-            line = self.p.stdout.readline()
-            if not line:
-                raise SystemExit(f"engine process exited ({self.p.wait()})")
-            if line.startswith("{"):
-                return json.loads(line)
-
-    def ask(self, **cmd):
-        self.p.stdin.write(json.dumps(cmd) + "\n")
-        self.p.stdin.flush()
-        return self.read()
-
-    def close(self):
-        try:
-            self.p.stdin.write(json.dumps({"op": "quit"}) + "\n")
-            self.p.stdin.flush()
-            self.p.wait(timeout=60)
-        except Exception:
-            self.p.kill()
-
-
-def summary(xs):
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
 
 
 def fmt(s):
@@ -238,26 +202,15 @@ def bench_offload(a, model, max_len, rng):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=2000)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--model", default=None)
     ap.add_argument("--part", choices=("pd", "offload", "all"), default="all")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--max-len", type=int, default=None, help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = common_args(ap).parse_args()
     os.environ.update(ENV)
     model = a.model or os.path.join(ROOT, "target", "vllm-bench", f"llama-L{a.layers}-H{a.hidden}")
     max_len = a.max_len or max(4096, a.tokens + 64)
     if a.serve:
         serve(a.serve, model, max_len)
         return
-    if not os.path.exists(os.path.join(model, "config.json")):
-        subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm", "build_tiny_model.py"), model,
-                        "--layers", str(a.layers), "--hidden", str(a.hidden), "--heads", str(a.hidden // 64),
-                        "--kv-heads", "2", "--head-dim", "64", "--intermediate", str(a.hidden * 11 // 4),
-                        "--max-len", str(max_len)], check=True)
+    ensure_model(model, a.layers, a.hidden, max_len)
     rng = random.Random(7)
     res = {"tokens": a.tokens, "rounds": a.rounds, "model": os.path.basename(model)}
     if a.part in ("pd", "all"):

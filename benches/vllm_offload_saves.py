@@ -26,22 +26,18 @@ import argparse
 import json
 import os
 import random
-import statistics
-import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-       "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1"}
+from vllm_bench_engines import ENV, ROOT, answer_channel, common_args, ensure_model, summary
+from vllm_bench_engines import Proc as _Proc
+
 MODES = ("plain", "sync", "async")
 
 
 def serve(mode, model, max_len, max_seqs):
     """An engine process: JSON commands on stdin, one JSON answer per line."""
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    out = answer_channel()
     from vllm import LLM, SamplingParams
 
     kw = dict(model=model, dtype="float32", enforce_eager=True, max_model_len=max_len, max_num_seqs=max_seqs,
@@ -75,38 +71,8 @@ def serve(mode, model, max_len, max_seqs):
         print(json.dumps({"tokens": toks, "wall_s": dt, "saved_blocks": saved}), file=out, flush=True)
 
 
-class Proc:
-    def __init__(self, mode, a, model, max_len):
-        env = dict(os.environ, **ENV)
-        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", mode, "--model", model,
-                                   "--max-len", str(max_len), "--requests", str(a.requests)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
-        self.read()
-
-    def read(self):
-        while True:
-            line = self.p.stdout.readline()
-            if not line:
-                raise SystemExit(f"engine process exited ({self.p.wait()})")
-            if line.startswith("{"):
-                return json.loads(line)
-
-    def ask(self, **cmd):
-        self.p.stdin.write(json.dumps(cmd) + "\n")
-        self.p.stdin.flush()
-        return self.read()
-
-    def close(self):
-        try:
-            self.p.stdin.write(json.dumps({"op": "quit"}) + "\n")
-            self.p.stdin.flush()
-            self.p.wait(timeout=60)
-        except Exception:
-            self.p.kill()
-
-
-def summary(xs):
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
+def Proc(mode, a, model, max_len):
+    return _Proc(__file__, [mode, "--model", model, "--max-len", str(max_len), "--requests", str(a.requests)])
 
 
 def main():
@@ -114,25 +80,14 @@ def main():
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--max-len", type=int, default=None, help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = common_args(ap).parse_args()
     os.environ.update(ENV)
     model = a.model or os.path.join(ROOT, "target", "vllm-bench", f"llama-L{a.layers}-H{a.hidden}")
     max_len = a.max_len or max(4096, a.tokens + a.max_tokens + 64)
     if a.serve:
         serve(a.serve, model, max_len, a.requests)
         return
-    if not os.path.exists(os.path.join(model, "config.json")):
-        subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm", "build_tiny_model.py"), model,
-                        "--layers", str(a.layers), "--hidden", str(a.hidden), "--heads", str(a.hidden // 64),
-                        "--kv-heads", "2", "--head-dim", "64", "--intermediate", str(a.hidden * 11 // 4),
-                        "--max-len", str(max_len)], check=True)
+    ensure_model(model, a.layers, a.hidden, max_len)
     procs = {}
     try:
         for m in MODES:

@@ -95,6 +95,21 @@ class Engines:
     def run(self, tag, spec, timeout=ENGINE_TIMEOUT):
         return self.finish(self.start(tag, spec), timeout)
 
+    def pd(self, tag, prod_spec, cons_spec):
+        """Runs a P/D pair: a producer (``prod_spec`` plus ``remote_decode`` and a hold file) and
+        a consumer reading its output's params (``cons_spec`` plus ``params_file``); the
+        producer keeps serving until the consumer finished. Returns (producer, consumer) OUT."""
+        hold = os.path.join(self.dir, tag + ".hold")
+        if os.path.exists(hold):
+            os.remove(hold)
+        prod = self.start(tag + "_producer", dict(prod_spec, remote_decode=True, hold_file=hold))
+        cons = self.start(tag + "_consumer", dict(cons_spec, params_file=prod.out))
+        try:
+            c = self.finish(cons)
+        finally:
+            open(hold, "w").close()
+        return self.finish(prod), c
+
     def tail(self, tag, n=4000):
         try:
             return open(os.path.join(self.dir, tag + ".log")).read()[-n:]
@@ -139,20 +154,9 @@ def plain(engines):
 
 
 def test_pd_decode_matches_plain_and_reports_external_tokens(engines, plain, workdir):
-    hold = os.path.join(engines.dir, "pd.hold")
-    if os.path.exists(hold):
-        os.remove(hold)
-    prod = engines.start("pd_producer", engines.spec(
-        remote_decode=True, hold_file=hold,
-        connector=dict(kv_role="kv_producer", extra=pd_extra(lease_s=120.0))))
-    cons = engines.start("pd_consumer", engines.spec(
-        params_file=prod.out,
-        connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=60.0))))
-    try:
-        c = engines.finish(cons)
-    finally:
-        open(hold, "w").close()
-    p = engines.finish(prod)
+    p, c = engines.pd("pd", engines.spec(connector=dict(kv_role="kv_producer", extra=pd_extra(lease_s=120.0))),
+                      engines.spec(connector=dict(kv_role="kv_consumer", policy="fail",
+                                                  extra=pd_extra(pull_timeout_s=60.0))))
     # The prefill instance computed one token per prompt and handed every prompt off.
     assert [t[:1] for t in toks(plain)] == toks(p)
     params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
@@ -229,20 +233,9 @@ def test_pd_bf16_consumer_whose_first_forward_is_a_decode(engines):
     with SIGILL. Without AMX the request is a no-op and the engines run vLLM's other bf16 kernel.
     Token-identical to a plain bf16 engine."""
     plain16 = engines.run("plain_bf16", engines.spec(dtype="bfloat16"))
-    hold = os.path.join(engines.dir, "pd_bf16.hold")
-    if os.path.exists(hold):
-        os.remove(hold)
-    prod = engines.start("pd_bf16_producer", engines.spec(
-        dtype="bfloat16", remote_decode=True, hold_file=hold,
-        connector=dict(kv_role="kv_producer", extra=pd_extra(lease_s=120.0))))
-    cons = engines.start("pd_bf16_consumer", engines.spec(
-        dtype="bfloat16", params_file=prod.out,
-        connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=60.0))))
-    try:
-        c = engines.finish(cons)
-    finally:
-        open(hold, "w").close()
-    p = engines.finish(prod)
+    p, c = engines.pd("pd_bf16", engines.spec(dtype="bfloat16", connector=dict(
+        kv_role="kv_producer", extra=pd_extra(lease_s=120.0))), engines.spec(dtype="bfloat16", connector=dict(
+            kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=60.0))))
     fmt = p["runs"][0]["outputs"][0]["kv_transfer_params"]["remote_geometry"]["block_format"]
     assert fmt.endswith("/bfloat16"), fmt
     has_amx = "amx_tile" in open("/proc/cpuinfo").read()
@@ -266,21 +259,9 @@ def test_pd_layerwise_matches_plain(engines, plain):
     sides run the connector as the only child of vLLM's ``MultiConnector``, as vLLM-TorchTPU
     does (docs/tpu.md): the P/D hooks (request_finished, get_finished, the layer hooks) reach it
     through the wrapper."""
-    hold = os.path.join(engines.dir, "pdl.hold")
-    if os.path.exists(hold):
-        os.remove(hold)
-    prod = engines.start("pdl_producer", engines.spec(
-        remote_decode=True, hold_file=hold,
-        connector=dict(kv_role="kv_producer", extra=pd_extra(lease_s=120.0, layerwise=True), multi=True)))
-    cons = engines.start("pdl_consumer", engines.spec(
-        params_file=prod.out,
-        connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=60.0, layerwise=True),
-                       multi=True)))
-    try:
-        c = engines.finish(cons)
-    finally:
-        open(hold, "w").close()
-    p = engines.finish(prod)
+    p, c = engines.pd("pdl", engines.spec(connector=dict(
+        kv_role="kv_producer", extra=pd_extra(lease_s=120.0, layerwise=True), multi=True)), engines.spec(connector=dict(
+            kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=60.0, layerwise=True), multi=True)))
     assert [t[:1] for t in toks(plain)] == toks(p)
     params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
     assert all(x and x["do_remote_prefill"] and x["remote_num_tokens"] == n for x, n in zip(params, LENS))
@@ -340,20 +321,9 @@ def test_pd_shared_system_prompt_pulls_only_the_uncached_blocks(engines, plain_s
     if BACKEND == "ref":
         pytest.skip("the reference transport moves whole requests")
     spec = shared_spec(engines)
-    hold = os.path.join(engines.dir, "pd_shared.hold")
-    if os.path.exists(hold):
-        os.remove(hold)
-    prod = engines.start("pd_shared_producer", dict(
-        spec, remote_decode=True, hold_file=hold, prefix_caching=False, waves=None,
-        connector=dict(kv_role="kv_producer", extra=pd_extra(lease_s=120.0))))
-    cons = engines.start("pd_shared_consumer", dict(
-        spec, params_file=prod.out,
-        connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=60.0))))
-    try:
-        c = engines.finish(cons)
-    finally:
-        open(hold, "w").close()
-    p = engines.finish(prod)
+    p, c = engines.pd("pd_shared", dict(spec, prefix_caching=False, waves=None, connector=dict(
+        kv_role="kv_producer", extra=pd_extra(lease_s=120.0))), dict(spec, connector=dict(
+            kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=60.0))))
     assert toks(c) == toks(plain_shared)
     lens = [len(x) for x in SHARED_PROMPTS]
     hit = len(SYSTEM)

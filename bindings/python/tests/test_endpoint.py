@@ -114,23 +114,33 @@ def check_against_plan(bufs, init, data, dst=DST):
     return moved
 
 
-def test_two_process_pull(consumer, data):
-    c, bufs, init = consumer
-    p = start_producer("serve", 42)
+def pull_from_producer(rid, bufs, dst=DST, more=None):
+    """Starts a serving producer of request ``rid``, pulls it into ``bufs`` as ``dst`` says,
+    runs ``more(ep, addr)`` (if given) on the consumer's endpoint, and checks the producer's
+    registration ended released. Returns the pull's stats."""
+    p = start_producer("serve", rid)
     try:
         addr = read_line(p, "ADDRESS")
         with tpu_sync.Endpoint(listen=None, timeout=20) as ep:
-            t = ep.pull(42, addr, SRC, DST, TOKENS, {0: bufs})
+            t = ep.pull(rid, addr, SRC, dst, TOKENS, {0: bufs})
             stats = t.wait(timeout=60)
             assert t.done and t.error is None
-            assert stats["bytes"] == stats["device_bytes"] == TOKENS * 2 * 2 * 4 * 8 * 2
             assert ep.stats()["transfers_completed"] == 1
             t.close()
-        assert check_against_plan(bufs, init, data) == stats["bytes"]
+            if more is not None:
+                more(ep, addr)
         assert read_line(p, "STATE") == "released"  # the pull released the producer's blocks
         assert p.wait(30) == 0
+        return stats
     finally:
         p.kill()
+
+
+def test_two_process_pull(consumer, data):
+    c, bufs, init = consumer
+    stats = pull_from_producer(42, bufs)
+    assert stats["bytes"] == stats["device_bytes"] == TOKENS * 2 * 2 * 4 * 8 * 2
+    assert check_against_plan(bufs, init, data) == stats["bytes"]
 
 
 def test_two_process_pull_past_a_prefix_hit(consumer, data):
@@ -139,26 +149,18 @@ def test_two_process_pull_past_a_prefix_hit(consumer, data):
     every other byte stay as they were."""
     c, bufs, init = consumer
     dst = tpu_sync.placement(DST_LAYOUT, [[1, 3, 0]], first_token=32)
-    p = start_producer("serve", 45)
-    try:
-        addr = read_line(p, "ADDRESS")
-        with tpu_sync.Endpoint(listen=None, timeout=20) as ep:
-            t = ep.pull(45, addr, SRC, dst, TOKENS, {0: bufs})
-            stats = t.wait(timeout=60)
-            assert t.error is None
-            assert stats["bytes"] == (TOKENS - 32) * 2 * 2 * 4 * 8 * 2
-            t.close()
-            # Refused before anything moves: unaligned, past the request, ids of the whole request.
-            for bad in (tpu_sync.placement(DST_LAYOUT, [[1, 3, 0]], first_token=16),
-                        tpu_sync.placement(DST_LAYOUT, [[1, 3, 0]], first_token=128),
-                        tpu_sync.placement(DST_LAYOUT, [[5, 1, 3, 0]], first_token=32)):
-                with pytest.raises((errors.InvalidArgumentError, errors.BlockRangeError)):
-                    ep.pull(46, addr, SRC, bad, TOKENS, {0: bufs})
-        assert check_against_plan(bufs, init, data, dst) == stats["bytes"]
-        assert read_line(p, "STATE") == "released"
-        assert p.wait(30) == 0
-    finally:
-        p.kill()
+
+    def refused(ep, addr):
+        # Refused before anything moves: unaligned, past the request, ids of the whole request.
+        for bad in (tpu_sync.placement(DST_LAYOUT, [[1, 3, 0]], first_token=16),
+                    tpu_sync.placement(DST_LAYOUT, [[1, 3, 0]], first_token=128),
+                    tpu_sync.placement(DST_LAYOUT, [[5, 1, 3, 0]], first_token=32)):
+            with pytest.raises((errors.InvalidArgumentError, errors.BlockRangeError)):
+                ep.pull(46, addr, SRC, bad, TOKENS, {0: bufs})
+
+    stats = pull_from_producer(45, bufs, dst, refused)
+    assert stats["bytes"] == (TOKENS - 32) * 2 * 2 * 4 * 8 * 2
+    assert check_against_plan(bufs, init, data, dst) == stats["bytes"]
 
 
 def test_two_process_layerwise_pull(consumer, data):

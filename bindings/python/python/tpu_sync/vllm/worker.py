@@ -67,6 +67,14 @@ class _Pull:
     next_try: float = 0.0
 
 
+def _save(tier: Any, op: Any) -> int:
+    """Saves a :class:`~tpu_sync.vllm.metadata.TierOp` (its blocks of every layer, D2H) to the
+    host tier; returns how many of its blocks are in the tier afterwards."""
+    if getattr(op, "group_block_ids", None) is not None:
+        return int(tier.put_groups(op.hashes, op.group_block_ids, op.parent))
+    return int(tier.put(op.hashes, op.block_ids, op.parent))
+
+
 class _Saver:
     """Host-tier saves on a background thread (``async_saves``): :meth:`submit` queues a save
     op and returns; the thread copies the blocks out of the KV tensors (D2H) into the tier, one
@@ -111,10 +119,7 @@ class _Saver:
             err: Optional[BaseException] = None
             n = 0
             try:
-                if getattr(op, "group_block_ids", None) is not None:
-                    n = int(self.tier.put_groups(op.hashes, op.group_block_ids, op.parent))
-                else:
-                    n = int(self.tier.put(op.hashes, op.block_ids, op.parent))
+                n = _save(self.tier, op)
             except Exception as e:  # a failed save is a future miss
                 err = e
             with self._cv:
@@ -530,13 +535,17 @@ class WorkerSide:
         if self._saver is None:
             return
         for op, n, err in self._saver.take_results():
-            if err is not None:
-                self.stats["saves_failed"] += 1
-                log.warning("tpu_sync: saving %d blocks of %s failed: %s", len(op.hashes), op.req_id, err)
-                continue
-            self.stats["saved_blocks"] += n
-            self._record("saved_blocks", n)
-            self._report.saved_blocks += n
+            self._book_save(op, n, err)
+
+    def _book_save(self, op: Any, n: int, err: Optional[BaseException]) -> None:
+        """Counts a finished save: ``n`` blocks in the tier after it, or its error."""
+        if err is not None:
+            self.stats["saves_failed"] += 1
+            log.warning("tpu_sync: saving %d blocks of %s failed: %s", len(op.hashes), op.req_id, err)
+            return
+        self.stats["saved_blocks"] += n
+        self._record("saved_blocks", n)
+        self._report.saved_blocks += n
 
     def handle_preemptions(self, meta: Optional[TpuSyncMetadata]) -> None:
         """Before the forward: waits for the saves of requests vLLM preempted this step (their
@@ -668,16 +677,11 @@ class WorkerSide:
             return
         for op in meta.saves:
             try:
-                if getattr(op, "group_block_ids", None) is not None:
-                    n = int(self.tier.put_groups(op.hashes, op.group_block_ids, op.parent))
-                else:
-                    n = int(self.tier.put(op.hashes, op.block_ids, op.parent))
+                n = _save(self.tier, op)
             except Exception as e:  # a failed save is a future miss
-                log.warning("tpu_sync: saving %d blocks of %s failed: %s", len(op.block_ids), op.req_id, e)
+                self._book_save(op, 0, e)
                 continue
-            self.stats["saved_blocks"] += n
-            self._record("saved_blocks", n)
-            self._report.saved_blocks += n
+            self._book_save(op, n, None)
 
     def get_transfer_results(self, finished_req_ids: Set[str]):
         """Registrations done (``finished_sending``), pulls done or failed (``finished_recving``,
