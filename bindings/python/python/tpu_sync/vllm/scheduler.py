@@ -605,7 +605,7 @@ class SchedulerSide:
                 # Admitted, but aborted before the workers started the pull.
                 self._reject(req_id, params, "aborted before its pull started")
         for d in (self._off, self._hits, self._lookup_wanted, self._recvs, self._source, self._pulling,
-                  self._pd_reqs):
+                  self._pd_reqs, self._pd_first):
             d.pop(req_id, None)
         early = self._early.pop(req_id, None)
         self._lookup_sent.discard(req_id)
