@@ -144,10 +144,12 @@ python: plugin protoc $(PYVENV)/bin/maturin
 	cd bindings/python && CARGO_TARGET_DIR=$(CURDIR)/target $(PYVENV)/bin/maturin build --release --strip -q -o $(CURDIR)/target/wheels
 	$(PYVENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps target/wheels/tpu_sync-*.whl
 
-# Test-only Python packages: the Prometheus text parser, ZMQ and msgpack for the KV-event subscriber.
-PYTEST_DEPS := $(PYVENV)/.tpu-sync-test-deps-1
+# Test-only Python packages: the Prometheus text parser, ZMQ and msgpack for the KV-event subscriber,
+# JAX on CPU for tpu-inference-shaped sharded caches (tests/test_jax_kv.py; 8 host devices).
+PYTEST_DEPS := $(PYVENV)/.tpu-sync-test-deps-2
 $(PYTEST_DEPS): $(PYVENV)/bin/maturin
-	$(PYVENV)/bin/pip install -q --disable-pip-version-check "prometheus_client>=0.20" "pyzmq>=25" "msgspec>=0.18"
+	$(PYVENV)/bin/pip install -q --disable-pip-version-check "prometheus_client>=0.20" "pyzmq>=25" "msgspec>=0.18" \
+	  "jax[cpu]>=0.6,<0.11"
 	touch $@
 
 test-python: python $(PYTEST_DEPS)

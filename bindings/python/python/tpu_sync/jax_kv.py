@@ -1,0 +1,403 @@
+"""KV caches held as ``jax.Array`` s, as tpu-inference's model runner holds them (issue 25).
+
+tpu-inference 0.32 never calls ``register_kv_caches``: its connectors get the runner through
+``register_runner(runner)``, and ``runner.kv_caches`` is a ``list[jax.Array]``, one per layer, that
+every forward re-assigns (the caches are donated to the jitted step, ``tpu_inference/runner/
+tpu_runner.py``). So this module never keeps an array: :class:`JaxKv` reads ``runner.kv_caches``
+again whenever it is used.
+
+Each layer's array is the ragged paged attention v3 cache ``[num_blocks, block_size, R, P, D']``
+(``tpu_sync.layout(..., order="rpa3")``; docs/tpu.md), sharded ``NamedSharding(mesh,
+P("data", None, "model"))`` (``tpu_inference/layers/common/sharding.py``): dimension 2 (the
+packed K/V head rows) over the ``model`` axis, one TP rank per shard, each shard padded to ``P``
+on its own, so a shard is exactly tpu_sync's per-rank RPA v3 buffer of ``heads / TP`` heads.
+
+Two back ends move the bytes (:attr:`JaxKv.backend`, with the reason in
+:attr:`JaxKv.backend_reason` and in :meth:`JaxKv.stats`):
+
+* ``"pjrt-view"``: the shards' own memory, viewed without a copy as PJRT buffers of tpu_sync's
+  client (:meth:`tpu_sync.Client.view` over ``unsafe_buffer_pointer()``). Only where the shards
+  are in host memory (JAX's CPU devices): a TPU shard's pointer is HBM, which only its own PJRT
+  client can address (the native shim of issue 25, not built yet, hands those ``PJRT_Buffer*``
+  over through :meth:`tpu_sync.Client.adopt_buffer`).
+* ``"framework-copy"``: JAX's own copies, on any device. A register gathers the request's blocks
+  on the device (``cache[ids]``) and copies them to host (``jax.device_get``) into a compact
+  staging array that tpu_sync registers (block ids ``0..n``); a pull lands in such an array and
+  is written into the caches by a jitted, donating scatter (``cache.at[ids].set(...)``) whose
+  results replace ``runner.kv_caches[l]``. One more host copy than ``pjrt-view``.
+
+Not mapped (refused with the reason): a data axis of more than one device (the DP shards split
+the block ids), replicated KV shards (fewer KV heads than TP), tiled physical layouts (a TPU's
+``Layout.tiling``; the layout is passed on, and a plan that needs rows it cannot address refuses
+it by name).
+
+Thread-safety: one :class:`JaxKv` per model-runner thread; its calls must not overlap a forward
+that donates the caches (the connector hooks run between forwards).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import _check as ck
+from .arrays import aligned_array
+from .errors import InvalidArgumentError, MismatchError, UnsupportedError
+from ._native import lib
+
+log = logging.getLogger("tpu_sync.jax")
+
+#: JAX dtype name -> (tpu_sync buffer dtype, tpu_sync model dtype).
+JAX_DTYPES = {
+    "bfloat16": ("bf16", "bf16"),
+    "float32": ("f32", "f32"),
+    "float16": ("f16", "f16"),
+    "float8_e4m3fn": ("f8e4m3fn", "fp8"),
+}
+
+BACKENDS = ("auto", "pjrt-view", "framework-copy")
+
+
+def _fail(cls: type, msg: str) -> Exception:
+    status = {InvalidArgumentError: lib.TPU_SYNC_INVALID_ARGUMENT, MismatchError: lib.TPU_SYNC_MISMATCH,
+              UnsupportedError: lib.TPU_SYNC_UNSUPPORTED}[cls]
+    return cls(status, msg)
+
+
+def xla_layout(fmt_layout: Any, rank: int) -> str:
+    """A JAX ``Layout`` (``major_to_minor``, ``tiling``) in XLA's text form, as tpu_sync's
+    ``physical_layout`` takes it: ``{minor_to_major:T(tile)(tile)}``, e.g. ``{4,3,2,1,0}`` (no
+    tiling) or ``{4,3,2,1,0:T(4,128)(4,1)}``."""
+    m2m = list(getattr(fmt_layout, "major_to_minor", None) or range(rank))[::-1]
+    s = ",".join(str(int(d)) for d in m2m)
+    tiles = getattr(fmt_layout, "tiling", None) or ()
+    if tiles:
+        s += ":T" + "".join("(" + ",".join(str(int(x)) for x in t) + ")" for t in tiles)
+    return "{" + s + "}"
+
+
+def _axis_of(spec: Sequence[Any], name: str) -> Optional[int]:
+    """The array dimension sharded over mesh axis ``name`` (None: not sharded over it)."""
+    for d, entry in enumerate(spec):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if name in names:
+            return d
+    return None
+
+
+class JaxKv:
+    """A model runner's per-layer KV caches (``list[jax.Array]``), read lazily.
+
+    Args:
+        source: the runner (its ``kv_caches`` attribute is read on every use) or a callable
+            returning the list; ``set_layer`` writes back through ``runner.kv_caches[l] = ...``
+            (a callable source needs ``setter``).
+        backend: ``"auto"`` (``pjrt-view`` where every shard is in host memory, else
+            ``framework-copy``), or one of them.
+        model_axis, data_axis: the mesh axis names of TP and DP (tpu-inference's defaults).
+        client: the tpu_sync client that views and stages the bytes (default: a new one on the
+            XLA CPU plugin).
+        setter: ``setter(layer, array)`` for a callable source.
+
+    Raises:
+        InvalidArgumentError: no caches, arrays of different shapes, dtypes or shardings, an
+            unknown back end; UnsupportedError: a layout this module does not map (see the
+            module's docs); ImportError without jax.
+    """
+
+    def __init__(self, source: Any, *, backend: str = "auto", model_axis: str = "model",
+                 data_axis: str = "data", client: Any = None,
+                 setter: Optional[Callable[[int, Any], None]] = None) -> None:
+        import jax  # noqa: F401  (needed by every method; fail early without it)
+
+        if backend not in BACKENDS:
+            raise _fail(InvalidArgumentError, f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        self._source = source
+        self._setter = setter
+        if callable(source) and not hasattr(source, "kv_caches") and setter is None:
+            self._setter = None
+        self.model_axis, self.data_axis = model_axis, data_axis
+        if client is None:
+            import tpu_sync
+
+            client = tpu_sync.Client()
+        self.client = client
+        caches = self.arrays()
+        a0 = caches[0]
+        for i, a in enumerate(caches):
+            if a.shape != a0.shape or a.dtype != a0.dtype or a.sharding != a0.sharding:
+                raise _fail(InvalidArgumentError, f"layer {i}: shape {a.shape} {a.dtype} {a.sharding} differs from layer "
+                            f"0's {a0.shape} {a0.dtype} {a0.sharding}")
+        if len(a0.shape) != 5:
+            raise _fail(InvalidArgumentError, f"a KV cache of shape {a0.shape}: expected the RPA v3 cache "
+                        "[num_blocks, block_size, R, P, D']")
+        dt = str(a0.dtype)
+        if dt not in JAX_DTYPES:
+            raise _fail(UnsupportedError, f"KV cache dtype {dt} (supported: {', '.join(JAX_DTYPES)})")
+        self.buffer_dtype, self.model_dtype = JAX_DTYPES[dt]
+        self.num_layers = len(caches)
+        self.sharding = a0.sharding
+        spec = tuple(getattr(self.sharding, "spec", ()) or ())
+        mesh = getattr(self.sharding, "mesh", None)
+        sizes = dict(mesh.shape) if mesh is not None else {}
+        if sizes.get(data_axis, 1) > 1 and _axis_of(spec, data_axis) is not None:
+            raise _fail(UnsupportedError, f"the KV caches are split over mesh axis {data_axis!r} "
+                        f"({sizes[data_axis]} data-parallel shards of the block ids): not mapped yet")
+        dim = _axis_of(spec, model_axis)
+        if dim not in (None, 2):
+            raise _fail(UnsupportedError, f"the KV caches are sharded over {model_axis!r} on dimension {dim}; "
+                        "tpu-inference's RPA v3 cache shards dimension 2 (the packed head rows)")
+        shards = list(a0.addressable_shards)
+        self.tp = sizes.get(model_axis, 1) if dim == 2 else 1
+        # TP rank of each shard: its row range's start / rows per shard.
+        self.shard_shape = tuple(int(x) for x in shards[0].data.shape)
+        rows = self.shard_shape[2]
+        self._rank_of: Dict[Any, int] = {}
+        for s in shards:
+            start = (s.index[2].start or 0) if dim == 2 else 0
+            r = start // rows
+            if r in self._rank_of.values():
+                raise _fail(UnsupportedError, f"TP rank {r}'s KV shard is on more than one device "
+                            "(replicated KV heads, or a data axis not in the sharding): not mapped yet")
+            self._rank_of[s.device] = r
+        self.ranks: List[int] = sorted(self._rank_of.values())
+        self.num_blocks, self.block_size = self.shard_shape[0], self.shard_shape[1]
+        self.physical_layout = xla_layout(getattr(getattr(shards[0].data, "format", None), "layout", None),
+                                          len(self.shard_shape))
+        host = all(getattr(s.device, "platform", "") == "cpu" for s in shards)
+        if backend == "auto":
+            backend = "pjrt-view" if host else "framework-copy"
+            why = ("the shards are in host memory (JAX CPU devices): viewed in place" if host else
+                   f"the shards are on {shards[0].device.platform} devices, whose memory tpu_sync's client "
+                   "cannot address: JAX's own copies")
+        else:
+            why = "chosen by the caller"
+        if backend == "pjrt-view" and not host:
+            raise _fail(UnsupportedError, f"backend pjrt-view needs the shards in host memory; they are on "
+                        f"{shards[0].device.platform} devices (use framework-copy)")
+        self.backend, self.backend_reason = backend, why
+        self._views: Optional[Tuple[Tuple[int, ...], Dict[int, List[Any]]]] = None
+        self._scatter: Any = None
+        self._counters = dict(views_built=0, d2h_bytes=0, h2d_bytes=0, registers=0, pulls=0)
+        log.info("tpu_sync.jax: %d layers, TP=%d, shards %s %s, layout %s; back end %s (%s)", self.num_layers,
+                 self.tp, self.shard_shape, dt, self.physical_layout, backend, why)
+
+    # -- the caches ---------------------------------------------------------------------------
+
+    def arrays(self) -> List[Any]:
+        """The runner's current per-layer arrays (read again on every call)."""
+        src = self._source
+        caches = src() if callable(src) and not hasattr(src, "kv_caches") else getattr(src, "kv_caches", None)
+        if caches is None or len(caches) == 0:
+            raise _fail(InvalidArgumentError, "the runner has no KV caches (runner.kv_caches is empty or unset)")
+        return list(caches)
+
+    def set_layer(self, layer: int, array: Any) -> None:
+        """Replaces layer ``layer``'s array in the runner (after a scatter)."""
+        if self._setter is not None:
+            self._setter(layer, array)
+        else:
+            self._source.kv_caches[layer] = array
+
+    def stats(self) -> Dict[str, Any]:
+        """Back end and reason, shard geometry, and counters (views built, bytes copied by JAX's
+        own copies, registers, pulls)."""
+        return dict(self._counters, backend=self.backend, backend_reason=self.backend_reason, tp=self.tp,
+                    ranks=list(self.ranks), shard_shape=list(self.shard_shape), physical_layout=self.physical_layout)
+
+    def layout(self, model: Dict[str, Any], num_blocks: Optional[int] = None) -> Dict[str, Any]:
+        """tpu_sync's layout of these caches for ``model`` (RPA v3, TP from the mesh, the
+        shards' block size and physical layout); ``num_blocks`` defaults to the caches'."""
+        import tpu_sync
+
+        lay = tpu_sync.layout(model, tp=self.tp, block_size=self.block_size, order="rpa3",
+                              num_blocks=self.num_blocks if num_blocks is None else num_blocks)
+        if self.physical_layout != xla_layout(None, len(self.shard_shape)):
+            lay["physical_layout"] = self.physical_layout
+        return lay
+
+    def _shards(self) -> Dict[int, List[Any]]:
+        """TP rank -> that rank's shard array of every layer (current arrays)."""
+        out: Dict[int, List[Any]] = {r: [] for r in self.ranks}
+        for i, a in enumerate(self.arrays()):
+            for s in a.addressable_shards:
+                r = self._rank_of.get(s.device)
+                if r is None or tuple(s.data.shape) != self.shard_shape:
+                    raise _fail(MismatchError, f"layer {i}: the runner's cache changed its sharding or shape "
+                                f"(shard on {s.device}: {tuple(s.data.shape)}, expected {self.shard_shape})")
+                out[r].append(s.data)
+        return out
+
+    def views(self) -> Dict[int, List[Any]]:
+        """``pjrt-view``: TP rank -> per-layer zero-copy buffers over the shards' memory, built
+        again when a forward moved any shard (the pointers are compared on every call)."""
+        if self.backend != "pjrt-view":
+            raise _fail(UnsupportedError, f"views need the pjrt-view back end (this is {self.backend})")
+        import numpy as np
+
+        shards = self._shards()
+        ptrs = tuple(int(d.unsafe_buffer_pointer()) for r in self.ranks for d in shards[r])
+        if self._views is not None and self._views[0] == ptrs:
+            return self._views[1]
+        nbytes = int(np.prod(self.shard_shape)) * shards[self.ranks[0]][0].dtype.itemsize
+        views: Dict[int, List[Any]] = {}
+        for r in self.ranks:
+            per = []
+            for d in shards[r]:
+                raw = (ctypes.c_uint8 * nbytes).from_address(int(d.unsafe_buffer_pointer()))
+                host = np.frombuffer(raw, dtype=np.uint8)
+                # The view keeps the shard alive (its keepalive), and the shard its memory.
+                host_keep = _Keep(host, d)
+                per.append(self.client.view(host_keep.array, shape=self.shard_shape, dtype=self.buffer_dtype))
+                per[-1]._jax_keep = host_keep
+            views[r] = per
+        if self._views is not None:
+            for bufs in self._views[1].values():
+                for b in bufs:
+                    b.close()
+        self._views = (ptrs, views)
+        self._counters["views_built"] += 1
+        return views
+
+    # -- framework copies ---------------------------------------------------------------------
+
+    def gather(self, block_ids: Sequence[int]) -> Dict[int, List[Any]]:
+        """``framework-copy`` D2H: the blocks ``block_ids`` of every layer, copied by JAX into
+        compact host arrays ``[len(block_ids), block_size, R, P, D']`` (64-byte aligned), per TP
+        rank: ``{rank: [array per layer]}``."""
+        import jax
+        import numpy as np
+
+        ids = np.asarray([ck.u32("block id", b) for b in block_ids], dtype=np.int32)
+        if ids.size and int(ids.max()) >= self.num_blocks:
+            raise _fail(InvalidArgumentError, f"block id {int(ids.max())} out of range 0..{self.num_blocks}")
+        shards = self._shards()
+        out: Dict[int, List[Any]] = {}
+        for r in self.ranks:
+            per = []
+            for d in shards[r]:
+                # The gather on the bit patterns too (see scatter).
+                bits = jax.lax.bitcast_convert_type(d, {1: np.uint8, 2: np.uint16, 4: np.uint32}[d.dtype.itemsize])
+                host = np.asarray(jax.device_get(bits[ids]))
+                dst = aligned_array(host.shape, host.dtype)
+                dst[...] = host
+                self._counters["d2h_bytes"] += dst.nbytes
+                per.append(dst)
+            out[r] = per
+        return out
+
+    def scatter(self, block_ids: Sequence[int], data: Dict[int, List[Any]]) -> None:
+        """``framework-copy`` H2D: writes ``data[rank][layer]`` (``[len(block_ids), block_size,
+        R, P, D']``, as :meth:`gather` returns) into blocks ``block_ids`` of every rank's shard, by
+        a jitted scatter that donates the old cache; the result replaces ``runner.kv_caches[l]``."""
+        import jax
+        import numpy as np
+
+        ids = np.asarray([ck.u32("block id", b) for b in block_ids], dtype=np.int32)
+        if ids.size and int(ids.max()) >= self.num_blocks:
+            raise _fail(InvalidArgumentError, f"block id {int(ids.max())} out of range 0..{self.num_blocks}")
+        if sorted(data) != self.ranks:
+            raise _fail(InvalidArgumentError, f"data for ranks {sorted(data)}, the caches have {self.ranks}")
+        if self._scatter is None:
+            from jax import lax
+
+            def scatter(c: Any, i: Any, u: Any) -> Any:
+                # On the bit patterns: a floating-point scatter may canonicalise NaN payloads
+                # (XLA's CPU backend does, in the whole array), and KV bytes must move unchanged.
+                bits = lax.bitcast_convert_type(c, u.dtype).at[i].set(u)
+                return lax.bitcast_convert_type(bits, c.dtype)
+
+            self._scatter = jax.jit(scatter, donate_argnums=0)
+        uint = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+        for layer, a in enumerate(self.arrays()):
+            # The update as one global array, each rank's rows on its own device (no gather).
+            parts = [data[r][layer] for r in self.ranks]
+            want = (len(ids),) + self.shard_shape[1:]
+            for r, p in zip(self.ranks, parts):
+                if tuple(p.shape) != want:
+                    raise _fail(MismatchError, f"rank {r} layer {layer}: update of shape {tuple(p.shape)}, expected {want}")
+            glob = want[:2] + (want[2] * self.tp,) + want[3:]
+            u = uint[np.dtype(a.dtype).itemsize]
+            upd = jax.make_array_from_callback(
+                glob, self.sharding, lambda idx: np.asarray(parts[(idx[2].start or 0) // want[2]]).view(u))
+            self.set_layer(layer, self._scatter(a, ids, upd))
+            self._counters["h2d_bytes"] += sum(p.nbytes for p in parts)
+
+    # -- P/D through a tpu_sync.Endpoint --------------------------------------------------------
+
+    def register(self, endpoint: Any, request_id: int, model: Dict[str, Any], block_ids: Sequence[int],
+                 num_tokens: int, expected_releases: int = 1) -> Dict[str, Any]:
+        """Producer: registers request ``request_id`` held in blocks ``block_ids`` (the same on
+        every TP rank: one block table for the SPMD program) on ``endpoint`` and returns the
+        placement consumers pull from (:meth:`tpu_sync.Endpoint.pull`'s ``src_placement``).
+        The blocks are staged when this returns (the next forward may overwrite them).
+
+        Raises: as :meth:`tpu_sync.Endpoint.register`, and InvalidArgumentError for ids."""
+        import tpu_sync
+
+        ids = [ck.u32("block id", b) for b in block_ids]
+        if self.backend == "pjrt-view":
+            place = tpu_sync.placement(self.layout(model), [ids] * self.tp)
+            endpoint.register(request_id, place, num_tokens, self.views(), expected_releases=expected_releases)
+        else:
+            staged = self.gather(ids)
+            lay = self.layout(model, num_blocks=max(1, len(ids)))
+            kv = {r: [self.client.view(h, dtype=self.buffer_dtype) for h in staged[r]] for r in self.ranks}
+            # Registered from the compact staging (block ids 0..n): consumers pull that placement.
+            place = tpu_sync.placement(lay, [list(range(len(ids)))] * self.tp)
+            endpoint.register(request_id, place, num_tokens, kv, expected_releases=expected_releases)
+            del kv, staged
+        self._counters["registers"] += 1
+        return place
+
+    def pull(self, endpoint: Any, request_id: int, peers: Any, src_placement: Dict[str, Any],
+             model: Dict[str, Any], block_ids: Sequence[int], num_tokens: int,
+             timeout_s: float = 60.0, wait_for_registration: Optional[float] = None) -> Dict[str, Any]:
+        """Consumer: pulls request ``request_id`` from ``peers`` into blocks ``block_ids`` (the
+        same on every TP rank) of these caches, resharding from ``src_placement``; blocks until
+        the bytes are in the caches and returns the transfer's report.
+
+        Raises: as :meth:`tpu_sync.Endpoint.pull` and :meth:`tpu_sync.Transfer.wait`
+        (``PendingError``, a TimeoutError, after ``timeout_s``: the pull is cancelled)."""
+        import numpy as np
+        import tpu_sync
+
+        ids = [ck.u32("block id", b) for b in block_ids]
+        if self.backend == "pjrt-view":
+            dst = tpu_sync.placement(self.layout(model), [ids] * self.tp)
+            t = endpoint.pull(request_id, peers, src_placement, dst, num_tokens, self.views(),
+                              wait_for_registration=wait_for_registration)
+            report = _wait(t, timeout_s)
+        else:
+            n = max(1, len(ids))
+            shape = (n,) + self.shard_shape[1:]
+            np_t = {"bf16": np.uint16, "f16": np.uint16, "f32": np.uint32, "f8e4m3fn": np.uint8}[self.buffer_dtype]
+            land = {r: [aligned_array(shape, np_t) for _ in range(self.num_layers)] for r in self.ranks}
+            kv = {r: [self.client.view(h, dtype=self.buffer_dtype) for h in land[r]] for r in self.ranks}
+            dst = tpu_sync.placement(self.layout(model, num_blocks=n), [list(range(len(ids)))] * self.tp)
+            t = endpoint.pull(request_id, peers, src_placement, dst, num_tokens, kv,
+                              wait_for_registration=wait_for_registration)
+            report = _wait(t, timeout_s)
+            self.scatter(ids, land)
+        self._counters["pulls"] += 1
+        return report
+
+
+class _Keep:
+    """A host view of a shard's memory and the shard that owns it (kept alive together)."""
+
+    def __init__(self, array: Any, owner: Any) -> None:
+        self.array, self.owner = array, owner
+
+
+def _wait(t: Any, timeout_s: float) -> Dict[str, Any]:
+    """Waits for transfer ``t``; cancels it (and raises ``PendingError``, a TimeoutError) after
+    ``timeout_s``."""
+    from .errors import PendingError
+
+    try:
+        return t.wait(timeout_s)
+    except PendingError:
+        t.cancel()
+        raise

@@ -1,0 +1,194 @@
+"""tpu-inference-shaped KV caches as sharded ``jax.Array`` s (issue 25), moved between two
+model runners through :class:`tpu_sync.jax_kv.JaxKv` and two :class:`tpu_sync.Endpoint` s.
+
+JAX runs on CPU with 8 host devices (``--xla_force_host_platform_device_count=8``): the
+producer's runner holds its caches on devices 0..TP-1, the consumer's on devices 4..; each
+layer is one global array ``[num_blocks, block_size, TP * R, P, D']`` sharded
+``NamedSharding(mesh, P("data", None, "model"))`` as tpu-inference shards it
+(``tpu_inference/layers/common/sharding.py``), so every shard is one TP rank's RPA v3 cache.
+The bytes come from the kernels' ``merge_kv`` reference of ``test_tpu_layouts`` (random,
+never-zero bit patterns); the runner objects stand in for tpu-inference's runner around the
+arrays only (``runner.kv_caches``, re-assigned by a donating jitted step as a forward does).
+
+Checked per case, byte for byte: the consumer's destination blocks equal the reference of its
+own TP (padding zero), every other block of its caches is unchanged, the producer's caches are
+unchanged, and the bytes moved are exactly the real heads' and tokens'.
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+if "device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # Read when JAX creates its CPU client (the first use, not the import).
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+jax.config.update("jax_platforms", "cpu")
+
+import ml_dtypes  # noqa: E402  (installed with jax)
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import tpu_sync  # noqa: E402
+from tpu_sync.errors import UnsupportedError  # noqa: E402
+from tpu_sync.jax_kv import JaxKv, xla_layout  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_tpu_layouts import DTYPES, rank_caches  # noqa: E402
+
+JAX_DTYPE = {"bf16": ml_dtypes.bfloat16, "fp8": ml_dtypes.float8_e4m3fn, "f32": np.float32}
+HEADS, DIM, LAYERS, TOKENS = 8, 128, 3, 70
+
+
+def devices_or_skip(n):
+    d = jax.devices("cpu")
+    if len(d) < n:
+        pytest.skip(f"JAX has {len(d)} CPU devices (XLA_FLAGS was set after JAX started)")
+    return d
+
+
+class Runner:
+    """What tpu-inference's model runner offers a connector: ``kv_caches``, a list of per-layer
+    arrays that each forward replaces."""
+
+    def __init__(self, caches):
+        self.kv_caches = caches
+        self._step = jax.jit(lambda c: c, donate_argnums=0)
+
+    def forward(self):
+        """A step: the caches are donated and the results put back (as the jitted model does)."""
+        self.kv_caches = [self._step(c) for c in self.kv_caches]
+
+
+def sharded(per_rank, devices, dtype):
+    """One layer's global array from each rank's ``[N, BS, R, P, D']`` bit patterns."""
+    tp = len(per_rank)
+    mesh = Mesh(np.array(devices[:tp]).reshape(1, tp), ("data", "model"))
+    glob = np.concatenate(per_rank, axis=2).view(JAX_DTYPE[dtype])
+    return jax.device_put(glob, NamedSharding(mesh, P("data", None, "model")))
+
+
+def host(a):
+    """A global array's bit patterns (host copy), as unsigned integers."""
+    return np.asarray(jax.device_get(a)).view(np.dtype(f"u{np.dtype(a.dtype).itemsize}"))
+
+
+def runner_pair(dtype, s_tp, d_tp, s_bs, d_bs):
+    devs = devices_or_skip(8)
+    s_nb, d_nb = 2 * -(-TOKENS // s_bs) + 3, 2 * -(-TOKENS // d_bs) + 3
+    s_ids = [(5 * i + 2) % s_nb for i in range(-(-TOKENS // s_bs))]
+    d_ids = [(d_nb - 1 - 2 * i) % d_nb for i in range(-(-TOKENS // d_bs))]
+    assert len(set(s_ids)) == len(s_ids) and len(set(d_ids)) == len(d_ids)
+    src = rank_caches(LAYERS, TOKENS, HEADS, DIM, dtype, s_tp, s_bs, s_nb, [s_ids] * s_tp, False, seed=11)
+    want = rank_caches(LAYERS, TOKENS, HEADS, DIM, dtype, d_tp, d_bs, d_nb, [d_ids] * d_tp, False, seed=11)
+    # The consumer's caches: other requests' bytes everywhere but the destination blocks (zero,
+    # as a freshly allocated block of tpu-inference's zero-initialised caches).
+    rng = np.random.default_rng(3)
+    np_t = DTYPES[dtype]
+    dst_init = []
+    for r in range(d_tp):
+        per = []
+        for layer in range(LAYERS):
+            c = rng.integers(1, np.iinfo(np_t).max, size=want[r][layer].shape, dtype=np_t)
+            c[d_ids] = 0
+            per.append(c)
+        dst_init.append(per)
+    prod = Runner([sharded([src[r][l] for r in range(s_tp)], devs[0:], dtype) for l in range(LAYERS)])
+    cons = Runner([sharded([dst_init[r][l] for r in range(d_tp)], devs[4:], dtype) for l in range(LAYERS)])
+    expect = []
+    for layer in range(LAYERS):
+        e = np.concatenate([dst_init[r][layer] for r in range(d_tp)], axis=2).copy()
+        w = np.concatenate([want[r][layer] for r in range(d_tp)], axis=2)
+        e[d_ids] = w[d_ids]
+        expect.append(e)
+    src_glob = [np.concatenate([src[r][l] for r in range(s_tp)], axis=2) for l in range(LAYERS)]
+    return prod, cons, s_ids, d_ids, expect, src_glob
+
+
+CASES = [
+    # dtype, producer TP, consumer TP, producer block size, consumer block size
+    ("bf16", 4, 2, 16, 32),
+    ("bf16", 2, 4, 32, 16),
+    ("fp8", 4, 2, 16, 16),
+    ("fp8", 2, 4, 16, 32),
+]
+
+
+@pytest.mark.parametrize("dtype,s_tp,d_tp,s_bs,d_bs", CASES)
+@pytest.mark.parametrize("backends", [("auto", "auto"), ("framework-copy", "framework-copy")])
+def test_pd_between_tpu_inference_runners_reshards_byte_exact(dtype, s_tp, d_tp, s_bs, d_bs, backends):
+    prod, cons, s_ids, d_ids, expect, src_glob = runner_pair(dtype, s_tp, d_tp, s_bs, d_bs)
+    client = tpu_sync.Client()
+    pk = JaxKv(prod, backend=backends[0], client=client)
+    ck = JaxKv(cons, backend=backends[1], client=client)
+    want_backend = "pjrt-view" if backends[0] == "auto" else backends[0]
+    assert (pk.backend, ck.backend) == (want_backend, want_backend if backends[1] == "auto" else backends[1])
+    assert "host memory" in pk.backend_reason or backends[0] != "auto"
+    assert (pk.tp, pk.ranks, ck.tp, ck.ranks) == (s_tp, list(range(s_tp)), d_tp, list(range(d_tp)))
+    assert pk.physical_layout == "{4,3,2,1,0}"
+    model = tpu_sync.model("tpu-inference-test", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=dtype)
+    # Forwards between creating the adapters and using them: the caches are read again.
+    prod.forward()
+    cons.forward()
+    with tpu_sync.Endpoint(listen="127.0.0.1:0", timeout=20, name="prefill") as pe, \
+            tpu_sync.Endpoint(listen=None, timeout=20, name="decode") as de:
+        src_place = pk.register(pe, 77, model, s_ids, TOKENS)
+        prod.forward()  # the producer's next step may overwrite the blocks: they are staged
+        report = ck.pull(de, 77, pe.address, src_place, model, d_ids, TOKENS, timeout_s=60)
+    real = TOKENS * HEADS * 2 * DIM * np.dtype(DTYPES[dtype]).itemsize * LAYERS
+    assert report["bytes"] == real
+    for layer in range(LAYERS):
+        got = host(cons.kv_caches[layer])
+        assert got.shape == expect[layer].shape
+        assert np.array_equal(got, expect[layer]), f"layer {layer}: consumer's caches differ"
+        assert np.array_equal(host(prod.kv_caches[layer]), src_glob[layer]), f"layer {layer}: producer changed"
+    st = ck.stats()
+    assert st["backend"] == ck.backend and st["pulls"] == 1
+    if ck.backend == "framework-copy":
+        assert st["h2d_bytes"] == len(d_ids) * d_bs * np.prod(expect[0].shape[2:]) * expect[0].itemsize * LAYERS
+    else:
+        assert st["h2d_bytes"] == 0 and st["views_built"] >= 1
+
+
+def test_views_follow_a_forward_that_moves_the_caches():
+    """A forward whose outputs are new buffers (no donation): the views are built again over the
+    new memory, and a write through them lands in the runner's current arrays."""
+    devs = devices_or_skip(8)
+    mesh = Mesh(np.array(devs[:2]).reshape(1, 2), ("data", "model"))
+    sh = NamedSharding(mesh, P("data", None, "model"))
+    r = Runner([jax.device_put(np.zeros((4, 16, 4, 2, 128), ml_dtypes.bfloat16), sh) for _ in range(2)])
+    k = JaxKv(r)
+    v1 = k.views()
+    assert k.views() is v1  # unchanged pointers: the same views
+    r.kv_caches = [jax.device_put(np.ones((4, 16, 4, 2, 128), ml_dtypes.bfloat16), sh) + 0 for _ in range(2)]
+    v2 = k.views()
+    assert v2 is not v1 and k.stats()["views_built"] == 2
+    n = 16 * 2 * 2 * 128  # elements of one block of one shard: [16, 2, 2, 128]
+    data = np.arange(1, n + 1, dtype=np.uint16) | 0x4000
+    v2[1][0].write(n * 2, data)  # block 1 of rank 1 (rows 2..4 of the global array), layer 0
+    got = host(r.kv_caches[0])
+    assert np.array_equal(got[1, :, 2:4].reshape(-1), data)
+    assert np.all(got[0] == host(r.kv_caches[1])[0])
+
+
+def test_unmapped_shardings_are_refused_by_name():
+    devs = devices_or_skip(8)
+    # Data-parallel shards of the block ids.
+    mesh = Mesh(np.array(devs[:4]).reshape(2, 2), ("data", "model"))
+    a = jax.device_put(np.zeros((8, 16, 4, 2, 128), ml_dtypes.bfloat16), NamedSharding(mesh, P("data", None, "model")))
+    with pytest.raises(UnsupportedError, match="data-parallel"):
+        JaxKv(Runner([a]))
+    # Replicated KV heads (fewer heads than TP devices).
+    b = jax.device_put(np.zeros((8, 16, 4, 2, 128), ml_dtypes.bfloat16), NamedSharding(mesh, P(None, None, None)))
+    with pytest.raises(UnsupportedError, match="more than one device"):
+        JaxKv(Runner([b]))
+
+
+def test_xla_layout_text():
+    class L:
+        major_to_minor = (0, 1, 2, 3, 4)
+        tiling = ((4, 128), (4, 1))
+
+    assert xla_layout(L(), 5) == "{4,3,2,1,0:T(4,128)(4,1)}"
+    assert xla_layout(None, 3) == "{2,1,0}"
