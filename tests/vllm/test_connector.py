@@ -606,3 +606,25 @@ def test_worker_registers_and_releases(configs, outcome):
     if outcome == "ok":  # a TP=2 decode instance pulls each block's two heads with two ranks
         assert w.transport.registered == [(11, [[5, 6]], 40, 2)]
     assert w.stats["registered" if outcome == "ok" else "register_failed"] == 1
+
+
+def test_register_runner_refuses_what_it_cannot_move(configs):
+    """tpu-inference hands its caches only through ``register_runner``; a runner without caches,
+    or a JAX runner with a setting not supported for it, fails the engine's start with the
+    reason (tests/vllm/test_jax_runner.py moves real JAX caches)."""
+    c = connector(configs["kv_both"], KVConnectorRole.WORKER)
+    try:
+        with pytest.raises(ValueError, match="no kv_caches"):
+            c.register_runner(object())
+    finally:
+        c.shutdown()
+    c = connector(vllm_config(configs["kv_both"].model_config.model, "kv_both", {"layerwise": True}),
+                  KVConnectorRole.WORKER)
+    try:
+        class Runner:
+            kv_caches = [object()]
+
+        with pytest.raises(NotImplementedError, match="layer-wise transfers with a JAX model runner"):
+            c.register_runner(Runner())
+    finally:
+        c.shutdown()

@@ -179,6 +179,7 @@ class JaxKv:
         self.backend, self.backend_reason = backend, why
         self._views: Optional[Tuple[Tuple[int, ...], Dict[int, List[Any]]]] = None
         self._scatter: Any = None
+        self._mirrors: Optional[Tuple[Dict[int, List[Any]], Dict[int, List[Any]]]] = None
         self._counters = dict(views_built=0, d2h_bytes=0, h2d_bytes=0, registers=0, pulls=0)
         log.info("tpu_sync.jax: %d layers, TP=%d, shards %s %s, layout %s; back end %s (%s)", self.num_layers,
                  self.tp, self.shard_shape, dt, self.physical_layout, backend, why)
@@ -323,6 +324,111 @@ class JaxKv:
                 glob, self.sharding, lambda idx: np.asarray(parts[(idx[2].start or 0) // want[2]]).view(u))
             self.set_layer(layer, self._scatter(a, ids, upd))
             self._counters["h2d_bytes"] += sum(p.nbytes for p in parts)
+
+    # -- block-level access for the engine connectors -------------------------------------------
+
+    def rank_views(self) -> Dict[int, List[Any]]:
+        """TP rank -> per-layer PJRT buffers tpu_sync copies blocks in and out of, in the block
+        geometry of the caches (same block ids): the shards themselves (``pjrt-view``, rebuilt
+        when a forward moved them), or host mirrors of the shards (``framework-copy``: anonymous
+        memory the size of a shard, committed only where :meth:`stage` or a transfer wrote, and
+        given back by :meth:`drop`). With ``framework-copy``, :meth:`stage` the blocks before
+        tpu_sync reads them, and :meth:`commit` them after tpu_sync wrote them."""
+        if self.backend == "pjrt-view":
+            return self.views()
+        if self._mirrors is None:
+            import mmap
+
+            import numpy as np
+
+            itemsize = {"bf16": 2, "f16": 2, "f32": 4, "f8e4m3fn": 1}[self.buffer_dtype]
+            nbytes = int(np.prod(self.shard_shape)) * itemsize
+            maps, views = {}, {}
+            for r in self.ranks:
+                maps[r], views[r] = [], []
+                for _ in range(self.num_layers):
+                    # Page-aligned, zero until written; MAP_PRIVATE | MAP_ANONYMOUS.
+                    m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                    arr = np.frombuffer(m, dtype=np.uint8)
+                    maps[r].append(m)
+                    views[r].append(self.client.view(arr, shape=self.shard_shape, dtype=self.buffer_dtype))
+            self._mirrors = (maps, views)
+        return self._mirrors[1]
+
+    def _mirror_arrays(self) -> Dict[int, List[Any]]:
+        import numpy as np
+
+        assert self._mirrors is not None
+        np_t = {"bf16": np.uint16, "f16": np.uint16, "f32": np.uint32, "f8e4m3fn": np.uint8}[self.buffer_dtype]
+        return {r: [np.frombuffer(m, dtype=np_t).reshape(self.shard_shape) for m in ms]
+                for r, ms in self._mirrors[0].items()}
+
+    def pointers(self) -> Tuple[int, ...]:
+        """The shards' current addresses (``pjrt-view``): compared before and after a transfer
+        into them, so one that a forward moved mid-transfer is caught."""
+        if self.backend != "pjrt-view":
+            return ()
+        shards = self._shards()
+        return tuple(int(d.unsafe_buffer_pointer()) for r in self.ranks for d in shards[r])
+
+    def stage(self, block_ids: Sequence[int]) -> None:
+        """``framework-copy``: copies blocks ``block_ids`` of every layer and rank into the host
+        mirrors (JAX's gather and D2H) before tpu_sync reads them; nothing for ``pjrt-view``."""
+        if self.backend == "pjrt-view" or not len(block_ids):
+            return
+        self.rank_views()
+        ids = [ck.u32("block id", b) for b in block_ids]
+        got = self.gather(ids)
+        mirrors = self._mirror_arrays()
+        for r in self.ranks:
+            for layer, g in enumerate(got[r]):
+                mirrors[r][layer][ids] = g
+
+    def commit(self, block_ids: Sequence[int]) -> None:
+        """``framework-copy``: writes blocks ``block_ids`` of the host mirrors into the caches
+        (JAX's H2D and a donating scatter; ``runner.kv_caches`` replaced) after tpu_sync wrote
+        them; nothing for ``pjrt-view`` (tpu_sync wrote the shards in place)."""
+        if self.backend == "pjrt-view" or not len(block_ids):
+            return
+        self.rank_views()
+        ids = [ck.u32("block id", b) for b in block_ids]
+        mirrors = self._mirror_arrays()
+        self.scatter(ids, {r: [m[ids] for m in mirrors[r]] for r in self.ranks})
+
+    def drop(self, block_ids: Sequence[int]) -> None:
+        """``framework-copy``: gives the host memory of blocks ``block_ids``' mirror pages back
+        (``madvise(MADV_DONTNEED)``: they read as zero again), so the mirrors hold only blocks in
+        flight. Nothing for ``pjrt-view``."""
+        if self.backend == "pjrt-view" or self._mirrors is None or not len(block_ids):
+            return
+        import mmap
+
+        import numpy as np
+
+        itemsize = {"bf16": 2, "f16": 2, "f32": 4, "f8e4m3fn": 1}[self.buffer_dtype]
+        block = int(np.prod(self.shard_shape[1:])) * itemsize
+        page = mmap.PAGESIZE
+        for ms in self._mirrors[0].values():
+            for m in ms:
+                for b in block_ids:
+                    # Whole pages inside the block only (a neighbour's bytes stay).
+                    lo = -(-(int(b) * block) // page) * page
+                    hi = ((int(b) + 1) * block // page) * page
+                    if hi > lo:
+                        m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def close(self) -> None:
+        """Closes the views and the host mirrors (the runner's caches are untouched)."""
+        if self._views is not None:
+            for bufs in self._views[1].values():
+                for b in bufs:
+                    b.close()
+            self._views = None
+        if self._mirrors is not None:
+            for bufs in self._mirrors[1].values():
+                for b in bufs:
+                    b.close()
+            self._mirrors = None
 
     # -- P/D through a tpu_sync.Endpoint --------------------------------------------------------
 

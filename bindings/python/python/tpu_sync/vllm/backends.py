@@ -44,6 +44,29 @@ class KvCaches:
     views: Optional[List[Any]] = None
     #: the KV cache group of every layer (all 0 for a uniform model)
     layer_group: Optional[List[int]] = None
+    #: a JAX runner's caches (tpu-inference, :class:`tpu_sync.jax_kv.JaxKv`): every TP rank in this
+    #: process; ``views`` then lists every rank's layers, rank-major (one tier entry holds them all)
+    jax: Any = None
+
+    def refresh(self) -> None:
+        """A JAX runner's caches: reads the runner's current arrays again (a forward may have
+        moved them) and sets ``views`` to every rank's layer buffers, rank-major."""
+        if self.jax is not None:
+            kv = self.jax.rank_views()
+            self.views = [v for r in sorted(kv) for v in kv[r]]
+
+    def kv(self) -> Dict[int, List[Any]]:
+        """The buffers a :class:`tpu_sync.Endpoint` moves: ``{TP rank: [view per layer]}`` for
+        every rank this worker holds (one for vLLM's per-rank workers, all for a JAX runner)."""
+        if self.jax is not None:
+            return self.jax.rank_views()
+        assert self.views is not None
+        return {self.tp_rank: self.views}
+
+    @property
+    def entry_ranks(self) -> int:
+        """TP ranks in one host-tier entry (all of a JAX runner's, else 1)."""
+        return len(self.jax.ranks) if self.jax is not None else 1
 
     def pieces(self, block_id: int) -> List[Tuple[Any, int, int]]:
         """``(view, byte offset, length)`` of block ``block_id`` in every layer, in layer order:
@@ -113,14 +136,17 @@ class StoreTier:
         self._caches = caches
         client = _client(caches)
         ns = geometry.namespace(cfg.namespace)
-        if caches.tp_rank:
+        if caches.jax is not None:
+            # One entry holds every TP rank's bytes of the block (another format than a rank's).
+            ns += f"/ranks{caches.entry_ranks}"
+        elif caches.tp_rank:
             ns += f"/rank{caches.tp_rank}"
         shm = cfg.shm_name
         if shm and caches.tp_rank:
             shm = f"{shm}-rank{caches.tp_rank}"
         kw: Dict[str, Any] = dict(
             namespace=ns,
-            block_bytes=geometry.block_bytes,
+            block_bytes=geometry.block_bytes * caches.entry_ranks,
             capacity_bytes=cfg.host_capacity_bytes,
             shm_name=shm,
             verify_checksums=cfg.verify_checksums,
@@ -268,19 +294,18 @@ class EndpointTransport:
 
     def register(self, xfer_id: int, placement: Dict[str, Any], num_tokens: int, lease_s: float,
                  pullers: int = 1) -> None:
-        """Producer: stages (D2H) this rank's blocks of ``placement`` and serves them as request
+        """Producer: stages (D2H) this worker's ranks' blocks of ``placement`` and serves them as request
         ``xfer_id`` until ``pullers`` consumers released them or the endpoint's lease (``lease_s``
         of the config) passes without a live consumer. vLLM may reuse the blocks once this
         returns."""
-        self.endpoint.register(xfer_id, placement, num_tokens, {self._rank: self._caches.views},
-                               expected_releases=pullers)
+        self.endpoint.register(xfer_id, placement, num_tokens, self._caches.kv(), expected_releases=pullers)
 
     def register_layers(self, xfer_id: int, placement: Dict[str, Any], num_tokens: int, lease_s: float,
                         pullers: int = 1) -> None:
         """Layer-wise producer: registers request ``xfer_id`` before its layers are computed
         (nothing staged yet); :meth:`publish_layers` stages each layer once the model wrote it.
         vLLM must keep the blocks until every layer is published."""
-        self.endpoint.register_layers(xfer_id, placement, num_tokens, {self._rank: self._caches.views},
+        self.endpoint.register_layers(xfer_id, placement, num_tokens, self._caches.kv(),
                                       layers_ready=0, expected_releases=pullers)
 
     def publish_layers(self, xfer_id: int, layers: int) -> int:
@@ -294,11 +319,11 @@ class EndpointTransport:
 
     def pull(self, xfer_id: int, peers: Dict[int, str], src: Dict[str, Any], dst: Dict[str, Any],
              num_tokens: int, wait_for_registration: Optional[float] = None, layerwise: bool = False) -> Any:
-        """Consumer: starts pulling request ``xfer_id`` into this rank's blocks of ``dst``;
+        """Consumer: starts pulling request ``xfer_id`` into this worker's ranks' blocks of ``dst``;
         returns a handle with ``done``, ``error``, ``cancel()`` (and, with ``layerwise``, each
         layer written as it arrives: ``wait_layers(n, timeout)``). A producer that has not
         registered the request yet is waited for up to ``wait_for_registration`` seconds."""
-        return self.endpoint.pull(xfer_id, peers, src, dst, num_tokens, {self._rank: self._caches.views},
+        return self.endpoint.pull(xfer_id, peers, src, dst, num_tokens, self._caches.kv(),
                                   wait_for_registration=wait_for_registration, layerwise=layerwise)
 
     def reject(self, xfer_id: int, peers: Dict[int, str], reason: str) -> None:

@@ -92,6 +92,11 @@ Host-DRAM offload (on by default for ``kv_both``):
     Back-pressure of ``async_saves``: saves that would take the queued blocks past this many are
     dropped (counted as ``saves_dropped``, a future miss), so a slow tier never stalls the
     engine nor holds its blocks. Default 2048.
+``jax_backend`` (str)
+    With a JAX model runner (tpu-inference: the caches come through ``register_runner``), how
+    its arrays are read and written (:mod:`tpu_sync.jax_kv`): ``auto`` (default: ``pjrt-view``
+    where the shards are in host memory, else ``framework-copy``), ``pjrt-view`` or
+    ``framework-copy``.
 ``verify_checksums`` (bool)
     Check each block's checksum when loading it (default True). A mismatch makes the connector
     report the blocks as failed loads, so vLLM recomputes them (set
@@ -167,6 +172,7 @@ _KEYS = {
     "metrics_addr": str,
     "layerwise": bool,
     "early_register": bool,
+    "jax_backend": str,
 }
 
 

@@ -107,6 +107,13 @@ class TpuSyncConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker_side is not None
         self.worker_side.register_kv_caches(kv_caches)
 
+    def register_runner(self, runner: Any) -> None:
+        """The engine's model runner: vLLM-TorchTPU calls this after :meth:`register_kv_caches`;
+        tpu-inference calls only this, with ``runner.kv_caches`` a list of sharded
+        ``jax.Array`` s. See :meth:`tpu_sync.vllm.worker.WorkerSide.register_runner`."""
+        if self.worker_side is not None:
+            self.worker_side.register_runner(runner)
+
     def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
         """This worker's endpoint address and block format, for the scheduler side."""
         if self.worker_side is None or self.worker_side.caches is None:

@@ -179,9 +179,12 @@ class TpuSyncHandshake(KVConnectorHandshakeMetadata):
         address: ``host:port`` consumers dial (None without P/D).
         block_format: the worker's block format tag (checked against the scheduler's).
         num_blocks: blocks per layer tensor.
+        tp_ranks: every TP rank this worker's endpoint serves, when it holds more than its own
+            (a JAX model runner holds them all: tpu-inference); None: ``tp_rank`` only.
     """
 
     tp_rank: int
     address: Optional[str]
     block_format: str
     num_blocks: int
+    tp_ranks: Optional[List[int]] = None

@@ -154,7 +154,8 @@ class SchedulerSide:
             if meta.num_blocks != self.num_blocks:
                 log.warning("tpu_sync: worker %s has %s blocks, scheduler %s", rank, meta.num_blocks, self.num_blocks)
             if meta.address:
-                self.peers[int(meta.tp_rank)] = meta.address
+                for r in getattr(meta, "tp_ranks", None) or [meta.tp_rank]:
+                    self.peers[int(r)] = meta.address
 
     # ---- admission -----------------------------------------------------------------------
 

@@ -65,6 +65,8 @@ class _Pull:
     deadline: float
     handle: Any = None
     next_try: float = 0.0
+    #: a JAX runner's shard addresses when the pull started (a forward must not move them)
+    ptrs: Any = None
 
 
 def _save(tier: Any, op: Any) -> int:
@@ -291,9 +293,83 @@ class WorkerSide:
         self.caches = KvCaches(names=names, tensors=tensors, num_blocks=int(first.shape[0]),
                                layer_block_bytes=layer_block_bytes, tp_rank=rank, layer_group=g.group_of_layer())
         self._layer_index = {n: i for i, n in enumerate(names)}
+        self._open(rank)
+
+    def register_runner(self, runner: Any) -> None:
+        """The model runner, after :meth:`register_kv_caches` (vLLM-TorchTPU: nothing more to
+        do), or instead of it (tpu-inference: ``runner.kv_caches`` is a list of ``jax.Array`` s,
+        one per layer, each sharded over the mesh's ``model`` axis, one TP rank per shard, all in
+        this process). The caches are read through :class:`tpu_sync.jax_kv.JaxKv`, again at every
+        hook (each forward re-assigns them); the back end (``jax_backend``: ``auto``,
+        ``pjrt-view``, ``framework-copy``) and why it was chosen are in the log and in
+        :attr:`jax_stats`. With such a runner this worker registers and pulls every TP rank's
+        blocks through one endpoint, saves synchronously, and one host-tier entry holds a block of
+        every rank.
+
+        Raises:
+            ValueError: no caches, or caches that disagree with the model's geometry (TP,
+                per-rank shape, dtype, layers); NotImplementedError: what is not supported with
+                a JAX runner yet (layer-wise transfers, KV cache groups, the head_dim-64
+                kernel's cache); UnsupportedError (tpu_sync.errors): shardings not mapped
+                (docs/tpu.md); ImportError without jax."""
+        if self.caches is not None:
+            return
+        caches = getattr(runner, "kv_caches", None)
+        if not caches:
+            raise ValueError("TpuSyncConnector: register_runner without registered KV caches, and the runner has no "
+                             "kv_caches")
+        g = self.geometry
+        if g.groups or self.cfg.layerwise or g.kv_order != "rpa3":
+            what = ("KV cache groups" if g.groups else "layer-wise transfers" if self.cfg.layerwise else
+                    f"the {g.kv_order} cache")
+            raise NotImplementedError(f"TpuSyncConnector: {what} with a JAX model runner (tpu-inference) are not "
+                                      "supported yet (issue 25; docs/tpu.md)")
+        from tpu_sync.jax_kv import JaxKv
+
+        jx = JaxKv(runner, backend=str(self.cfg.extra.get("jax_backend", "auto")))
+        want = tuple(g.layer_shape())
+        problems = []
+        if jx.num_layers != g.num_layers:
+            problems.append(f"{jx.num_layers} layers, the model has {g.num_layers}")
+        if jx.tp != g.tp:
+            problems.append(f"sharded over {jx.tp} devices of the model axis, vLLM's TP is {g.tp}")
+        if tuple(jx.shard_shape[1:]) != want:
+            problems.append(f"per-rank shard [num_blocks, {', '.join(map(str, jx.shard_shape[1:]))}], expected "
+                            f"[num_blocks, {', '.join(map(str, want))}] (ragged paged attention v3, "
+                            f"{g.heads_per_rank} heads per rank)")
+        if jx.model_dtype != g.dtype:
+            problems.append(f"dtype {jx.model_dtype}, the model's KV dtype is {g.dtype}")
+        if problems:
+            jx.close()
+            raise ValueError("TpuSyncConnector: the runner's KV caches " + "; ".join(problems))
+        self.caches = KvCaches(names=[f"layer.{i}" for i in range(jx.num_layers)], tensors=[],
+                               num_blocks=jx.num_blocks, layer_block_bytes=g.layer_block_bytes, tp_rank=0,
+                               layer_group=g.group_of_layer(), jax=jx)
+        self.caches._client = jx.client  # type: ignore[attr-defined]
+        self.caches.refresh()
+        self._layer_index = {}
+        log.info("tpu_sync: JAX model runner: TP ranks %s in this process, back end %s (%s)", jx.ranks, jx.backend,
+                 jx.backend_reason)
+        self._open(0)
+
+    @property
+    def jax_stats(self) -> Optional[Dict[str, Any]]:
+        """A JAX runner's back end, the reason for it, and its counters (None otherwise)."""
+        jx = getattr(self.caches, "jax", None)
+        return None if jx is None else jx.stats()
+
+    def _open(self, rank: int) -> None:
+        """Opens the host tier and the P/D endpoint over the registered caches."""
+        g = self.geometry
+        assert self.caches is not None
+        names, layer_block_bytes = self.caches.names, self.caches.layer_block_bytes
         if self.cfg.offload:
             self.tier = make_host_tier(self.cfg, g, self.caches)
-            if self.cfg.async_saves:
+            if self.cfg.async_saves and self.caches.jax is not None:
+                # A JAX runner's saves read its arrays (or stage them by JAX's copies) on the model
+                # thread, between the forwards that re-assign them: synchronous.
+                log.info("tpu_sync: host-tier saves of a JAX model runner are synchronous (async_saves ignored)")
+            elif self.cfg.async_saves:
                 self._saver = _Saver(self.tier, self.cfg.max_pending_save_blocks)
         if self.cfg.pd:
             self.transport = make_pd_transport(self.cfg, g, self.caches)
@@ -317,14 +393,18 @@ class WorkerSide:
     def handshake(self) -> TpuSyncHandshake:
         """This worker's endpoint, for the scheduler side."""
         assert self.caches is not None
+        jx = self.caches.jax
         return TpuSyncHandshake(tp_rank=self.caches.tp_rank, address=getattr(self.transport, "address", None),
-                                block_format=self.geometry.block_format, num_blocks=self.caches.num_blocks)
+                                block_format=self.geometry.block_format, num_blocks=self.caches.num_blocks,
+                                tp_ranks=None if jx is None else list(jx.ranks))
 
     # ---- per step ------------------------------------------------------------------------
 
     def start_load_kv(self, meta: TpuSyncMetadata) -> None:
         """Lookups, host-tier loads (synchronous, or started layer-wise), registrations and pull
         starts of this step."""
+        if self.caches is not None:
+            self.caches.refresh()  # a JAX runner's arrays of this step
         if self.tier is not None:
             for req_id, hashes in meta.lookups.items():
                 self._report.lookup_hits[req_id] = self._lookup(req_id, hashes)
@@ -584,6 +664,12 @@ class WorkerSide:
                 delivered = int(self.tier.get_groups(op.hashes, op.group_block_ids))
             else:
                 delivered = int(self.tier.get(op.hashes, op.block_ids))
+                jx = self.caches.jax if self.caches is not None else None
+                if jx is not None:
+                    try:
+                        jx.commit(op.block_ids[:delivered])  # framework-copy: into the runner's arrays
+                    finally:
+                        jx.drop(op.block_ids)
         except Exception as e:  # ChecksumError, missing blocks, device errors
             log.warning("tpu_sync: host-tier load of %d blocks for %s failed: %s", len(op.block_ids), op.req_id, e)
             delivered = 0
@@ -608,10 +694,21 @@ class WorkerSide:
     def _register(self, s: Any) -> None:
         assert self.caches is not None
         layout = self.geometry.tpu_sync_layout(self.caches.num_blocks)
+        jx = self.caches.jax
         try:
             placement = compat.placement(layout, s.block_ids)
-            pullers = compat.pullers_of_rank(placement, self.caches.tp_rank, s.num_tokens, s.decode_tp)
-            self.transport.register(s.xfer_id, placement, s.num_tokens, s.lease_s, pullers)
+            if jx is None:
+                pullers = compat.pullers_of_rank(placement, self.caches.tp_rank, s.num_tokens, s.decode_tp)
+            else:
+                # Every rank in this one endpoint: a consumer of the same kind (a JAX runner, one
+                # endpoint for all its ranks) releases it once.
+                pullers = 1
+                jx.stage(_flat_ids(s.block_ids))
+            try:
+                self.transport.register(s.xfer_id, placement, s.num_tokens, s.lease_s, pullers)
+            finally:
+                if jx is not None:
+                    jx.drop(_flat_ids(s.block_ids))  # staged by the endpoint (or failed)
             self.stats["registered"] += 1
         except Exception as e:  # the consumer's pull fails and it recomputes; blocks are freed
             log.error("tpu_sync: registering %s (transfer %s) failed: %s", s.req_id, s.xfer_id, e)
@@ -631,6 +728,13 @@ class WorkerSide:
                 dst = compat.placement(self.geometry.tpu_sync_layout(self.caches.num_blocks), s.dst_block_ids,
                                    getattr(s, "first_token", 0))
                 src = compat.placement(s.src_layout, s.src_block_ids)
+                jx = self.caches.jax
+                if jx is not None:
+                    ids = _flat_ids(s.dst_block_ids)
+                    if ids and (s.num_tokens - getattr(s, "first_token", 0)) % self.geometry.block_size:
+                        # framework-copy writes whole blocks back: the partial last block's other
+                        # token slots go into the mirror first, so they come back unchanged.
+                        jx.stage(ids[-1:])
                 if self._pull_waits:
                     # The producer registers one engine step after the request finished: the pull
                     # waits for the registration (up to the pull's deadline) instead of failing.
@@ -638,6 +742,8 @@ class WorkerSide:
                                                    wait_for_registration=max(0.0, p.deadline - now))
                 else:
                     p.handle = self.transport.pull(s.xfer_id, s.peers, src, dst, s.num_tokens)
+                if self.caches.jax is not None:
+                    p.ptrs = self.caches.jax.pointers()
             except Exception as e:
                 if _is_unknown_request(e):
                     p.next_try = now + UNKNOWN_REQUEST_RETRY_S
@@ -675,9 +781,18 @@ class WorkerSide:
                                 len(op.hashes), op.req_id, self._saver.pending_blocks(),
                                 self._saver.max_pending_blocks)
             return
+        jx = self.caches.jax if self.caches is not None else None
+        if jx is not None:
+            self.caches.refresh()
         for op in meta.saves:
             try:
-                n = _save(self.tier, op)
+                if jx is not None:
+                    jx.stage(op.block_ids)  # framework-copy: JAX's D2H into the mirrors
+                try:
+                    n = _save(self.tier, op)
+                finally:
+                    if jx is not None:
+                        jx.drop(op.block_ids)
             except Exception as e:  # a failed save is a future miss
                 self._book_save(op, 0, e)
                 continue
@@ -713,6 +828,8 @@ class WorkerSide:
             delivered = p.handle is not None and p.handle.done and getattr(p.handle, "error", None) is None
             if p.handle is not None and not p.handle.done:
                 _cancel(p.handle)
+            if self.caches is not None and self.caches.jax is not None:
+                self.caches.jax.drop(_flat_ids(p.spec.dst_block_ids))
             if not delivered:
                 # It will never be pulled now: the producers free its KV at once.
                 self._reject(RejectSpec(req_id, p.spec.xfer_id, p.spec.peers,
@@ -741,6 +858,9 @@ class WorkerSide:
                         continue
                 del self._pulls[req_id]
                 res.finished_recving.add(req_id)
+                jx = self.caches.jax if self.caches is not None else None
+                if jx is not None:
+                    err = self._land_jax_pull(jx, p, err)
                 if err is None:
                     self.stats["pulls_done"] += 1
                     try:
@@ -760,6 +880,24 @@ class WorkerSide:
                     self._reject(RejectSpec(req_id, p.spec.xfer_id, p.spec.peers,
                                             f"request {req_id}: its pull failed ({type(err).__name__}); recomputed"))
         return res
+
+    def _land_jax_pull(self, jx: Any, p: _Pull, err: Optional[BaseException]) -> Optional[BaseException]:
+        """A JAX runner's finished pull: the shards must still be where the pull wrote
+        (``pjrt-view``), or the mirrors' blocks go into the runner's arrays (``framework-copy``);
+        the error that makes it a failed pull, if any."""
+        ids = _flat_ids(p.spec.dst_block_ids)
+        try:
+            if err is None:
+                self.caches.refresh()
+                if p.ptrs is not None and jx.pointers() != p.ptrs:
+                    return RuntimeError(f"the runner's KV caches moved while transfer {p.spec.xfer_id} was "
+                                        "written into them (a forward that did not donate them in place)")
+                jx.commit(ids)
+            return err
+        except Exception as e:  # a device error in JAX's copies: the blocks are recomputed
+            return e
+        finally:
+            jx.drop(ids)
 
     def _reject(self, r: RejectSpec) -> None:
         """Queues a reject for the background thread (it blocks on the network)."""

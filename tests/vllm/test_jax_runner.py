@@ -1,0 +1,199 @@
+"""The connector's worker side with a tpu-inference model runner (issue 25; docs/tpu.md).
+
+tpu-inference 0.32 never calls ``register_kv_caches``: its connector gets ``register_runner(runner)``,
+and ``runner.kv_caches`` is a list of ``jax.Array`` s, one per layer, each the ragged paged
+attention v3 cache ``[num_blocks, block_size, TP * R, P, D']`` sharded
+``NamedSharding(mesh, P("data", None, "model"))`` (one TP rank's cache per device), which every
+forward re-assigns (donation). Here JAX runs on CPU with 8 host devices: the producer's runner on
+devices 0..TP-1, the consumer's on devices 4..; the bytes are the kernels' ``merge_kv`` of random,
+never-zero K/V (``bindings/python/tests/test_tpu_layouts.py``). The runner objects stand in for
+tpu-inference's runner around the arrays only.
+
+P/D between the worker sides over loopback TCP (TP=4 -> 2 and 2 -> 4, bf16 and fp8, both back
+ends), and host-tier store then load: byte-exact, every other block and the producer's caches
+unchanged.
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+if "device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # Read when JAX creates its CPU client (its first use, after collection).
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+vllm = pytest.importorskip("vllm")
+jax = pytest.importorskip("jax")
+jax.config.update("jax_platforms", "cpu")
+
+import ml_dtypes  # noqa: E402  (installed with jax)
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from test_connector import configs, connector, vllm_config  # noqa: E402,F401  (fixtures)
+from test_tpu_engine_layouts import geometry, worker  # noqa: E402
+from tpu_sync.vllm.metadata import RecvSpec, SendSpec, TierOp, TpuSyncMetadata  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "bindings", "python", "tests"))
+from test_tpu_layouts import DTYPES, merge_kv, logical_kv  # noqa: E402
+
+NB, BS, LAYERS = 16, 16, 2  # test_tpu_engine_layouts' geometry: 2 layers, 16-token blocks
+JAX_DTYPE = {"bf16": ml_dtypes.bfloat16, "fp8": ml_dtypes.float8_e4m3fn}
+
+
+def devices_or_skip(n):
+    d = jax.devices("cpu")
+    if len(d) < n:
+        pytest.skip(f"JAX has {len(d)} CPU devices (XLA_FLAGS was set after JAX started)")
+    return d
+
+
+class Runner:
+    """tpu-inference's model runner as a connector sees it: ``kv_caches``, replaced by every
+    forward (the jitted step donates them)."""
+
+    def __init__(self, caches):
+        self.kv_caches = caches
+        self._step = jax.jit(lambda c: c, donate_argnums=0)
+
+    def forward(self):
+        self.kv_caches = [self._step(c) for c in self.kv_caches]
+
+
+def rank_caches(g, tokens, ids, seed, fill_seed):
+    """Every TP rank's per-layer caches (bit patterns ``[NB, BS, R, P, D']``): block ``ids[i]``
+    holds tokens ``i*BS..`` of the request's K/V (seed ``seed``), every other block other KV
+    (seed ``fill_seed``), as ``merge_kv`` lays them out; padding zero."""
+    np_t = DTYPES[g.dtype]
+    packing = 4 // np.dtype(np_t).itemsize
+    out = []
+    for r in range(g.tp):
+        sl = slice(r * g.heads_per_rank, (r + 1) * g.heads_per_rank)
+        per = []
+        for layer in range(LAYERS):
+            fk, fv = logical_kv(layer, NB * BS, g.num_kv_heads, g.head_dim, np_t, fill_seed)
+            cache = merge_kv(fk[:, sl], fv[:, sl], packing, False).reshape((NB, BS) + g.layer_shape()[1:]).copy()
+            if tokens:
+                k, v = logical_kv(layer, tokens, g.num_kv_heads, g.head_dim, np_t, seed)
+                m = merge_kv(k[:, sl], v[:, sl], packing, False)
+                for t in range(tokens):
+                    cache[ids[t // BS], t % BS] = m[t]
+            per.append(cache)
+        out.append(per)
+    return out
+
+
+def runner(g, caches, first_device):
+    devs = devices_or_skip(8)[first_device:first_device + g.tp]
+    mesh = Mesh(np.array(devs).reshape(1, g.tp), ("data", "model"))
+    sh = NamedSharding(mesh, P("data", None, "model"))
+    return Runner([jax.device_put(np.concatenate([caches[r][l] for r in range(g.tp)], axis=2).view(JAX_DTYPE[g.dtype]),
+                                  sh) for l in range(LAYERS)])
+
+
+def bits(a):
+    return np.asarray(jax.device_get(a)).view(np.dtype(f"u{np.dtype(a.dtype).itemsize}"))
+
+
+def glob(caches, layer):
+    return np.concatenate([r[layer] for r in caches], axis=2)
+
+
+def wait_pulled(w, req):
+    deadline, res = time.monotonic() + 30, None
+    while time.monotonic() < deadline:
+        res = w.get_transfer_results(set())
+        if res.finished_recving or res.failed_recving:
+            return res
+        time.sleep(0.02)
+    return res
+
+
+@pytest.mark.parametrize("backend", ["auto", "framework-copy"])
+@pytest.mark.parametrize("heads,dtype,src_tp,dst_tp", [
+    (8, "bf16", 4, 2),
+    (8, "bf16", 2, 4),
+    (8, "fp8", 4, 2),
+    (8, "fp8", 2, 4),
+])
+def test_pd_between_jax_runners_through_the_worker_sides(configs, heads, dtype, src_tp, dst_tp, backend):
+    tokens = 40  # 3 blocks, the last one partial
+    src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
+    gs, gd = geometry(heads, 128, dtype, src_tp), geometry(heads, 128, dtype, dst_tp)
+    src = rank_caches(gs, tokens, src_ids, seed=3, fill_seed=11)
+    dst = rank_caches(gd, 0, dst_ids, seed=3, fill_seed=12)
+    want = rank_caches(gd, tokens, dst_ids, seed=3, fill_seed=12)
+    pr, cr = runner(gs, src, 0), runner(gd, dst, 4)
+    prod = worker(configs, "kv_producer", gs, {"jax_backend": backend})
+    cons = worker(configs, "kv_consumer", gd, {"jax_backend": backend})
+    try:
+        prod.register_runner(pr)
+        cons.register_runner(cr)
+        want_backend = "pjrt-view" if backend == "auto" else backend
+        for w, tp in ((prod, src_tp), (cons, dst_tp)):
+            st = w.jax_stats
+            assert st["backend"] == want_backend and st["tp"] == tp and st["ranks"] == list(range(tp)), st
+            hs = w.handshake()
+            assert hs.tp_ranks == list(range(tp)) and hs.address
+        pr.forward()  # the caches are read again at each hook
+        prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 91, src_ids, tokens, 60.0, dst_tp)]))
+        assert prod.stats["registered"] == 1, prod.stats
+        pr.forward()  # the next step may overwrite the blocks: they are staged
+        # The scheduler's view of the producer: one address for every rank it holds.
+        peers = {r: prod.handshake().address for r in prod.handshake().tp_ranks}
+        cr.forward()
+        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 91, peers, gs.tpu_sync_layout(NB), src_ids,
+                                                            dst_ids, tokens, 30.0)]))
+        cr.forward()  # a forward while the pull runs: the caches are donated in place
+        res = wait_pulled(cons, "d1")
+        assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
+        for layer in range(LAYERS):
+            got, exp = bits(cr.kv_caches[layer]), glob(want, layer)
+            assert np.array_equal(got, exp), (layer, sorted({int(i[0]) for i in np.argwhere(got != exp)}),
+                                              np.argwhere(got != exp)[:4])
+            assert np.array_equal(bits(pr.kv_caches[layer]), glob(src, layer)), f"layer {layer} of the producer"
+        st = cons.jax_stats
+        if want_backend == "framework-copy":
+            assert st["h2d_bytes"] == 3 * gd.layer_block_bytes * dst_tp * LAYERS, st
+            assert prod.jax_stats["d2h_bytes"] == 3 * gs.layer_block_bytes * src_tp * LAYERS
+    finally:
+        cons.shutdown()
+        prod.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["auto", "framework-copy"])
+def test_host_tier_store_then_load_with_a_jax_runner(configs, backend):
+    g = geometry(8, 128, "bf16", 4)
+    kv = rank_caches(g, 3 * BS, [3, 4, 5], seed=21, fill_seed=22)
+    r = runner(g, kv, 0)
+    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 64 << 20, "jax_backend": backend})
+    try:
+        w.register_runner(r)
+        hashes = [bytes([i]) * 32 for i in range(1, 4)]
+        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [3, 4, 5])]))
+        assert w.stats["saved_blocks"] == 3, w.stats  # synchronous with a JAX runner
+        r.forward()
+        w.start_load_kv(TpuSyncMetadata(lookups={"o1": hashes + [b"\x08" * 32]}))
+        assert w.build_worker_meta().lookup_hits == {"o1": 3}
+        w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o1", hashes, [12, 13, 14])]))
+        assert w.stats["loaded_blocks"] == 3 and w.stats["failed_loads"] == 0, w.stats
+        for layer in range(LAYERS):
+            want = glob(kv, layer).copy()
+            want[12:15] = want[3:6]
+            assert np.array_equal(bits(r.kv_caches[layer]), want), layer
+    finally:
+        w.shutdown()
+
+
+def test_a_runner_that_disagrees_with_the_model_is_refused(configs):
+    g = geometry(8, 128, "bf16", 2)
+    kv = rank_caches(geometry(8, 128, "bf16", 4), 0, [], seed=1, fill_seed=2)
+    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 16 << 20})
+    try:
+        with pytest.raises(ValueError, match=r"sharded over 4 devices of the model axis, vLLM's TP is 2"):
+            w.register_runner(runner(geometry(8, 128, "bf16", 4), kv, 0))
+        assert w.caches is None
+    finally:
+        w.shutdown()
