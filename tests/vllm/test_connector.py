@@ -628,3 +628,17 @@ def test_register_runner_refuses_what_it_cannot_move(configs):
             c.register_runner(Runner())
     finally:
         c.shutdown()
+
+
+def test_tpu_inference_loads_the_connector_under_a_name_its_platform_accepts():
+    """tpu-inference 0.32's platform accepts only these ``kv_connector`` names
+    (``tpu_inference/platforms/tpu_platform.py``, restated); vLLM's factory takes the module path
+    first, so ``TPUConnector`` from ``tpu_sync.vllm.tpu_inference`` is tpu_sync's connector."""
+    allowed = ("TPUConnector", "TPUConnectorHMA", "TPUOffloadConnector", "RaidenOffloadConnector")
+    ktc = KVTransferConfig(kv_connector="TPUConnector", kv_role="kv_both",
+                           kv_connector_module_path="tpu_sync.vllm.tpu_inference")
+    assert ktc.kv_connector in allowed
+    cls = KVConnectorFactory.get_connector_class(ktc)
+    from tpu_sync.vllm.connector import TpuSyncConnector
+
+    assert issubclass(cls, TpuSyncConnector) and cls.__module__ == "tpu_sync.vllm.tpu_inference"
