@@ -28,7 +28,6 @@ vllm = pytest.importorskip("vllm")
 jax = pytest.importorskip("jax")
 jax.config.update("jax_platforms", "cpu")
 
-import ml_dtypes  # noqa: E402  (installed with jax)
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from test_connector import configs, connector, vllm_config  # noqa: E402,F401  (fixtures)
@@ -38,28 +37,10 @@ from tpu_sync.vllm.metadata import RecvSpec, SendSpec, TierOp, TpuSyncMetadata  
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "bindings", "python", "tests"))
 from test_tpu_layouts import DTYPES, merge_kv, logical_kv  # noqa: E402
+from test_jax_kv import Runner, devices_or_skip  # noqa: E402  (the runner stand-in, the 8 devices)
 
 NB, BS, LAYERS = 16, 16, 2  # test_tpu_engine_layouts' geometry: 2 layers, 16-token blocks
-JAX_DTYPE = {"bf16": ml_dtypes.bfloat16, "fp8": ml_dtypes.float8_e4m3fn}
-
-
-def devices_or_skip(n):
-    d = jax.devices("cpu")
-    if len(d) < n:
-        pytest.skip(f"JAX has {len(d)} CPU devices (XLA_FLAGS was set after JAX started)")
-    return d
-
-
-class Runner:
-    """tpu-inference's model runner as a connector sees it: ``kv_caches``, replaced by every
-    forward (the jitted step donates them)."""
-
-    def __init__(self, caches):
-        self.kv_caches = caches
-        self._step = jax.jit(lambda c: c, donate_argnums=0)
-
-    def forward(self):
-        self.kv_caches = [self._step(c) for c in self.kv_caches]
+from test_jax_kv import JAX_DTYPE  # noqa: E402
 
 
 def rank_caches(g, tokens, ids, seed, fill_seed):
