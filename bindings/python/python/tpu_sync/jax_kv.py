@@ -42,7 +42,6 @@ import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import _check as ck
-from .arrays import aligned_array
 from .errors import InvalidArgumentError, MismatchError, UnsupportedError
 from ._native import lib
 
@@ -57,6 +56,16 @@ JAX_DTYPES = {
 }
 
 BACKENDS = ("auto", "pjrt-view", "framework-copy")
+
+#: Bytes per element of the tpu_sync buffer dtypes above.
+ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4, "f8e4m3fn": 1}
+
+
+def _uint(itemsize: int) -> Any:
+    """The numpy unsigned integer type of ``itemsize`` bytes: KV moves as bit patterns."""
+    import numpy as np
+
+    return {1: np.uint8, 2: np.uint16, 4: np.uint32}[itemsize]
 
 
 def _fail(cls: type, msg: str) -> Exception:
@@ -115,8 +124,6 @@ class JaxKv:
             raise _fail(InvalidArgumentError, f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         self._source = source
         self._setter = setter
-        if callable(source) and not hasattr(source, "kv_caches") and setter is None:
-            self._setter = None
         self.model_axis, self.data_axis = model_axis, data_axis
         if client is None:
             import tpu_sync
@@ -265,8 +272,8 @@ class JaxKv:
 
     def gather(self, block_ids: Sequence[int]) -> Dict[int, List[Any]]:
         """``framework-copy`` D2H: the blocks ``block_ids`` of every layer, copied by JAX into
-        compact host arrays ``[len(block_ids), block_size, R, P, D']`` (64-byte aligned), per TP
-        rank: ``{rank: [array per layer]}``."""
+        compact host arrays ``[len(block_ids), block_size, R, P, D']`` of their bit patterns
+        (unsigned integers), per TP rank: ``{rank: [array per layer]}``."""
         import jax
         import numpy as np
 
@@ -279,12 +286,10 @@ class JaxKv:
             per = []
             for d in shards[r]:
                 # The gather on the bit patterns too (see scatter).
-                bits = jax.lax.bitcast_convert_type(d, {1: np.uint8, 2: np.uint16, 4: np.uint32}[d.dtype.itemsize])
+                bits = jax.lax.bitcast_convert_type(d, _uint(d.dtype.itemsize))
                 host = np.asarray(jax.device_get(bits[ids]))
-                dst = aligned_array(host.shape, host.dtype)
-                dst[...] = host
-                self._counters["d2h_bytes"] += dst.nbytes
-                per.append(dst)
+                self._counters["d2h_bytes"] += host.nbytes
+                per.append(host)
             out[r] = per
         return out
 
@@ -310,7 +315,6 @@ class JaxKv:
                 return lax.bitcast_convert_type(bits, c.dtype)
 
             self._scatter = jax.jit(scatter, donate_argnums=0)
-        uint = {1: np.uint8, 2: np.uint16, 4: np.uint32}
         for layer, a in enumerate(self.arrays()):
             # The update as one global array, each rank's rows on its own device (no gather).
             parts = [data[r][layer] for r in self.ranks]
@@ -319,7 +323,7 @@ class JaxKv:
                 if tuple(p.shape) != want:
                     raise _fail(MismatchError, f"rank {r} layer {layer}: update of shape {tuple(p.shape)}, expected {want}")
             glob = want[:2] + (want[2] * self.tp,) + want[3:]
-            u = uint[np.dtype(a.dtype).itemsize]
+            u = _uint(np.dtype(a.dtype).itemsize)
             upd = jax.make_array_from_callback(
                 glob, self.sharding, lambda idx: np.asarray(parts[(idx[2].start or 0) // want[2]]).view(u))
             self.set_layer(layer, self._scatter(a, ids, upd))
@@ -341,8 +345,7 @@ class JaxKv:
 
             import numpy as np
 
-            itemsize = {"bf16": 2, "f16": 2, "f32": 4, "f8e4m3fn": 1}[self.buffer_dtype]
-            nbytes = int(np.prod(self.shard_shape)) * itemsize
+            nbytes = int(np.prod(self.shard_shape)) * ITEMSIZE[self.buffer_dtype]
             maps, views = {}, {}
             for r in self.ranks:
                 maps[r], views[r] = [], []
@@ -359,7 +362,7 @@ class JaxKv:
         import numpy as np
 
         assert self._mirrors is not None
-        np_t = {"bf16": np.uint16, "f16": np.uint16, "f32": np.uint32, "f8e4m3fn": np.uint8}[self.buffer_dtype]
+        np_t = _uint(ITEMSIZE[self.buffer_dtype])
         return {r: [np.frombuffer(m, dtype=np_t).reshape(self.shard_shape) for m in ms]
                 for r, ms in self._mirrors[0].items()}
 
@@ -405,8 +408,7 @@ class JaxKv:
 
         import numpy as np
 
-        itemsize = {"bf16": 2, "f16": 2, "f32": 4, "f8e4m3fn": 1}[self.buffer_dtype]
-        block = int(np.prod(self.shard_shape[1:])) * itemsize
+        block = int(np.prod(self.shard_shape[1:])) * ITEMSIZE[self.buffer_dtype]
         page = mmap.PAGESIZE
         for ms in self._mirrors[0].values():
             for m in ms:
@@ -416,6 +418,31 @@ class JaxKv:
                     hi = ((int(b) + 1) * block // page) * page
                     if hi > lo:
                         m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def before_write(self, block_ids: Sequence[int], num_tokens: int) -> Tuple[int, ...]:
+        """Before tpu_sync writes ``num_tokens`` tokens into blocks ``block_ids`` (a pull):
+        ``framework-copy`` writes whole blocks back, so a partial last block's other token slots
+        go into the mirror first and come back unchanged. Returns the shards' addresses for
+        :meth:`after_write`."""
+        if block_ids and num_tokens % self.block_size:
+            self.stage(list(block_ids)[-1:])
+        return self.pointers()
+
+    def after_write(self, block_ids: Sequence[int], ptrs: Tuple[int, ...]) -> None:
+        """After tpu_sync wrote blocks ``block_ids`` (a pull): checks the shards are still where
+        it wrote (``pjrt-view``: ``ptrs`` from :meth:`before_write`), or commits the mirrors'
+        blocks into the caches (``framework-copy``); the mirrors' pages are given back either way.
+
+        Raises:
+            RuntimeError: a forward moved the caches while they were written (the blocks are
+                not valid); JAX's errors from the copies."""
+        try:
+            if self.pointers() != ptrs:
+                raise RuntimeError("the runner's KV caches moved while a transfer wrote into them (a forward "
+                                   "that did not donate them in place)")
+            self.commit(block_ids)
+        finally:
+            self.drop(block_ids)
 
     def close(self) -> None:
         """Closes the views and the host mirrors (the runner's caches are untouched)."""
@@ -443,17 +470,12 @@ class JaxKv:
         import tpu_sync
 
         ids = [ck.u32("block id", b) for b in block_ids]
-        if self.backend == "pjrt-view":
-            place = tpu_sync.placement(self.layout(model), [ids] * self.tp)
-            endpoint.register(request_id, place, num_tokens, self.views(), expected_releases=expected_releases)
-        else:
-            staged = self.gather(ids)
-            lay = self.layout(model, num_blocks=max(1, len(ids)))
-            kv = {r: [self.client.view(h, dtype=self.buffer_dtype) for h in staged[r]] for r in self.ranks}
-            # Registered from the compact staging (block ids 0..n): consumers pull that placement.
-            place = tpu_sync.placement(lay, [list(range(len(ids)))] * self.tp)
-            endpoint.register(request_id, place, num_tokens, kv, expected_releases=expected_releases)
-            del kv, staged
+        place = tpu_sync.placement(self.layout(model), [ids] * self.tp)
+        self.stage(ids)
+        try:
+            endpoint.register(request_id, place, num_tokens, self.rank_views(), expected_releases=expected_releases)
+        finally:
+            self.drop(ids)  # staged by the endpoint (or failed)
         self._counters["registers"] += 1
         return place
 
@@ -465,27 +487,21 @@ class JaxKv:
         the bytes are in the caches and returns the transfer's report.
 
         Raises: as :meth:`tpu_sync.Endpoint.pull` and :meth:`tpu_sync.Transfer.wait`
-        (``PendingError``, a TimeoutError, after ``timeout_s``: the pull is cancelled)."""
-        import numpy as np
+        (``PendingError``, a TimeoutError, after ``timeout_s``: the pull is cancelled), and
+        :meth:`after_write`'s errors."""
         import tpu_sync
 
         ids = [ck.u32("block id", b) for b in block_ids]
-        if self.backend == "pjrt-view":
-            dst = tpu_sync.placement(self.layout(model), [ids] * self.tp)
-            t = endpoint.pull(request_id, peers, src_placement, dst, num_tokens, self.views(),
+        dst = tpu_sync.placement(self.layout(model), [ids] * self.tp)
+        ptrs = self.before_write(ids, num_tokens)
+        try:
+            t = endpoint.pull(request_id, peers, src_placement, dst, num_tokens, self.rank_views(),
                               wait_for_registration=wait_for_registration)
             report = _wait(t, timeout_s)
-        else:
-            n = max(1, len(ids))
-            shape = (n,) + self.shard_shape[1:]
-            np_t = {"bf16": np.uint16, "f16": np.uint16, "f32": np.uint32, "f8e4m3fn": np.uint8}[self.buffer_dtype]
-            land = {r: [aligned_array(shape, np_t) for _ in range(self.num_layers)] for r in self.ranks}
-            kv = {r: [self.client.view(h, dtype=self.buffer_dtype) for h in land[r]] for r in self.ranks}
-            dst = tpu_sync.placement(self.layout(model, num_blocks=n), [list(range(len(ids)))] * self.tp)
-            t = endpoint.pull(request_id, peers, src_placement, dst, num_tokens, kv,
-                              wait_for_registration=wait_for_registration)
-            report = _wait(t, timeout_s)
-            self.scatter(ids, land)
+        except BaseException:
+            self.drop(ids)
+            raise
+        self.after_write(ids, ptrs)
         self._counters["pulls"] += 1
         return report
 

@@ -730,11 +730,7 @@ class WorkerSide:
                 src = compat.placement(s.src_layout, s.src_block_ids)
                 jx = self.caches.jax
                 if jx is not None:
-                    ids = _flat_ids(s.dst_block_ids)
-                    if ids and (s.num_tokens - getattr(s, "first_token", 0)) % self.geometry.block_size:
-                        # framework-copy writes whole blocks back: the partial last block's other
-                        # token slots go into the mirror first, so they come back unchanged.
-                        jx.stage(ids[-1:])
+                    p.ptrs = jx.before_write(_flat_ids(s.dst_block_ids), s.num_tokens - getattr(s, "first_token", 0))
                 if self._pull_waits:
                     # The producer registers one engine step after the request finished: the pull
                     # waits for the registration (up to the pull's deadline) instead of failing.
@@ -742,8 +738,6 @@ class WorkerSide:
                                                    wait_for_registration=max(0.0, p.deadline - now))
                 else:
                     p.handle = self.transport.pull(s.xfer_id, s.peers, src, dst, s.num_tokens)
-                if self.caches.jax is not None:
-                    p.ptrs = self.caches.jax.pointers()
             except Exception as e:
                 if _is_unknown_request(e):
                     p.next_try = now + UNKNOWN_REQUEST_RETRY_S
@@ -882,22 +876,18 @@ class WorkerSide:
         return res
 
     def _land_jax_pull(self, jx: Any, p: _Pull, err: Optional[BaseException]) -> Optional[BaseException]:
-        """A JAX runner's finished pull: the shards must still be where the pull wrote
-        (``pjrt-view``), or the mirrors' blocks go into the runner's arrays (``framework-copy``);
-        the error that makes it a failed pull, if any."""
+        """A JAX runner's finished pull (:meth:`tpu_sync.jax_kv.JaxKv.after_write`); the error
+        that makes it a failed pull, if any."""
         ids = _flat_ids(p.spec.dst_block_ids)
-        try:
-            if err is None:
-                self.caches.refresh()
-                if p.ptrs is not None and jx.pointers() != p.ptrs:
-                    return RuntimeError(f"the runner's KV caches moved while transfer {p.spec.xfer_id} was "
-                                        "written into them (a forward that did not donate them in place)")
-                jx.commit(ids)
-            return err
-        except Exception as e:  # a device error in JAX's copies: the blocks are recomputed
-            return e
-        finally:
+        if err is not None:
             jx.drop(ids)
+            return err
+        try:
+            self.caches.refresh()
+            jx.after_write(ids, p.ptrs)
+            return None
+        except Exception as e:  # moved caches, a device error in JAX's copies: recomputed
+            return e
 
     def _reject(self, r: RejectSpec) -> None:
         """Queues a reject for the background thread (it blocks on the network)."""
