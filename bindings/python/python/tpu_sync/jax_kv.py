@@ -21,10 +21,11 @@ Two back ends move the bytes (:attr:`JaxKv.backend`, with the reason in
   client can address (the native shim of issue 25, not built yet, hands those ``PJRT_Buffer*``
   over through :meth:`tpu_sync.Client.adopt_buffer`).
 * ``"framework-copy"``: JAX's own copies, on any device. A register gathers the request's blocks
-  on the device (``cache[ids]``) and copies them to host (``jax.device_get``) into a compact
-  staging array that tpu_sync registers (block ids ``0..n``); a pull lands in such an array and
-  is written into the caches by a jitted, donating scatter (``cache.at[ids].set(...)``) whose
-  results replace ``runner.kv_caches[l]``. One more host copy than ``pjrt-view``.
+  on the device (``cache[ids]``) and copies them to host (``jax.device_get``) into host mirrors
+  of the shards (same block ids; memory committed only while a transfer is in flight), which
+  tpu_sync reads; a pull lands in the mirrors and is written into the caches by a jitted,
+  donating scatter (``cache.at[ids].set(...)``) whose results replace ``runner.kv_caches[l]``.
+  One more host copy than ``pjrt-view``.
 
 Not mapped (refused with the reason): a data axis of more than one device (the DP shards split
 the block ids), replicated KV shards (fewer KV heads than TP), tiled physical layouts (a TPU's
