@@ -20,11 +20,13 @@
 # which this CPU-built library does not link. The script prints that answer and the cudaMemcpy
 # H2D baseline for reference; there is no tpu-sync H2D ratio on this plugin.
 #
+# and, with `build.sh --with-jax`, the JAX adapter on the GPU (jax_check.py, see there).
+#
 # Usage (from a session whose task has the GPU; the binary is built where cargo exists):
-#   bash benches/gpu/build.sh                                   # here: target/gpu/gpu_copy
+#   bash benches/gpu/build.sh [--with-jax]                      # here: target/gpu/
 #   device tool: run command="bash benches/gpu/run.sh" carry=["target/gpu"] timeout_s=480
 # Outputs go to $OUT (the device tool's output folder) or a temp dir: pjrt.txt, cupy.txt,
-# native.txt, summary.json. Environment: ITERS (default 10), TPU_SYNC_GPU_BIN (binary),
+# native.txt, jax.txt, summary.json. Environment: ITERS (default 10), TPU_SYNC_GPU_BIN (binary),
 # TPU_SYNC_PJRT_PLUGIN (plugin path), PYTHON (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -107,7 +109,26 @@ say "cupy/torch cudaMemcpyAsync baseline"
 timeout 180 $PY benches/gpu/baseline.py --iters "$ITERS" >"$OUT/cupy.txt" 2>"$OUT/cupy.err"
 echo "   exit $?"; tail -n 3 "$OUT/cupy.err"
 
-# 5. Ratios.
+# 5. The JAX adapter on the GPU (benches/gpu/jax_check.py): P/D between two runners whose KV
+# caches are CUDA jax.Arrays, through tpu_sync.jax_kv.JaxKv (framework-copy) and two endpoints,
+# byte-exact, against JAX's own device_get/device_put of the same blocks. Needs the tpu_sync
+# wheel and the XLA CPU PJRT plugin (its host views) in target/gpu (build.sh --with-jax).
+if ls target/gpu/tpu_sync-*.whl >/dev/null 2>&1 && [ -f target/gpu/xla_cpu_pjrt.so.xz ]; then
+    say "JAX adapter on the GPU"
+    SITE=$(mktemp -d)
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" target/gpu/tpu_sync-*.whl &&
+        $PY -c 'import lzma, shutil, sys
+with lzma.open(sys.argv[1]) as f, open(sys.argv[2], "wb") as o:
+    shutil.copyfileobj(f, o, 1 << 24)' target/gpu/xla_cpu_pjrt.so.xz "$SITE/xla_cpu_pjrt.so" &&
+        PYTHONUNBUFFERED=1 PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" TPU_SYNC_PJRT_PLUGIN="$SITE/xla_cpu_pjrt.so" \
+            timeout 240 $PY benches/gpu/jax_check.py --platform gpu --rounds "${JAX_ROUNDS:-5}" >"$OUT/jax.txt" 2>"$OUT/jax.err"
+    echo "   exit $?"
+    grep -v '^JAXCHECK' "$OUT/jax.txt"; grep -v '^I0000\|^WARNING: All log' "$OUT/jax.err" | tail -n 15
+else
+    say "JAX adapter: skipped (no target/gpu/tpu_sync-*.whl and xla_cpu_pjrt.so.xz; run build.sh --with-jax)"
+fi
+
+# 6. Ratios.
 say "summary"
 $PY - "$OUT" <<'PYEOF'
 import json, os, sys
@@ -121,7 +142,7 @@ def line(path, tag):
         pass
     return None
 p, n, c = line("pjrt.txt", "RESULT"), line("native.txt", "NATIVE"), line("cupy.txt", "BASELINE")
-summary = {"tpu_sync": p, "native": n, "python": c, "ratios": {}}
+summary = {"tpu_sync": p, "native": n, "python": c, "jax": line("jax.txt", "JAXCHECK"), "ratios": {}}
 if not p or "error" in p:
     print("tpu-sync run failed:", p)
 else:
