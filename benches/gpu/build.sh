@@ -2,7 +2,7 @@
 # Builds the GPU check's copy program (benches/gpu/gpu_copy.rs) where cargo exists and puts a
 # stripped copy at target/gpu/gpu_copy, the folder to carry to a machine without Rust:
 #   bash benches/gpu/build.sh [--with-jax]   # here
-# --with-jax also puts the tpu_sync wheel (make python) and the XLA CPU PJRT plugin, xz-compressed
+# --with-jax also puts the tpu_sync wheel (make python), cffi's wheel for Python 3.12 and the XLA CPU PJRT plugin, xz-compressed
 # (its host views; about 38 MiB of the 64 MiB a device call carries), there for jax_check.py.
 #   (device tool) run command="bash benches/gpu/run.sh" carry=["target/gpu"]
 set -euo pipefail
@@ -22,8 +22,12 @@ if [ "${1:-}" = "--with-jax" ]; then
     whl=$(ls -t target/wheels/tpu_sync-*.whl 2>/dev/null | head -n 1)
     [ -n "$whl" ] || make python
     whl=$(ls -t target/wheels/tpu_sync-*.whl | head -n 1)
-    rm -f target/gpu/tpu_sync-*.whl
+    rm -f target/gpu/tpu_sync-*.whl target/gpu/cffi-*.whl
     cp "$whl" target/gpu/
+    # tpu_sync's cffi bindings need cffi's _cffi_backend, which the GPU image lacks (Python 3.12).
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d target/gpu 'cffi>=1.17'
+
     plugin=${TPU_SYNC_PJRT_PLUGIN:-.deps/xla-cpu-pjrt/xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so}
     [ -f "$plugin" ] || make plugin
     if [ ! -f target/gpu/xla_cpu_pjrt.so.xz ] || [ "$plugin" -nt target/gpu/xla_cpu_pjrt.so.xz ]; then

@@ -144,6 +144,68 @@ fn time_d2h(
     Ok(out)
 }
 
+/// The same D2H copies issued straight to the plugin (`copy_raw_to_host_async`, no pacer) by
+/// `threads` threads, each issuing its share and then waiting its events; `piece` bytes of each
+/// block (a smaller piece shows the fixed cost per call). Returns (median wall time, median
+/// longest issue time of one thread), in seconds; the arena is checked after the first run when
+/// whole blocks are copied.
+fn raw_issue(
+    bufs: &[DeviceBuffer],
+    ops: &Ops,
+    arena: &PinnedArena,
+    threads: usize,
+    piece: u64,
+    iters: usize,
+) -> Result<(f64, f64), String> {
+    let mut wall = Vec::new();
+    let mut issue = Vec::new();
+    for i in 0..iters + 1 {
+        // SAFETY: no copy runs now.
+        unsafe { std::ptr::write_bytes(arena.base(), 0, arena.len()) };
+        let per = ops.list.len().div_ceil(threads);
+        let t = Instant::now();
+        let r: Vec<Result<f64, String>> = std::thread::scope(|sc| {
+            let hs: Vec<_> = ops
+                .list
+                .chunks(per)
+                .map(|share| {
+                    sc.spawn(move || {
+                        let t0 = Instant::now();
+                        let mut evs = Vec::with_capacity(share.len());
+                        for &(l, off, at) in share {
+                            let dst = arena.ptr_at(at, piece).map_err(|e| e.to_string())?;
+                            // SAFETY: each copy has its own arena range, not touched until
+                            // every event below completed.
+                            let ev = unsafe { bufs[l].copy_raw_to_host_async(off, dst, piece) }
+                                .map_err(|e| e.to_string())?;
+                            evs.push(ev);
+                        }
+                        let issued = t0.elapsed().as_secs_f64();
+                        for ev in evs {
+                            ev.wait().map_err(|e| e.to_string())?;
+                        }
+                        Ok(issued)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("thread")).collect()
+        });
+        let w = t.elapsed().as_secs_f64();
+        let mut longest: f64 = 0.0;
+        for x in r {
+            longest = longest.max(x?);
+        }
+        if i == 0 && piece == ops.block {
+            verify_arena(arena, ops)?;
+        }
+        if i >= 1 {
+            wall.push(w);
+            issue.push(longest);
+        }
+    }
+    Ok((median(&mut wall), median(&mut issue)))
+}
+
 fn main() {
     let a = args();
     let plugin = match &a.plugin {
@@ -237,6 +299,43 @@ fn main() {
         d2h_unpaced_med * 1e3
     );
 
+    // Where the time of a per-block D2H goes on this plugin: the same copies issued straight
+    // to it by 1..8 threads, and 4 KiB of each block (the fixed cost of one call).
+    let mut raw = serde_json::Map::new();
+    for (threads, piece) in [
+        (1, ops.block),
+        (2, ops.block),
+        (4, ops.block),
+        (8, ops.block),
+        (1, 4096),
+        (8, 4096),
+    ] {
+        match raw_issue(&bufs, &ops, &arena, threads, piece, a.iters) {
+            Ok((w, i)) => {
+                eprintln!(
+                    "  raw D2H:      {threads} thread(s), {} x {} KiB: {:.3} ms ({:.2} GB/s, {:.1} us per call; issuing {:.3} ms)",
+                    ops.list.len(),
+                    piece >> 10,
+                    w * 1e3,
+                    (ops.list.len() as u64 * piece) as f64 / w / 1e9,
+                    w * 1e6 / ops.list.len() as f64,
+                    i * 1e3
+                );
+                raw.insert(
+                    format!("t{threads}_{}k", piece >> 10),
+                    serde_json::json!({"wall_s": w, "issue_s": i}),
+                );
+            }
+            Err(e) => {
+                eprintln!("  raw D2H:      {threads} thread(s): FAILED: {e}");
+                raw.insert(
+                    format!("t{threads}_{}k", piece >> 10),
+                    serde_json::json!({"error": e}),
+                );
+            }
+        }
+    }
+
     // In-place H2D by the probed path, verified by reading back.
     let (h2d_med, h2d_unsupported) = match CopyBatch::h2d(&caps) {
         Err(e) => {
@@ -301,6 +400,7 @@ fn main() {
         "view_check": view,
         "pacer_peak_inflight_bytes": st.peak_inflight_bytes,
         "pacer_chunks": st.chunks,
+        "raw_d2h": raw,
     });
     println!("RESULT {json}");
 }

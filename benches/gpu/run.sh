@@ -116,7 +116,7 @@ echo "   exit $?"; tail -n 3 "$OUT/cupy.err"
 if ls target/gpu/tpu_sync-*.whl >/dev/null 2>&1 && [ -f target/gpu/xla_cpu_pjrt.so.xz ]; then
     say "JAX adapter on the GPU"
     SITE=$(mktemp -d)
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" target/gpu/tpu_sync-*.whl &&
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" target/gpu/*.whl &&
         $PY -c 'import lzma, shutil, sys
 with lzma.open(sys.argv[1]) as f, open(sys.argv[2], "wb") as o:
     shutil.copyfileobj(f, o, 1 << 24)' target/gpu/xla_cpu_pjrt.so.xz "$SITE/xla_cpu_pjrt.so" &&
