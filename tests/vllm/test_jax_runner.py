@@ -9,9 +9,9 @@ devices 0..TP-1, the consumer's on devices 4..; the bytes are the kernels' ``mer
 never-zero K/V (``bindings/python/tests/test_tpu_layouts.py``). The runner objects stand in for
 tpu-inference's runner around the arrays only.
 
-P/D between the worker sides over loopback TCP (TP=4 -> 2 and 2 -> 4, bf16 and fp8, both back
-ends), and host-tier store then load: byte-exact, every other block and the producer's caches
-unchanged.
+P/D between the worker sides over loopback TCP (TP=4 -> 2 and 2 -> 4, bf16 and fp8, head_dim 128
+and the head_dim-64 kernel's cache, both back ends), and host-tier store then load: byte-exact,
+every other block and the producer's caches unchanged.
 """
 
 import os
@@ -49,16 +49,17 @@ def rank_caches(g, tokens, ids, seed, fill_seed):
     (seed ``fill_seed``), as ``merge_kv`` lays them out; padding zero."""
     np_t = DTYPES[g.dtype]
     packing = 4 // np.dtype(np_t).itemsize
+    hd64 = g.kv_order == "rpa3hd64"
     out = []
     for r in range(g.tp):
         sl = slice(r * g.heads_per_rank, (r + 1) * g.heads_per_rank)
         per = []
         for layer in range(LAYERS):
             fk, fv = logical_kv(layer, NB * BS, g.num_kv_heads, g.head_dim, np_t, fill_seed)
-            cache = merge_kv(fk[:, sl], fv[:, sl], packing, False).reshape((NB, BS) + g.layer_shape()[1:]).copy()
+            cache = merge_kv(fk[:, sl], fv[:, sl], packing, hd64).reshape((NB, BS) + g.layer_shape()[1:]).copy()
             if tokens:
                 k, v = logical_kv(layer, tokens, g.num_kv_heads, g.head_dim, np_t, seed)
-                m = merge_kv(k[:, sl], v[:, sl], packing, False)
+                m = merge_kv(k[:, sl], v[:, sl], packing, hd64)
                 for t in range(tokens):
                     cache[ids[t // BS], t % BS] = m[t]
             per.append(cache)
@@ -93,16 +94,19 @@ def wait_pulled(w, req):
 
 
 @pytest.mark.parametrize("backend", ["auto", "framework-copy"])
-@pytest.mark.parametrize("heads,dtype,src_tp,dst_tp", [
-    (8, "bf16", 4, 2),
-    (8, "bf16", 2, 4),
-    (8, "fp8", 4, 2),
-    (8, "fp8", 2, 4),
+@pytest.mark.parametrize("heads,dim,dtype,src_tp,dst_tp", [
+    (8, 128, "bf16", 4, 2),
+    (8, 128, "bf16", 2, 4),
+    (8, 128, "fp8", 4, 2),
+    (8, 128, "fp8", 2, 4),
+    # The head_dim-64 kernel's cache (rpa3hd64).
+    (8, 64, "bf16", 4, 2),
+    (8, 64, "fp8", 2, 4),
 ])
-def test_pd_between_jax_runners_through_the_worker_sides(configs, heads, dtype, src_tp, dst_tp, backend):
+def test_pd_between_jax_runners_through_the_worker_sides(configs, heads, dim, dtype, src_tp, dst_tp, backend):
     tokens = 40  # 3 blocks, the last one partial
     src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
-    gs, gd = geometry(heads, 128, dtype, src_tp), geometry(heads, 128, dtype, dst_tp)
+    gs, gd = geometry(heads, dim, dtype, src_tp), geometry(heads, dim, dtype, dst_tp)
     src = rank_caches(gs, tokens, src_ids, seed=3, fill_seed=11)
     dst = rank_caches(gd, 0, dst_ids, seed=3, fill_seed=12)
     want = rank_caches(gd, tokens, dst_ids, seed=3, fill_seed=12)

@@ -74,14 +74,15 @@ def host(a):
     return np.asarray(jax.device_get(a)).view(np.dtype(f"u{np.dtype(a.dtype).itemsize}"))
 
 
-def runner_pair(dtype, s_tp, d_tp, s_bs, d_bs):
+def runner_pair(dtype, s_tp, d_tp, s_bs, d_bs, dim=DIM):
     devs = devices_or_skip(8)
     s_nb, d_nb = 2 * -(-TOKENS // s_bs) + 3, 2 * -(-TOKENS // d_bs) + 3
     s_ids = [(5 * i + 2) % s_nb for i in range(-(-TOKENS // s_bs))]
     d_ids = [(d_nb - 1 - 2 * i) % d_nb for i in range(-(-TOKENS // d_bs))]
     assert len(set(s_ids)) == len(s_ids) and len(set(d_ids)) == len(d_ids)
-    src = rank_caches(LAYERS, TOKENS, HEADS, DIM, dtype, s_tp, s_bs, s_nb, [s_ids] * s_tp, False, seed=11)
-    want = rank_caches(LAYERS, TOKENS, HEADS, DIM, dtype, d_tp, d_bs, d_nb, [d_ids] * d_tp, False, seed=11)
+    hd64 = dim == 64
+    src = rank_caches(LAYERS, TOKENS, HEADS, dim, dtype, s_tp, s_bs, s_nb, [s_ids] * s_tp, hd64, seed=11)
+    want = rank_caches(LAYERS, TOKENS, HEADS, dim, dtype, d_tp, d_bs, d_nb, [d_ids] * d_tp, hd64, seed=11)
     # The consumer's caches: other requests' bytes everywhere but the destination blocks (zero,
     # as a freshly allocated block of tpu-inference's zero-initialised caches).
     rng = np.random.default_rng(3)
@@ -107,18 +108,21 @@ def runner_pair(dtype, s_tp, d_tp, s_bs, d_bs):
 
 
 CASES = [
-    # dtype, producer TP, consumer TP, producer block size, consumer block size
-    ("bf16", 4, 2, 16, 32),
-    ("bf16", 2, 4, 32, 16),
-    ("fp8", 4, 2, 16, 16),
-    ("fp8", 2, 4, 16, 32),
+    # dtype, producer TP, consumer TP, producer block size, consumer block size, head_dim
+    ("bf16", 4, 2, 16, 32, 128),
+    ("bf16", 2, 4, 32, 16, 128),
+    ("fp8", 4, 2, 16, 16, 128),
+    ("fp8", 2, 4, 16, 32, 128),
+    # The head_dim-64 kernel's cache (rpa3hd64: K and V of a head in one 128-lane row).
+    ("bf16", 4, 2, 16, 32, 64),
+    ("fp8", 2, 4, 32, 16, 64),
 ]
 
 
-@pytest.mark.parametrize("dtype,s_tp,d_tp,s_bs,d_bs", CASES)
+@pytest.mark.parametrize("dtype,s_tp,d_tp,s_bs,d_bs,dim", CASES)
 @pytest.mark.parametrize("backends", [("auto", "auto"), ("framework-copy", "framework-copy")])
-def test_pd_between_tpu_inference_runners_reshards_byte_exact(dtype, s_tp, d_tp, s_bs, d_bs, backends):
-    prod, cons, s_ids, d_ids, expect, src_glob = runner_pair(dtype, s_tp, d_tp, s_bs, d_bs)
+def test_pd_between_tpu_inference_runners_reshards_byte_exact(dtype, s_tp, d_tp, s_bs, d_bs, dim, backends):
+    prod, cons, s_ids, d_ids, expect, src_glob = runner_pair(dtype, s_tp, d_tp, s_bs, d_bs, dim)
     client = tpu_sync.Client()
     pk = JaxKv(prod, backend=backends[0], client=client)
     ck = JaxKv(cons, backend=backends[1], client=client)
@@ -127,7 +131,8 @@ def test_pd_between_tpu_inference_runners_reshards_byte_exact(dtype, s_tp, d_tp,
     assert "host memory" in pk.backend_reason or backends[0] != "auto"
     assert (pk.tp, pk.ranks, ck.tp, ck.ranks) == (s_tp, list(range(s_tp)), d_tp, list(range(d_tp)))
     assert pk.physical_layout == "{4,3,2,1,0}"
-    model = tpu_sync.model("tpu-inference-test", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=dtype)
+    model = tpu_sync.model("tpu-inference-test", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=dim, dtype=dtype)
+    assert pk.layout(model)["spec"]["order"] == ("rpa3hd64" if dim == 64 else "rpa3")
     # Forwards between creating the adapters and using them: the caches are read again.
     prod.forward()
     cons.forward()
@@ -136,7 +141,7 @@ def test_pd_between_tpu_inference_runners_reshards_byte_exact(dtype, s_tp, d_tp,
         src_place = pk.register(pe, 77, model, s_ids, TOKENS)
         prod.forward()  # the producer's next step may overwrite the blocks: they are staged
         report = ck.pull(de, 77, pe.address, src_place, model, d_ids, TOKENS, timeout_s=60)
-    real = TOKENS * HEADS * 2 * DIM * np.dtype(DTYPES[dtype]).itemsize * LAYERS
+    real = TOKENS * HEADS * 2 * dim * np.dtype(DTYPES[dtype]).itemsize * LAYERS
     assert report["bytes"] == real
     for layer in range(LAYERS):
         got = host(cons.kv_caches[layer])

@@ -216,11 +216,15 @@ class JaxKv:
                     ranks=list(self.ranks), shard_shape=list(self.shard_shape), physical_layout=self.physical_layout)
 
     def layout(self, model: Dict[str, Any], num_blocks: Optional[int] = None) -> Dict[str, Any]:
-        """tpu_sync's layout of these caches for ``model`` (RPA v3, TP from the mesh, the
-        shards' block size and physical layout); ``num_blocks`` defaults to the caches'."""
+        """tpu_sync's layout of these caches for ``model`` (RPA v3, or its head_dim-64 form
+        ``rpa3hd64`` when ``model["head_dim"]`` is 64; TP from the mesh, the shards' block size
+        and physical layout); ``num_blocks`` defaults to the caches'."""
         import tpu_sync
 
-        lay = tpu_sync.layout(model, tp=self.tp, block_size=self.block_size, order="rpa3",
+        # tpu-inference runs the head_dim-64 kernel (K and V of a head side by side in one
+        # 128-lane row) whenever head_dim is 64 (ragged_paged_attention/v3/kernel_hd64.py).
+        order = "rpa3hd64" if int(model.get("head_dim", 0)) == 64 else "rpa3"
+        lay = tpu_sync.layout(model, tp=self.tp, block_size=self.block_size, order=order,
                               num_blocks=self.num_blocks if num_blocks is None else num_blocks)
         if self.physical_layout != xla_layout(None, len(self.shard_shape)):
             lay["physical_layout"] = self.physical_layout

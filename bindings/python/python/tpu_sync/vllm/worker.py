@@ -309,8 +309,7 @@ class WorkerSide:
         Raises:
             ValueError: no caches, or caches that disagree with the model's geometry (TP,
                 per-rank shape, dtype, layers); NotImplementedError: what is not supported with
-                a JAX runner yet (layer-wise transfers, KV cache groups, the head_dim-64
-                kernel's cache); UnsupportedError (tpu_sync.errors): shardings not mapped
+                a JAX runner yet (layer-wise transfers, KV cache groups); UnsupportedError (tpu_sync.errors): shardings not mapped
                 (docs/tpu.md); ImportError without jax."""
         if self.caches is not None:
             return
@@ -319,7 +318,7 @@ class WorkerSide:
             raise ValueError("TpuSyncConnector: register_runner without registered KV caches, and the runner has no "
                              "kv_caches")
         g = self.geometry
-        if g.groups or self.cfg.layerwise or g.kv_order != "rpa3":
+        if g.groups or self.cfg.layerwise or g.kv_order not in ("rpa3", "rpa3hd64"):
             what = ("KV cache groups" if g.groups else "layer-wise transfers" if self.cfg.layerwise else
                     f"the {g.kv_order} cache")
             raise NotImplementedError(f"TpuSyncConnector: {what} with a JAX model runner (tpu-inference) are not "
