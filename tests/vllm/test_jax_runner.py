@@ -182,3 +182,87 @@ def test_a_runner_that_disagrees_with_the_model_is_refused(configs):
         assert w.caches is None
     finally:
         w.shutdown()
+
+
+def registrations(w):
+    """Source registrations the worker's endpoint still serves."""
+    return w.transport.endpoint.stats()["source_registrations"]
+
+
+def released(ws, timeout=10.0):
+    """Whether every producer worker's registrations ended within ``timeout`` s (they were
+    released, not left for the lease of 60 s)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(registrations(w) == 0 for w in ws):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize("direction", ["torch->jax", "jax->torch"])
+def test_pd_between_a_jax_runner_and_per_rank_workers(configs, monkeypatch, direction):
+    """vLLM-TorchTPU's workers hold one endpoint per TP rank, a JAX runner one endpoint for all
+    its ranks; the producer's registrations count consumer ranks, so a request is released once
+    every consumer rank got it, whichever kind pulls: byte-exact both ways, and the producer's
+    registrations end with the last rank's release (not with the first, not at the lease)."""
+    from test_tpu_engine_layouts import NAMES, as_bytes, rank_tensors, register
+
+    tokens = 40
+    src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
+    jax_side_tp, torch_tp = 4, 2
+    if direction == "torch->jax":
+        gs, gd = geometry(8, 128, "bf16", torch_tp), geometry(8, 128, "bf16", jax_side_tp)
+        src = [rank_tensors(gs, r, tokens, src_ids, seed=3, fill_seed=11) for r in range(torch_tp)]
+        prods = [worker(configs, "kv_producer", gs) for _ in range(torch_tp)]
+        dst = rank_caches(gd, 0, dst_ids, seed=3, fill_seed=12)
+        want = rank_caches(gd, tokens, dst_ids, seed=3, fill_seed=12)
+        cr = runner(gd, dst, 4)
+        conss = [worker(configs, "kv_consumer", gd)]
+    else:
+        gs, gd = geometry(8, 128, "bf16", jax_side_tp), geometry(8, 128, "bf16", torch_tp)
+        src = rank_caches(gs, tokens, src_ids, seed=3, fill_seed=11)
+        pr = runner(gs, src, 0)
+        prods = [worker(configs, "kv_producer", gs)]
+        dst = [rank_tensors(gd, r, 0, dst_ids, seed=3, fill_seed=12) for r in range(torch_tp)]
+        want = [rank_tensors(gd, r, tokens, dst_ids, seed=3, fill_seed=12) for r in range(torch_tp)]
+        conss = [worker(configs, "kv_consumer", gd) for _ in range(torch_tp)]
+    try:
+        if direction == "torch->jax":
+            for r, w in enumerate(prods):
+                register(monkeypatch, w, src[r], r)
+            conss[0].register_runner(cr)
+            peers = {r: w.transport.address for r, w in enumerate(prods)}
+        else:
+            prods[0].register_runner(pr)
+            for r, w in enumerate(conss):
+                register(monkeypatch, w, dst[r], r)
+            peers = {r: prods[0].handshake().address for r in range(jax_side_tp)}
+        for w in prods:
+            w.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 91, src_ids, tokens, 60.0, gd.tp)]))
+            assert w.stats["registered"] == 1, w.stats
+        layout = gs.tpu_sync_layout(NB)
+        # One consumer after the other: each one's release is in before the next pulls, so a
+        # producer that ended the request with the first rank's release fails the second's.
+        for r, w in enumerate(conss):
+            w.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 91, peers, layout, src_ids, dst_ids, tokens, 30.0)]))
+            res = wait_pulled(w, "d1")
+            assert res.finished_recving == {"d1"} and not res.failed_recving, (r, w.stats)
+            if r + 1 < len(conss):
+                deadline = time.monotonic() + 10
+                while prods[0].transport.endpoint.stats()["leases"] and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert prods[0].transport.endpoint.stats()["leases"] == 0, "the release did not come"
+                assert registrations(prods[0]) == 1, "ended before every consumer rank released"
+        if direction == "torch->jax":
+            for layer in range(LAYERS):
+                assert np.array_equal(bits(cr.kv_caches[layer]), glob(want, layer)), layer
+        else:
+            for r in range(torch_tp):
+                for n in NAMES:
+                    got, exp = as_bytes(dst[r][n]), as_bytes(want[r][n])
+                    assert np.array_equal(got, exp), (r, n, np.argwhere(got != exp)[:4])
+        assert released(prods), [registrations(w) for w in prods]
+    finally:
+        for w in conss + prods:
+            w.shutdown()

@@ -1555,6 +1555,9 @@ enum tpu_sync_status tpu_sync_pacing_stats(char *buf, size_t buf_len, size_t *le
  *  "lane_idle_timeout_s": 120,  // a served data lane idle this long is closed (give peers
  *                               // the same value: clients reuse a pooled lane for half of it)
  *  "lease_ttl_s": 120,          // how long an unreleased registration is kept without holders
+ *  "count_releases_by_rank": false, // expected_releases counts consumer TP ranks (a release
+ *                               // counts the destination ranks it was served; a reject ends
+ *                               // the registration) instead of consumer endpoints
  *  "chunk_bytes": 1048576, "streams_per_pair": 2, "max_lanes_per_peer": 16,
  *  "max_inbound_lanes": 4096,  // inbound sockets/streams served at once; more are closed
  *  "quic_connections_per_peer": 2, // QUIC only: connections opened to each peer (>= 1)

@@ -158,6 +158,7 @@ struct EndpointJson {
     heartbeat_timeout_s: Option<f64>,
     lane_idle_timeout_s: Option<f64>,
     lease_ttl_s: Option<f64>,
+    count_releases_by_rank: Option<bool>,
     chunk_bytes: Option<u64>,
     streams_per_pair: Option<u32>,
     max_lanes_per_peer: Option<u32>,
@@ -275,6 +276,9 @@ fn options(j: EndpointJson) -> FfiResult<Config> {
     if let Some(t) = j.lane_idle_timeout_s {
         o.lane_idle_timeout = secs(t, "lane_idle_timeout_s")?;
     }
+    if let Some(b) = j.count_releases_by_rank {
+        o.count_releases_by_rank = b;
+    }
     if let Some(t) = j.lease_ttl_s {
         o.lease_ttl = secs(t, "lease_ttl_s")?;
     }
@@ -313,6 +317,9 @@ fn options(j: EndpointJson) -> FfiResult<Config> {
 ///  "lane_idle_timeout_s": 120,  // a served data lane idle this long is closed (give peers
 ///                               // the same value: clients reuse a pooled lane for half of it)
 ///  "lease_ttl_s": 120,          // how long an unreleased registration is kept without holders
+///  "count_releases_by_rank": false, // expected_releases counts consumer TP ranks (a release
+///                               // counts the destination ranks it was served; a reject ends
+///                               // the registration) instead of consumer endpoints
 ///  "chunk_bytes": 1048576, "streams_per_pair": 2, "max_lanes_per_peer": 16,
 ///  "max_inbound_lanes": 4096,  // inbound sockets/streams served at once; more are closed
 ///  "quic_connections_per_peer": 2, // QUIC only: connections opened to each peer (>= 1)

@@ -45,6 +45,15 @@ pub struct EndpointOptions {
     /// How long a source registration without a live lease holder is kept, and how long a push
     /// registration waits without any push activity before it fails.
     pub lease_ttl: Duration,
+    /// What a source registration's `expected_releases` counts on this (producer) endpoint.
+    /// `false` (default): consumer endpoints; each delivered release counts one.
+    /// `true`: consumer TP ranks; a delivered release counts the distinct destination ranks
+    /// this endpoint served that consumer completely, and a reject ends the registration
+    /// (`Rejected`), since every rank of one consumer instance gives the request up together.
+    /// For producers whose consumers may hold one endpoint per rank (vLLM-TorchTPU's workers)
+    /// or one endpoint for all ranks (a JAX runner): `expected_releases` is then the number of
+    /// consumer ranks that pull from this endpoint's ranks, whatever their endpoints.
+    pub count_releases_by_rank: bool,
     /// Payload bytes per data frame (chunk), at most [`crate::wire::MAX_DATA_PAYLOAD`].
     pub chunk_bytes: u64,
     /// Lanes a single `(source rank, destination rank)` stream is spread over (>= 1).
@@ -117,6 +126,7 @@ impl Default for EndpointOptions {
             heartbeat_timeout: Duration::from_secs(5),
             lane_idle_timeout: super::endpoint::DEFAULT_LANE_IDLE,
             lease_ttl: Duration::from_secs(120),
+            count_releases_by_rank: false,
             chunk_bytes: 1 << 20,
             streams_per_pair: 2,
             max_lanes_per_peer: 16,

@@ -166,6 +166,12 @@ class Endpoint(Handle):
         heartbeat_interval, heartbeat_timeout: seconds between heartbeats, and of silence after
             which a peer is declared dead (its transfers fail, its leases end).
         lease_s: how long a registration is kept without a live consumer (endpoint-wide).
+        count_releases_by_rank: what :meth:`register`'s ``expected_releases`` counts on this
+            (producer) endpoint. False (default): consumer endpoints, one per delivered
+            release. True: consumer TP ranks; a delivered release counts the destination ranks
+            this endpoint served that consumer completely, and a reject ends the registration,
+            so consumers with one endpoint per rank and consumers with one endpoint for all
+            ranks (a JAX runner) are counted alike.
         lane_idle_timeout: seconds after which a data lane this endpoint serves that carries no
             request is closed (default 120); as a client it reuses a pooled lane for half of it,
             so give peers the same value.
@@ -207,7 +213,8 @@ class Endpoint(Handle):
                  wait_for_registration: Optional[float] = None,
                  staging_pool_bytes: Optional[int] = None,
                  quic_connections_per_peer: Optional[int] = None,
-                 lane_idle_timeout: Optional[float] = None) -> None:
+                 lane_idle_timeout: Optional[float] = None,
+                 count_releases_by_rank: Optional[bool] = None) -> None:
         self._ptr = None
         cfg: Dict[str, Any] = {"transport": ck.text("transport", transport),
                                "timeout_s": ck.number("timeout", timeout, positive=True)}
@@ -223,6 +230,8 @@ class Endpoint(Handle):
             cfg["psk_hex"] = bytes(psk).hex()
         if client is not None:
             ck.instance("client", client, Client)
+        if count_releases_by_rank is not None:
+            cfg["count_releases_by_rank"] = ck.flag("count_releases_by_rank", count_releases_by_rank)
         for k, v in dict(heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout,
                          lease_ttl_s=lease_s, staging_wait_s=staging_wait,
                          wait_for_registration_s=wait_for_registration,

@@ -330,6 +330,7 @@ impl Endpoint {
             heartbeat_interval: opts.heartbeat_interval,
             heartbeat_timeout: opts.heartbeat_timeout,
             release_wait: opts.io_timeout / 2,
+            count_releases_by_rank: opts.count_releases_by_rank,
         });
         let counters = Arc::new(Counters::for_transport(transport.kind()));
         let inner = Arc::new(Inner {

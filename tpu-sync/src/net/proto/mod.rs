@@ -124,6 +124,8 @@ pub(crate) struct Config {
     pub(crate) heartbeat_timeout: Duration,
     /// How long a delivered release waits for stripes still being served to its consumer.
     pub(crate) release_wait: Duration,
+    /// `expected_releases` counts consumer ranks ([`crate::net::EndpointOptions::count_releases_by_rank`]).
+    pub(crate) count_releases_by_rank: bool,
 }
 
 /// What the driver must do. Actions returned by one call are carried out in order.

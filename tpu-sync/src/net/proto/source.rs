@@ -169,11 +169,20 @@ impl Source {
     ) -> Option<SourceOutcome> {
         self.holders.remove(&s);
         let complete = self.served_completely(s);
+        // The consumer ranks this release speaks for: the distinct destination ranks served.
+        let ranks = self.served.get(&s).map_or(0, |m| {
+            m.keys()
+                .map(|&(_, dst)| dst)
+                .collect::<BTreeSet<u32>>()
+                .len() as u32
+        });
         self.served.remove(&s);
         self.granted.remove(&s);
         self.deadline = now + cfg.lease_ttl;
         if delivered && complete {
-            self.releases += 1;
+            self.releases =
+                self.releases
+                    .saturating_add(if cfg.count_releases_by_rank { ranks } else { 1 });
         } else {
             log::info!(
                 "release of request {} by {name} is not a delivery ({}): the registration stays \
@@ -250,7 +259,12 @@ impl Sources {
         };
         let mut end = None;
         if let Some(e) = self.early.remove(&rid).filter(|e| e.until > now) {
-            src.rejects += e.by.len() as u32;
+            // Counting consumer ranks: a reject gives the request up for its whole instance.
+            src.rejects += if cfg.count_releases_by_rank {
+                src.spec.expected_releases
+            } else {
+                e.by.len() as u32
+            };
             src.rejected_by = e.by;
             src.reject_reason = Some(e.reason);
             end = src.accounted().then(|| src.final_outcome());
@@ -551,7 +565,12 @@ impl Sources {
             return (true, Vec::new());
         }
         log::info!("request {rid} rejected by {name}: {reason}");
-        reg.rejects += 1;
+        // Counting consumer ranks: a reject gives the request up for its whole instance.
+        reg.rejects = reg.rejects.saturating_add(if cfg.count_releases_by_rank {
+            reg.spec.expected_releases
+        } else {
+            1
+        });
         reg.reject_reason.get_or_insert(why);
         reg.deadline = now + cfg.lease_ttl;
         let end = reg.accounted().then(|| reg.final_outcome());

@@ -26,6 +26,7 @@ fn cfg() -> Config {
         heartbeat_interval: HB,
         heartbeat_timeout: HB_TIMEOUT,
         release_wait: RELEASE_WAIT,
+        count_releases_by_rank: false,
     }
 }
 
@@ -138,9 +139,13 @@ struct Pair {
 
 impl Pair {
     fn new() -> Pair {
+        Pair::with_cfg(cfg())
+    }
+
+    fn with_cfg(c: Config) -> Pair {
         let now = Instant::now();
-        let mut prod = Proto::new(cfg());
-        let mut cons = Proto::new(cfg());
+        let mut prod = Proto::new(c.clone());
+        let mut cons = Proto::new(c);
         let sess = prod.handle_hello(now, "decode", 7).unwrap();
         let a: Vec<Action> = Vec::new();
         assert!(a.is_empty());
@@ -807,6 +812,66 @@ fn reject() {
     p.drive();
     assert!(matches!(p.outcome(3), Some(SourceOutcome::Rejected(_))));
     assert_eq!(p.prod.stats().staged_bytes, 0);
+}
+
+#[test]
+fn releases_counted_by_consumer_rank() {
+    let tokens = 100;
+    let fx_to = |dst_tp: u32| {
+        let src = placement("tp=2,block=16", tokens, 0);
+        let dst = placement(&format!("tp={dst_tp},block=32"), tokens, 2);
+        let plan = Arc::new(Plan::build(&src, &dst, tokens).unwrap());
+        Fx {
+            src,
+            dst,
+            tokens,
+            plan,
+        }
+    };
+    let (two, one) = (fx_to(2), fx_to(1));
+    let by_rank = Config {
+        count_releases_by_rank: true,
+        ..cfg()
+    };
+    let pulled = |p: &mut Pair, f: &Fx, rid: u64| {
+        let t = p.pull(f, rid, 2, None);
+        p.drive();
+        assert!(p.result(t).unwrap().is_ok());
+        p.send_up(Up::Release(rid, true));
+        p.drive();
+    };
+    // Counting endpoints (the default): one consumer endpoint that pulled both destination
+    // ranks is one release of the two expected.
+    let mut p = Pair::new();
+    p.register(&two, 1, 2).unwrap();
+    pulled(&mut p, &two, 1);
+    assert_eq!(p.outcome(1), None);
+    // Counting ranks: the same release speaks for both of its ranks (a JAX runner's endpoint).
+    let mut p = Pair::with_cfg(by_rank.clone());
+    p.register(&two, 1, 2).unwrap();
+    pulled(&mut p, &two, 1);
+    assert_eq!(p.outcome(1), Some(SourceOutcome::Released));
+    // ...and a consumer served one destination rank counts one (one endpoint per rank).
+    p.register(&one, 2, 2).unwrap();
+    pulled(&mut p, &one, 2);
+    assert_eq!(p.outcome(2), None, "one rank of two released");
+    // An undelivered release counts nothing.
+    p.register(&two, 3, 2).unwrap();
+    let t = p.pull(&two, 3, 2, None);
+    p.drive();
+    assert!(p.result(t).unwrap().is_ok());
+    p.send_up(Up::Release(3, false));
+    p.drive();
+    assert_eq!(p.outcome(3), None);
+    // A reject gives the request up for the whole consumer instance, also before it exists.
+    p.register(&two, 4, 4).unwrap();
+    p.send_up(Up::Reject(4, "aborted".into()));
+    p.drive();
+    assert!(matches!(p.outcome(4), Some(SourceOutcome::Rejected(_))));
+    p.send_up(Up::Reject(5, "refused".into()));
+    p.drive();
+    p.register(&two, 5, 3).unwrap();
+    assert!(matches!(p.outcome(5), Some(SourceOutcome::Rejected(_))));
 }
 
 #[test]

@@ -283,7 +283,11 @@ class EndpointTransport:
                                   client=client, lease_s=cfg.lease_s, staging_budget_bytes=cfg.staging_budget_bytes,
                                   staging_wait=cfg.staging_wait_s,
                                   heartbeat_timeout=cfg.heartbeat_timeout_s,
-                                  heartbeat_interval=min(1.0, cfg.heartbeat_timeout_s / 5))
+                                  heartbeat_interval=min(1.0, cfg.heartbeat_timeout_s / 5),
+                                  # Expected releases count consumer ranks: a consumer with one
+                                  # endpoint per TP rank (vLLM-TorchTPU) and one with a single
+                                  # endpoint for all (a JAX runner) release a request alike.
+                                  count_releases_by_rank=True)
         if cfg.tls:
             kw["tls"] = cfg.tls
         if cfg.psk:

@@ -20,7 +20,7 @@ import hashlib
 import logging
 import platform
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 #: tpu_sync dtype names (``tpu_sync::layout::DType``) of torch KV cache dtypes.
 TORCH_TO_TPU_SYNC_DTYPE = {
@@ -361,10 +361,14 @@ def placement(layout: Dict[str, Any], block_ids: Sequence[Any], first_token: int
     return out
 
 
-def pullers_of_rank(src: Dict[str, Any], rank: int, num_tokens: int, decode_tp: int) -> int:
+def pullers_of_rank(src: Dict[str, Any], rank: Union[int, Iterable[int]], num_tokens: int, decode_tp: int) -> int:
     """How many ranks of a decode instance with TP ``decode_tp`` (same model and block format)
-    pull from producer rank ``rank`` of placement ``src``: the registration's expected releases.
+    pull from producer rank ``rank`` of placement ``src`` (or from any of the ranks ``rank``,
+    when one endpoint serves several: a JAX runner): the registration's expected releases,
+    counted by consumer rank (the connector's endpoints count releases by rank, so a consumer
+    with one endpoint per rank and one with a single endpoint for all its ranks count alike).
     Uses the native planner (:class:`tpu_sync.Plan`)."""
+    ranks = {int(rank)} if isinstance(rank, int) else {int(r) for r in rank}
     import tpu_sync
 
     layout = src["layout"]
@@ -380,7 +384,7 @@ def pullers_of_rank(src: Dict[str, Any], rank: int, num_tokens: int, decode_tp: 
         dst = placement(dst_layout, list(range(nb)))
     plan = tpu_sync.Plan(src, dst, int(num_tokens))
     try:
-        return max(1, len({s.dst_rank for s in plan.spans() if s.src_rank == rank}))
+        return max(1, len({s.dst_rank for s in plan.spans() if s.src_rank in ranks}))
     finally:
         plan.close()
 

@@ -699,9 +699,9 @@ class WorkerSide:
             if jx is None:
                 pullers = compat.pullers_of_rank(placement, self.caches.tp_rank, s.num_tokens, s.decode_tp)
             else:
-                # Every rank in this one endpoint: a consumer of the same kind (a JAX runner, one
-                # endpoint for all its ranks) releases it once.
-                pullers = 1
+                # Every rank in this one endpoint: the consumer ranks that pull from any of them
+                # (releases count consumer ranks, whatever endpoints they use).
+                pullers = compat.pullers_of_rank(placement, jx.ranks, s.num_tokens, s.decode_tp)
                 jx.stage(_flat_ids(s.block_ids))
             try:
                 self.transport.register(s.xfer_id, placement, s.num_tokens, s.lease_s, pullers)
