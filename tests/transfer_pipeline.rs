@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tpu_sync::layout::{DType, ModelKv, ParallelLayout, ParallelSpec};
-use tpu_sync::net::{EndpointOptions, PeerMap};
+use tpu_sync::net::{EndpointOptions, FaultHooks, PeerMap};
 use tpu_sync::pattern::RankContents;
 use tpu_sync::pjrt::{Capabilities, Client, DeviceBuffer, ElementType};
 use tpu_sync::plan::Placement;
@@ -1396,5 +1396,95 @@ fn cgroup_child(procs: std::ffi::OsString) {
         }
         println!("CGROUP-CHILD registered {} refused: {err}", held.len());
         p.shutdown(None).await;
+    });
+}
+
+/// A failed pull's release reaches the producer before the failure is reported, so a retry made
+/// at once is not undone by it. Every release of the consumer is held 300 ms (a slow control
+/// path); the producer corrupts the first chunk it sends, so the first pull fails with a
+/// checksum error; the immediate retry is byte-exact, and the registration ends `Released` with
+/// the retry's release. (When the failure was reported before its release was sent, the late
+/// non-delivering release ended the retry's lease at the producer, which then refused the
+/// retry's delivering release and kept the request until its lease expired.)
+#[test]
+fn a_retry_right_after_a_failed_pull_is_released() {
+    let (src, dst) = placements();
+    let prod = side(2);
+    let cons = side(1);
+    let rt = rt();
+    rt.block_on(async {
+        let bind = |name: &str, listen: bool, faults: FaultHooks| {
+            Pipeline::bind(
+                EndpointOptions {
+                    name: name.into(),
+                    listen: listen.then(|| "127.0.0.1:0".parse().unwrap()),
+                    io_timeout: Duration::from_secs(10),
+                    faults,
+                    ..EndpointOptions::default()
+                },
+                TransferOptions {
+                    staging_budget_bytes: Some(1 << 30),
+                    ..TransferOptions::default()
+                },
+            )
+        };
+        let p = bind(
+            "late-release-prod",
+            true,
+            FaultHooks {
+                corrupt_at_offset: Some(10),
+                ..FaultHooks::default()
+            },
+        )
+        .await
+        .unwrap();
+        let c = bind(
+            "late-release-cons",
+            false,
+            FaultHooks {
+                delay_releases: Some(Duration::from_millis(300)),
+                ..FaultHooks::default()
+            },
+        )
+        .await
+        .unwrap();
+        let src_kv = kv(
+            &prod,
+            (0..2)
+                .map(|r| (r, buffers(&prod, &src, r, SRC_SALT)))
+                .collect(),
+        );
+        let h = p
+            .offer(Offer {
+                request_id: 31,
+                num_tokens: TOKENS,
+                placement: src.clone(),
+                kv: src_kv,
+                expected_releases: 1,
+            })
+            .unwrap();
+        let dst_bufs = background(&cons, &dst, 0);
+        let pull = || PullInto {
+            request_id: 31,
+            num_tokens: TOKENS,
+            src: src.clone(),
+            sources: PeerMap::single(addr(&p)),
+            dst: dst.clone(),
+            kv: kv(&cons, vec![(0, dst_bufs.clone())]),
+            wait_for_registration: None,
+        };
+        let e = c.pull(pull()).unwrap().wait().await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Checksum, "{e}");
+        let want = TOKENS as u64 * model().bytes_per_token();
+        let rep = c.pull(pull()).unwrap().wait().await.unwrap();
+        assert_eq!(rep.device_bytes, want);
+        assert_eq!(verify(&dst, 0, &dst_bufs), want);
+        assert_eq!(
+            h.wait(Duration::from_secs(5)).await.unwrap(),
+            OfferState::Released
+        );
+        for x in [&p, &c] {
+            x.shutdown(None).await;
+        }
     });
 }

@@ -151,6 +151,9 @@ pub struct FaultHooks {
     pub corrupt_at_offset: Option<u64>,
     /// Stop answering heartbeats (a peer that hangs without closing its sockets).
     pub mute_heartbeats: bool,
+    /// Hold every release this endpoint sends this long before sending it (a slow control
+    /// path: a release that reaches the producer late).
+    pub delay_releases: Option<Duration>,
 }
 
 #[cfg(test)]

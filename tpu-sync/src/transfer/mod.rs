@@ -1045,7 +1045,9 @@ impl Pipeline {
     /// [`Pipeline::shutdown`] waits for releases still on their way). A
     /// failed or cancelled pull releases without delivery (the producer keeps the request for
     /// a retry, until its lease passes or the consumer [rejects](Pipeline::reject) it), except
-    /// when the failure is the producer's ([`Error::is_peer_failure`]: dead, unreachable).
+    /// when the failure is the producer's ([`Error::is_peer_failure`]: dead, unreachable); that
+    /// release is answered before the failure is reported (one control round trip, bounded by
+    /// the I/O timeout), so a retry made at once is not undone by it.
     ///
     /// No computation may use the destination blocks until the transfer completes.
     ///
@@ -1144,14 +1146,18 @@ impl Pipeline {
                     job.0.complete(r);
                     release_all(&ep, &src_addrs, job.0.request_id, true).await;
                 } else {
-                    // A failed pull completes at once; the release (no delivery: the producer keeps
-                    // the request for a retry, this consumer's lease ends) is best effort and must
-                    // not delay the failure. A producer that died or cannot be reached is not told.
+                    // A failed pull tells the producers first (no delivery: they keep the
+                    // request for a retry, this consumer's lease ends), then completes: a caller
+                    // that retries at once must not have its retry's lease ended by this
+                    // release arriving after the retry began (the producer would then refuse
+                    // the retry's delivering release, and hold the request to its lease
+                    // expiry). One control round trip, bounded by the I/O timeout; a producer
+                    // that died or cannot be reached is not told.
                     let peer_gone = r.as_ref().err().is_some_and(Error::is_peer_failure);
-                    job.0.complete(r);
                     if !peer_gone {
                         release_all(&ep, &src_addrs, job.0.request_id, false).await;
                     }
+                    job.0.complete(r);
                 }
             }));
         Ok(handle)

@@ -623,6 +623,9 @@ impl Endpoint {
     ///
     /// Errors: connection errors; the producer's errors with their kind.
     pub async fn release_with(&self, addr: &str, request_id: u64, delivered: bool) -> Result<()> {
+        if let Some(d) = self.inner.opts.faults.delay_releases {
+            tokio::time::sleep(d).await;
+        }
         let m = wire::Control::Release {
             request_id,
             delivered,
