@@ -336,6 +336,54 @@ fn main() {
         }
     }
 
+    // Large calls: whole 8 MiB layer buffers (16 of them, 128 MiB), one call each, all issued
+    // then awaited: what one contiguous copy through the plugin costs (the bound a device-side
+    // gather followed by one copy would reach).
+    let whole = {
+        let n = (bytes / bufs[0].on_device_size()).min(bufs.len() as u64) as usize;
+        let sz = bufs[0].on_device_size();
+        let mut times = Vec::new();
+        let mut err = None;
+        for i in 0..a.iters + 1 {
+            let t = Instant::now();
+            let mut evs = Vec::new();
+            for (l, b) in bufs.iter().take(n).enumerate() {
+                let dst = arena.ptr_at(l as u64 * sz, sz).expect("arena");
+                // SAFETY: each buffer has its own arena range, untouched until the events
+                // below completed.
+                match unsafe { b.copy_raw_to_host_async(0, dst, sz) } {
+                    Ok(ev) => evs.push(ev),
+                    Err(e) => err = Some(e.to_string()),
+                }
+            }
+            for ev in evs {
+                if let Err(e) = ev.wait() {
+                    err = Some(e.to_string());
+                }
+            }
+            if i >= 1 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        match err {
+            Some(e) => {
+                eprintln!("  raw D2H:      whole buffers: FAILED: {e}");
+                serde_json::json!({ "error": e })
+            }
+            None => {
+                let m = median(&mut times);
+                eprintln!(
+                    "  raw D2H:      {n} whole buffers of {} MiB, all issued then awaited: {:.3} ms ({:.2} GB/s)",
+                    sz >> 20,
+                    m * 1e3,
+                    (n as u64 * sz) as f64 / m / 1e9
+                );
+                serde_json::json!({ "calls": n, "bytes_each": sz, "wall_s": m })
+            }
+        }
+    };
+    raw.insert("whole_buffers".into(), whole);
+
     // In-place H2D by the probed path, verified by reading back.
     let (h2d_med, h2d_unsupported) = match CopyBatch::h2d(&caps) {
         Err(e) => {
