@@ -64,6 +64,16 @@ async fn ep(kind: TransportKind, pki: &Pki, name: &str, listen: bool) -> (Endpoi
     fault_endpoint(o(kind, pki, name, listen)).await
 }
 
+/// Waits (3 s at most) for `h` to end, and checks it ended `PeerLost`.
+async fn ends_peer_lost(h: &SourceHandle, what: &str) {
+    eventually(Duration::from_secs(3), what, || h.outcome().is_some()).await;
+    assert!(
+        matches!(h.outcome(), Some(SourceOutcome::PeerLost(_))),
+        "{what}: {:?}",
+        h.outcome()
+    );
+}
+
 fn register(ep: &Endpoint, f: &Fx, rid: u64) -> SourceHandle {
     register_whole_with(ep, &f.src, f.tokens, rid, &locked())
 }
@@ -317,24 +327,12 @@ async fn pull_case(kind: TransportKind, pki: &Pki, f: &Fx, case: &Case) {
         // with it (`PeerLost`); B ended in the same step if the dead session was being served
         // B too, and stays registered if that session had only described it (a describe ends
         // nothing, issue 24). Either way nothing else ended.
-        let h = ha;
-        eventually(Duration::from_secs(3), &what, || h.outcome().is_some()).await;
-        assert!(
-            matches!(h.outcome(), Some(SourceOutcome::PeerLost(_))),
-            "{what}: {:?}",
-            h.outcome()
-        );
+        ends_peer_lost(&ha, &format!("{what}: A")).await;
         // The state machine ended A and B (when it did) in one locked step; the handles
         // hear of it one after the other. Its registration count says whether B ended, so
         // this does not depend on which handle was told first.
         if prefill.stats().source_registrations == 0 {
-            let h = hb;
-            eventually(Duration::from_secs(3), &what, || h.outcome().is_some()).await;
-            assert!(
-                matches!(h.outcome(), Some(SourceOutcome::PeerLost(_))),
-                "{what}: B: {:?}",
-                h.outcome()
-            );
+            ends_peer_lost(&hb, &format!("{what}: B")).await;
             b_again = true;
         } else {
             assert_eq!(hb.outcome(), None, "{what}: B");

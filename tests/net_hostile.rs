@@ -106,6 +106,7 @@ fn a_peer_that_never_pulled_cannot_end_a_request() {
         raw.send(&Control::Release {
             request_id: 1,
             delivered: true,
+            attempt: 0,
         })
         .await;
         match raw.recv().await {

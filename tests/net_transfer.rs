@@ -579,6 +579,7 @@ fn request_ids_must_survive_json() {
         let msg = tpu_sync::wire::Control::Release {
             request_id: max,
             delivered: true,
+            attempt: 0,
         };
         let json = serde_json::to_string(&msg).unwrap();
         // A JSON number parsed as a double (as Python or JavaScript do) keeps the id.

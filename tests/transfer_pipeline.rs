@@ -139,6 +139,16 @@ fn background(s: &Side, dst: &Placement, rank: u32) -> Vec<DeviceBuffer> {
     buffers(s, &bg, rank, DST_SALT)
 }
 
+/// Both producer ranks' buffers of `src` (salt `SRC_SALT`).
+fn src_kv(prod: &Side, src: &Placement) -> KvBuffers {
+    kv(
+        prod,
+        (0..2)
+            .map(|r| (r, buffers(prod, src, r, SRC_SALT)))
+            .collect(),
+    )
+}
+
 fn raw(s: &Side, ty: ElementType, dims: &[i64], fill: u8) -> DeviceBuffer {
     let n = ty.shape_bytes(dims).unwrap() as usize;
     s.client
@@ -258,12 +268,7 @@ fn every_disagreement_is_refused_before_any_byte_moves_then_a_pull_is_exact() {
         let c = pipeline("val-cons", false, TransferOptions::default())
             .await
             .unwrap();
-        let src_kv = kv(
-            &prod,
-            (0..2)
-                .map(|r| (r, buffers(&prod, &src, r, SRC_SALT)))
-                .collect(),
-        );
+        let src_kv = src_kv(&prod, &src);
         let offered = p
             .offer(Offer {
                 request_id: 5,
@@ -462,12 +467,7 @@ fn a_registration_past_the_budget_fails_and_earlier_ones_still_pull_exact() {
     let cons = side(1);
     let rt = rt();
     rt.block_on(async {
-        let src_kv = kv(
-            &prod,
-            (0..2)
-                .map(|r| (r, buffers(&prod, &src, r, SRC_SALT)))
-                .collect(),
-        );
+        let src_kv = src_kv(&prod, &src);
         let offer = |id| Offer {
             request_id: id,
             num_tokens: TOKENS,
@@ -565,12 +565,7 @@ fn a_failed_pull_leaves_the_request_for_a_retry_a_reject_frees_it_and_pulls_wait
         let c = pipeline("retry-cons", false, TransferOptions::default())
             .await
             .unwrap();
-        let src_kv = kv(
-            &prod,
-            (0..2)
-                .map(|r| (r, buffers(&prod, &src, r, SRC_SALT)))
-                .collect(),
-        );
+        let src_kv = src_kv(&prod, &src);
         let offer = |id| Offer {
             request_id: id,
             num_tokens: TOKENS,
@@ -685,12 +680,7 @@ fn a_layerwise_offer_is_pulled_layer_by_layer_and_exact() {
         let c = pipeline("lw-cons", false, TransferOptions::default())
             .await
             .unwrap();
-        let src_kv = kv(
-            &prod,
-            (0..2)
-                .map(|r| (r, buffers(&prod, &src, r, SRC_SALT)))
-                .collect(),
-        );
+        let src_kv = src_kv(&prod, &src);
         let offered = p
             .offer_layers(
                 Offer {
@@ -961,12 +951,7 @@ fn the_pool_respects_its_cap_and_zero_turns_it_off() {
         let c = pipeline("cap-one-c", true, one).await.unwrap();
         // Two registrations live at once: two producer arenas, one of which is kept.
         let (src, dst) = placements();
-        let src_kv = kv(
-            &prod,
-            (0..2)
-                .map(|r| (r, buffers(&prod, &src, r, SRC_SALT)))
-                .collect(),
-        );
+        let src_kv = src_kv(&prod, &src);
         let offers: Vec<_> = [301u64, 302]
             .iter()
             .map(|&id| {
@@ -1026,12 +1011,7 @@ fn a_truncated_transfer_into_a_reused_arena_holding_its_very_bytes_still_fails()
             },
         )
         .unwrap();
-        let src_kv = kv(
-            &prod,
-            (0..2)
-                .map(|r| (r, buffers(&prod, &src, r, SRC_SALT)))
-                .collect(),
-        );
+        let src_kv = src_kv(&prod, &src);
         let offer = |id| Offer {
             request_id: id,
             num_tokens: TOKENS,
@@ -1399,13 +1379,14 @@ fn cgroup_child(procs: std::ffi::OsString) {
     });
 }
 
-/// A failed pull's release reaches the producer before the failure is reported, so a retry made
-/// at once is not undone by it. Every release of the consumer is held 300 ms (a slow control
-/// path); the producer corrupts the first chunk it sends, so the first pull fails with a
-/// checksum error; the immediate retry is byte-exact, and the registration ends `Released` with
-/// the retry's release. (When the failure was reported before its release was sent, the late
-/// non-delivering release ended the retry's lease at the producer, which then refused the
-/// retry's delivering release and kept the request until its lease expired.)
+/// A failed pull's release names that pull, so a retry made at once is not undone by it. Every
+/// release of the consumer is held 300 ms (a slow control path); the producer corrupts the
+/// first chunk it sends, so the first pull fails with a checksum error; the immediate retry is
+/// byte-exact, and the registration ends `Released` with the retry's release, although the
+/// failed pull's non-delivering release reaches the producer after the retry's stripes. (When
+/// releases did not name their pull, that late release ended the retry's lease at the producer,
+/// which then refused the retry's delivering release and kept the request until its lease
+/// expired.)
 #[test]
 fn a_retry_right_after_a_failed_pull_is_released() {
     let (src, dst) = placements();
@@ -1448,12 +1429,7 @@ fn a_retry_right_after_a_failed_pull_is_released() {
         )
         .await
         .unwrap();
-        let src_kv = kv(
-            &prod,
-            (0..2)
-                .map(|r| (r, buffers(&prod, &src, r, SRC_SALT)))
-                .collect(),
-        );
+        let src_kv = src_kv(&prod, &src);
         let h = p
             .offer(Offer {
                 request_id: 31,

@@ -451,6 +451,7 @@ fn script(w: &World, inp: &Input) -> Script {
                         digest: spans_digest(spans) ^ g.bad_digest as u64,
                         total_bytes: (bytes.len() as i64 + g.total_delta as i64).max(0) as u64,
                         stripe,
+                        attempt: 0,
                     },
                     SOURCE,
                 ));

@@ -1756,11 +1756,11 @@ enum tpu_sync_status tpu_sync_endpoint_reject(const struct tpu_sync_endpoint *en
  * verifies every chunk's checksum, writes the bytes in place into `buffers` (H2D), reports
  * success, and tells the producers it got the request (a delivering release, sent to every
  * producer at once after the transfer completed; `tpu_sync_endpoint_shutdown` waits for
- * releases still on their way, at least 2 s). After a
- * failure or cancel the release says the request was not delivered (the producers keep it for
- * a retry until their lease passes, or until `tpu_sync_endpoint_reject`); it is answered
- * before the failure is reported, so a retry made at once is not undone by it. Returns at once with
- * a transfer handle (owned by the caller); validation errors are returned here, network and
+ * releases still on their way, at least 2 s). After a failure or cancel, which is reported
+ * at once, the release says the request was not delivered (the producers keep it for a retry
+ * until their lease passes, or until `tpu_sync_endpoint_reject`); it names the failed pull, so
+ * a producer ignores it once a retry from this endpoint began, and a retry made at once is
+ * not undone by it. Returns at once with a transfer handle (owned by the caller); validation errors are returned here, network and
  * device errors through the transfer. A producer that does not know the request fails the
  * pull with `TPU_SYNC_UNKNOWN_REQUEST` unless the endpoint's `wait_for_registration_s` (or
  * `tpu_sync_endpoint_pull_wait`) lets it wait.

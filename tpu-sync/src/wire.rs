@@ -361,7 +361,8 @@ impl Iterator for Chunks {
 /// `Ready` (or `Failed`) -> data frames -> `StreamDone` -> `StreamAck` (or `Failed`); then
 /// `PushFinish` -> `Finished`. `Describe` -> `Description`, `Release` -> `Released`, `Reject` ->
 /// `Rejected` (each or `Failed`). Fields added since protocol version 2 was first spoken
-/// (`Release::delivered`, `Failed::kind`) have defaults, so older peers' messages still parse.
+/// (`Release::delivered`, `Release::attempt`, `Pull::attempt`, `Failed::kind`) have defaults,
+/// so older peers' messages still parse.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Control {
@@ -430,6 +431,11 @@ pub enum Control {
         total_bytes: u64,
         /// The stripe asked for.
         stripe: Stripe,
+        /// Which pull of the request this stripe belongs to: the receiver's transfer id, the
+        /// same for every stripe of one pull, larger for a later pull from the same receiver
+        /// endpoint (a retry). Absent (0) in older peers' messages.
+        #[serde(default)]
+        attempt: u64,
     },
     /// Sender offers one stripe of the pair `src_rank -> dst_rank` of the plan between `src`
     /// and the receiver's registered placement.
@@ -499,6 +505,12 @@ pub enum Control {
         /// messages.
         #[serde(default = "yes")]
         delivered: bool,
+        /// The pull this release speaks for ([`Control::Pull::attempt`]); the sender ignores
+        /// it once a later pull of the request from the same receiver began (a release of a
+        /// failed pull that arrives after its retry started must not end the retry's lease).
+        /// 0 (absent in older peers' messages): whichever pull came last.
+        #[serde(default)]
+        attempt: u64,
     },
     /// Acknowledges a [`Control::Release`].
     Released {
@@ -665,6 +677,7 @@ mod tests {
         let m = Control::Release {
             request_id: 42,
             delivered: false,
+            attempt: 7,
         };
         let f = m.to_frame(42).unwrap();
         let h = FrameHeader::decode(&f).unwrap();
@@ -681,7 +694,8 @@ mod tests {
             Control::decode(br#"{"type":"release","request_id":3}"#).unwrap(),
             Control::Release {
                 request_id: 3,
-                delivered: true
+                delivered: true,
+                attempt: 0,
             }
         );
         // A failure without a kind arrives as a remote error.

@@ -1046,8 +1046,8 @@ impl Pipeline {
     /// failed or cancelled pull releases without delivery (the producer keeps the request for
     /// a retry, until its lease passes or the consumer [rejects](Pipeline::reject) it), except
     /// when the failure is the producer's ([`Error::is_peer_failure`]: dead, unreachable); that
-    /// release is answered before the failure is reported (one control round trip, bounded by
-    /// the I/O timeout), so a retry made at once is not undone by it.
+    /// release follows the failure and names the failed pull
+    /// ([`Endpoint::release_pull`]), so a retry made at once is not undone by it.
     ///
     /// No computation may use the destination blocks until the transfer completes.
     ///
@@ -1137,6 +1137,7 @@ impl Pipeline {
                     receive(&job.0, &t, staging, kv, report, t0).await
                 };
                 let delivered = r.is_ok();
+                let pull = t.id();
                 if delivered {
                     // The bytes are in place: the pull is done now, and the delivering release
                     // (the producers free the request instead of holding it until its lease
@@ -1144,20 +1145,20 @@ impl Pipeline {
                     // can see "done", so a shutdown after it still sends it.
                     let _pending = releases.start();
                     job.0.complete(r);
-                    release_all(&ep, &src_addrs, job.0.request_id, true).await;
+                    release_all(&ep, &src_addrs, job.0.request_id, true, pull).await;
                 } else {
-                    // A failed pull tells the producers first (no delivery: they keep the
-                    // request for a retry, this consumer's lease ends), then completes: a caller
-                    // that retries at once must not have its retry's lease ended by this
-                    // release arriving after the retry began (the producer would then refuse
-                    // the retry's delivering release, and hold the request to its lease
-                    // expiry). One control round trip, bounded by the I/O timeout; a producer
-                    // that died or cannot be reached is not told.
+                    // A failed pull completes at once; its release (no delivery: the producers
+                    // keep the request for a retry, this consumer's lease ends) follows and
+                    // must not delay the failure (a producer that never answers would hold it
+                    // for an I/O timeout). It names this pull, so a producer ignores it once a
+                    // retry began pulling: a retry made at once keeps its lease whatever order
+                    // the two reach the producer in. A producer that died or cannot be
+                    // reached is not told.
                     let peer_gone = r.as_ref().err().is_some_and(Error::is_peer_failure);
-                    if !peer_gone {
-                        release_all(&ep, &src_addrs, job.0.request_id, false).await;
-                    }
                     job.0.complete(r);
+                    if !peer_gone {
+                        release_all(&ep, &src_addrs, job.0.request_id, false, pull).await;
+                    }
                 }
             }));
         Ok(handle)
@@ -1593,9 +1594,9 @@ async fn receive_layers(
 /// round trip for the request, not one per producer), saying whether it was `delivered` (only
 /// a delivering release counts toward the producer's expected releases). Failures are logged
 /// (the producers' leases end them).
-async fn release_all(ep: &Endpoint, addrs: &[String], request_id: u64, delivered: bool) {
+async fn release_all(ep: &Endpoint, addrs: &[String], request_id: u64, delivered: bool, pull: u64) {
     let each = addrs.iter().map(|a| async move {
-        if let Err(e) = ep.release_with(a, request_id, delivered).await {
+        if let Err(e) = ep.release_pull(a, request_id, delivered, pull).await {
             log::debug!("release (delivered: {delivered}) of request {request_id} at {a}: {e}");
         }
     });

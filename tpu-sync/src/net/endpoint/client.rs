@@ -628,6 +628,7 @@ async fn pull_stripe(
         digest: job.digest,
         total_bytes: job.total,
         stripe: job.stripe,
+        attempt: t.id.0,
     };
     let mut backoff = Backoff::new(wait_until);
     loop {

@@ -623,12 +623,31 @@ impl Endpoint {
     ///
     /// Errors: connection errors; the producer's errors with their kind.
     pub async fn release_with(&self, addr: &str, request_id: u64, delivered: bool) -> Result<()> {
+        self.release_pull(addr, request_id, delivered, 0).await
+    }
+
+    /// [`Endpoint::release_with`] for one pull: `pull` is the [`Transfer::id`] of the pull of
+    /// `request_id` this release speaks for (0: whichever pull came last). The producer ignores
+    /// it (answers it, changes nothing) once a later pull of the request from this endpoint
+    /// asked it for a stripe, so the release of a failed pull, sent while a retry already
+    /// runs, cannot end the retry's lease: control messages and the retry's stripes travel on
+    /// different lanes, in no fixed order.
+    ///
+    /// Errors: as [`Endpoint::release_with`].
+    pub async fn release_pull(
+        &self,
+        addr: &str,
+        request_id: u64,
+        delivered: bool,
+        pull: u64,
+    ) -> Result<()> {
         if let Some(d) = self.inner.opts.faults.delay_releases {
             tokio::time::sleep(d).await;
         }
         let m = wire::Control::Release {
             request_id,
             delivered,
+            attempt: pull,
         };
         let span = tracing::info_span!("release", request_id, delivered);
         let answer =

@@ -245,10 +245,11 @@ impl Inner {
             Control::Release {
                 request_id,
                 delivered,
+                attempt,
             } => {
                 let waiting = {
                     let mut p = lock(&self.proto);
-                    match p.handle_release(now, s.id, request_id, delivered) {
+                    match p.handle_release(now, s.id, request_id, delivered, attempt) {
                         ReleaseStep::Refused(e) => Err(Err(e)),
                         ReleaseStep::Now(ended) => Err(Ok(ended)),
                         ReleaseStep::Wait(token) => {
@@ -292,6 +293,7 @@ impl Inner {
                 digest,
                 total_bytes,
                 stripe,
+                attempt,
             } => {
                 let ask = PullAsk {
                     request_id,
@@ -301,6 +303,7 @@ impl Inner {
                     total_bytes,
                     stripe,
                     generation: 0,
+                    attempt,
                 };
                 tracing::Instrument::instrument(
                     self.serve_pull(s, f, ask, &dst),

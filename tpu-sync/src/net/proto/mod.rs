@@ -466,17 +466,26 @@ impl Proto {
     /// as a delivery only when `delivered` and the consumer was served every stripe it asked for;
     /// decided at once unless stripes are still being served to it (then
     /// [`Action::ReleaseDecided`] comes later, at the latest [`Config::release_wait`] from now).
+    /// `attempt` (non-zero): the pull it speaks for; a release of an earlier pull than the
+    /// latest one this consumer began is stale and changes nothing (answered as released).
     pub(crate) fn handle_release(
         &mut self,
         now: Instant,
         s: SessionId,
         request_id: u64,
         delivered: bool,
+        attempt: u64,
     ) -> ReleaseStep {
         let token = ReleaseToken(self.id());
         let name = self.sessions.name(s);
-        self.sources
-            .release(now, &self.cfg, s, &name, request_id, delivered, token)
+        self.sources.release(
+            now,
+            &self.cfg,
+            (s, &name),
+            request_id,
+            (delivered, attempt),
+            token,
+        )
     }
 
     /// A consumer rejects a request (it will not pull it). Returns whether it was registered

@@ -67,6 +67,8 @@ pub(crate) struct PullAsk {
     pub(crate) stripe: Stripe,
     /// Which registration the driver's plan belongs to (from [`super::Proto::register_source`]).
     pub(crate) generation: u64,
+    /// The consumer's pull this stripe belongs to (`wire::Control::Pull::attempt`; 0 unknown).
+    pub(crate) attempt: u64,
 }
 
 /// A granted pull stripe: what to send.
@@ -120,6 +122,9 @@ struct Source {
     /// that): the death of one of them ends the registration `PeerLost`.
     granted: BTreeSet<SessionId>,
     pending: Vec<Pending>,
+    /// The latest pull (its `attempt`) each consumer session asked a stripe for: a release of
+    /// an earlier one is stale.
+    attempts: HashMap<SessionId, u64>,
 }
 
 impl Source {
@@ -256,6 +261,7 @@ impl Sources {
             serving: HashMap::new(),
             granted: BTreeSet::new(),
             pending: Vec::new(),
+            attempts: HashMap::new(),
         };
         let mut end = None;
         if let Some(e) = self.early.remove(&rid).filter(|e| e.until > now) {
@@ -334,6 +340,8 @@ impl Sources {
         ask.stripe.validate()?;
         let rid = ask.request_id;
         let reg = self.regs.get_mut(&rid).ok_or_else(|| unknown(rid))?;
+        let latest = reg.attempts.entry(s).or_insert(0);
+        *latest = (*latest).max(ask.attempt);
         let pair = (ask.src_rank, ask.dst_rank);
         let checked = (|| -> Result<Vec<Span>> {
             if reg.generation != ask.generation {
@@ -482,10 +490,9 @@ impl Sources {
         &mut self,
         now: Instant,
         cfg: &Config,
-        s: SessionId,
-        name: &str,
+        (s, name): (SessionId, &str),
         rid: u64,
-        delivered: bool,
+        (delivered, attempt): (bool, u64),
         token: ReleaseToken,
     ) -> ReleaseStep {
         let Some(reg) = self.regs.get_mut(&rid) else {
@@ -500,6 +507,18 @@ impl Sources {
                 "request {rid}: {name} neither pulled nor described it, so it cannot release it \
                  (a consumer that will not pull a request rejects it)"
             )));
+        }
+        // A release of a pull older than the latest one this consumer began (a failed pull's
+        // release overtaken by its retry's stripes, which travel on other lanes) speaks for a
+        // lease that is no longer there: it changes nothing, so the retry keeps its lease and
+        // its own release decides.
+        let latest = reg.attempts.get(&s).copied().unwrap_or(0);
+        if attempt != 0 && attempt < latest {
+            log::info!(
+                "release of request {rid} by {name} ignored: it speaks for pull {attempt}, and \
+                 pull {latest} of it began since"
+            );
+            return ReleaseStep::Now(None);
         }
         // A delivery is counted only after the stripes still being served to this consumer
         // ended (it may have their bytes before the sender saw its write complete).

@@ -217,6 +217,7 @@ impl Pair {
                         chunk_bytes: chunk,
                     },
                     generation: 0,
+                    attempt: t.0,
                 };
                 self.send_up(Up::Pull(t, ask));
                 n += 1;
@@ -347,7 +348,7 @@ impl Pair {
                 }
             }
             Up::Release(rid, delivered) => {
-                match self.prod.handle_release(now, self.sess, rid, delivered) {
+                match self.prod.handle_release(now, self.sess, rid, delivered, 0) {
                     ReleaseStep::Now(end) => {
                         self.send_down(Down::Released(rid));
                         if let Some(o) = end {
@@ -732,6 +733,7 @@ fn refused_pulls_consume_nothing() {
             chunk_bytes: 4096,
         },
         generation: 0,
+        attempt: t.0,
     };
     p.pulls.insert(
         t,
@@ -959,7 +961,7 @@ fn a_release_from_a_session_that_never_pulled_is_refused() {
     let mut p = Pair::new();
     p.register(&f, 1, 1).unwrap();
     let stranger = p.prod.handle_hello(p.now, "stranger", 99).unwrap();
-    match p.prod.handle_release(p.now, stranger, 1, true) {
+    match p.prod.handle_release(p.now, stranger, 1, true, 0) {
         ReleaseStep::Refused(e) => assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}"),
         _ => panic!("a stranger's release must be refused"),
     }
@@ -971,6 +973,49 @@ fn a_release_from_a_session_that_never_pulled_is_refused() {
     p.send_up(Up::Release(1, true));
     p.drive();
     assert!(matches!(p.outcome(1), Some(SourceOutcome::Released)));
+}
+
+/// The non-delivering release of a failed pull that reaches the producer after the consumer's
+/// retry began (it travels on the control lane, the retry's stripes on data lanes) speaks for
+/// the failed pull only: it leaves the retry's lease alone, and the retry's delivering release
+/// ends the registration as released. Without its attempt (an older peer) it ends the lease.
+#[test]
+fn a_release_of_an_earlier_pull_leaves_the_retry_alone() {
+    let f = fx();
+    for tagged in [true, false] {
+        let mut p = Pair::new();
+        p.register(&f, 1, 1).unwrap();
+        p.fail_serve.push(1);
+        let t1 = p.pull(&f, 1, 1, None);
+        p.drive();
+        assert!(p.result(t1).unwrap().is_err());
+        let t2 = p.pull(&f, 1, 1, None);
+        p.drive();
+        assert!(p.result(t2).unwrap().is_ok());
+        assert_eq!(p.prod.stats().leases, 1);
+        let stale = if tagged { t1.0 } else { 0 };
+        match p.prod.handle_release(p.now, p.sess, 1, false, stale) {
+            ReleaseStep::Now(None) => {}
+            _ => panic!("a release that is no delivery ends nothing at once"),
+        }
+        if !tagged {
+            // The old meaning: the consumer's lease and what it was served are gone, so the
+            // retry's delivering release is refused and the request waits for its lease.
+            assert_eq!(p.prod.stats().leases, 0);
+            assert!(matches!(
+                p.prod.handle_release(p.now, p.sess, 1, true, 0),
+                ReleaseStep::Refused(_)
+            ));
+            assert_eq!(p.prod.stats().source_registrations, 1);
+            continue;
+        }
+        assert_eq!(p.prod.stats().leases, 1, "the retry keeps its lease");
+        match p.prod.handle_release(p.now, p.sess, 1, true, t2.0) {
+            ReleaseStep::Now(Some(SourceOutcome::Released)) => {}
+            _ => panic!("the retry's delivering release ends the registration"),
+        }
+        assert_eq!(p.prod.stats().source_registrations, 0);
+    }
 }
 
 /// Issue 24: reject reasons are kept to [`MAX_REJECT_REASON_BYTES`] and early rejects of one
