@@ -498,6 +498,19 @@ impl Sources {
         let Some(reg) = self.regs.get_mut(&rid) else {
             return ReleaseStep::Now(None);
         };
+        // A release of a pull older than the latest one this consumer began (a failed pull's
+        // release overtaken by its retry's stripes, which travel on other lanes) speaks for a
+        // lease that is no longer there: it changes nothing, so the retry keeps its lease and
+        // its own release decides. Only a session that pulled it has a latest pull, so this
+        // admits no stranger.
+        let latest = reg.attempts.get(&s).copied().unwrap_or(0);
+        if attempt != 0 && attempt < latest {
+            log::info!(
+                "release of request {rid} by {name} ignored: it speaks for pull {attempt}, and \
+                 pull {latest} of it began since"
+            );
+            return ReleaseStep::Now(None);
+        }
         // Only a consumer that holds a lease on it (it described or pulled it) or was served
         // some of it may release it; any other session is refused, and nothing changes (its
         // lease deadline included). A consumer that will never pull it rejects it instead.
@@ -507,18 +520,6 @@ impl Sources {
                 "request {rid}: {name} neither pulled nor described it, so it cannot release it \
                  (a consumer that will not pull a request rejects it)"
             )));
-        }
-        // A release of a pull older than the latest one this consumer began (a failed pull's
-        // release overtaken by its retry's stripes, which travel on other lanes) speaks for a
-        // lease that is no longer there: it changes nothing, so the retry keeps its lease and
-        // its own release decides.
-        let latest = reg.attempts.get(&s).copied().unwrap_or(0);
-        if attempt != 0 && attempt < latest {
-            log::info!(
-                "release of request {rid} by {name} ignored: it speaks for pull {attempt}, and \
-                 pull {latest} of it began since"
-            );
-            return ReleaseStep::Now(None);
         }
         // A delivery is counted only after the stripes still being served to this consumer
         // ended (it may have their bytes before the sender saw its write complete).
