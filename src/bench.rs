@@ -28,6 +28,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+/// Pause before each timed operation of a latency scenario, so that the background work of
+/// the one before (a pull's release, a push's confirmation) has ended: without it, a system
+/// was timed beside the tail of whichever system preceded it in the rotation.
+pub const LATENCY_GAP: Duration = Duration::from_millis(1);
+
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tpu_sync::arena::{ArenaOptions, PinnedArena};
@@ -281,7 +286,8 @@ impl Bench {
         Ok(())
     }
 
-    /// Times `samples` single operations per system, interleaved one by one; appends p50/p99.
+    /// Times `samples` single operations per system, interleaved one by one (the systems' order
+    /// rotated every round, [`LATENCY_GAP`] of quiet before each); appends p50/p99.
     pub fn measure_latency(
         &mut self,
         scenario: &str,
@@ -303,6 +309,10 @@ impl Bench {
         for r in 0..samples {
             for j in 0..n {
                 let k = (j + r) % n;
+                // Each operation starts on a quiet machine: what the previous one left running
+                // (a pull's release, a push's confirmation in the other process) ends first,
+                // so no system is timed beside another's tail.
+                std::thread::sleep(LATENCY_GAP);
                 let t0 = Instant::now();
                 (systems[k].op)(0, false)
                     .map_err(|e| e.context(format!("{scenario} {}", systems[k].name)))?;

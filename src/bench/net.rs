@@ -1396,15 +1396,37 @@ pub(crate) fn latency_scenario(b: &mut Bench, _a: &BenchArgs, peer: &mut Peer) -
     );
     let spec = CaseSpec::device("llama-3.1-8b", 1, 4);
     let cases = vec![peer.setup_dev(&spec)?];
+    // The same request between staging buffers through net::Endpoint alone (no device copy,
+    // no pipeline): what of the pipeline's time is the network path's.
+    let plain = vec![peer.setup(&CaseSpec::plain("llama-3.1-8b", 1, 4))?];
     let bytes = cases[0].1.plan.total_bytes();
     let pushes = std::cell::RefCell::new(expect_pushes(peer, &cases)?);
     let phases = std::cell::RefCell::new(Vec::new());
     let r = {
         let cell = std::cell::RefCell::new(&mut *peer);
         let mut systems = transfer_systems(&cell, &cases, &pushes, &phases);
+        let ts = cell.borrow().transports.clone();
+        let (cell, plain) = (&cell, &plain);
+        for t in ts {
+            systems.push(System::new(
+                format!("endpoint_pull_{t}"),
+                move |i, check| {
+                    let (id, c) = &plain[i];
+                    if check {
+                        c.clear_dst();
+                    }
+                    cell.borrow().pull(&t, *id, c, None)?;
+                    if check {
+                        c.verify_dst()?;
+                    }
+                    Ok(())
+                },
+            ));
+        }
         b.measure_latency("latency", bytes, &mut systems, Some(0))
     };
     drop_cases(peer, cases.iter().map(|c| c.0))?;
+    drop_cases(peer, plain.iter().map(|c| c.0))?;
     r
 }
 

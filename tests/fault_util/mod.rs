@@ -1167,6 +1167,23 @@ pub async fn assert_back_to(base: &Resources, limit: Duration, what: &str) {
         if now.within(base) {
             return;
         }
+        if t0.elapsed() >= limit {
+            // What is still open, to name the leak: the descriptors' targets and the sockets
+            // of this network namespace (a socket's inode is in both).
+            let fds: Vec<String> = std::fs::read_dir("/proc/self/fd")
+                .map(|d| {
+                    d.filter_map(|e| e.ok())
+                        .filter_map(|e| std::fs::read_link(e.path()).ok())
+                        .map(|p| p.display().to_string())
+                        .collect()
+                })
+                .unwrap_or_default();
+            eprintln!("{what}: open descriptors {fds:?}");
+            for f in ["/proc/net/tcp", "/proc/net/udp"] {
+                let t = std::fs::read_to_string(f).unwrap_or_default();
+                eprintln!("{what}: {f}:\n{t}");
+            }
+        }
         assert!(
             t0.elapsed() < limit,
             "{what}: resources leaked: now {now:?}, baseline {base:?}"
