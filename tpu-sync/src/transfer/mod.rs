@@ -1109,9 +1109,9 @@ impl Pipeline {
         let src_addrs = p
             .sources
             .addresses((0..p.src.layout.spec.ranks_per_replica()).map(|l| p.src.global_rank(l)))?;
-        let (t, drive) = {
+        let t = {
             let _g = self.rt.enter();
-            self.ep.pull_driven(PullRequest {
+            self.ep.pull(PullRequest {
                 request_id: p.request_id,
                 num_tokens: p.num_tokens,
                 src: p.src,
@@ -1131,25 +1131,10 @@ impl Pipeline {
         self.rt
             .spawn(tracing::Instrument::in_current_span(async move {
                 let job = Completer(job);
-                // The network transfer runs in this task beside the device writes that wait
-                // for it (no task of its own: one spawn and one wake-up less per pull); both
-                // are polled together, so a layer-wise pull writes layer l while later layers
-                // arrive. `receive` ends well only after the transfer did; when it fails first
-                // (a device write failed, the caller cancelled), the transfer goes on to its
-                // own end in a task of its own, as it would have without this one.
-                let recv = async {
-                    if layerwise {
-                        receive_layers(&job.0, &t, staging, kv, report, t0).await
-                    } else {
-                        receive(&job.0, &t, staging, kv, report, t0).await
-                    }
-                };
-                let r = match futures_util::future::select(Box::pin(drive), Box::pin(recv)).await {
-                    futures_util::future::Either::Left(((), recv)) => recv.await,
-                    futures_util::future::Either::Right((r, drive)) => {
-                        tokio::spawn(drive);
-                        r
-                    }
+                let r = if layerwise {
+                    receive_layers(&job.0, &t, staging, kv, report, t0).await
+                } else {
+                    receive(&job.0, &t, staging, kv, report, t0).await
                 };
                 let delivered = r.is_ok();
                 let pull = t.id();

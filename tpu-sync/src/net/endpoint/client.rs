@@ -417,7 +417,7 @@ impl Inner {
         Fut: std::future::Future<Output = StripeResult> + Send + 'static,
     {
         let exchange = Arc::new(exchange);
-        let mut jobs = Vec::new();
+        let mut set: JoinSet<StripeResult> = JoinSet::new();
         let mut stripes = 0u64;
         let spans: u64 = pairs.iter().map(|p| p.2.spans().len() as u64).sum();
         for (pair, (s, d, cursor)) in pairs.iter().enumerate() {
@@ -449,7 +449,7 @@ impl Inner {
                     dst_rank = *d,
                     stripe = index
                 );
-                jobs.push(tracing::Instrument::instrument(
+                set.spawn(tracing::Instrument::instrument(
                     async move {
                         let peer = me.peer(&addr).await?;
                         let lane = Self::guarded(&t, &peer, me.checkout(&peer)).await?;
@@ -466,34 +466,7 @@ impl Inner {
                 ));
             }
         }
-        let bytes = if jobs.len() == 1 {
-            // One stripe (a small request): run it in this task. A task of its own would cost
-            // a spawn and a wake-up of this one when it ends, a large part of a small pull.
-            let mut join = StripeJoin::default();
-            // A panic ends the stripe as a failed task would (never a transfer left pending).
-            let mut job = std::pin::pin!(jobs.pop().expect("one stripe"));
-            let caught = std::future::poll_fn(|cx| {
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    std::future::Future::poll(job.as_mut(), cx)
-                }))
-                .map_or(std::task::Poll::Ready(None), |p| p.map(Some))
-            })
-            .await;
-            let r = match caught {
-                Some(r) => r.map_err(|e| (e.error, e.soft)),
-                None => Err((Error::Cancelled("transfer task panicked".into()), false)),
-            };
-            match join.add(r) {
-                Some(e) => return Err(e),
-                None => join.finish()?,
-            }
-        } else {
-            let mut set: JoinSet<StripeResult> = JoinSet::new();
-            for j in jobs {
-                set.spawn(j);
-            }
-            join_stripes(&mut set).await?
-        };
+        let bytes = join_stripes(&mut set).await?;
         Ok(FanOut {
             bytes,
             spans,

@@ -715,23 +715,6 @@ impl Endpoint {
     /// Starts pulling a request. Validation (plan, staging coverage, peer map) happens before
     /// this returns; network errors surface through the returned [`Transfer`].
     pub fn pull(&self, req: PullRequest) -> Result<Transfer> {
-        let (t, drive) = self.pull_driven(req)?;
-        self.inner.spawn(drive);
-        Ok(t)
-    }
-
-    /// [`Endpoint::pull`] whose network part the caller runs: the returned future drives the
-    /// transfer to its end (the [`Transfer`] completes when it does) and must be polled to
-    /// completion, on a runtime of this endpoint, for the transfer to make progress; dropping
-    /// it fails the transfer's remaining stripes. The pipeline runs it in the task that then
-    /// writes the bytes to the device, which saves a task and a wake-up per request.
-    pub(crate) fn pull_driven(
-        &self,
-        req: PullRequest,
-    ) -> Result<(
-        Transfer,
-        impl std::future::Future<Output = ()> + Send + 'static,
-    )> {
         check_request_id(req.request_id)?;
         let (span, plan) = self.transfer_plan(
             "pull",
@@ -768,21 +751,17 @@ impl Endpoint {
         shared.planned.fire("planned");
         let inner = self.inner.clone();
         let sh = shared.clone();
-        let drive = tracing::Instrument::instrument(
+        self.inner.spawn(tracing::Instrument::instrument(
             async move {
-                let _guard = FinishOnDrop(Some((inner.clone(), sh.clone())));
                 let r = inner.drive_pull(&sh, req, pairs, progress).await;
                 inner.finish(&sh, r);
             },
             span,
-        );
-        Ok((
-            Transfer {
-                shared,
-                inner: Arc::downgrade(&self.inner),
-            },
-            drive,
-        ))
+        ));
+        Ok(Transfer {
+            shared,
+            inner: Arc::downgrade(&self.inner),
+        })
     }
 
     /// Starts pushing a request to the endpoints hosting the destination ranks.
@@ -883,25 +862,6 @@ impl Endpoint {
                 .is_err()
             {
                 break;
-            }
-        }
-    }
-}
-
-/// Ends a transfer whose driving future is dropped before it finished (the endpoint shut down
-/// before it ran, or its runtime went away): the transfer fails instead of staying pending.
-/// Finishing an ended transfer changes nothing (the first result wins).
-struct FinishOnDrop(Option<(Arc<Inner>, Arc<TransferShared>)>);
-
-impl Drop for FinishOnDrop {
-    fn drop(&mut self) {
-        if let Some((inner, t)) = self.0.take() {
-            if lock(&t.result).is_none() {
-                let e = Error::Cancelled(format!(
-                    "request {}: its transfer was dropped before it ended (endpoint shut down)",
-                    t.request_id
-                ));
-                inner.finish(&t, Err(e));
             }
         }
     }
