@@ -19,7 +19,11 @@ SPEC keys:
     done, so hold_s only guards against a test that died), hold_s (1800), ttft (bool: record each
     request's wall time to its first token when max_tokens is 1), prefix_caching (bool, default
     off), waves (lists of prompt indices: generate them one list after the other, so a later
-    wave can hit the prefix cache an earlier one filled).
+    wave can hit the prefix cache an earlier one filled); pair_nonces (both-at-once, one nonce
+    per prompt: a producer sends {"do_remote_decode": true, "tpu_sync_pair": nonce}; a consumer
+    waits for pair_file and sends tpu_sync.vllm.compat.pair_params(its template, nonce)),
+    template_file (producer: once the engine is up, write its pair_template() there), go_signal
+    (create this file right before generating).
 
 OUT: {"runs": [{"outputs": [{"token_ids", "num_cached_tokens", "finish_reason",
 "kv_transfer_params", "prompt_len", "logprobs" (with spec "logprobs": each sampled token's
@@ -110,6 +114,23 @@ def main() -> None:
     sched, worker = connectors(llm)
     prompts = [{"prompt_token_ids": list(p)} for p in spec["prompts"]]
     params = spec.get("params")
+    if spec.get("template_file"):
+        deadline = time.time() + 60
+        while sched.scheduler_side.pair_template() is None and time.time() < deadline:
+            time.sleep(0.05)
+        tmp = spec["template_file"] + ".tmp"
+        json.dump(sched.scheduler_side.pair_template(), open(tmp, "w"))
+        os.replace(tmp, spec["template_file"])
+    if spec.get("pair_file"):
+        from tpu_sync.vllm.compat import pair_params
+
+        deadline = time.time() + 600
+        while not os.path.exists(spec["pair_file"]):
+            if time.time() > deadline:
+                raise SystemExit(f"no producer template at {spec['pair_file']}")
+            time.sleep(0.05)
+        template = json.load(open(spec["pair_file"]))
+        params = [pair_params(template, n) for n in spec["pair_nonces"]]
     if spec.get("params_file"):
         deadline = time.time() + 600
         while not os.path.exists(spec["params_file"]):
@@ -124,13 +145,17 @@ def main() -> None:
             if time.time() > deadline:
                 raise SystemExit(f"no go file {spec['go_file']}")
             time.sleep(0.05)
+    if spec.get("go_signal"):
+        open(spec["go_signal"], "w").close()
     runs = []
     lp = 0 if spec.get("logprobs") else None
     for _ in range(spec.get("repeat", 1)):
         if spec.get("remote_decode"):
+            nonces = spec.get("pair_nonces") or [None] * len(prompts)
             sps = [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=lp,
-                                  extra_args={"kv_transfer_params": {"do_remote_decode": True}})
-                   for _ in prompts]
+                                  extra_args={"kv_transfer_params": dict(
+                                      {"do_remote_decode": True}, **({"tpu_sync_pair": n} if n else {}))})
+                   for n in nonces]
         elif params:
             sps = [SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True, logprobs=lp,
                                   extra_args={"kv_transfer_params": dict(p)} if p else None)

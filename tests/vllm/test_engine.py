@@ -282,6 +282,49 @@ def test_pd_layerwise_matches_plain(engines, plain):
     assert c["scheduler_stats"]["p2p_tokens"] == sum(want)
 
 
+def test_pd_both_at_once_pulls_while_the_producer_computes(engines, plain):
+    """A router that sends each prompt to the producer and the consumer at once
+    (``tpu_sync_pair``, :func:`tpu_sync.vllm.compat.pair_params`): the consumer learns of the
+    requests before the producer allocated their blocks, derives each transfer id from the
+    nonce and its own prompt, asks the producer for the placement once it registered (the
+    producer registers layer-wise, before the prefill's forward) and pulls while the producer
+    still computes. The consumer's requests reach it before the producer starts generating
+    (the producer waits for the consumer's go signal), so every pull first waits for a
+    registration. Output token-identical to a plain engine; every prompt token pulled."""
+    if BACKEND == "ref":
+        pytest.skip("the reference transport has no describe")
+    tag = "pd_pair"
+    hold, template, go = (os.path.join(engines.dir, f"{tag}.{x}") for x in ("hold", "template", "go"))
+    for f in (hold, template, go):
+        if os.path.exists(f):
+            os.remove(f)
+    nonces = [f"pair-{i}-{_rng.randrange(1 << 30):08x}" for i in range(len(PROMPTS))]
+    prod = engines.start(tag + "_producer", engines.spec(
+        remote_decode=True, hold_file=hold, pair_nonces=nonces, template_file=template, go_file=go,
+        connector=dict(kv_role="kv_producer", extra=pd_extra(lease_s=120.0, layerwise=True))))
+    cons = engines.start(tag + "_consumer", engines.spec(
+        pair_file=template, pair_nonces=nonces, go_signal=go,
+        connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=120.0, layerwise=True))))
+    try:
+        c = engines.finish(cons)
+    finally:
+        open(hold, "w").close()
+    p = engines.finish(prod)
+    assert [t[:1] for t in toks(plain)] == toks(p)
+    assert toks(c) == toks(plain)
+    params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
+    assert [x["tpu_sync_pair"] for x in params] == nonces
+    assert p["worker_stats"]["layerwise_registered"] == len(LENS) and p["worker_stats"]["register_failed"] == 0
+    ws, st = c["worker_stats"], c["scheduler_stats"]
+    assert ws["pulls_deferred"] == len(LENS) and ws["pulls_done"] == len(LENS) and ws["pulls_failed"] == 0, ws
+    assert ws["layerwise_pulls"] == 0, ws  # pulled in the background: the producer still computes
+    assert st["p2p_tokens"] == sum(LENS) and st["refused_params"] == 0 and st["rejects"] == 0, st
+    m = c["metrics"]
+    assert m["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(LENS), m
+    geo = params[0]["remote_geometry"]
+    assert m["vllm:tpu_sync_bytes_transferred"] == block_bytes(geo) * sum(-(-n // BS) for n in LENS), m
+
+
 # A shared system prompt of 3 blocks, then each request's own tokens: 149 (a partial last
 # block), 136 and 160 (exactly 5 blocks) tokens.
 _srng = random.Random(20261204)

@@ -1746,6 +1746,32 @@ enum tpu_sync_status tpu_sync_endpoint_reject(const struct tpu_sync_endpoint *en
                                               const char *reason);
 
 /**
+ * Asks the producer endpoint at `addr` (NUL-terminated `host:port`, or a name given to
+ * `tpu_sync_endpoint_add_peer`) how it registered request `request_id`, and writes
+ * `{"placement": PLACEMENT, "num_tokens": N}` (NUL-terminated JSON; `PLACEMENT` as
+ * `tpu_sync_endpoint_pull` takes it: the producer's layout and block ids) into `buf`. A
+ * consumer that learns of a request before its producer allocated the request's blocks (a
+ * router that sends a prompt to both at once) pulls with this placement. The producer counts
+ * this endpoint as a live consumer of the request from then on (a lease, as a pull takes).
+ * Blocks for one network round trip (at most the endpoint's I/O `timeout`).
+ *
+ * Errors: `TPU_SYNC_UNKNOWN_REQUEST` (not registered there, yet or any more: ask again later
+ * to wait for a registration), `TPU_SYNC_INVALID_ARGUMENT` (id, address, called inside a
+ * completion callback), connection errors, `TPU_SYNC_BUFFER_TOO_SMALL` (`len_out` receives the
+ * length needed, without the NUL; calling again asks the producer again).
+ *
+ * # Safety
+ * `addr` NUL-terminated; `buf` must have `buf_len` writable bytes (or be NULL with `buf_len`
+ * 0); `len_out` NULL or writable. The caller owns `buf`.
+ */
+enum tpu_sync_status tpu_sync_endpoint_describe(const struct tpu_sync_endpoint *endpoint,
+                                                uint64_t request_id,
+                                                const char *addr,
+                                                char *buf,
+                                                size_t buf_len,
+                                                size_t *len_out);
+
+/**
  * Pulls a request (consumer side) and writes it into this side's KV buffers in place.
  *
  * Checks every buffer against `dst_placement_json`'s layout, plans the transfer from

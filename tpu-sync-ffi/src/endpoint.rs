@@ -748,6 +748,55 @@ pub unsafe extern "C" fn tpu_sync_endpoint_reject(
     })
 }
 
+/// Asks the producer endpoint at `addr` (NUL-terminated `host:port`, or a name given to
+/// `tpu_sync_endpoint_add_peer`) how it registered request `request_id`, and writes
+/// `{"placement": PLACEMENT, "num_tokens": N}` (NUL-terminated JSON; `PLACEMENT` as
+/// `tpu_sync_endpoint_pull` takes it: the producer's layout and block ids) into `buf`. A
+/// consumer that learns of a request before its producer allocated the request's blocks (a
+/// router that sends a prompt to both at once) pulls with this placement. The producer counts
+/// this endpoint as a live consumer of the request from then on (a lease, as a pull takes).
+/// Blocks for one network round trip (at most the endpoint's I/O `timeout`).
+///
+/// Errors: `TPU_SYNC_UNKNOWN_REQUEST` (not registered there, yet or any more: ask again later
+/// to wait for a registration), `TPU_SYNC_INVALID_ARGUMENT` (id, address, called inside a
+/// completion callback), connection errors, `TPU_SYNC_BUFFER_TOO_SMALL` (`len_out` receives the
+/// length needed, without the NUL; calling again asks the producer again).
+///
+/// # Safety
+/// `addr` NUL-terminated; `buf` must have `buf_len` writable bytes (or be NULL with `buf_len`
+/// 0); `len_out` NULL or writable. The caller owns `buf`.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_sync_endpoint_describe(
+    endpoint: *const tpu_sync_endpoint,
+    request_id: u64,
+    addr: *const c_char,
+    buf: *mut c_char,
+    buf_len: usize,
+    len_out: *mut usize,
+) -> tpu_sync_status {
+    boundary("tpu_sync_endpoint_describe", || {
+        let e = get_ep(endpoint)?;
+        e.check_open()?;
+        if completion::on_completion_thread() {
+            return Err(invalid(
+                "cannot describe inside a completion callback (it blocks on the network)",
+            ));
+        }
+        net::check_request_id(request_id)?;
+        // SAFETY: caller contract.
+        let addr = unsafe { str_arg(addr, "addr") }?;
+        if addr.is_empty() {
+            return Err(invalid("addr is empty"));
+        }
+        let ep = e.pipeline.endpoint().clone();
+        let (placement, num_tokens) =
+            runtime()?.block_on(async move { ep.describe(addr, request_id).await })?;
+        let v = serde_json::json!({ "placement": placement, "num_tokens": num_tokens });
+        // SAFETY: forwarded caller contract.
+        unsafe { out_string(&v.to_string(), buf, buf_len, len_out) }
+    })
+}
+
 fn transfer_stats(r: &Report) -> tpu_sync_transfer_stats {
     tpu_sync_transfer_stats {
         bytes: r.net_bytes,

@@ -143,6 +143,34 @@ def test_two_process_pull(consumer, data):
     assert check_against_plan(bufs, init, data) == stats["bytes"]
 
 
+def test_describe_then_pull_with_the_producers_placement(consumer, data):
+    """A consumer that does not know the producer's blocks (a router sent the prompt to both
+    at once) asks the producer for its placement: an unknown id is UnknownRequestError; the
+    registered one comes back exactly as registered (layout and block ids of both ranks) with
+    its token count, and a pull with it moves every span of the plan."""
+    c, bufs, init = consumer
+    p = start_producer("serve", 43)
+    try:
+        addr = read_line(p, "ADDRESS")
+        with tpu_sync.Endpoint(listen=None, timeout=20) as ep:
+            with pytest.raises(errors.UnknownRequestError):
+                ep.describe(44, addr)
+            with pytest.raises(errors.InvalidArgumentError):
+                ep.describe(0, addr)
+            placement, tokens = ep.describe(43, addr)
+            assert tokens == TOKENS
+            assert placement["block_ids"] == SRC["block_ids"]
+            assert placement == SRC, placement
+            t = ep.pull(43, addr, placement, DST, tokens, {0: bufs})
+            stats = t.wait(timeout=60)
+            t.close()
+        assert read_line(p, "STATE") == "released"
+        assert p.wait(30) == 0
+    finally:
+        p.kill()
+    assert check_against_plan(bufs, init, data) == stats["bytes"] > 0
+
+
 def test_two_process_pull_past_a_prefix_hit(consumer, data):
     """A consumer that already holds the request's first block (32 tokens, a prefix-cache hit)
     pulls only tokens 32..100 into its blocks 1, 3 and 0; its block 5 (where the hit is) and

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from typing import Any, Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _check as ck
 from ._lib import AsyncOp, Handle, check, json_out, out_string
@@ -365,6 +365,32 @@ class Endpoint(Handle):
         p = _peers(peers)
         r = ck.cstr("reason", reason)
         check(lib.tpu_sync_endpoint_reject(self._handle(), rid, p, r))
+
+    def describe(self, request_id: int, address: str) -> Tuple[Dict[str, Any], int]:
+        """Consumer side: asks the producer endpoint at ``address`` (``host:port`` or a peer
+        name) how it registered ``request_id``; returns ``(placement, num_tokens)``, the
+        ``src_placement`` and token count to :meth:`pull` it with. For a consumer that learns of
+        a request before its producer allocated its blocks (a router that sends the prompt to
+        both at once). The producer counts this endpoint as a live consumer of the request from
+        then on. Blocks for one network round trip (at most the endpoint's ``timeout``).
+
+        Raises: UnknownRequestError (not registered there, yet or any more: ask again later to
+        wait for the registration), InvalidArgumentError, connection errors."""
+        rid = _check_id(request_id)
+        addr = ck.cstr("address", address)
+        need = ffi.new("size_t *")
+        size = 1 << 20  # one round trip for any realistic placement; asked again if larger
+        for _ in range(2):
+            buf = ffi.new("char[]", size)
+            status = lib.tpu_sync_endpoint_describe(self._handle(), rid, addr, buf, size, need)
+            if status == lib.TPU_SYNC_BUFFER_TOO_SMALL:
+                size = need[0] + 1
+                continue
+            check(status)
+            d = json.loads(ffi.string(buf).decode())
+            return d["placement"], int(d["num_tokens"])
+        check(status)
+        raise AssertionError("unreachable")
 
     def pull(self, request_id: int, peers: Peers, src_placement: Any, dst_placement: Any, num_tokens: int,
              kv: Kv, wait_for_registration: Optional[float] = None, layerwise: bool = False) -> Transfer:

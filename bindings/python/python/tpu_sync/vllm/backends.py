@@ -330,6 +330,13 @@ class EndpointTransport:
         return self.endpoint.pull(xfer_id, peers, src, dst, num_tokens, self._caches.kv(),
                                   wait_for_registration=wait_for_registration, layerwise=layerwise)
 
+    def describe(self, xfer_id: int, address: str) -> Tuple[Dict[str, Any], int]:
+        """Consumer: the placement and token count the producer at ``address`` registered request
+        ``xfer_id`` with (a both-at-once request, whose producer blocks the consumer cannot know
+        in advance). Blocks for the network round trip. Raises ``UnknownRequestError`` while the
+        producer has not registered it."""
+        return self.endpoint.describe(xfer_id, address)
+
     def reject(self, xfer_id: int, peers: Dict[int, str], reason: str) -> None:
         """Consumer: tells the producers this rank will not pull request ``xfer_id`` (refused or
         aborted): they free its staged KV at once. Blocks for the network round trip."""

@@ -574,6 +574,68 @@ def peers_from_params(params: Dict[str, Any]) -> Dict[int, str]:
     return {int(k): str(v) for k, v in (params.get("remote_addresses") or {}).items()}
 
 
+#: ``kv_transfer_params`` of a request a router sends to the producer and the consumer at once
+#: carry this key: a nonce (8 to 128 characters) that both sides turn into the same transfer id
+#: (:func:`pair_xfer_id`), so the consumer can pull while the producer still computes.
+PAIR_KEY = "tpu_sync_pair"
+#: What a producer's params hold per request; :func:`pair_params` drops them from a template.
+_PER_REQUEST = ("remote_request_id", "remote_block_ids", "remote_num_tokens", "remote_prompt_digest",
+                "do_remote_decode", "tpu_sync_truncated")
+
+
+def pair_nonce(params: Optional[Dict[str, Any]]) -> Optional[str]:
+    """The both-at-once nonce of ``params`` (:data:`PAIR_KEY`), or None when it has none or it
+    is not a string of 8 to 128 characters."""
+    v = (params or {}).get(PAIR_KEY)
+    if isinstance(v, str) and 8 <= len(v) <= 128:
+        return v
+    return None
+
+
+def pair_xfer_id(nonce: str, digest: str) -> int:
+    """The transfer id of a both-at-once request: the producer registers and the consumer pulls
+    it under the id derived from the router's ``nonce`` and the digest of the prompt tokens the
+    producer prefills (:func:`prompt_digest`), 1 ..= 2**53 - 1. A consumer whose prompt
+    differs from the producer's derives another id and never finds (or pulls) the producer's
+    KV; the same nonce with the same prompt names the same KV."""
+    h = hashlib.sha256(b"tpu-sync pair\0" + nonce.encode() + b"\0" + digest.encode()).digest()
+    return int.from_bytes(h[:8], "little") % (2**53 - 1) + 1
+
+
+def pair_params(template: Dict[str, Any], nonce: str) -> Dict[str, Any]:
+    """The consumer's ``kv_transfer_params`` of a both-at-once request: a producer's earlier
+    params (``template``: its addresses, geometry and block count) without their per-request
+    fields, plus ``nonce``. The producer gets ``{"do_remote_decode": True, PAIR_KEY: nonce}``.
+
+    Raises:
+        ValueError: ``nonce`` is not 8 to 128 characters."""
+    if pair_nonce({PAIR_KEY: nonce}) is None:
+        raise ValueError("the both-at-once nonce must be a string of 8 to 128 characters")
+    d = {k: v for k, v in template.items() if k not in _PER_REQUEST}
+    d.update(do_remote_prefill=True, do_remote_decode=False)
+    d[PAIR_KEY] = nonce
+    return d
+
+
+def check_pair_params(params: Dict[str, Any]) -> Optional[str]:
+    """Why a consumer's both-at-once ``kv_transfer_params`` (:func:`pair_params`) are unusable,
+    or None."""
+    need = ("remote_addresses", "remote_geometry", "remote_num_blocks")
+    missing = [k for k in need if params.get(k) in (None, "", [], {})]
+    if missing:
+        return f"kv_transfer_params lack {', '.join(missing)}"
+    if params.get("tpu_sync_version") != PARAMS_VERSION:
+        return f"kv_transfer_params version {params.get('tpu_sync_version')!r} (expected {PARAMS_VERSION})"
+    if pair_nonce(params) is None:
+        return f"bad {PAIR_KEY} (a string of 8 to 128 characters expected)"
+    geom = params["remote_geometry"]
+    if not isinstance(geom, dict) or int(geom.get("block_size") or 0) <= 0:
+        return "bad remote_geometry"
+    if geom.get("groups"):
+        return "both-at-once transfers of models with KV cache groups are not supported"
+    return None
+
+
 def check_params(params: Dict[str, Any]) -> Optional[str]:
     """Why ``kv_transfer_params`` of a producer are unusable, or None."""
     need = ("remote_request_id", "remote_addresses", "remote_block_ids", "remote_num_tokens", "remote_geometry",

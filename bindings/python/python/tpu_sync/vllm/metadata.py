@@ -46,7 +46,8 @@ class RecvSpec:
         peers: producer endpoint address per producer TP rank.
         src_layout: the producer's tpu_sync layout.
         src_block_ids: producer blocks to pull (a contiguous run of the request's blocks; with
-            KV cache groups one list per group, its held blocks).
+            KV cache groups one list per group, its held blocks); None for a both-at-once
+            request (the worker asks the producer for its placement once it registered).
         dst_block_ids: local blocks to write, same length and order (with KV cache groups:
             one list per group, as ``src_block_ids``).
         num_tokens: tokens covered by these blocks (the last block may be partial).
@@ -60,7 +61,7 @@ class RecvSpec:
     xfer_id: int
     peers: Dict[int, str]
     src_layout: Dict[str, Any]
-    src_block_ids: List[int]
+    src_block_ids: Optional[List[int]]
     dst_block_ids: List[int]
     num_tokens: int
     timeout_s: float

@@ -54,7 +54,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .compat import NULL_BLOCK_ID, PARAMS_VERSION, KvGeometry, check_params, peers_from_params, prompt_digest
+from .compat import (NULL_BLOCK_ID, PAIR_KEY, PARAMS_VERSION, KvGeometry, check_pair_params, check_params, pair_nonce,
+                     pair_xfer_id, peers_from_params, prompt_digest)
 from .config import ConnectorConfig
 from .metadata import (RecvSpec, RejectSpec, SendSpec, TierOp, TpuSyncHandshake, TpuSyncMetadata,
                        TpuSyncWorkerMetadata)
@@ -217,7 +218,7 @@ class SchedulerSide:
                 # (the plan covers that token range; the shared blocks are never written).
                 if n <= num_computed_tokens:
                     return 0, False  # the hit covers all the producer has: compute the rest here
-                if self.cfg.layerwise:
+                if self.cfg.layerwise and not pair_nonce(params):
                     m = (min(n, int(request.num_tokens) - 1) // self.block_size) * self.block_size
                     if m <= num_computed_tokens:
                         return 0, False
@@ -240,7 +241,7 @@ class SchedulerSide:
                                  "producer's blocks of %d tokens; prefilling locally", request.request_id,
                                  min(n, int(request.num_tokens) - 1), n)
                     return 0, False
-                if self.cfg.layerwise:
+                if self.cfg.layerwise and not pair_nonce(params):
                     # A synchronous load read layer by layer by this step's forward; vLLM
                     # computes at least the last prompt token (block-aligned, as host-tier hits).
                     m = (min(n, int(request.num_tokens) - 1) // self.block_size) * self.block_size
@@ -289,6 +290,8 @@ class SchedulerSide:
     def _remote_tokens(self, request: Any, params: Dict[str, Any]) -> Optional[int]:
         """Tokens the producer's params offer for this request, or None when they are unusable
         (logged; the request is then prefilled locally)."""
+        if pair_nonce(params) is not None and not params.get("remote_block_ids"):
+            return self._pair_tokens(request, params)
         why = check_params(params)
         if why is None:
             why = self.geometry.mismatch(params["remote_geometry"])
@@ -309,6 +312,36 @@ class SchedulerSide:
             self.stats["refused_params"] += 1
             log.warning("tpu_sync: request %s: not pulling KV (%s); prefilling locally", request.request_id, why)
             return None
+        return n
+
+    def _pair_tokens(self, request: Any, params: Dict[str, Any]) -> Optional[int]:
+        """A both-at-once request (the router sent the prompt to the producer and here at once,
+        :func:`~tpu_sync.vllm.compat.pair_params`): the producer prefills the whole prompt (the
+        prompt less its last token for a model with state groups) and registers it under the id
+        both sides derive from the router's nonce and those tokens, so this side knows the
+        transfer id and token count before the producer allocated its blocks; the workers ask
+        the producer for its placement (blocks) and pull as soon as it registered. Writes the
+        id and token count into ``params`` (for the pull and for rejects). None when the params
+        are unusable (logged)."""
+        why = check_pair_params(params)
+        if why is None:
+            why = self.geometry.mismatch(params["remote_geometry"])
+            if why:
+                why = "KV geometry differs: " + why
+        if why is None and self.geometry.groups:
+            why = "both-at-once transfers of models with KV cache groups are not supported"
+        prompt = list(request.prompt_token_ids or [])
+        n = len(prompt) - 1 if self.geometry.has_state else len(prompt)
+        if why is None and n <= 0:
+            why = "no prompt tokens to pull"
+        if why is not None:
+            if request.request_id not in self._pd_local_hit_logged:
+                self._pd_local_hit_logged.add(request.request_id)
+                self.stats["refused_params"] += 1
+                log.warning("tpu_sync: request %s: not pulling KV (%s); prefilling locally", request.request_id, why)
+            return None
+        params["remote_request_id"] = pair_xfer_id(str(pair_nonce(params)), prompt_digest(prompt[:n]))
+        params["remote_num_tokens"] = n
         return n
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -334,8 +367,12 @@ class SchedulerSide:
             # (shared, already computed); the pull fills blocks first // bs .. nb only.
             first = self._pd_first.pop(req_id, 0)
             dst_ids: Any = block_ids[first // bs:nb]
-            src_ids: Any = ([[int(b) for b in g] for g in params["remote_block_ids"]] if self.geometry.groups
-                            else [int(b) for b in params["remote_block_ids"]])
+            src_ids: Any
+            if not params.get("remote_block_ids"):
+                src_ids = None  # both-at-once: the workers ask the producer for its blocks
+            else:
+                src_ids = ([[int(b) for b in g] for g in params["remote_block_ids"]] if self.geometry.groups
+                           else [int(b) for b in params["remote_block_ids"]])
             if self.geometry.groups:
                 # One block table per KV cache group: each group's held blocks.
                 try:
@@ -363,7 +400,7 @@ class SchedulerSide:
                 self.stats["p2p_partial"] += 1
                 self.stats["p2p_local_hit_tokens"] += first
             self._source[req_id] = CacheHitSource.P2P
-            if self.cfg.layerwise and num_external_tokens < n:
+            if self.cfg.layerwise and num_external_tokens < n and src_ids is not None:
                 # Pulled and read within the next step (failures come back as load errors).
                 self._layer_recvs.append(spec)
                 self.stats["p2p_tokens"] += num_external_tokens
@@ -468,12 +505,23 @@ class SchedulerSide:
                 if ids is None or len(ids) < nb:
                     continue
                 send_ids = [int(b) for b in ids[:nb]]
-            xfer_id = self._next_xfer
-            self._next_xfer = self._next_xfer % MAX_XFER_ID + 1
+            xfer_id = self._new_xfer(req, n)
             spec = SendSpec(req_id, xfer_id, send_ids, n, self.cfg.lease_s, self._decode_tp(req.kv_transfer_params))
             self._early[req_id] = spec
             out.append(spec)
         return out
+
+    def _new_xfer(self, request: Any, n: int) -> int:
+        """The transfer id to register a producer's request under: derived from the router's
+        nonce and the prompt's first ``n`` tokens for a both-at-once request
+        (:func:`~tpu_sync.vllm.compat.pair_xfer_id`; its consumer pulls that id), else the next
+        of this scheduler's ids."""
+        nonce = pair_nonce(getattr(request, "kv_transfer_params", None))
+        if nonce is not None:
+            return pair_xfer_id(nonce, prompt_digest(list(request.prompt_token_ids or [])[:n]))
+        xfer_id = self._next_xfer
+        self._next_xfer = self._next_xfer % MAX_XFER_ID + 1
+        return xfer_id
 
     def _decode_tp(self, params: Dict[str, Any]) -> int:
         try:
@@ -645,8 +693,7 @@ class SchedulerSide:
                     self.stats["handed_off"] += 1
                     return True, self._params(request, early.xfer_id, held, n)
                 self._withdraws.append(early.xfer_id)  # more tokens than registered: whole request
-            xfer_id = self._next_xfer
-            self._next_xfer = self._next_xfer % MAX_XFER_ID + 1
+            xfer_id = self._new_xfer(request, n)
             self._sends.append(SendSpec(req_id, xfer_id, held, n, self.cfg.lease_s, self._decode_tp(params)))
             self._sending[req_id] = time.monotonic() + self.cfg.lease_s
             self.stats["handed_off"] += 1
@@ -667,18 +714,34 @@ class SchedulerSide:
             log.error("tpu_sync: request %s: no P/D endpoint address from the workers; not handing off KV", req_id)
             return False, None
         ids = [int(b) for b in block_ids[:nb]]
-        xfer_id = self._next_xfer
-        self._next_xfer = self._next_xfer % MAX_XFER_ID + 1
+        xfer_id = self._new_xfer(request, n)
         decode_tp = self._decode_tp(params)
         self._sends.append(SendSpec(req_id, xfer_id, ids, n, self.cfg.lease_s, decode_tp))
         self._sending[req_id] = time.monotonic() + self.cfg.lease_s
         self.stats["handed_off"] += 1
         return True, self._params(request, xfer_id, ids, n)
 
+    def pair_template(self) -> Optional[Dict[str, Any]]:
+        """What this producer's ``kv_transfer_params`` hold for every request: its version,
+        engine id, endpoint addresses, block count, geometry and TP size. A router that sends
+        a prompt to a producer and a consumer at once gives the consumer
+        :func:`~tpu_sync.vllm.compat.pair_params` of these (every producer answer's params also
+        hold them). None until the workers' addresses are known."""
+        if len(self.peers) < self.geometry.tp:
+            return None
+        return dict(
+            tpu_sync_version=PARAMS_VERSION,
+            remote_engine_id=self.engine_id,
+            remote_addresses={str(r): a for r, a in sorted(self.peers.items())},
+            remote_num_blocks=self.num_blocks,
+            remote_geometry=self.geometry.to_dict(),
+            tp_size=self.geometry.tp,
+        )
+
     def _params(self, request: Any, xfer_id: int, ids: List[int], n: int) -> Dict[str, Any]:
         """The ``kv_transfer_params`` a decode instance pulls transfer ``xfer_id`` with."""
         prompt = list(request.prompt_token_ids or [])
-        return dict(
+        d = dict(
             do_remote_prefill=True,
             do_remote_decode=False,
             tpu_sync_version=PARAMS_VERSION,
@@ -692,6 +755,10 @@ class SchedulerSide:
             remote_prompt_digest=prompt_digest(prompt[:n]),
             tp_size=self.geometry.tp,
         )
+        nonce = pair_nonce(request.kv_transfer_params)
+        if nonce is not None:
+            d[PAIR_KEY] = nonce  # the router can check which request it answers
+        return d
 
     def pending_sends(self) -> int:
         """Finished requests whose blocks are still held for pullers."""

@@ -213,12 +213,13 @@ class WorkerSide:
         #: tile permission was granted; layer-wise registrations, pulls and host-tier load ops;
         #: asynchronous saves: ops that failed, blocks dropped by back-pressure, waits for a
         #: save (a preempted request's, or a lookup of a block being saved); microseconds of the
-        #: successful pulls (each from its start to its last byte written).
+        #: successful pulls (each from its start to its last byte written); both-at-once pulls
+        #: (started once the producer described the request).
         self.stats: Dict[str, int] = dict(saved_blocks=0, loaded_blocks=0, pulls_done=0, pulls_failed=0, pulls_cancelled=0,
                                           registered=0, register_failed=0, failed_loads=0, lookups=0, rejects_sent=0,
                                           rejects_failed=0, amx_permission=0, layerwise_registered=0,
                                           layerwise_pulls=0, layerwise_loads=0, saves_failed=0, saves_dropped=0,
-                                          save_waits=0, pull_us=0)
+                                          save_waits=0, pull_us=0, pulls_deferred=0)
         #: this interval's observations for vLLM's connector-stats hooks (None: vLLM lacks them).
         self.xfer_stats: Any = None
         try:
@@ -726,11 +727,15 @@ class WorkerSide:
             try:
                 dst = compat.placement(self.geometry.tpu_sync_layout(self.caches.num_blocks), s.dst_block_ids,
                                    getattr(s, "first_token", 0))
-                src = compat.placement(s.src_layout, s.src_block_ids)
+                src = None if s.src_block_ids is None else compat.placement(s.src_layout, s.src_block_ids)
                 jx = self.caches.jax
                 if jx is not None:
                     p.ptrs = jx.before_write(_flat_ids(s.dst_block_ids), s.num_tokens - getattr(s, "first_token", 0))
-                if self._pull_waits:
+                if s.src_block_ids is None:
+                    # Both-at-once: the producer's blocks are known once it registered.
+                    p.handle = _Deferred(self.transport, s, dst, p.deadline)
+                    self.stats["pulls_deferred"] += 1
+                elif self._pull_waits:
                     # The producer registers one engine step after the request finished: the pull
                     # waits for the registration (up to the pull's deadline) instead of failing.
                     p.handle = self.transport.pull(s.xfer_id, s.peers, src, dst, s.num_tokens,
@@ -961,6 +966,9 @@ class WorkerSide:
         for p in list(self._pulls.values()) + list(self._layer_pulls.values()):
             if p.handle is not None:
                 _cancel(p.handle)
+        for p in self._pulls.values():
+            if isinstance(p.handle, _Deferred):
+                p.handle.join(1.0)  # it stops at its next step; the endpoint closes below
         self._pulls.clear()
         self._layer_pulls.clear()
         if self._layer_load is not None and self._layer_load.thread is not None:
@@ -982,6 +990,101 @@ class WorkerSide:
                 except Exception as e:
                     log.warning("tpu_sync: close failed: %s", e)
         self.tier = self.transport = None
+
+
+class _Deferred:
+    """A both-at-once pull (``src_block_ids`` None): a thread asks the producer for the
+    request's placement (``transport.describe``), again every 2-50 ms while the producer has
+    not registered it (until ``deadline``), then starts the pull with it; the handle answers as
+    the pull's once it started. The producer's token count must be the spec's. Thread-safe:
+    :meth:`cancel` (the worker's thread) and the start (this object's thread) exclude each
+    other, so a cancelled pull never starts writing into blocks vLLM may have freed."""
+
+    def __init__(self, transport: Any, spec: RecvSpec, dst: Any, deadline: float) -> None:
+        self._transport, self._spec, self._dst, self._deadline = transport, spec, dst, deadline
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._inner: Any = None
+        self._error: Optional[BaseException] = None
+        #: seconds from creation until the producer described the request
+        self.described_after_s: Optional[float] = None
+        self._thread = threading.Thread(target=self._run, name="tpu-sync-describe", daemon=True)
+        self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        with self._lock:
+            if self._error is not None:
+                return True
+            inner = self._inner
+        return inner is not None and bool(inner.done)
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        with self._lock:
+            if self._error is not None:
+                return self._error
+            inner = self._inner
+        return None if inner is None else getattr(inner, "error", None)
+
+    def wait(self, timeout: float) -> Any:
+        return self._inner.wait(timeout)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            inner = self._inner
+        if inner is not None:
+            _cancel(inner)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _fail(self, e: BaseException) -> None:
+        with self._lock:
+            self._error = e
+
+    def _run(self) -> None:
+        s = self._spec
+        t0 = time.monotonic()
+        addr = s.peers[min(s.peers)] if s.peers else None
+        if addr is None or not hasattr(self._transport, "describe"):
+            self._fail(RuntimeError("this P/D transport cannot ask a producer for its placement "
+                                    "(both-at-once requests need tpu_sync's endpoint)"))
+            return
+        delay = 0.002
+        while True:
+            with self._lock:
+                if self._cancelled:
+                    self._error = RuntimeError(f"pull of transfer {s.xfer_id} cancelled")
+                    return
+            try:
+                src, n = self._transport.describe(s.xfer_id, addr)
+                break
+            except Exception as e:
+                if not _is_unknown_request(e):
+                    self._fail(e)
+                    return
+                if time.monotonic() + delay >= self._deadline:
+                    self._fail(TimeoutError(f"producer {addr} did not register transfer {s.xfer_id} within "
+                                            f"{s.timeout_s} s"))
+                    return
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        self.described_after_s = time.monotonic() - t0
+        if n != s.num_tokens:
+            self._fail(ValueError(f"producer {addr} registered transfer {s.xfer_id} with {n} tokens, "
+                                  f"this request expects {s.num_tokens}"))
+            return
+        with self._lock:
+            if self._cancelled:
+                self._error = RuntimeError(f"pull of transfer {s.xfer_id} cancelled")
+                return
+            try:
+                self._inner = self._transport.pull(s.xfer_id, s.peers, src, self._dst, s.num_tokens,
+                                                   wait_for_registration=max(0.0, self._deadline - time.monotonic()))
+            except Exception as e:
+                self._error = e
 
 
 class _Failed:
