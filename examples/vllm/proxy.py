@@ -11,33 +11,48 @@ picked round-robin.
     python examples/vllm/proxy.py --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \
         --port 8000
 
-Needs ``fastapi``, ``uvicorn`` and ``httpx`` (all installed with vLLM). Endpoints:
+Needs ``fastapi``, ``uvicorn`` and ``httpx`` (all installed with vLLM) and the ``tpu_sync`` package. Endpoints:
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``.
 A failed prefill is answered with its status and body (502 when unreachable); the decode
 instance's errors pass through.
+
+``--both-at-once``: once a prefill instance has answered one request (its params tell the
+proxy its endpoint addresses and KV geometry), each later request goes to the prefill and the
+decode instance at the same time, both carrying a fresh nonce (``tpu_sync_pair``). The decode
+instance learns of the request while the prefill still computes: it derives the transfer id
+from the nonce and its prompt, asks the prefill instance for the request's blocks once they are
+registered (in the step that prefills it; with ``layerwise`` before its forward, each layer
+published as it is computed) and pulls while the prefill runs. A prefill that fails aborts the
+decode request (the proxy closes its connection) and is answered with the prefill's error.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import logging
-from typing import Any, Dict, List
+import secrets
+from typing import Any, Dict, List, Optional
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tpu_sync.vllm.compat import PAIR_KEY, pair_params
+
 log = logging.getLogger("tpu_sync.proxy")
 
-
-def prefill_body(body: Dict[str, Any], decode_tp: int = 1) -> Dict[str, Any]:
+def prefill_body(body: Dict[str, Any], decode_tp: int = 1, nonce: Optional[str] = None) -> Dict[str, Any]:
     """The request sent to the prefill instance: one token, not streamed, asking it to keep the
-    KV for a decode instance of TP ``decode_tp`` (each of its ranks pulls)."""
+    KV for a decode instance of TP ``decode_tp`` (each of its ranks pulls); with ``nonce``, under
+    the transfer id that a decode instance told the same nonce derives (both at once)."""
     p = dict(body)
-    p.update(max_tokens=1, stream=False,
-             kv_transfer_params={"do_remote_decode": True, "decode_tp_size": int(decode_tp)})
+    params: Dict[str, Any] = {"do_remote_decode": True, "decode_tp_size": int(decode_tp)}
+    if nonce is not None:
+        params[PAIR_KEY] = nonce
+    p.update(max_tokens=1, stream=False, kv_transfer_params=params)
     if "max_completion_tokens" in p:
         p["max_completion_tokens"] = 1
     p.pop("stream_options", None)
@@ -52,17 +67,89 @@ def decode_body(body: Dict[str, Any], params: Dict[str, Any]) -> Dict[str, Any]:
     return d
 
 
-def make_app(prefill: List[str], decode: List[str], timeout: float = 600.0, decode_tp: int = 1) -> FastAPI:
+def make_app(prefill: List[str], decode: List[str], timeout: float = 600.0, decode_tp: int = 1,
+             both_at_once: bool = False) -> FastAPI:
     """The proxy application over the given instance base URLs (``decode_tp``: the decode
-    instances' TP size)."""
+    instances' TP size; ``both_at_once``: see the module's doc)."""
     app = FastAPI()
     next_p = itertools.cycle(prefill)
     next_d = itertools.cycle(decode)
     client = httpx.AsyncClient(timeout=timeout)
+    #: per prefill instance: the params of its last answer (the template of both-at-once params)
+    templates: Dict[str, Dict[str, Any]] = {}
+    app.state.pairs = 0  # requests sent both at once (for tests and logs)
+
+    async def both(path: str, body: Dict[str, Any], base: str, template: Dict[str, Any]) -> Response:
+        """Sends the request to the prefill and a decode instance at once."""
+        nonce = secrets.token_hex(16)
+        p_url, d_url = base + path, next(next_d) + path
+        app.state.pairs += 1
+        prefill_task = asyncio.ensure_future(client.post(p_url, json=prefill_body(body, decode_tp, nonce)))
+        d_body = decode_body(body, pair_params(template, nonce))
+
+        def prefill_error() -> Optional[Response]:
+            """The prefill's failure as the proxy's answer, or None (still running, or fine)."""
+            if not prefill_task.done():
+                return None
+            if prefill_task.exception() is not None:
+                return JSONResponse({"error": f"prefill instance {p_url} unreachable: {prefill_task.exception()}"},
+                                    status_code=502)
+            pr = prefill_task.result()
+            if pr.status_code != 200:
+                return Response(pr.content, status_code=pr.status_code, media_type="application/json")
+            params = pr.json().get("kv_transfer_params") or {}
+            if params.get(PAIR_KEY) != nonce:
+                log.warning("prefill instance %s ignored the both-at-once nonce; the decode instance will "
+                            "time out waiting for its KV and recompute or fail", base)
+            else:
+                templates[base] = params
+            return None
+
+        if body.get("stream"):
+            resp = await client.send(client.build_request("POST", d_url, json=d_body), stream=True)
+
+            async def chunks():
+                try:
+                    async for c in resp.aiter_raw():
+                        yield c
+                finally:
+                    await resp.aclose()
+                    if not prefill_task.done():
+                        prefill_task.cancel()
+
+            def on_prefill(_: Any) -> None:
+                # A failed prefill: stop the stream (closing it aborts the decode request).
+                if not prefill_task.cancelled() and prefill_error() is not None:
+                    asyncio.ensure_future(resp.aclose())
+
+            prefill_task.add_done_callback(on_prefill)
+            return StreamingResponse(chunks(), status_code=resp.status_code,
+                                     media_type=resp.headers.get("content-type", "text/event-stream"))
+        decode_task = asyncio.ensure_future(client.post(d_url, json=d_body))
+        await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
+        err = prefill_error()
+        if err is not None:
+            decode_task.cancel()  # closes the connection: the decode instance aborts the request
+            return err
+        try:
+            dr = await decode_task
+        except httpx.HTTPError as e:
+            prefill_task.cancel()
+            return JSONResponse({"error": f"decode instance {d_url} unreachable: {e}"}, status_code=502)
+        try:
+            await prefill_task
+        except Exception:
+            pass
+        err = prefill_error()
+        return err if err is not None and dr.status_code != 200 else Response(
+            dr.content, status_code=dr.status_code, media_type="application/json")
 
     async def forward(path: str, request: Request) -> Response:
         body = await request.json()
-        p_url = next(next_p) + path
+        base = next(next_p)
+        if both_at_once and base in templates:
+            return await both(path, body, base, templates[base])
+        p_url = base + path
         try:
             pr = await client.post(p_url, json=prefill_body(body, decode_tp))
         except httpx.HTTPError as e:
@@ -70,6 +157,8 @@ def make_app(prefill: List[str], decode: List[str], timeout: float = 600.0, deco
         if pr.status_code != 200:
             return Response(pr.content, status_code=pr.status_code, media_type="application/json")
         params = pr.json().get("kv_transfer_params")
+        if params:
+            templates[base] = params
         if not params:
             # The prefill instance has no TpuSyncConnector producer: let decode prefill itself.
             log.warning("prefill instance returned no kv_transfer_params; decode recomputes the prompt")
@@ -110,7 +199,8 @@ def make_app(prefill: List[str], decode: List[str], timeout: float = 600.0, deco
 
     @app.get("/health")
     async def health() -> Response:
-        return JSONResponse({"prefill": prefill, "decode": decode})
+        return JSONResponse({"prefill": prefill, "decode": decode, "both_at_once": both_at_once,
+                             "pairs": app.state.pairs})
 
     return app
 
@@ -120,12 +210,16 @@ def main() -> None:
     ap.add_argument("--prefill", action="append", required=True, help="prefill instance base URL (repeatable)")
     ap.add_argument("--decode", action="append", required=True, help="decode instance base URL (repeatable)")
     ap.add_argument("--decode-tp", type=int, default=1, help="TP size of the decode instances")
+    ap.add_argument("--both-at-once", action="store_true",
+                    help="send each request to a prefill and a decode instance at once (after the first answer of "
+                         "each prefill instance); the decode instance pulls while the prefill computes")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO)
     strip = lambda urls: [u.rstrip("/") for u in urls]  # noqa: E731
-    uvicorn.run(make_app(strip(a.prefill), strip(a.decode), decode_tp=a.decode_tp), host=a.host, port=a.port,
+    uvicorn.run(make_app(strip(a.prefill), strip(a.decode), decode_tp=a.decode_tp, both_at_once=a.both_at_once),
+                host=a.host, port=a.port,
                 log_level="warning")
 
 

@@ -674,7 +674,7 @@ def http_json(url, body=None, timeout=120):
 
 @pytest.mark.skipif(os.environ.get("TPU_SYNC_E2E_SERVE", "1") == "0", reason="TPU_SYNC_E2E_SERVE=0")
 def test_proxy_routes_prefill_then_decode_over_http(engines, plain, tiny_model):
-    ports = dict(p=free_port(), d=free_port(), proxy=free_port())
+    ports = dict(p=free_port(), d=free_port(), proxy=free_port(), both=free_port())
     procs = []
 
     def serve(name, port, role, extra, policy="fail"):
@@ -692,13 +692,16 @@ def test_proxy_routes_prefill_then_decode_over_http(engines, plain, tiny_model):
         # By registered name (the vllm.general_plugins entry point), no module path.
         serve("prefill", ports["p"], "kv_producer", pd_extra())
         serve("decode", ports["d"], "kv_consumer", pd_extra())
-        log = open(os.path.join(engines.dir, "proxy.log"), "w")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", "vllm", "proxy.py"),
-                                       "--prefill", f"http://127.0.0.1:{ports['p']}",
-                                       "--decode", f"http://127.0.0.1:{ports['d']}", "--port", str(ports["proxy"])],
-                                      env=engines.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        for name, more in (("proxy", []), ("both", ["--both-at-once"])):
+            log = open(os.path.join(engines.dir, f"{name}.log"), "w")
+            procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", "vllm", "proxy.py"),
+                                           "--prefill", f"http://127.0.0.1:{ports['p']}",
+                                           "--decode", f"http://127.0.0.1:{ports['d']}",
+                                           "--port", str(ports[name])] + more,
+                                          env=engines.env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
         deadline = time.time() + ENGINE_TIMEOUT
-        for port in (ports["p"], ports["d"], ports["proxy"]):
+        for port in (ports["p"], ports["d"], ports["proxy"], ports["both"]):
             while True:
                 try:
                     http_json(f"http://127.0.0.1:{port}/health", timeout=5)
@@ -707,17 +710,24 @@ def test_proxy_routes_prefill_then_decode_over_http(engines, plain, tiny_model):
                     assert all(p.poll() is None for p in procs), "a server died; see runs/serve_*.log"
                     assert time.time() < deadline, "servers did not come up"
                     time.sleep(1)
-        got = []
-        for p in PROMPTS[:2]:
-            r = http_json(f"http://127.0.0.1:{ports['proxy']}/v1/completions",
-                          dict(model=tiny_model, prompt=p, max_tokens=16, temperature=0, ignore_eos=True,
+        def ask(name, i):
+            r = http_json(f"http://127.0.0.1:{ports[name]}/v1/completions",
+                          dict(model=tiny_model, prompt=PROMPTS[i], max_tokens=16, temperature=0, ignore_eos=True,
                                return_token_ids=True))
-            got.append(r["choices"][0]["token_ids"])
-        assert got == toks(plain)[:2]
+            return r["choices"][0]["token_ids"]
+
+        assert [ask("proxy", i) for i in (0, 1)] == toks(plain)[:2]
+        # --both-at-once: the first request learns the prefill instance's params; the next two
+        # go to both instances at once, and the decode instance pulls while the prefill runs.
+        order = (2, 3, 0)
+        assert [ask("both", i) for i in order] == [toks(plain)[i] for i in order]
+        health = http_json(f"http://127.0.0.1:{ports['both']}/health")
+        assert health["both_at_once"] and health["pairs"] == 2, health
         metrics = http_json(f"http://127.0.0.1:{ports['d']}/metrics")
         p2p = [ln for ln in metrics.splitlines()
                if ln.startswith("vllm:prompt_tokens_cached_by_source_total") and 'source="p2p"' in ln]
-        assert p2p and float(p2p[0].rsplit(" ", 1)[1]) == sum(LENS[:2]), p2p
+        want = sum(LENS[:2]) + sum(LENS[i] for i in order)
+        assert p2p and float(p2p[0].rsplit(" ", 1)[1]) == want, p2p
     finally:
         for p in procs:
             try:
