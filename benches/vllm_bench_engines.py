@@ -51,9 +51,13 @@ class Proc:
             if line.startswith("{"):
                 return json.loads(line)
 
-    def ask(self, **cmd):
+    def send(self, **cmd):
+        """Sends one command without waiting for its answer (:meth:`read` it later)."""
         self.p.stdin.write(json.dumps(cmd) + "\n")
         self.p.stdin.flush()
+
+    def ask(self, **cmd):
+        self.send(**cmd)
         return self.read()
 
     def close(self):

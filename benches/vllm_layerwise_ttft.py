@@ -17,6 +17,14 @@ the same engines, caches and machine load), min/median/max and the ratio of the 
   by the prefill engine alone (no transfer), the single-engine TTFT that P/D is compared with;
   and per P/D request the producer's prefill (prefill request sent -> answered), the consumer's
   part (params sent -> first token) and the pull's own time (the consumer worker's ``pull_us``).
+* **P/D both at once** (``--both``): the prompt goes to the producer and the consumer at the
+  same time (``tpu_sync_pair``, as ``examples/vllm/proxy.py --both-at-once`` sends it), so the
+  consumer asks for the producer's registration and pulls while the prefill runs. TTFT = from
+  sending both to the consumer's first token; whole mode: the producer registers the request in
+  the step that prefills it and stages every layer after the forward; layer-wise: each layer is
+  staged and published as vLLM saves it, so the pull of layer ``l`` overlaps the compute of
+  layer ``l + 1``. Reported: layer-wise / whole TTFT, and the consumer's time after the
+  producer answered in each mode (their difference is the transfer hidden behind the prefill).
 * **Offload**: one ``kv_both`` engine; each round prefills a fresh prompt (saved to the host
   tier), then loads it from the tier twice (vLLM's own prefix cache is off), once with
   synchronous loads in ``start_load_kv`` and once with layer-wise loads, alternating which goes
@@ -26,7 +34,7 @@ Greedy tokens of every mode are compared with each other (they must be equal).
 
 Usage (vLLM virtualenv; ``make bench-vllm-layerwise``):
     python benches/vllm_layerwise_ttft.py [--tokens 2000] [--rounds 5] [--part pd|offload|all]
-        [--layers 8] [--hidden 512] [--json FILE]
+        [--both] [--layers 8] [--hidden 512] [--json FILE]
 
 The model is the one of ``benches/vllm_ttft.py`` (random weights, 8 layers, hidden 512, built
 once under target/vllm-bench/). Timings depend on the machine and its load; the ratios are the
@@ -85,12 +93,20 @@ def serve(role, model, max_len):
         cmd = json.loads(line)
         if cmd.get("op") == "quit":
             break
+        if cmd.get("op") == "template":
+            # The producer's part of both-at-once params (its addresses, geometry, block count).
+            sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
+            print(json.dumps({"template": sched.scheduler_side.pair_template()}), file=out, flush=True)
+            continue
         sched = set_layerwise(llm, bool(cmd["layerwise"]))
         if cmd.get("local"):
             sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # computed here alone
         elif role == "kv_producer":
+            params = {"do_remote_decode": True}
+            if cmd.get("nonce"):
+                params["tpu_sync_pair"] = cmd["nonce"]  # both at once
             sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
-                                extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+                                extra_args={"kv_transfer_params": params})
         else:
             sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
                                 extra_args={"kv_transfer_params": cmd["params"]})
@@ -102,7 +118,7 @@ def serve(role, model, max_len):
         o = llm.generate([{"prompt_token_ids": cmd["prompt"]}], sp, use_tqdm=False)[0]
         dt = time.perf_counter() - t
         print(json.dumps({"tokens": list(o.outputs[0].token_ids), "params": o.kv_transfer_params,
-                          "cached": o.num_cached_tokens, "engine_s": dt,
+                          "cached": o.num_cached_tokens, "engine_s": dt, "t_done": time.time(),
                           "pull_s": (wst.get("pull_us", 0) - pull_us) / 1e6}), file=out, flush=True)
         if role == "kv_producer":
             # A serving engine keeps stepping: registration (whole mode) and block frees.
@@ -116,23 +132,31 @@ def fmt(s):
 
 
 def bench_pd(a, model, max_len, rng):
-    """P/D whole and layer-wise, and the same prompt length computed by the prefill engine
-    alone (``local``, no transfer: the single-engine TTFT), interleaved; per P/D request also the producer's
-    prefill (prefill request sent -> answered), the consumer's part (params sent -> first token)
-    and the pull's own time (the consumer's ``pull_us``)."""
+    """P/D whole and layer-wise, in the proxy's order (prefill first, then the decode request
+    with its params) and both at once (``--both``: the prompt to both engines at the same time,
+    ``tpu_sync_pair``), and the same prompt length computed by the prefill engine alone
+    (``local``, no transfer: the single-engine TTFT), interleaved; per P/D request also the
+    producer's prefill (prefill request sent -> answered), the consumer's part after it (-> first
+    token) and the pull's own time (the consumer's ``pull_us``)."""
+    from tpu_sync.vllm.compat import pair_params
+
     prod = Proc("kv_producer", model, max_len)
     cons = Proc("kv_consumer", model, max_len)
-    modes = ["local", False, True]
+    modes = ["local", ("seq", False), ("seq", True)]
+    if a.both:
+        modes += [("both", False), ("both", True)]
     times = {m: [] for m in modes}
-    prefill = {False: [], True: []}
-    consumer = {False: [], True: []}
-    pull = {False: [], True: []}
+    prefill = {m: [] for m in modes[1:]}
+    consumer = {m: [] for m in modes[1:]}
+    pull = {m: [] for m in modes[1:]}
+    template = prod.ask(op="template")["template"] if a.both else None
     try:
         for r in range(a.rounds + 1):  # round 0 warms every mode
             k = r % len(modes)
             for m in modes[k:] + modes[:k]:
                 prompt = [rng.randrange(3, 1000) for _ in range(a.tokens)]
                 t = time.perf_counter()
+                t_wall = time.time()
                 if m == "local":
                     # On the prefill engine: the same engine, the same neighbour (the decode
                     # engine, idle after its last request) as the P/D prefill.
@@ -140,12 +164,23 @@ def bench_pd(a, model, max_len, rng):
                     dt = time.perf_counter() - t
                     if r:
                         times[m].append(dt)
-                        print(f"pd round {r} local    : TTFT {dt * 1e3:7.1f} ms", flush=True)
+                        print(f"pd round {r} local          : TTFT {dt * 1e3:7.1f} ms", flush=True)
                     continue
-                p = prod.ask(prompt=prompt, layerwise=m)
-                tp = time.perf_counter() - t
-                c = cons.ask(prompt=prompt, params=p["params"], layerwise=m)
-                dt = time.perf_counter() - t
+                order, lw = m
+                if order == "seq":
+                    p = prod.ask(prompt=prompt, layerwise=lw)
+                    tp = time.perf_counter() - t
+                    c = cons.ask(prompt=prompt, params=p["params"], layerwise=lw)
+                    dt = time.perf_counter() - t
+                else:
+                    nonce = f"bench-{r}-{rng.randrange(1 << 62):016x}"
+                    prod.send(prompt=prompt, layerwise=lw, nonce=nonce)
+                    cons.send(prompt=prompt, params=pair_params(template, nonce), layerwise=lw)
+                    p = prod.read()
+                    c = cons.read()
+                    tp, dt = p["t_done"] - t_wall, c["t_done"] - t_wall
+                    if (p["params"] or {}).get("tpu_sync_pair") != nonce:
+                        raise SystemExit(f"round {r}: the producer did not take the both-at-once nonce")
                 if c["tokens"] != p["tokens"]:
                     raise SystemExit(f"round {r}: consumer token {c['tokens']} != producer's {p['tokens']}")
                 if r:
@@ -153,14 +188,15 @@ def bench_pd(a, model, max_len, rng):
                     prefill[m].append(tp)
                     consumer[m].append(dt - tp)
                     pull[m].append(c["pull_s"])
-                    print(f"pd round {r} {'layerwise' if m else 'whole    '}: TTFT {dt * 1e3:7.1f} ms = prefill "
-                          f"{tp * 1e3:7.1f} + consumer {(dt - tp) * 1e3:7.1f} (pull {c['pull_s'] * 1e3:6.1f}) ms "
-                          f"(consumer cached {c['cached']})", flush=True)
+                    print(f"pd round {r} {order:4s} {'layerwise' if lw else 'whole    '}: TTFT {dt * 1e3:7.1f} ms = "
+                          f"prefill {tp * 1e3:7.1f} + consumer {(dt - tp) * 1e3:7.1f} (pull {c['pull_s'] * 1e3:6.1f}) "
+                          f"ms (consumer cached {c['cached']})", flush=True)
     finally:
         prod.close()
         cons.close()
     out = {"local": summary(times["local"])}
-    for m, name in ((False, "whole"), (True, "layerwise")):
+    for m in modes[1:]:
+        name = ("both_" if m[0] == "both" else "") + ("layerwise" if m[1] else "whole")
         out[name] = summary(times[m])
         out[name + "_prefill"] = summary(prefill[m])
         out[name + "_consumer"] = summary(consumer[m])
@@ -203,6 +239,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--part", choices=("pd", "offload", "all"), default="all")
+    ap.add_argument("--both", action="store_true",
+                    help="P/D also with the prompt sent to both engines at once (tpu_sync_pair), whole and layer-wise")
     a = common_args(ap).parse_args()
     os.environ.update(ENV)
     model = a.model or os.path.join(ROOT, "target", "vllm-bench", f"llama-L{a.layers}-H{a.hidden}")
@@ -221,7 +259,8 @@ def main():
     if "pd" in res:
         d = res["pd"]
         print(f"single-engine TTFT       : {fmt(d['local'])}")
-        for name in ("whole", "layerwise"):
+        names = ["whole", "layerwise"] + (["both_whole", "both_layerwise"] if "both_whole" in d else [])
+        for name in names:
             print(f"P/D TTFT, {name:15s}: {fmt(d[name])}")
             print(f"  producer prefill       : {fmt(d[name + '_prefill'])}")
             print(f"  consumer (to 1st token): {fmt(d[name + '_consumer'])}")
@@ -230,6 +269,13 @@ def main():
             print(f"  P/D / single engine (medians): {d[name]['median'] / d['local']['median']:.2f}; "
                   f"(P/D - prefill) / pull: {over / max(d[name + '_pull']['median'], 1e-9):.1f}")
         print(f"  whole / layer-wise (medians): {d['whole']['median'] / d['layerwise']['median']:.2f}")
+        if "both_whole" in d:
+            bw, bl = d["both_whole"]["median"], d["both_layerwise"]["median"]
+            tw, tl = d["both_whole_consumer"]["median"], d["both_layerwise_consumer"]["median"]
+            print(f"  both at once: layer-wise / whole TTFT (medians): {bl / bw:.2f}; the consumer's time after the "
+                  f"producer answered: whole {tw * 1e3:.1f} ms, layer-wise {tl * 1e3:.1f} ms (transfer hidden behind "
+                  f"the prefill: {(tw - tl) * 1e3:.1f} ms); layer-wise both at once / single engine: "
+                  f"{bl / d['local']['median']:.2f}")
     if "offload" in res:
         d = res["offload"]
         print(f"offload TTFT, recomputed : {fmt(d['recomputed'])}")

@@ -119,7 +119,8 @@ def test_config_is_checked():
                         ("kv_producer", {"layerwise": 1}),
                         ("kv_both", {"host_capacity_bytes": True}), ("kv_sender", {}),
                         ("kv_producer", {"lease_s": 0}), ("kv_producer", {"psk": "zz"}),
-                        ("kv_both", {"offload": False})]:
+                        ("kv_both", {"offload": False}), ("kv_consumer", {"idle_wait_ms": -1}),
+                        ("kv_consumer", {"idle_wait_ms": "5"})]:
         with pytest.raises(ConfigError):
             ConnectorConfig.parse(role, extra)
 
@@ -270,6 +271,67 @@ def test_consumer_with_local_prefix_hit_pulls_only_the_rest(configs):
     assert c.get_num_new_matched_tokens(r3, 128) == (0, False)
     c.update_state_after_alloc(r3, blocks([50, 51, 52, 53]), 0)
     assert [x.req_id for x in c.build_connector_meta(sched_out({})).rejects] == ["d5"]
+
+
+def test_both_at_once_ids_agree_only_for_the_same_prompt(configs, tiny_model):
+    """A router sends the prompt to both sides at once (``tpu_sync_pair``): the producer
+    registers under the id derived from the nonce and its prompt, the consumer (layer-wise or
+    not) pulls that id asynchronously, all its prompt tokens, from blocks it asks the producer
+    for (``src_block_ids`` None); another prompt or nonce gives another id; bad pair params are
+    refused and the request prefilled locally."""
+    from tpu_sync.vllm.compat import PAIR_KEY, check_pair_params, pair_params, pair_xfer_id
+
+    p, toks, _, template = producer_params(configs)
+    assert p.scheduler_side.pair_template().items() <= template.items()
+    nonce = "n0nce-0123456789"
+    prod = p.scheduler_side
+    r = request("p9", toks, {"do_remote_decode": True, PAIR_KEY: nonce}, max_tokens=1)
+    xfer = prod._new_xfer(r, 100)
+    assert xfer == pair_xfer_id(nonce, prompt_digest(toks)) and 1 <= xfer < 2**53
+    assert xfer != pair_xfer_id(nonce, prompt_digest(toks[:-1])) != pair_xfer_id("other-nonce", prompt_digest(toks))
+    r.num_computed_tokens, r.status = 100, RequestStatus.FINISHED_LENGTH_CAPPED
+    _, answer = p.request_finished(r, [9, 4, 7, 30])
+    assert answer["remote_request_id"] == xfer and answer[PAIR_KEY] == nonce
+    params = pair_params(template, nonce)
+    assert "remote_block_ids" not in params and "remote_request_id" not in params and params["do_remote_prefill"]
+    assert check_pair_params(params) is None
+    for cfg in (configs["kv_consumer"], vllm_config(tiny_model, "kv_consumer", {"layerwise": True})):
+        c = connector(cfg)
+        d = request("d9", toks, dict(params))
+        assert c.get_num_new_matched_tokens(d, 0) == (100, True)
+        c.update_state_after_alloc(d, blocks([50, 51, 52, 53]), 100)
+        meta = c.build_connector_meta(sched_out({}))
+        [spec] = meta.recvs
+        assert (spec.xfer_id, spec.num_tokens, spec.src_block_ids, spec.dst_block_ids) == (xfer, 100, None,
+                                                                                          [50, 51, 52, 53])
+        assert meta.layer_recvs == [] and spec.peers == {0: "10.0.0.1:7001"}
+        pickle.loads(pickle.dumps(meta))
+    # The same nonce with another prompt: another id, so it never pulls the producer's KV.
+    d = request("d10", tokens(100, seed=3), dict(params))
+    assert c.get_num_new_matched_tokens(d, 0) == (100, True)
+    assert d.kv_transfer_params["remote_request_id"] != xfer
+    for bad in (dict(params, **{PAIR_KEY: "short"}), dict(params, tpu_sync_version=99),
+                {k: v for k, v in params.items() if k != "remote_addresses"}):
+        assert check_pair_params(bad) is not None
+        c = connector(configs["kv_consumer"])
+        d = request("d11", toks, bad)
+        assert c.get_num_new_matched_tokens(d, 0) == (0, False)
+        assert c.scheduler_side.stats["refused_params"] == 1
+    with pytest.raises(ValueError):
+        pair_params(template, "short")
+
+
+def test_empty_steps_are_marked_idle(configs):
+    """The workers may wait for a pull in a step that computes nothing (``idle_wait_ms``)."""
+    c = connector(configs["kv_consumer"])
+    out = sched_out({})
+    out.total_num_scheduled_tokens = 0
+    assert c.build_connector_meta(out).idle is True
+    out = sched_out({"r": 5})
+    out.total_num_scheduled_tokens = 5
+    assert c.build_connector_meta(out).idle is False
+    assert ConnectorConfig.parse("kv_consumer", {}).idle_wait_ms == 10.0
+    assert ConnectorConfig.parse("kv_consumer", {"idle_wait_ms": 0}).idle_wait_ms == 0
 
 
 def test_layerwise_consumer_with_local_prefix_hit_loads_only_the_rest(tiny_model):
@@ -559,6 +621,63 @@ def test_worker_reports_pulls(configs, outcome):
         ((xfer, peers, why),) = rejected(w, 1)
         assert (xfer, peers) == (7, {0: "h:1"}) and "failed" in why
     assert w.get_transfer_results(set()).finished_recving == set()
+    w.shutdown()
+
+
+@pytest.mark.parametrize("case", ["ok", "tokens", "never", "cancel"])
+def test_worker_deferred_pull_asks_for_the_placement_first(configs, case):
+    """A both-at-once pull (``src_block_ids`` None): the worker asks the producer for its
+    placement until it registered, then pulls with exactly that placement; a token count
+    other than the request's, or no registration before the deadline, fails the pull (load
+    errors, a reject); a request aborted while asking never starts its pull. Empty steps wait
+    (``idle_wait_ms``) instead of returning at once."""
+    from tpu_sync.errors import UnknownRequestError
+
+    w = worker(configs, "ok")
+    asked = []
+    placed = {"layout": "the producer's", "block_ids": [[11, 12]]}
+
+    def describe(xfer_id, address):
+        asked.append((xfer_id, address))
+        if case in ("never", "cancel") or len(asked) < 3:
+            raise UnknownRequestError(15, f"request {xfer_id} is not registered")
+        return placed, 41 if case == "tokens" else 40
+
+    w.transport.describe = describe
+    spec = recv(timeout=0.5)
+    spec.src_block_ids = None
+    w.start_load_kv(TpuSyncMetadata(recvs=[spec], idle=True))
+    t0 = time.monotonic()
+    res = w.get_transfer_results(set())
+    assert w.stats["idle_waits"] == 1
+    if case in ("never", "cancel"):  # nothing settles: the empty step waited its 10 ms, not spun
+        assert time.monotonic() - t0 >= 0.0099
+    assert w.stats["pulls_deferred"] == 1
+    if case == "cancel":
+        res = w.get_transfer_results({"d1"})
+        assert res.finished_recving == {"d1"} and res.failed_recving == set()
+        time.sleep(0.1)
+        assert getattr(w.transport, "pulls", 0) == 0 and len(asked) >= 1
+        ((xfer, _, why),) = rejected(w, 1)
+        assert xfer == 7 and "aborted" in why
+        w.shutdown()
+        return
+    deadline = time.monotonic() + 5
+    while not res.finished_recving and time.monotonic() < deadline:
+        time.sleep(0.01)
+        res = w.get_transfer_results(set())
+    assert res.finished_recving == {"d1"}
+    assert set(asked) == {(7, "h:1")}
+    if case == "ok":
+        assert len(asked) == 3 and w.transport.pulls == 1 and res.failed_recving == set()
+        assert w.transport.waits[0] is not None and w.stats["pulls_done"] == 1
+    else:
+        assert getattr(w.transport, "pulls", 0) == 0 and res.failed_recving == {"d1"}
+        assert w.get_block_ids_with_load_errors() == {8, 9}
+        ((xfer, _, why),) = rejected(w, 1)
+        assert xfer == 7 and "failed" in why
+        if case == "never":
+            assert time.monotonic() - t0 < 1.5  # the pull's deadline, not longer
     w.shutdown()
 
 

@@ -31,6 +31,14 @@ P/D (prefill/decode disaggregation; on by default for ``kv_producer`` and ``kv_c
     Consumer: a pull that has not completed after this many seconds fails the request
     (``kv_load_failure_policy`` then decides: ``"fail"`` ends it with an error, ``"recompute"``
     prefills it locally). Default 30.
+``idle_wait_ms`` (float)
+    Consumer: in an engine step that computed nothing (every request is waiting for its KV),
+    the worker waits up to this long for a pull to complete before handing the step back to
+    vLLM, which would otherwise run empty steps back to back at 100% of a core while the KV
+    arrives (measured: 4.0 s of CPU in 4.0 s of waiting), taking that core from the engines'
+    own compute on a shared host. A completing pull ends the wait at once, so it adds no
+    latency to the pull; a new request reaching an otherwise idle engine may wait this long.
+    0: no wait. Default 10.
 ``heartbeat_timeout_s`` (float)
     A peer whose control lane stays silent this long is declared dead and its transfers fail.
     Default 30 (the library's own default is 5): an engine's forward pass can keep every core
@@ -140,6 +148,8 @@ DEFAULT_PULL_TIMEOUT_S = 30.0
 DEFAULT_MAX_PENDING_SAVE_BLOCKS = 2048
 #: Engines' peer silence limit (see ``heartbeat_timeout_s`` above).
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
+#: Consumer: longest wait for a pull in an engine step that computed nothing (``idle_wait_ms``).
+DEFAULT_IDLE_WAIT_MS = 10.0
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
@@ -154,6 +164,7 @@ _KEYS = {
     "decode_tp_size": int,
     "pull_timeout_s": (int, float),
     "heartbeat_timeout_s": (int, float),
+    "idle_wait_ms": (int, float),
     "pd_transport": str,
     "staging_budget_bytes": int,
     "staging_wait_s": (int, float),
@@ -196,6 +207,7 @@ class ConnectorConfig:
     decode_tp_size: int = 1
     pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    idle_wait_ms: float = DEFAULT_IDLE_WAIT_MS
     pd_transport: Optional[str] = None
     staging_budget_bytes: Optional[int] = None
     staging_wait_s: Optional[float] = None
@@ -267,6 +279,7 @@ class ConnectorConfig:
             decode_tp_size=int(extra.get("decode_tp_size", 1)),
             pull_timeout_s=float(extra.get("pull_timeout_s", DEFAULT_PULL_TIMEOUT_S)),
             heartbeat_timeout_s=float(extra.get("heartbeat_timeout_s", DEFAULT_HEARTBEAT_TIMEOUT_S)),
+            idle_wait_ms=float(extra.get("idle_wait_ms", DEFAULT_IDLE_WAIT_MS)),
             pd_transport=extra.get("pd_transport"),
             staging_budget_bytes=extra.get("staging_budget_bytes"),
             staging_wait_s=(float(extra["staging_wait_s"]) if "staging_wait_s" in extra else None),
@@ -287,6 +300,8 @@ class ConnectorConfig:
         )
         if cfg.lease_s <= 0 or cfg.pull_timeout_s <= 0 or not cfg.heartbeat_timeout_s > 0:
             raise ConfigError("lease_s, pull_timeout_s and heartbeat_timeout_s must be > 0")
+        if not 0 <= cfg.idle_wait_ms <= 1000:
+            raise ConfigError("idle_wait_ms must be in 0..1000")
         if cfg.max_pending_save_blocks < 1:
             raise ConfigError("max_pending_save_blocks must be >= 1")
         if cfg.decode_tp_size < 1:

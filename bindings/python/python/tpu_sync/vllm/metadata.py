@@ -133,6 +133,9 @@ class TpuSyncMetadata(KVConnectorMetadata):
     #: workers wait for those saves before the forward (``handle_preemptions``), since vLLM
     #: freed their blocks at once.
     preempted: List[str] = field(default_factory=list)
+    #: no token is computed in this step (every request waits for its KV, or none is left):
+    #: the workers may wait for a pull before returning (``idle_wait_ms``).
+    idle: bool = False
 
 
 @dataclass

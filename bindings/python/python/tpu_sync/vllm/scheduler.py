@@ -461,6 +461,7 @@ class SchedulerSide:
             layer_recvs=self._layer_recvs,
         )
         self._handoffs, self._withdraws, self._layer_recvs = [], [], []
+        meta.idle = not int(getattr(scheduler_output, "total_num_scheduled_tokens", 1) or 0)
         if self._pd_reqs:
             meta.layer_sends = self._plan_layer_sends(scheduler_output)
         self._lookup_sent.update(self._lookup_wanted)

@@ -189,6 +189,8 @@ class WorkerSide:
         self.transport: Any = None
         self._leases: Dict[str, Any] = {}
         self._pulls: Dict[str, _Pull] = {}
+        #: this step computed no token (``TpuSyncMetadata.idle``)
+        self._step_idle = False
         self._sent: Set[str] = set()
         self._load_errors: Set[int] = set()
         self._report = TpuSyncWorkerMetadata()
@@ -214,12 +216,13 @@ class WorkerSide:
         #: asynchronous saves: ops that failed, blocks dropped by back-pressure, waits for a
         #: save (a preempted request's, or a lookup of a block being saved); microseconds of the
         #: successful pulls (each from its start to its last byte written); both-at-once pulls
-        #: (started once the producer described the request).
+        #: (started once the producer described the request); empty engine steps that waited for
+        #: a pull (``idle_wait_ms``).
         self.stats: Dict[str, int] = dict(saved_blocks=0, loaded_blocks=0, pulls_done=0, pulls_failed=0, pulls_cancelled=0,
                                           registered=0, register_failed=0, failed_loads=0, lookups=0, rejects_sent=0,
                                           rejects_failed=0, amx_permission=0, layerwise_registered=0,
                                           layerwise_pulls=0, layerwise_loads=0, saves_failed=0, saves_dropped=0,
-                                          save_waits=0, pull_us=0, pulls_deferred=0)
+                                          save_waits=0, pull_us=0, pulls_deferred=0, idle_waits=0)
         #: this interval's observations for vLLM's connector-stats hooks (None: vLLM lacks them).
         self.xfer_stats: Any = None
         try:
@@ -403,6 +406,7 @@ class WorkerSide:
     def start_load_kv(self, meta: TpuSyncMetadata) -> None:
         """Lookups, host-tier loads (synchronous, or started layer-wise), registrations and pull
         starts of this step."""
+        self._step_idle = bool(getattr(meta, "idle", False))
         if self.caches is not None:
             self.caches.refresh()  # a JAX runner's arrays of this step
         if self.tier is not None:
@@ -836,6 +840,9 @@ class WorkerSide:
             self.stats["pulls_cancelled"] += 1
         if self._pulls:
             self._poll_starts()
+            if self._step_idle:
+                self._step_idle = False
+                self._idle_wait()
             now = time.monotonic()
             for req_id, p in list(self._pulls.items()):
                 err = None
@@ -878,6 +885,26 @@ class WorkerSide:
                     self._reject(RejectSpec(req_id, p.spec.xfer_id, p.spec.peers,
                                             f"request {req_id}: its pull failed ({type(err).__name__}); recomputed"))
         return res
+
+    def _idle_wait(self) -> None:
+        """An engine step that computed nothing: waits up to ``idle_wait_ms`` for a pull to
+        complete (a completion ends the wait at once), instead of letting vLLM spin through
+        empty steps while the KV arrives."""
+        budget = self.cfg.idle_wait_ms / 1000.0
+        if budget <= 0:
+            return
+        waiting = [p.handle for p in self._pulls.values() if p.handle is not None]
+        if any(h.done for h in waiting):
+            return
+        if waiting and hasattr(waiting[0], "wait"):
+            try:
+                waiting[0].wait(budget)  # the oldest pull; the others are looked at next step
+            except Exception:  # still pending (PendingError), or failed: reported below
+                pass
+            self.stats["idle_waits"] += 1
+        elif not waiting:
+            time.sleep(budget)  # pulls waiting to retry (a producer that has not registered yet)
+            self.stats["idle_waits"] += 1
 
     def _land_jax_pull(self, jx: Any, p: _Pull, err: Optional[BaseException]) -> Optional[BaseException]:
         """A JAX runner's finished pull (:meth:`tpu_sync.jax_kv.JaxKv.after_write`); the error
@@ -1006,6 +1033,8 @@ class _Deferred:
         self._cancelled = False
         self._inner: Any = None
         self._error: Optional[BaseException] = None
+        #: set once the pull started or failed
+        self._settled = threading.Event()
         #: seconds from creation until the producer described the request
         self.described_after_s: Optional[float] = None
         self._thread = threading.Thread(target=self._run, name="tpu-sync-describe", daemon=True)
@@ -1028,7 +1057,16 @@ class _Deferred:
         return None if inner is None else getattr(inner, "error", None)
 
     def wait(self, timeout: float) -> Any:
-        return self._inner.wait(timeout)
+        """The pull's :meth:`tpu_sync.Transfer.wait`, after waiting (within ``timeout``) for it
+        to start. Raises TimeoutError while it has not started, the failure if it failed."""
+        t0 = time.monotonic()
+        if not self._settled.wait(timeout):
+            raise TimeoutError("the producer has not described the request yet")
+        with self._lock:
+            inner, err = self._inner, self._error
+        if inner is None:
+            raise err if err is not None else TimeoutError("not started")
+        return inner.wait(max(0.0, timeout - (time.monotonic() - t0)))
 
     def cancel(self) -> None:
         with self._lock:
@@ -1045,6 +1083,14 @@ class _Deferred:
             self._error = e
 
     def _run(self) -> None:
+        try:
+            self._start()
+        except Exception as e:  # never leave the pull pending until its deadline
+            self._fail(e)
+        finally:
+            self._settled.set()
+
+    def _start(self) -> None:
         s = self._spec
         t0 = time.monotonic()
         addr = s.peers[min(s.peers)] if s.peers else None
