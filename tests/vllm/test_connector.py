@@ -681,6 +681,47 @@ def test_worker_deferred_pull_asks_for_the_placement_first(configs, case):
     w.shutdown()
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_layers_are_staged_off_the_models_thread(configs, fails):
+    """A layer-wise producer: ``save_kv_layer`` queues the layer's D2H and returns while it
+    runs; the request's blocks are reported free (``finished_sending``) only once every queued
+    publish ran. A failed publish withdraws the registration and skips the rest."""
+    import threading
+
+    from tpu_sync.vllm.metadata import SendSpec
+
+    w = worker(configs, "ok", role="kv_producer")
+    w._layer_index = {"l0": 0, "l1": 1}
+    gate = threading.Event()
+    published, withdrawn = [], []
+
+    def publish_layers(xfer, layers):
+        gate.wait(10)
+        if fails:
+            raise RuntimeError("D2H failed")
+        published.append((xfer, layers))
+        return layers
+
+    w.transport.register_layers = lambda *a, **k: None
+    w.transport.publish_layers = publish_layers
+    w.transport.withdraw = withdrawn.append
+    w.start_load_kv(TpuSyncMetadata(layer_sends=[SendSpec("p1", 5, [3, 4], 40, 60.0)]))
+    w.save_kv_layer("l0")  # returns although the copy has not run
+    w.save_kv_layer("l1")
+    w.wait_for_save(TpuSyncMetadata())
+    assert published == [] and w.stats["layerwise_registered"] == 1
+    w.start_load_kv(TpuSyncMetadata(handoffs=["p1"]))
+    assert w.get_transfer_results(set()).finished_sending == set()  # still staging: blocks kept
+    gate.set()
+    assert w._stager.wait_xfer(5, 10)
+    assert w.get_transfer_results(set()).finished_sending == {"p1"}
+    if fails:
+        assert published == [] and withdrawn == [5] and w.stats["publish_failed"] == 1
+    else:
+        assert published == [(5, 1), (5, 2), (5, 2)] and withdrawn == []
+    w.shutdown()
+
+
 def test_worker_cancels_pull_of_aborted_request(configs):
     w = worker(configs, "hang")
     w.start_load_kv(TpuSyncMetadata(recvs=[recv()]))

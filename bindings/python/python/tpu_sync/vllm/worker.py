@@ -192,6 +192,8 @@ class WorkerSide:
         #: this step computed no token (``TpuSyncMetadata.idle``)
         self._step_idle = False
         self._sent: Set[str] = set()
+        #: stages and publishes layers off the model's thread (created on first use)
+        self._stager: Optional[_Stager] = None
         self._load_errors: Set[int] = set()
         self._report = TpuSyncWorkerMetadata()
         self._src_layouts: Dict[str, Dict[str, Any]] = {}
@@ -222,7 +224,7 @@ class WorkerSide:
                                           registered=0, register_failed=0, failed_loads=0, lookups=0, rejects_sent=0,
                                           rejects_failed=0, amx_permission=0, layerwise_registered=0,
                                           layerwise_pulls=0, layerwise_loads=0, saves_failed=0, saves_dropped=0,
-                                          save_waits=0, pull_us=0, pulls_deferred=0, idle_waits=0)
+                                          save_waits=0, pull_us=0, pulls_deferred=0, idle_waits=0, publish_failed=0)
         #: this interval's observations for vLLM's connector-stats hooks (None: vLLM lacks them).
         self.xfer_stats: Any = None
         try:
@@ -457,6 +459,8 @@ class WorkerSide:
 
     def _withdraw(self, xfer_id: int) -> None:
         self._layer_sends.pop(xfer_id, None)
+        if self._stager is not None:
+            self._stager.wait_xfer(xfer_id)  # its queued publishes first (rare: aborts)
         if hasattr(self.transport, "withdraw"):
             try:
                 self.transport.withdraw(xfer_id)
@@ -464,15 +468,14 @@ class WorkerSide:
                 log.debug("tpu_sync: withdrawing transfer %s failed: %s", xfer_id, e)
 
     def _publish(self, layers: int) -> None:
-        """Stages and publishes layers ``..layers`` of this step's layer-wise registrations."""
+        """Has layers ``..layers`` of this step's layer-wise registrations staged (D2H) and
+        published by the stager thread: the model's thread goes on with the next layer."""
         if not hasattr(self.transport, "publish_layers"):
             return
+        if self._stager is None:
+            self._stager = _Stager(self.transport, self.stats)
         for xfer, s in list(self._layer_sends.items()):
-            try:
-                self.transport.publish_layers(xfer, layers)
-            except Exception as e:  # its pullers fail and recompute; vLLM frees the blocks
-                log.error("tpu_sync: publishing layers of %s (transfer %s) failed: %s", s.req_id, xfer, e)
-                self._withdraw(xfer)
+            self._stager.submit(xfer, s.req_id, layers)
 
     def save_kv_layer(self, layer_name: str) -> None:
         """Layer-wise producer: vLLM wrote ``layer_name`` of this step's tokens; stage and
@@ -811,18 +814,21 @@ class WorkerSide:
             if lease is not None:
                 _close(lease)
         res = KVConnectorTransferResults()
+        staging = self._stager.busy() if self._stager is not None else set()
         if self._saver is not None:
             # A finished request whose blocks had saves (the scheduler delayed freeing them) is
             # reported once they are all done, together with a registration if it had one.
             self._take_saves()
             self._save_finished.update(r for r in finished_req_ids if r in self._save_reqs)
-            ready = {r for r in self._sent | self._save_finished if not self._saver.pending(r)}
+            ready = {r for r in self._sent | self._save_finished if not self._saver.pending(r) and r not in staging}
             self._sent -= ready
             self._save_finished -= ready
             self._save_reqs -= ready
             res.finished_sending = ready
         elif self._sent:
-            res.finished_sending, self._sent = self._sent, set()
+            # Blocks whose layers are still being staged stay with the request until then.
+            res.finished_sending = self._sent - staging
+            self._sent = self._sent & staging
         for req_id in finished_req_ids & self._pulls.keys():
             # Aborted while its KV was arriving: vLLM holds the blocks until we report the
             # request; stop writing into them first. Its blocks are no load error (it is gone).
@@ -1006,6 +1012,9 @@ class WorkerSide:
             if not self._saver.close(SAVE_WAIT_S):
                 log.error("tpu_sync: host-tier saves still running at shutdown after %s s", SAVE_WAIT_S)
             self._saver = None
+        if self._stager is not None:
+            self._stager.close(SAVE_WAIT_S)
+            self._stager = None
         if self._reject_thread is not None:
             self._reject_queue.put(None)
             self._reject_thread.join(timeout=max(1.0, self.cfg.pull_timeout_s))
@@ -1017,6 +1026,75 @@ class WorkerSide:
                 except Exception as e:
                     log.warning("tpu_sync: close failed: %s", e)
         self.tier = self.transport = None
+
+
+class _Stager:
+    """Stages (D2H) and publishes the layers of layer-wise registrations on its own thread, in
+    submission order, so that a device copy never blocks the model's forward (a TPU's D2H is a
+    DMA that runs beside the compute; on the CPU plugin it is a memcpy on the other core). The
+    worker reports a request's blocks free (``finished_sending``) only once every queued
+    publish of it ran (:meth:`busy`). A failed publish withdraws the registration (its pullers
+    fail and recompute) and skips the request's later publishes. Thread-safe."""
+
+    def __init__(self, transport: Any, stats: Dict[str, int]) -> None:
+        self._transport, self._stats = transport, stats
+        self._q: "queue.Queue[Any]" = queue.Queue()
+        self._cv = threading.Condition()
+        self._pending: Dict[int, int] = {}  # xfer id -> queued jobs
+        self._req: Dict[int, str] = {}  # xfer id -> vLLM request id
+        self._failed: Set[int] = set()
+        self._thread = threading.Thread(target=self._run, name="tpu-sync-stager", daemon=True)
+        self._thread.start()
+
+    def submit(self, xfer: int, req_id: str, layers: int) -> None:
+        with self._cv:
+            if xfer in self._failed:
+                return
+            self._pending[xfer] = self._pending.get(xfer, 0) + 1
+            self._req[xfer] = req_id
+        self._q.put((xfer, req_id, layers))
+
+    def busy(self) -> Set[str]:
+        """Requests with publishes queued or running."""
+        with self._cv:
+            return {self._req[x] for x, n in self._pending.items() if n}
+
+    def wait_xfer(self, xfer: int, timeout: float = SAVE_WAIT_S) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._pending.get(xfer), timeout)
+
+    def close(self, timeout: float) -> None:
+        self._q.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            xfer, req_id, layers = job
+            with self._cv:
+                skip = xfer in self._failed
+            if not skip:
+                try:
+                    self._transport.publish_layers(xfer, layers)
+                except Exception as e:  # its pullers fail and recompute; vLLM frees the blocks
+                    log.error("tpu_sync: publishing layers of %s (transfer %s) failed: %s", req_id, xfer, e)
+                    self._stats["publish_failed"] += 1
+                    with self._cv:
+                        if len(self._failed) >= 1024:  # ids of long-gone requests
+                            self._failed.clear()
+                        self._failed.add(xfer)
+                    try:
+                        self._transport.withdraw(xfer)
+                    except Exception as e2:
+                        log.debug("tpu_sync: withdrawing transfer %s failed: %s", xfer, e2)
+            with self._cv:
+                self._pending[xfer] -= 1
+                if not self._pending[xfer]:
+                    del self._pending[xfer]
+                    self._req.pop(xfer, None)
+                self._cv.notify_all()
 
 
 class _Deferred:
