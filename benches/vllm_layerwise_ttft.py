@@ -114,12 +114,16 @@ def serve(role, model, max_len):
 
         wst = get_kv_transfer_group().worker_side.stats
         pull_us = wst.get("pull_us", 0)
+        describe_us = wst.get("describe_us", 0)
         t = time.perf_counter()
+        cpu = time.process_time()
         o = llm.generate([{"prompt_token_ids": cmd["prompt"]}], sp, use_tqdm=False)[0]
         dt = time.perf_counter() - t
         print(json.dumps({"tokens": list(o.outputs[0].token_ids), "params": o.kv_transfer_params,
                           "cached": o.num_cached_tokens, "engine_s": dt, "t_done": time.time(),
-                          "pull_s": (wst.get("pull_us", 0) - pull_us) / 1e6}), file=out, flush=True)
+                          "cpu_s": time.process_time() - cpu,
+                          "pull_s": (wst.get("pull_us", 0) - pull_us) / 1e6,
+                          "describe_s": (wst.get("describe_us", 0) - describe_us) / 1e6}), file=out, flush=True)
         if role == "kv_producer":
             # A serving engine keeps stepping: registration (whole mode) and block frees.
             deadline = time.time() + 30
@@ -190,7 +194,10 @@ def bench_pd(a, model, max_len, rng):
                     pull[m].append(c["pull_s"])
                     print(f"pd round {r} {order:4s} {'layerwise' if lw else 'whole    '}: TTFT {dt * 1e3:7.1f} ms = "
                           f"prefill {tp * 1e3:7.1f} + consumer {(dt - tp) * 1e3:7.1f} (pull {c['pull_s'] * 1e3:6.1f}) "
-                          f"ms (consumer cached {c['cached']})", flush=True)
+                          f"ms (consumer cached {c['cached']}"
+                          + (f", registration found after {c['describe_s'] * 1e3:.1f} ms)" if order == "both" else ")")
+                          + f"; CPU s: producer {p['cpu_s']:.2f}, consumer {c['cpu_s']:.2f}",
+                          flush=True)
     finally:
         prod.close()
         cons.close()

@@ -120,6 +120,14 @@ class TpuSyncConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         return self.worker_side.handshake()
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Takes the step's metadata (before the forward, also inside vLLM's
+        ``MultiConnector``) and registers the requests whose prefill completes this step, so
+        their layers are published as the forward computes them."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker_side is not None and isinstance(connector_metadata, TpuSyncMetadata):
+            self.worker_side.bind(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Runs this step's lookups and host-tier loads (synchronous; with ``layerwise`` started
         on a background thread), registrations, and starts pulls (asynchronous)."""

@@ -191,6 +191,8 @@ class WorkerSide:
         self._pulls: Dict[str, _Pull] = {}
         #: this step computed no token (``TpuSyncMetadata.idle``)
         self._step_idle = False
+        #: the step's metadata whose registrations :meth:`bind` made before the forward
+        self._bound: Optional[TpuSyncMetadata] = None
         self._sent: Set[str] = set()
         #: stages and publishes layers off the model's thread (created on first use)
         self._stager: Optional[_Stager] = None
@@ -219,12 +221,13 @@ class WorkerSide:
         #: save (a preempted request's, or a lookup of a block being saved); microseconds of the
         #: successful pulls (each from its start to its last byte written); both-at-once pulls
         #: (started once the producer described the request); empty engine steps that waited for
-        #: a pull (``idle_wait_ms``).
+        #: a pull (``idle_wait_ms``), failed background publishes; microseconds both-at-once pulls
+        #: waited for their producer's registration (successful pulls).
         self.stats: Dict[str, int] = dict(saved_blocks=0, loaded_blocks=0, pulls_done=0, pulls_failed=0, pulls_cancelled=0,
                                           registered=0, register_failed=0, failed_loads=0, lookups=0, rejects_sent=0,
                                           rejects_failed=0, amx_permission=0, layerwise_registered=0,
                                           layerwise_pulls=0, layerwise_loads=0, saves_failed=0, saves_dropped=0,
-                                          save_waits=0, pull_us=0, pulls_deferred=0, idle_waits=0, publish_failed=0)
+                                          save_waits=0, pull_us=0, pulls_deferred=0, idle_waits=0, publish_failed=0, describe_us=0)
         #: this interval's observations for vLLM's connector-stats hooks (None: vLLM lacks them).
         self.xfer_stats: Any = None
         try:
@@ -420,11 +423,10 @@ class WorkerSide:
                 for op in meta.loads:
                     self._load(op)
         if self.transport is not None:
-            for xfer in getattr(meta, "withdraws", ()):
-                self._withdraw(xfer)
+            if self._bound is not meta:
+                self._register_step(meta)  # not bound before the forward (a caller without bind)
+            self._bound = None
             self._sent.update(getattr(meta, "handoffs", ()))
-            for s in getattr(meta, "layer_sends", ()):
-                self._register_layers(s)
             now = time.monotonic()
             for r in getattr(meta, "layer_recvs", ()):
                 self._start_layer_pull(_Pull(spec=r, deadline=now + r.timeout_s))
@@ -436,6 +438,21 @@ class WorkerSide:
             for r in meta.recvs:
                 self._pulls[r.req_id] = _Pull(spec=r, deadline=now + r.timeout_s)
             self._poll_starts()
+
+    def bind(self, meta: TpuSyncMetadata) -> None:
+        """Before the step's forward (vLLM's ``bind_connector_metadata``): withdraws and
+        registers the requests whose prefill completes this step, so that ``save_kv_layer``
+        publishes each layer as the forward writes it. (vLLM calls ``start_load_kv`` only after
+        the forward when the step has no synchronous loads, too late for that.)"""
+        if self.transport is not None:
+            self._register_step(meta)
+            self._bound = meta
+
+    def _register_step(self, meta: TpuSyncMetadata) -> None:
+        for xfer in getattr(meta, "withdraws", ()):
+            self._withdraw(xfer)
+        for s in getattr(meta, "layer_sends", ()):
+            self._register_layers(s)
 
     # ---- layer-wise ----------------------------------------------------------------------
 
@@ -880,6 +897,8 @@ class WorkerSide:
                         log.debug("tpu_sync: no stats of pull %s: %s", req_id, e)
                     else:
                         self._book_pull(req_id, st)
+                    if isinstance(p.handle, _Deferred) and p.handle.described_after_s is not None:
+                        self.stats["describe_us"] += int(p.handle.described_after_s * 1e6)
                 else:
                     log.error("tpu_sync: pull for %s failed: %s", req_id, err)
                     self.stats["pulls_failed"] += 1
