@@ -208,10 +208,11 @@ e2e-vllm: vllm-env etcd
 bench-vllm: vllm-env
 	$(VLLM_VENV)/bin/python benches/vllm_ttft.py
 
-# P/D TTFT with and without layer pipelining, offload TTFT with synchronous vs layer-wise loads
-# (2,000 tokens, real engines, modes interleaved; prints min/median/max and ratios).
+# P/D TTFT with and without layer pipelining, in the proxy's order and with the prompt sent to
+# both engines at once, offload TTFT with synchronous vs layer-wise loads (2,000 tokens, real
+# engines, modes interleaved; prints min/median/max and ratios). BENCH_ARGS: more options.
 bench-vllm-layerwise: vllm-env
-	$(VLLM_VENV)/bin/python benches/vllm_layerwise_ttft.py
+	$(VLLM_VENV)/bin/python benches/vllm_layerwise_ttft.py --both $(BENCH_ARGS)
 
 # Throughput of a batch with host-tier saves asynchronous, synchronous and off (no connector):
 # three engines, rounds interleaved, outputs compared (prints min/median/max and ratios).

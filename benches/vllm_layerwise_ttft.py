@@ -272,9 +272,12 @@ def main():
             print(f"  producer prefill       : {fmt(d[name + '_prefill'])}")
             print(f"  consumer (to 1st token): {fmt(d[name + '_consumer'])}")
             print(f"  pull                   : {fmt(d[name + '_pull'])}")
-            over = d[name]["median"] - d[name + "_prefill"]["median"]
-            print(f"  P/D / single engine (medians): {d[name]['median'] / d['local']['median']:.2f}; "
-                  f"(P/D - prefill) / pull: {over / max(d[name + '_pull']['median'], 1e-9):.1f}")
+            # Per round TTFT - prefill (the consumer's part), then its median: a difference of
+            # two medians taken from different rounds mixes rounds of different load.
+            over = d[name + "_consumer"]["median"]
+            print(f"  P/D / single engine (medians): {d[name]['median'] / d['local']['median']:.2f}"
+                  + ("" if name.startswith("both") else
+                     f"; (P/D - prefill) / pull (medians of rounds): {over / max(d[name + '_pull']['median'], 1e-9):.1f}"))
         print(f"  whole / layer-wise (medians): {d['whole']['median'] / d['layerwise']['median']:.2f}")
         if "both_whole" in d:
             bw, bl = d["both_whole"]["median"], d["both_layerwise"]["median"]
