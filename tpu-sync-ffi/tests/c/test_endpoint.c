@@ -106,6 +106,21 @@ int main(void) {
   CHECK(tpu_sync_endpoint_source_state(prefill, 12345, &state) == TPU_SYNC_OK && state == TPU_SYNC_SOURCE_UNKNOWN,
         "unknown");
 
+  /* Describe: the producer's placement and token count of a registered request (the consumer
+   * of a router that sends a prompt to both sides at once pulls with it). */
+  char desc[1024];
+  size_t need = 0;
+  CHECK(tpu_sync_endpoint_describe(decode, 12345, addr, desc, sizeof desc, &need) == TPU_SYNC_UNKNOWN_REQUEST,
+        "describe unknown: %s", last_error());
+  CHECK(tpu_sync_endpoint_describe(decode, 0, addr, desc, sizeof desc, &need) == TPU_SYNC_INVALID_ARGUMENT, "id 0");
+  CHECK(tpu_sync_endpoint_describe(decode, 1, NULL, desc, sizeof desc, &need) == TPU_SYNC_NULL_POINTER, "NULL addr");
+  CHECK(tpu_sync_endpoint_describe(decode, 1, addr, desc, 8, &need) == TPU_SYNC_BUFFER_TOO_SMALL && need > 8,
+        "small buffer: %zu", need);
+  CHECK(tpu_sync_endpoint_describe(decode, 1, addr, desc, sizeof desc, &need) == TPU_SYNC_OK && need == strlen(desc),
+        "describe: %s", last_error());
+  CHECK(strstr(desc, "\"num_tokens\":20") && strstr(desc, "\"block_ids\":[[2,0]]") && strstr(desc, "\"order\":\"nhd\""),
+        "description: %s", desc);
+
   /* Pull errors found before anything is sent. */
   tpu_sync_transfer *t = NULL;
   CHECK(tpu_sync_endpoint_pull(decode, 1, "", PLACE, PLACE, 20, rank0, 1, bufs, 1, &t) == TPU_SYNC_INVALID_ARGUMENT,
