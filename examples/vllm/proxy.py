@@ -67,6 +67,23 @@ def decode_body(body: Dict[str, Any], params: Dict[str, Any]) -> Dict[str, Any]:
     return d
 
 
+def streamed(resp: httpx.Response, on_close: Optional[Any] = None) -> StreamingResponse:
+    """The decode instance's streamed answer, passed through; ``on_close()`` runs once it ends
+    (or the client went away)."""
+
+    async def chunks():
+        try:
+            async for c in resp.aiter_raw():
+                yield c
+        finally:
+            await resp.aclose()
+            if on_close is not None:
+                on_close()
+
+    return StreamingResponse(chunks(), status_code=resp.status_code,
+                             media_type=resp.headers.get("content-type", "text/event-stream"))
+
+
 def make_app(prefill: List[str], decode: List[str], timeout: float = 600.0, decode_tp: int = 1,
              both_at_once: bool = False) -> FastAPI:
     """The proxy application over the given instance base URLs (``decode_tp``: the decode
@@ -108,23 +125,13 @@ def make_app(prefill: List[str], decode: List[str], timeout: float = 600.0, deco
         if body.get("stream"):
             resp = await client.send(client.build_request("POST", d_url, json=d_body), stream=True)
 
-            async def chunks():
-                try:
-                    async for c in resp.aiter_raw():
-                        yield c
-                finally:
-                    await resp.aclose()
-                    if not prefill_task.done():
-                        prefill_task.cancel()
-
             def on_prefill(_: Any) -> None:
                 # A failed prefill: stop the stream (closing it aborts the decode request).
                 if not prefill_task.cancelled() and prefill_error() is not None:
                     asyncio.ensure_future(resp.aclose())
 
             prefill_task.add_done_callback(on_prefill)
-            return StreamingResponse(chunks(), status_code=resp.status_code,
-                                     media_type=resp.headers.get("content-type", "text/event-stream"))
+            return streamed(resp, on_close=lambda: prefill_task.done() or prefill_task.cancel())
         decode_task = asyncio.ensure_future(client.post(d_url, json=d_body))
         await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
         err = prefill_error()
@@ -167,17 +174,7 @@ def make_app(prefill: List[str], decode: List[str], timeout: float = 600.0, deco
         d_body = decode_body(body, params) if params else dict(body)
         if body.get("stream"):
             req = client.build_request("POST", d_url, json=d_body)
-            resp = await client.send(req, stream=True)
-
-            async def chunks():
-                try:
-                    async for c in resp.aiter_raw():
-                        yield c
-                finally:
-                    await resp.aclose()
-
-            return StreamingResponse(chunks(), status_code=resp.status_code,
-                                     media_type=resp.headers.get("content-type", "text/event-stream"))
+            return streamed(await client.send(req, stream=True))
         try:
             dr = await client.post(d_url, json=d_body)
         except httpx.HTTPError as e:

@@ -82,6 +82,15 @@ def connectors(llm):
     return sched, worker
 
 
+def wait_for(path: str, what: str, limit_s: float = 600) -> None:
+    """Waits for another process's file (``SystemExit`` after ``limit_s``)."""
+    deadline = time.time() + limit_s
+    while not os.path.exists(path):
+        if time.time() > deadline:
+            raise SystemExit(f"no {what} at {path}")
+        time.sleep(0.05)
+
+
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
     out_path = sys.argv[2]
@@ -124,27 +133,15 @@ def main() -> None:
     if spec.get("pair_file"):
         from tpu_sync.vllm.compat import pair_params
 
-        deadline = time.time() + 600
-        while not os.path.exists(spec["pair_file"]):
-            if time.time() > deadline:
-                raise SystemExit(f"no producer template at {spec['pair_file']}")
-            time.sleep(0.05)
+        wait_for(spec["pair_file"], "producer template")
         template = json.load(open(spec["pair_file"]))
         params = [pair_params(template, n) for n in spec["pair_nonces"]]
     if spec.get("params_file"):
-        deadline = time.time() + 600
-        while not os.path.exists(spec["params_file"]):
-            if time.time() > deadline:
-                raise SystemExit(f"no producer output at {spec['params_file']}")
-            time.sleep(0.1)
+        wait_for(spec["params_file"], "producer output")
         produced = json.load(open(spec["params_file"]))
         params = [o["kv_transfer_params"] for o in produced["runs"][0]["outputs"]]
     if spec.get("go_file"):
-        deadline = time.time() + 600
-        while not os.path.exists(spec["go_file"]):
-            if time.time() > deadline:
-                raise SystemExit(f"no go file {spec['go_file']}")
-            time.sleep(0.05)
+        wait_for(spec["go_file"], "go file")
     if spec.get("go_signal"):
         open(spec["go_signal"], "w").close()
     runs = []

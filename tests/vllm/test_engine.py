@@ -104,6 +104,10 @@ class Engines:
             os.remove(hold)
         prod = self.start(tag + "_producer", dict(prod_spec, remote_decode=True, hold_file=hold))
         cons = self.start(tag + "_consumer", dict(cons_spec, params_file=prod.out))
+        return self.finish_pair(prod, cons, hold)
+
+    def finish_pair(self, prod, cons, hold):
+        """Waits for a consumer, then lets its producer (serving until ``hold`` exists) end."""
         try:
             c = self.finish(cons)
         finally:
@@ -305,11 +309,7 @@ def test_pd_both_at_once_pulls_while_the_producer_computes(engines, plain):
     cons = engines.start(tag + "_consumer", engines.spec(
         pair_file=template, pair_nonces=nonces, go_signal=go,
         connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(pull_timeout_s=120.0, layerwise=True))))
-    try:
-        c = engines.finish(cons)
-    finally:
-        open(hold, "w").close()
-    p = engines.finish(prod)
+    p, c = engines.finish_pair(prod, cons, hold)
     assert [t[:1] for t in toks(plain)] == toks(p)
     assert toks(c) == toks(plain)
     params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
