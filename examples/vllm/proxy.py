@@ -31,9 +31,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import logging
 import secrets
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import httpx
 import uvicorn
@@ -43,6 +44,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tpu_sync.vllm.compat import PAIR_KEY, pair_params
 
 log = logging.getLogger("tpu_sync.proxy")
+
+#: How long a streamed both-at-once request waits for a prefill that fails at once before the
+#: decode instance's stream is passed through (later failures end the stream with an error event).
+STREAM_SETTLE_S = 0.05
+
 
 def prefill_body(body: Dict[str, Any], decode_tp: int = 1, nonce: Optional[str] = None) -> Dict[str, Any]:
     """The request sent to the prefill instance: one token, not streamed, asking it to keep the
@@ -67,89 +73,134 @@ def decode_body(body: Dict[str, Any], params: Dict[str, Any]) -> Dict[str, Any]:
     return d
 
 
-def streamed(resp: httpx.Response, on_close: Optional[Any] = None) -> StreamingResponse:
+def streamed(resp: httpx.Response, on_close: Optional[Any] = None, failure: Optional[Any] = None,
+             stop: Optional[asyncio.Event] = None) -> StreamingResponse:
     """The decode instance's streamed answer, passed through; ``on_close()`` runs once it ends
-    (or the client went away)."""
+    (or the client went away). Setting ``stop`` cuts the stream (closing it aborts the decode
+    request) and sends ``failure()`` (``(status, body)``) as a last ``data: {"error": ...}``
+    event."""
 
     async def chunks():
+        cut = False
+        it = resp.aiter_raw().__aiter__()
+        stopped = asyncio.ensure_future(stop.wait()) if stop is not None else None
         try:
-            async for c in resp.aiter_raw():
-                yield c
+            while True:
+                nxt = asyncio.ensure_future(it.__anext__())
+                if stopped is not None:
+                    await asyncio.wait({nxt, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                    if not nxt.done():
+                        nxt.cancel()
+                        cut = True
+                        break
+                try:
+                    yield await nxt
+                except StopAsyncIteration:
+                    break
         finally:
+            if stopped is not None:
+                stopped.cancel()
             await resp.aclose()
             if on_close is not None:
                 on_close()
+        f = failure() if cut and failure is not None else None
+        if f is not None:
+            status, content = f
+            try:
+                detail: Any = json.loads(content)
+            except ValueError:
+                detail = content.decode(errors="replace")
+            yield ("data: " + json.dumps({"error": {"code": status, "message": detail}}) + "\n\n").encode()
 
     return StreamingResponse(chunks(), status_code=resp.status_code,
                              media_type=resp.headers.get("content-type", "text/event-stream"))
 
 
 def make_app(prefill: List[str], decode: List[str], timeout: float = 600.0, decode_tp: int = 1,
-             both_at_once: bool = False) -> FastAPI:
+             both_at_once: bool = False, transport: Optional[httpx.AsyncBaseTransport] = None) -> FastAPI:
     """The proxy application over the given instance base URLs (``decode_tp``: the decode
-    instances' TP size; ``both_at_once``: see the module's doc)."""
+    instances' TP size; ``both_at_once``: see the module's doc; ``transport``: httpx's, for
+    tests)."""
     app = FastAPI()
     next_p = itertools.cycle(prefill)
     next_d = itertools.cycle(decode)
-    client = httpx.AsyncClient(timeout=timeout)
+    client = httpx.AsyncClient(timeout=timeout, transport=transport)
     #: per prefill instance: the params of its last answer (the template of both-at-once params)
     templates: Dict[str, Dict[str, Any]] = {}
     app.state.pairs = 0  # requests sent both at once (for tests and logs)
 
     async def both(path: str, body: Dict[str, Any], base: str, template: Dict[str, Any]) -> Response:
-        """Sends the request to the prefill and a decode instance at once."""
+        """Sends the request to the prefill and a decode instance at once. The answer is the
+        decode instance's, or the prefill's failure if it fails first (the decode request is
+        then aborted; a stream ends with an error event). The proxy does not wait for the
+        prefill once the decode instance answered."""
         nonce = secrets.token_hex(16)
         p_url, d_url = base + path, next(next_d) + path
         app.state.pairs += 1
         prefill_task = asyncio.ensure_future(client.post(p_url, json=prefill_body(body, decode_tp, nonce)))
         d_body = decode_body(body, pair_params(template, nonce))
 
-        def prefill_error() -> Optional[Response]:
-            """The prefill's failure as the proxy's answer, or None (still running, or fine)."""
-            if not prefill_task.done():
+        def prefill_failure() -> Optional[Tuple[int, bytes]]:
+            """``(status, body)`` of a failed prefill, None while it runs or when it succeeded."""
+            if not prefill_task.done() or prefill_task.cancelled():
                 return None
-            if prefill_task.exception() is not None:
-                return JSONResponse({"error": f"prefill instance {p_url} unreachable: {prefill_task.exception()}"},
-                                    status_code=502)
+            e = prefill_task.exception()
+            if e is not None:
+                return 502, json.dumps({"error": f"prefill instance {p_url} unreachable: {e}"}).encode()
             pr = prefill_task.result()
-            if pr.status_code != 200:
-                return Response(pr.content, status_code=pr.status_code, media_type="application/json")
-            params = pr.json().get("kv_transfer_params") or {}
+            return None if pr.status_code == 200 else (pr.status_code, pr.content)
+
+        def prefill_params() -> Dict[str, Any]:
+            """A successful prefill's params (learned as the template of later requests)."""
+            if not prefill_task.done() or prefill_failure() is not None or prefill_task.cancelled():
+                return {}
+            params = prefill_task.result().json().get("kv_transfer_params") or {}
             if params.get(PAIR_KEY) != nonce:
-                log.warning("prefill instance %s ignored the both-at-once nonce; the decode instance will "
-                            "time out waiting for its KV and recompute or fail", base)
-            else:
-                templates[base] = params
-            return None
+                log.warning("prefill instance %s ignored the both-at-once nonce; the decode instance waits for "
+                            "its KV until pull_timeout_s, then recomputes or fails", base)
+                return {}
+            templates[base] = params
+            return params
+
+        prefill_task.add_done_callback(lambda _: prefill_params())
+
+        def answer(f: Tuple[int, bytes]) -> Response:
+            return Response(f[1], status_code=f[0], media_type="application/json")
 
         if body.get("stream"):
             resp = await client.send(client.build_request("POST", d_url, json=d_body), stream=True)
+            # A prefill that fails at once (unreachable, a refused request) answers with its own
+            # status; the decode's first token cannot come before the prefill's KV anyway.
+            await asyncio.wait({prefill_task}, timeout=STREAM_SETTLE_S)
+            if prefill_failure() is not None:
+                await resp.aclose()  # aborts the decode request
+                return answer(prefill_failure())  # type: ignore[arg-type]
 
-            def on_prefill(_: Any) -> None:
-                # A failed prefill: stop the stream (closing it aborts the decode request).
-                if not prefill_task.cancelled() and prefill_error() is not None:
-                    asyncio.ensure_future(resp.aclose())
-
-            prefill_task.add_done_callback(on_prefill)
-            return streamed(resp, on_close=lambda: prefill_task.done() or prefill_task.cancel())
+            stop = asyncio.Event()
+            # A failed prefill cuts the stream (closing it aborts the decode request).
+            prefill_task.add_done_callback(lambda _: prefill_failure() is not None and stop.set())
+            return streamed(resp, failure=prefill_failure, stop=stop)
         decode_task = asyncio.ensure_future(client.post(d_url, json=d_body))
         await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
-        err = prefill_error()
-        if err is not None:
+        if prefill_failure() is not None:
             decode_task.cancel()  # closes the connection: the decode instance aborts the request
-            return err
+            return answer(prefill_failure())  # type: ignore[arg-type]
+        if not decode_task.done():
+            params = prefill_params()
+            stale = params and any(params.get(k) != template.get(k) for k in ("remote_addresses", "remote_engine_id"))
+            if stale:
+                # The prefill instance restarted since the template was learned: the decode
+                # instance was told old addresses. Abort it and send it the actual params.
+                log.warning("prefill instance %s has new addresses; resending the decode request", base)
+                decode_task.cancel()
+                decode_task = asyncio.ensure_future(client.post(d_url, json=decode_body(body, params)))
         try:
             dr = await decode_task
         except httpx.HTTPError as e:
-            prefill_task.cancel()
             return JSONResponse({"error": f"decode instance {d_url} unreachable: {e}"}, status_code=502)
-        try:
-            await prefill_task
-        except Exception:
-            pass
-        err = prefill_error()
-        return err if err is not None and dr.status_code != 200 else Response(
-            dr.content, status_code=dr.status_code, media_type="application/json")
+        if dr.status_code != 200 and prefill_failure() is not None:
+            return answer(prefill_failure())  # type: ignore[arg-type]
+        return Response(dr.content, status_code=dr.status_code, media_type="application/json")
 
     async def forward(path: str, request: Request) -> Response:
         body = await request.json()

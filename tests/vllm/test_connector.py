@@ -681,11 +681,12 @@ def test_worker_deferred_pull_asks_for_the_placement_first(configs, case):
     w.shutdown()
 
 
-@pytest.mark.parametrize("fails", [False, True])
+@pytest.mark.parametrize("fails", [False, "error", "ended"])
 def test_layers_are_staged_off_the_models_thread(configs, fails):
     """A layer-wise producer: ``save_kv_layer`` queues the layer's D2H and returns while it
     runs; the request's blocks are reported free (``finished_sending``) only once every queued
-    publish ran. A failed publish withdraws the registration and skips the rest."""
+    publish ran. A failed publish withdraws the registration and skips the rest; a
+    registration that already ended (its consumers released it) is no failure."""
     import threading
 
     from tpu_sync.vllm.metadata import SendSpec
@@ -697,8 +698,12 @@ def test_layers_are_staged_off_the_models_thread(configs, fails):
 
     def publish_layers(xfer, layers):
         gate.wait(10)
-        if fails:
+        if fails == "error":
             raise RuntimeError("D2H failed")
+        if fails == "ended":
+            from tpu_sync.errors import UnknownRequestError
+
+            raise UnknownRequestError(15, "request 5 is not registered here (released)")
         published.append((xfer, layers))
         return layers
 
@@ -715,10 +720,12 @@ def test_layers_are_staged_off_the_models_thread(configs, fails):
     gate.set()
     assert w._stager.wait_xfer(5, 10)
     assert w.get_transfer_results(set()).finished_sending == {"p1"}
-    if fails:
+    if fails == "error":
         assert published == [] and withdrawn == [5] and w.stats["publish_failed"] == 1
+    elif fails == "ended":
+        assert published == [] and withdrawn == [] and w.stats["publish_failed"] == 0
     else:
-        assert published == [(5, 1), (5, 2), (5, 2)] and withdrawn == []
+        assert published == [(5, 1), (5, 2)] and withdrawn == []  # wait_for_save's layer 2 queued once
     w.shutdown()
 
 

@@ -1062,13 +1062,17 @@ class _Stager:
         self._pending: Dict[int, int] = {}  # xfer id -> queued jobs
         self._req: Dict[int, str] = {}  # xfer id -> vLLM request id
         self._failed: Set[int] = set()
+        self._queued: Dict[int, int] = {}  # xfer id -> layers queued (while jobs are pending)
         self._thread = threading.Thread(target=self._run, name="tpu-sync-stager", daemon=True)
         self._thread.start()
 
     def submit(self, xfer: int, req_id: str, layers: int) -> None:
+        """Queues the publication of layers ``..layers`` of ``xfer`` (nothing if they were
+        queued already)."""
         with self._cv:
-            if xfer in self._failed:
+            if xfer in self._failed or self._queued.get(xfer, 0) >= layers:
                 return
+            self._queued[xfer] = layers
             self._pending[xfer] = self._pending.get(xfer, 0) + 1
             self._req[xfer] = req_id
         self._q.put((xfer, req_id, layers))
@@ -1097,23 +1101,40 @@ class _Stager:
             if not skip:
                 try:
                     self._transport.publish_layers(xfer, layers)
-                except Exception as e:  # its pullers fail and recompute; vLLM frees the blocks
+                except Exception as e:
+                    if _is_unknown_request(e):
+                        # Its registration ended (every consumer released it, rejected it, or
+                        # its lease passed): nothing left to publish to.
+                        log.debug("tpu_sync: transfer %s of %s ended before layer %s was published: %s", xfer,
+                                  req_id, layers, e)
+                        self._mark_failed(xfer)
+                        self._done(xfer)
+                        continue
+                    # Its pullers fail and recompute; vLLM frees the blocks.
                     log.error("tpu_sync: publishing layers of %s (transfer %s) failed: %s", req_id, xfer, e)
                     self._stats["publish_failed"] += 1
-                    with self._cv:
-                        if len(self._failed) >= 1024:  # ids of long-gone requests
-                            self._failed.clear()
-                        self._failed.add(xfer)
+                    self._mark_failed(xfer)
                     try:
                         self._transport.withdraw(xfer)
                     except Exception as e2:
                         log.debug("tpu_sync: withdrawing transfer %s failed: %s", xfer, e2)
-            with self._cv:
-                self._pending[xfer] -= 1
-                if not self._pending[xfer]:
-                    del self._pending[xfer]
-                    self._req.pop(xfer, None)
-                self._cv.notify_all()
+            self._done(xfer)
+
+    def _mark_failed(self, xfer: int) -> None:
+        """Skips the request's later publishes."""
+        with self._cv:
+            if len(self._failed) >= 1024:  # ids of long-gone requests
+                self._failed.clear()
+            self._failed.add(xfer)
+
+    def _done(self, xfer: int) -> None:
+        with self._cv:
+            self._pending[xfer] -= 1
+            if not self._pending[xfer]:
+                del self._pending[xfer]
+                self._req.pop(xfer, None)
+                self._queued.pop(xfer, None)
+            self._cv.notify_all()
 
 
 class _Deferred:
