@@ -94,16 +94,20 @@ def wait_pulled(w, req):
 
 
 @pytest.mark.parametrize("backend", ["auto", "framework-copy"])
-@pytest.mark.parametrize("heads,dim,dtype,src_tp,dst_tp", [
-    (8, 128, "bf16", 4, 2),
-    (8, 128, "bf16", 2, 4),
-    (8, 128, "fp8", 4, 2),
-    (8, 128, "fp8", 2, 4),
+@pytest.mark.parametrize("heads,dim,dtype,src_tp,dst_tp,both", [
+    (8, 128, "bf16", 4, 2, False),
+    (8, 128, "bf16", 2, 4, False),
+    (8, 128, "fp8", 4, 2, False),
+    (8, 128, "fp8", 2, 4, False),
     # The head_dim-64 kernel's cache (rpa3hd64).
-    (8, 64, "bf16", 4, 2),
-    (8, 64, "fp8", 2, 4),
+    (8, 64, "bf16", 4, 2, False),
+    (8, 64, "fp8", 2, 4, False),
+    # Both at once: the consumer's pull starts before the producer registered, without its
+    # blocks (it asks the producer for them).
+    (8, 128, "bf16", 4, 2, True),
+    (8, 64, "fp8", 2, 4, True),
 ])
-def test_pd_between_jax_runners_through_the_worker_sides(configs, heads, dim, dtype, src_tp, dst_tp, backend):
+def test_pd_between_jax_runners_through_the_worker_sides(configs, heads, dim, dtype, src_tp, dst_tp, both, backend):
     tokens = 40  # 3 blocks, the last one partial
     src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
     gs, gd = geometry(heads, dim, dtype, src_tp), geometry(heads, dim, dtype, dst_tp)
@@ -122,15 +126,20 @@ def test_pd_between_jax_runners_through_the_worker_sides(configs, heads, dim, dt
             assert st["backend"] == want_backend and st["tp"] == tp and st["ranks"] == list(range(tp)), st
             hs = w.handshake()
             assert hs.tp_ranks == list(range(tp)) and hs.address
+        # The scheduler's view of the producer: one address for every rank it holds.
+        peers = {r: prod.handshake().address for r in prod.handshake().tp_ranks}
+        recv = RecvSpec("d1", 91, peers, gs.tpu_sync_layout(NB), None if both else src_ids, dst_ids, tokens, 30.0)
+        if both:
+            cr.forward()
+            cons.start_load_kv(TpuSyncMetadata(recvs=[recv]))
+            assert cons.get_transfer_results(set()).finished_recving == set()  # waits for the producer
         pr.forward()  # the caches are read again at each hook
         prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 91, src_ids, tokens, 60.0, dst_tp)]))
         assert prod.stats["registered"] == 1, prod.stats
         pr.forward()  # the next step may overwrite the blocks: they are staged
-        # The scheduler's view of the producer: one address for every rank it holds.
-        peers = {r: prod.handshake().address for r in prod.handshake().tp_ranks}
-        cr.forward()
-        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 91, peers, gs.tpu_sync_layout(NB), src_ids,
-                                                            dst_ids, tokens, 30.0)]))
+        if not both:
+            cr.forward()
+            cons.start_load_kv(TpuSyncMetadata(recvs=[recv]))
         cr.forward()  # a forward while the pull runs: the caches are donated in place
         res = wait_pulled(cons, "d1")
         assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
@@ -139,6 +148,7 @@ def test_pd_between_jax_runners_through_the_worker_sides(configs, heads, dim, dt
             assert np.array_equal(got, exp), (layer, sorted({int(i[0]) for i in np.argwhere(got != exp)}),
                                               np.argwhere(got != exp)[:4])
             assert np.array_equal(bits(pr.kv_caches[layer]), glob(src, layer)), f"layer {layer} of the producer"
+        assert cons.stats["pulls_deferred"] == int(both)
         st = cons.jax_stats
         if want_backend == "framework-copy":
             assert st["h2d_bytes"] == 3 * gd.layer_block_bytes * dst_tp * LAYERS, st
