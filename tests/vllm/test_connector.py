@@ -649,9 +649,9 @@ def test_worker_deferred_pull_asks_for_the_placement_first(configs, case):
     w.start_load_kv(TpuSyncMetadata(recvs=[spec], idle=True))
     t0 = time.monotonic()
     res = w.get_transfer_results(set())
-    assert w.stats["idle_waits"] == 1
     if case in ("never", "cancel"):  # nothing settles: the empty step waited its 10 ms, not spun
-        assert time.monotonic() - t0 >= 0.0099
+        assert w.stats["idle_waits"] == 1 and time.monotonic() - t0 >= 0.0099
+    # ("ok" and "tokens" may settle before the step looks: then it does not wait.)
     assert w.stats["pulls_deferred"] == 1
     if case == "cancel":
         res = w.get_transfer_results({"d1"})
