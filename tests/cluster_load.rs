@@ -7,6 +7,7 @@
 //! destination blocks untouched. No etcd needed: the addresses are given directly.
 
 mod common;
+mod port_util;
 mod store_util;
 
 use std::collections::BTreeMap;
@@ -332,9 +333,8 @@ fn failures_leave_the_destination_untouched() {
 
     // A dead producer rank: refused connection, a clean error.
     let mut req = c.request(&p, 64);
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    req.sources[1].addr = dead.local_addr().unwrap().to_string();
-    drop(dead);
+    let dead = port_util::reserve(); // nothing listens on a reserved port
+    req.sources[1].addr = dead.addr();
     let e = load(&req).unwrap_err();
     assert!(
         matches!(e.kind(), ErrorKind::PeerClosed | ErrorKind::Timeout),
@@ -435,9 +435,8 @@ fn loads_from_a_producer_with_pcp() {
     // PCP rank 0 of column 1 is dead: a clean error, nothing written.
     let c = consumer(&client, &caps, b, 96);
     let mut req = c.request(&p, 96);
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    req.sources[1].addr = dead.local_addr().unwrap().to_string();
-    drop(dead);
+    let dead = port_util::reserve(); // nothing listens on a reserved port
+    req.sources[1].addr = dead.addr();
     let e = load(&req).unwrap_err();
     assert!(
         matches!(e.kind(), ErrorKind::PeerClosed | ErrorKind::Timeout),

@@ -256,7 +256,8 @@ fn config_changes_apply_to_later_chunks() {
 }
 
 /// Small batches of host-addressable copies on an idle engine run on the submitting thread
-/// (counted in `inline_batches`), byte-exact both ways and at the right offsets; a paused
+/// (counted in `inline_batches` and, while they copy, in the in-flight bytes and their peak),
+/// byte-exact both ways and at the right offsets; a paused
 /// engine, a batch over `INLINE_COPY_BYTES` and a batch over one chunk go through the issuer.
 #[test]
 fn small_batches_on_an_idle_engine_copy_inline() {
@@ -299,6 +300,9 @@ fn small_batches_on_an_idle_engine_copy_inline() {
         (pacer.stats().batches, pacer.stats().inline_batches),
         (1, 1)
     );
+    // The inline copy was in flight while it ran: in the peak, released after.
+    let st = pacer.stats();
+    assert_eq!((st.peak_inflight_bytes, st.inflight_bytes), (102_400, 0));
     // H2D of 50,000 bytes at offset 12,345, inline; the rest of the buffer untouched.
     let up = pattern(50_000, 902);
     let mut b = CopyBatch::h2d(&caps).unwrap();

@@ -5,6 +5,8 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+mod port_util;
+
 fn exe() -> &'static str {
     env!("CARGO_BIN_EXE_tpu-sync")
 }
@@ -27,10 +29,10 @@ fn closed<'a>(lines: &'a [serde_json::Value], name: &str) -> Vec<&'a serde_json:
 
 #[test]
 fn json_logs_carry_the_spans_of_a_transfer_with_the_request_id() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    // The prefill process binds the port itself: a reserved one (see port_util), not a released
+    // ephemeral one that another socket may take first.
+    let reserved = port_util::reserve();
+    let port = reserved.port;
     let common = ["--tokens", "256", "--layers", "2", "--request-id", "777"];
     let prefill = Command::new(exe())
         .args([

@@ -3,6 +3,7 @@
 //! inputs that must end in a clear error and a non-zero exit within a bounded time.
 
 mod common;
+mod port_util;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -236,9 +237,9 @@ fn bad_inputs_are_clear_errors() {
 #[test]
 fn absent_peer_times_out() {
     // A port with nothing listening: connect fails fast (refused) or within the timeout.
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap().to_string();
-    drop(l);
+    // A reserved port (port_util): nothing else binds it while it is held.
+    let hole = port_util::reserve();
+    let addr = hole.addr();
     let t0 = std::time::Instant::now();
     fails(
         &[

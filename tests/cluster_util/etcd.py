@@ -1,5 +1,5 @@
 """A real etcd server for the Python cluster tests (the Python twin of ``mod.rs`` here): Debian's
-``etcd`` binary (``scripts/install-etcd.sh``, ``make etcd``) started on free loopback ports with
+``etcd`` binary (``scripts/install-etcd.sh``, ``make etcd``) started on reserved loopback ports (``ports.py``) with
 its data in a temp dir, killed and removed afterwards. Shared by ``bindings/python/tests``,
 ``tests/vllm`` and ``tests/sglang`` (each puts this directory on ``sys.path``)."""
 
@@ -8,18 +8,12 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
 
-
-def free_port():
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+import ports
 
 
 def etcd_bin():
@@ -37,7 +31,8 @@ def etcd_server(tag="tsync-etcd"):
     exe = etcd_bin()
     assert exe is not None, "no etcd binary (scripts/install-etcd.sh)"
     d = tempfile.mkdtemp(prefix=f"{tag}-")
-    cp, pp = free_port(), free_port()
+    held = [ports.reserve(), ports.reserve()]
+    cp, pp = held[0].port, held[1].port
     curl, purl = f"http://127.0.0.1:{cp}", f"http://127.0.0.1:{pp}"
     log = open(os.path.join(d, "etcd.log"), "w")
     p = subprocess.Popen([exe, "--name", "t", "--data-dir", os.path.join(d, "data"),
@@ -62,6 +57,8 @@ def etcd_server(tag="tsync-etcd"):
         p.wait()
         log.close()
         shutil.rmtree(d, ignore_errors=True)
+        for h in held:
+            h.release()
 
 
 def count_keys(curl, prefix):

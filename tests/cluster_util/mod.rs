@@ -1,7 +1,11 @@
 //! A real etcd server for the cluster tests: Debian's `etcd` binary (`scripts/install-etcd.sh`)
-//! started on a free loopback port (or inside a network namespace) with its data in a temp dir,
-//! killed and removed on drop. Tests skip, with a message, when no etcd binary is installed.
+//! started on reserved loopback ports ([`port_util`]) or inside a network namespace, with its data
+//! in a temp dir, killed and removed on drop. Tests skip, with a message, when no etcd binary is
+//! installed.
 #![allow(dead_code)]
+
+#[path = "../port_util/mod.rs"]
+pub mod port_util;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -29,14 +33,6 @@ pub fn etcd_bin() -> Option<PathBuf> {
     p.is_file().then_some(p)
 }
 
-/// A free TCP port on 127.0.0.1 (bound and released; etcd binds it right after).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind a loopback port")
-}
-
 /// One etcd member.
 pub struct Etcd {
     bin: PathBuf,
@@ -50,6 +46,8 @@ pub struct Etcd {
     peer_port: u16,
     netns: Option<String>,
     extra: Vec<String>,
+    /// The reservations of `port` and `peer_port` (held across restarts).
+    _ports: Vec<port_util::Port>,
 }
 
 impl Etcd {
@@ -71,10 +69,11 @@ impl Etcd {
             N.fetch_add(1, Ordering::Relaxed)
         ));
         std::fs::create_dir_all(&dir).expect("etcd temp dir");
-        let (port, peer_port) = if netns.is_some() {
-            (2379, 2380)
+        let (port, peer_port, ports) = if netns.is_some() {
+            (2379, 2380, vec![])
         } else {
-            (free_port(), free_port())
+            let (c, p) = (port_util::reserve(), port_util::reserve());
+            (c.port, p.port, vec![c, p])
         };
         let mut e = Etcd {
             bin,
@@ -85,6 +84,7 @@ impl Etcd {
             peer_port,
             netns: netns.map(str::to_string),
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            _ports: ports,
         };
         e.spawn();
         Some(e)
@@ -132,16 +132,26 @@ impl Etcd {
         self.wait_ready();
     }
 
-    /// Waits (up to 30 s) until etcd answers `/health` with `"health":"true"`.
-    pub fn wait_ready(&self) {
+    /// Waits (up to 30 s) until etcd answers `/health` with `"health":"true"`; panics with
+    /// etcd's log when it exits first or the time runs out.
+    pub fn wait_ready(&mut self) {
         let t0 = Instant::now();
         loop {
             if self.healthy() {
                 return;
             }
-            if t0.elapsed() > Duration::from_secs(30) {
+            let exited = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten());
+            if exited.is_some() || t0.elapsed() > Duration::from_secs(30) {
                 let log = std::fs::read_to_string(self.dir.join("etcd.log")).unwrap_or_default();
-                panic!("etcd did not become healthy in 30 s; its log:\n{log}");
+                match exited {
+                    Some(st) => {
+                        panic!("etcd exited ({st}) before it became healthy; its log:\n{log}")
+                    }
+                    None => panic!("etcd did not become healthy in 30 s; its log:\n{log}"),
+                }
             }
             std::thread::sleep(Duration::from_millis(50));
         }

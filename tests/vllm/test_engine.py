@@ -17,7 +17,6 @@ import json
 import os
 import random
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -658,10 +657,8 @@ def test_producer_dies_before_pull_fails_request_within_timeout(engines):
 # ---- the proxy over OpenAI-compatible servers ------------------------------------------------
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.join(HERE, "..", "cluster_util"))
+import ports as reserved_ports  # noqa: E402  (ports the servers bind themselves; see ports.py)
 
 
 def http_json(url, body=None, timeout=120):
@@ -674,7 +671,8 @@ def http_json(url, body=None, timeout=120):
 
 @pytest.mark.skipif(os.environ.get("TPU_SYNC_E2E_SERVE", "1") == "0", reason="TPU_SYNC_E2E_SERVE=0")
 def test_proxy_routes_prefill_then_decode_over_http(engines, plain, tiny_model):
-    ports = dict(p=free_port(), d=free_port(), proxy=free_port(), both=free_port())
+    held = {k: reserved_ports.reserve() for k in ("p", "d", "proxy", "both")}
+    ports = {k: v.port for k, v in held.items()}
     procs = []
 
     def serve(name, port, role, extra, policy="fail"):
@@ -740,3 +738,5 @@ def test_proxy_routes_prefill_then_decode_over_http(engines, plain, tiny_model):
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        for h in held.values():
+            h.release()

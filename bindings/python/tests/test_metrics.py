@@ -6,7 +6,6 @@ process-wide, so each check compares two scrapes around its action."""
 
 import mmap
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import tpu_sync
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tests", "cluster_util"))
+import ports  # noqa: E402
 
 BLOCK = 4096
 
@@ -209,9 +211,10 @@ def test_switch_off_stops_recording(addr, data):
 
 
 def test_environment_starts_endpoint_on_port_plus_rank(data):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    # The child binds the port itself: a reserved one (tests/cluster_util/ports.py), held until
+    # the test ends, not a released ephemeral one another socket may take first.
+    held = ports.reserve()
+    port = held.port
     child = textwrap.dedent(f"""
         import sys, tpu_sync
         s = tpu_sync.Store(namespace="env", block_bytes={BLOCK}, capacity_bytes={16 * BLOCK}, lock_memory=False)
@@ -230,3 +233,4 @@ def test_environment_starts_endpoint_on_port_plus_rank(data):
     finally:
         p.stdin.close()
         p.wait(timeout=60)
+        held.release()

@@ -5,7 +5,8 @@ while earlier ones still pull byte-exact; a pull that reaches the producer befor
 registration waits for it; the DMA map is attempted for every staging and reported. One
 process, two endpoints over loopback TCP, the real XLA CPU plugin."""
 
-import socket
+import os
+import sys
 import time
 
 import pytest
@@ -14,6 +15,9 @@ import tpu_sync
 from tpu_sync import errors
 
 from test_validation import DST, SRC, TOKENS, expected_after_pull, layers
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tests", "cluster_util"))
+import ports  # noqa: E402
 
 BYTES = TOKENS * 2 * 2 * 8 * 2 * 2  # request bytes: tokens x planes x heads x head_dim x bf16 x layers
 
@@ -46,11 +50,9 @@ def wait_until(cond, limit_s):
 
 
 def closed_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"127.0.0.1:{port}"
+    """A reserved port (tests/cluster_util/ports.py): nothing listens there and nothing else
+    binds it while it is held."""
+    return ports.reserve()
 
 
 def test_a_pull_to_the_wrong_address_then_the_right_one_is_byte_exact(client, data):
@@ -61,8 +63,8 @@ def test_a_pull_to_the_wrong_address_then_the_right_one_is_byte_exact(client, da
         prod.register(21, SRC, TOKENS, {0: src})
         dst = layers(client, data, 20)
         init = [b.read() for b in dst]
-        with pytest.raises(errors.TpuSyncError) as e:
-            cons.pull(21, closed_port(), SRC, DST, TOKENS, {0: dst}).wait(timeout=30)
+        with closed_port() as hole, pytest.raises(errors.TpuSyncError) as e:
+            cons.pull(21, hole.addr(), SRC, DST, TOKENS, {0: dst}).wait(timeout=30)
         assert not isinstance(e.value, errors.PendingError)
         with pytest.raises(errors.UnknownRequestError):
             cons.pull(21, other.address, SRC, DST, TOKENS, {0: dst}).wait(timeout=30)

@@ -518,7 +518,9 @@ impl CopyBatch {
 /// already defined, instead of through the issuer
 /// thread: for small batches the two thread hand-overs (to the issuer and back) cost more than
 /// the copies (docs/performance.md, 64 KiB pulls). Equal to the pipeline's inline H2D limit,
-/// [`crate::transfer::INLINE_H2D_BYTES`]. Such a batch is still counted in [`Pacer::stats`].
+/// [`crate::transfer::INLINE_H2D_BYTES`]. Such a batch is still counted in [`Pacer::stats`], and
+/// in the in-flight bytes (and their peak) while it copies; it runs inline only when it is the
+/// one copy in flight.
 pub const INLINE_COPY_BYTES: u64 = 256 << 10;
 
 impl CopyBatch {
@@ -546,6 +548,9 @@ impl CopyBatch {
             if !ev.is_ready()? || ev.wait().is_err() {
                 return Ok(None);
             }
+        }
+        if !pacer.counters().inline_begin(bytes) {
+            return Ok(None); // another copy got in first
         }
         let shared = Arc::new(BatchShared::new(self.pushed.len()));
         let mut failed = None;
@@ -581,7 +586,12 @@ impl CopyBatch {
                 elapsed: shared.start.elapsed(),
             }),
         };
-        pacer.counters().inline_done(copied, chunks, r.is_ok());
+        if pacer
+            .counters()
+            .inline_done(bytes, copied, chunks, r.is_ok())
+        {
+            pacer.issuer().unpark();
+        }
         crate::metrics::device_copy(dir, copied, shared.start.elapsed().as_secs_f64(), r.is_ok());
         shared.complete(r);
         Ok(Some(CopyHandle {

@@ -186,9 +186,30 @@ impl Counters {
         }
     }
 
-    /// Accounts the copies of a batch run on its submitting thread ([`Pacer::try_inline`]):
-    /// `bytes` in `chunks` completed, and the batch itself.
-    pub(crate) fn inline_done(&self, bytes: u64, chunks: u64, ok: bool) {
+    /// Counts the `len` bytes of a batch about to be copied on its submitting thread
+    /// (`CopyBatch::try_inline`) as in flight (and in the peak) until [`Self::inline_done`]:
+    /// they are DMA in progress like the issuer's chunks, and a batch queued meanwhile must see
+    /// them. Succeeds only when nothing is in flight, atomically, so two threads never both copy
+    /// inline past the in-flight limit; `false`: the batch goes through the issuer.
+    pub(crate) fn inline_begin(&self, len: u64) -> bool {
+        if self
+            .inflight
+            .compare_exchange(0, len, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return false;
+        }
+        self.peak.fetch_max(len, Ordering::AcqRel);
+        true
+    }
+
+    /// Accounts the copies of a batch run on its submitting thread (`CopyBatch::try_inline`):
+    /// `bytes` in `chunks` completed, and the batch itself; releases the `reserved` bytes of
+    /// [`Self::inline_begin`]. Returns whether the issuer should be woken for budget (a batch
+    /// queued during the copy may wait for it), as [`Self::completed`] does.
+    pub(crate) fn inline_done(&self, reserved: u64, bytes: u64, chunks: u64, ok: bool) -> bool {
+        let now = self.inflight.fetch_sub(reserved, Ordering::SeqCst) - reserved;
+        let at = self.wake_inflight_at.load(Ordering::SeqCst);
         self.bytes.fetch_add(bytes, Ordering::Relaxed);
         self.chunks.fetch_add(chunks, Ordering::Relaxed);
         self.batches.fetch_add(1, Ordering::Relaxed);
@@ -196,6 +217,7 @@ impl Counters {
         if !ok {
             self.failed.fetch_add(1, Ordering::Relaxed);
         }
+        at != u64::MAX && now <= at
     }
 
     /// Accounts a completed chunk; returns whether the issuer should be woken for budget.
