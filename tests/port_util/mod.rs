@@ -9,7 +9,8 @@
 //! port that some other socket held by the time etcd bound it (`bind: address already in use`).
 //!
 //! So ports come from 61000-65535 instead: above the default ephemeral range, and above the
-//! ranges that vLLM and SGLang draw random ports from (SGLang: up to 40000; vLLM: port 0). Test
+//! ranges that vLLM and SGLang draw random ports from (SGLang 0.5.23: 22000-29999 for ports a
+//! child binds later, `get_free_port_below_ephemeral`; vLLM: port 0). Test
 //! processes share them through lock files: a [`Port`] holds an exclusive `flock` on
 //! `$TMPDIR/tpu-sync-test-ports/<port>.lock` for its lifetime, so no other test (Rust or Python:
 //! `tests/cluster_util/ports.py` uses the same files) takes the same port, even across a server
