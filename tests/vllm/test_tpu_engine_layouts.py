@@ -7,7 +7,10 @@ reference of ``bindings/python/tests/test_tpu_layouts.py``). P/D between worker 
 loopback TCP, resharded between TP sizes (bf16, fp8 with an odd number of local heads,
 head_dim 64), and host-tier store then load: byte-exact, padding zero, every other block
 unchanged. The engine around the buffers is vLLM's CPU build: the tensors' shapes, dtypes and
-contents are the TPU engines'; only their memory is host memory (no TPU here)."""
+contents are the TPU engines'; only their memory is host memory (no TPU here). Each case runs with
+the tensors viewed in place and through torch's own copies (``torch_backend`` ``framework-copy``,
+what accelerator tensors get), with ``Tensor.copy_`` and with the batch_transfer call shape of
+torch_tpu."""
 
 import dataclasses
 import os
@@ -137,12 +140,33 @@ def test_worker_refuses_tensors_of_another_layout(configs, monkeypatch):
         w.shutdown()
 
 
+#: How the workers reach the tensors: in place (the CPU default), or through torch's own copies
+#: as on a TPU (``torch_backend`` ``framework-copy``), with ``Tensor.copy_`` or with the
+#: batch_transfer API of torch_tpu (here the stand-in of ``test_torch_kv.py``, which copies with
+#: torch; torch_tpu itself is never imported here).
+BACKENDS = {
+    "view": {},
+    "torch-copy": {"torch_backend": "framework-copy", "torch_copy_api": "torch"},
+    "batch-transfer": {"torch_backend": "framework-copy", "torch_copy_api": "batch_transfer"},
+}
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def backend(request, monkeypatch):
+    if request.param == "batch-transfer":
+        from test_torch_kv import install_batch_transfer_stand_in
+
+        install_batch_transfer_stand_in(monkeypatch)
+    return request.param
+
+
 @pytest.mark.parametrize("heads,dim,dtype,src_tp,dst_tp", [
     (8, 128, "bf16", 2, 1),   # vLLM-TorchTPU TP=2 prefill -> TP=1 decode
     (6, 128, "fp8", 1, 2),    # fp8, 3 local heads on the decode: a packed row cut between heads
     (4, 64, "bf16", 2, 4),    # the head_dim-64 kernel, one padded slot per token on TP=4
 ])
-def test_worker_pd_reshards_rpa3_caches_byte_exact(configs, monkeypatch, heads, dim, dtype, src_tp, dst_tp):
+def test_worker_pd_reshards_rpa3_caches_byte_exact(configs, monkeypatch, backend, heads, dim, dtype, src_tp,
+                                                   dst_tp):
     tokens = 40  # 3 blocks, the last one partial
     src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
     gs, gd = geometry(heads, dim, dtype, src_tp), geometry(heads, dim, dtype, dst_tp)
@@ -150,8 +174,9 @@ def test_worker_pd_reshards_rpa3_caches_byte_exact(configs, monkeypatch, heads, 
     dst = [rank_tensors(gd, r, 0, dst_ids, seed=3, fill_seed=12) for r in range(dst_tp)]
     want = [rank_tensors(gd, r, tokens, dst_ids, seed=3, fill_seed=12) for r in range(dst_tp)]
     src_before = [{n: t.clone() for n, t in r.items()} for r in src]
-    prods = [worker(configs, "kv_producer", gs) for _ in range(src_tp)]
-    conss = [worker(configs, "kv_consumer", gd) for _ in range(dst_tp)]
+    extra = BACKENDS[backend]
+    prods = [worker(configs, "kv_producer", gs, extra) for _ in range(src_tp)]
+    conss = [worker(configs, "kv_consumer", gd, extra) for _ in range(dst_tp)]
     try:
         for r, w in enumerate(prods):
             register(monkeypatch, w, src[r], r)
@@ -179,21 +204,36 @@ def test_worker_pd_reshards_rpa3_caches_byte_exact(configs, monkeypatch, heads, 
         for r in range(src_tp):
             for n in NAMES:
                 assert np.array_equal(as_bytes(src[r][n]), as_bytes(src_before[r][n])), (r, n)
+        # Where the copies went: the framework staged exactly the request's blocks.
+        lbb = gs.layer_block_bytes * len(NAMES)
+        for w in prods:
+            st = w.adapter_stats
+            if backend == "view":
+                assert st["backend"] == "pjrt-view" and "d2h_bytes" not in st, st
+            else:
+                assert (st["backend"], st["copy_api"]) == ("framework-copy", extra["torch_copy_api"]), st
+                assert (st["stages"], st["d2h_bytes"]) == (1, 3 * lbb), st
+        for w in conss:
+            st = w.adapter_stats
+            if backend != "view":
+                # The partial last block staged first (its other token slots come back unchanged).
+                assert (st["commits"], st["h2d_bytes"], st["d2h_bytes"]) == (
+                    1, 3 * gd.layer_block_bytes * len(NAMES), gd.layer_block_bytes * len(NAMES)), st
     finally:
         for w in conss + prods:
             w.shutdown()
 
 
-def test_worker_host_tier_store_then_load_rpa3_blocks(configs, monkeypatch):
+def test_worker_host_tier_store_then_load_rpa3_blocks(configs, monkeypatch, backend):
     g = geometry(8, 128, "bf16", 2)
     kv = rank_tensors(g, 1, 3 * BS, [3, 4, 5], seed=21, fill_seed=22)
-    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 64 << 20})
+    w = worker(configs, "kv_both", g, dict(BACKENDS[backend], host_capacity_bytes=64 << 20))
     try:
         register(monkeypatch, w, kv, 1)
         orig = {n: t.clone() for n, t in kv.items()}
         hashes = [bytes([i]) * 32 for i in range(1, 4)]
         w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [3, 4, 5])]))
-        assert w.flush_saves(30)  # asynchronous saves: wait for them
+        assert w.flush_saves(30)  # asynchronous saves (synchronous through framework copies): wait for them
         assert w.stats["saved_blocks"] == 3
         w.start_load_kv(TpuSyncMetadata(lookups={"o1": hashes + [b"\x08" * 32]}))
         assert w.build_worker_meta().lookup_hits == {"o1": 3}

@@ -47,6 +47,12 @@ class KvCaches:
     #: a JAX runner's caches (tpu-inference, :class:`tpu_sync.jax_kv.JaxKv`): every TP rank in this
     #: process; ``views`` then lists every rank's layers, rank-major (one tier entry holds them all)
     jax: Any = None
+    #: what stages blocks through the framework's own copies, where tpu_sync cannot address the
+    #: caches (``framework-copy``): the :class:`tpu_sync.jax_kv.JaxKv` of a JAX runner, or the
+    #: :class:`tpu_sync.torch_kv.TorchKv` of accelerator tensors; ``views`` are then its host
+    #: mirrors, and the worker calls its ``stage``/``drop``/``commit``/``before_write``/
+    #: ``after_write`` around every transfer. None: the views are the caches themselves.
+    copier: Any = None
 
     def refresh(self) -> None:
         """A JAX runner's caches: reads the runner's current arrays again (a forward may have

@@ -105,6 +105,15 @@ Host-DRAM offload (on by default for ``kv_both``):
     its arrays are read and written (:mod:`tpu_sync.jax_kv`): ``auto`` (default: ``pjrt-view``
     where the shards are in host memory, else ``framework-copy``), ``pjrt-view`` or
     ``framework-copy``.
+``torch_backend`` (str)
+    How the KV tensors of ``register_kv_caches`` are read and written (:mod:`tpu_sync.torch_kv`):
+    ``auto`` (default: ``pjrt-view``, in place, where they are CPU tensors; ``framework-copy``,
+    torch's own copies through host mirrors, for accelerator tensors such as vLLM-TorchTPU's),
+    ``pjrt-view`` or ``framework-copy``.
+``torch_copy_api`` (str)
+    The copies of ``torch_backend`` ``framework-copy``: ``auto`` (default: torch_tpu's
+    ``batch_transfer`` for tensors on a ``tpu`` device, else ``torch``), ``torch``
+    (``Tensor.copy_``) or ``batch_transfer``.
 ``verify_checksums`` (bool)
     Check each block's checksum when loading it (default True). A mismatch makes the connector
     report the blocks as failed loads, so vLLM recomputes them (set
@@ -184,6 +193,8 @@ _KEYS = {
     "layerwise": bool,
     "early_register": bool,
     "jax_backend": str,
+    "torch_backend": str,
+    "torch_copy_api": str,
 }
 
 
@@ -256,6 +267,12 @@ class ConnectorConfig:
             # bool is an int subclass: keep numbers and flags apart
             if (want is bool) != isinstance(v, bool) or not isinstance(v, want):
                 raise ConfigError(f"kv_connector_extra_config[{k!r}] must be {_tname(want)}, got {v!r}")
+        for k, allowed in (("jax_backend", ("auto", "pjrt-view", "framework-copy")),
+                           ("torch_backend", ("auto", "pjrt-view", "framework-copy")),
+                           ("torch_copy_api", ("auto", "torch", "batch_transfer"))):
+            if k in extra and extra[k] not in allowed:
+                raise ConfigError(f"kv_connector_extra_config[{k!r}] must be one of {', '.join(allowed)}; "
+                                  f"got {extra[k]!r}")
         pd = extra.get("pd", role != "kv_both")
         offload = extra.get("offload", role == "kv_both")
         psk = extra.get("psk")

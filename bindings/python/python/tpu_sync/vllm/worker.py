@@ -244,11 +244,14 @@ class WorkerSide:
         LBHNC ``[num_blocks, heads, block_size, 2 * head_dim]``, or a TPU backend's ragged paged
         attention v3 ``[num_blocks, block_size, R, P, D']`` when the geometry's ``kv_order`` is
         ``rpa3``/``rpa3hd64``: :meth:`KvGeometry.layer_shape`), orders them by layer, and opens
-        the host tier and the P/D endpoint over zero-copy views of them.
+        the host tier and the P/D endpoint over zero-copy views of them (CPU tensors), or over
+        host mirrors filled and written back by torch's own copies (accelerator tensors, such as
+        vLLM-TorchTPU's: ``torch_backend``, :mod:`tpu_sync.torch_kv`).
 
         Raises:
             ValueError: another cache layout (e.g. a GPU backend's ``[2, blocks, ...]``), tensors
-                that differ from each other or from the model's geometry, non-contiguous tensors.
+                that differ from each other or from the model's geometry, non-contiguous tensors;
+            NotImplementedError, UnsupportedError: see :meth:`_torch_kv`.
         """
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         from vllm.model_executor.models.utils import extract_layer_index
@@ -289,11 +292,14 @@ class WorkerSide:
                                  f"contiguous")
             if compat.TORCH_TO_TPU_SYNC_DTYPE.get(str(t.dtype)) != g.dtype:
                 raise ValueError(f"TpuSyncConnector: layer {n} is {t.dtype}, the model's KV dtype is {g.dtype}")
+        torch_kv = self._torch_kv(tensors, names, g)
         for i, n in enumerate(names):
             if g.is_state_group(group_of[i]):
                 tensors[i] = _state_view(n, tensors[i], g.groups[group_of[i]], int(first.shape[0]))
         layer_block_bytes = int(first.stride(0)) * int(first.element_size())
         if layer_block_bytes != g.layer_block_bytes:
+            if torch_kv is not None:
+                torch_kv.close()
             raise ValueError(f"TpuSyncConnector: block stride {layer_block_bytes} B, expected {g.layer_block_bytes} B")
         try:
             rank = int(get_tensor_model_parallel_rank())
@@ -301,8 +307,43 @@ class WorkerSide:
             rank = 0
         self.caches = KvCaches(names=names, tensors=tensors, num_blocks=int(first.shape[0]),
                                layer_block_bytes=layer_block_bytes, tp_rank=rank, layer_group=g.group_of_layer())
+        if torch_kv is not None:
+            self.caches._client = torch_kv.client  # type: ignore[attr-defined]
+            self.caches.views = torch_kv.views()
+            self.caches.copier = torch_kv
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._open(rank)
+
+    def _torch_kv(self, tensors: List[Any], names: List[str], g: KvGeometry) -> Any:
+        """The :class:`tpu_sync.torch_kv.TorchKv` that moves accelerator tensors through torch's
+        own copies (``torch_backend``: ``framework-copy``, the default for tensors not in host
+        memory), or None where tpu_sync views the tensors in place (CPU tensors). The back end and
+        why it was chosen are logged and in :attr:`adapter_stats`.
+
+        Raises:
+            NotImplementedError: ``framework-copy`` with KV cache groups or layer-wise transfers
+                (not supported yet; docs/tpu.md); UnsupportedError (tpu_sync.errors):
+                ``pjrt-view`` of accelerator tensors, ``batch_transfer`` without torch_tpu."""
+        backend = str(self.cfg.extra.get("torch_backend", "auto"))
+        on_host = all(getattr(getattr(t, "device", None), "type", "cpu") == "cpu" for t in tensors)
+        if backend == "pjrt-view" or (backend == "auto" and on_host):
+            if not on_host:
+                from tpu_sync.torch_kv import TorchKv
+
+                TorchKv(tensors, backend="pjrt-view")  # raises UnsupportedError, naming the device
+            return None
+        if g.groups or self.cfg.layerwise:
+            what = "KV cache groups" if g.groups else "layer-wise transfers"
+            raise NotImplementedError(f"TpuSyncConnector: {what} with KV tensors moved by torch's copies "
+                                      f"(torch_backend framework-copy; tensors on {tensors[0].device}) are not "
+                                      "supported yet (issue 25; docs/tpu.md)")
+        from tpu_sync.torch_kv import TorchKv
+
+        tk = TorchKv(tensors, backend="framework-copy", copy_api=str(self.cfg.extra.get("torch_copy_api", "auto")),
+                     block_size=g.block_size)
+        log.info("tpu_sync: KV tensors on %s: back end %s (%s), copies %s", tk.device, tk.backend, tk.backend_reason,
+                 tk.copy_api)
+        return tk
 
     def register_runner(self, runner: Any) -> None:
         """The model runner, after :meth:`register_kv_caches` (vLLM-TorchTPU: nothing more to
@@ -352,7 +393,7 @@ class WorkerSide:
             raise ValueError("TpuSyncConnector: the runner's KV caches " + "; ".join(problems))
         self.caches = KvCaches(names=[f"layer.{i}" for i in range(jx.num_layers)], tensors=[],
                                num_blocks=jx.num_blocks, layer_block_bytes=g.layer_block_bytes, tp_rank=0,
-                               layer_group=g.group_of_layer(), jax=jx)
+                               layer_group=g.group_of_layer(), jax=jx, copier=jx)
         self.caches._client = jx.client  # type: ignore[attr-defined]
         self.caches.refresh()
         self._layer_index = {}
@@ -366,6 +407,20 @@ class WorkerSide:
         jx = getattr(self.caches, "jax", None)
         return None if jx is None else jx.stats()
 
+    @property
+    def adapter_stats(self) -> Dict[str, Any]:
+        """How this worker reads and writes the KV caches: ``backend`` (``pjrt-view``: in place;
+        ``framework-copy``: the framework's own copies through host mirrors), the reason, and for
+        ``framework-copy`` the copy API and counters (:mod:`tpu_sync.torch_kv`,
+        :mod:`tpu_sync.jax_kv`). Empty before the caches are registered."""
+        if self.caches is None:
+            return {}
+        cp = self.caches.copier
+        if cp is not None:
+            return dict(cp.stats(), framework="jax" if cp is self.caches.jax else "torch")
+        return dict(backend="pjrt-view", backend_reason="the KV tensors are in host memory: viewed in place",
+                    framework="torch")
+
     def _open(self, rank: int) -> None:
         """Opens the host tier and the P/D endpoint over the registered caches."""
         g = self.geometry
@@ -373,10 +428,11 @@ class WorkerSide:
         names, layer_block_bytes = self.caches.names, self.caches.layer_block_bytes
         if self.cfg.offload:
             self.tier = make_host_tier(self.cfg, g, self.caches)
-            if self.cfg.async_saves and self.caches.jax is not None:
-                # A JAX runner's saves read its arrays (or stage them by JAX's copies) on the model
-                # thread, between the forwards that re-assign them: synchronous.
-                log.info("tpu_sync: host-tier saves of a JAX model runner are synchronous (async_saves ignored)")
+            if self.cfg.async_saves and self.caches.copier is not None:
+                # Saves read the caches (a JAX runner's arrays, or blocks staged by the framework's
+                # copies) on the model thread, between the forwards that change them: synchronous.
+                log.info("tpu_sync: host-tier saves through the framework's copies are synchronous (async_saves "
+                         "ignored)")
             elif self.cfg.async_saves:
                 self._saver = _Saver(self.tier, self.cfg.max_pending_save_blocks)
         if self.cfg.pd:
@@ -688,12 +744,12 @@ class WorkerSide:
                 delivered = int(self.tier.get_groups(op.hashes, op.group_block_ids))
             else:
                 delivered = int(self.tier.get(op.hashes, op.block_ids))
-                jx = self.caches.jax if self.caches is not None else None
-                if jx is not None:
+                cp = self.caches.copier if self.caches is not None else None
+                if cp is not None:
                     try:
-                        jx.commit(op.block_ids[:delivered])  # framework-copy: into the runner's arrays
+                        cp.commit(op.block_ids[:delivered])  # framework-copy: into the caches
                     finally:
-                        jx.drop(op.block_ids)
+                        cp.drop(op.block_ids)
         except Exception as e:  # ChecksumError, missing blocks, device errors
             log.warning("tpu_sync: host-tier load of %d blocks for %s failed: %s", len(op.block_ids), op.req_id, e)
             delivered = 0
@@ -718,7 +774,7 @@ class WorkerSide:
     def _register(self, s: Any) -> None:
         assert self.caches is not None
         layout = self.geometry.tpu_sync_layout(self.caches.num_blocks)
-        jx = self.caches.jax
+        jx, cp = self.caches.jax, self.caches.copier
         try:
             placement = compat.placement(layout, s.block_ids)
             if jx is None:
@@ -727,12 +783,13 @@ class WorkerSide:
                 # Every rank in this one endpoint: the consumer ranks that pull from any of them
                 # (releases count consumer ranks, whatever endpoints they use).
                 pullers = compat.pullers_of_rank(placement, jx.ranks, s.num_tokens, s.decode_tp)
-                jx.stage(_flat_ids(s.block_ids))
+            if cp is not None:
+                cp.stage(_flat_ids(s.block_ids))  # framework-copy: the device's blocks into the mirrors
             try:
                 self.transport.register(s.xfer_id, placement, s.num_tokens, s.lease_s, pullers)
             finally:
-                if jx is not None:
-                    jx.drop(_flat_ids(s.block_ids))  # staged by the endpoint (or failed)
+                if cp is not None:
+                    cp.drop(_flat_ids(s.block_ids))  # staged by the endpoint (or failed)
             self.stats["registered"] += 1
         except Exception as e:  # the consumer's pull fails and it recomputes; blocks are freed
             log.error("tpu_sync: registering %s (transfer %s) failed: %s", s.req_id, s.xfer_id, e)
@@ -752,9 +809,9 @@ class WorkerSide:
                 dst = compat.placement(self.geometry.tpu_sync_layout(self.caches.num_blocks), s.dst_block_ids,
                                    getattr(s, "first_token", 0))
                 src = None if s.src_block_ids is None else compat.placement(s.src_layout, s.src_block_ids)
-                jx = self.caches.jax
-                if jx is not None:
-                    p.ptrs = jx.before_write(_flat_ids(s.dst_block_ids), s.num_tokens - getattr(s, "first_token", 0))
+                cp = self.caches.copier
+                if cp is not None:
+                    p.ptrs = cp.before_write(_flat_ids(s.dst_block_ids), s.num_tokens - getattr(s, "first_token", 0))
                 if s.src_block_ids is None:
                     # Both-at-once: the producer's blocks are known once it registered.
                     p.handle = _Deferred(self.transport, s, dst, p.deadline)
@@ -803,18 +860,18 @@ class WorkerSide:
                                 len(op.hashes), op.req_id, self._saver.pending_blocks(),
                                 self._saver.max_pending_blocks)
             return
-        jx = self.caches.jax if self.caches is not None else None
-        if jx is not None:
+        cp = self.caches.copier if self.caches is not None else None
+        if cp is not None:
             self.caches.refresh()
         for op in meta.saves:
             try:
-                if jx is not None:
-                    jx.stage(op.block_ids)  # framework-copy: JAX's D2H into the mirrors
+                if cp is not None:
+                    cp.stage(op.block_ids)  # framework-copy: the framework's D2H into the mirrors
                 try:
                     n = _save(self.tier, op)
                 finally:
-                    if jx is not None:
-                        jx.drop(op.block_ids)
+                    if cp is not None:
+                        cp.drop(op.block_ids)
             except Exception as e:  # a failed save is a future miss
                 self._book_save(op, 0, e)
                 continue
@@ -853,8 +910,8 @@ class WorkerSide:
             delivered = p.handle is not None and p.handle.done and getattr(p.handle, "error", None) is None
             if p.handle is not None and not p.handle.done:
                 _cancel(p.handle)
-            if self.caches is not None and self.caches.jax is not None:
-                self.caches.jax.drop(_flat_ids(p.spec.dst_block_ids))
+            if self.caches is not None and self.caches.copier is not None:
+                self.caches.copier.drop(_flat_ids(p.spec.dst_block_ids))
             if not delivered:
                 # It will never be pulled now: the producers free its KV at once.
                 self._reject(RejectSpec(req_id, p.spec.xfer_id, p.spec.peers,
@@ -886,9 +943,9 @@ class WorkerSide:
                         continue
                 del self._pulls[req_id]
                 res.finished_recving.add(req_id)
-                jx = self.caches.jax if self.caches is not None else None
-                if jx is not None:
-                    err = self._land_jax_pull(jx, p, err)
+                cp = self.caches.copier if self.caches is not None else None
+                if cp is not None:
+                    err = self._land_copied_pull(cp, p, err)
                 if err is None:
                     self.stats["pulls_done"] += 1
                     try:
@@ -931,18 +988,19 @@ class WorkerSide:
             time.sleep(budget)  # pulls waiting to retry (a producer that has not registered yet)
             self.stats["idle_waits"] += 1
 
-    def _land_jax_pull(self, jx: Any, p: _Pull, err: Optional[BaseException]) -> Optional[BaseException]:
-        """A JAX runner's finished pull (:meth:`tpu_sync.jax_kv.JaxKv.after_write`); the error
-        that makes it a failed pull, if any."""
+    def _land_copied_pull(self, cp: Any, p: _Pull, err: Optional[BaseException]) -> Optional[BaseException]:
+        """A finished pull into caches moved by the framework's copies (``after_write`` of
+        :class:`tpu_sync.jax_kv.JaxKv` or :class:`tpu_sync.torch_kv.TorchKv`); the error that
+        makes it a failed pull, if any."""
         ids = _flat_ids(p.spec.dst_block_ids)
         if err is not None:
-            jx.drop(ids)
+            cp.drop(ids)
             return err
         try:
             self.caches.refresh()
-            jx.after_write(ids, p.ptrs)
+            cp.after_write(ids, p.ptrs)
             return None
-        except Exception as e:  # moved caches, a device error in JAX's copies: recomputed
+        except Exception as e:  # moved caches, a device error in the framework's copies: recomputed
             return e
 
     def _reject(self, r: RejectSpec) -> None:

@@ -1,0 +1,346 @@
+"""One worker's per-layer KV tensors held by torch, on the CPU or on an accelerator (issue 25).
+
+vLLM's workers hand the connector ``register_kv_caches(dict[str, Tensor])``. On vLLM's CPU
+backend those tensors are host memory, which tpu_sync's PJRT client (the XLA CPU plugin) views in
+place. On vLLM-TorchTPU they are ``torch_tpu`` tensors in a TPU's HBM, and on a GPU build CUDA
+tensors: their ``data_ptr()`` is a device address, which only the device's own PJRT client could
+address (the native shim of issue 25, not built: it would hand their ``PJRT_Buffer*`` to
+:meth:`tpu_sync.Client.adopt_buffer`). Viewing such a pointer as host memory would read and write
+arbitrary bytes, so :class:`TorchKv` picks one of two back ends (:attr:`TorchKv.backend`, the
+reason in :attr:`TorchKv.backend_reason` and :meth:`TorchKv.stats`):
+
+* ``"pjrt-view"``: the tensors' own memory, viewed without a copy as PJRT buffers of tpu_sync's
+  client. Only for CPU tensors.
+* ``"framework-copy"``: torch's own copies, on any device. Before tpu_sync reads blocks (a P/D
+  registration, a host-tier save), :meth:`TorchKv.stage` copies them from the device into host
+  mirrors of the tensors (same shapes and block ids; anonymous memory committed only for blocks
+  in flight and given back by :meth:`TorchKv.drop`); after tpu_sync wrote blocks into the mirrors
+  (a pull, a host-tier load), :meth:`TorchKv.commit` copies them into the device tensors, in
+  place. Copies are whole blocks through the framework, which sees the tensors' logical layout, so
+  a TPU's tiled physical layout never reaches tpu_sync. The copy API (:attr:`TorchKv.copy_api`):
+
+  - ``"batch_transfer"``: torch_tpu's batched copies, as vLLM-TorchTPU's own ``TPUConnector``
+    makes them (``vllm_torchtpu/distributed/kv_transfer/tpu_connector.py`` 0.29.0: the blocks
+    gathered on the device by ``torch.index_select``, then
+    ``torch_tpu._internal.batch_transfer.batch_transfer_d2h_sync(device_tensors, host_tensors)``;
+    H2D by ``batch_transfer_h2d_sync(host_tensors, device_tensors)`` into fresh device tensors,
+    then ``cache.index_put_``). Chosen for tensors on a ``tpu`` device when that module imports
+    (the engine has imported torch_tpu already; this module never imports it otherwise).
+  - ``"torch"``: ``Tensor.copy_`` between the device tensors and the mirrors, one copy per
+    contiguous run of block ids, on any device.
+
+  Every copy and gather runs on integer views of the tensors with the same element size, so the
+  bytes move as bit patterns (fp8 needs no gather kernel; no NaN payload is canonicalised).
+
+Thread-safety: one :class:`TorchKv` per worker; its calls must not overlap a forward that writes
+the same blocks (the connector hooks run between forwards).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from . import _check as ck
+from ._native import lib
+from .errors import InvalidArgumentError, UnsupportedError
+
+log = logging.getLogger("tpu_sync.torch")
+
+#: Back ends (``"auto"``: ``pjrt-view`` for CPU tensors, ``framework-copy`` otherwise).
+BACKENDS = ("auto", "pjrt-view", "framework-copy")
+#: Copy APIs of ``framework-copy`` (``"auto"``: ``batch_transfer`` on a ``tpu`` device where
+#: torch_tpu's module imports, ``torch`` otherwise).
+COPY_APIS = ("auto", "torch", "batch_transfer")
+
+#: torch dtype name -> tpu_sync buffer dtype (what :meth:`tpu_sync.Client.view` takes).
+TORCH_DTYPES = {
+    "torch.bfloat16": "bf16",
+    "torch.float16": "f16",
+    "torch.float32": "f32",
+    "torch.float8_e4m3fn": "f8e4m3fn",
+    "torch.uint8": "u8",
+}
+
+#: Where torch_tpu's batched copies live (torch_tpu 0.2.0).
+BATCH_TRANSFER_MODULE = "torch_tpu._internal.batch_transfer"
+
+
+def _fail(cls: type, msg: str) -> Exception:
+    status = {InvalidArgumentError: lib.TPU_SYNC_INVALID_ARGUMENT, UnsupportedError: lib.TPU_SYNC_UNSUPPORTED}[cls]
+    return cls(status, msg)
+
+
+def _runs(ids: Sequence[int]) -> List[Tuple[int, int]]:
+    """``[start, end)`` runs of consecutive ids, in the order given."""
+    out: List[Tuple[int, int]] = []
+    for b in ids:
+        if out and out[-1][1] == b:
+            out[-1] = (out[-1][0], b + 1)
+        else:
+            out.append((b, b + 1))
+    return out
+
+
+class TorchKv:
+    """A worker's per-layer KV tensors (``[num_blocks, ...]`` each, all of one shape, dtype and
+    device, contiguous), moved by tpu_sync in place or through torch's copies.
+
+    Args:
+        tensors: the per-layer tensors, in layer order.
+        backend: ``"auto"``, ``"pjrt-view"`` or ``"framework-copy"`` (module docs).
+        copy_api: ``"auto"``, ``"torch"`` or ``"batch_transfer"`` (``framework-copy`` only).
+        client: the tpu_sync client that views the tensors or the mirrors (default: a new one on
+            the XLA CPU plugin).
+        block_size: tokens per block, for :meth:`before_write` (None: a pull's last block is
+            always staged first, as if partial).
+
+    Raises:
+        InvalidArgumentError: no tensors, tensors that differ in shape, dtype or device, not
+            contiguous, a dtype tpu_sync cannot describe, an unknown back end or copy API;
+        UnsupportedError: ``pjrt-view`` of accelerator tensors; ``batch_transfer`` where torch_tpu's
+            module does not import.
+    """
+
+    def __init__(self, tensors: Sequence[Any], *, backend: str = "auto", copy_api: str = "auto",
+                 client: Any = None, block_size: Optional[int] = None) -> None:
+        if backend not in BACKENDS:
+            raise _fail(InvalidArgumentError, f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        if copy_api not in COPY_APIS:
+            raise _fail(InvalidArgumentError, f"copy_api {copy_api!r} is not one of {', '.join(COPY_APIS)}")
+        tensors = list(tensors)
+        if not tensors:
+            raise _fail(InvalidArgumentError, "no KV tensors")
+        t0 = tensors[0]
+        for i, t in enumerate(tensors):
+            if t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device:
+                raise _fail(InvalidArgumentError, f"layer {i}: {list(t.shape)} {t.dtype} on {t.device} differs from "
+                            f"layer 0's {list(t0.shape)} {t0.dtype} on {t0.device}")
+            if not t.is_contiguous():
+                raise _fail(InvalidArgumentError, f"layer {i}'s KV tensor is not contiguous")
+        if t0.dim() < 2:
+            raise _fail(InvalidArgumentError, f"a KV tensor of shape {list(t0.shape)}: expected [num_blocks, ...]")
+        dt = str(t0.dtype)
+        if dt not in TORCH_DTYPES:
+            raise _fail(InvalidArgumentError, f"KV tensor dtype {dt} (supported: {', '.join(TORCH_DTYPES)})")
+        self.tensors = tensors
+        self.shape = tuple(int(d) for d in t0.shape)
+        self.dtype = t0.dtype
+        self.buffer_dtype = TORCH_DTYPES[dt]
+        self.device = t0.device
+        #: copies and gathers run on integer views of the same element size (bit patterns: no
+        #: dtype support needed for fp8, no NaN canonicalisation)
+        self._bits = {1: "uint8", 2: "int16", 4: "int32"}[int(t0.element_size())]
+        self.num_blocks = self.shape[0]
+        self.block_size = block_size
+        self.block_bytes = int(t0.stride(0)) * int(t0.element_size())
+        self.nbytes = self.num_blocks * self.block_bytes
+        host = self.device.type == "cpu"
+        if backend == "auto":
+            backend = "pjrt-view" if host else "framework-copy"
+            why = ("the tensors are in host memory: viewed in place" if host else
+                   f"the tensors are on {self.device.type} devices, whose memory tpu_sync's client cannot address: "
+                   "torch's own copies")
+        else:
+            why = "chosen by the caller"
+        if backend == "pjrt-view" and not host:
+            raise _fail(UnsupportedError, f"backend pjrt-view needs the KV tensors in host memory; they are on "
+                        f"{self.device} (use framework-copy)")
+        self.backend, self.backend_reason = backend, why
+        self._bt: Any = None
+        if backend == "framework-copy":
+            if copy_api == "auto":
+                copy_api = "torch"
+                if self.device.type == "tpu":
+                    try:
+                        self._bt = _import_batch_transfer()
+                        copy_api = "batch_transfer"
+                    except ImportError as e:
+                        log.warning("tpu_sync.torch: %s does not import (%s): torch's copy_ instead",
+                                    BATCH_TRANSFER_MODULE, e)
+            elif copy_api == "batch_transfer":
+                try:
+                    self._bt = _import_batch_transfer()
+                except ImportError as e:
+                    raise _fail(UnsupportedError, f"copy_api batch_transfer: {BATCH_TRANSFER_MODULE} does not "
+                                f"import ({e})") from None
+        else:
+            copy_api = "none"
+        self.copy_api = copy_api
+        if client is None:
+            import tpu_sync
+
+            client = tpu_sync.Client()
+        self.client = client
+        self._views: Optional[List[Any]] = None
+        self._maps: List[mmap.mmap] = []
+        self._mirrors: List[Any] = []
+        self._counters = dict(stages=0, commits=0, d2h_bytes=0, h2d_bytes=0)
+        log.info("tpu_sync.torch: %d layers of %s %s on %s; back end %s (%s), copies %s", len(tensors),
+                 list(self.shape), dt, self.device, backend, why, copy_api)
+
+    # -- what tpu_sync reads and writes ---------------------------------------------------------
+
+    def views(self) -> List[Any]:
+        """Per-layer PJRT buffers tpu_sync copies blocks in and out of, in the tensors' block
+        geometry (same block ids): the tensors themselves (``pjrt-view``), or their host mirrors
+        (``framework-copy``: :meth:`stage` before tpu_sync reads, :meth:`commit` after it
+        wrote)."""
+        if self._views is None:
+            if self.backend == "pjrt-view":
+                self._views = [self.client.view(t) for t in self.tensors]
+            else:
+                import numpy as np
+                import torch
+
+                views = []
+                for _ in self.tensors:
+                    # Page-aligned, zero until written; MAP_PRIVATE | MAP_ANONYMOUS.
+                    m = mmap.mmap(-1, max(self.nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                    self._maps.append(m)
+                    raw = torch.frombuffer(m, dtype=torch.uint8, count=self.nbytes)
+                    self._mirrors.append(raw.view(getattr(torch, self._bits)).view(self.shape))
+                    views.append(self.client.view(np.frombuffer(m, dtype=np.uint8, count=self.nbytes),
+                                                  shape=self.shape, dtype=self.buffer_dtype))
+                self._views = views
+        return self._views
+
+    def stats(self) -> Dict[str, Any]:
+        """Back end, reason, copy API, geometry, and counters (stages and commits, bytes copied by
+        torch between the device and the mirrors)."""
+        return dict(self._counters, backend=self.backend, backend_reason=self.backend_reason,
+                    copy_api=self.copy_api, device=str(self.device), shape=list(self.shape), dtype=str(self.dtype))
+
+    def _ids(self, block_ids: Sequence[int]) -> List[int]:
+        ids = [ck.u32("block id", b) for b in block_ids]
+        for b in ids:
+            if b >= self.num_blocks:
+                raise IndexError(f"block id {b} out of range 0..{self.num_blocks}")
+        return ids
+
+    # -- framework-copy -------------------------------------------------------------------------
+
+    def stage(self, block_ids: Sequence[int]) -> None:
+        """``framework-copy``: copies blocks ``block_ids`` of every layer from the device tensors
+        into the host mirrors, before tpu_sync reads them. Nothing for ``pjrt-view``.
+
+        Raises:
+            IndexError: a block id out of range; torch's errors from the copies."""
+        if self.backend == "pjrt-view" or not len(block_ids):
+            return
+        ids = self._ids(block_ids)
+        self.views()
+        import torch
+
+        runs = _runs(ids)
+        bits = getattr(torch, self._bits)
+        caches = [t.view(bits) for t in self.tensors]
+        if self._bt is not None:
+            idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            src = [torch.index_select(t, 0, idx) for t in caches]
+            if len(runs) == 1:
+                a, b = runs[0]
+                self._bt.batch_transfer_d2h_sync(src, [m[a:b] for m in self._mirrors])
+            else:
+                dst = [torch.empty(s.shape, dtype=bits, device="cpu") for s in src]
+                self._bt.batch_transfer_d2h_sync(src, dst)
+                hidx = torch.tensor(ids, dtype=torch.int64)
+                for m, d in zip(self._mirrors, dst):
+                    m.index_copy_(0, hidx, d)
+        else:
+            for t, m in zip(caches, self._mirrors):
+                for a, b in runs:
+                    m[a:b].copy_(t[a:b])
+        self._counters["stages"] += 1
+        self._counters["d2h_bytes"] += len(ids) * self.block_bytes * len(self.tensors)
+
+    def commit(self, block_ids: Sequence[int]) -> None:
+        """``framework-copy``: copies blocks ``block_ids`` of every layer from the host mirrors
+        into the device tensors (in place), after tpu_sync wrote them. Nothing for ``pjrt-view``.
+
+        Raises:
+            IndexError: a block id out of range; torch's errors from the copies."""
+        if self.backend == "pjrt-view" or not len(block_ids):
+            return
+        ids = self._ids(block_ids)
+        self.views()
+        import torch
+
+        runs = _runs(ids)
+        bits = getattr(torch, self._bits)
+        caches = [t.view(bits) for t in self.tensors]
+        if self._bt is not None:
+            if len(runs) == 1:
+                a, b = runs[0]
+                src = [m[a:b] for m in self._mirrors]
+            else:
+                hidx = torch.tensor(ids, dtype=torch.int64)
+                src = [torch.index_select(m, 0, hidx) for m in self._mirrors]
+            dev = [torch.empty(s.shape, dtype=bits, device=self.device) for s in src]
+            self._bt.batch_transfer_h2d_sync(src, dev)
+            idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            for t, d in zip(caches, dev):
+                t.index_put_((idx,), d)
+        else:
+            for t, m in zip(caches, self._mirrors):
+                for a, b in runs:
+                    t[a:b].copy_(m[a:b])
+        self._counters["commits"] += 1
+        self._counters["h2d_bytes"] += len(ids) * self.block_bytes * len(self.tensors)
+
+    def drop(self, block_ids: Sequence[int]) -> None:
+        """``framework-copy``: gives the host memory of blocks ``block_ids``' mirror pages back
+        (``madvise(MADV_DONTNEED)``: they read as zero again), so the mirrors hold only blocks in
+        flight. Nothing for ``pjrt-view``."""
+        if self.backend == "pjrt-view" or not self._maps or not len(block_ids):
+            return
+        page = mmap.PAGESIZE
+        bb = self.block_bytes
+        for b in block_ids:
+            b = int(b)
+            if not 0 <= b < self.num_blocks:
+                continue
+            # Whole pages inside the block only (a neighbour's bytes stay).
+            lo = -(-(b * bb) // page) * page
+            hi = ((b + 1) * bb // page) * page
+            if hi > lo:
+                for m in self._maps:
+                    m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def before_write(self, block_ids: Sequence[int], num_tokens: int) -> Tuple[int, ...]:
+        """Before tpu_sync writes ``num_tokens`` tokens into blocks ``block_ids`` (a pull):
+        ``framework-copy`` writes whole blocks back, so a partial last block's other token slots
+        go into the mirror first and come back unchanged. Returns what :meth:`after_write` takes
+        (nothing: the tensors do not move)."""
+        partial = self.block_size is None or num_tokens % self.block_size != 0
+        if self.backend != "pjrt-view" and block_ids and partial:
+            self.stage(list(block_ids)[-1:])
+        return ()
+
+    def after_write(self, block_ids: Sequence[int], ptrs: Tuple[int, ...] = ()) -> None:
+        """After tpu_sync wrote blocks ``block_ids`` (a pull): commits them into the device
+        tensors (``framework-copy``) and gives the mirrors' pages back."""
+        try:
+            self.commit(block_ids)
+        finally:
+            self.drop(block_ids)
+
+    def close(self) -> None:
+        """Closes the views and frees the mirrors (the tensors are untouched)."""
+        if self._views is not None:
+            for v in self._views:
+                v.close()
+            self._views = None
+        self._mirrors = []
+        self._maps = []
+
+
+def _import_batch_transfer() -> Any:
+    import importlib
+
+    mod = importlib.import_module(BATCH_TRANSFER_MODULE)
+    for name in ("batch_transfer_d2h_sync", "batch_transfer_h2d_sync"):
+        if not hasattr(mod, name):
+            raise ImportError(f"{BATCH_TRANSFER_MODULE} has no {name}")
+    return mod

@@ -1,0 +1,197 @@
+"""``tpu_sync.torch_kv.TorchKv`` (issue 25): which back end a worker's KV tensors get and why,
+and ``framework-copy`` byte-exact on torch CPU tensors, both copy APIs: blocks staged from the
+tensors into the host mirrors (consecutive and scattered ids), mirrors committed into the
+tensors, nothing else touched, mirror pages given back.
+
+torch_tpu is never imported here (it would load libtpu). Its batched copies are stood in for by
+:func:`install_batch_transfer_stand_in`: a module at ``torch_tpu._internal.batch_transfer`` with
+the two functions vLLM-TorchTPU 0.29.0's ``TPUConnector`` calls
+(``vllm_torchtpu/distributed/kv_transfer/tpu_connector.py``: ``batch_transfer_d2h_sync(device
+tensors, host tensors)``, ``batch_transfer_h2d_sync(host tensors, device tensors)``), which copy
+with ``Tensor.copy_`` after checking the arguments as that call shape needs them (lists of equal
+length, pairwise equal shapes and dtypes, host tensors on the CPU). The bytes are real tensors'
+bytes either way; the stand-in replaces only the device runtime this machine lacks."""
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import tpu_sync  # noqa: E402
+from tpu_sync import errors  # noqa: E402
+from tpu_sync.torch_kv import TorchKv  # noqa: E402
+
+NB, SHAPE = 12, (8, 2, 2, 128)  # blocks, then one block of an RPA v3 cache (fp8 4 KiB: whole pages)
+
+
+def install_batch_transfer_stand_in(monkeypatch):
+    """Puts the stand-in module at ``torch_tpu._internal.batch_transfer`` for this test; returns
+    the list its calls are recorded in."""
+    calls = []
+
+    def check(src, dst, host_side):
+        assert isinstance(src, list) and isinstance(dst, list) and len(src) == len(dst) > 0
+        for s, d in zip(src, dst):
+            assert s.shape == d.shape and s.dtype == d.dtype, (s.shape, d.shape, s.dtype, d.dtype)
+            host = d if host_side == "dst" else s
+            assert host.device.type == "cpu"
+
+    def d2h(src, dst):
+        check(src, dst, "dst")
+        calls.append(("d2h", [tuple(s.shape) for s in src]))
+        for s, d in zip(src, dst):
+            d.copy_(s)
+
+    def h2d(src, dst):
+        check(src, dst, "src")
+        calls.append(("h2d", [tuple(s.shape) for s in src]))
+        for s, d in zip(src, dst):
+            d.copy_(s)
+
+    mod = types.ModuleType("torch_tpu._internal.batch_transfer")
+    mod.batch_transfer_d2h_sync, mod.batch_transfer_h2d_sync = d2h, h2d
+    for name in ("torch_tpu", "torch_tpu._internal"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "torch_tpu._internal.batch_transfer", mod)
+    return calls
+
+
+def layers(seed, n=3, dtype=torch.bfloat16):
+    """Per-layer caches of distinct, non-repeating bytes."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        t = torch.empty((NB,) + SHAPE, dtype=dtype)
+        t.view(torch.uint8).numpy()[:] = rng.integers(1, 256, size=t.numel() * t.element_size(),
+                                                      dtype=np.uint8).reshape(t.view(torch.uint8).shape)
+        out.append(t)
+    return out
+
+
+def raw(t):
+    return t.view(torch.uint8).numpy().copy()
+
+
+def test_back_end_follows_the_tensors_device():
+    cpu = layers(1)
+    tk = TorchKv(cpu)
+    assert (tk.backend, tk.copy_api) == ("pjrt-view", "none")
+    assert "host memory" in tk.backend_reason
+    tk.close()
+    # A tensor tpu_sync's client cannot address (torch's "meta" device stands for any accelerator
+    # here): framework-copy, with torch's copies (batch_transfer only on a "tpu" device).
+    meta = [torch.empty((NB,) + SHAPE, dtype=torch.bfloat16, device="meta") for _ in range(2)]
+    tk = TorchKv(meta)
+    assert (tk.backend, tk.copy_api) == ("framework-copy", "torch")
+    assert "meta" in tk.backend_reason
+    assert tk.stats()["device"] == "meta"
+    with pytest.raises(errors.UnsupportedError, match="host memory"):
+        TorchKv(meta, backend="pjrt-view")
+
+
+def test_bad_tensors_and_settings_are_clear_errors(monkeypatch):
+    a = layers(2, n=2)
+    with pytest.raises(errors.InvalidArgumentError, match="differs"):
+        TorchKv([a[0], a[1][:6]])
+    with pytest.raises(errors.InvalidArgumentError, match="contiguous"):
+        TorchKv([a[0].transpose(1, 2)])
+    with pytest.raises(errors.InvalidArgumentError, match="dtype"):
+        TorchKv([torch.zeros((NB, 4), dtype=torch.int64)])
+    with pytest.raises(errors.InvalidArgumentError, match="backend"):
+        TorchKv(a, backend="mmap")
+    with pytest.raises(errors.InvalidArgumentError, match="copy_api"):
+        TorchKv(a, copy_api="dma")
+    with pytest.raises(errors.InvalidArgumentError, match="no KV tensors"):
+        TorchKv([])
+    monkeypatch.delitem(sys.modules, "torch_tpu._internal.batch_transfer", raising=False)
+    with pytest.raises(errors.UnsupportedError, match="batch_transfer"):
+        TorchKv(a, backend="framework-copy", copy_api="batch_transfer")
+    tk = TorchKv(a, backend="framework-copy")
+    with pytest.raises(IndexError, match="out of range"):
+        tk.stage([NB])
+    tk.close()
+
+
+@pytest.mark.parametrize("api", ["torch", "batch_transfer"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_framework_copy_stages_and_commits_exactly_the_blocks(monkeypatch, api, dtype):
+    calls = install_batch_transfer_stand_in(monkeypatch) if api == "batch_transfer" else []
+    kv = layers(3, dtype=dtype)
+    before = [raw(t) for t in kv]
+    tk = TorchKv(kv, backend="framework-copy", copy_api=api, block_size=4)
+    assert (tk.backend, tk.copy_api) == ("framework-copy", api)
+    views = tk.views()
+    assert len(views) == 3
+    bb = tk.block_bytes
+    assert bb == int(np.prod(SHAPE)) * kv[0].element_size()
+    # Stage consecutive ids, then scattered ones: the mirrors hold exactly those blocks.
+    for ids in ([4, 5, 6], [9, 1, 7]):
+        tk.stage(ids)
+        for layer, v in enumerate(views):
+            got = np.frombuffer(v.read(), dtype=np.uint8)
+            for b in range(NB):
+                want = before[layer][b].reshape(-1) if b in ids else np.zeros(bb, np.uint8)
+                assert np.array_equal(got[b * bb:(b + 1) * bb], want), (ids, layer, b)
+        tk.drop(ids)
+    assert all(not np.frombuffer(v.read(), dtype=np.uint8).any() for v in views), "drop gave the pages back"
+    # tpu_sync writes blocks into the mirrors (as a pull does); commit puts exactly those blocks
+    # into the tensors, consecutive and scattered.
+    rng = np.random.default_rng(4)
+    new = rng.integers(1, 256, size=(3, NB, bb), dtype=np.uint8)
+    for ids in ([2, 3], [11, 0, 8]):
+        assert tk.before_write(ids, 2 * 4) == ()
+        for layer, v in enumerate(views):
+            for b in ids:
+                v.write(b * bb, new[layer, b].tobytes())
+        tk.after_write(ids)
+    for layer, t in enumerate(kv):
+        want = before[layer].copy()
+        for b in (2, 3, 11, 0, 8):
+            want[b] = new[layer, b].reshape(want[b].shape)
+        assert np.array_equal(raw(t), want), layer
+    st = tk.stats()
+    assert (st["stages"], st["commits"]) == (2, 2)
+    assert (st["d2h_bytes"], st["h2d_bytes"]) == (6 * bb * 3, 5 * bb * 3)
+    if api == "batch_transfer":
+        # One batched call per stage or commit, every layer in it.
+        assert [c[0] for c in calls] == ["d2h", "d2h", "h2d", "h2d"]
+        assert all(len(c[1]) == 3 for c in calls)
+        assert calls[1][1][0] == (3,) + SHAPE and calls[3][1][0] == (3,) + SHAPE
+    tk.close()
+
+
+def test_a_partial_last_block_keeps_its_other_token_slots(monkeypatch):
+    kv = layers(5, n=2)
+    before = [raw(t) for t in kv]
+    tk = TorchKv(kv, backend="framework-copy", block_size=4)
+    views = tk.views()
+    bb = tk.block_bytes
+    # 6 tokens into blocks [7, 3]: block 3 gets 2 of its 4 token slots (the first half here).
+    tk.before_write([7, 3], 6)
+    for v in views:
+        v.write(7 * bb, b"\x5a" * bb)
+        v.write(3 * bb, b"\xa5" * (bb // 2))
+    tk.after_write([7, 3])
+    for layer, t in enumerate(kv):
+        got = raw(t)
+        assert (got[7] == 0x5A).all()
+        assert (got[3].reshape(-1)[:bb // 2] == 0xA5).all()
+        assert np.array_equal(got[3].reshape(-1)[bb // 2:], before[layer][3].reshape(-1)[bb // 2:])
+        for b in set(range(NB)) - {3, 7}:
+            assert np.array_equal(got[b], before[layer][b]), (layer, b)
+    tk.close()
+
+
+def test_worker_refuses_what_framework_copy_does_not_support_yet(monkeypatch):
+    vllm = pytest.importorskip("vllm")  # noqa: F841
+    from test_connector import configs as _configs  # noqa: F401  (fixture module)
+    from tpu_sync.vllm.config import ConfigError, ConnectorConfig
+
+    with pytest.raises(ConfigError, match="torch_backend"):
+        ConnectorConfig.parse("kv_both", {"torch_backend": "dma"})
+    with pytest.raises(ConfigError, match="torch_copy_api"):
+        ConnectorConfig.parse("kv_both", {"torch_copy_api": "nccl"})
+    assert tpu_sync.torch_kv.BACKENDS == ("auto", "pjrt-view", "framework-copy")
