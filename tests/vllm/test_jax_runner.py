@@ -134,7 +134,16 @@ def test_pd_between_jax_runners_through_the_worker_sides(configs, heads, dim, dt
             cons.start_load_kv(TpuSyncMetadata(recvs=[recv]))
             assert cons.get_transfer_results(set()).finished_recving == set()  # waits for the producer
         pr.forward()  # the caches are read again at each hook
-        prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 91, src_ids, tokens, 60.0, dst_tp)]))
+        send = SendSpec("p1", 91, src_ids, tokens, 60.0, dst_tp)
+        if both:
+            # As an engine step registers with early_register (the default): bind before the
+            # forward, wait_for_save after it (registered whole there, staged first).
+            meta = TpuSyncMetadata(layer_sends=[send])
+            prod.bind(meta)
+            prod.start_load_kv(meta)
+            prod.wait_for_save(meta)
+        else:
+            prod.start_load_kv(TpuSyncMetadata(sends=[send]))
         assert prod.stats["registered"] == 1, prod.stats
         pr.forward()  # the next step may overwrite the blocks: they are staged
         if not both:

@@ -160,13 +160,16 @@ def backend(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["sends", "early"])
 @pytest.mark.parametrize("heads,dim,dtype,src_tp,dst_tp", [
     (8, 128, "bf16", 2, 1),   # vLLM-TorchTPU TP=2 prefill -> TP=1 decode
     (6, 128, "fp8", 1, 2),    # fp8, 3 local heads on the decode: a packed row cut between heads
     (4, 64, "bf16", 2, 4),    # the head_dim-64 kernel, one padded slot per token on TP=4
 ])
 def test_worker_pd_reshards_rpa3_caches_byte_exact(configs, monkeypatch, backend, heads, dim, dtype, src_tp,
-                                                   dst_tp):
+                                                   dst_tp, early):
+    """``early``: the producer registers as an engine step does with ``early_register`` (the
+    default): ``bind`` before the forward, ``save_kv_layer`` per layer, ``wait_for_save``."""
     tokens = 40  # 3 blocks, the last one partial
     src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
     gs, gd = geometry(heads, dim, dtype, src_tp), geometry(heads, dim, dtype, dst_tp)
@@ -183,7 +186,16 @@ def test_worker_pd_reshards_rpa3_caches_byte_exact(configs, monkeypatch, backend
         for r, w in enumerate(conss):
             register(monkeypatch, w, dst[r], r)
         for w in prods:
-            w.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 91, src_ids, tokens, 60.0, dst_tp)]))
+            send = SendSpec("p1", 91, src_ids, tokens, 60.0, dst_tp)
+            if early:
+                meta = TpuSyncMetadata(layer_sends=[send])
+                w.bind(meta)
+                w.start_load_kv(meta)
+                for n in NAMES:
+                    w.save_kv_layer(n)
+                w.wait_for_save(meta)
+            else:
+                w.start_load_kv(TpuSyncMetadata(sends=[send]))
             assert w.stats["registered"] == 1, w.stats
         peers = {r: w.transport.address for r, w in enumerate(prods)}
         layout = gs.tpu_sync_layout(NB)

@@ -512,10 +512,18 @@ class WorkerSide:
 
     # ---- layer-wise ----------------------------------------------------------------------
 
+    def _sends_whole(self) -> bool:
+        """Whether this step's early registrations are made whole in ``wait_for_save`` instead
+        of layer by layer: a transport without layers, or caches reached through the
+        framework's copies (a JAX runner, accelerator torch tensors), whose blocks must be staged
+        into the host mirrors on the model's thread before tpu_sync reads them."""
+        return not hasattr(self.transport, "register_layers") or (
+            self.caches is not None and self.caches.copier is not None)
+
     def _register_layers(self, s: Any) -> None:
         """Registers a request whose prefill completes this step, before its layers exist."""
         assert self.caches is not None
-        if not hasattr(self.transport, "register_layers"):
+        if self._sends_whole():
             self._layer_sends[s.xfer_id] = s  # registered whole in wait_for_save
             return
         layout = self.geometry.tpu_sync_layout(self.caches.num_blocks)
@@ -543,7 +551,7 @@ class WorkerSide:
     def _publish(self, layers: int) -> None:
         """Has layers ``..layers`` of this step's layer-wise registrations staged (D2H) and
         published by the stager thread: the model's thread goes on with the next layer."""
-        if not hasattr(self.transport, "publish_layers"):
+        if not hasattr(self.transport, "publish_layers") or self._sends_whole():
             return
         if self._stager is None:
             self._stager = _Stager(self.transport, self.stats)
@@ -835,9 +843,9 @@ class WorkerSide:
         registrations (those the hook did not), ends the step's pulls and host-tier loads."""
         if self._layer_sends:
             assert self.caches is not None
-            if not hasattr(self.transport, "register_layers"):
+            if self._sends_whole():
                 for s in list(self._layer_sends.values()):
-                    self._register(s)  # a transport without layers: registered whole now
+                    self._register(s)  # registered whole now (staged first where the framework copies)
                     self._sent.discard(s.req_id)  # handed off through the scheduler's handoffs
             else:
                 self._publish(len(self.caches.names))
