@@ -218,6 +218,10 @@ def main() -> None:
                scheduler_stats=dict(sched.scheduler_side.stats) if sched is not None and sched.scheduler_side else None,
                worker_stats=dict(worker.worker_side.stats) if worker is not None and worker.worker_side else None)
     try:
+        res["adapter_stats"] = worker.worker_side.adapter_stats
+    except Exception as e:  # no worker in this process (tp > 1)
+        res["adapter_stats"] = {"error": str(e)}
+    try:
         res["tier_stats"] = worker.worker_side.tier.stats() if worker.worker_side.tier is not None else None
     except Exception as e:  # no worker in this process (tp > 1), or no tier
         res["tier_stats"] = {"error": str(e)}

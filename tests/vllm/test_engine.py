@@ -250,6 +250,32 @@ def test_pd_bf16_consumer_whose_first_forward_is_a_decode(engines):
     assert c["metrics"]["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(LENS), c["metrics"]
 
 
+def test_pd_through_torch_copies_matches_plain(engines, plain):
+    """Both sides reach their KV tensors through torch's own copies (``torch_backend``
+    ``framework-copy``, what vLLM-TorchTPU's torch_tpu tensors get; docs/tpu.md) instead of
+    viewing them in place: the producer stages each request's blocks into host mirrors before it
+    registers (early registrations made whole after the forward), the consumer's pulls land in
+    its mirrors and are copied into its tensors. Token-identical to a plain engine."""
+    extra = dict(torch_backend="framework-copy", torch_copy_api="torch")
+    p, c = engines.pd("pd_copy", engines.spec(connector=dict(kv_role="kv_producer", extra=pd_extra(
+        lease_s=120.0, **extra))), engines.spec(connector=dict(kv_role="kv_consumer", policy="fail", extra=pd_extra(
+            pull_timeout_s=60.0, **extra))))
+    assert toks(c) == toks(plain)
+    assert p["worker_stats"]["registered"] == len(LENS) and p["worker_stats"]["register_failed"] == 0
+    assert c["worker_stats"]["pulls_done"] == len(LENS) and c["worker_stats"]["pulls_failed"] == 0
+    assert c["metrics"]["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(LENS), c["metrics"]
+    for side in (p, c):
+        st = side["adapter_stats"]
+        assert (st["backend"], st["copy_api"], st["framework"]) == ("framework-copy", "torch", "torch"), st
+    # The producer staged every prompt block of every layer once; the consumer copied every
+    # pulled block into its tensors.
+    assert p["adapter_stats"]["stages"] == len(LENS), p["adapter_stats"]
+    assert c["adapter_stats"]["commits"] == len(LENS), c["adapter_stats"]
+    blocks = sum(-(-n // BS) for n in LENS)
+    assert p["adapter_stats"]["d2h_bytes"] == c["adapter_stats"]["h2d_bytes"] > 0
+    assert p["adapter_stats"]["d2h_bytes"] % blocks == 0
+
+
 # ---- (b) (c) (d) host-tier offload -----------------------------------------------------------
 
 SHM = f"tpusync-vllm-e2e-{os.getpid()}"
@@ -431,6 +457,24 @@ def test_offload_second_pass_hits_host_tier(engines, plain, offload_state, workd
         assert lib[("tpu_sync_store_lookup_blocks_total", (("result", "hit"), ("tier", "dram")))] >= sum(want) // BS
         assert lib[("tpu_sync_store_blocks", (("tier", "dram"),))] == sum(n // BS for n in LENS)
     offload_state["b"] = True
+
+
+def test_offload_through_torch_copies_matches_plain(engines, plain):
+    """The host tier over tensors reached through torch's own copies (``torch_backend``
+    ``framework-copy``): the first pass saves (staged into the mirrors first), the second loads
+    (copied into the tensors); both token-identical to a plain engine."""
+    extra = offload_extra(host_capacity_bytes=HOST_CAPACITY, torch_backend="framework-copy")
+    res = engines.run("offload_copy", engines.spec(connector=dict(kv_role="kv_both", policy="recompute", extra=extra),
+                                                   repeat=2))
+    assert toks(res, 0) == toks(plain) and toks(res, 1) == toks(plain)
+    want = [expected_host_hits(n) for n in LENS]
+    assert cached(res, 1) == want
+    saved, loaded = sum(n // BS for n in LENS), sum(want) // BS
+    assert res["worker_stats"]["saved_blocks"] == saved and res["worker_stats"]["loaded_blocks"] == loaded
+    st = res["adapter_stats"]
+    assert st["backend"] == "framework-copy" and st["d2h_bytes"] > 0 and st["h2d_bytes"] > 0, st
+    # Every saved block was staged once and every loaded one committed once, in the same units.
+    assert st["d2h_bytes"] * loaded == st["h2d_bytes"] * saved, st
 
 
 def test_offload_after_a_device_prefix_hit_loads_only_the_rest(engines, plain_shared):
