@@ -195,3 +195,39 @@ def test_worker_refuses_what_framework_copy_does_not_support_yet(monkeypatch):
     with pytest.raises(ConfigError, match="torch_copy_api"):
         ConnectorConfig.parse("kv_both", {"torch_copy_api": "nccl"})
     assert tpu_sync.torch_kv.BACKENDS == ("auto", "pjrt-view", "framework-copy")
+
+
+def test_strided_views_of_a_block_major_bundle(monkeypatch):
+    """Per-layer views ``bundle[:, layer]`` of a ``[blocks, layers, ...]`` bundle (vLLM-TorchTPU's
+    ``VLLM_TPU_BLOCK_MAJOR_KV``): framework-copy chosen even on the CPU (a PJRT buffer cannot view
+    them), per-layer contiguous mirrors, and a commit writes exactly its blocks of its layer
+    into the bundle."""
+    rng = np.random.default_rng(7)
+    bundle = torch.empty((NB, 3) + SHAPE, dtype=torch.bfloat16)
+    bundle.view(torch.uint8).numpy()[:] = rng.integers(1, 256, size=bundle.view(torch.uint8).shape, dtype=np.uint8)
+    before = bundle.view(torch.uint8).numpy().copy()
+    views = [bundle[:, i] for i in range(3)]
+    tk = TorchKv(views, block_size=4)
+    assert tk.backend == "framework-copy" and tk.strided and "strided" in tk.backend_reason
+    assert tk.block_bytes == int(np.prod(SHAPE)) * 2
+    with pytest.raises(errors.InvalidArgumentError, match="contiguous"):
+        TorchKv(views, backend="pjrt-view")
+    # Blocks overlapping each other, or not contiguous inside, are refused.
+    with pytest.raises(errors.InvalidArgumentError, match="strides"):
+        TorchKv([bundle[:, 0].transpose(1, 2)])
+    bufs = tk.views()
+    bb = tk.block_bytes
+    tk.stage([6, 2])
+    for layer, v in enumerate(bufs):
+        got = np.frombuffer(v.read(), dtype=np.uint8)
+        for b in (6, 2):
+            assert np.array_equal(got[b * bb:(b + 1) * bb], before[b, layer].reshape(-1)), (layer, b)
+    new = rng.integers(1, 256, size=(3, bb), dtype=np.uint8)
+    for layer, v in enumerate(bufs):
+        v.write(10 * bb, new[layer].tobytes())
+    tk.after_write([10])
+    want = before.copy()
+    for layer in range(3):
+        want[10, layer] = new[layer].reshape(want[10, layer].shape)
+    assert np.array_equal(bundle.view(torch.uint8).numpy(), want)
+    tk.close()

@@ -85,7 +85,21 @@ def rank_tensors(g, rank, tokens, block_ids, seed, fill_seed):
 
 
 def as_bytes(t):
-    return t.view(torch.uint8).numpy()
+    return t.contiguous().view(torch.uint8).numpy()
+
+
+def block_major(tensors):
+    """The same caches as vLLM-TorchTPU lays them out with ``VLLM_TPU_BLOCK_MAJOR_KV=1``
+    (``vllm_torchtpu/runner/kv_cache_manager.py`` 0.29.0): one bundle ``[num_blocks, layers,
+    BS, R, P, D']`` and, per layer, the strided view ``bundle[:, layer]`` that the engine binds and
+    registers. Returns (bundle, views by name)."""
+    first = tensors[NAMES[0]]
+    bundle = torch.empty((first.shape[0], len(NAMES)) + tuple(first.shape[1:]), dtype=first.dtype)
+    views = {}
+    for i, n in enumerate(NAMES):
+        bundle[:, i].copy_(tensors[n])
+        views[n] = bundle[:, i]
+    return bundle, views
 
 
 def worker(configs, role, g, extra=None):
@@ -257,3 +271,66 @@ def test_worker_host_tier_store_then_load_rpa3_blocks(configs, monkeypatch, back
             assert np.array_equal(as_bytes(kv[n]), as_bytes(want)), n
     finally:
         w.shutdown()
+
+
+@pytest.mark.parametrize("direction", ["bundle->layers", "layers->bundle"])
+def test_worker_pd_between_a_block_major_bundle_and_per_layer_caches(configs, monkeypatch, direction):
+    """vLLM-TorchTPU's block-major KV bundle (per-layer strided views of one tensor) on one side,
+    per-layer caches on the other, TP=2 -> 1: the bundle's views are reached through torch's
+    copies (chosen automatically: a PJRT buffer cannot view a strided tensor), byte-exact, every
+    other block and every other layer's bytes in the bundle unchanged."""
+    tokens = 40
+    src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
+    gs, gd = geometry(8, 128, "bf16", 2), geometry(8, 128, "bf16", 1)
+    src = [rank_tensors(gs, r, tokens, src_ids, seed=5, fill_seed=15) for r in range(2)]
+    dst = [rank_tensors(gd, 0, 0, dst_ids, seed=5, fill_seed=16)]
+    want = rank_tensors(gd, 0, tokens, dst_ids, seed=5, fill_seed=16)
+    src_before = [{n: t.clone() for n, t in r.items()} for r in src]
+    bundles = []
+    if direction == "bundle->layers":
+        for r in range(2):
+            b, src[r] = block_major(src[r])
+            bundles.append(b)
+    else:
+        b, dst[0] = block_major(dst[0])
+        bundles.append(b)
+    prods = [worker(configs, "kv_producer", gs) for _ in range(2)]
+    cons = worker(configs, "kv_consumer", gd)
+    try:
+        for r, w in enumerate(prods):
+            register(monkeypatch, w, src[r], r)
+        register(monkeypatch, cons, dst[0], 0)
+        strided = prods if direction == "bundle->layers" else [cons]
+        for w in strided:
+            st = w.adapter_stats
+            assert st["backend"] == "framework-copy" and "strided" in st["backend_reason"], st
+        for w in prods:
+            send = SendSpec("p1", 92, src_ids, tokens, 60.0, 1)
+            meta = TpuSyncMetadata(layer_sends=[send])
+            w.bind(meta)
+            w.start_load_kv(meta)
+            w.wait_for_save(meta)
+        peers = {r: w.transport.address for r, w in enumerate(prods)}
+        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 92, peers, gs.tpu_sync_layout(NB), src_ids, dst_ids,
+                                                            tokens, 30.0)]))
+        deadline, res = time.monotonic() + 30, None
+        while time.monotonic() < deadline:
+            res = cons.get_transfer_results(set())
+            if res.finished_recving or res.failed_recving:
+                break
+            time.sleep(0.02)
+        assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
+        for n in NAMES:
+            got, exp = as_bytes(dst[0][n]), as_bytes(want[n])
+            assert np.array_equal(got, exp), (n, np.argwhere(got != exp)[:4])
+            for r in range(2):
+                assert np.array_equal(as_bytes(src[r][n]), as_bytes(src_before[r][n])), (r, n)
+        # The bundle's bytes are exactly its layers' views (nothing written outside them).
+        for b in bundles:
+            views = src if direction == "bundle->layers" else dst
+            for i, n in enumerate(NAMES):
+                assert any(v[n].data_ptr() == b[:, i].data_ptr() for v in views)
+    finally:
+        cons.shutdown()
+        for w in prods:
+            w.shutdown()

@@ -10,14 +10,18 @@ arbitrary bytes, so :class:`TorchKv` picks one of two back ends (:attr:`TorchKv.
 reason in :attr:`TorchKv.backend_reason` and :meth:`TorchKv.stats`):
 
 * ``"pjrt-view"``: the tensors' own memory, viewed without a copy as PJRT buffers of tpu_sync's
-  client. Only for CPU tensors.
+  client. Only for contiguous CPU tensors.
 * ``"framework-copy"``: torch's own copies, on any device. Before tpu_sync reads blocks (a P/D
   registration, a host-tier save), :meth:`TorchKv.stage` copies them from the device into host
   mirrors of the tensors (same shapes and block ids; anonymous memory committed only for blocks
   in flight and given back by :meth:`TorchKv.drop`); after tpu_sync wrote blocks into the mirrors
   (a pull, a host-tier load), :meth:`TorchKv.commit` copies them into the device tensors, in
   place. Copies are whole blocks through the framework, which sees the tensors' logical layout, so
-  a TPU's tiled physical layout never reaches tpu_sync. The copy API (:attr:`TorchKv.copy_api`):
+  a TPU's tiled physical layout never reaches tpu_sync. The tensors may be strided per-layer
+  views of one block-major bundle (vLLM-TorchTPU's ``VLLM_TPU_BLOCK_MAJOR_KV``:
+  ``kv_cache_manager.py`` binds ``bundle[:, layer]`` of a ``[num_blocks, layers, BS, R, P, D']``
+  bundle); the mirrors are per layer and contiguous, so tpu_sync plans them like any per-layer
+  cache (one copy per layer, where a bundle-wide copy could move every layer at once). The copy API (:attr:`TorchKv.copy_api`):
 
   - ``"batch_transfer"``: torch_tpu's batched copies, as vLLM-TorchTPU's own ``TPUConnector``
     makes them (``vllm_torchtpu/distributed/kv_transfer/tpu_connector.py`` 0.29.0: the blocks
@@ -85,7 +89,8 @@ def _runs(ids: Sequence[int]) -> List[Tuple[int, int]]:
 
 class TorchKv:
     """A worker's per-layer KV tensors (``[num_blocks, ...]`` each, all of one shape, dtype and
-    device, contiguous), moved by tpu_sync in place or through torch's copies.
+    device; each block contiguous: whole tensors, or strided per-layer views of a block-major
+    bundle), moved by tpu_sync in place (contiguous CPU tensors) or through torch's copies.
 
     Args:
         tensors: the per-layer tensors, in layer order.
@@ -97,8 +102,9 @@ class TorchKv:
             always staged first, as if partial).
 
     Raises:
-        InvalidArgumentError: no tensors, tensors that differ in shape, dtype or device, not
-            contiguous, a dtype tpu_sync cannot describe, an unknown back end or copy API;
+        InvalidArgumentError: no tensors, tensors that differ in shape, dtype or device, blocks
+            that are not contiguous, ``pjrt-view`` of strided views, a dtype tpu_sync cannot
+            describe, an unknown back end or copy API;
         UnsupportedError: ``pjrt-view`` of accelerator tensors; ``batch_transfer`` where torch_tpu's
             module does not import.
     """
@@ -117,10 +123,12 @@ class TorchKv:
             if t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device:
                 raise _fail(InvalidArgumentError, f"layer {i}: {list(t.shape)} {t.dtype} on {t.device} differs from "
                             f"layer 0's {list(t0.shape)} {t0.dtype} on {t0.device}")
-            if not t.is_contiguous():
-                raise _fail(InvalidArgumentError, f"layer {i}'s KV tensor is not contiguous")
         if t0.dim() < 2:
             raise _fail(InvalidArgumentError, f"a KV tensor of shape {list(t0.shape)}: expected [num_blocks, ...]")
+        for i, t in enumerate(tensors):
+            if not rows_contiguous(t):
+                raise _fail(InvalidArgumentError, f"layer {i}'s KV tensor has strides {list(t.stride())}: each block "
+                            "must be contiguous, blocks apart by at least a block")
         dt = str(t0.dtype)
         if dt not in TORCH_DTYPES:
             raise _fail(InvalidArgumentError, f"KV tensor dtype {dt} (supported: {', '.join(TORCH_DTYPES)})")
@@ -134,19 +142,33 @@ class TorchKv:
         self._bits = {1: "uint8", 2: "int16", 4: "int32"}[int(t0.element_size())]
         self.num_blocks = self.shape[0]
         self.block_size = block_size
-        self.block_bytes = int(t0.stride(0)) * int(t0.element_size())
+        #: bytes of one block of one layer (the mirrors' block stride)
+        self.block_bytes = int(t0[0].numel()) * int(t0.element_size())
         self.nbytes = self.num_blocks * self.block_bytes
         host = self.device.type == "cpu"
+        #: per-layer strided views of one block-major bundle (vLLM-TorchTPU's
+        #: ``VLLM_TPU_BLOCK_MAJOR_KV``: ``bundle[:, layer]`` of ``[N, F, BS, R, P, D']``), or
+        #: padded rows: blocks further apart than a block
+        self.strided = not all(t.is_contiguous() for t in tensors)
         if backend == "auto":
-            backend = "pjrt-view" if host else "framework-copy"
-            why = ("the tensors are in host memory: viewed in place" if host else
-                   f"the tensors are on {self.device.type} devices, whose memory tpu_sync's client cannot address: "
-                   "torch's own copies")
+            if host and not self.strided:
+                backend, why = "pjrt-view", "the tensors are in host memory: viewed in place"
+            elif host:
+                backend = "framework-copy"
+                why = (f"the per-layer tensors are strided views (block stride {int(t0.stride(0))} elements, e.g. "
+                       "of a block-major bundle), which a PJRT buffer cannot view: torch's own copies")
+            else:
+                backend = "framework-copy"
+                why = (f"the tensors are on {self.device.type} devices, whose memory tpu_sync's client cannot "
+                       "address: torch's own copies")
         else:
             why = "chosen by the caller"
         if backend == "pjrt-view" and not host:
             raise _fail(UnsupportedError, f"backend pjrt-view needs the KV tensors in host memory; they are on "
                         f"{self.device} (use framework-copy)")
+        if backend == "pjrt-view" and self.strided:
+            raise _fail(InvalidArgumentError, f"backend pjrt-view needs contiguous KV tensors; these have strides "
+                        f"{list(t0.stride())} (use framework-copy)")
         self.backend, self.backend_reason = backend, why
         self._bt: Any = None
         if backend == "framework-copy":
@@ -334,6 +356,14 @@ class TorchKv:
             self._views = None
         self._mirrors = []
         self._maps = []
+
+
+def rows_contiguous(t: Any) -> bool:
+    """Whether every block ``t[b]`` of a ``[num_blocks, ...]`` tensor is contiguous and blocks do
+    not overlap (a contiguous tensor, or a strided view such as ``bundle[:, layer]``)."""
+    if t.dim() < 2:
+        return False
+    return bool(t[0].is_contiguous()) and (t.shape[0] <= 1 or int(t.stride(0)) >= int(t[0].numel()))
 
 
 def _import_batch_transfer() -> Any:

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Set
 
+from tpu_sync.torch_kv import rows_contiguous
+
 from . import compat
 from .backends import KvCaches, make_host_tier, make_pd_transport
 from .compat import NULL_BLOCK_ID, KvGeometry
@@ -287,16 +289,17 @@ class WorkerSide:
                     f"TpuSyncConnector needs {kind} [num_blocks, {', '.join(str(d) for d in want)}] "
                     f"({g.kv_order}, {g.dtype}); layer {n} has shape {list(shape)}"
                 )
-            if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
-                raise ValueError(f"TpuSyncConnector: layer {n} differs from layer {names[attn[0]]} or is not "
-                                 f"contiguous")
+            if t.shape != first.shape or t.dtype != first.dtype or not rows_contiguous(t):
+                raise ValueError(f"TpuSyncConnector: layer {n} differs from layer {names[attn[0]]}, or its blocks are "
+                                 f"not contiguous (strides {list(t.stride())})")
             if compat.TORCH_TO_TPU_SYNC_DTYPE.get(str(t.dtype)) != g.dtype:
                 raise ValueError(f"TpuSyncConnector: layer {n} is {t.dtype}, the model's KV dtype is {g.dtype}")
         torch_kv = self._torch_kv(tensors, names, g)
         for i, n in enumerate(names):
             if g.is_state_group(group_of[i]):
                 tensors[i] = _state_view(n, tensors[i], g.groups[group_of[i]], int(first.shape[0]))
-        layer_block_bytes = int(first.stride(0)) * int(first.element_size())
+        layer_block_bytes = (torch_kv.block_bytes if torch_kv is not None else
+                             int(first.stride(0)) * int(first.element_size()))
         if layer_block_bytes != g.layer_block_bytes:
             if torch_kv is not None:
                 torch_kv.close()
@@ -326,11 +329,16 @@ class WorkerSide:
                 ``pjrt-view`` of accelerator tensors, ``batch_transfer`` without torch_tpu."""
         backend = str(self.cfg.extra.get("torch_backend", "auto"))
         on_host = all(getattr(getattr(t, "device", None), "type", "cpu") == "cpu" for t in tensors)
-        if backend == "pjrt-view" or (backend == "auto" and on_host):
-            if not on_host:
+        # Per-layer strided views of one block-major bundle (vLLM-TorchTPU's
+        # VLLM_TPU_BLOCK_MAJOR_KV) cannot be viewed as PJRT buffers either.
+        group_of = g.group_of_layer()
+        attn = [t for i, t in enumerate(tensors) if not g.is_state_group(group_of[i])]
+        whole = all(t.is_contiguous() for t in attn)
+        if backend == "pjrt-view" or (backend == "auto" and on_host and whole):
+            if not (on_host and whole):
                 from tpu_sync.torch_kv import TorchKv
 
-                TorchKv(tensors, backend="pjrt-view")  # raises UnsupportedError, naming the device
+                TorchKv(tensors, backend="pjrt-view")  # raises, naming the device or the strides
             return None
         if g.groups or self.cfg.layerwise:
             what = "KV cache groups" if g.groups else "layer-wise transfers"
@@ -339,7 +347,7 @@ class WorkerSide:
                                       "supported yet (issue 25; docs/tpu.md)")
         from tpu_sync.torch_kv import TorchKv
 
-        tk = TorchKv(tensors, backend="framework-copy", copy_api=str(self.cfg.extra.get("torch_copy_api", "auto")),
+        tk = TorchKv(tensors, backend=backend, copy_api=str(self.cfg.extra.get("torch_copy_api", "auto")),
                      block_size=g.block_size)
         log.info("tpu_sync: KV tensors on %s: back end %s (%s), copies %s", tk.device, tk.backend, tk.backend_reason,
                  tk.copy_api)
