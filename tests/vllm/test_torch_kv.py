@@ -231,3 +231,12 @@ def test_strided_views_of_a_block_major_bundle(monkeypatch):
         want[10, layer] = new[layer].reshape(want[10, layer].shape)
     assert np.array_equal(bundle.view(torch.uint8).numpy(), want)
     tk.close()
+
+
+def test_the_cpu_client_refuses_to_view_an_accelerator_tensor():
+    """A device tensor's data pointer is not host memory: the CPU plugin's client refuses to view
+    it (what the SGLang and vLLM integrations would otherwise have done with CUDA or torch_tpu
+    tensors), naming the way that works."""
+    t = torch.empty((NB,) + SHAPE, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(errors.UnsupportedError, match="framework-copy"):
+        tpu_sync.Client().view(t)

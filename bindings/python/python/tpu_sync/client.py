@@ -11,7 +11,7 @@ from . import _check as ck
 from ._lib import Handle, check, json_out, out_string
 from ._native import ffi, lib
 from .arrays import DTYPES, resolve_dtype, view
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, UnsupportedError
 
 
 class Client(Handle):
@@ -79,6 +79,14 @@ class Client(Handle):
         """Platform, API version, devices with memory kinds, D2H/H2D paths, DMA map support."""
         return json.loads(out_string(lib.tpu_sync_client_info, self._handle()))
 
+    def _platform(self) -> str:
+        """The PJRT platform name (``"cpu"``, ``"cuda"``, ``"tpu"``), read once."""
+        p = getattr(self, "_platform_name", None)
+        if p is None:
+            p = str(self.info.get("platform", ""))
+            self._platform_name = p
+        return p
+
     @property
     def device_count(self) -> int:
         """Number of addressable devices."""
@@ -120,11 +128,20 @@ class Client(Handle):
         Raises:
             InvalidArgumentError: misaligned or non-contiguous memory, shape larger than the
                 array, unknown device or memory kind, or a plugin that copied instead of aliasing.
+            UnsupportedError: an accelerator tensor on the CPU plugin's client.
             UnsupportedError, PjrtError: the plugin cannot make views (libtpu).
         """
         _collect_released_views()
         device = ck.usize("device", device)
         v = view(array, writable=True)
+        if v.on_device and self._platform() == "cpu":
+            # A device address (CUDA, torch_tpu) viewed as host memory would read and write
+            # arbitrary bytes: refuse. The framework's own copies reach such tensors
+            # (tpu_sync.torch_kv, tpu_sync.jax_kv).
+            raise UnsupportedError(lib.TPU_SYNC_UNSUPPORTED, f"a {type(array).__name__} on device "
+                                   f"{getattr(array, 'device', '?')} cannot be viewed by the CPU plugin's client "
+                                   "(its data pointer is not host memory); copy it through the framework "
+                                   "(tpu_sync.torch_kv.TorchKv with backend framework-copy)")
         dims = _dims(shape, v.shape)
         dt = resolve_dtype(v, dtype, array)
         out = ffi.new("tpu_sync_buffer **")
