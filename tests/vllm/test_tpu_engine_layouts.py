@@ -108,6 +108,17 @@ def worker(configs, role, g, extra=None):
     return WorkerSide(configs[role], ConnectorConfig.parse(role, extra or {}), g)
 
 
+def wait_recv(w, timeout=30):
+    """Polls a consumer worker until a pull finished or failed (or ``timeout`` s passed)."""
+    deadline, res = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        res = w.get_transfer_results(set())
+        if res.finished_recving or res.failed_recving:
+            break
+        time.sleep(0.02)
+    return res
+
+
 def register(monkeypatch, w, tensors, rank):
     """``register_kv_caches`` as vLLM's TP worker ``rank`` calls it."""
     import vllm.distributed.parallel_state as ps
@@ -216,12 +227,7 @@ def test_worker_pd_reshards_rpa3_caches_byte_exact(configs, monkeypatch, backend
         for w in conss:
             w.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 91, peers, layout, src_ids, dst_ids, tokens, 30.0)]))
         for r, w in enumerate(conss):
-            deadline, res = time.monotonic() + 30, None
-            while time.monotonic() < deadline:
-                res = w.get_transfer_results(set())
-                if res.finished_recving or res.failed_recving:
-                    break
-                time.sleep(0.02)
+            res = wait_recv(w)
             assert res.finished_recving == {"d1"} and not res.failed_recving, (r, w.stats)
         for r in range(dst_tp):
             for n in NAMES:
@@ -313,12 +319,7 @@ def test_worker_pd_between_a_block_major_bundle_and_per_layer_caches(configs, mo
         peers = {r: w.transport.address for r, w in enumerate(prods)}
         cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 92, peers, gs.tpu_sync_layout(NB), src_ids, dst_ids,
                                                             tokens, 30.0)]))
-        deadline, res = time.monotonic() + 30, None
-        while time.monotonic() < deadline:
-            res = cons.get_transfer_results(set())
-            if res.finished_recving or res.failed_recving:
-                break
-            time.sleep(0.02)
+        res = wait_recv(cons)
         assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
         for n in NAMES:
             got, exp = as_bytes(dst[0][n]), as_bytes(want[n])

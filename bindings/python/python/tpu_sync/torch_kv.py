@@ -243,21 +243,34 @@ class TorchKv:
 
     # -- framework-copy -------------------------------------------------------------------------
 
+    def _count(self, ops: str, nbytes: str, blocks: int) -> None:
+        self._counters[ops] += 1
+        self._counters[nbytes] += blocks * self.block_bytes * len(self.tensors)
+
+    def _work(self, block_ids: Sequence[int]
+              ) -> Optional[Tuple[Any, List[int], List[Tuple[int, int]], Any, List[Any]]]:
+        """What a stage or commit of ``block_ids`` needs: torch, the checked ids, their runs, the
+        integer dtype and the tensors' integer views (mirrors made); None when there is nothing
+        to copy (``pjrt-view``, no ids)."""
+        if self.backend == "pjrt-view" or not len(block_ids):
+            return None
+        ids = self._ids(block_ids)
+        self.views()
+        import torch
+
+        bits = getattr(torch, self._bits)
+        return torch, ids, _runs(ids), bits, [t.view(bits) for t in self.tensors]
+
     def stage(self, block_ids: Sequence[int]) -> None:
         """``framework-copy``: copies blocks ``block_ids`` of every layer from the device tensors
         into the host mirrors, before tpu_sync reads them. Nothing for ``pjrt-view``.
 
         Raises:
             IndexError: a block id out of range; torch's errors from the copies."""
-        if self.backend == "pjrt-view" or not len(block_ids):
+        work = self._work(block_ids)
+        if work is None:
             return
-        ids = self._ids(block_ids)
-        self.views()
-        import torch
-
-        runs = _runs(ids)
-        bits = getattr(torch, self._bits)
-        caches = [t.view(bits) for t in self.tensors]
+        torch, ids, runs, bits, caches = work
         if self._bt is not None:
             idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
             src = [torch.index_select(t, 0, idx) for t in caches]
@@ -271,11 +284,8 @@ class TorchKv:
                 for m, d in zip(self._mirrors, dst):
                     m.index_copy_(0, hidx, d)
         else:
-            for t, m in zip(caches, self._mirrors):
-                for a, b in runs:
-                    m[a:b].copy_(t[a:b])
-        self._counters["stages"] += 1
-        self._counters["d2h_bytes"] += len(ids) * self.block_bytes * len(self.tensors)
+            _copy_runs(self._mirrors, caches, runs)
+        self._count("stages", "d2h_bytes", len(ids))
 
     def commit(self, block_ids: Sequence[int]) -> None:
         """``framework-copy``: copies blocks ``block_ids`` of every layer from the host mirrors
@@ -283,15 +293,10 @@ class TorchKv:
 
         Raises:
             IndexError: a block id out of range; torch's errors from the copies."""
-        if self.backend == "pjrt-view" or not len(block_ids):
+        work = self._work(block_ids)
+        if work is None:
             return
-        ids = self._ids(block_ids)
-        self.views()
-        import torch
-
-        runs = _runs(ids)
-        bits = getattr(torch, self._bits)
-        caches = [t.view(bits) for t in self.tensors]
+        torch, ids, runs, bits, caches = work
         if self._bt is not None:
             if len(runs) == 1:
                 a, b = runs[0]
@@ -305,11 +310,8 @@ class TorchKv:
             for t, d in zip(caches, dev):
                 t.index_put_((idx,), d)
         else:
-            for t, m in zip(caches, self._mirrors):
-                for a, b in runs:
-                    t[a:b].copy_(m[a:b])
-        self._counters["commits"] += 1
-        self._counters["h2d_bytes"] += len(ids) * self.block_bytes * len(self.tensors)
+            _copy_runs(caches, self._mirrors, runs)
+        self._count("commits", "h2d_bytes", len(ids))
 
     def drop(self, block_ids: Sequence[int]) -> None:
         """``framework-copy``: gives the host memory of blocks ``block_ids``' mirror pages back
@@ -356,6 +358,13 @@ class TorchKv:
             self._views = None
         self._mirrors = []
         self._maps = []
+
+
+def _copy_runs(dsts: Sequence[Any], srcs: Sequence[Any], runs: Sequence[Tuple[int, int]]) -> None:
+    """``dst[a:b].copy_(src[a:b])`` for every tensor pair and run of block ids."""
+    for d, s in zip(dsts, srcs):
+        for a, b in runs:
+            d[a:b].copy_(s[a:b])
 
 
 def rows_contiguous(t: Any) -> bool:
