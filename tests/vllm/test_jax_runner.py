@@ -178,6 +178,8 @@ def test_host_tier_store_then_load_with_a_jax_runner(configs, backend):
         hashes = [bytes([i]) * 32 for i in range(1, 4)]
         w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [3, 4, 5])]))
         assert w.stats["saved_blocks"] == 3, w.stats  # synchronous with a JAX runner
+        # ...but the scheduler (async_saves) frees the request's blocks only once reported.
+        assert w.get_transfer_results({"o1"}).finished_sending == {"o1"}
         r.forward()
         w.start_load_kv(TpuSyncMetadata(lookups={"o1": hashes + [b"\x08" * 32]}))
         assert w.build_worker_meta().lookup_hits == {"o1": 3}

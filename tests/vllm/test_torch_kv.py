@@ -185,16 +185,46 @@ def test_a_partial_last_block_keeps_its_other_token_slots(monkeypatch):
     tk.close()
 
 
-def test_worker_refuses_what_framework_copy_does_not_support_yet(monkeypatch):
-    vllm = pytest.importorskip("vllm")  # noqa: F841
-    from test_connector import configs as _configs  # noqa: F401  (fixture module)
+def test_connector_settings_are_validated():
+    pytest.importorskip("vllm")
     from tpu_sync.vllm.config import ConfigError, ConnectorConfig
 
     with pytest.raises(ConfigError, match="torch_backend"):
         ConnectorConfig.parse("kv_both", {"torch_backend": "dma"})
     with pytest.raises(ConfigError, match="torch_copy_api"):
         ConnectorConfig.parse("kv_both", {"torch_copy_api": "nccl"})
-    assert tpu_sync.torch_kv.BACKENDS == ("auto", "pjrt-view", "framework-copy")
+    with pytest.raises(ConfigError, match="jax_backend"):
+        ConnectorConfig.parse("kv_both", {"jax_backend": "view"})
+    cfg = ConnectorConfig.parse("kv_both", {"torch_backend": "framework-copy", "torch_copy_api": "batch_transfer"})
+    assert cfg.extra["torch_backend"] == "framework-copy"
+
+
+def test_mirror_memory_is_given_back_once_nothing_is_in_flight():
+    """Blocks smaller than a page share pages: a dropped block's page stays while a neighbour is
+    in flight, and every page goes back once none is."""
+    small = (2, 2, 2, 128)  # fp8: 1 KiB blocks, 4 per page
+    rng = np.random.default_rng(9)
+    kv = [torch.from_numpy(rng.integers(1, 256, size=(NB,) + small, dtype=np.uint8)).view(torch.float8_e4m3fn)
+          for _ in range(2)]
+    tk = TorchKv(kv, backend="framework-copy", block_size=4)
+    bufs = tk.views()
+    bb = tk.block_bytes
+    tk.stage([1, 2])
+    tk.drop([1])  # block 2 (same page) still in flight: its bytes stay
+    for v, t in zip(bufs, kv):
+        got = np.frombuffer(v.read(), dtype=np.uint8)
+        assert np.array_equal(got[2 * bb:3 * bb], t.view(torch.uint8).numpy()[2].reshape(-1))
+    tk.drop([2])
+    assert all(not np.frombuffer(v.read(), dtype=np.uint8).any() for v in bufs), "every page given back"
+    # A pull's blocks are held from before_write to after_write.
+    tk.before_write([5, 6], 6)  # partial: block 6 staged first
+    tk.stage([9])
+    tk.drop([9])
+    got = np.frombuffer(bufs[0].read(), dtype=np.uint8)
+    assert np.array_equal(got[6 * bb:7 * bb], kv[0].view(torch.uint8).numpy()[6].reshape(-1))
+    tk.after_write([5, 6])
+    assert all(not np.frombuffer(v.read(), dtype=np.uint8).any() for v in bufs)
+    tk.close()
 
 
 def test_strided_views_of_a_block_major_bundle(monkeypatch):

@@ -13,10 +13,12 @@ reason in :attr:`TorchKv.backend_reason` and :meth:`TorchKv.stats`):
   client. Only for contiguous CPU tensors.
 * ``"framework-copy"``: torch's own copies, on any device. Before tpu_sync reads blocks (a P/D
   registration, a host-tier save), :meth:`TorchKv.stage` copies them from the device into host
-  mirrors of the tensors (same shapes and block ids; anonymous memory committed only for blocks
-  in flight and given back by :meth:`TorchKv.drop`); after tpu_sync wrote blocks into the mirrors
-  (a pull, a host-tier load), :meth:`TorchKv.commit` copies them into the device tensors, in
-  place. Copies are whole blocks through the framework, which sees the tensors' logical layout, so
+  mirrors of the tensors (same shapes and block ids; anonymous memory in small pages, given
+  back by :meth:`TorchKv.drop`, all of it whenever no block is in flight); after tpu_sync wrote
+  blocks into the mirrors (a pull, a host-tier load), :meth:`TorchKv.commit` copies them into the
+  device tensors, in place. With ``batch_transfer`` the device holds the gathered blocks of
+  every layer during a stage or commit (the request's KV once more in HBM, as in vLLM-TorchTPU's
+  own connector). Copies are whole blocks through the framework, which sees the tensors' logical layout, so
   a TPU's tiled physical layout never reaches tpu_sync. The tensors may be strided per-layer
   views of one block-major bundle (vLLM-TorchTPU's ``VLLM_TPU_BLOCK_MAJOR_KV``:
   ``kv_cache_manager.py`` binds ``bundle[:, layer]`` of a ``[num_blocks, layers, BS, R, P, D']``
@@ -44,7 +46,7 @@ from __future__ import annotations
 
 import logging
 import mmap
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from . import _check as ck
 from ._native import lib
@@ -199,6 +201,8 @@ class TorchKv:
         self._maps: List[mmap.mmap] = []
         self._mirrors: List[Any] = []
         self._counters = dict(stages=0, commits=0, d2h_bytes=0, h2d_bytes=0)
+        #: blocks staged or about to be written and not dropped yet (whose mirror pages hold data)
+        self._inflight: Set[int] = set()
         log.info("tpu_sync.torch: %d layers of %s %s on %s; back end %s (%s), copies %s", len(tensors),
                  list(self.shape), dt, self.device, backend, why, copy_api)
 
@@ -220,6 +224,9 @@ class TorchKv:
                 for _ in self.tensors:
                     # Page-aligned, zero until written; MAP_PRIVATE | MAP_ANONYMOUS.
                     m = mmap.mmap(-1, max(self.nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+                        # Small pages: a scattered block commits its own pages, not a 2 MiB one.
+                        m.madvise(mmap.MADV_NOHUGEPAGE)
                     self._maps.append(m)
                     raw = torch.frombuffer(m, dtype=torch.uint8, count=self.nbytes)
                     self._mirrors.append(raw.view(getattr(torch, self._bits)).view(self.shape))
@@ -271,6 +278,7 @@ class TorchKv:
         if work is None:
             return
         torch, ids, runs, bits, caches = work
+        self._hold(ids)
         if self._bt is not None:
             idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
             src = [torch.index_select(t, 0, idx) for t in caches]
@@ -313,19 +321,29 @@ class TorchKv:
             _copy_runs(caches, self._mirrors, runs)
         self._count("commits", "h2d_bytes", len(ids))
 
+    def _hold(self, ids: Sequence[int]) -> None:
+        self._inflight.update(ids)
+
     def drop(self, block_ids: Sequence[int]) -> None:
         """``framework-copy``: gives the host memory of blocks ``block_ids``' mirror pages back
-        (``madvise(MADV_DONTNEED)``: they read as zero again), so the mirrors hold only blocks in
-        flight. Nothing for ``pjrt-view``."""
+        (``madvise(MADV_DONTNEED)``: they read as zero again). Pages a block shares with a block
+        still in flight (staged or being written, not dropped yet) stay; once no block is in
+        flight, every page of the mirrors is given back, so between transfers the mirrors hold
+        no memory. Nothing for ``pjrt-view``."""
         if self.backend == "pjrt-view" or not self._maps or not len(block_ids):
+            return
+        self._inflight.difference_update(int(b) for b in block_ids)
+        if not self._inflight:
+            for m in self._maps:
+                m.madvise(mmap.MADV_DONTNEED)
             return
         page = mmap.PAGESIZE
         bb = self.block_bytes
         for b in block_ids:
             b = int(b)
-            if not 0 <= b < self.num_blocks:
+            if not 0 <= b < self.num_blocks or b in self._inflight:
                 continue
-            # Whole pages inside the block only (a neighbour's bytes stay).
+            # Whole pages inside the block only (a neighbour in flight keeps its bytes).
             lo = -(-(b * bb) // page) * page
             hi = ((b + 1) * bb // page) * page
             if hi > lo:
@@ -337,14 +355,18 @@ class TorchKv:
         ``framework-copy`` writes whole blocks back, so a partial last block's other token slots
         go into the mirror first and come back unchanged. Returns what :meth:`after_write` takes
         (nothing: the tensors do not move)."""
+        if self.backend == "pjrt-view" or not block_ids:
+            return ()
         partial = self.block_size is None or num_tokens % self.block_size != 0
-        if self.backend != "pjrt-view" and block_ids and partial:
+        if partial:
             self.stage(list(block_ids)[-1:])
+        self._hold(self._ids(block_ids))  # written by tpu_sync until after_write drops them
         return ()
 
     def after_write(self, block_ids: Sequence[int], ptrs: Tuple[int, ...] = ()) -> None:
         """After tpu_sync wrote blocks ``block_ids`` (a pull): commits them into the device
-        tensors (``framework-copy``) and gives the mirrors' pages back."""
+        tensors (``framework-copy``) and gives the mirrors' pages back (``before_write``'s
+        holds; the worker also drops a failed or cancelled pull's blocks)."""
         try:
             self.commit(block_ids)
         finally:

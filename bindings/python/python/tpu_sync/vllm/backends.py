@@ -30,7 +30,8 @@ class KvCaches:
         tensors: per-layer tensors ``[num_blocks, ...]`` (:meth:`KvGeometry.layer_shape` per block:
             vLLM CPU's LBHNC or a TPU backend's ragged paged attention v3 cache).
         num_blocks: blocks per layer tensor.
-        layer_block_bytes: bytes of one block of one layer (the tensor's block stride).
+        layer_block_bytes: bytes of one block of one layer (the tensor's block stride; for strided
+            views of a block-major bundle, the block's own size: its mirrors are contiguous).
         tp_rank: this worker's tensor-parallel rank.
         views: per-layer zero-copy tpu_sync buffers over ``tensors`` (filled by the default
             backends; None until then).

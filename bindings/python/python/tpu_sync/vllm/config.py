@@ -107,8 +107,9 @@ Host-DRAM offload (on by default for ``kv_both``):
     ``framework-copy``.
 ``torch_backend`` (str)
     How the KV tensors of ``register_kv_caches`` are read and written (:mod:`tpu_sync.torch_kv`):
-    ``auto`` (default: ``pjrt-view``, in place, where they are CPU tensors; ``framework-copy``,
-    torch's own copies through host mirrors, for accelerator tensors such as vLLM-TorchTPU's),
+    ``auto`` (default: ``pjrt-view``, in place, for contiguous CPU tensors; ``framework-copy``,
+    torch's own copies through host mirrors, for accelerator tensors such as vLLM-TorchTPU's
+    and for strided per-layer views of a block-major bundle),
     ``pjrt-view`` or ``framework-copy``.
 ``torch_copy_api`` (str)
     The copies of ``torch_backend`` ``framework-copy``: ``auto`` (default: torch_tpu's

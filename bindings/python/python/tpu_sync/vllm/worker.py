@@ -759,12 +759,13 @@ class WorkerSide:
             if getattr(op, "group_block_ids", None) is not None:
                 delivered = int(self.tier.get_groups(op.hashes, op.group_block_ids))
             else:
-                delivered = int(self.tier.get(op.hashes, op.block_ids))
                 cp = self.caches.copier if self.caches is not None else None
-                if cp is not None:
-                    try:
+                try:
+                    delivered = int(self.tier.get(op.hashes, op.block_ids))
+                    if cp is not None:
                         cp.commit(op.block_ids[:delivered])  # framework-copy: into the caches
-                    finally:
+                finally:
+                    if cp is not None:
                         cp.drop(op.block_ids)
         except Exception as e:  # ChecksumError, missing blocks, device errors
             log.warning("tpu_sync: host-tier load of %d blocks for %s failed: %s", len(op.block_ids), op.req_id, e)
@@ -799,9 +800,9 @@ class WorkerSide:
                 # Every rank in this one endpoint: the consumer ranks that pull from any of them
                 # (releases count consumer ranks, whatever endpoints they use).
                 pullers = compat.pullers_of_rank(placement, jx.ranks, s.num_tokens, s.decode_tp)
-            if cp is not None:
-                cp.stage(_flat_ids(s.block_ids))  # framework-copy: the device's blocks into the mirrors
             try:
+                if cp is not None:
+                    cp.stage(_flat_ids(s.block_ids))  # framework-copy: the device's blocks into the mirrors
                 self.transport.register(s.xfer_id, placement, s.num_tokens, s.lease_s, pullers)
             finally:
                 if cp is not None:
@@ -880,10 +881,14 @@ class WorkerSide:
         if cp is not None:
             self.caches.refresh()
         for op in meta.saves:
+            if self.cfg.async_saves:
+                # Synchronous here (the framework's copies), but the scheduler planned this save
+                # as asynchronous and frees the request's blocks once it is reported.
+                self._save_reqs.add(op.req_id)
             try:
-                if cp is not None:
-                    cp.stage(op.block_ids)  # framework-copy: the framework's D2H into the mirrors
                 try:
+                    if cp is not None:
+                        cp.stage(op.block_ids)  # framework-copy: the framework's D2H into the mirrors
                     n = _save(self.tier, op)
                 finally:
                     if cp is not None:
@@ -905,12 +910,16 @@ class WorkerSide:
                 _close(lease)
         res = KVConnectorTransferResults()
         staging = self._stager.busy() if self._stager is not None else set()
-        if self._saver is not None:
-            # A finished request whose blocks had saves (the scheduler delayed freeing them) is
-            # reported once they are all done, together with a registration if it had one.
+        if self._saver is not None or self._save_reqs or self._save_finished:
+            # A finished request whose blocks had saves (the scheduler delayed freeing them,
+            # ``async_saves``) is reported once they are all done, together with a registration
+            # if it had one. Saves made synchronously (caches reached through the framework's
+            # copies) are done already, but the scheduler still waits for the report.
             self._take_saves()
             self._save_finished.update(r for r in finished_req_ids if r in self._save_reqs)
-            ready = {r for r in self._sent | self._save_finished if not self._saver.pending(r) and r not in staging}
+            saver = self._saver
+            ready = {r for r in self._sent | self._save_finished
+                     if (saver is None or not saver.pending(r)) and r not in staging}
             self._sent -= ready
             self._save_finished -= ready
             self._save_reqs -= ready
@@ -1119,6 +1128,9 @@ class WorkerSide:
                 except Exception as e:
                     log.warning("tpu_sync: close failed: %s", e)
         self.tier = self.transport = None
+        cp = self.caches.copier if self.caches is not None else None
+        if cp is not None:
+            cp.close()  # the views and host mirrors (the caches themselves are the engine's)
 
 
 class _Stager:
