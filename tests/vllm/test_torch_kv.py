@@ -5,11 +5,13 @@ tensors, nothing else touched, mirror pages given back.
 
 torch_tpu is never imported here (it would load libtpu). Its batched copies are stood in for by
 :func:`install_batch_transfer_stand_in`: a module at ``torch_tpu._internal.batch_transfer`` with
-the two functions vLLM-TorchTPU 0.29.0's ``TPUConnector`` calls
-(``vllm_torchtpu/distributed/kv_transfer/tpu_connector.py``: ``batch_transfer_d2h_sync(device
-tensors, host tensors)``, ``batch_transfer_h2d_sync(host tensors, device tensors)``), which copy
-with ``Tensor.copy_`` after checking the arguments as that call shape needs them (lists of equal
-length, pairwise equal shapes and dtypes, host tensors on the CPU). The bytes are real tensors'
+the functions vLLM-TorchTPU 0.29.0's ``TPUConnector`` calls
+(``vllm_torchtpu/distributed/kv_transfer/tpu_connector.py``: ``batch_transfer_d2h(device
+tensors, host tensors)`` returning a future to ``wait()`` on, its ``_sync`` variant, and
+``batch_transfer_h2d_sync(host tensors, device tensors)``), which copy with ``Tensor.copy_``
+after checking the arguments as that call shape needs them (lists of equal length, pairwise
+equal shapes and dtypes, host tensors on the CPU); the asynchronous D2H copies only when waited
+for. The bytes are real tensors'
 bytes either way; the stand-in replaces only the device runtime this machine lacks."""
 
 import sys
@@ -51,8 +53,27 @@ def install_batch_transfer_stand_in(monkeypatch):
         for s, d in zip(src, dst):
             d.copy_(s)
 
+    class Future:
+        """``batch_transfer_d2h``'s future: the copy happens only in ``wait()`` here, so a reader
+        that did not wait sees the mirror without the blocks."""
+
+        def __init__(self, src, dst):
+            self.pending = (src, dst)
+
+        def wait(self):
+            if self.pending is not None:
+                for s, d in zip(*self.pending):
+                    d.copy_(s)
+                self.pending = None
+
+    def d2h_async(src, dst):
+        check(src, dst, "dst")
+        calls.append(("d2h_async", [tuple(s.shape) for s in src]))
+        return Future(src, dst)
+
     mod = types.ModuleType("torch_tpu._internal.batch_transfer")
     mod.batch_transfer_d2h_sync, mod.batch_transfer_h2d_sync = d2h, h2d
+    mod.batch_transfer_d2h = d2h_async
     for name in ("torch_tpu", "torch_tpu._internal"):
         monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "torch_tpu._internal.batch_transfer", mod)
@@ -157,7 +178,7 @@ def test_framework_copy_stages_and_commits_exactly_the_blocks(monkeypatch, api, 
     assert (st["d2h_bytes"], st["h2d_bytes"]) == (6 * bb * 3, 5 * bb * 3)
     if api == "batch_transfer":
         # One batched call per stage or commit, every layer in it.
-        assert [c[0] for c in calls] == ["d2h", "d2h", "h2d", "h2d"]
+        assert [c[0] for c in calls] == ["d2h_async", "d2h_async", "h2d", "h2d"]
         assert all(len(c[1]) == 3 for c in calls)
         assert calls[1][1][0] == (3,) + SHAPE and calls[3][1][0] == (3,) + SHAPE
     tk.close()
@@ -270,3 +291,30 @@ def test_the_cpu_client_refuses_to_view_an_accelerator_tensor():
     t = torch.empty((NB,) + SHAPE, dtype=torch.bfloat16, device="meta")
     with pytest.raises(errors.UnsupportedError, match="framework-copy"):
         tpu_sync.Client().view(t)
+
+
+def test_stage_async_issues_now_and_completes_in_finish(monkeypatch):
+    """``stage_async`` with batch_transfer: the D2H is issued on the calling thread and the
+    mirrors hold the blocks only after ``finish()`` (here called on another thread, as the
+    worker's saver does); the blocks stay in flight until dropped."""
+    import threading
+
+    calls = install_batch_transfer_stand_in(monkeypatch)
+    kv = layers(11, n=2)
+    tk = TorchKv(kv, backend="framework-copy", copy_api="batch_transfer", block_size=4)
+    bufs = tk.views()
+    bb = tk.block_bytes
+    finish = tk.stage_async([3, 8])
+    assert calls == [("d2h_async", [(2,) + SHAPE, (2,) + SHAPE])]
+    assert not np.frombuffer(bufs[0].read(), dtype=np.uint8).any(), "nothing before finish()"
+    t = threading.Thread(target=finish)
+    t.start()
+    t.join()
+    for v, layer in zip(bufs, kv):
+        got = np.frombuffer(v.read(), dtype=np.uint8)
+        for b in (3, 8):
+            assert np.array_equal(got[b * bb:(b + 1) * bb], layer.view(torch.uint8).numpy()[b].reshape(-1))
+    assert tk.stats()["stages"] == 1
+    tk.drop([3, 8])
+    assert not any(np.frombuffer(v.read(), dtype=np.uint8).any() for v in bufs)
+    tk.close()

@@ -38,15 +38,19 @@ reason in :attr:`TorchKv.backend_reason` and :meth:`TorchKv.stats`):
   Every copy and gather runs on integer views of the tensors with the same element size, so the
   bytes move as bit patterns (fp8 needs no gather kernel; no NaN payload is canonicalised).
 
-Thread-safety: one :class:`TorchKv` per worker; its calls must not overlap a forward that writes
-the same blocks (the connector hooks run between forwards).
+Thread-safety: one :class:`TorchKv` per worker. The framework's copies are issued by the caller's
+thread (the model thread); the ``finish`` of :meth:`TorchKv.stage_async` and :meth:`TorchKv.drop`
+may run on another thread (the worker's host-tier saver). Copies must not overlap a forward that
+writes the same blocks (the connector hooks run between forwards, and a block being saved is not
+freed before its save is reported).
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from . import _check as ck
 from ._native import lib
@@ -203,6 +207,9 @@ class TorchKv:
         self._counters = dict(stages=0, commits=0, d2h_bytes=0, h2d_bytes=0)
         #: blocks staged or about to be written and not dropped yet (whose mirror pages hold data)
         self._inflight: Set[int] = set()
+        #: guards ``_inflight``, the counters and the mirrors' pages (:meth:`stage_async`'s
+        #: finish and :meth:`drop` may run on a saver thread)
+        self._lock = threading.Lock()
         log.info("tpu_sync.torch: %d layers of %s %s on %s; back end %s (%s), copies %s", len(tensors),
                  list(self.shape), dt, self.device, backend, why, copy_api)
 
@@ -251,8 +258,9 @@ class TorchKv:
     # -- framework-copy -------------------------------------------------------------------------
 
     def _count(self, ops: str, nbytes: str, blocks: int) -> None:
-        self._counters[ops] += 1
-        self._counters[nbytes] += blocks * self.block_bytes * len(self.tensors)
+        with self._lock:
+            self._counters[ops] += 1
+            self._counters[nbytes] += blocks * self.block_bytes * len(self.tensors)
 
     def _work(self, block_ids: Sequence[int]
               ) -> Optional[Tuple[Any, List[int], List[Tuple[int, int]], Any, List[Any]]]:
@@ -274,26 +282,49 @@ class TorchKv:
 
         Raises:
             IndexError: a block id out of range; torch's errors from the copies."""
+        self.stage_async(block_ids)()
+
+    def stage_async(self, block_ids: Sequence[int]) -> Callable[[], None]:
+        """:meth:`stage` in two halves: issues the copies now, on the calling thread (the model
+        thread: the framework's ops are issued where the engine issues its own), and returns
+        ``finish()``, which waits for them and completes the mirrors; call it once, on any
+        thread, before tpu_sync reads the blocks. With ``batch_transfer`` the D2H runs in the
+        background between the two (torch_tpu's ``batch_transfer_d2h`` and its future, as
+        vLLM-TorchTPU's own connector stages: issue on the worker thread, wait on another);
+        with ``torch`` the copies are done before this returns.
+
+        Raises:
+            IndexError: a block id out of range; torch's errors from the copies (here, or from
+                ``finish()``)."""
         work = self._work(block_ids)
         if work is None:
-            return
+            return _nothing
         torch, ids, runs, bits, caches = work
         self._hold(ids)
-        if self._bt is not None:
-            idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
-            src = [torch.index_select(t, 0, idx) for t in caches]
-            if len(runs) == 1:
-                a, b = runs[0]
-                self._bt.batch_transfer_d2h_sync(src, [m[a:b] for m in self._mirrors])
-            else:
-                dst = [torch.empty(s.shape, dtype=bits, device="cpu") for s in src]
-                self._bt.batch_transfer_d2h_sync(src, dst)
-                hidx = torch.tensor(ids, dtype=torch.int64)
-                for m, d in zip(self._mirrors, dst):
-                    m.index_copy_(0, hidx, d)
-        else:
+        bt = self._bt
+        if bt is None:
             _copy_runs(self._mirrors, caches, runs)
-        self._count("stages", "d2h_bytes", len(ids))
+            self._count("stages", "d2h_bytes", len(ids))
+            return _nothing
+        idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        src = [torch.index_select(t, 0, idx) for t in caches]
+        single = len(runs) == 1
+        dst = ([m[runs[0][0]:runs[0][1]] for m in self._mirrors] if single else
+               [torch.empty(x.shape, dtype=bits, device="cpu") for x in src])
+        asynchronous = hasattr(bt, "batch_transfer_d2h")
+        fut = bt.batch_transfer_d2h(src, dst) if asynchronous else bt.batch_transfer_d2h_sync(src, dst)
+        mirrors = self._mirrors
+
+        def finish() -> None:
+            if asynchronous:
+                fut.wait()  # keeps src and dst alive until the DMA is done
+            if not single:
+                hidx = torch.tensor(ids, dtype=torch.int64)
+                for m, d in zip(mirrors, dst):
+                    m.index_copy_(0, hidx, d)
+            self._count("stages", "d2h_bytes", len(ids))
+
+        return finish
 
     def commit(self, block_ids: Sequence[int]) -> None:
         """``framework-copy``: copies blocks ``block_ids`` of every layer from the host mirrors
@@ -322,7 +353,8 @@ class TorchKv:
         self._count("commits", "h2d_bytes", len(ids))
 
     def _hold(self, ids: Sequence[int]) -> None:
-        self._inflight.update(ids)
+        with self._lock:
+            self._inflight.update(ids)
 
     def drop(self, block_ids: Sequence[int]) -> None:
         """``framework-copy``: gives the host memory of blocks ``block_ids``' mirror pages back
@@ -332,23 +364,24 @@ class TorchKv:
         no memory. Nothing for ``pjrt-view``."""
         if self.backend == "pjrt-view" or not self._maps or not len(block_ids):
             return
-        self._inflight.difference_update(int(b) for b in block_ids)
-        if not self._inflight:
-            for m in self._maps:
-                m.madvise(mmap.MADV_DONTNEED)
-            return
-        page = mmap.PAGESIZE
-        bb = self.block_bytes
-        for b in block_ids:
-            b = int(b)
-            if not 0 <= b < self.num_blocks or b in self._inflight:
-                continue
-            # Whole pages inside the block only (a neighbour in flight keeps its bytes).
-            lo = -(-(b * bb) // page) * page
-            hi = ((b + 1) * bb // page) * page
-            if hi > lo:
+        with self._lock:
+            self._inflight.difference_update(int(b) for b in block_ids)
+            if not self._inflight:
                 for m in self._maps:
-                    m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                    m.madvise(mmap.MADV_DONTNEED)
+                return
+            page = mmap.PAGESIZE
+            bb = self.block_bytes
+            for b in block_ids:
+                b = int(b)
+                if not 0 <= b < self.num_blocks or b in self._inflight:
+                    continue
+                # Whole pages inside the block only (a neighbour in flight keeps its bytes).
+                lo = -(-(b * bb) // page) * page
+                hi = ((b + 1) * bb // page) * page
+                if hi > lo:
+                    for m in self._maps:
+                        m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def before_write(self, block_ids: Sequence[int], num_tokens: int) -> Tuple[int, ...]:
         """Before tpu_sync writes ``num_tokens`` tokens into blocks ``block_ids`` (a pull):
@@ -380,6 +413,10 @@ class TorchKv:
             self._views = None
         self._mirrors = []
         self._maps = []
+
+
+def _nothing() -> None:
+    """The ``finish`` of a stage with nothing left to wait for."""
 
 
 def _copy_runs(dsts: Sequence[Any], srcs: Sequence[Any], runs: Sequence[Tuple[int, int]]) -> None:

@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 from tpu_sync.torch_kv import rows_contiguous
 
@@ -89,9 +89,13 @@ class _Saver:
     pending blocks past ``max_pending_blocks`` is refused (the caller drops it: a future miss),
     so a slow or full tier never stalls the engine. Thread-safe."""
 
-    def __init__(self, tier: Any, max_pending_blocks: int) -> None:
+    def __init__(self, tier: Any, max_pending_blocks: int, copier: Any = None) -> None:
         self.tier = tier
         self.max_pending_blocks = max_pending_blocks
+        #: the framework-copy adapter whose host mirrors the saves read (None: the caches
+        #: themselves): each op comes with the ``finish`` of its staging, and its mirror blocks
+        #: are dropped after the save
+        self.copier = copier
         self._q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._by_req: Dict[str, int] = {}
@@ -102,8 +106,15 @@ class _Saver:
         self._thread = threading.Thread(target=self._run, name="tpu-sync-saves", daemon=True)
         self._thread.start()
 
-    def submit(self, op: Any) -> bool:
-        """Queues ``op``; False (nothing queued) when the pending blocks would pass the cap."""
+    def has_room(self, blocks: int) -> bool:
+        """Whether an op of ``blocks`` blocks would be queued now (only the submitting thread
+        adds blocks, so the answer holds until its next :meth:`submit`)."""
+        with self._cv:
+            return not (self._blocks and self._blocks + blocks > self.max_pending_blocks)
+
+    def submit(self, op: Any, finish: Optional[Callable[[], None]] = None) -> bool:
+        """Queues ``op`` (with ``finish``, the staging of its blocks into the copier's mirrors
+        to wait for first); False (nothing queued) when the pending blocks would pass the cap."""
         n = len(op.hashes)
         with self._cv:
             if self._blocks and self._blocks + n > self.max_pending_blocks:
@@ -112,20 +123,26 @@ class _Saver:
             self._by_req[op.req_id] = self._by_req.get(op.req_id, 0) + 1
             for h in op.hashes:
                 self._by_hash[h] = self._by_hash.get(h, 0) + 1
-        self._q.put(op)
+        self._q.put((op, finish))
         return True
 
     def _run(self) -> None:
         while True:
-            op = self._q.get()
-            if op is None:
+            item = self._q.get()
+            if item is None:
                 return
+            op, finish = item
             err: Optional[BaseException] = None
             n = 0
             try:
+                if finish is not None:
+                    finish()  # the framework's D2H into the mirrors
                 n = _save(self.tier, op)
             except Exception as e:  # a failed save is a future miss
                 err = e
+            finally:
+                if self.copier is not None:
+                    self.copier.drop(op.block_ids)
             with self._cv:
                 self._blocks -= len(op.hashes)
                 left = self._by_req[op.req_id] - 1
@@ -436,13 +453,15 @@ class WorkerSide:
         names, layer_block_bytes = self.caches.names, self.caches.layer_block_bytes
         if self.cfg.offload:
             self.tier = make_host_tier(self.cfg, g, self.caches)
-            if self.cfg.async_saves and self.caches.copier is not None:
-                # Saves read the caches (a JAX runner's arrays, or blocks staged by the framework's
-                # copies) on the model thread, between the forwards that change them: synchronous.
-                log.info("tpu_sync: host-tier saves through the framework's copies are synchronous (async_saves "
-                         "ignored)")
+            cp = self.caches.copier
+            if self.cfg.async_saves and cp is not None and cp is self.caches.jax:
+                # A JAX runner's saves read its arrays (or stage them by JAX's copies) on the model
+                # thread, between the forwards that re-assign them: synchronous.
+                log.info("tpu_sync: host-tier saves of a JAX model runner are synchronous (async_saves ignored)")
             elif self.cfg.async_saves:
-                self._saver = _Saver(self.tier, self.cfg.max_pending_save_blocks)
+                # Torch tensors through framework copies: the D2H is issued on the model thread
+                # (stage_async) and waited for, with the tier write, on the saver's.
+                self._saver = _Saver(self.tier, self.cfg.max_pending_save_blocks, cp)
         if self.cfg.pd:
             self.transport = make_pd_transport(self.cfg, g, self.caches)
             try:
@@ -869,9 +888,18 @@ class WorkerSide:
             # Asynchronous: queue the D2H and return; the blocks stay allocated (the scheduler
             # delays freeing a finished request's blocks until get_transfer_results reports
             # its saves done, and handle_preemptions waits for a preempted request's).
+            cp = self._saver.copier
             for op in meta.saves:
                 self._save_reqs.add(op.req_id)
-                if not self._saver.submit(op):
+                finish = None
+                if cp is not None and self._saver.has_room(len(op.hashes)):
+                    try:
+                        finish = cp.stage_async(op.block_ids)
+                    except Exception as e:  # a failed save is a future miss
+                        cp.drop(op.block_ids)
+                        self._book_save(op, 0, e)
+                        continue
+                if not self._saver.submit(op, finish):
                     self.stats["saves_dropped"] += len(op.hashes)
                     log.warning("tpu_sync: %d host-tier saves of %s dropped: %d blocks already queued (cap %d)",
                                 len(op.hashes), op.req_id, self._saver.pending_blocks(),
