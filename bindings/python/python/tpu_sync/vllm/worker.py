@@ -311,7 +311,7 @@ class WorkerSide:
                                  f"not contiguous (strides {list(t.stride())})")
             if compat.TORCH_TO_TPU_SYNC_DTYPE.get(str(t.dtype)) != g.dtype:
                 raise ValueError(f"TpuSyncConnector: layer {n} is {t.dtype}, the model's KV dtype is {g.dtype}")
-        torch_kv = self._torch_kv(tensors, names, g)
+        torch_kv = self._torch_kv(tensors, g)
         for i, n in enumerate(names):
             if g.is_state_group(group_of[i]):
                 tensors[i] = _state_view(n, tensors[i], g.groups[group_of[i]], int(first.shape[0]))
@@ -334,7 +334,7 @@ class WorkerSide:
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._open(rank)
 
-    def _torch_kv(self, tensors: List[Any], names: List[str], g: KvGeometry) -> Any:
+    def _torch_kv(self, tensors: List[Any], g: KvGeometry) -> Any:
         """The :class:`tpu_sync.torch_kv.TorchKv` that moves accelerator tensors through torch's
         own copies (``torch_backend``: ``framework-copy``, the default for tensors not in host
         memory), or None where tpu_sync views the tensors in place (CPU tensors). The back end and
