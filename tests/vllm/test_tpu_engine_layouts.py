@@ -31,7 +31,7 @@ from tpu_sync.vllm.metadata import RecvSpec, SendSpec, TierOp, TpuSyncMetadata  
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "bindings", "python", "tests"))
-from test_tpu_layouts import DTYPES, logical_kv, merge_kv  # noqa: E402
+from test_tpu_layouts import DTYPES, logical_kv, merge_kv, sal_cache  # noqa: E402
 
 NB, BS = 16, 16
 NAMES = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -354,5 +354,211 @@ def test_worker_refuses_what_framework_copy_does_not_map_yet(configs, monkeypatc
     try:
         with pytest.raises(NotImplementedError, match="layer-wise transfers with KV tensors moved by torch"):
             register(monkeypatch, w, rank_tensors(g, 0, 0, [], seed=1, fill_seed=2), 0)
+    finally:
+        w.shutdown()
+
+
+# ---- vLLM-TorchTPU's batched kernel in the SEQ_ALONG_LANE layout -------------------------------
+# (``--attention-backend CUSTOM`` with ``VLLM_KV_CACHE_LAYOUT=HND``: per layer ``[num_blocks, 2H,
+# D'/P, P, block_size]``, tokens along the lanes; kernel pages of 128 tokens.)
+
+SAL_BS = 128
+
+
+def batched_sal_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, bits):
+    """vllm-torchtpu-core 0.29.0 ``get_kv_cache_shape`` of the batched ragged paged attention
+    kernel with ``kv_layout == SEQ_ALONG_LANE`` and no per-token scales
+    (``kernels/experimental/batched_rpa/wrapper.py``), restated: ``num_kv_heads * 2`` rows, the
+    head dimension rounded up to ``num_sublanes * packing`` (8 sublanes) and packed ``32 / bits``
+    to a word, the page's tokens last."""
+    packing = 32 // bits
+    return (num_blocks, num_kv_heads * 2, -(-head_size // (8 * packing)) * (8 * packing) // packing, packing,
+            block_size)
+
+
+def sal_geometry(heads, dim, dtype, tp):
+    return KvGeometry(model="tpu-test", num_layers=len(NAMES), num_kv_heads=heads, heads_per_rank=max(1, heads // tp),
+                      head_dim=dim, dtype=dtype, block_size=SAL_BS, tp=tp,
+                      block_format=f"vllm-tpu/{compat.SAL_ORDER}/{dtype}", kv_order=compat.SAL_ORDER)
+
+
+def sal_slots(g, tokens, block_ids, seed, fill_seed):
+    """Per layer, the logical K/V (``[NB * block_size, heads, head_dim]`` each, every head of the
+    model) of every token slot: non-zero filler of ``fill_seed`` everywhere, then the request's
+    ``tokens`` tokens of ``seed`` at ``block_ids``."""
+    np_t = DTYPES[g.dtype]
+    out = []
+    for layer in range(len(NAMES)):
+        k, v = logical_kv(layer, NB * SAL_BS, g.num_kv_heads, g.head_dim, np_t, fill_seed)
+        rk, rv = logical_kv(layer, tokens, g.num_kv_heads, g.head_dim, np_t, seed)
+        for t in range(tokens):
+            slot = block_ids[t // SAL_BS] * SAL_BS + t % SAL_BS
+            k[slot], v[slot] = rk[t], rv[t]
+        out.append((k, v))
+    return out
+
+
+def sal_tensors(g, rank, slots):
+    """TP rank ``rank``'s per-layer SEQ_ALONG_LANE caches (torch CPU tensors) holding ``slots``."""
+    local = g.heads_per_rank
+    sl = slice(rank * local, (rank + 1) * local)
+    out = {}
+    for name, (k, v) in zip(NAMES, slots):
+        cache = sal_cache(k[:, sl], v[:, sl], g.packing, SAL_BS)
+        bits = torch.from_numpy(cache.view(np.dtype(str(TORCH_BITS[g.dtype]).replace("torch.", ""))))
+        t = torch.empty(bits.shape, dtype=TORCH_BITS[g.dtype])
+        t.copy_(bits)
+        out[name] = t.view(TORCH[g.dtype])
+    return out
+
+
+def test_geometry_of_the_seq_along_lane_cache_matches_its_shape_formula(configs, monkeypatch):
+    import copy
+    import types
+
+    for heads, dim, dtype, tp in [(8, 128, "bf16", 2), (4, 80, "fp8", 1), (2, 256, "f32", 2), (8, 96, "bf16", 8)]:
+        g = sal_geometry(heads, dim, dtype, tp)
+        bits = {"f32": 32, "bf16": 16, "fp8": 8}[dtype]
+        assert (NB,) + g.layer_shape() == batched_sal_kv_cache_shape(NB, SAL_BS, g.heads_per_rank, dim, bits), g
+        lay = g.tpu_sync_layout(NB)
+        # Moved as opaque (block, head) regions of D' x block_size elements per plane.
+        assert lay["spec"]["order"] == "lbhnc" and lay["block_format"] == g.block_format, lay
+        assert lay["model"]["head_dim"] == g.sal_head_dim == g.layer_shape()[1] * g.packing
+        assert g.layer_block_bytes == 2 * g.heads_per_rank * g.sal_head_dim * SAL_BS * bits // 8
+    # Peers of the token-major RPA v3 cache are refused by name.
+    g = sal_geometry(8, 128, "bf16", 2)
+    assert "kv_order" in g.mismatch(dict(g.to_dict(), kv_order="rpa3"))
+    # The engine's config picks the layout as vLLM-TorchTPU's platform does: the CUSTOM backend
+    # with a head-major KV cache layout (HND), except for head_dim 64 (the hd64 kernel).
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "device_type", "tpu", raising=False)
+    base = configs["kv_both"]
+    custom = types.SimpleNamespace(name="CUSTOM")
+    hd = compat.kv_geometry(base).head_dim
+    sal = "rpa3hd64" if hd == 64 else compat.SAL_ORDER
+
+    def order(backend, layout=None, env=None):
+        cc = copy.copy(base.cache_config)
+        cc.kv_cache_layout = layout  # vLLM's CacheConfig: resolved once by the engine core
+        if env is None:
+            monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", env)
+        c = types.SimpleNamespace(model_config=base.model_config, parallel_config=base.parallel_config,
+                                  cache_config=cc, attention_config=types.SimpleNamespace(backend=backend))
+        g = compat.kv_geometry(c)
+        assert g.block_format == f"vllm-tpu/{g.kv_order}/float32", g
+        return g.kv_order
+
+    assert order(custom, "LBHNC") == sal and order(custom, "BLHNC", env="NHD") == sal
+    assert order(custom, "LBNHC", env="HND") in ("rpa3", "rpa3hd64")
+    assert order(None, "LBHNC") in ("rpa3", "rpa3hd64")
+    # Not resolved in this process: the environment variable decides.
+    assert order(custom, None, env="HND") == sal
+    assert order(custom, None, env="NHD") in ("rpa3", "rpa3hd64")
+    assert order(custom, None) in ("rpa3", "rpa3hd64")
+
+
+@pytest.mark.parametrize("heads,dim,dtype,src_tp,dst_tp", [
+    (8, 128, "bf16", 2, 1),   # TP=2 prefill -> TP=1 decode
+    (4, 80, "fp8", 1, 2),     # fp8, head_dim 80 padded to 96 lanes' worth of sublanes
+])
+def test_worker_pd_reshards_seq_along_lane_caches_byte_exact(configs, monkeypatch, backend, heads, dim, dtype,
+                                                             src_tp, dst_tp):
+    """P/D between worker sides holding SEQ_ALONG_LANE caches, resharded between TP sizes: the
+    consumer's request blocks hold the producer's blocks head by head (whole blocks: an opaque
+    region moves with its unused token slots), every other block and the producer unchanged."""
+    tokens = 300  # 3 blocks of 128, the last one partial
+    src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
+    gs, gd = sal_geometry(heads, dim, dtype, src_tp), sal_geometry(heads, dim, dtype, dst_tp)
+    s_slots = sal_slots(gs, tokens, src_ids, seed=3, fill_seed=11)
+    d_slots = sal_slots(gd, 0, dst_ids, seed=3, fill_seed=12)
+    w_slots = []
+    for (sk, sv), (dk, dv) in zip(s_slots, d_slots):
+        wk, wv = dk.copy(), dv.copy()
+        for a, b in zip(src_ids, dst_ids):
+            wk[b * SAL_BS:(b + 1) * SAL_BS] = sk[a * SAL_BS:(a + 1) * SAL_BS]
+            wv[b * SAL_BS:(b + 1) * SAL_BS] = sv[a * SAL_BS:(a + 1) * SAL_BS]
+        w_slots.append((wk, wv))
+    src = [sal_tensors(gs, r, s_slots) for r in range(src_tp)]
+    dst = [sal_tensors(gd, r, d_slots) for r in range(dst_tp)]
+    want = [sal_tensors(gd, r, w_slots) for r in range(dst_tp)]
+    src_before = [{n: t.clone() for n, t in r.items()} for r in src]
+    extra = BACKENDS[backend]
+    prods = [worker(configs, "kv_producer", gs, extra) for _ in range(src_tp)]
+    conss = [worker(configs, "kv_consumer", gd, extra) for _ in range(dst_tp)]
+    try:
+        for r, w in enumerate(prods):
+            register(monkeypatch, w, src[r], r)
+        for r, w in enumerate(conss):
+            register(monkeypatch, w, dst[r], r)
+        for w in prods:
+            w.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 93, src_ids, tokens, 60.0, dst_tp)]))
+            assert w.stats["registered"] == 1, w.stats
+        peers = {r: w.transport.address for r, w in enumerate(prods)}
+        layout = gs.tpu_sync_layout(NB)
+        for w in conss:
+            w.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 93, peers, layout, src_ids, dst_ids, tokens, 30.0)]))
+        for r, w in enumerate(conss):
+            res = wait_recv(w)
+            assert res.finished_recving == {"d1"} and not res.failed_recving, (r, w.stats)
+        for r in range(dst_tp):
+            for n in NAMES:
+                got, exp = as_bytes(dst[r][n]), as_bytes(want[r][n])
+                assert np.array_equal(got, exp), (r, n, np.argwhere(got != exp)[:4])
+                # The request's blocks changed (the test can fail): the filler differed.
+                assert not np.array_equal(got, as_bytes(sal_tensors(gd, r, d_slots)[n])), (r, n)
+        for r in range(src_tp):
+            for n in NAMES:
+                assert np.array_equal(as_bytes(src[r][n]), as_bytes(src_before[r][n])), (r, n)
+        for w in prods:
+            st = w.adapter_stats
+            want_backend = "pjrt-view" if backend == "view" else "framework-copy"
+            assert st["backend"] == want_backend, st
+    finally:
+        for w in conss + prods:
+            w.shutdown()
+
+
+def test_worker_host_tier_store_then_load_seq_along_lane_blocks(configs, monkeypatch, backend):
+    g = sal_geometry(8, 128, "bf16", 2)
+    kv = sal_tensors(g, 1, sal_slots(g, 3 * SAL_BS, [3, 4, 5], seed=21, fill_seed=22))
+    w = worker(configs, "kv_both", g, dict(BACKENDS[backend], host_capacity_bytes=64 << 20))
+    try:
+        register(monkeypatch, w, kv, 1)
+        orig = {n: t.clone() for n, t in kv.items()}
+        hashes = [bytes([i]) * 32 for i in range(1, 4)]
+        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [3, 4, 5])]))
+        assert w.flush_saves(30)
+        assert w.stats["saved_blocks"] == 3
+        w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o1", hashes, [12, 13, 14])]))
+        assert w.stats["loaded_blocks"] == 3 and w.stats["failed_loads"] == 0, w.stats
+        for n in NAMES:
+            want = orig[n].clone()
+            want[12:15] = orig[n][3:6]
+            assert not torch.equal(want[12:15].view(torch.uint8), orig[n][12:15].view(torch.uint8))
+            assert np.array_equal(as_bytes(kv[n]), as_bytes(want)), n
+    finally:
+        w.shutdown()
+
+
+def test_worker_refuses_a_cache_of_the_other_tpu_layout(configs, monkeypatch):
+    """A SEQ_ALONG_LANE geometry with token-major RPA v3 tensors (the engine and the connector
+    disagree on the layout), and the reverse, fail at registration naming both shapes."""
+    g = sal_geometry(8, 128, "bf16", 2)
+    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 16 << 20})
+    try:
+        v3 = {n: torch.zeros((NB, SAL_BS, 4, 2, 128), dtype=torch.bfloat16) for n in NAMES}
+        with pytest.raises(ValueError, match=r"SEQ_ALONG_LANE .*\[num_blocks, 8, 64, 2, 128\]"):
+            register(monkeypatch, w, v3, 0)
+    finally:
+        w.shutdown()
+    g3 = dataclasses.replace(geometry(8, 128, "bf16", 2), block_size=SAL_BS)
+    w = worker(configs, "kv_both", g3, {"host_capacity_bytes": 16 << 20})
+    try:
+        sal = {n: torch.zeros((NB,) + g.layer_shape(), dtype=torch.bfloat16) for n in NAMES}
+        with pytest.raises(ValueError, match=r"ragged paged attention v3 .*\[num_blocks, 128, 4, 2, 128\]"):
+            register(monkeypatch, w, sal, 0)
     finally:
         w.shutdown()

@@ -129,3 +129,84 @@ def test_rpa3_layout_errors_name_the_cause():
     tiled = dict(l, physical_layout="{4,3,2,1,0:T(2,128)(2,1)}")
     with pytest.raises(MismatchError, match=r"T\(2,128\)"):
         tpu_sync.Plan(tpu_sync.placement(tiled, [[0]]), tpu_sync.placement(l, [[1]]), 8)
+
+
+# vLLM-TorchTPU's batched ragged paged attention kernel in its SEQ_ALONG_LANE layout
+# (``--attention-backend CUSTOM``, ``VLLM_KV_CACHE_LAYOUT=HND``): per layer
+# ``[num_blocks, 2H, D'/P, P, block_size]`` with ``D' = align(head_dim, 8 * P)`` (8 sublanes;
+# ``get_kv_cache_shape`` in ``kernels/experimental/batched_rpa/wrapper.py``, vllm-torchtpu-core
+# 0.29.0). The connector moves it as tpu_sync's opaque LBHNC regions of a model whose head_dim is
+# ``D'`` (``tpu_sync.vllm.compat.KvGeometry.tpu_sync_layout``): the bytes of one (block, head)
+# are K's ``D' x block_size`` then V's, one contiguous run.
+
+
+def merge_kv_sal(k, v, packing):
+    """New tokens as the batched kernel's ``merge_kv`` lays them out under SEQ_ALONG_LANE, with
+    its numpy operations: K and V concatenated per head and reshaped to ``2H`` rows (K before V),
+    head_dim padded to ``8 * P`` with zeros, packed ``[2H, D'/P, P]`` and the tokens moved to
+    the last axis (``transpose(1, 2, 3, 0)``): ``[2H, D'/P, P, T]``."""
+    t, h, d = k.shape
+    dp = align(d, 8 * packing)
+    kv = np.concatenate([k, v], axis=-1).reshape(t, 2 * h, d)
+    kv = np.pad(kv, ((0, 0), (0, 0), (0, dp - d)))
+    return kv.reshape(t, 2 * h, dp // packing, packing).transpose(1, 2, 3, 0)
+
+
+def sal_cache(k, v, packing, block_size):
+    """A layer's whole SEQ_ALONG_LANE cache from the K/V of every token slot (``[num_blocks *
+    block_size, H, D]``, slot ``b * block_size + t`` = token ``t`` of block ``b``):
+    ``[num_blocks, 2H, D'/P, P, block_size]``."""
+    m = merge_kv_sal(k, v, packing)
+    j, r, p, n = m.shape
+    return np.ascontiguousarray(m.reshape(j, r, p, n // block_size, block_size).transpose(3, 0, 1, 2, 4))
+
+
+SAL_CASES = [
+    # (heads, head_dim, dtype, src tp, dst tp, tokens)
+    (8, 128, "bf16", 2, 1, 300),   # vLLM-TorchTPU TP=2 prefill -> TP=1 decode
+    (8, 128, "bf16", 1, 4, 300),   # and to TP=4
+    (4, 80, "fp8", 4, 2, 129),     # fp8: head_dim 80 padded to 96 (8 sublanes x 4)
+    (2, 128, "f32", 1, 2, 128),    # one head per rank, whole blocks only
+]
+
+
+@pytest.mark.parametrize("heads,dim,dtype,s_tp,d_tp,tokens", SAL_CASES)
+def test_seq_along_lane_reshard_moves_whole_head_regions(heads, dim, dtype, s_tp, d_tp, tokens):
+    layers, bs = 2, 128
+    np_t = DTYPES[dtype]
+    packing = 4 // np.dtype(np_t).itemsize
+    dp = align(dim, 8 * packing)
+    nblk = -(-tokens // bs)
+    s_nb, d_nb = 2 * nblk + 3, 2 * nblk + 4
+    s_ids = [2 * i + 1 for i in range(nblk)]
+    d_ids = [d_nb - 1 - 2 * i for i in range(nblk)]
+    fmt = f"vllm-tpu/rpa-sal/{dtype}"
+    m = tpu_sync.model("tpu-test", num_layers=layers, num_kv_heads=heads, head_dim=dp, dtype=dtype)
+    src_l = dict(tpu_sync.layout(m, tp=s_tp, block_size=bs, order="lbhnc", num_blocks=s_nb), block_format=fmt)
+    dst_l = dict(tpu_sync.layout(m, tp=d_tp, block_size=bs, order="lbhnc", num_blocks=d_nb), block_format=fmt)
+    src, got, want = [], [], []
+    for layer in range(layers):
+        # Every slot of both sides holds non-zero K/V (the source's other tokens, the
+        # destination's other blocks); the destination's request blocks end up holding the
+        # source's blocks whole (an opaque region moves with all its token slots).
+        sk, sv = logical_kv(layer, s_nb * bs, heads, dim, np_t, seed=7)
+        dk, dv = logical_kv(layer, d_nb * bs, heads, dim, np_t, seed=8)
+        wk, wv = dk.copy(), dv.copy()
+        for a, b in zip(s_ids, d_ids):
+            wk[b * bs:(b + 1) * bs] = sk[a * bs:(a + 1) * bs]
+            wv[b * bs:(b + 1) * bs] = sv[a * bs:(a + 1) * bs]
+        sl = lambda r, tp: slice(r * heads // tp, (r + 1) * heads // tp)  # noqa: E731
+        src.append([sal_cache(sk[:, sl(r, s_tp)], sv[:, sl(r, s_tp)], packing, bs) for r in range(s_tp)])
+        got.append([sal_cache(dk[:, sl(r, d_tp)], dv[:, sl(r, d_tp)], packing, bs) for r in range(d_tp)])
+        want.append([sal_cache(wk[:, sl(r, d_tp)], wv[:, sl(r, d_tp)], packing, bs) for r in range(d_tp)])
+    assert src[0][0].shape == (s_nb, 2 * heads // s_tp, dp // packing, packing, bs)
+    by_rank = lambda c, tp: [[c[layer][r] for layer in range(layers)] for r in range(tp)]  # noqa: E731
+    got_r = by_rank(got, d_tp)
+    with tpu_sync.Plan(tpu_sync.placement(src_l, [s_ids] * s_tp), tpu_sync.placement(dst_l, [d_ids] * d_tp),
+                       tokens) as p:
+        apply(p, by_rank(src, s_tp), got_r)
+        # Whole (block, head) regions: blocks x heads x K and V x D' x block_size x layers.
+        assert p.total_bytes == nblk * heads * 2 * dp * bs * np.dtype(np_t).itemsize * layers
+    for r in range(d_tp):
+        for layer in range(layers):
+            assert np.array_equal(got_r[r][layer], want[layer][r]), f"rank {r} layer {layer}"

@@ -48,6 +48,7 @@ freed before its save is reported).
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -106,6 +107,9 @@ class TorchKv:
             the XLA CPU plugin).
         block_size: tokens per block, for :meth:`before_write` (None: a pull's last block is
             always staged first, as if partial).
+        view_shape: the shape tpu_sync sees the buffers (tensors or mirrors) in, of the same
+            bytes (e.g. ``[num_blocks, H, block_size, 2 * D']`` for a cache moved as opaque
+            ``(block, head)`` regions); None: the tensors' own shape.
 
     Raises:
         InvalidArgumentError: no tensors, tensors that differ in shape, dtype or device, blocks
@@ -116,7 +120,8 @@ class TorchKv:
     """
 
     def __init__(self, tensors: Sequence[Any], *, backend: str = "auto", copy_api: str = "auto",
-                 client: Any = None, block_size: Optional[int] = None) -> None:
+                 client: Any = None, block_size: Optional[int] = None,
+                 view_shape: Optional[Sequence[int]] = None) -> None:
         if backend not in BACKENDS:
             raise _fail(InvalidArgumentError, f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         if copy_api not in COPY_APIS:
@@ -140,6 +145,10 @@ class TorchKv:
             raise _fail(InvalidArgumentError, f"KV tensor dtype {dt} (supported: {', '.join(TORCH_DTYPES)})")
         self.tensors = tensors
         self.shape = tuple(int(d) for d in t0.shape)
+        self.view_shape = None if view_shape is None else tuple(int(d) for d in view_shape)
+        if self.view_shape is not None and math.prod(self.view_shape) != math.prod(self.shape):
+            raise _fail(InvalidArgumentError, f"view shape {list(self.view_shape)} does not hold the "
+                        f"{math.prod(self.shape)} elements of {list(self.shape)}")
         self.dtype = t0.dtype
         self.buffer_dtype = TORCH_DTYPES[dt]
         self.device = t0.device
@@ -222,7 +231,7 @@ class TorchKv:
         wrote)."""
         if self._views is None:
             if self.backend == "pjrt-view":
-                self._views = [self.client.view(t) for t in self.tensors]
+                self._views = [self.client.view(t, shape=self.view_shape) for t in self.tensors]
             else:
                 import numpy as np
                 import torch
@@ -238,7 +247,7 @@ class TorchKv:
                     raw = torch.frombuffer(m, dtype=torch.uint8, count=self.nbytes)
                     self._mirrors.append(raw.view(getattr(torch, self._bits)).view(self.shape))
                     views.append(self.client.view(np.frombuffer(m, dtype=np.uint8, count=self.nbytes),
-                                                  shape=self.shape, dtype=self.buffer_dtype))
+                                                  shape=self.view_shape or self.shape, dtype=self.buffer_dtype))
                 self._views = views
         return self._views
 

@@ -54,6 +54,9 @@ class KvCaches:
     #: mirrors, and the worker calls its ``stage``/``drop``/``commit``/``before_write``/
     #: ``after_write`` around every transfer. None: the views are the caches themselves.
     copier: Any = None
+    #: the shape tpu_sync views each layer's tensor in (same bytes), where it differs from the
+    #: tensor's own (:meth:`KvGeometry.view_shape`: the SEQ_ALONG_LANE cache as LBHNC regions)
+    view_shape: Optional[Tuple[int, ...]] = None
 
     def refresh(self) -> None:
         """A JAX runner's caches: reads the runner's current arrays again (a forward may have
@@ -128,7 +131,7 @@ def _client(caches: KvCaches) -> Any:
     if client is None:
         client = tpu_sync.Client()
         caches._client = client  # type: ignore[attr-defined]
-        caches.views = [client.view(t) for t in caches.tensors]
+        caches.views = [client.view(t, shape=caches.view_shape) for t in caches.tensors]
     return client
 
 

@@ -34,6 +34,18 @@ TORCH_TO_TPU_SYNC_DTYPE = {
 #: (``docs/tpu.md``).
 RPA3_ORDERS = ("rpa3", "rpa3hd64")
 
+#: ``kv_order`` of vLLM-TorchTPU's batched ragged paged attention cache in its
+#: ``SEQ_ALONG_LANE`` layout (``--attention-backend CUSTOM`` with ``VLLM_KV_CACHE_LAYOUT=HND``):
+#: per layer ``[num_blocks, 2 * H, D' / P, P, block_size]``, tokens along the lanes
+#: (:meth:`KvGeometry.layer_shape`).
+SAL_ORDER = "rpa-sal"
+
+#: Sublanes of a TPU vector register (8 on every TPU generation vLLM-TorchTPU runs on:
+#: ``pltpu.get_tpu_info_for_chip(...).num_sublanes``). The ``SEQ_ALONG_LANE`` cache rounds
+#: head_dim up to ``SAL_SUBLANES * P`` (``get_kv_cache_shape`` in
+#: ``vllm_torchtpu/kernels/experimental/batched_rpa/wrapper.py``, vllm-torchtpu-core 0.29.0).
+SAL_SUBLANES = 8
+
 #: vLLM's null block (``BlockPool.null_block``, the pool's first block, id 0): stands for the
 #: blocks a sliding-window group no longer holds; never a request's own KV.
 NULL_BLOCK_ID = 0
@@ -105,7 +117,9 @@ class KvGeometry:
             backends' ragged paged attention v3 caches (``[num_blocks, block_size, R, P, D']``,
             :meth:`layer_shape`; vllm-torchtpu 0.29 ``PallasAttentionBackend.get_kv_cache_shape``
             in ``vllm_torchtpu/layers/adapter/attention.py``, which picks the head_dim-64 kernel
-            when ``head_size == 64``).
+            when ``head_size == 64``), or ``rpa-sal`` (:data:`SAL_ORDER`) for its batched kernel's
+            ``SEQ_ALONG_LANE`` cache ``[num_blocks, 2 * H, D' / P, P, block_size]``, moved as
+            opaque ``(block, head)`` regions (tpu_sync order ``lbhnc``: :meth:`tpu_sync_layout`).
         groups: None for a model whose layers are one full-attention KV cache group (every
             uniform model: all layers share one block table, exactly as before groups existed).
             Otherwise vLLM's KV cache groups (``KVCacheConfig.kv_cache_groups``, one block table
@@ -216,18 +230,45 @@ class KvGeometry:
         bf16 and f16 2, fp8 4; ``get_dtype_packing`` of the TPU backends)."""
         return 4 // self.elem_bytes
 
+    @property
+    def is_sal(self) -> bool:
+        """Whether the tensors are vLLM-TorchTPU's batched ragged paged attention caches in the
+        ``SEQ_ALONG_LANE`` layout (:data:`SAL_ORDER`)."""
+        return self.kv_order == SAL_ORDER
+
+    @property
+    def sal_head_dim(self) -> int:
+        """``D'`` of the ``SEQ_ALONG_LANE`` cache: head_dim rounded up to ``8 * P`` elements
+        (:data:`SAL_SUBLANES` sublanes of ``P`` packed elements)."""
+        a = SAL_SUBLANES * self.packing
+        return -(-self.head_dim // a) * a
+
     def layer_shape(self) -> Tuple[int, ...]:
         """The shape of one block of one layer on one rank (the tensor's shape without its
         ``num_blocks`` axis): ``(heads_per_rank, block_size, planes * head_dim)`` for ``lbhnc``;
         ``(block_size, R, P, D')`` for ``rpa3`` with ``R = align(2 * heads, P) / P`` and
         ``D' = align(head_dim, 128)``; ``(block_size, align(heads, P) / P, P, 128)`` for
-        ``rpa3hd64``."""
+        ``rpa3hd64``; ``(2 * heads, D' / P, P, block_size)`` for ``rpa-sal`` with
+        ``D' = align(head_dim, 8 * P)`` (:attr:`sal_head_dim`): row ``2 * h + plane`` (K before V
+        of each head), then the head dimension packed ``P`` to a word, then the tokens. Source:
+        vllm-torchtpu-core 0.29.0 ``get_kv_cache_shape`` (``kernels/experimental/batched_rpa/
+        wrapper.py``, ``SEQ_ALONG_LANE``) and its ``merge_kv``."""
         h, p = self.heads_per_rank, self.packing
         if self.kv_order == "rpa3":
             return (self.block_size, -(-2 * h // p), p, -(-self.head_dim // 128) * 128)
         if self.kv_order == "rpa3hd64":
             return (self.block_size, -(-h // p), p, 128)
+        if self.is_sal:
+            return (2 * h, self.sal_head_dim // p, p, self.block_size)
         return (h, self.block_size, self.kv_planes * self.head_dim)
+
+    def view_shape(self, num_blocks: int) -> Optional[Tuple[int, ...]]:
+        """The shape tpu_sync sees one layer's buffer in, where it differs from the tensor's
+        (same bytes): ``[num_blocks, H, block_size, 2 * D']`` for ``rpa-sal``, the LBHNC shape
+        of its opaque ``(block, head)`` regions (:meth:`tpu_sync_layout`); None otherwise."""
+        if self.is_sal:
+            return (int(num_blocks), self.heads_per_rank, self.block_size, 2 * self.sal_head_dim)
+        return None
 
     @property
     def layer_block_bytes(self) -> int:
@@ -285,8 +326,8 @@ class KvGeometry:
         form (``tpu_sync::layout::HybridLayout`` JSON): one group per vLLM KV cache group, each
         ``num_blocks`` blocks per rank (vLLM's groups share one block pool) and the block format
         tag."""
-        if self.groups and self.is_rpa3:
-            raise ValueError("TpuSyncConnector: KV cache groups with an RPA v3 cache are not supported yet")
+        if self.groups and (self.is_rpa3 or self.is_sal):
+            raise ValueError(f"TpuSyncConnector: KV cache groups with the {self.kv_order} cache are not supported yet")
         if self.groups:
             attn = dict(type="attention", num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                         kv_planes=self.kv_planes, dtype=self.dtype)
@@ -311,16 +352,24 @@ class KvGeometry:
                 spec=dict(tp=self.tp, pcp=1, dp=1, block_size=self.block_size, order="lbhnc"),
                 groups=glayouts,
             )
+        # The SEQ_ALONG_LANE cache's bytes of one (block, head) are one contiguous run, K's rows
+        # of D' elements x block_size tokens then V's: tpu_sync's opaque LBHNC region of a model
+        # whose head_dim is D' (head_dim padding, where D' > head_dim, is moved with it). Plans
+        # move whole regions: whole blocks, or head slices of blocks between TP sizes; both sides
+        # must have this block format and block size.
+        sal = self.is_sal
+        if sal and self.use_mla:
+            raise ValueError("TpuSyncConnector: an MLA model's cache in the SEQ_ALONG_LANE layout is not supported")
         return dict(
             model=dict(
                 name=self.model,
                 num_layers=self.num_layers,
                 num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_dim,
+                head_dim=self.sal_head_dim if sal else self.head_dim,
                 kv_planes=self.kv_planes,
                 dtype=self.dtype,
             ),
-            spec=dict(tp=self.tp, pcp=1, dp=1, block_size=self.block_size, order=self.kv_order),
+            spec=dict(tp=self.tp, pcp=1, dp=1, block_size=self.block_size, order="lbhnc" if sal else self.kv_order),
             num_blocks=int(num_blocks),
             **({} if self.is_rpa3 else dict(block_format=self.block_format)),
         )
@@ -511,6 +560,33 @@ def mamba_state_group(spec: Any, tp: int = 1) -> Tuple[Dict[str, Any], int]:
     return dict(type="state", components=comps, replicated=bool(getattr(spec, "tp_replicated", False))), slot
 
 
+def tpu_seq_along_lane(vllm_config: Any) -> bool:
+    """Whether vLLM-TorchTPU allocates its KV caches in the batched ragged paged attention
+    kernel's ``SEQ_ALONG_LANE`` layout (:data:`SAL_ORDER`): the attention backend is ``CUSTOM``
+    (``PallasBatchedRPAAttentionBackend``) and the resolved KV cache layout is head-major
+    (``LBHNC``/``BLHNC``, ``VLLM_KV_CACHE_LAYOUT=HND``). Source: vllm-torchtpu-core 0.29.0
+    ``TpuPlatform`` (``platforms/tpu_platform.py``: the backend from
+    ``attention_config.backend``, the layout resolved once and kept in the cache config) and
+    ``PallasBatchedRPAAttentionBackend.get_kv_cache_shape`` (``KV_LAYOUT_BY_VLLM_LAYOUT``, both
+    in ``layers/adapter/attention.py``). Where the cache config cannot resolve the layout (vLLM
+    without ``get_resolved_kv_cache_layout``), ``VLLM_KV_CACHE_LAYOUT`` decides."""
+    import os
+
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    if str(getattr(backend, "name", backend) or "").upper() != "CUSTOM":
+        return False
+    resolve = getattr(vllm_config.cache_config, "get_resolved_kv_cache_layout", None)
+    layout = None
+    if resolve is not None:
+        try:
+            layout = resolve()
+        except Exception:  # not resolved in this process
+            layout = None
+    if layout is not None:
+        return str(getattr(layout, "name", layout)).upper() in ("LBHNC", "BLHNC")
+    return os.environ.get("VLLM_KV_CACHE_LAYOUT", "").upper() == "HND"
+
+
 def kv_geometry(vllm_config: Any, kv_cache_config: Any = None) -> KvGeometry:
     """The KV geometry of a vLLM engine from its ``VllmConfig`` and, for the KV cache groups of
     a hybrid model, its ``KVCacheConfig`` (see :func:`kv_groups`; None: uniform). Needs vLLM
@@ -546,8 +622,10 @@ def kv_geometry(vllm_config: Any, kv_cache_config: Any = None) -> KvGeometry:
         fmt = cpu_block_format(torch_dtype, block_size, head_dim, cache_dtype or "auto")
     elif device == "tpu":
         # vllm-torchtpu's PallasAttentionBackend (and tpu-inference): ragged paged attention v3,
-        # the head_dim-64 kernel when head_size == 64 (vllm_torchtpu/layers/adapter/attention.py).
-        order = "rpa3hd64" if head_dim == 64 else "rpa3"
+        # the head_dim-64 kernel when head_size == 64 (vllm_torchtpu/layers/adapter/attention.py);
+        # its batched kernel (--attention-backend CUSTOM) in the SEQ_ALONG_LANE layout under
+        # VLLM_KV_CACHE_LAYOUT=HND.
+        order = "rpa3hd64" if head_dim == 64 else SAL_ORDER if tpu_seq_along_lane(vllm_config) else "rpa3"
         fmt = f"vllm-tpu/{order}/{name.replace('torch.', '')}"
     else:
         fmt = f"vllm-{device}/default/{name.replace('torch.', '')}"

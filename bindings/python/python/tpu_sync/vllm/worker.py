@@ -262,7 +262,9 @@ class WorkerSide:
         """Checks vLLM's tensors are the per-layer cache this connector moves (the CPU backend's
         LBHNC ``[num_blocks, heads, block_size, 2 * head_dim]``, or a TPU backend's ragged paged
         attention v3 ``[num_blocks, block_size, R, P, D']`` when the geometry's ``kv_order`` is
-        ``rpa3``/``rpa3hd64``: :meth:`KvGeometry.layer_shape`), orders them by layer, and opens
+        ``rpa3``/``rpa3hd64``, or vLLM-TorchTPU's batched kernel's ``SEQ_ALONG_LANE``
+        ``[num_blocks, 2 * H, D' / P, P, block_size]`` for ``rpa-sal``:
+        :meth:`KvGeometry.layer_shape`), orders them by layer, and opens
         the host tier and the P/D endpoint over zero-copy views of them (CPU tensors), or over
         host mirrors filled and written back by torch's own copies (accelerator tensors, such as
         vLLM-TorchTPU's: ``torch_backend``, :mod:`tpu_sync.torch_kv`).
@@ -291,6 +293,7 @@ class WorkerSide:
             raise ValueError(f"TpuSyncConnector: {len(tensors)} KV tensors for {g.num_layers} layers")
         want = g.layer_shape()
         kind = ("the TPU backends' ragged paged attention v3 per-layer KV cache" if g.is_rpa3 else
+                "vLLM-TorchTPU's batched ragged paged attention SEQ_ALONG_LANE per-layer KV cache" if g.is_sal else
                 "vLLM's LBHNC per-layer KV cache")
         group_of = g.group_of_layer()
         attn = [i for i in range(len(names)) if not g.is_state_group(group_of[i])]
@@ -326,7 +329,8 @@ class WorkerSide:
         except Exception:  # no TP group (single process)
             rank = 0
         self.caches = KvCaches(names=names, tensors=tensors, num_blocks=int(first.shape[0]),
-                               layer_block_bytes=layer_block_bytes, tp_rank=rank, layer_group=g.group_of_layer())
+                               layer_block_bytes=layer_block_bytes, tp_rank=rank, layer_group=g.group_of_layer(),
+                               view_shape=g.view_shape(int(first.shape[0])))
         if torch_kv is not None:
             self.caches._client = torch_kv.client  # type: ignore[attr-defined]
             self.caches.views = torch_kv.views()
@@ -365,7 +369,7 @@ class WorkerSide:
         from tpu_sync.torch_kv import TorchKv
 
         tk = TorchKv(tensors, backend=backend, copy_api=str(self.cfg.extra.get("torch_copy_api", "auto")),
-                     block_size=g.block_size)
+                     block_size=g.block_size, view_shape=g.view_shape(int(tensors[0].shape[0])))
         log.info("tpu_sync: KV tensors on %s: back end %s (%s), copies %s", tk.device, tk.backend, tk.backend_reason,
                  tk.copy_api)
         return tk
