@@ -132,7 +132,7 @@ pub struct JobArgs {
     #[arg(long, default_value_t = 2048)]
     pub tokens: u32,
     /// Prefill layout SPEC: comma-separated key=value among tp, pcp, dp, block, order
-    /// (nhd|hnd|lbhnc, or rpa3|rpa3hd64: the TPU engines' caches, docs/tpu.md). A SPEC replaces the whole default layout, not just the keys it names: keys not given take
+    /// (nhd|hnd|lbhnc, or rpa3|rpa3hd64|rpamla: the TPU engines' caches, docs/tpu.md). A SPEC replaces the whole default layout, not just the keys it names: keys not given take
     /// the single-rank defaults tp=1, pcp=1, dp=1, block=16, order=nhd (so `--prefill tp=4` is
     /// tp=4,pcp=1,dp=1,block=16,order=nhd). Ignored by decode (it learns the prefill's layout
     /// from the prefill).
@@ -143,7 +143,7 @@ pub struct JobArgs {
     )]
     pub prefill: String,
     /// Decode layout SPEC: comma-separated key=value among tp, pcp, dp, block, order
-    /// (nhd|hnd|lbhnc, or rpa3|rpa3hd64: the TPU engines' caches, docs/tpu.md). A SPEC replaces the whole default layout, not just the keys it names: keys not given take
+    /// (nhd|hnd|lbhnc, or rpa3|rpa3hd64|rpamla: the TPU engines' caches, docs/tpu.md). A SPEC replaces the whole default layout, not just the keys it names: keys not given take
     /// the single-rank defaults tp=1, pcp=1, dp=1, block=16, order=nhd.
     #[arg(
         long,

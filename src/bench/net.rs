@@ -1605,8 +1605,8 @@ pub(crate) fn reshard_scenario(b: &mut Bench, _a: &BenchArgs, peer: &mut Peer) -
 }
 
 /// The TPU layout pairs of `reshard` (docs/tpu.md): the TPU engines' RPA v3 caches (padded,
-/// K and V interleaved and packed) resharded between TPU TP degrees and from a GPU-style NHD
-/// prefill, pulled and checked byte-exact; for each, the bytes that crossed the wire against
+/// K and V interleaved and packed) and tpu-inference's MLA cache resharded between TPU TP
+/// degrees and from a GPU-style NHD prefill, pulled and checked byte-exact; for each, the bytes that crossed the wire against
 /// the bytes the destination needs (real heads and tokens only, never padding), which must be
 /// 1.00. The llama-3.1-8b pairs are also timed against a plain TP=1 -> TP=1 transfer.
 fn tpu_pairs(b: &mut Bench, peer: &mut Peer, t: &str, layers: u32, tokens: &[u32]) -> Result<()> {
@@ -1652,14 +1652,30 @@ fn tpu_pairs(b: &mut Bench, peer: &mut Peer, t: &str, layers: u32, tokens: &[u32
             0,
             false,
         ),
+        (
+            "MLA: tpu-inference TP=4 -> TP=1 (rpamla, 576 of 640 lanes real, every TP rank a replica)",
+            "deepseek-v3",
+            "tp=4,block=64,order=rpamla",
+            "tp=1,block=32,order=rpamla",
+            0,
+            false,
+        ),
+        (
+            "MLA: GPU prefill NHD TP=2xPCP=2 -> tpu-inference TP=2 (rpamla)",
+            "deepseek-v3",
+            "tp=2,pcp=2,block=64,order=nhd",
+            "tp=2,block=64,order=rpamla",
+            0,
+            false,
+        ),
     ];
     b.describe(
         "tpu",
         &format!(
-            "pulls over {t}: the TPU engines' RPA v3 KV caches resharded ({layers} layers; \
-             llama-3.1-8b: 8 KV heads x 128, llama-3.2-1b: 8 x 64; bf16) vs a plain TP=1 -> \
-             TP=1 transfer of the same bytes; x = tokens; every pair checked byte-exact, its wire \
-             bytes / needed bytes noted"
+            "pulls over {t}: the TPU engines' RPA v3 and MLA KV caches resharded ({layers} \
+             layers; llama-3.1-8b: 8 KV heads x 128, llama-3.2-1b: 8 x 64, deepseek-v3: MLA \
+             576; bf16) vs a plain TP=1 -> TP=1 transfer of the same bytes; x = tokens; every \
+             pair checked byte-exact, its wire bytes / needed bytes noted"
         ),
     );
     let mut plain = Vec::new();

@@ -287,3 +287,148 @@ def test_pd_between_a_jax_runner_and_per_rank_workers(configs, monkeypatch, dire
     finally:
         for w in conss + prods:
             w.shutdown()
+
+
+# ---- tpu-inference's MLA latent cache (rpamla) ------------------------------------------------
+
+MLA_BS = 32  # a multiple of the MLA kernel's 32 tokens per packed row (MLA_KV_PACKING_SIZE)
+
+
+def mla_geometry(dtype, tp):
+    from tpu_sync.vllm.compat import MLA_ORDER, KvGeometry
+
+    return KvGeometry(model="mla-test", num_layers=LAYERS, num_kv_heads=1, heads_per_rank=1, head_dim=576,
+                      dtype=dtype, block_size=MLA_BS, tp=tp, block_format=f"vllm-tpu/{MLA_ORDER}/{dtype}",
+                      use_mla=True, kv_order=MLA_ORDER)
+
+
+def mla_runner(dtype, tp, caches, first_device):
+    from test_jax_kv import mla_cache, replicated  # noqa: F401
+
+    devs = devices_or_skip(8)[first_device:]
+    return Runner([replicated(c, devs, tp, dtype) for c in caches])
+
+
+def mla_caches(dtype, tokens, ids, seed, fill_seed):
+    """Per layer the MLA cache ``[NB, MLA_BS / 32, 32, 640]`` (bit patterns): other requests'
+    latents everywhere (``fill_seed``), the request's ``tokens`` (``seed``) at blocks ``ids``."""
+    from test_jax_kv import mla_cache
+
+    out = []
+    for layer in range(LAYERS):
+        fill = mla_cache(NB, MLA_BS, NB * MLA_BS, list(range(NB)), dtype, seed=fill_seed * 100 + layer)
+        out.append(mla_cache(NB, MLA_BS, tokens, ids, dtype, seed=seed * 100 + layer, fill=fill) if tokens else fill)
+    return out
+
+
+def replicas_of(a):
+    from test_jax_kv import replicas
+
+    return replicas(a)
+
+
+@pytest.mark.parametrize("backend", ["auto", "framework-copy"])
+@pytest.mark.parametrize("dtype,src_tp,dst_tp", [("bf16", 4, 2), ("fp8", 2, 4)])
+def test_pd_between_jax_runners_with_mla_caches(configs, dtype, src_tp, dst_tp, backend):
+    """DeepSeek-style MLA (576 = 512 latent + 64 rope in 640 lanes) between two tpu-inference
+    runners through the worker sides: every replica of the consumer's latent (one per TP rank)
+    byte-exact, every other block and the producer unchanged."""
+    tokens = 70  # 3 blocks of 32, the last one partial
+    src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
+    gs, gd = mla_geometry(dtype, src_tp), mla_geometry(dtype, dst_tp)
+    assert gs.layer_shape() == (MLA_BS, 640)
+    src = mla_caches(dtype, tokens, src_ids, seed=3, fill_seed=11)
+    dst = mla_caches(dtype, 0, dst_ids, seed=3, fill_seed=12)
+    want = mla_caches(dtype, tokens, dst_ids, seed=3, fill_seed=12)
+    pr, cr = mla_runner(dtype, src_tp, src, 0), mla_runner(dtype, dst_tp, dst, 4)
+    prod = worker(configs, "kv_producer", gs, {"jax_backend": backend})
+    cons = worker(configs, "kv_consumer", gd, {"jax_backend": backend})
+    try:
+        prod.register_runner(pr)
+        cons.register_runner(cr)
+        assert prod.jax_stats["mla"] and cons.jax_stats["tp"] == dst_tp
+        peers = {r: prod.handshake().address for r in prod.handshake().tp_ranks}
+        pr.forward()
+        prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 95, src_ids, tokens, 60.0, dst_tp)]))
+        assert prod.stats["registered"] == 1, prod.stats
+        pr.forward()
+        cr.forward()
+        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 95, peers, gs.tpu_sync_layout(NB), src_ids, dst_ids,
+                                                           tokens, 30.0)]))
+        res = wait_pulled(cons, "d1")
+        assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
+        for layer in range(LAYERS):
+            reps = replicas_of(cr.kv_caches[layer])
+            assert len(reps) == dst_tp
+            for i, got in enumerate(reps):
+                assert np.array_equal(got, want[layer]), (layer, i, np.argwhere(got != want[layer])[:4])
+            assert not np.array_equal(want[layer], dst[layer])  # the pull changed something
+            for got in replicas_of(pr.kv_caches[layer]):
+                assert np.array_equal(got, src[layer]), f"layer {layer} of the producer"
+    finally:
+        cons.shutdown()
+        prod.shutdown()
+
+
+def test_host_tier_store_then_load_with_a_jax_mla_runner(configs):
+    g = mla_geometry("bf16", 2)
+    kv = mla_caches("bf16", 3 * MLA_BS, [3, 4, 5], seed=21, fill_seed=22)
+    r = mla_runner("bf16", 2, kv, 0)
+    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 64 << 20})
+    try:
+        w.register_runner(r)
+        hashes = [bytes([i]) * 32 for i in range(1, 4)]
+        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [3, 4, 5])]))
+        assert w.stats["saved_blocks"] == 3, w.stats
+        r.forward()
+        w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o1", hashes, [12, 13, 14])]))
+        assert w.stats["loaded_blocks"] == 3 and w.stats["failed_loads"] == 0, w.stats
+        for layer in range(LAYERS):
+            want = kv[layer].copy()
+            want[12:15] = want[3:6]
+            for got in replicas_of(r.kv_caches[layer]):
+                assert np.array_equal(got, want), layer
+    finally:
+        w.shutdown()
+
+
+def test_an_mla_runner_for_a_model_that_is_not_mla_is_refused(configs):
+    kv = mla_caches("bf16", 0, [], seed=1, fill_seed=2)
+    w = worker(configs, "kv_both", geometry(8, 128, "bf16", 2), {"host_capacity_bytes": 16 << 20})
+    try:
+        with pytest.raises(ValueError, match="an MLA latent cache, the model's is rpa3"):
+            w.register_runner(mla_runner("bf16", 2, kv, 0))
+    finally:
+        w.shutdown()
+
+
+def test_geometry_of_an_mla_model_on_a_tpu(monkeypatch):
+    """On a TPU platform an MLA model's geometry is tpu-inference's MLA cache (rpamla: one
+    latent plane, one head, replicated over TP); a latent that is not a multiple of 128 lanes
+    (its rope part would not follow it) is refused by name."""
+    import types
+
+    import torch
+    from vllm.platforms import current_platform
+
+    from tpu_sync.vllm import compat
+
+    monkeypatch.setattr(type(current_platform), "device_type", "tpu", raising=False)
+
+    def cfg(lora):
+        mc = types.SimpleNamespace(
+            model="deepseek-test", dtype=torch.bfloat16, use_mla=True,
+            hf_text_config=types.SimpleNamespace(kv_lora_rank=lora),
+            get_num_kv_heads=lambda pc: 1, get_head_size=lambda: lora + 64, get_num_layers=lambda pc: 61,
+            get_total_num_kv_heads=lambda: 1)
+        return types.SimpleNamespace(model_config=mc, parallel_config=types.SimpleNamespace(tensor_parallel_size=4),
+                                     cache_config=types.SimpleNamespace(cache_dtype="auto", block_size=64),
+                                     attention_config=types.SimpleNamespace(backend=None))
+
+    g = compat.kv_geometry(cfg(512))
+    assert (g.kv_order, g.block_format, g.kv_planes, g.layer_shape()) == (
+        "rpamla", "vllm-tpu/rpamla/bfloat16", 1, (64, 640)), g
+    lay = g.tpu_sync_layout(8)
+    assert lay["spec"]["order"] == "rpamla" and lay["model"]["num_kv_heads"] == 1 and lay["model"]["head_dim"] == 576
+    with pytest.raises(ValueError, match="kv_lora_rank 448"):
+        compat.kv_geometry(cfg(448))

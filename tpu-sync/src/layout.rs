@@ -25,6 +25,9 @@
 //! [`BlockOrder::Rpa3Hd64`], the head_dim-64 kernel's `[num_blocks, block_size, R, P, 128]` with K
 //! and V side by side in the 128 lanes. Both are padded (heads to a multiple of `P`, head_dim to
 //! 128 lanes); padding is never moved and stays zero. See [`KvLayout::packing`] for the sources.
+//! A sixth, [`BlockOrder::RpaMla`], is tpu-inference's MLA latent cache (one plane, one head
+//! replicated over TP): per layer `[num_blocks, block_size, D']`, each token's latent and rope in
+//! the first `head_dim` of its `D'` = 128-aligned lanes.
 
 use serde::{Deserialize, Serialize};
 
@@ -114,10 +117,21 @@ pub enum BlockOrder {
     /// `kernels/ragged_paged_attention/v3/kernel_hd64.py` (`get_kv_cache_shape`, `merge_kv`) of
     /// vllm-torchtpu-core 0.29.0 and tpu-inference 0.32.0. Needs two planes and head_dim 64.
     Rpa3Hd64,
+    /// tpu-inference's MLA ragged paged attention cache (`kernels/mla/v2/kernel.py`
+    /// `get_kv_cache_shape`, tpu-inference 0.32.0): per layer `[num_blocks, block_size / K, K,
+    /// D']` (`K` = `MLA_KV_PACKING_SIZE` tokens per packed row, 32 by default; tokens in order),
+    /// i.e. token-major `[num_blocks, block_size, D']` with `D'` = head_dim rounded up to 128. The
+    /// kernel pads the latent (`kv_lora_rank`) and the rope part to 128 lanes each; where the
+    /// latent is a multiple of 128 (DeepSeek-V2/V3 and Kimi-K2: 512 + 64 = 576 in 640 lanes) the
+    /// real elements are the first `head_dim` lanes of each token and the rest is zero padding,
+    /// never moved. Needs one plane (MLA); `block_size` must be a multiple of `K` (no padded
+    /// tokens). Sharded `P(data, kv_context)`: replicated over TP like every MLA cache here.
+    RpaMla,
 }
 
 impl BlockOrder {
-    /// `nhd`, `hnd`, `lbhnc`, `rpa3` or `rpa3hd64` (also the JSON and layout-spec names).
+    /// `nhd`, `hnd`, `lbhnc`, `rpa3`, `rpa3hd64` or `rpamla` (also the JSON and layout-spec
+    /// names).
     pub fn name(self) -> &'static str {
         match self {
             BlockOrder::Nhd => "nhd",
@@ -125,16 +139,18 @@ impl BlockOrder {
             BlockOrder::Lbhnc => "lbhnc",
             BlockOrder::Rpa3 => "rpa3",
             BlockOrder::Rpa3Hd64 => "rpa3hd64",
+            BlockOrder::RpaMla => "rpamla",
         }
     }
 
     /// Every order, in declaration order.
-    pub const ALL: [BlockOrder; 5] = [
+    pub const ALL: [BlockOrder; 6] = [
         BlockOrder::Nhd,
         BlockOrder::Hnd,
         BlockOrder::Lbhnc,
         BlockOrder::Rpa3,
         BlockOrder::Rpa3Hd64,
+        BlockOrder::RpaMla,
     ];
 
     /// The order named `name` (case-insensitive), as [`BlockOrder::name`] spells it.
@@ -149,7 +165,7 @@ impl BlockOrder {
                 Error::Layout(format!(
                     "unknown block order `{name}` (known: nhd, hnd, lbhnc (vLLM CPU's opaque \
                      blocks), rpa3 and rpa3hd64 (the TPU engines' ragged paged attention v3 \
-                     caches))"
+                     caches), rpamla (tpu-inference's MLA cache))"
                 ))
             })
     }
@@ -173,6 +189,16 @@ impl BlockOrder {
     /// Whether this is one of the TPU engines' ragged paged attention v3 orders (padded).
     pub fn is_rpa3(self) -> bool {
         matches!(self, BlockOrder::Rpa3 | BlockOrder::Rpa3Hd64)
+    }
+
+    /// Whether this is one of the TPU engines' padded caches (the RPA v3 orders and
+    /// [`BlockOrder::RpaMla`]): padding that is never moved and stays zero
+    /// ([`KvLayout::token_padding`]), rows addressed in a dense row-major buffer only.
+    pub fn is_tpu(self) -> bool {
+        matches!(
+            self,
+            BlockOrder::Rpa3 | BlockOrder::Rpa3Hd64 | BlockOrder::RpaMla
+        )
     }
 }
 
@@ -526,8 +552,16 @@ impl ParallelLayout {
     /// interleaves the `P` slots of each packed row lane by lane) is refused naming it.
     pub fn check_physical_layout(&self, other: &ParallelLayout) -> Result<()> {
         for l in [self, other] {
-            if let (true, Some(p)) = (l.spec.order.is_rpa3(), &l.physical_layout) {
-                if !crate::transfer::is_dense_row_major(p, 5) {
+            if let (true, Some(p)) = (l.spec.order.is_tpu(), &l.physical_layout) {
+                // Dense row-major of the buffer's own rank (5 for RPA v3; tpu-inference's MLA
+                // arrays are 4-dimensional).
+                let rank = p
+                    .trim()
+                    .trim_start_matches('{')
+                    .split([':', '}'])
+                    .next()
+                    .map_or(0, |d| d.split(',').filter(|x| !x.trim().is_empty()).count());
+                if !crate::transfer::is_dense_row_major(p, rank) {
                     return Err(Error::Mismatch(format!(
                         "physical layout `{p}` of the {} buffers ({}): tpu-sync moves RPA v3 \
                          caches by head row, which only the dense row-major layout `{{4,3,2,1,0}}` \
@@ -722,10 +756,17 @@ impl ParallelLayout {
 /// planes (K and V; MLA caches have their own TPU layout, not supported here) and
 /// [`BlockOrder::Rpa3Hd64`] a head_dim of 64.
 pub fn check_order_fits(order: BlockOrder, model: &ModelKv) -> Result<()> {
+    if order == BlockOrder::RpaMla && (model.kv_planes != 1 || model.num_kv_heads != 1) {
+        return Err(Error::Layout(format!(
+            "model `{}`: block order rpamla is tpu-inference's MLA latent cache (one plane, one \
+             head); this model has {} plane(s) and {} KV heads",
+            model.name, model.kv_planes, model.num_kv_heads
+        )));
+    }
     if order.is_rpa3() && model.kv_planes != 2 {
         return Err(Error::Layout(format!(
             "model `{}`: block order {} holds K and V planes; an MLA latent cache ({} plane) \
-             has another TPU layout, which tpu-sync does not support yet",
+             has another TPU layout (order rpamla: tpu-inference's MLA cache)",
             model.name,
             order.name(),
             model.kv_planes
@@ -792,7 +833,9 @@ impl KvLayout {
     /// orders.
     pub fn padded_head_dim(&self) -> u32 {
         match self.order {
-            BlockOrder::Rpa3 => self.head_dim.div_ceil(128).saturating_mul(128),
+            BlockOrder::Rpa3 | BlockOrder::RpaMla => {
+                self.head_dim.div_ceil(128).saturating_mul(128)
+            }
             BlockOrder::Rpa3Hd64 => 128,
             _ => self.head_dim,
         }
@@ -813,6 +856,9 @@ impl KvLayout {
     /// included): the stride between tokens. Each of its `R` packed rows of `P * D'` elements is
     /// what a tiled TPU layout keeps contiguous.
     fn rpa3_token_bytes(&self) -> u64 {
+        if self.order == BlockOrder::RpaMla {
+            return self.padded_head_dim() as u64 * self.dtype.size();
+        }
         self.packed_rows() as u64
             * self.packing() as u64
             * self.padded_head_dim() as u64
@@ -823,7 +869,7 @@ impl KvLayout {
     /// block ([`BlockOrder::planes_within_block`]) a block is `kv_planes * block_bytes()`
     /// contiguous bytes (RPA v3: padding included, `block_size * R * P * D' * size / 2`).
     pub fn block_bytes(&self) -> u64 {
-        if self.order.is_rpa3() {
+        if self.order.is_tpu() {
             return self.block_size as u64 * self.rpa3_token_bytes() / self.kv_planes.max(1) as u64;
         }
         self.block_size as u64 * self.num_heads as u64 * self.row_bytes()
@@ -831,7 +877,9 @@ impl KvLayout {
 
     /// [`KvLayout::buffer_bytes`] in `u128`, without wrapping (for validating a peer's fields).
     pub fn buffer_bytes_wide(&self) -> u128 {
-        let token = if self.order.is_rpa3() {
+        let token = if self.order == BlockOrder::RpaMla {
+            (self.head_dim as u128).div_ceil(128) * 128 * self.dtype.size() as u128
+        } else if self.order.is_rpa3() {
             let p = self.packing() as u128;
             let rows = match self.order {
                 BlockOrder::Rpa3 => (2 * self.num_heads as u128).div_ceil(p),
@@ -852,9 +900,10 @@ impl KvLayout {
     }
 
     /// Byte ranges `(offset, len)` of one token's padding inside its block, relative to the
-    /// token's first byte, in the RPA v3 orders (empty for the others, which have none): the
+    /// token's first byte, in the TPU orders (empty for the others, which have none): the
     /// unused slots `j >= 2 * heads` (`>= heads` for head_dim 64) and the lanes `d >= head_dim`
-    /// of used slots. Padding is never moved; a destination's stays as it was (zero).
+    /// of used slots (RPA v3), the lanes `d >= head_dim` ([`BlockOrder::RpaMla`]). Padding is
+    /// never moved; a destination's stays as it was (zero).
     pub fn token_padding(&self) -> Vec<(u64, u64)> {
         let es = self.dtype.size();
         let slot = self.padded_head_dim() as u64 * es;
@@ -862,6 +911,14 @@ impl KvLayout {
         let (used, real) = match self.order {
             BlockOrder::Rpa3 => (2 * self.num_heads as u64, self.row_bytes()),
             BlockOrder::Rpa3Hd64 => (self.num_heads as u64, 2 * self.row_bytes()),
+            BlockOrder::RpaMla => {
+                let real = self.row_bytes();
+                return if real < slot {
+                    vec![(real, slot - real)]
+                } else {
+                    Vec::new()
+                };
+            }
             _ => return Vec::new(),
         };
         let mut v = Vec::new();
@@ -876,7 +933,7 @@ impl KvLayout {
         v
     }
 
-    /// Byte offset of token `token` of `block` in the RPA v3 orders.
+    /// Byte offset of token `token` of `block` in the TPU orders ([`BlockOrder::is_tpu`]).
     pub fn token_offset(&self, block: u32, token: u32) -> u64 {
         (block as u64 * self.block_size as u64 + token as u64) * self.rpa3_token_bytes()
     }
@@ -906,6 +963,15 @@ impl KvLayout {
     /// block_size, kv_planes * head_dim]`, vLLM's per-layer shape with a leading 1; RPA v3:
     /// `[num_blocks, block_size, R, P, D']`).
     pub fn dims(&self) -> [i64; 5] {
+        if self.order == BlockOrder::RpaMla {
+            return [
+                1,
+                1,
+                self.num_blocks as i64,
+                self.block_size as i64,
+                self.padded_head_dim() as i64,
+            ];
+        }
         if self.order.is_rpa3() {
             return [
                 self.num_blocks as i64,
@@ -918,7 +984,7 @@ impl KvLayout {
         let (a, b) = match self.order {
             BlockOrder::Nhd => (self.block_size, self.num_heads),
             BlockOrder::Hnd => (self.num_heads, self.block_size),
-            BlockOrder::Lbhnc | BlockOrder::Rpa3 | BlockOrder::Rpa3Hd64 => {
+            BlockOrder::Lbhnc | BlockOrder::Rpa3 | BlockOrder::Rpa3Hd64 | BlockOrder::RpaMla => {
                 return [
                     1,
                     self.num_blocks as i64,
@@ -963,6 +1029,8 @@ impl KvLayout {
                     + head as u64 * 128 * self.dtype.size()
                     + plane as u64 * self.row_bytes();
             }
+            // One plane, one head: the token's row.
+            BlockOrder::RpaMla => return self.token_offset(block, token),
         };
         plane as u64 * self.plane_bytes()
             + block as u64 * self.block_bytes()

@@ -154,7 +154,7 @@ impl RankContents {
                 kv.buffer_bytes()
             )));
         }
-        if kv.order.is_rpa3() {
+        if kv.order.is_tpu() {
             // The padding of the RPA v3 orders is zero (as the engines allocate it); the rows
             // are written below.
             out.fill(0);

@@ -74,15 +74,15 @@ def host(a):
     return np.asarray(jax.device_get(a)).view(np.dtype(f"u{np.dtype(a.dtype).itemsize}"))
 
 
-def runner_pair(dtype, s_tp, d_tp, s_bs, d_bs, dim=DIM):
+def runner_pair(dtype, s_tp, d_tp, s_bs, d_bs, dim=DIM, heads=HEADS):
     devs = devices_or_skip(8)
     s_nb, d_nb = 2 * -(-TOKENS // s_bs) + 3, 2 * -(-TOKENS // d_bs) + 3
     s_ids = [(5 * i + 2) % s_nb for i in range(-(-TOKENS // s_bs))]
     d_ids = [(d_nb - 1 - 2 * i) % d_nb for i in range(-(-TOKENS // d_bs))]
     assert len(set(s_ids)) == len(s_ids) and len(set(d_ids)) == len(d_ids)
     hd64 = dim == 64
-    src = rank_caches(LAYERS, TOKENS, HEADS, dim, dtype, s_tp, s_bs, s_nb, [s_ids] * s_tp, hd64, seed=11)
-    want = rank_caches(LAYERS, TOKENS, HEADS, dim, dtype, d_tp, d_bs, d_nb, [d_ids] * d_tp, hd64, seed=11)
+    src = rank_caches(LAYERS, TOKENS, heads, dim, dtype, s_tp, s_bs, s_nb, [s_ids] * s_tp, hd64, seed=11)
+    want = rank_caches(LAYERS, TOKENS, heads, dim, dtype, d_tp, d_bs, d_nb, [d_ids] * d_tp, hd64, seed=11)
     # The consumer's caches: other requests' bytes everywhere but the destination blocks (zero,
     # as a freshly allocated block of tpu-inference's zero-initialised caches).
     rng = np.random.default_rng(3)
@@ -117,6 +117,9 @@ CASES = [
     ("bf16", 4, 2, 16, 32, 64),
     ("fp8", 2, 4, 32, 16, 64),
 ]
+# Fewer KV heads than TP (2 heads, TP=4): tpu-inference pads the heads to TP by repeating each
+# (``get_padded_num_heads``; ``repeat_interleave`` of the KV projection), one head per shard.
+FEW_HEADS_CASES = [("bf16", 4, 2, 16, 32, 128), ("fp8", 2, 4, 16, 16, 128)]
 
 
 @pytest.mark.parametrize("dtype,s_tp,d_tp,s_bs,d_bs,dim", CASES)
@@ -154,6 +157,26 @@ def test_pd_between_tpu_inference_runners_reshards_byte_exact(dtype, s_tp, d_tp,
         assert st["h2d_bytes"] == len(d_ids) * d_bs * np.prod(expect[0].shape[2:]) * expect[0].itemsize * LAYERS
     else:
         assert st["h2d_bytes"] == 0 and st["views_built"] >= 1
+
+
+@pytest.mark.parametrize("dtype,s_tp,d_tp,s_bs,d_bs,dim", FEW_HEADS_CASES)
+def test_pd_with_fewer_kv_heads_than_tp(dtype, s_tp, d_tp, s_bs, d_bs, dim):
+    heads = 2
+    prod, cons, s_ids, d_ids, expect, src_glob = runner_pair(dtype, s_tp, d_tp, s_bs, d_bs, dim, heads=heads)
+    client = tpu_sync.Client()
+    pk, ck = JaxKv(prod, client=client), JaxKv(cons, client=client)
+    assert (pk.tp, ck.tp) == (s_tp, d_tp)
+    model = tpu_sync.model("tpu-inference-test", num_layers=LAYERS, num_kv_heads=heads, head_dim=dim, dtype=dtype)
+    with tpu_sync.Endpoint(listen="127.0.0.1:0", timeout=20, name="prefill") as pe, \
+            tpu_sync.Endpoint(listen=None, timeout=20, name="decode") as de:
+        src_place = pk.register(pe, 79, model, s_ids, TOKENS)
+        report = ck.pull(de, 79, pe.address, src_place, model, d_ids, TOKENS, timeout_s=60)
+    # Every destination shard gets its head: replicated heads are moved once per replica.
+    rep = max(1, d_tp // heads)
+    assert report["bytes"] == TOKENS * heads * rep * 2 * dim * np.dtype(DTYPES[dtype]).itemsize * LAYERS
+    for layer in range(LAYERS):
+        assert np.array_equal(host(cons.kv_caches[layer]), expect[layer]), f"layer {layer}"
+        assert np.array_equal(host(prod.kv_caches[layer]), src_glob[layer]), f"layer {layer}: producer changed"
 
 
 def test_views_follow_a_forward_that_moves_the_caches():
@@ -197,3 +220,95 @@ def test_xla_layout_text():
 
     assert xla_layout(L(), 5) == "{4,3,2,1,0:T(4,128)(4,1)}"
     assert xla_layout(None, 3) == "{2,1,0}"
+
+
+# ---- tpu-inference's MLA cache ----------------------------------------------------------------
+# ``[num_blocks, block_size / K, K, D']`` per layer (``kernels/mla/v2/kernel.py``
+# ``get_kv_cache_shape``, ``K = MLA_KV_PACKING_SIZE`` = 32 by default), token ``t`` of a block at
+# ``[t / K, t % K]``, its 576 latent + rope elements in the first lanes of ``D' = 640`` (the
+# kernel pads the 512 latent and the 64 rope lanes to 128 each), sharded ``P("data",
+# "kv_context")``: replicated over the ``model`` axis.
+
+MLA_DIM, MLA_K = 576, 32
+
+
+def mla_cache(nb, bs, tokens, ids, dtype, seed, fill=None):
+    """One layer's MLA cache as the kernel's ``prepare_kv_inputs`` lays tokens out: zero (or
+    ``fill``), then the request's tokens of seed ``seed`` written at blocks ``ids``."""
+    np_t = DTYPES[dtype]
+    lanes = -(-MLA_DIM // 128) * 128
+    c = np.zeros((nb, bs // MLA_K, MLA_K, lanes), dtype=np_t) if fill is None else fill.copy()
+    rng = np.random.default_rng(seed)
+    lat = rng.integers(1, np.iinfo(np_t).max, size=(tokens, MLA_DIM), dtype=np_t, endpoint=True)
+    for t in range(tokens):
+        k = t % bs
+        c[ids[t // bs], k // MLA_K, k % MLA_K, :MLA_DIM] = lat[t]
+        c[ids[t // bs], k // MLA_K, k % MLA_K, MLA_DIM:] = 0
+    return c
+
+
+def replicated(glob, devices, tp, dtype):
+    mesh = Mesh(np.array(devices[:tp]).reshape(1, tp), ("data", "model"))
+    return jax.device_put(glob.view(JAX_DTYPE[dtype]), NamedSharding(mesh, P("data", None)))
+
+
+def replicas(a):
+    """Every device's copy of a replicated array, as bit patterns."""
+    u = np.dtype(f"u{np.dtype(a.dtype).itemsize}")
+    return [np.asarray(s.data).view(u) for s in a.addressable_shards]
+
+
+@pytest.mark.parametrize("dtype,s_tp,d_tp,s_bs,d_bs", [
+    ("bf16", 4, 2, 64, 32),   # prefill TP=4 -> decode TP=2, other block sizes
+    ("fp8", 2, 4, 32, 64),
+    ("bf16", 1, 4, 32, 32),
+])
+@pytest.mark.parametrize("backend", ["auto", "framework-copy"])
+def test_pd_between_tpu_inference_mla_runners_writes_every_replica(dtype, s_tp, d_tp, s_bs, d_bs, backend):
+    devs = devices_or_skip(8)
+    s_nb, d_nb = 2 * -(-TOKENS // s_bs) + 3, 2 * -(-TOKENS // d_bs) + 3
+    s_ids = [(5 * i + 2) % s_nb for i in range(-(-TOKENS // s_bs))]
+    d_ids = [(d_nb - 1 - 2 * i) % d_nb for i in range(-(-TOKENS // d_bs))]
+    np_t = DTYPES[dtype]
+    rng = np.random.default_rng(5)
+    src, expect, dst_init = [], [], []
+    for layer in range(LAYERS):
+        src.append(mla_cache(s_nb, s_bs, TOKENS, s_ids, dtype, seed=40 + layer))
+        init = rng.integers(1, np.iinfo(np_t).max, size=(d_nb, d_bs // MLA_K, MLA_K, 640), dtype=np_t)
+        init[d_ids] = 0
+        dst_init.append(init)
+        expect.append(mla_cache(d_nb, d_bs, TOKENS, d_ids, dtype, seed=40 + layer, fill=init))
+    prod = Runner([replicated(src[l], devs[0:], s_tp, dtype) for l in range(LAYERS)])
+    cons = Runner([replicated(dst_init[l], devs[4:], d_tp, dtype) for l in range(LAYERS)])
+    client = tpu_sync.Client()
+    pk = JaxKv(prod, backend=backend, client=client)
+    ck = JaxKv(cons, backend=backend, client=client)
+    assert (pk.mla, pk.tp, pk.ranks, ck.tp, ck.ranks) == (True, s_tp, list(range(s_tp)), d_tp, list(range(d_tp)))
+    assert (pk.block_size, ck.block_size) == (s_bs, d_bs)
+    model = tpu_sync.model("deepseek-mla-test", num_layers=LAYERS, num_kv_heads=1, head_dim=MLA_DIM, dtype=dtype,
+                           kv_planes=1)
+    assert pk.layout(model)["spec"]["order"] == "rpamla"
+    prod.forward()
+    cons.forward()
+    with tpu_sync.Endpoint(listen="127.0.0.1:0", timeout=20, name="prefill") as pe, \
+            tpu_sync.Endpoint(listen=None, timeout=20, name="decode") as de:
+        src_place = pk.register(pe, 78, model, s_ids, TOKENS)
+        prod.forward()
+        report = ck.pull(de, 78, pe.address, src_place, model, d_ids, TOKENS, timeout_s=60)
+    # The latent of every token once per destination replica (TP rank), never the lane padding.
+    assert report["bytes"] == TOKENS * MLA_DIM * np.dtype(np_t).itemsize * LAYERS * d_tp
+    for layer in range(LAYERS):
+        reps = replicas(cons.kv_caches[layer])
+        assert len(reps) == d_tp
+        for i, got in enumerate(reps):
+            assert np.array_equal(got, expect[layer]), f"layer {layer} replica {i} differs"
+        for got in replicas(prod.kv_caches[layer]):
+            assert np.array_equal(got, src[layer]), f"layer {layer}: producer changed"
+
+
+def test_mla_caches_split_over_the_context_axis_are_refused():
+    devs = devices_or_skip(8)
+    mesh = Mesh(np.array(devs[:4]).reshape(1, 2, 2), ("data", "kv_context", "model"))
+    a = jax.device_put(np.zeros((4, 2, 32, 640), ml_dtypes.bfloat16), NamedSharding(mesh, P("data", "kv_context")))
+    with pytest.raises(UnsupportedError, match="kv_context"):
+        JaxKv(Runner([a]))

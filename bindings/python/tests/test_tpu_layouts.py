@@ -52,13 +52,15 @@ def rank_caches(layers, tokens, heads, dim, dtype, tp, block_size, num_blocks, b
     """Every TP rank's per-layer caches holding the request at ``block_ids[rank]``."""
     np_t = DTYPES[dtype]
     packing = 4 // np.dtype(np_t).itemsize
-    local = heads // tp
+    # Fewer heads than TP: each head on TP / heads consecutive ranks (tpu-inference's
+    # repeat_interleave of the KV projection; tpu_sync's replicated TP split).
+    local, rep = max(1, heads // tp), max(1, tp // heads)
     out = []
     for r in range(tp):
         per_layer = []
         for layer in range(layers):
             k, v = logical_kv(layer, tokens, heads, dim, np_t, seed)
-            sl = slice(r * local, (r + 1) * local)
+            sl = slice(r // rep * local, (r // rep + 1) * local)
             merged = merge_kv(k[:, sl], v[:, sl], packing, hd64)
             cache = np.zeros((num_blocks, block_size) + merged.shape[1:], dtype=np_t)
             for t in range(tokens):

@@ -1177,9 +1177,9 @@ impl HybridLayout {
                     grp.kind.name()
                 ));
             }
-            if gl.order.unwrap_or(s.order).is_rpa3() {
+            if gl.order.unwrap_or(s.order).is_tpu() {
                 return bad(format!(
-                    "block order {} (the TPU engines' RPA v3 cache) is supported for uniform \
+                    "block order {} (a TPU engine's cache) is supported for uniform \
                      layouts only; hybrid TPU pools are not mapped yet (docs/tpu.md)",
                     gl.order.unwrap_or(s.order).name()
                 ));

@@ -938,3 +938,169 @@ fn rpa3_shapes_follow_the_engines_formulas() {
         ParallelLayout::new(llama, ParallelSpec::parse("order=rpa3hd64").unwrap(), 4).unwrap_err();
     assert!(e.to_string().contains("head_dim"), "{e}");
 }
+
+/// An independent reference of one rank's layer buffer in tpu-inference's MLA cache
+/// ([`BlockOrder::RpaMla`]), built as its kernel's `prepare_kv_inputs` builds the new tokens
+/// (`kernels/mla/v2/kernel.py`, tpu-inference 0.32.0): each token's `head_dim` latent + rope
+/// elements, lanes padded with zeros to a multiple of 128, tokens reshaped to `[-1, K, D']`, so
+/// token `k` of block `b` is row `b * block_size + k` of `D'` lanes. Everything else is zero.
+/// Every TP rank holds the same latent (MLA is replicated over TP). `blocks`: (request block
+/// index, block id).
+fn mla_reference(
+    layer: u32,
+    head_dim: u32,
+    dtype: DType,
+    block_size: u32,
+    num_blocks: u32,
+    blocks: &[(u32, u32)],
+    num_tokens: u32,
+) -> Vec<u8> {
+    let size = dtype.size() as usize;
+    let lanes = (head_dim as usize).div_ceil(128) * 128;
+    let mut out = vec![0u8; num_blocks as usize * block_size as usize * lanes * size];
+    for &(i, id) in blocks {
+        for k in 0..block_size {
+            let t = i * block_size + k;
+            if t >= num_tokens {
+                break;
+            }
+            let row: Vec<u8> = (0..head_dim)
+                .flat_map(|d| rpa3_value(layer, t, 0, 0, d, size))
+                .collect();
+            let at = (id as usize * block_size as usize + k as usize) * lanes * size;
+            out[at..at + row.len()].copy_from_slice(&row);
+        }
+    }
+    out
+}
+
+fn mla_rank_buffers(pl: &Placement, layer: u32, num_tokens: u32) -> Vec<Vec<u8>> {
+    let l = &pl.layout;
+    (0..l.num_ranks())
+        .map(|r| {
+            let c = l.coord(r).unwrap();
+            let blocks: Vec<(u32, u32)> = match pl.local_rank(r) {
+                Some(local) => l
+                    .pcp_chunk(num_tokens, c.pcp)
+                    .unwrap()
+                    .zip(pl.block_ids[local as usize].iter().copied())
+                    .collect(),
+                None => Vec::new(),
+            };
+            mla_reference(
+                layer,
+                l.model.head_dim,
+                l.model.dtype,
+                l.spec.block_size,
+                l.num_blocks,
+                &blocks,
+                num_tokens,
+            )
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: if cfg!(miri) { 1 } else { 48 }, .. ProptestConfig::default() })]
+
+    /// tpu-inference's MLA cache to itself (any TP on either side: every destination TP rank
+    /// gets the latent; PCP on the source; other block sizes; head_dim 576 padded to 640 or an
+    /// aligned one): the plan applied to buffers of the independent `prepare_kv_inputs`
+    /// reference gives exactly the destination's reference, lane padding still zero, and it
+    /// moves exactly the real bytes (one latent per token per destination TP rank).
+    #[test]
+    fn rpamla_reshards_byte_exact_against_the_kernels_reference(
+        dim in proptest::sample::select(vec![576u32, 512, 192]),
+        dtype in prop_oneof![Just(DType::F32), Just(DType::Bf16), Just(DType::Fp8)],
+        tokens in 1u32..90,
+        seed in any::<u64>(),
+        s_tp in proptest::sample::select(vec![1u32, 2, 4, 8]),
+        d_tp in proptest::sample::select(vec![1u32, 2, 4, 8]),
+        s_pcp in 1u32..=2,
+        s_bs in proptest::sample::select(vec![8u32, 16, 32]),
+        d_bs in proptest::sample::select(vec![8u32, 32, 64]),
+    ) {
+        let m = ModelKv { head_dim: dim, ..model(1, 1, dtype) };
+        let src = placement(layout(&m, s_tp, s_pcp, 1, s_bs, BlockOrder::RpaMla, tokens), 0, tokens, seed);
+        let dst = placement(layout(&m, d_tp, 1, 1, d_bs, BlockOrder::RpaMla, tokens), 0, tokens, !seed);
+        src.layout.validate().unwrap();
+        dst.layout.validate().unwrap();
+        let plan = Plan::build(&src, &dst, tokens).unwrap();
+        for layer in 0..m.num_layers {
+            let from = mla_rank_buffers(&src, layer, tokens);
+            let want = mla_rank_buffers(&dst, layer, tokens);
+            let mut got: Vec<Vec<u8>> = want.iter().map(|b| vec![0u8; b.len()]).collect();
+            for s in plan.spans.iter().filter(|s| s.src_buffer == layer) {
+                for (so, dof) in s.runs() {
+                    let (so, dof, n) = (so as usize, dof as usize, s.len as usize);
+                    got[s.dst_rank as usize][dof..dof + n]
+                        .copy_from_slice(&from[s.src_rank as usize][so..so + n]);
+                }
+            }
+            for r in 0..got.len() {
+                prop_assert!(got[r] == want[r], "layer {} rank {} differs from the reference", layer, r);
+            }
+        }
+        prop_assert_eq!(plan.total_bytes(), tokens as u64 * m.bytes_per_token() * d_tp as u64);
+    }
+
+    /// tpu-inference's MLA cache against the GPU orders' MLA buffers (NHD, HND; TP, PCP, DP and
+    /// block sizes differing), both ways, with the pattern simulation: every destination byte
+    /// exactly once, nothing else touched, an `rpamla` destination's lane padding still zero.
+    #[test]
+    fn rpamla_and_the_gpu_mla_orders_convert_both_ways(
+        dtype in prop_oneof![Just(DType::F32), Just(DType::Bf16), Just(DType::Fp8)],
+        tokens in 1u32..60,
+        seed in any::<u64>(),
+        s in arb_side(1),
+        d in arb_side(1),
+        to_tpu in any::<bool>(),
+    ) {
+        let m = ModelKv { head_dim: 144, ..model(1, 1, dtype) };
+        let (so, dord) = if to_tpu { (s.4, BlockOrder::RpaMla) } else { (BlockOrder::RpaMla, d.4) };
+        let sl = layout(&m, s.0, s.1, s.2, s.3, so, tokens);
+        let dl = layout(&m, d.0, d.1, d.2, d.3, dord, tokens);
+        let src = placement(sl, seed as u32 % s.2, tokens, seed);
+        let dst = placement(dl, (seed >> 8) as u32 % d.2, tokens, !seed);
+        let plan = Plan::build(&src, &dst, tokens).unwrap();
+        simulate(&src, &dst, tokens, &plan);
+    }
+}
+
+/// tpu-inference's MLA cache shape (`get_kv_cache_shape` of `kernels/mla/v2/kernel.py`:
+/// `(N, align(BS, K) / K, K, align(kv_dim, 128))`, here with `block_size` a multiple of `K`, so
+/// `[N, BS, D']` up to the split of the token axis), offsets and padding; refused for models
+/// that are not one-plane, one-head MLA.
+#[test]
+fn rpamla_shape_offsets_and_refusals() {
+    let k = KvLayout {
+        num_layers: 1,
+        kv_planes: 1,
+        num_blocks: 10,
+        block_size: 64,
+        num_heads: 1,
+        head_dim: 576,
+        dtype: DType::Bf16,
+        order: BlockOrder::RpaMla,
+    };
+    assert_eq!(k.dims(), [1, 1, 10, 64, 640]);
+    assert_eq!(k.padded_head_dim(), 640);
+    assert_eq!(k.block_bytes(), 64 * 640 * 2);
+    assert_eq!(k.buffer_bytes(), 10 * 64 * 640 * 2);
+    assert_eq!(k.buffer_bytes_wide(), k.buffer_bytes() as u128);
+    assert_eq!(k.row_bytes(), 576 * 2);
+    assert_eq!(k.row_offset(0, 3, 5, 0), (3 * 64 + 5) * 640 * 2);
+    assert_eq!(k.token_padding(), vec![(576 * 2, 64 * 2)]);
+    assert_eq!(
+        KvLayout { head_dim: 512, ..k }.token_padding(),
+        Vec::<(u64, u64)>::new()
+    );
+    assert_eq!(BlockOrder::parse("RpaMla").unwrap(), BlockOrder::RpaMla);
+    let mla = ModelKv::preset("deepseek-v3").unwrap();
+    let l = ParallelLayout::new(mla, ParallelSpec::parse("tp=4,order=rpamla").unwrap(), 8).unwrap();
+    assert_eq!(l.rank_kv().unwrap().dims(), [1, 1, 8, 16, 640]);
+    let llama = ModelKv::preset("llama-3.1-8b").unwrap();
+    let e =
+        ParallelLayout::new(llama, ParallelSpec::parse("order=rpamla").unwrap(), 4).unwrap_err();
+    assert!(e.to_string().contains("MLA"), "{e}");
+}

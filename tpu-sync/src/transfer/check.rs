@@ -59,6 +59,7 @@ fn expected(kv: &KvLayout) -> String {
                 "[1, blocks, heads, block tokens, planes * head_dim]",
             crate::layout::BlockOrder::Rpa3 | crate::layout::BlockOrder::Rpa3Hd64 =>
                 "[blocks, block tokens, packed rows, packing, padded head_dim]",
+            crate::layout::BlockOrder::RpaMla => "[blocks, block tokens, padded head_dim]",
         },
         kv.buffer_bytes()
     )

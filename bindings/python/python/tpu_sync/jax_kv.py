@@ -27,10 +27,20 @@ Two back ends move the bytes (:attr:`JaxKv.backend`, with the reason in
   donating scatter (``cache.at[ids].set(...)``) whose results replace ``runner.kv_caches[l]``.
   One more host copy than ``pjrt-view``.
 
+MLA models: tpu-inference's MLA cache is ``[num_blocks, block_size / K, K, D']`` per layer
+(``kernels/mla/v2/kernel.py`` ``get_kv_cache_shape``: ``K = MLA_KV_PACKING_SIZE`` tokens per
+packed row, ``D'`` the latent and rope parts each padded to 128 lanes), sharded
+``P("data", "kv_context")`` (``runner/kv_cache.py``): not split over the ``model`` axis, so every
+device of that axis holds a replica of the whole latent. Each replica is one TP rank's buffer of
+tpu_sync's ``rpamla`` layout (``[num_blocks, block_size, D']``, the same bytes): a pull writes every
+replica, a register reads them (all equal).
+
 Not mapped (refused with the reason): a data axis of more than one device (the DP shards split
-the block ids), replicated KV shards (fewer KV heads than TP), tiled physical layouts (a TPU's
-``Layout.tiling``; the layout is passed on, and a plan that needs rows it cannot address refuses
-it by name).
+the block ids), an MLA cache split over the ``kv_context`` axis (PCP/DCP in the mesh), tiled
+physical layouts (a TPU's ``Layout.tiling``; the layout is passed on, and a plan that needs rows it
+cannot address refuses it by name). (KV heads fewer than TP are mapped: tpu-inference pads them
+to TP by repeating each head, ``repeat_interleave``, so each shard holds one head, as tpu_sync's
+replicated TP split expects.)
 
 Thread-safety: one :class:`JaxKv` per model-runner thread; its calls must not overlap a forward
 that donates the caches (the connector hooks run between forwards).
@@ -137,9 +147,12 @@ class JaxKv:
             if a.shape != a0.shape or a.dtype != a0.dtype or a.sharding != a0.sharding:
                 raise _fail(InvalidArgumentError, f"layer {i}: shape {a.shape} {a.dtype} {a.sharding} differs from layer "
                             f"0's {a0.shape} {a0.dtype} {a0.sharding}")
-        if len(a0.shape) != 5:
+        if len(a0.shape) not in (4, 5):
             raise _fail(InvalidArgumentError, f"a KV cache of shape {a0.shape}: expected the RPA v3 cache "
-                        "[num_blocks, block_size, R, P, D']")
+                        "[num_blocks, block_size, R, P, D'] or tpu-inference's MLA cache [num_blocks, "
+                        "block_size / K, K, D']")
+        #: tpu-inference's MLA latent cache (4-dimensional), replicated over the model axis
+        self.mla = len(a0.shape) == 4
         dt = str(a0.dtype)
         if dt not in JAX_DTYPES:
             raise _fail(UnsupportedError, f"KV cache dtype {dt} (supported: {', '.join(JAX_DTYPES)})")
@@ -153,24 +166,54 @@ class JaxKv:
             raise _fail(UnsupportedError, f"the KV caches are split over mesh axis {data_axis!r} "
                         f"({sizes[data_axis]} data-parallel shards of the block ids): not mapped yet")
         dim = _axis_of(spec, model_axis)
-        if dim not in (None, 2):
-            raise _fail(UnsupportedError, f"the KV caches are sharded over {model_axis!r} on dimension {dim}; "
-                        "tpu-inference's RPA v3 cache shards dimension 2 (the packed head rows)")
         shards = list(a0.addressable_shards)
-        self.tp = sizes.get(model_axis, 1) if dim == 2 else 1
-        # TP rank of each shard: its row range's start / rows per shard.
         self.shard_shape = tuple(int(x) for x in shards[0].data.shape)
-        rows = self.shard_shape[2]
         self._rank_of: Dict[Any, int] = {}
-        for s in shards:
-            start = (s.index[2].start or 0) if dim == 2 else 0
-            r = start // rows
-            if r in self._rank_of.values():
-                raise _fail(UnsupportedError, f"TP rank {r}'s KV shard is on more than one device "
-                            "(replicated KV heads, or a data axis not in the sharding): not mapped yet")
-            self._rank_of[s.device] = r
+        if self.mla:
+            if dim is not None:
+                raise _fail(UnsupportedError, f"an MLA cache sharded over {model_axis!r} on dimension {dim}; "
+                            "tpu-inference replicates it over that axis")
+            if tuple(self.shard_shape) != tuple(int(x) for x in a0.shape):
+                raise _fail(UnsupportedError, f"an MLA cache split into shards of {self.shard_shape} (global "
+                            f"{tuple(a0.shape)}): a kv_context (PCP/DCP) split is not mapped yet")
+            # One replica per device of the model axis: TP rank = the device's position on it.
+            import numpy as np
+
+            self.tp = sizes.get(model_axis, 1) if mesh is not None else 1
+            names = list(getattr(mesh, "axis_names", ()))
+            for s in shards:
+                r = 0
+                if mesh is not None and model_axis in names:
+                    at = np.argwhere(np.asarray(mesh.devices) == s.device)
+                    r = int(at[0][names.index(model_axis)]) if len(at) else -1
+                if r < 0 or r in self._rank_of.values():
+                    raise _fail(UnsupportedError, f"MLA replica on {s.device}: TP rank {r} is not one device of the "
+                                f"{model_axis!r} axis (another mesh axis in play): not mapped yet")
+                self._rank_of[s.device] = r
+        else:
+            if dim not in (None, 2):
+                raise _fail(UnsupportedError, f"the KV caches are sharded over {model_axis!r} on dimension {dim}; "
+                            "tpu-inference's RPA v3 cache shards dimension 2 (the packed head rows)")
+            self.tp = sizes.get(model_axis, 1) if dim == 2 else 1
+            # TP rank of each shard: its row range's start / rows per shard.
+            rows = self.shard_shape[2]
+            for s in shards:
+                start = (s.index[2].start or 0) if dim == 2 else 0
+                r = start // rows
+                if r in self._rank_of.values():
+                    raise _fail(UnsupportedError, f"TP rank {r}'s KV shard is on more than one device "
+                                "(a data axis not in the sharding): not mapped yet")
+                self._rank_of[s.device] = r
         self.ranks: List[int] = sorted(self._rank_of.values())
-        self.num_blocks, self.block_size = self.shard_shape[0], self.shard_shape[1]
+        self.num_blocks = self.shard_shape[0]
+        # tpu_sync's shape of a rank's buffer (the same bytes): the shard's own, or for MLA the
+        # token-major [num_blocks, block_size, D'] of the rpamla layout.
+        if self.mla:
+            self.block_size = self.shard_shape[1] * self.shard_shape[2]
+            self.view_shape: Tuple[int, ...] = (self.num_blocks, self.block_size, self.shard_shape[3])
+        else:
+            self.block_size = self.shard_shape[1]
+            self.view_shape = self.shard_shape
         self.physical_layout = xla_layout(getattr(getattr(shards[0].data, "format", None), "layout", None),
                                           len(self.shard_shape))
         host = all(getattr(s.device, "platform", "") == "cpu" for s in shards)
@@ -213,17 +256,19 @@ class JaxKv:
         """Back end and reason, shard geometry, and counters (views built, bytes copied by JAX's
         own copies, registers, pulls)."""
         return dict(self._counters, backend=self.backend, backend_reason=self.backend_reason, tp=self.tp,
-                    ranks=list(self.ranks), shard_shape=list(self.shard_shape), physical_layout=self.physical_layout)
+                    ranks=list(self.ranks), shard_shape=list(self.shard_shape), physical_layout=self.physical_layout,
+                    mla=self.mla)
 
     def layout(self, model: Dict[str, Any], num_blocks: Optional[int] = None) -> Dict[str, Any]:
         """tpu_sync's layout of these caches for ``model`` (RPA v3, or its head_dim-64 form
-        ``rpa3hd64`` when ``model["head_dim"]`` is 64; TP from the mesh, the shards' block size
-        and physical layout); ``num_blocks`` defaults to the caches'."""
+        ``rpa3hd64`` when ``model["head_dim"]`` is 64, or ``rpamla`` for an MLA cache; TP from the
+        mesh, the shards' block size and physical layout); ``num_blocks`` defaults to the
+        caches'."""
         import tpu_sync
 
         # tpu-inference runs the head_dim-64 kernel (K and V of a head side by side in one
         # 128-lane row) whenever head_dim is 64 (ragged_paged_attention/v3/kernel_hd64.py).
-        order = "rpa3hd64" if int(model.get("head_dim", 0)) == 64 else "rpa3"
+        order = "rpamla" if self.mla else "rpa3hd64" if int(model.get("head_dim", 0)) == 64 else "rpa3"
         lay = tpu_sync.layout(model, tp=self.tp, block_size=self.block_size, order=order,
                               num_blocks=self.num_blocks if num_blocks is None else num_blocks)
         if self.physical_layout != xla_layout(None, len(self.shard_shape)):
@@ -262,7 +307,7 @@ class JaxKv:
                 host = np.frombuffer(raw, dtype=np.uint8)
                 # The view keeps the shard alive (its keepalive), and the shard its memory.
                 host_keep = _Keep(host, d)
-                per.append(self.client.view(host_keep.array, shape=self.shard_shape, dtype=self.buffer_dtype))
+                per.append(self.client.view(host_keep.array, shape=self.view_shape, dtype=self.buffer_dtype))
                 per[-1]._jax_keep = host_keep
             views[r] = per
         if self._views is not None:
@@ -327,10 +372,18 @@ class JaxKv:
             for r, p in zip(self.ranks, parts):
                 if tuple(p.shape) != want:
                     raise _fail(MismatchError, f"rank {r} layer {layer}: update of shape {tuple(p.shape)}, expected {want}")
-            glob = want[:2] + (want[2] * self.tp,) + want[3:]
             u = _uint(np.dtype(a.dtype).itemsize)
-            upd = jax.make_array_from_callback(
-                glob, self.sharding, lambda idx: np.asarray(parts[(idx[2].start or 0) // want[2]]).view(u))
+            if self.mla:
+                # One latent, replicated: every replica must have received the same bytes.
+                for r, p in zip(self.ranks, parts):
+                    if not np.array_equal(np.asarray(p).view(u), np.asarray(parts[0]).view(u)):
+                        raise _fail(MismatchError, f"layer {layer}: MLA replica of TP rank {r} differs from "
+                                    f"TP rank {self.ranks[0]}'s (a replicated cache must stay identical)")
+                upd = jax.make_array_from_callback(want, self.sharding, lambda idx: np.asarray(parts[0]).view(u)[idx])
+            else:
+                glob = want[:2] + (want[2] * self.tp,) + want[3:]
+                upd = jax.make_array_from_callback(
+                    glob, self.sharding, lambda idx: np.asarray(parts[(idx[2].start or 0) // want[2]]).view(u))
             self.set_layer(layer, self._scatter(a, ids, upd))
             self._counters["h2d_bytes"] += sum(p.nbytes for p in parts)
 
@@ -359,7 +412,7 @@ class JaxKv:
                     m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
                     arr = np.frombuffer(m, dtype=np.uint8)
                     maps[r].append(m)
-                    views[r].append(self.client.view(arr, shape=self.shard_shape, dtype=self.buffer_dtype))
+                    views[r].append(self.client.view(arr, shape=self.view_shape, dtype=self.buffer_dtype))
             self._mirrors = (maps, views)
         return self._mirrors[1]
 

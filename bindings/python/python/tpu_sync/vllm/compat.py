@@ -40,6 +40,11 @@ RPA3_ORDERS = ("rpa3", "rpa3hd64")
 #: (:meth:`KvGeometry.layer_shape`).
 SAL_ORDER = "rpa-sal"
 
+#: ``kv_order`` (and tpu_sync block order) of tpu-inference's MLA latent cache: per layer
+#: ``[num_blocks, block_size / K, K, D']``, tpu_sync's ``rpamla`` ``[num_blocks, block_size, D']``
+#: (the same bytes), replicated over TP (``tpu_sync.jax_kv``, docs/tpu.md).
+MLA_ORDER = "rpamla"
+
 #: Sublanes of a TPU vector register (8 on every TPU generation vLLM-TorchTPU runs on:
 #: ``pltpu.get_tpu_info_for_chip(...).num_sublanes``). The ``SEQ_ALONG_LANE`` cache rounds
 #: head_dim up to ``SAL_SUBLANES * P`` (``get_kv_cache_shape`` in
@@ -248,7 +253,9 @@ class KvGeometry:
         ``num_blocks`` axis): ``(heads_per_rank, block_size, planes * head_dim)`` for ``lbhnc``;
         ``(block_size, R, P, D')`` for ``rpa3`` with ``R = align(2 * heads, P) / P`` and
         ``D' = align(head_dim, 128)``; ``(block_size, align(heads, P) / P, P, 128)`` for
-        ``rpa3hd64``; ``(2 * heads, D' / P, P, block_size)`` for ``rpa-sal`` with
+        ``rpa3hd64``; ``(block_size, D')`` for ``rpamla`` (tpu-inference's MLA cache as tpu_sync
+        views it, ``D' = align(head_dim, 128)``); ``(2 * heads, D' / P, P, block_size)`` for
+        ``rpa-sal`` with
         ``D' = align(head_dim, 8 * P)`` (:attr:`sal_head_dim`): row ``2 * h + plane`` (K before V
         of each head), then the head dimension packed ``P`` to a word, then the tokens. Source:
         vllm-torchtpu-core 0.29.0 ``get_kv_cache_shape`` (``kernels/experimental/batched_rpa/
@@ -260,6 +267,8 @@ class KvGeometry:
             return (self.block_size, -(-h // p), p, 128)
         if self.is_sal:
             return (2 * h, self.sal_head_dim // p, p, self.block_size)
+        if self.kv_order == MLA_ORDER:
+            return (self.block_size, -(-self.head_dim // 128) * 128)
         return (h, self.block_size, self.kv_planes * self.head_dim)
 
     def view_shape(self, num_blocks: int) -> Optional[Tuple[int, ...]]:
@@ -364,7 +373,7 @@ class KvGeometry:
             model=dict(
                 name=self.model,
                 num_layers=self.num_layers,
-                num_kv_heads=self.num_kv_heads,
+                num_kv_heads=1 if self.use_mla else self.num_kv_heads,
                 head_dim=self.sal_head_dim if sal else self.head_dim,
                 kv_planes=self.kv_planes,
                 dtype=self.dtype,
@@ -626,6 +635,15 @@ def kv_geometry(vllm_config: Any, kv_cache_config: Any = None) -> KvGeometry:
         # its batched kernel (--attention-backend CUSTOM) in the SEQ_ALONG_LANE layout under
         # VLLM_KV_CACHE_LAYOUT=HND.
         order = "rpa3hd64" if head_dim == 64 else SAL_ORDER if tpu_seq_along_lane(vllm_config) else "rpa3"
+        if getattr(mc, "use_mla", False):
+            # tpu-inference's MLA kernel (kernels/mla/v2/kernel.py) pads the latent and the rope
+            # part to 128 lanes each: the real elements are the first head_dim lanes of a token
+            # only when the latent is a multiple of 128 (512 for DeepSeek-V2/V3, Kimi-K2).
+            lora = getattr(getattr(mc, "hf_text_config", None), "kv_lora_rank", None)
+            if lora is not None and int(lora) % 128:
+                raise ValueError(f"TpuSyncConnector: an MLA cache with kv_lora_rank {lora} (not a multiple of "
+                                 "128) on a TPU: its rope part does not follow the latent; not mapped")
+            order = MLA_ORDER
         fmt = f"vllm-tpu/{order}/{name.replace('torch.', '')}"
     else:
         fmt = f"vllm-{device}/default/{name.replace('torch.', '')}"

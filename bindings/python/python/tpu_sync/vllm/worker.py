@@ -278,6 +278,9 @@ class WorkerSide:
         from vllm.model_executor.models.utils import extract_layer_index
 
         g = self.geometry
+        if g.kv_order == compat.MLA_ORDER:
+            raise NotImplementedError("TpuSyncConnector: MLA caches in torch tensors on a TPU (vLLM-TorchTPU) are not "
+                                      "mapped yet; tpu-inference's MLA caches are, through register_runner (docs/tpu.md)")
         if compat.uses_amx(g.block_format):
             # vLLM's AMX bf16 attention kernel uses AMX tiles without asking the kernel for them;
             # a P/D consumer's first forward is a decode step, which would die with SIGILL.
@@ -379,7 +382,9 @@ class WorkerSide:
         do), or instead of it (tpu-inference: ``runner.kv_caches`` is a list of ``jax.Array`` s,
         one per layer, each sharded over the mesh's ``model`` axis, one TP rank per shard, all in
         this process). The caches are read through :class:`tpu_sync.jax_kv.JaxKv`, again at every
-        hook (each forward re-assigns them); the back end (``jax_backend``: ``auto``,
+        hook (each forward re-assigns them); an MLA model's latent cache (``rpamla``) is replicated
+        over the ``model`` axis, one replica per TP rank, and a pull writes every replica. The
+        back end (``jax_backend``: ``auto``,
         ``pjrt-view``, ``framework-copy``) and why it was chosen are in the log and in
         :attr:`jax_stats`. With such a runner this worker registers and pulls every TP rank's
         blocks through one endpoint, saves synchronously, and one host-tier entry holds a block of
@@ -397,7 +402,7 @@ class WorkerSide:
             raise ValueError("TpuSyncConnector: register_runner without registered KV caches, and the runner has no "
                              "kv_caches")
         g = self.geometry
-        if g.groups or self.cfg.layerwise or g.kv_order not in ("rpa3", "rpa3hd64"):
+        if g.groups or self.cfg.layerwise or g.kv_order not in ("rpa3", "rpa3hd64", compat.MLA_ORDER):
             what = ("KV cache groups" if g.groups else "layer-wise transfers" if self.cfg.layerwise else
                     f"the {g.kv_order} cache")
             raise NotImplementedError(f"TpuSyncConnector: {what} with a JAX model runner (tpu-inference) are not "
@@ -411,10 +416,13 @@ class WorkerSide:
             problems.append(f"{jx.num_layers} layers, the model has {g.num_layers}")
         if jx.tp != g.tp:
             problems.append(f"sharded over {jx.tp} devices of the model axis, vLLM's TP is {g.tp}")
-        if tuple(jx.shard_shape[1:]) != want:
-            problems.append(f"per-rank shard [num_blocks, {', '.join(map(str, jx.shard_shape[1:]))}], expected "
-                            f"[num_blocks, {', '.join(map(str, want))}] (ragged paged attention v3, "
-                            f"{g.heads_per_rank} heads per rank)")
+        if jx.mla != (g.kv_order == compat.MLA_ORDER):
+            problems.append(f"{'an' if jx.mla else 'not an'} MLA latent cache, the model's is {g.kv_order}")
+        elif tuple(jx.view_shape[1:]) != want:
+            what = ("tpu-inference's MLA cache [num_blocks, block_size, D'] as tpu_sync views it" if jx.mla else
+                    f"ragged paged attention v3, {g.heads_per_rank} heads per rank")
+            problems.append(f"per-rank shard [num_blocks, {', '.join(map(str, jx.view_shape[1:]))}], expected "
+                            f"[num_blocks, {', '.join(map(str, want))}] ({what})")
         if jx.model_dtype != g.dtype:
             problems.append(f"dtype {jx.model_dtype}, the model's KV dtype is {g.dtype}")
         if problems:
