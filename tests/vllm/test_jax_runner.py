@@ -370,11 +370,12 @@ def test_pd_between_jax_runners_with_mla_caches(configs, dtype, src_tp, dst_tp, 
         prod.shutdown()
 
 
-def test_host_tier_store_then_load_with_a_jax_mla_runner(configs):
+@pytest.mark.parametrize("backend", ["auto", "framework-copy"])
+def test_host_tier_store_then_load_with_a_jax_mla_runner(configs, backend):
     g = mla_geometry("bf16", 2)
     kv = mla_caches("bf16", 3 * MLA_BS, [3, 4, 5], seed=21, fill_seed=22)
     r = mla_runner("bf16", 2, kv, 0)
-    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 64 << 20})
+    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 64 << 20, "jax_backend": backend})
     try:
         w.register_runner(r)
         hashes = [bytes([i]) * 32 for i in range(1, 4)]
@@ -396,7 +397,7 @@ def test_an_mla_runner_for_a_model_that_is_not_mla_is_refused(configs):
     kv = mla_caches("bf16", 0, [], seed=1, fill_seed=2)
     w = worker(configs, "kv_both", geometry(8, 128, "bf16", 2), {"host_capacity_bytes": 16 << 20})
     try:
-        with pytest.raises(ValueError, match="an MLA latent cache, the model's is rpa3"):
+        with pytest.raises(ValueError, match="are an MLA latent cache, while the model's cache is rpa3"):
             w.register_runner(mla_runner("bf16", 2, kv, 0))
     finally:
         w.shutdown()
@@ -420,7 +421,7 @@ def test_geometry_of_an_mla_model_on_a_tpu(monkeypatch):
             model="deepseek-test", dtype=torch.bfloat16, use_mla=True,
             hf_text_config=types.SimpleNamespace(kv_lora_rank=lora),
             get_num_kv_heads=lambda pc: 1, get_head_size=lambda: lora + 64, get_num_layers=lambda pc: 61,
-            get_total_num_kv_heads=lambda: 1)
+            get_total_num_kv_heads=lambda: 128)  # vLLM reports the config's heads (DeepSeek-V3: 128)
         return types.SimpleNamespace(model_config=mc, parallel_config=types.SimpleNamespace(tensor_parallel_size=4),
                                      cache_config=types.SimpleNamespace(cache_dtype="auto", block_size=64),
                                      attention_config=types.SimpleNamespace(backend=None))
@@ -430,5 +431,10 @@ def test_geometry_of_an_mla_model_on_a_tpu(monkeypatch):
         "rpamla", "vllm-tpu/rpamla/bfloat16", 1, (64, 640)), g
     lay = g.tpu_sync_layout(8)
     assert lay["spec"]["order"] == "rpamla" and lay["model"]["num_kv_heads"] == 1 and lay["model"]["head_dim"] == 576
+    assert "block_format" not in lay and g.mismatch(g.to_dict()) is None
     with pytest.raises(ValueError, match="kv_lora_rank 448"):
         compat.kv_geometry(cfg(448))
+    c = cfg(512)
+    c.cache_config.block_size = 48
+    with pytest.raises(ValueError, match="multiple of 32"):
+        compat.kv_geometry(c)

@@ -553,18 +553,25 @@ impl ParallelLayout {
     pub fn check_physical_layout(&self, other: &ParallelLayout) -> Result<()> {
         for l in [self, other] {
             if let (true, Some(p)) = (l.spec.order.is_tpu(), &l.physical_layout) {
-                // Dense row-major of the buffer's own rank (5 for RPA v3; tpu-inference's MLA
-                // arrays are 4-dimensional).
-                let rank = p
-                    .trim()
-                    .trim_start_matches('{')
-                    .split([':', '}'])
-                    .next()
-                    .map_or(0, |d| d.split(',').filter(|x| !x.trim().is_empty()).count());
-                if !crate::transfer::is_dense_row_major(p, rank) {
+                // Dense row-major of the buffer's rank: 5 for RPA v3; tpu-inference's MLA arrays
+                // are `[N, BS / K, K, D']` (4), viewed as `[N, BS, D']` (3).
+                let ranks: &[usize] = if l.spec.order == BlockOrder::RpaMla {
+                    &[4, 3]
+                } else {
+                    &[5]
+                };
+                if !ranks
+                    .iter()
+                    .any(|&n| crate::transfer::is_dense_row_major(p, n))
+                {
+                    let dense = if ranks[0] == 5 {
+                        "{4,3,2,1,0}"
+                    } else {
+                        "{3,2,1,0}"
+                    };
                     return Err(Error::Mismatch(format!(
-                        "physical layout `{p}` of the {} buffers ({}): tpu-sync moves RPA v3 \
-                         caches by head row, which only the dense row-major layout `{{4,3,2,1,0}}` \
+                        "physical layout `{p}` of the {} buffers ({}): tpu-sync moves these TPU \
+                         caches by token row, which only the dense row-major layout `{dense}` \
                          keeps contiguous; tiled TPU layouts are not mapped yet (docs/tpu.md)",
                         l.spec.order.name(),
                         l.describe()
@@ -753,8 +760,8 @@ impl ParallelLayout {
 }
 
 /// Errors with [`Error::Layout`] unless `order` can hold `model`'s KV: the RPA v3 orders need two
-/// planes (K and V; MLA caches have their own TPU layout, not supported here) and
-/// [`BlockOrder::Rpa3Hd64`] a head_dim of 64.
+/// planes (K and V; MLA caches have their own TPU layout, [`BlockOrder::RpaMla`], which needs one
+/// plane and one head) and [`BlockOrder::Rpa3Hd64`] a head_dim of 64.
 pub fn check_order_fits(order: BlockOrder, model: &ModelKv) -> Result<()> {
     if order == BlockOrder::RpaMla && (model.kv_planes != 1 || model.num_kv_heads != 1) {
         return Err(Error::Layout(format!(
@@ -961,7 +968,8 @@ impl KvLayout {
 
     /// Dimensions of one layer's buffer, in elements (LBHNC: `[1, num_blocks, num_heads,
     /// block_size, kv_planes * head_dim]`, vLLM's per-layer shape with a leading 1; RPA v3:
-    /// `[num_blocks, block_size, R, P, D']`).
+    /// `[num_blocks, block_size, R, P, D']`; [`BlockOrder::RpaMla`]: `[1, 1, num_blocks,
+    /// block_size, D']`, i.e. `[num_blocks, block_size, D']` as leading 1s are ignored).
     pub fn dims(&self) -> [i64; 5] {
         if self.order == BlockOrder::RpaMla {
             return [

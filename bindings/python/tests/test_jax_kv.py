@@ -312,3 +312,14 @@ def test_mla_caches_split_over_the_context_axis_are_refused():
     a = jax.device_put(np.zeros((4, 2, 32, 640), ml_dtypes.bfloat16), NamedSharding(mesh, P("data", "kv_context")))
     with pytest.raises(UnsupportedError, match="kv_context"):
         JaxKv(Runner([a]))
+
+
+def test_an_mla_cache_whose_rows_do_not_hold_the_block_size_is_refused():
+    """tpu-inference pads a block to a multiple of K tokens ([N, align(BS, K) / K, K, D']): a
+    16-token block in 32-slot rows is refused by name rather than read as 32 tokens."""
+    devs = devices_or_skip(8)
+    mesh = Mesh(np.array(devs[:2]).reshape(1, 2), ("data", "model"))
+    a = jax.device_put(np.zeros((4, 1, 32, 640), ml_dtypes.bfloat16), NamedSharding(mesh, P("data", None)))
+    with pytest.raises(UnsupportedError, match="multiple of 32"):
+        JaxKv(Runner([a]), block_size=16)
+    assert JaxKv(Runner([a]), block_size=32).block_size == 32

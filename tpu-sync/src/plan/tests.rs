@@ -943,9 +943,11 @@ fn rpa3_shapes_follow_the_engines_formulas() {
 /// ([`BlockOrder::RpaMla`]), built as its kernel's `prepare_kv_inputs` builds the new tokens
 /// (`kernels/mla/v2/kernel.py`, tpu-inference 0.32.0): each token's `head_dim` latent + rope
 /// elements, lanes padded with zeros to a multiple of 128, tokens reshaped to `[-1, K, D']`, so
-/// token `k` of block `b` is row `b * block_size + k` of `D'` lanes. Everything else is zero.
-/// Every TP rank holds the same latent (MLA is replicated over TP). `blocks`: (request block
-/// index, block id).
+/// token `k` of block `b` is row `b * block_size + k` of `D'` lanes. Every other byte (other
+/// blocks, the request's padding lanes and unused token slots) is a non-zero filler of seed
+/// `fill`, so that a plan which moved padding or wrote outside the request shows. Every TP rank
+/// holds the same latent (MLA is replicated over TP). `blocks`: (request block index, block id).
+#[allow(clippy::too_many_arguments)]
 fn mla_reference(
     layer: u32,
     head_dim: u32,
@@ -954,10 +956,13 @@ fn mla_reference(
     num_blocks: u32,
     blocks: &[(u32, u32)],
     num_tokens: u32,
+    fill: u64,
 ) -> Vec<u8> {
     let size = dtype.size() as usize;
     let lanes = (head_dim as usize).div_ceil(128) * 128;
-    let mut out = vec![0u8; num_blocks as usize * block_size as usize * lanes * size];
+    let mut out: Vec<u8> = (0..num_blocks as usize * block_size as usize * lanes * size)
+        .map(|i| (crate::pattern::mix64(fill ^ ((i as u64) << 8)) as u8) | 1)
+        .collect();
     for &(i, id) in blocks {
         for k in 0..block_size {
             let t = i * block_size + k;
@@ -974,7 +979,7 @@ fn mla_reference(
     out
 }
 
-fn mla_rank_buffers(pl: &Placement, layer: u32, num_tokens: u32) -> Vec<Vec<u8>> {
+fn mla_rank_buffers(pl: &Placement, layer: u32, num_tokens: u32, fill: u64) -> Vec<Vec<u8>> {
     let l = &pl.layout;
     (0..l.num_ranks())
         .map(|r| {
@@ -995,6 +1000,7 @@ fn mla_rank_buffers(pl: &Placement, layer: u32, num_tokens: u32) -> Vec<Vec<u8>>
                 l.num_blocks,
                 &blocks,
                 num_tokens,
+                fill ^ r as u64,
             )
         })
         .collect()
@@ -1006,8 +1012,9 @@ proptest! {
     /// tpu-inference's MLA cache to itself (any TP on either side: every destination TP rank
     /// gets the latent; PCP on the source; other block sizes; head_dim 576 padded to 640 or an
     /// aligned one): the plan applied to buffers of the independent `prepare_kv_inputs`
-    /// reference gives exactly the destination's reference, lane padding still zero, and it
-    /// moves exactly the real bytes (one latent per token per destination TP rank).
+    /// reference gives exactly the destination's reference, every byte outside the request's
+    /// real lanes (padding lanes included, non-zero on both sides) unchanged, and it moves
+    /// exactly the real bytes (one latent per token per destination TP rank).
     #[test]
     fn rpamla_reshards_byte_exact_against_the_kernels_reference(
         dim in proptest::sample::select(vec![576u32, 512, 192]),
@@ -1027,9 +1034,10 @@ proptest! {
         dst.layout.validate().unwrap();
         let plan = Plan::build(&src, &dst, tokens).unwrap();
         for layer in 0..m.num_layers {
-            let from = mla_rank_buffers(&src, layer, tokens);
-            let want = mla_rank_buffers(&dst, layer, tokens);
-            let mut got: Vec<Vec<u8>> = want.iter().map(|b| vec![0u8; b.len()]).collect();
+            let from = mla_rank_buffers(&src, layer, tokens, seed);
+            let want = mla_rank_buffers(&dst, layer, tokens, !seed);
+            // The destination before the pull: its filler everywhere (the same filler as `want`).
+            let mut got = mla_rank_buffers(&dst, layer, 0, !seed);
             for s in plan.spans.iter().filter(|s| s.src_buffer == layer) {
                 for (so, dof) in s.runs() {
                     let (so, dof, n) = (so as usize, dof as usize, s.len as usize);
@@ -1099,7 +1107,21 @@ fn rpamla_shape_offsets_and_refusals() {
     let mla = ModelKv::preset("deepseek-v3").unwrap();
     let l = ParallelLayout::new(mla, ParallelSpec::parse("tp=4,order=rpamla").unwrap(), 8).unwrap();
     assert_eq!(l.rank_kv().unwrap().dims(), [1, 1, 8, 16, 640]);
+    // Physical layouts: tpu-inference's dense 4-D array or its 3-D view are row-major; a tiled
+    // one is refused by name, as is a 3-D layout for a 5-D RPA v3 buffer.
+    let with = |l: &ParallelLayout, p: &str| l.clone().with_physical_layout(p);
+    for ok in ["{3,2,1,0}", "{2,1,0}"] {
+        with(&l, ok).check_physical_layout(&l).unwrap();
+    }
+    let e = with(&l, "{3,2,1,0:T(8,128)(2,1)}")
+        .check_physical_layout(&l)
+        .unwrap_err();
+    assert!(e.to_string().contains("T(8,128)"), "{e}");
     let llama = ModelKv::preset("llama-3.1-8b").unwrap();
+    let v3 =
+        ParallelLayout::new(llama.clone(), ParallelSpec::parse("order=rpa3").unwrap(), 4).unwrap();
+    with(&v3, "{4,3,2,1,0}").check_physical_layout(&v3).unwrap();
+    assert!(with(&v3, "{2,1,0}").check_physical_layout(&v3).is_err());
     let e =
         ParallelLayout::new(llama, ParallelSpec::parse("order=rpamla").unwrap(), 4).unwrap_err();
     assert!(e.to_string().contains("MLA"), "{e}");

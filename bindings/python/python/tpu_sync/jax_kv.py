@@ -119,6 +119,8 @@ class JaxKv:
         client: the tpu_sync client that views and stages the bytes (default: a new one on the
             XLA CPU plugin).
         setter: ``setter(layer, array)`` for a callable source.
+        block_size: the engine's tokens per block, when known: an MLA cache whose packed token
+            rows hold another count (a block size that is not a multiple of ``K``) is refused.
 
     Raises:
         InvalidArgumentError: no caches, arrays of different shapes, dtypes or shardings, an
@@ -128,7 +130,7 @@ class JaxKv:
 
     def __init__(self, source: Any, *, backend: str = "auto", model_axis: str = "model",
                  data_axis: str = "data", client: Any = None,
-                 setter: Optional[Callable[[int, Any], None]] = None) -> None:
+                 setter: Optional[Callable[[int, Any], None]] = None, block_size: Optional[int] = None) -> None:
         import jax  # noqa: F401  (needed by every method; fail early without it)
 
         if backend not in BACKENDS:
@@ -187,8 +189,9 @@ class JaxKv:
                     at = np.argwhere(np.asarray(mesh.devices) == s.device)
                     r = int(at[0][names.index(model_axis)]) if len(at) else -1
                 if r < 0 or r in self._rank_of.values():
-                    raise _fail(UnsupportedError, f"MLA replica on {s.device}: TP rank {r} is not one device of the "
-                                f"{model_axis!r} axis (another mesh axis in play): not mapped yet")
+                    where = f"position {r} on the {model_axis!r} axis is taken" if r >= 0 else "not in the mesh"
+                    raise _fail(UnsupportedError, f"MLA replica on {s.device}: {where} (another mesh axis in play): "
+                                "not mapped yet")
                 self._rank_of[s.device] = r
         else:
             if dim not in (None, 2):
@@ -210,6 +213,12 @@ class JaxKv:
         # token-major [num_blocks, block_size, D'] of the rpamla layout.
         if self.mla:
             self.block_size = self.shard_shape[1] * self.shard_shape[2]
+            if block_size is not None and int(block_size) != self.block_size:
+                # [N, align(BS, K) / K, K, D']: a block size that is not a multiple of K leaves
+                # padded token slots in every block, which the rpamla layout does not map.
+                raise _fail(UnsupportedError, f"an MLA cache of {self.shard_shape[1]} x {self.shard_shape[2]} token "
+                            f"slots per block for {block_size}-token blocks: the block size must be a multiple "
+                            f"of {self.shard_shape[2]} (MLA_KV_PACKING_SIZE)")
             self.view_shape: Tuple[int, ...] = (self.num_blocks, self.block_size, self.shard_shape[3])
         else:
             self.block_size = self.shard_shape[1]
@@ -322,8 +331,9 @@ class JaxKv:
 
     def gather(self, block_ids: Sequence[int]) -> Dict[int, List[Any]]:
         """``framework-copy`` D2H: the blocks ``block_ids`` of every layer, copied by JAX into
-        compact host arrays ``[len(block_ids), block_size, R, P, D']`` of their bit patterns
-        (unsigned integers), per TP rank: ``{rank: [array per layer]}``."""
+        compact host arrays ``[len(block_ids), block_size, R, P, D']`` (an MLA cache:
+        ``[len(block_ids), block_size / K, K, D']``) of their bit patterns (unsigned integers),
+        per TP rank: ``{rank: [array per layer]}``."""
         import jax
         import numpy as np
 
@@ -344,9 +354,10 @@ class JaxKv:
         return out
 
     def scatter(self, block_ids: Sequence[int], data: Dict[int, List[Any]]) -> None:
-        """``framework-copy`` H2D: writes ``data[rank][layer]`` (``[len(block_ids), block_size,
-        R, P, D']``, as :meth:`gather` returns) into blocks ``block_ids`` of every rank's shard, by
-        a jitted scatter that donates the old cache; the result replaces ``runner.kv_caches[l]``."""
+        """``framework-copy`` H2D: writes ``data[rank][layer]`` (as :meth:`gather` returns) into
+        blocks ``block_ids`` of every rank's shard (an MLA cache: of its one replicated array,
+        after checking every rank's data is the same), by a jitted scatter that donates the old
+        cache; the result replaces ``runner.kv_caches[l]``."""
         import jax
         import numpy as np
 

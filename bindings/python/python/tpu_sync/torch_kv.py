@@ -146,9 +146,10 @@ class TorchKv:
         self.tensors = tensors
         self.shape = tuple(int(d) for d in t0.shape)
         self.view_shape = None if view_shape is None else tuple(int(d) for d in view_shape)
-        if self.view_shape is not None and math.prod(self.view_shape) != math.prod(self.shape):
-            raise _fail(InvalidArgumentError, f"view shape {list(self.view_shape)} does not hold the "
-                        f"{math.prod(self.shape)} elements of {list(self.shape)}")
+        if self.view_shape is not None and (math.prod(self.view_shape) != math.prod(self.shape) or
+                                            not self.view_shape or self.view_shape[0] != self.shape[0]):
+            raise _fail(InvalidArgumentError, f"view shape {list(self.view_shape)} is not the {self.shape[0]} "
+                        f"blocks and {math.prod(self.shape)} elements of {list(self.shape)}")
         self.dtype = t0.dtype
         self.buffer_dtype = TORCH_DTYPES[dt]
         self.device = t0.device

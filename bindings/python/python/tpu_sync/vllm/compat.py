@@ -335,10 +335,10 @@ class KvGeometry:
         form (``tpu_sync::layout::HybridLayout`` JSON): one group per vLLM KV cache group, each
         ``num_blocks`` blocks per rank (vLLM's groups share one block pool) and the block format
         tag."""
-        if self.groups and (self.is_rpa3 or self.is_sal):
+        if self.groups and (self.is_rpa3 or self.is_sal or self.kv_order == MLA_ORDER):
             raise ValueError(f"TpuSyncConnector: KV cache groups with the {self.kv_order} cache are not supported yet")
         if self.groups:
-            attn = dict(type="attention", num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            attn = dict(type="attention", num_kv_heads=1 if self.use_mla else self.num_kv_heads, head_dim=self.head_dim,
                         kv_planes=self.kv_planes, dtype=self.dtype)
             groups = []
             glayouts = []
@@ -380,7 +380,9 @@ class KvGeometry:
             ),
             spec=dict(tp=self.tp, pcp=1, dp=1, block_size=self.block_size, order="lbhnc" if sal else self.kv_order),
             num_blocks=int(num_blocks),
-            **({} if self.is_rpa3 else dict(block_format=self.block_format)),
+            # The TPU orders that name their own element order carry no block format tag (so
+            # they plan against the GPU orders); the opaque LBHNC regions need one.
+            **({} if self.is_rpa3 or self.kv_order == MLA_ORDER else dict(block_format=self.block_format)),
         )
 
 
@@ -639,10 +641,18 @@ def kv_geometry(vllm_config: Any, kv_cache_config: Any = None) -> KvGeometry:
             # tpu-inference's MLA kernel (kernels/mla/v2/kernel.py) pads the latent and the rope
             # part to 128 lanes each: the real elements are the first head_dim lanes of a token
             # only when the latent is a multiple of 128 (512 for DeepSeek-V2/V3, Kimi-K2).
+            import os
+
             lora = getattr(getattr(mc, "hf_text_config", None), "kv_lora_rank", None)
-            if lora is not None and int(lora) % 128:
+            if lora is None or int(lora) % 128:
                 raise ValueError(f"TpuSyncConnector: an MLA cache with kv_lora_rank {lora} (not a multiple of "
                                  "128) on a TPU: its rope part does not follow the latent; not mapped")
+            # Tokens are packed K to a row (MLA_KV_PACKING_SIZE, tpu_inference/envs.py): a block
+            # that is not a multiple of K holds padded token slots, which rpamla does not map.
+            k = int(os.environ.get("MLA_KV_PACKING_SIZE", "32") or 32)
+            if block_size % k:
+                raise ValueError(f"TpuSyncConnector: block size {block_size} with tpu-inference's MLA cache, which "
+                                 f"packs {k} tokens to a row (MLA_KV_PACKING_SIZE): use a multiple of {k}")
             order = MLA_ORDER
         fmt = f"vllm-tpu/{order}/{name.replace('torch.', '')}"
     else:

@@ -1,5 +1,5 @@
-"""``TpuSyncConnector``: vLLM's V1 KV connector interface (``KVConnectorBase_V1``, vLLM 0.32)
-over tpu_sync. One instance per role and process: vLLM builds it with ``role=SCHEDULER`` in the
+"""``TpuSyncConnector``: vLLM's V1 KV connector interface (``KVConnectorBase_V1``, vLLM 0.32,
+and vLLM 0.29's, which vLLM-TorchTPU 0.29 forks: :mod:`tpu_sync.vllm._api`) over tpu_sync. One instance per role and process: vLLM builds it with ``role=SCHEDULER`` in the
 engine core and ``role=WORKER`` in each worker; the instance delegates to
 :class:`~tpu_sync.vllm.scheduler.SchedulerSide` or :class:`~tpu_sync.vllm.worker.WorkerSide`.
 See :mod:`tpu_sync.vllm` for how to enable it and :mod:`tpu_sync.vllm.config` for its settings.
@@ -15,11 +15,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ._api import CacheHitSource, KVConnectorTransferResults
 
 from .compat import kv_geometry
 from .config import ConnectorConfig
@@ -221,8 +221,10 @@ class TpuSyncConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side.set_handshake(metadata)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        """Keeps the cache manager (to read a request's block ids)."""
-        super().bind_kv_cache_manager(kv_cache_manager)
+        """Keeps the cache manager (to read a request's block ids; vLLM 0.32)."""
+        bind = getattr(super(), "bind_kv_cache_manager", None)
+        if bind is not None:
+            bind(kv_cache_manager)
         if self.scheduler_side is not None:
             self.scheduler_side.kv_cache_manager = kv_cache_manager
 

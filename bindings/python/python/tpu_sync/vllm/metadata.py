@@ -148,12 +148,16 @@ class TpuSyncWorkerMetadata(KVConnectorWorkerMetadata):
         failed_loads: requests whose host-tier load failed (their blocks were reported as load
             errors; vLLM recomputes them, and the scheduler saves them again).
         saved_blocks, loaded_blocks: host-tier blocks saved / loaded this step.
+        failed_pulls: requests whose pull failed this step (also in ``finished_recving``; their
+            blocks reported as load errors): for vLLM releases whose ``KVConnectorOutput`` has
+            no ``failed_recving`` (0.29, which vLLM-TorchTPU forks).
     """
 
     lookup_hits: Dict[str, int] = field(default_factory=dict)
     failed_loads: Set[str] = field(default_factory=set)
     saved_blocks: int = 0
     loaded_blocks: int = 0
+    failed_pulls: Set[str] = field(default_factory=set)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TpuSyncWorkerMetadata":
         """Combines two workers' reports: a block is usable only if every rank has it (minimum
@@ -167,11 +171,13 @@ class TpuSyncWorkerMetadata(KVConnectorWorkerMetadata):
             failed_loads=self.failed_loads | other.failed_loads,
             saved_blocks=max(self.saved_blocks, other.saved_blocks),
             loaded_blocks=max(self.loaded_blocks, other.loaded_blocks),
+            failed_pulls=self.failed_pulls | other.failed_pulls,
         )
 
     def is_empty(self) -> bool:
         """Nothing to report."""
-        return not (self.lookup_hits or self.failed_loads or self.saved_blocks or self.loaded_blocks)
+        return not (self.lookup_hits or self.failed_loads or self.saved_blocks or self.loaded_blocks or
+                    self.failed_pulls)
 
 
 @dataclass

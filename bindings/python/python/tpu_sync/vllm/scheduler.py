@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from ._api import CacheHitSource
 
 from .compat import (NULL_BLOCK_ID, PAIR_KEY, PARAMS_VERSION, KvGeometry, check_pair_params, check_params, pair_nonce,
                      pair_xfer_id, peers_from_params, prompt_digest)
@@ -89,6 +89,9 @@ class SchedulerSide:
         self.num_blocks = int(kv_cache_config.num_blocks)
         self.layout = geometry.tpu_sync_layout(self.num_blocks)
         self.kv_cache_manager: Any = None
+        #: vLLM 0.29 (no ``kv_connector_block_state`` in its scheduler output, no cache manager
+        #: bound): every scheduled request's block ids per group, kept from the scheduler outputs
+        self._req_blocks: Dict[str, List[List[int]]] = {}
         #: P/D endpoint address per TP rank (from the workers' handshake metadata)
         self.peers: Dict[int, str] = {}
         # Random start: a restarted producer does not reuse the ids of its predecessor.
@@ -461,6 +464,7 @@ class SchedulerSide:
             layer_recvs=self._layer_recvs,
         )
         self._handoffs, self._withdraws, self._layer_recvs = [], [], []
+        self._track_blocks(scheduler_output)
         meta.idle = not int(getattr(scheduler_output, "total_num_scheduled_tokens", 1) or 0)
         if self._pd_reqs:
             meta.layer_sends = self._plan_layer_sends(scheduler_output)
@@ -564,16 +568,49 @@ class SchedulerSide:
             st.in_tier = full
         return saves
 
+    def _track_blocks(self, so: Any) -> None:
+        """Keeps the block ids of the scheduled requests from ``so`` where vLLM offers no way to
+        read every running request's (0.29: its ``kv_connector_block_state`` lists only the
+        requests that got blocks this step, in full; else a new request's ``block_ids``, a
+        running one's ``new_block_ids`` appended, a resumed one's replacing them); forgotten once
+        finished or preempted."""
+        state = getattr(so, "kv_connector_block_state", None)
+        if (state is not None and hasattr(state, "resolve_block_ids")) or self.kv_cache_manager is not None:
+            return
+        snapshot = getattr(state, "block_ids", None) if state is not None else None
+        if snapshot is not None:
+            for req_id, ids in snapshot.items():
+                self._req_blocks[req_id] = [[int(b) for b in g] for g in ids]
+        else:
+            for r in getattr(so, "scheduled_new_reqs", None) or ():
+                self._req_blocks[r.req_id] = [[int(b) for b in g] for g in r.block_ids]
+            cached = getattr(so, "scheduled_cached_reqs", None)
+            resumed = set(getattr(cached, "resumed_req_ids", None) or ())
+            for req_id, new in zip(getattr(cached, "req_ids", ()), getattr(cached, "new_block_ids", ())):
+                if new is None:
+                    continue
+                cur = self._req_blocks.get(req_id)
+                if req_id in resumed or cur is None or len(cur) != len(new):
+                    self._req_blocks[req_id] = [[int(b) for b in g] for g in new]
+                else:
+                    for g, ids in enumerate(new):
+                        cur[g].extend(int(b) for b in ids)
+        for req_id in list(getattr(so, "finished_req_ids", None) or ()) + list(
+                getattr(so, "preempted_req_ids", None) or ()):
+            self._req_blocks.pop(req_id, None)
+
     def _block_ids(self, scheduler_output: Any, req_id: str, all_groups: bool = False) -> Any:
         """The request's block ids of group 0 (or, with ``all_groups``, the tuple of every
         group's), or None when the request is gone."""
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         try:
             ids = None
-            if state is not None:
+            if state is not None and hasattr(state, "resolve_block_ids"):
                 ids = state.resolve_block_ids(req_id)
             elif self.kv_cache_manager is not None:
                 ids = self.kv_cache_manager.get_block_ids(req_id)
+            else:
+                ids = self._req_blocks.get(req_id)
             if ids is not None:
                 return [list(g) for g in ids] if all_groups else list(ids[0])
         except Exception as e:  # request gone (aborted) between schedule and here
@@ -600,6 +637,8 @@ class SchedulerSide:
             self._sending.pop(req_id, None)
             self._save_delayed.discard(req_id)
         failed = set(getattr(output, "failed_recving", None) or ())
+        if isinstance(meta, TpuSyncWorkerMetadata):
+            failed |= meta.failed_pulls  # vLLM 0.29's output has no failed_recving
         for req_id in output.finished_recving or ():
             n = self._pulling.pop(req_id, None)
             if n is None:

@@ -54,6 +54,15 @@ class TpuSyncConnectorStats(KVConnectorStats):
         self.data: Dict[str, Union[List[Any], int]] = {k: [] for k in _LISTS}
         self.data.update({k: 0 for k in _COUNTS})
 
+    def __getitem__(self, key: str) -> Any:
+        """``stats["data"]``: the data dict. vLLM 0.29's ``MultiConnector`` Prometheus metrics
+        (``MultiKVConnectorPromMetrics.observe``, hence vLLM-TorchTPU's ``TPUMultiConnector``)
+        index each child's stats as ``stats_data["data"]``, and in an in-process engine that is
+        this object, not its serialized dict (vLLM 0.32 passes the child's data itself)."""
+        if key == "data":
+            return self.data
+        raise KeyError(key)
+
     def record_pull(self, seconds: float, nbytes: int) -> None:
         self.data["transfer_duration"].append(float(seconds))
         self.data["bytes_transferred"].append(int(nbytes))

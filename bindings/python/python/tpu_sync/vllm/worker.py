@@ -409,7 +409,8 @@ class WorkerSide:
                                       "supported yet (issue 25; docs/tpu.md)")
         from tpu_sync.jax_kv import JaxKv
 
-        jx = JaxKv(runner, backend=str(self.cfg.extra.get("jax_backend", "auto")))
+        jx = JaxKv(runner, backend=str(self.cfg.extra.get("jax_backend", "auto")),
+                   block_size=g.block_size if g.kv_order == compat.MLA_ORDER else None)
         want = tuple(g.layer_shape())
         problems = []
         if jx.num_layers != g.num_layers:
@@ -417,7 +418,8 @@ class WorkerSide:
         if jx.tp != g.tp:
             problems.append(f"sharded over {jx.tp} devices of the model axis, vLLM's TP is {g.tp}")
         if jx.mla != (g.kv_order == compat.MLA_ORDER):
-            problems.append(f"{'an' if jx.mla else 'not an'} MLA latent cache, the model's is {g.kv_order}")
+            problems.append(f"{'are' if jx.mla else 'are not'} an MLA latent cache, while the model's cache is "
+                            f"{g.kv_order}")
         elif tuple(jx.view_shape[1:]) != want:
             what = ("tpu-inference's MLA cache [num_blocks, block_size, D'] as tpu_sync views it" if jx.mla else
                     f"ragged paged attention v3, {g.heads_per_rank} heads per rank")
@@ -942,7 +944,7 @@ class WorkerSide:
         """Registrations done (``finished_sending``), pulls done or failed (``finished_recving``,
         ``failed_recving``), pulls of aborted requests cancelled (``finished_recving``); ends
         host-tier leases of finished requests."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+        from ._api import KVConnectorTransferResults
 
         for req_id in finished_req_ids:
             lease = self._leases.pop(req_id, None)
@@ -1027,6 +1029,7 @@ class WorkerSide:
                     if self.xfer_stats is not None:
                         self.xfer_stats.record_failure(_error_kind(err))
                     res.failed_recving.add(req_id)
+                    self._report.failed_pulls.add(req_id)  # vLLM 0.29 has no failed_recving
                     self._load_errors.update(_flat_ids(p.spec.dst_block_ids))
                     # vLLM recomputes (or fails) it: the KV will not be pulled again.
                     self._reject(RejectSpec(req_id, p.spec.xfer_id, p.spec.peers,
