@@ -12,6 +12,7 @@ the tensors viewed in place and through torch's own copies (``torch_backend`` ``
 what accelerator tensors get), with ``Tensor.copy_`` and with the batch_transfer call shape of
 torch_tpu."""
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -127,6 +128,57 @@ def register(monkeypatch, w, tensors, rank):
     w.register_kv_caches(tensors)
 
 
+@contextlib.contextmanager
+def pd_workers(configs, monkeypatch, gs, gd, src, dst, extra, xfer, src_ids, dst_ids, tokens, early=False):
+    """Worker sides of a P/D pair, one per TP rank: producers registered with ``src`` (one
+    tensor dict per rank), consumers with ``dst``; request ``xfer`` registered by every producer
+    (``early``: as an engine step does with ``early_register``, ``bind`` before the forward,
+    ``save_kv_layer`` per layer, ``wait_for_save``) and pulled by every consumer. Yields
+    ``(producers, consumers)`` once every pull finished; shuts them down after."""
+    prods = [worker(configs, "kv_producer", gs, extra) for _ in src]
+    conss = [worker(configs, "kv_consumer", gd, extra) for _ in dst]
+    try:
+        for r, w in enumerate(prods):
+            register(monkeypatch, w, src[r], r)
+        for r, w in enumerate(conss):
+            register(monkeypatch, w, dst[r], r)
+        for w in prods:
+            send = SendSpec("p1", xfer, src_ids, tokens, 60.0, len(dst))
+            if early:
+                meta = TpuSyncMetadata(layer_sends=[send])
+                w.bind(meta)
+                w.start_load_kv(meta)
+                for n in NAMES:
+                    w.save_kv_layer(n)
+                w.wait_for_save(meta)
+            else:
+                w.start_load_kv(TpuSyncMetadata(sends=[send]))
+            assert w.stats["registered"] == 1, w.stats
+        peers = {r: w.transport.address for r, w in enumerate(prods)}
+        layout = gs.tpu_sync_layout(NB)
+        for w in conss:
+            w.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", xfer, peers, layout, src_ids, dst_ids, tokens,
+                                                            30.0)]))
+        for r, w in enumerate(conss):
+            res = wait_recv(w)
+            assert res.finished_recving == {"d1"} and not res.failed_recving, (r, w.stats)
+        yield prods, conss
+    finally:
+        for w in conss + prods:
+            w.shutdown()
+
+
+def assert_pd_bytes(dst, want, src, src_before):
+    """Every consumer rank's tensors equal ``want`` byte for byte, the producers' ``src_before``."""
+    for r in range(len(dst)):
+        for n in NAMES:
+            got, exp = as_bytes(dst[r][n]), as_bytes(want[r][n])
+            assert np.array_equal(got, exp), (r, n, np.argwhere(got != exp)[:4])
+    for r in range(len(src)):
+        for n in NAMES:
+            assert np.array_equal(as_bytes(src[r][n]), as_bytes(src_before[r][n])), (r, n)
+
+
 def test_geometry_of_the_tpu_backends_matches_their_shape_formula(configs, monkeypatch):
     for heads, dim, dtype, tp in [(8, 128, "bf16", 2), (6, 128, "fp8", 2), (8, 64, "bf16", 1), (8, 64, "fp8", 8),
                                   (4, 80, "f32", 1), (2, 128, "bf16", 4)]:
@@ -203,39 +255,9 @@ def test_worker_pd_reshards_rpa3_caches_byte_exact(configs, monkeypatch, backend
     want = [rank_tensors(gd, r, tokens, dst_ids, seed=3, fill_seed=12) for r in range(dst_tp)]
     src_before = [{n: t.clone() for n, t in r.items()} for r in src]
     extra = BACKENDS[backend]
-    prods = [worker(configs, "kv_producer", gs, extra) for _ in range(src_tp)]
-    conss = [worker(configs, "kv_consumer", gd, extra) for _ in range(dst_tp)]
-    try:
-        for r, w in enumerate(prods):
-            register(monkeypatch, w, src[r], r)
-        for r, w in enumerate(conss):
-            register(monkeypatch, w, dst[r], r)
-        for w in prods:
-            send = SendSpec("p1", 91, src_ids, tokens, 60.0, dst_tp)
-            if early:
-                meta = TpuSyncMetadata(layer_sends=[send])
-                w.bind(meta)
-                w.start_load_kv(meta)
-                for n in NAMES:
-                    w.save_kv_layer(n)
-                w.wait_for_save(meta)
-            else:
-                w.start_load_kv(TpuSyncMetadata(sends=[send]))
-            assert w.stats["registered"] == 1, w.stats
-        peers = {r: w.transport.address for r, w in enumerate(prods)}
-        layout = gs.tpu_sync_layout(NB)
-        for w in conss:
-            w.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 91, peers, layout, src_ids, dst_ids, tokens, 30.0)]))
-        for r, w in enumerate(conss):
-            res = wait_recv(w)
-            assert res.finished_recving == {"d1"} and not res.failed_recving, (r, w.stats)
-        for r in range(dst_tp):
-            for n in NAMES:
-                got, exp = as_bytes(dst[r][n]), as_bytes(want[r][n])
-                assert np.array_equal(got, exp), (r, n, np.argwhere(got != exp)[:4])
-        for r in range(src_tp):
-            for n in NAMES:
-                assert np.array_equal(as_bytes(src[r][n]), as_bytes(src_before[r][n])), (r, n)
+    with pd_workers(configs, monkeypatch, gs, gd, src, dst, extra, 91, src_ids, dst_ids, tokens,
+                    early) as (prods, conss):
+        assert_pd_bytes(dst, want, src, src_before)
         # Where the copies went: the framework staged exactly the request's blocks.
         lbb = gs.layer_block_bytes * len(NAMES)
         for w in prods:
@@ -251,9 +273,6 @@ def test_worker_pd_reshards_rpa3_caches_byte_exact(configs, monkeypatch, backend
                 # The partial last block staged first (its other token slots come back unchanged).
                 assert (st["commits"], st["h2d_bytes"], st["d2h_bytes"]) == (
                     1, 3 * gd.layer_block_bytes * len(NAMES), gd.layer_block_bytes * len(NAMES)), st
-    finally:
-        for w in conss + prods:
-            w.shutdown()
 
 
 def test_worker_host_tier_store_then_load_rpa3_blocks(configs, monkeypatch, backend):
@@ -486,39 +505,16 @@ def test_worker_pd_reshards_seq_along_lane_caches_byte_exact(configs, monkeypatc
     want = [sal_tensors(gd, r, w_slots) for r in range(dst_tp)]
     src_before = [{n: t.clone() for n, t in r.items()} for r in src]
     extra = BACKENDS[backend]
-    prods = [worker(configs, "kv_producer", gs, extra) for _ in range(src_tp)]
-    conss = [worker(configs, "kv_consumer", gd, extra) for _ in range(dst_tp)]
-    try:
-        for r, w in enumerate(prods):
-            register(monkeypatch, w, src[r], r)
-        for r, w in enumerate(conss):
-            register(monkeypatch, w, dst[r], r)
-        for w in prods:
-            w.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 93, src_ids, tokens, 60.0, dst_tp)]))
-            assert w.stats["registered"] == 1, w.stats
-        peers = {r: w.transport.address for r, w in enumerate(prods)}
-        layout = gs.tpu_sync_layout(NB)
-        for w in conss:
-            w.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 93, peers, layout, src_ids, dst_ids, tokens, 30.0)]))
-        for r, w in enumerate(conss):
-            res = wait_recv(w)
-            assert res.finished_recving == {"d1"} and not res.failed_recving, (r, w.stats)
+    with pd_workers(configs, monkeypatch, gs, gd, src, dst, extra, 93, src_ids, dst_ids, tokens) as (prods, _):
+        assert_pd_bytes(dst, want, src, src_before)
         for r in range(dst_tp):
             for n in NAMES:
-                got, exp = as_bytes(dst[r][n]), as_bytes(want[r][n])
-                assert np.array_equal(got, exp), (r, n, np.argwhere(got != exp)[:4])
                 # The request's blocks changed (the test can fail): the filler differed.
-                assert not np.array_equal(got, as_bytes(sal_tensors(gd, r, d_slots)[n])), (r, n)
-        for r in range(src_tp):
-            for n in NAMES:
-                assert np.array_equal(as_bytes(src[r][n]), as_bytes(src_before[r][n])), (r, n)
+                assert not np.array_equal(as_bytes(dst[r][n]), as_bytes(sal_tensors(gd, r, d_slots)[n])), (r, n)
         for w in prods:
             st = w.adapter_stats
             want_backend = "pjrt-view" if backend == "view" else "framework-copy"
             assert st["backend"] == want_backend, st
-    finally:
-        for w in conss + prods:
-            w.shutdown()
 
 
 def test_worker_host_tier_store_then_load_seq_along_lane_blocks(configs, monkeypatch, backend):

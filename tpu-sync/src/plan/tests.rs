@@ -677,6 +677,41 @@ proptest! {
 // ---------------------------------------------------------------- the TPU engines' RPA v3 caches
 
 /// A non-zero, non-repeating value of `size` bytes for one logical KV element.
+/// Copies the spans of layer `layer` of `plan` from `from[src_rank]` into `got[dst_rank]` (each
+/// span of that layer must also write that layer).
+fn apply_layer(plan: &Plan, layer: u32, from: &[Vec<u8>], got: &mut [Vec<u8>]) {
+    for s in plan.spans.iter().filter(|s| s.src_buffer == layer) {
+        assert_eq!(s.dst_buffer, layer);
+        for (so, dof) in s.runs() {
+            let (so, dof, n) = (so as usize, dof as usize, s.len as usize);
+            got[s.dst_rank as usize][dof..dof + n]
+                .copy_from_slice(&from[s.src_rank as usize][so..so + n]);
+        }
+    }
+}
+
+/// A TPU order against a GPU order (`s.4` / `d.4`), one way or the other (`to_tpu`), checked by
+/// the pattern simulation: every destination byte exactly once, nothing else touched, a TPU
+/// destination's padding still zero. `s`, `d`: `(tp, pcp, dp, block_size, order)` of
+/// [`arb_side`].
+fn convert_and_simulate(
+    m: &ModelKv,
+    s: (u32, u32, u32, u32, BlockOrder),
+    d: (u32, u32, u32, u32, BlockOrder),
+    to_tpu: bool,
+    tpu: BlockOrder,
+    tokens: u32,
+    seed: u64,
+) {
+    let (so, dord) = if to_tpu { (s.4, tpu) } else { (tpu, d.4) };
+    let sl = layout(m, s.0, s.1, s.2, s.3, so, tokens);
+    let dl = layout(m, d.0, d.1, d.2, d.3, dord, tokens);
+    let src = placement(sl, seed as u32 % s.2, tokens, seed);
+    let dst = placement(dl, (seed >> 8) as u32 % d.2, tokens, !seed);
+    let plan = Plan::build(&src, &dst, tokens).unwrap();
+    simulate(&src, &dst, tokens, &plan);
+}
+
 fn rpa3_value(layer: u32, token: u32, head: u32, plane: u32, d: u32, size: usize) -> Vec<u8> {
     let key = ((layer as u64) << 56)
         ^ ((token as u64) << 36)
@@ -828,14 +863,7 @@ proptest! {
             let from = rpa3_rank_buffers(&src, layer, tokens);
             let want = rpa3_rank_buffers(&dst, layer, tokens);
             let mut got: Vec<Vec<u8>> = want.iter().map(|b| vec![0u8; b.len()]).collect();
-            for s in plan.spans.iter().filter(|s| s.src_buffer == layer) {
-                prop_assert_eq!(s.dst_buffer, layer);
-                for (so, dof) in s.runs() {
-                    let (so, dof, n) = (so as usize, dof as usize, s.len as usize);
-                    got[s.dst_rank as usize][dof..dof + n]
-                        .copy_from_slice(&from[s.src_rank as usize][so..so + n]);
-                }
-            }
+            apply_layer(&plan, layer, &from, &mut got);
             for r in 0..got.len() {
                 prop_assert!(got[r] == want[r], "layer {} rank {} differs from the reference", layer, r);
             }
@@ -865,13 +893,7 @@ proptest! {
             ..model(heads, 2, dtype)
         };
         let tpu = if hd64 { BlockOrder::Rpa3Hd64 } else { BlockOrder::Rpa3 };
-        let (so, dord) = if to_tpu { (s.4, tpu) } else { (tpu, d.4) };
-        let sl = layout(&m, s.0, s.1, s.2, s.3, so, tokens);
-        let dl = layout(&m, d.0, d.1, d.2, d.3, dord, tokens);
-        let src = placement(sl, seed as u32 % s.2, tokens, seed);
-        let dst = placement(dl, (seed >> 8) as u32 % d.2, tokens, !seed);
-        let plan = Plan::build(&src, &dst, tokens).unwrap();
-        simulate(&src, &dst, tokens, &plan);
+        convert_and_simulate(&m, s, d, to_tpu, tpu, tokens, seed);
     }
 }
 
@@ -1038,13 +1060,7 @@ proptest! {
             let want = mla_rank_buffers(&dst, layer, tokens, !seed);
             // The destination before the pull: its filler everywhere (the same filler as `want`).
             let mut got = mla_rank_buffers(&dst, layer, 0, !seed);
-            for s in plan.spans.iter().filter(|s| s.src_buffer == layer) {
-                for (so, dof) in s.runs() {
-                    let (so, dof, n) = (so as usize, dof as usize, s.len as usize);
-                    got[s.dst_rank as usize][dof..dof + n]
-                        .copy_from_slice(&from[s.src_rank as usize][so..so + n]);
-                }
-            }
+            apply_layer(&plan, layer, &from, &mut got);
             for r in 0..got.len() {
                 prop_assert!(got[r] == want[r], "layer {} rank {} differs from the reference", layer, r);
             }
@@ -1065,13 +1081,7 @@ proptest! {
         to_tpu in any::<bool>(),
     ) {
         let m = ModelKv { head_dim: 144, ..model(1, 1, dtype) };
-        let (so, dord) = if to_tpu { (s.4, BlockOrder::RpaMla) } else { (BlockOrder::RpaMla, d.4) };
-        let sl = layout(&m, s.0, s.1, s.2, s.3, so, tokens);
-        let dl = layout(&m, d.0, d.1, d.2, d.3, dord, tokens);
-        let src = placement(sl, seed as u32 % s.2, tokens, seed);
-        let dst = placement(dl, (seed >> 8) as u32 % d.2, tokens, !seed);
-        let plan = Plan::build(&src, &dst, tokens).unwrap();
-        simulate(&src, &dst, tokens, &plan);
+        convert_and_simulate(&m, s, d, to_tpu, BlockOrder::RpaMla, tokens, seed);
     }
 }
 
