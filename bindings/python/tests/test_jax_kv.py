@@ -304,6 +304,9 @@ def test_pd_between_tpu_inference_mla_runners_writes_every_replica(dtype, s_tp, 
             assert np.array_equal(got, expect[layer]), f"layer {layer} replica {i} differs"
         for got in replicas(prod.kv_caches[layer]):
             assert np.array_equal(got, src[layer]), f"layer {layer}: producer changed"
+    if pk.backend == "framework-copy":
+        # The replicas hold one latent: the producer copied the request's blocks of one of them.
+        assert pk.stats()["d2h_bytes"] == len(s_ids) * s_bs * 640 * np.dtype(np_t).itemsize * LAYERS
 
 
 def test_mla_caches_split_over_the_context_axis_are_refused():

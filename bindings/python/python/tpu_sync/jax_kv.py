@@ -333,7 +333,8 @@ class JaxKv:
         """``framework-copy`` D2H: the blocks ``block_ids`` of every layer, copied by JAX into
         compact host arrays ``[len(block_ids), block_size, R, P, D']`` (an MLA cache:
         ``[len(block_ids), block_size / K, K, D']``) of their bit patterns (unsigned integers),
-        per TP rank: ``{rank: [array per layer]}``."""
+        per TP rank: ``{rank: [array per layer]}``. An MLA cache's replicas hold the same bytes:
+        one is copied and every rank maps to it."""
         import jax
         import numpy as np
 
@@ -343,6 +344,9 @@ class JaxKv:
         shards = self._shards()
         out: Dict[int, List[Any]] = {}
         for r in self.ranks:
+            if self.mla and out:
+                out[r] = out[self.ranks[0]]  # a replica of the same latent: copied once
+                continue
             per = []
             for d in shards[r]:
                 # The gather on the bit patterns too (see scatter).
