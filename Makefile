@@ -218,9 +218,10 @@ vllm-env-0.29: python
 	VLLM_VERSION=0.29.0 ./scripts/install-vllm.sh
 	"$$(./scripts/bootstrap-python.sh)/bin/uv" pip install -q --python $(VLLM029_VENV)/bin/python --force-reinstall --no-deps target/wheels/tpu_sync-*.whl
 
+# One pytest process for both files (vLLM is imported once).
 e2e-vllm-0.29: vllm-env-0.29 etcd
-	timeout 1200 $(VLLM029_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=5 tests/vllm/test_connector.py
-	timeout 1200 $(VLLM029_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=8 tests/vllm/test_engine.py \
+	timeout 1800 $(VLLM029_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=8 \
+	  tests/vllm/test_connector.py tests/vllm/test_engine.py \
 	  $(if $(VLLM029_ALL),,-k "not proxy_routes and not poisoned_and_corrupted")
 
 # TTFT of a 2,000-token prompt loaded from the host tier vs recomputed (prints the ratio).

@@ -84,11 +84,15 @@ if [[ " $STEPS " == *" asan "* ]]; then
   # The fault tests then skip their VmLck and /proc/self/maps accounting (ASan makes mlock a
   # no-op and maps its own regions); fds, sockets and threads are still checked.
   export TPU_SYNC_SANITIZER=asan
-  if RUSTC_BOOTSTRAP=1 RUSTFLAGS="-Zsanitizer=address -Cunsafe-allow-abi-mismatch=sanitizer" \
-    cargo test --release --target $TARGET --target-dir target/asan \
-    -p tpu-sync --lib -p tpu-sync-cli --test net_chaos --test net_validation \
-    --test store_faults --test store_basic --test store_race \
-    >"$LOGS/asan.log" 2>&1; then
+  # The validation and store tests are modules of the `integration` test binary, picked by a
+  # filter of their own (a filter applies to every binary of one cargo invocation).
+  asan_test() {
+    RUSTC_BOOTSTRAP=1 RUSTFLAGS="-Zsanitizer=address -Cunsafe-allow-abi-mismatch=sanitizer" \
+      cargo test --release --target $TARGET --target-dir target/asan "$@"
+  }
+  if { asan_test -p tpu-sync --lib -p tpu-sync-cli --test net_chaos &&
+    asan_test -p tpu-sync-cli --test integration -- net_validation:: store_faults:: store_basic:: store_race::
+  } >"$LOGS/asan.log" 2>&1; then
     echo "  ok   asan: $(grep -c '^test result: ok' "$LOGS/asan.log") test binaries, $(grep -oE '[0-9]+ passed' "$LOGS/asan.log" | awk '{s+=$1} END {print s}') tests"
   else
     echo "  FAIL asan: see $LOGS/asan.log"
@@ -99,12 +103,12 @@ fi
 
 if [[ " $STEPS " == *" tsan "* ]]; then
   echo "== ThreadSanitizer"
-  TSAN_CMD="RUSTFLAGS='-Zsanitizer=thread' RUSTDOCFLAGS='-Zsanitizer=thread' \
-cargo +nightly test -Zbuild-std --release --target $TARGET --target-dir target/tsan \
--p tpu-sync --lib -p tpu-sync-cli --test net_chaos --test net_faults --test net_transfer \
---test device_pacing --test store_race --test store_basic"
+  TSAN_ENV="RUSTFLAGS='-Zsanitizer=thread' RUSTDOCFLAGS='-Zsanitizer=thread'"
+  TSAN_TEST="cargo +nightly test -Zbuild-std --release --target $TARGET --target-dir target/tsan"
+  TSAN_CMD="$TSAN_ENV $TSAN_TEST -p tpu-sync --lib -p tpu-sync-cli --test net_chaos --test net_faults \
+&& $TSAN_ENV $TSAN_TEST -p tpu-sync-cli --test integration -- net_transfer:: device_pacing:: store_race:: store_basic::"
   if have_nightly rust-src; then
-    if eval "TPU_SYNC_SANITIZER=tsan TSAN_OPTIONS='halt_on_error=1 suppressions=$ROOT/scripts/sanitize/tsan.supp' $TSAN_CMD" >"$LOGS/tsan.log" 2>&1; then
+    if eval "(export TPU_SYNC_SANITIZER=tsan TSAN_OPTIONS='halt_on_error=1 suppressions=$ROOT/scripts/sanitize/tsan.supp'; $TSAN_CMD)" >"$LOGS/tsan.log" 2>&1; then
       echo "  ok   tsan"
     else
       echo "  FAIL tsan: see $LOGS/tsan.log"

@@ -459,7 +459,7 @@ mod tests {
 
     // A fake plugin whose client implements DmaMap/DmaUnmap, to check that the arena unmaps
     // exactly what it mapped, while the memory is still mapped (the CPU plugin only answers
-    // UNIMPLEMENTED; `tests/device_sources.rs` covers that).
+    // UNIMPLEMENTED; `tests/integration/device_sources.rs` covers that).
     static MAPS: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
     static UNMAPS: Mutex<Vec<(usize, bool, String)>> = Mutex::new(Vec::new());
     static NAME_CALLS: AtomicUsize = AtomicUsize::new(0);

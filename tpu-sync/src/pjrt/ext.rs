@@ -15,7 +15,7 @@
 //!   XLA CPU plugin 0.0.1 ships it with 6 functions and serializes a dense 2-D layout as `{1,0}`.
 //!
 //! Because no installed plugin has the RawBuffer extension, its declarations cannot be checked
-//! against a header by `tests/pjrt_abi.rs`; the unit tests below pin every `STRUCT_SIZE` and
+//! against a header by `tests/integration/pjrt_abi.rs`; the unit tests below pin every `STRUCT_SIZE` and
 //! offset to the values those headers give, and exercise the struct-size guards with fake
 //! extension tables.
 //!

@@ -2,7 +2,7 @@
 //!
 //! Source of the ABI: XLA's `xla/pjrt/c/pjrt_c_api.h`, API version 0.81 (the version shipped by
 //! the `xla-cpu-pjrt` 0.0.1 wheel on PyPI). The header itself is **not** part of this project;
-//! the test `tests/pjrt_abi.rs` compiles a C file against the header the Makefile installs and
+//! the test `tests/integration/pjrt_abi.rs` compiles a C file against the header the Makefile installs and
 //! checks `sizeof`, `offsetof` and `*_STRUCT_SIZE` of every struct declared here (generated from
 //! [`layout_table`]).
 //!

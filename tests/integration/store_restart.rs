@@ -3,7 +3,7 @@
 //! (namespace, geometry, damaged header, loose permissions) reformat with a reason; foreign owners
 //! and concurrent users are refused; segments are listed and removed.
 
-mod store_util;
+use crate::store_util;
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
@@ -264,7 +264,12 @@ fn crash_child() {
 fn sigkill_mid_put_serves_only_whole_blocks_after_restart() {
     let g = ShmGuard::new("crash");
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "crash_child", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            &crate::test_name(module_path!(), "crash_child"),
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD_ENV, &g.0)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

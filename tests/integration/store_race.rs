@@ -3,7 +3,7 @@
 //! the block missing, never deliver the other key's bytes (with and without checksum
 //! verification, so the generation check alone is shown to catch it); a lease prevents the race.
 
-mod store_util;
+use crate::store_util;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;

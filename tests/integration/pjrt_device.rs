@@ -1,7 +1,7 @@
 //! The device layer against the real XLA CPU PJRT plugin: plugin loading, clients, devices,
 //! memory kinds, raw D2H windows, in-place H2D, and the inputs that must be refused.
 
-mod common;
+use crate::common;
 
 use tpu_sync::device::{d2h_batch, h2d_batch, RawCopy};
 use tpu_sync::pjrt::{Capabilities, ElementType, H2dPath, Plugin};

@@ -4,7 +4,7 @@
 //! receiver does not host. Each is refused with a clear error, and a request that received bad
 //! data is failed, never reported done.
 
-mod net_util;
+use crate::net_util;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! byte unchanged; and decode sides whose groups differ from the prefill's (a group missing,
 //! another window, another state shape) refused by the prefill at the handshake.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,8 +2,8 @@
 //! with its own PJRT client, connected over loopback TCP) for several layout pairs, and the bad
 //! inputs that must end in a clear error and a non-zero exit within a bounded time.
 
-mod common;
-mod port_util;
+use crate::common;
+use crate::port_util;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

@@ -2,7 +2,7 @@
 //! a view of existing device memory) feeding the same copy engine, against the real XLA CPU
 //! plugin; adopted handles are never freed by the library; bad inputs are errors, not crashes.
 
-mod common;
+use crate::common;
 
 use std::ffi::{c_void, CString};
 use std::sync::atomic::{AtomicUsize, Ordering};

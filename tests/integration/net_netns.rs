@@ -3,7 +3,7 @@
 //! QUIC, every byte verified. The namespaces (and with them the veth pair) are removed afterwards,
 //! also when the test fails. Skipped, with a message, when not root or `ip netns` is unavailable.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

@@ -11,9 +11,9 @@
 //! Hosts are this test binary re-run inside `ip netns exec` with `TSYNC_NETNS_ROLE` set.
 //! Skipped, with a message, when not root, `ip netns` or bridges are unavailable, or no etcd.
 
-mod cluster_util;
-mod common;
-mod store_util;
+use crate::cluster_util;
+use crate::common;
+use crate::store_util;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -129,7 +129,12 @@ impl Host {
         let mut child = Command::new("ip")
             .args(["netns", "exec", ns])
             .arg(exe)
-            .args(["--exact", "child", "--nocapture", "--test-threads=1"])
+            .args([
+                "--exact",
+                &crate::test_name(module_path!(), "child"),
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env("TSYNC_NETNS_ROLE", role)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

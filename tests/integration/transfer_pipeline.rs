@@ -12,8 +12,8 @@
 //!   placements plan once; a truncated transfer into an arena holding the very bytes it should
 //!   receive still fails.
 
-mod common;
-mod fault_util;
+use crate::common;
+use crate::fault_util;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -1260,7 +1260,12 @@ fn a_producer_in_a_memory_cgroup_refuses_registrations_instead_of_being_oom_kill
     }
     let cg = MemoryCgroup::create(CGROUP_LIMIT);
     let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", CGROUP_TEST, "--nocapture", "--test-threads=1"]);
+    cmd.args([
+        "--exact",
+        &crate::test_name(module_path!(), CGROUP_TEST),
+        "--nocapture",
+        "--test-threads=1",
+    ]);
     match &cg {
         Some(c) => {
             cmd.env(CGROUP_CHILD_ENV, c.dir.join("cgroup.procs"));

@@ -1,7 +1,7 @@
 //! DMA pacing of the copy engine against the real XLA CPU plugin: the in-flight bound under 16
 //! concurrent batches, chunking, FIFO order across callers, cancellation, pause/resume.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

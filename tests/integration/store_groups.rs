@@ -5,8 +5,8 @@
 //! (also after SIGKILL mid-put) serves the same hits; real PJRT device buffers whose layers have
 //! different block counts round-trip byte-exact.
 
-mod common;
-mod store_util;
+use crate::common;
+use crate::store_util;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -354,7 +354,7 @@ fn sigkill_mid_state_put_serves_the_last_whole_state() {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "groups_crash_child",
+            &crate::test_name(module_path!(), "groups_crash_child"),
             "--nocapture",
             "--test-threads=1",
         ])

@@ -5,8 +5,8 @@
 //! can wait for a registration that has not happened yet. Every transfer is checked byte for byte
 //! against the pattern.
 
-mod fault_util;
-mod net_util;
+use crate::fault_util;
+use crate::net_util;
 
 use std::sync::Arc;
 use std::time::Duration;

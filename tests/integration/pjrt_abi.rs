@@ -2,7 +2,7 @@
 //! plugin ships: `sizeof`, `offsetof` of each field and `<type>_STRUCT_SIZE`, compiled by the C
 //! compiler as static assertions.
 
-mod common;
+use crate::common;
 
 use std::fmt::Write;
 use std::process::Command;

@@ -10,7 +10,7 @@
 //! and disk never exceed their capacities. A second property runs random operations on a whole
 //! `KvStore` (host memory, small DRAM and disk tiers) and checks every delivered byte.
 
-mod store_util;
+use crate::store_util;
 
 use std::collections::{HashMap, HashSet};
 

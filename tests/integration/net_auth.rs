@@ -2,7 +2,7 @@
 //! client certificate, wrong pre-shared key, plain TCP) is refused in the handshake and can
 //! neither read nor write a single block; the same operations succeed with valid credentials.
 
-mod net_util;
+use crate::net_util;
 
 use std::sync::Arc;
 use std::time::Duration;

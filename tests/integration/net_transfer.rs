@@ -2,7 +2,7 @@
 //! many layout pairs, prefill ranks in separate endpoints, a rank with no bytes, layer
 //! pipelining, request-id limits.
 
-mod net_util;
+use crate::net_util;
 
 use std::time::Duration;
 

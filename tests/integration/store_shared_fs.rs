@@ -5,7 +5,7 @@
 //! Child processes are this test binary re-run with `TSYNC_SHARED_ROLE` set (the `child` test
 //! does the work then and nothing otherwise).
 
-mod store_util;
+use crate::store_util;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -93,14 +93,19 @@ fn spawn(
         }
         None => Command::new(&exe),
     };
-    cmd.args(["--exact", "child", "--nocapture", "--test-threads=1"])
-        .env("TSYNC_SHARED_ROLE", role)
-        .env("TSYNC_SHARED_DIR", dir)
-        .env("TSYNC_SHARED_WRITER", writer)
-        .env("TSYNC_SHARED_SEED", seed.to_string())
-        .env("TSYNC_SHARED_VARIANT", variant.to_string())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+    cmd.args([
+        "--exact",
+        &crate::test_name(module_path!(), "child"),
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("TSYNC_SHARED_ROLE", role)
+    .env("TSYNC_SHARED_DIR", dir)
+    .env("TSYNC_SHARED_WRITER", writer)
+    .env("TSYNC_SHARED_SEED", seed.to_string())
+    .env("TSYNC_SHARED_VARIANT", variant.to_string())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::inherit());
     cmd.spawn().expect("spawn the writer")
 }
 

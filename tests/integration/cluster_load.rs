@@ -6,9 +6,9 @@
 //! producer, a store of another namespace, bad requests, a budget too small) that leave the
 //! destination blocks untouched. No etcd needed: the addresses are given directly.
 
-mod common;
-mod port_util;
-mod store_util;
+use crate::common;
+use crate::port_util;
+use crate::store_util;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

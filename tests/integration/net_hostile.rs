@@ -11,7 +11,7 @@
 //! - A stranger's `Cancel{push: true}` of a push registration changes nothing.
 //! - Idle data lanes are closed by the server after `lane_idle_timeout`.
 
-mod net_util;
+use crate::net_util;
 
 use std::time::Duration;
 

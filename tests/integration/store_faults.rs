@@ -3,7 +3,7 @@
 //! chain) leave every stored block present and byte-exact, leak no slot or pin, and the keys of
 //! the failed request can be stored and read afterwards.
 
-mod store_util;
+use crate::store_util;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};

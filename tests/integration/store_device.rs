@@ -2,8 +2,8 @@
 //! `tpu-sync shm` as a user runs them: put from device blocks, restart as a new process, load
 //! into other device blocks, verify every byte.
 
-mod common;
-mod store_util;
+use crate::common;
+use crate::store_util;
 
 use std::time::Duration;
 

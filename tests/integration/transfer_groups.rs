@@ -15,7 +15,7 @@
 //!   the producer at the handshake, with `Mismatch`, before any byte moves; the same producer
 //!   then serves the right consumer.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -4,8 +4,8 @@
 //! data, recovery after a restart that kept it, the publish stride, batching into transactions,
 //! and authentication. Skipped with a message when no etcd binary is installed.
 
-mod cluster_util;
-mod store_util;
+use crate::cluster_util;
+use crate::store_util;
 
 use std::time::{Duration, Instant};
 

@@ -2,7 +2,7 @@
 //! rule, pins and "full", recency, corruption, bad arguments, background preparation and
 //! concurrent use.
 
-mod store_util;
+use crate::store_util;
 
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};

@@ -3,7 +3,7 @@
 //! truncated and corrupt files are misses (dropped with their chain below them), never crashes;
 //! the prefix rule holds across both tiers.
 
-mod store_util;
+use crate::store_util;
 
 use std::io::{Seek, SeekFrom, Write};
 
