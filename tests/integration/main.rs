@@ -22,8 +22,8 @@ mod common;
 mod fault_util;
 #[path = "../net_util/mod.rs"]
 mod net_util;
-#[path = "../port_util/mod.rs"]
-mod port_util;
+// The reserved loopback ports: the cluster helpers' own module (one instance of it).
+use cluster_util::port_util;
 #[path = "../store_util/mod.rs"]
 mod store_util;
 

@@ -2,6 +2,7 @@
 JSON. The engine tests (test_engine.py) run several of these as separate processes.
 
 Usage: python run_engine.py SPEC.json OUT.json
+       python run_engine.py --serve ARGS...   (vLLM's HTTP server: see ``serve``)
 
 SPEC keys:
     model (path), prompts (list of token-id lists), max_tokens (16), tp (1; > 1 runs one worker
@@ -51,6 +52,9 @@ ZYGOTE_PREIMPORT = (
     "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.models.llama", "vllm.model_executor.models.gemma2",
     "vllm.v1.attention.backends.cpu_attn", "vllm.distributed.kv_transfer.kv_connector.factory",
     "vllm.distributed.kv_transfer.kv_connector.v1.base", "transformers", "safetensors.torch",
+    # --serve: the HTTP server and the async engine client.
+    "vllm.entrypoints.openai.api_server", "vllm.entrypoints.launchers.api_server.entry", "vllm.v1.engine.async_llm",
+    "vllm.v1.engine.core_client", "uvicorn", "fastapi",
 )
 # vLLM's variables read at import time (besides the fork server's own list).
 ZYGOTE_IMPORT_TIME_ENV = ("VLLM_LOGGING", "VLLM_CONFIGURE_LOGGING")
@@ -91,7 +95,47 @@ def wait_for(path: str, what: str, limit_s: float = 600) -> None:
         time.sleep(0.05)
 
 
+def fork_engine_processes() -> None:
+    """Starts the processes vLLM starts for an engine (a TP > 1 engine's workers, an API
+    server's engine core) with ``fork`` instead of ``spawn``.
+
+    vLLM's CPU platform sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` in its
+    ``check_and_update_config``, so each of them imports torch and vLLM again (20-25 s on 2
+    cores; a TP=2 P/D test took 46-56 s, 12-16 s with ``fork``). ``fork`` is vLLM's own default
+    elsewhere; what a child must not inherit is a used OpenMP thread pool, and this process (a
+    fork of the zygote, which ran no torch operation) has run none either when it starts them:
+    the model is loaded and run only in them. TP workers still bind their OpenMP threads to
+    their own cores (``VLLM_CPU_OMP_THREADS_BIND``), as after ``spawn``.
+    ``TPU_SYNC_VLLM_SPAWN_WORKERS=1`` keeps vLLM's ``spawn``."""
+    if os.environ.get("TPU_SYNC_VLLM_SPAWN_WORKERS") == "1":
+        return
+    from vllm.platforms import cpu
+
+    original = cpu.CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        original(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def serve(args: list) -> None:
+    """``run_engine.py --serve ARGS``: vLLM's OpenAI-compatible HTTP server, as ``python -m
+    vllm.entrypoints.openai.api_server ARGS`` runs it, in this process (through the zygote, so it
+    skips the import; its engine core forked, see :func:`fork_engine_processes`)."""
+    fork_engine_processes()
+    # What the module's ``__main__`` block runs (vLLM 0.29 and 0.32).
+    from vllm.entrypoints.launchers.api_server.entry import main as serve_main
+
+    sys.argv = ["vllm.entrypoints.openai.api_server"] + list(args)
+    serve_main()
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--serve"]:
+        serve(sys.argv[2:])
+        return
     spec = json.load(open(sys.argv[1]))
     out_path = sys.argv[2]
     from vllm import LLM, SamplingParams
@@ -104,6 +148,7 @@ def main() -> None:
     if spec.get("tp", 1) > 1:
         # One worker process per TP rank (bind them to cores with VLLM_CPU_OMP_THREADS_BIND).
         kw.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
+        fork_engine_processes()
     c = spec.get("connector")
     if c:
         ktc = dict(kv_connector="TpuSyncConnector", kv_role=c["kv_role"],

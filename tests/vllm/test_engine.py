@@ -752,12 +752,17 @@ def test_proxy_routes_prefill_then_decode_over_http(engines, plain, tiny_model):
     def serve(name, port, role, extra, policy="fail"):
         ktc = dict(kv_connector="TpuSyncConnector", kv_role=role, kv_connector_extra_config=extra,
                    kv_load_failure_policy=policy)
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model, "--port", str(port),
-               "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--block-size", "32",
-               "--no-enable-prefix-caching", "--distributed-executor-backend", "uni", "--seed", "0",
-               "--kv-transfer-config", json.dumps(ktc)]
+        # `python -m vllm.entrypoints.openai.api_server ARGS`, forked from the session's fork
+        # server when it has one (run_engine.py --serve).
+        zyg = os.environ.get(fork_server.ENV_SOCKET)
+        env = dict(engines.env, **{fork_server.ENV_SOCKET: zyg}) if zyg else engines.env
+        cmd = fork_server.command(os.path.join(HERE, "run_engine.py")) + [
+            "--serve", "--model", tiny_model, "--port", str(port),
+            "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--block-size", "32",
+            "--no-enable-prefix-caching", "--distributed-executor-backend", "uni", "--seed", "0",
+            "--kv-transfer-config", json.dumps(ktc)]
         log = open(os.path.join(engines.dir, f"serve_{name}.log"), "w")
-        procs.append(subprocess.Popen(cmd, env=engines.env, stdout=log, stderr=subprocess.STDOUT,
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
 
     try:
