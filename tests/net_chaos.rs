@@ -953,3 +953,86 @@ fn quic_peer_vanishing_mid_setup_releases_the_listener() {
         .await;
     });
 }
+
+/// A QUIC client that gives up on its connect before sending its ClientHello (its first Initial
+/// packet carries only a CONNECTION_CLOSE) must leave nothing behind on the listener: quinn-proto
+/// 0.11 keeps the server side of such a connection in the draining state without a close timer,
+/// so it lived for the 120 s idle timeout and held the listener's UDP socket after the listener
+/// was dropped (`peer_death_at_every_point_leaks_nothing` failed in half of its runs when a
+/// pusher's failed push dropped a data lane's connect). Now the listener validates addresses
+/// with a stateless Retry before any connection exists, and a dropped endpoint closes its UDP
+/// socket within `SOCKET_CLOSE_GRACE` whatever its connections do. Checked: the listener
+/// still serves a real client byte-exact after the abandoned connects, and once dropped, its
+/// exact address can be bound again within the grace.
+#[test]
+fn quic_connect_abandoned_before_its_hello_leaves_nothing() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tpu_sync::net::quic::{QuicTransport, SOCKET_CLOSE_GRACE};
+    use tpu_sync::net::transport::{Transport, TransportTimeouts};
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    // One thread: a connect polled once has created its connection, but its driver task has
+    // not run yet, so when the connect is dropped the first packet it sends is the close.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let pki = pki(&["prefill", "decode"]);
+        let timeouts = TransportTimeouts {
+            connect: Duration::from_secs(5),
+            handshake: Duration::from_secs(5),
+        };
+        let quic = |name: &str| {
+            QuicTransport::new(security(TransportKind::Quic, &pki, name), timeouts, 2).unwrap()
+        };
+        let server = quic("prefill");
+        let acc = server.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = acc.local_addr();
+        for _ in 0..8 {
+            let client = quic("decode");
+            {
+                // Polled once, without yielding to the runtime, then dropped.
+                let mut connect = client.connect(addr);
+                let done = std::future::poll_fn(|cx| {
+                    std::task::Poll::Ready(connect.as_mut().poll(cx).is_ready())
+                })
+                .await;
+                assert!(
+                    !done,
+                    "a QUIC connect cannot finish without running its driver"
+                );
+            }
+            drop(client);
+            // Let the dropped connections send their close.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // The listener still serves a real client.
+        let client = quic("decode");
+        let conn = client.connect(addr).await.unwrap();
+        let mut lane = conn.open_lane().await.unwrap();
+        let msg: Vec<u8> = (0..200u32).map(|i| (i * 89 + 7) as u8).collect();
+        lane.write_all(&msg).await.unwrap();
+        let mut got = acc.accept().await.unwrap();
+        let mut b = vec![0u8; msg.len()];
+        got.read_exact(&mut b).await.unwrap();
+        assert_eq!(b, msg);
+        drop((lane, got, conn, client));
+        drop(acc);
+        drop(server);
+        let t0 = Instant::now();
+        let limit = SOCKET_CLOSE_GRACE + Duration::from_secs(2);
+        loop {
+            match std::net::UdpSocket::bind(addr) {
+                Ok(_) => break,
+                Err(e) if t0.elapsed() < limit => {
+                    assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse, "{e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!(
+                    "the dropped listener's UDP socket {addr} is still open after {:?}: {e}",
+                    t0.elapsed()
+                ),
+            }
+        }
+    });
+}

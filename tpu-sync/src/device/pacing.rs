@@ -294,7 +294,7 @@ impl ChunkCtx {
 }
 
 /// Chunks of host-addressable copies are handed to a worker in groups of at most this many
-/// bytes (or [`HOST_GROUP_CHUNKS`] chunks).
+/// bytes (or `HOST_GROUP_CHUNKS` chunks).
 pub const HOST_GROUP_BYTES: u64 = 1 << 20;
 /// Most chunks in one worker group.
 const HOST_GROUP_CHUNKS: usize = 256;

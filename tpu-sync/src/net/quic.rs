@@ -105,9 +105,9 @@ pub struct QuicTransport {
     /// Connections opened to each peer (>= 1).
     connections: usize,
     /// The listening endpoint, or the first client endpoint: connection 0 of every peer.
-    endpoint: std::sync::Mutex<Option<quinn::Endpoint>>,
+    endpoint: std::sync::Mutex<Option<Ep>>,
     /// Client-only endpoints (own UDP sockets) of connections 1.. of every peer.
-    extra: std::sync::Mutex<Vec<quinn::Endpoint>>,
+    extra: std::sync::Mutex<Vec<Ep>>,
 }
 
 /// Default QUIC connections per peer ([`super::DEFAULT_QUIC_CONNECTIONS_PER_PEER`]).
@@ -122,9 +122,10 @@ pub const MAX_UDP_PAYLOAD: u16 = 65507;
 /// heartbeat declares a silent peer dead much sooner). It is also the bound on a connection
 /// whose peer vanished without a close that reached this side, e.g. a pusher killed while its
 /// connections were being set up, while this side's endpoint is alive. Dropping the listener
-/// (or the endpoint) closes every connection at once instead, so none of them, and no UDP
-/// socket, outlives it by more than QUIC's drain period (three probe timeouts, about 3 s on
-/// loopback; `tests/net_chaos.rs::quic_peer_vanishing_mid_setup_releases_the_listener`).
+/// (or the endpoint) closes every connection at once instead, and its UDP socket once they
+/// drained, at most [`SOCKET_CLOSE_GRACE`] later, also when one of them would not drain
+/// (`EndpointSocket`;
+/// `tests/net_chaos.rs::quic_peer_vanishing_mid_setup_releases_the_listener`).
 pub const IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// Send and receive buffer requested for the QUIC UDP socket (capped by the kernel).
@@ -157,19 +158,162 @@ fn udp_socket(addr: SocketAddr) -> Result<std::net::UdpSocket> {
     Ok(sock)
 }
 
-/// A quinn endpoint on our own UDP socket ([`udp_socket`]).
-fn quinn_endpoint(
-    addr: SocketAddr,
-    server: Option<quinn::ServerConfig>,
-) -> Result<quinn::Endpoint> {
-    let sock = udp_socket(addr)?;
-    quinn::Endpoint::new(
+/// How long a closed quinn endpoint keeps its UDP socket for its connections to drain (send
+/// their CONNECTION_CLOSE and absorb late packets) before `EndpointSocket::close` closes it:
+/// QUIC's drain period of a connection that has no RTT sample yet, 3 x PTO with quinn's initial
+/// RTT of 333 ms (RFC 9002 section 6.2.1: PTO = RTT + 4 x RTT/2 = 999 ms). A connection that
+/// does have an RTT sample drains sooner (on loopback within milliseconds), and the socket then
+/// closes as soon as every connection drained.
+pub const SOCKET_CLOSE_GRACE: Duration = Duration::from_secs(3);
+
+/// The UDP socket under one quinn endpoint, which this side can close while quinn still holds
+/// it. quinn keeps an endpoint's socket until every connection on it has drained, and a
+/// connection need not drain soon: quinn-proto 0.11 leaves a server-side connection whose first
+/// Initial packet carries only a CONNECTION_CLOSE (a client that gave up before sending its
+/// ClientHello, e.g. a dropped connect) in the draining state without a close timer, so it lives
+/// until [`IDLE_TIMEOUT`], and its UDP socket with it. Closing the socket ends that: RFC 9000
+/// section 10.2 lets an endpoint leave the closing and draining states early when it closed the
+/// socket. After [`EndpointSocket::close`] the descriptor is closed, receiving waits forever
+/// (quinn's tasks then end as their timers run out) and sent datagrams are dropped like losses.
+///
+/// Thread-safety: `Send + Sync`; quinn's endpoint and connection tasks call it concurrently
+/// (each call holds a read lock for one non-blocking system call; `close` takes the write lock).
+#[derive(Debug)]
+pub(crate) struct EndpointSocket {
+    state: quinn::udp::UdpSocketState,
+    io: std::sync::RwLock<Option<tokio::net::UdpSocket>>,
+}
+
+impl EndpointSocket {
+    /// Wraps `sock` (non-blocking from here on). Must run inside a Tokio runtime.
+    fn new(sock: std::net::UdpSocket) -> io::Result<EndpointSocket> {
+        let state = quinn::udp::UdpSocketState::new((&sock).into())?;
+        sock.set_nonblocking(true)?;
+        let io = tokio::net::UdpSocket::from_std(sock)?;
+        Ok(EndpointSocket {
+            state,
+            io: std::sync::RwLock::new(Some(io)),
+        })
+    }
+
+    /// Closes the descriptor now (idempotent).
+    pub(crate) fn close(&self) {
+        let io = self.io.write().unwrap_or_else(|p| p.into_inner()).take();
+        drop(io);
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Option<tokio::net::UdpSocket>> {
+        self.io.read().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl quinn::AsyncUdpSocket for EndpointSocket {
+    fn create_io_poller(self: Arc<Self>) -> Pin<Box<dyn quinn::UdpPoller>> {
+        Box::pin(Writable(self))
+    }
+
+    fn try_send(&self, transmit: &quinn::udp::Transmit) -> io::Result<()> {
+        let g = self.read();
+        let Some(io) = g.as_ref() else {
+            return Ok(());
+        };
+        io.try_io(tokio::io::Interest::WRITABLE, || {
+            self.state.send(io.into(), transmit)
+        })
+    }
+
+    fn poll_recv(
+        &self,
+        cx: &mut Context,
+        bufs: &mut [io::IoSliceMut<'_>],
+        meta: &mut [quinn::udp::RecvMeta],
+    ) -> Poll<io::Result<usize>> {
+        let g = self.read();
+        let Some(io) = g.as_ref() else {
+            return Poll::Pending;
+        };
+        loop {
+            std::task::ready!(io.poll_recv_ready(cx))?;
+            if let Ok(n) = io.try_io(tokio::io::Interest::READABLE, || {
+                self.state.recv(io.into(), bufs, meta)
+            }) {
+                return Poll::Ready(Ok(n));
+            }
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<SocketAddr> {
+        match self.read().as_ref() {
+            Some(io) => io.local_addr(),
+            None => Err(io::Error::new(io::ErrorKind::NotConnected, "socket closed")),
+        }
+    }
+
+    fn may_fragment(&self) -> bool {
+        self.state.may_fragment()
+    }
+
+    fn max_transmit_segments(&self) -> usize {
+        self.state.max_gso_segments()
+    }
+
+    fn max_receive_segments(&self) -> usize {
+        self.state.gro_segments()
+    }
+}
+
+/// quinn's wait for an [`EndpointSocket`] to become writable (at once once it is closed).
+#[derive(Debug)]
+struct Writable(Arc<EndpointSocket>);
+
+impl quinn::UdpPoller for Writable {
+    fn poll_writable(self: Pin<&mut Self>, cx: &mut Context) -> Poll<io::Result<()>> {
+        match self.0.read().as_ref() {
+            Some(io) => io.poll_send_ready(cx),
+            None => Poll::Ready(Ok(())),
+        }
+    }
+}
+
+/// A quinn endpoint with its closable socket.
+#[derive(Clone)]
+struct Ep {
+    quinn: quinn::Endpoint,
+    socket: Arc<EndpointSocket>,
+}
+
+impl Ep {
+    /// Closes every connection on the endpoint at once (each sends its CONNECTION_CLOSE), then
+    /// its UDP socket when they all drained or [`SOCKET_CLOSE_GRACE`] passed, whichever comes
+    /// first (at once outside a Tokio runtime).
+    fn close(&self, reason: &'static [u8]) {
+        self.quinn.close(VarInt::from_u32(0), reason);
+        let (ep, socket) = (self.quinn.clone(), self.socket.clone());
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move {
+                    let _ = tokio::time::timeout(SOCKET_CLOSE_GRACE, ep.wait_idle()).await;
+                    socket.close();
+                });
+            }
+            Err(_) => socket.close(),
+        }
+    }
+}
+
+/// A quinn endpoint on our own UDP socket ([`udp_socket`], [`EndpointSocket`]).
+fn quinn_endpoint(addr: SocketAddr, server: Option<quinn::ServerConfig>) -> Result<Ep> {
+    let what = || format!("QUIC endpoint on {addr}");
+    let socket =
+        Arc::new(EndpointSocket::new(udp_socket(addr)?).map_err(|e| Error::io(what(), e))?);
+    let quinn = quinn::Endpoint::new_with_abstract_socket(
         quinn::EndpointConfig::default(),
         server,
-        sock,
+        socket.clone(),
         Arc::new(quinn::TokioRuntime),
     )
-    .map_err(|e| Error::io(format!("QUIC endpoint on {addr}"), e))
+    .map_err(|e| Error::io(what(), e))?;
+    Ok(Ep { quinn, socket })
 }
 
 fn transport_config() -> quinn::TransportConfig {
@@ -237,17 +381,18 @@ impl QuicTransport {
         if index == 0 {
             let mut g = self.endpoint.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(e) = g.as_ref() {
-                return Ok(e.clone());
+                return Ok(e.quinn.clone());
             }
             let e = quinn_endpoint(bind, None)?;
-            *g = Some(e.clone());
-            return Ok(e);
+            let q = e.quinn.clone();
+            *g = Some(e);
+            return Ok(q);
         }
         let mut g = self.extra.lock().unwrap_or_else(|p| p.into_inner());
         while g.len() < index {
             g.push(quinn_endpoint(bind, None)?);
         }
-        Ok(g[index - 1].clone())
+        Ok(g[index - 1].quinn.clone())
     }
 
     /// One authenticated QUIC connection to `addr` on the endpoint of connection `index`,
@@ -284,7 +429,7 @@ impl Drop for QuicTransport {
             .unwrap_or_else(|p| p.into_inner())
             .take()
         {
-            e.close(VarInt::from_u32(0), b"endpoint closed");
+            e.close(b"endpoint closed");
         }
         for e in self
             .extra
@@ -292,7 +437,7 @@ impl Drop for QuicTransport {
             .unwrap_or_else(|p| p.into_inner())
             .drain(..)
         {
-            e.close(VarInt::from_u32(0), b"endpoint closed");
+            e.close(b"endpoint closed");
         }
     }
 }
@@ -395,23 +540,32 @@ impl Transport for QuicTransport {
 
     fn listen(&self, addr: SocketAddr) -> BoxFut<'_, Result<Arc<dyn Acceptor>>> {
         Box::pin(async move {
-            let ep = quinn_endpoint(addr, Some(self.server.clone()))
+            let listener = quinn_endpoint(addr, Some(self.server.clone()))
                 .map_err(|e| e.context(format!("QUIC listen on {addr}")))?;
+            let ep = listener.quinn.clone();
             let local = ep.local_addr().map_err(|e| Error::io("local_addr", e))?;
             {
                 let mut g = self.endpoint.lock().unwrap_or_else(|p| p.into_inner());
-                if let Some(old) = g.replace(ep.clone()) {
-                    old.close(VarInt::from_u32(0), b"replaced");
+                if let Some(old) = g.replace(listener.clone()) {
+                    old.close(b"replaced");
                 }
             }
             let (sink, rx) = QueuedAcceptor::queue();
-            let ep_close = ep.clone();
             let hs = self.timeouts.handshake;
             let psk = self.psk();
             let queue = sink.clone();
             let task = tokio::spawn(async move {
                 let mut conns = tokio::task::JoinSet::new();
                 while let Some(incoming) = ep.accept().await {
+                    // Address validation first (a stateless Retry, one extra round trip per
+                    // connection): no connection state exists for a peer until it proved it
+                    // receives at its source address, so spoofed Initial packets cost nothing,
+                    // and a client that gave up before its ClientHello (an Initial carrying only
+                    // a CONNECTION_CLOSE, see `EndpointSocket`) leaves no connection behind.
+                    if !incoming.remote_address_validated() && incoming.may_retry() {
+                        let _ = incoming.retry();
+                        continue;
+                    }
                     let queue = queue.clone();
                     conns.spawn(async move {
                         let remote = incoming.remote_address();
@@ -446,14 +600,14 @@ impl Transport for QuicTransport {
             });
             // Dropping the acceptor closes the listening endpoint first: every connection
             // that came in on it closes at once (a peer that died mid-setup never answers, and
-            // its connection would otherwise hold the UDP socket until IDLE_TIMEOUT).
-            let closer = ep_close.clone();
+            // its connection would otherwise hold the UDP socket until IDLE_TIMEOUT), and the
+            // UDP socket closes once they drained, within SOCKET_CLOSE_GRACE (`Ep::close`).
             Ok(QueuedAcceptor::start_with_close(
                 local,
                 &sink,
                 rx,
                 vec![task],
-                Box::new(move || closer.close(VarInt::from_u32(0), b"listener closed")),
+                Box::new(move || listener.close(b"listener closed")),
             ))
         })
     }

@@ -256,7 +256,7 @@ pub(crate) fn copy_from_peer(
 }
 
 /// Bytes the receiver copies out of the sender per `process_vm_readv` before it hashes them,
-/// while they are still in cache ([`copy_and_hash_from_peer`]): `TPU_SYNC_SHM_VERIFY_STEP_BYTES`
+/// while they are still in cache (`copy_and_hash_from_peer`): `TPU_SYNC_SHM_VERIFY_STEP_BYTES`
 /// when set to a number, else 0 (copy the whole chunk, then hash it). 0 stays the default
 /// because 128 KiB steps (in the per-core L2 of current server cores; L1-sized steps would cost
 /// a system call per 32-48 KiB) measured no faster, and at 64 MiB possibly slower, on the
