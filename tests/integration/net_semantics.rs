@@ -453,3 +453,79 @@ fn a_lost_producer_that_cannot_be_reached_again_is_named_as_lost() {
         assert!(!e.to_string().contains("was lost"), "{e}");
     });
 }
+
+/// `Transfer::wait` runs the transfer's driver on the waiting caller when it gets there before
+/// the endpoint's runtime (a single-stripe pull then runs entirely on the caller's thread: no
+/// thread wake-up in between); a wait given up midway (its timeout) hands the driver back to
+/// the runtime, and the transfer goes on by itself: nobody waits for it again here, it is only
+/// polled, and every byte arrives. The runtime has one worker, which a task keeps busy while the
+/// caller waits, so the caller is the one that takes the driver.
+#[test]
+fn a_wait_given_up_midway_leaves_the_transfer_running() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        tokio::time::timeout(LIMIT, async {
+            let m = model(2);
+            let tokens = 40;
+            let src = placement(layout(&m, "tp=1,block=16", tokens), 0, tokens, 5);
+            let dst = placement(layout(&m, "tp=1,block=16", tokens), 0, tokens, 6);
+            let plan = tpu_sync::plan::Plan::build(&src, &dst, tokens).unwrap();
+            let f = Fx {
+                src,
+                dst,
+                tokens,
+                plan,
+            };
+            let prefill = ep("prefill", true).await;
+            let decode = ep("decode", false).await;
+            let a = addr(&prefill);
+            // Registered first: the caller's wait runs the whole pull.
+            let h = register_whole(&prefill, &f.src, f.tokens, 30);
+            pull_exact(&decode, &f, 30, PeerMap::single(&a)).await;
+            decode.release(&a, 30).await.unwrap();
+            assert_eq!(h.wait(LIMIT).await.unwrap(), SourceOutcome::Released);
+            // Not registered yet, and the runtime's only worker busy: the caller takes the
+            // driver, which then waits for the registration; the wait gives up; the
+            // registration comes later and the pull completes unawaited.
+            let (busy_tx, busy_rx) = std::sync::mpsc::channel();
+            let busy = tokio::spawn(async move {
+                busy_tx.send(()).unwrap();
+                std::thread::sleep(Duration::from_millis(400));
+            });
+            busy_rx.recv().unwrap();
+            let (t, st) = pull_with(
+                &decode,
+                &f,
+                31,
+                PeerMap::single(&a),
+                Some(Duration::from_secs(30)),
+            );
+            let e = t
+                .wait_timeout(Duration::from_millis(200))
+                .await
+                .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+            assert!(t.poll().is_none(), "still running");
+            busy.await.unwrap();
+            let h = register_whole(&prefill, &f.src, f.tokens, 31);
+            eventually(Duration::from_secs(20), "the pull completes", || {
+                t.poll().is_some()
+            })
+            .await;
+            let stats = t.poll().unwrap().unwrap();
+            assert_eq!(stats.bytes, f.plan.total_bytes());
+            assert_eq!(
+                verify_dest(&f.dst, f.tokens, &st, None),
+                f.plan.total_bytes()
+            );
+            decode.release(&a, 31).await.unwrap();
+            assert_eq!(h.wait(LIMIT).await.unwrap(), SourceOutcome::Released);
+        })
+        .await
+        .expect("test hung");
+    });
+}

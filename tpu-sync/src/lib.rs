@@ -44,6 +44,7 @@ pub mod budget;
 #[cfg(feature = "cluster")]
 pub mod cluster;
 pub mod device;
+mod drive;
 pub mod error;
 pub mod kv_events;
 pub mod layout;

@@ -594,6 +594,9 @@ struct Job {
     num_layers: u32,
     /// Leading layers written into the destination buffers (H2D) so far.
     written: watch::Sender<u32>,
+    /// The job's task until a runtime worker or a caller of [`TransferHandle::wait`] runs it
+    /// ([`Pipeline::drive_job`]).
+    driver: crate::drive::DriverSlot,
 }
 
 impl Job {
@@ -659,10 +662,25 @@ impl TransferHandle {
     /// Waits for the result.
     pub async fn wait(&self) -> Result<Report> {
         let mut rx = self.job.result.subscribe();
-        let r = match rx.wait_for(Option::is_some).await {
-            Ok(v) => v.clone(),
-            Err(_) => None,
+        // A caller that gets here before a runtime worker started the transfer's task runs it
+        // itself until the result is set (its remaining work, e.g. the delivering release,
+        // then goes back to the runtime: `crate::drive::DriveHere`).
+        let mut here = crate::drive::may_drive_here()
+            .then(|| self.job.driver.take())
+            .flatten()
+            .map(|d| crate::drive::DriveHere::new(Some(d)));
+        let r = loop {
+            tokio::select! {
+                v = rx.wait_for(Option::is_some) => break match v {
+                    Ok(v) => v.clone(),
+                    Err(_) => None,
+                },
+                _ = async { if let Some(h) = here.as_mut() { h.await } }, if here.is_some() => {
+                    here = None;
+                }
+            }
         };
+        drop(here);
         r.unwrap_or_else(|| Err(Error::Cancelled("transfer task ended".into())))
     }
 
@@ -1128,8 +1146,9 @@ impl Pipeline {
         let ep = self.ep.clone();
         let releases = self.releases.clone();
         let kv = p.kv;
-        self.rt
-            .spawn(tracing::Instrument::in_current_span(async move {
+        self.drive_job(
+            &job.clone(),
+            tracing::Instrument::in_current_span(async move {
                 let job = Completer(job);
                 let r = if layerwise {
                     receive_layers(&job.0, &t, staging, kv, report, t0).await
@@ -1160,8 +1179,22 @@ impl Pipeline {
                         release_all(&ep, &src_addrs, job.0.request_id, false, pull).await;
                     }
                 }
-            }));
+            }),
+        );
         Ok(handle)
+    }
+
+    /// Runs `job`'s task `fut` on whichever comes first: a task on the pipeline's runtime, or a
+    /// caller of [`TransferHandle::wait`] on its own thread (`crate::drive`: saves a runtime
+    /// worker's wake-up at each end of a small transfer).
+    fn drive_job(
+        &self,
+        job: &Arc<Job>,
+        fut: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        job.driver.put(fut, self.rt.clone());
+        self.rt
+            .spawn(crate::drive::start(job.clone(), |j: &Job| &j.driver));
     }
 
     fn job(&self, request_id: u64, net: Transfer, num_layers: u32) -> (TransferHandle, Arc<Job>) {
@@ -1174,6 +1207,7 @@ impl Pipeline {
             cancelled: AtomicBool::new(false),
             num_layers,
             written,
+            driver: Default::default(),
         });
         (TransferHandle { job: job.clone() }, job)
     }
@@ -1261,8 +1295,9 @@ impl Pipeline {
         report.device_time = device_time;
         self.counters.pushes.fetch_add(1, Ordering::Relaxed);
         let (handle, job) = self.job(p.request_id, t.clone(), 0);
-        self.rt
-            .spawn(tracing::Instrument::in_current_span(async move {
+        self.drive_job(
+            &job.clone(),
+            tracing::Instrument::in_current_span(async move {
                 let job = Completer(job);
                 let r = t.wait().await.map(|s| {
                     let mut rep = report;
@@ -1271,7 +1306,8 @@ impl Pipeline {
                     rep
                 });
                 job.0.complete(r);
-            }));
+            }),
+        );
         Ok(handle)
     }
 
@@ -1312,12 +1348,14 @@ impl Pipeline {
             .fetch_add(1, Ordering::Relaxed);
         let (handle, job) = self.job(e.request_id, t.clone(), e.kv.num_layers());
         let kv = e.kv;
-        self.rt
-            .spawn(tracing::Instrument::in_current_span(async move {
+        self.drive_job(
+            &job.clone(),
+            tracing::Instrument::in_current_span(async move {
                 let job = Completer(job);
                 let r = receive(&job.0, &t, staging, kv, report, t0).await;
                 job.0.complete(r);
-            }));
+            }),
+        );
         Ok(handle)
     }
 

@@ -89,6 +89,9 @@ pub(crate) struct TransferShared {
     pub(crate) num_layers: u32,
     pub(crate) gate: Option<watch::Sender<u32>>,
     pub(crate) bytes: AtomicU64,
+    /// The transfer's driver (runs the protocol, then records the result) until something
+    /// runs it ([`Inner::start_driver`]).
+    pub(crate) driver: crate::drive::DriverSlot,
 }
 
 /// A submitted transfer: await it, poll it, watch its layers, or cancel it. `Send + Sync`;
@@ -130,8 +133,20 @@ impl Transfer {
         lock(&self.shared.result).clone()
     }
 
-    /// Waits for the result.
+    /// Waits for the result. A caller that waits before the endpoint's runtime started the
+    /// transfer's driver runs the driver itself, on its own thread (within the endpoint's
+    /// runtime context), which saves the wake-up of a runtime worker: about 50 us of a 16 KiB
+    /// pull's 220 us on this project's 2-core VM (`tpu-sync bench latency`, docs/performance.md).
+    /// Cancel-safe: dropping the wait before the end hands the driver back to the runtime. Not
+    /// inside a current-thread runtime (`crate::drive::may_drive_here`): there a runtime task
+    /// runs it.
     pub async fn wait(&self) -> Result<TransferStats> {
+        let driver = crate::drive::may_drive_here()
+            .then(|| self.shared.driver.take())
+            .flatten();
+        if driver.is_some() {
+            crate::drive::DriveHere::new(driver).await;
+        }
         self.shared.done.wait().await;
         self.poll()
             .unwrap_or_else(|| Err(Error::Cancelled("transfer vanished".into())))

@@ -751,13 +751,16 @@ impl Endpoint {
         shared.planned.fire("planned");
         let inner = self.inner.clone();
         let sh = shared.clone();
-        self.inner.spawn(tracing::Instrument::instrument(
-            async move {
-                let r = inner.drive_pull(&sh, req, pairs, progress).await;
-                inner.finish(&sh, r);
-            },
-            span,
-        ));
+        self.inner.start_driver(
+            &shared,
+            tracing::Instrument::instrument(
+                async move {
+                    let r = inner.drive_pull(&sh, req, pairs, progress).await;
+                    inner.finish(&sh, r);
+                },
+                span,
+            ),
+        );
         Ok(Transfer {
             shared,
             inner: Arc::downgrade(&self.inner),
@@ -816,19 +819,22 @@ impl Endpoint {
         );
         let inner = self.inner.clone();
         let sh = shared.clone();
-        self.inner.spawn(tracing::Instrument::instrument(
-            async move {
-                let r = inner.drive_push(&sh, req, src_ranks, pairs, targets).await;
-                let failed = r.is_err();
-                inner.finish(&sh, r);
-                if failed {
-                    // The receivers' registrations would otherwise wait for a `PushFinish` that
-                    // never comes: tell them the push is over.
-                    inner.send_cancel(sh.request_id, true);
-                }
-            },
-            span,
-        ));
+        self.inner.start_driver(
+            &shared,
+            tracing::Instrument::instrument(
+                async move {
+                    let r = inner.drive_push(&sh, req, src_ranks, pairs, targets).await;
+                    let failed = r.is_err();
+                    inner.finish(&sh, r);
+                    if failed {
+                        // The receivers' registrations would otherwise wait for a `PushFinish`
+                        // that never comes: tell them the push is over.
+                        inner.send_cancel(sh.request_id, true);
+                    }
+                },
+                span,
+            ),
+        );
         Ok(Transfer {
             shared,
             inner: Arc::downgrade(&self.inner),
@@ -962,6 +968,24 @@ impl crate::metrics::Source for Inner {
 }
 
 impl Inner {
+    /// Starts transfer `t`'s driver `fut`: whichever comes first runs it, a task on the
+    /// endpoint's runtime or a caller of [`Transfer::wait`] (see there). Must run inside the
+    /// endpoint's runtime. Once the endpoint shuts down the driver is dropped unstarted (the
+    /// shutdown failed the transfer), here or by [`Inner::abort_all`]: a driver left in its
+    /// slot would keep the endpoint alive (it holds the `Inner` that holds the transfer).
+    fn start_driver<F>(&self, t: &Arc<TransferShared>, fut: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        t.driver.put(fut, tokio::runtime::Handle::current());
+        if self.shutdown.is_set() {
+            let unstarted = t.driver.take();
+            drop(unstarted);
+            return;
+        }
+        self.spawn(crate::drive::start(t.clone(), |t| &t.driver));
+    }
+
     fn spawn<F>(&self, fut: F)
     where
         F: std::future::Future<Output = ()> + Send + 'static,
@@ -1041,6 +1065,7 @@ impl Inner {
             num_layers,
             gate,
             bytes: AtomicU64::new(0),
+            driver: Default::default(),
         });
         lock(&self.transfers).insert(id, t.clone());
         crate::metrics::transfer_started(self.counters.transport(), kind.metrics_direction());
@@ -1147,6 +1172,11 @@ impl Inner {
 
     fn abort_all(&self, why: &str) {
         self.shutdown.fire(why);
+        let unstarted: Vec<_> = lock(&self.transfers)
+            .values()
+            .filter_map(|t| t.driver.take())
+            .collect();
+        drop(unstarted);
         lock(&self.acceptor).take();
         let a = lock(&self.proto).shutdown(Instant::now(), why);
         self.apply(a);
