@@ -812,3 +812,47 @@ async fn push_stripe(
         (_, m) => Err(Error::Protocol(format!("expected stream-ack, got {m:?}")).into()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A one-stripe transfer's stripe runs inline: its bytes, its error and its panic come out
+    /// as they would from a stripe task joined by `join_stripes`.
+    #[test]
+    fn a_single_stripe_run_inline_reports_bytes_errors_and_panics() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            assert_eq!(
+                run_single_stripe(async { Ok(12_345) }).await.unwrap(),
+                12_345
+            );
+            let e = run_single_stripe(async {
+                Err(StripeError {
+                    error: Error::Checksum("stripe 0".into()),
+                    soft: true,
+                })
+            })
+            .await
+            .unwrap_err();
+            assert!(
+                matches!(e, Error::Checksum(ref m) if m == "stripe 0"),
+                "{e}"
+            );
+            let e = run_single_stripe(async {
+                if std::hint::black_box(true) {
+                    panic!("stripe exploded");
+                }
+                Ok(1)
+            })
+            .await
+            .unwrap_err();
+            assert!(
+                matches!(e, Error::Cancelled(ref m) if m.contains("panicked: stripe exploded")),
+                "{e}"
+            );
+        });
+    }
+}
