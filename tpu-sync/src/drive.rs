@@ -61,20 +61,21 @@ pub(crate) async fn start<T: Send + Sync + 'static>(owner: Arc<T>, slot: fn(&T) 
     }
 }
 
-/// Whether a waiter on this thread may run a driver itself: outside any Tokio runtime, or in a
-/// multi-threaded one (a worker, or its `block_on`). Not inside a current-thread runtime: the
-/// driver's large copies go through [`crate::util::off_worker`], whose `block_in_place` is
-/// refused there once the driver's own (multi-threaded) runtime is entered; the starter task
-/// runs it instead.
+/// Whether a waiter on this thread may run a driver itself: only inside a multi-threaded Tokio
+/// runtime (a worker, or its `block_on`). Not inside a current-thread runtime: the driver's
+/// large copies go through [`crate::util::off_worker`], whose `block_in_place` is refused there
+/// once the driver's own (multi-threaded) runtime is entered. Not outside any runtime: such a
+/// waiter is typically an executor of its own (the C ABI's completion thread, which also runs
+/// user callbacks), where a driver would wait behind unrelated work. The starter task runs it
+/// instead.
 ///
 /// `TPU_SYNC_DRIVE_HERE=0` turns it off (every driver runs on a runtime task, as before
 /// 2026-12-06): for comparing the two in one benchmark session.
 pub(crate) fn may_drive_here() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("TPU_SYNC_DRIVE_HERE").map_or(true, |v| v != "0"));
-    on && tokio::runtime::Handle::try_current().map_or(true, |h| {
-        h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread
-    })
+    on && tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
 }
 
 /// A driver polled by a waiting caller, inside its runtime's context. Dropped before the driver

@@ -144,10 +144,19 @@ impl Transfer {
         let driver = crate::drive::may_drive_here()
             .then(|| self.shared.driver.take())
             .flatten();
-        if driver.is_some() {
-            crate::drive::DriveHere::new(driver).await;
+        // Until the result is set, not until the driver ends: a cancelled transfer has its
+        // result at once while its driver may still be unwinding (e.g. a connect bounded by the
+        // handshake timeout); that rest goes back to the runtime when `here` is dropped.
+        let mut here = driver.map(|d| crate::drive::DriveHere::new(Some(d)));
+        loop {
+            tokio::select! {
+                _ = self.shared.done.wait() => break,
+                _ = async { if let Some(h) = here.as_mut() { h.await } }, if here.is_some() => {
+                    here = None;
+                }
+            }
         }
-        self.shared.done.wait().await;
+        drop(here);
         self.poll()
             .unwrap_or_else(|| Err(Error::Cancelled("transfer vanished".into())))
     }
