@@ -558,3 +558,173 @@ def test_worker_refuses_a_cache_of_the_other_tpu_layout(configs, monkeypatch):
             register(monkeypatch, w, sal, 0)
     finally:
         w.shutdown()
+
+
+# ---- vLLM-TorchTPU's dense MLA latent cache ----------------------------------------------------
+# (``PallasMLAttentionBackend``, DeepSeek-V2/V3 and Kimi-K2: one cache per MLA layer, replicated on
+# every TP rank, ``[num_blocks, block_size / P, P, D']`` with P = 32 / bits tokens packed to a row
+# and the latent (512) then the rope key (64) of a token in D' = 640 lanes.)
+
+MLA_LORA, MLA_ROPE = 512, 64
+MLA_DIM = MLA_LORA + MLA_ROPE
+MLA_BS = 16
+
+
+def pallas_mla_kv_cache_shape(num_blocks, block_size, head_size, bits):
+    """vllm-torchtpu 0.29.0 ``PallasMLAttentionBackend.get_kv_cache_shape`` for a concrete dtype
+    (``layers/adapter/attention.py``), which calls the MLA v2 kernel's ``get_kv_cache_shape``
+    (``kernels/mla/v2/kernel.py``) with ``kv_packing = get_dtype_packing(dtype)``, restated."""
+    packing = 32 // bits
+    return (num_blocks, -(-block_size // packing), packing, -(-head_size // 128) * 128)
+
+
+def mla_geometry(dtype, tp, block_size=MLA_BS):
+    return KvGeometry(model="deepseek-tpu-test", num_layers=len(NAMES), num_kv_heads=1, heads_per_rank=1,
+                      head_dim=MLA_DIM, dtype=dtype, block_size=block_size, tp=tp,
+                      block_format=f"vllm-tpu/{compat.MLA_ORDER}/{dtype}", use_mla=True, kv_order=compat.MLA_ORDER)
+
+
+def mla_latents(layer, tokens, np_t, seed):
+    """``[tokens, 576]`` non-zero latents (kv_c then k_pe) of one layer; distinct per seed."""
+    rng = np.random.default_rng(seed * 1000 + layer)
+    return rng.integers(1, np.iinfo(np_t).max, size=(tokens, MLA_DIM), dtype=np_t, endpoint=True)
+
+
+def mla_tensors(g, tokens, block_ids, seed, fill_seed):
+    """One TP rank's per-layer MLA caches (every rank holds the same): every token slot of
+    every block written as the MLA kernel writes a token (``pack_new_kv``: token ``t`` of a page
+    at row ``t / P``, sublane ``t % P``, its 576 elements in the first lanes, the lane padding
+    zero) with filler of ``fill_seed``, then the request's ``tokens`` tokens of ``seed`` at
+    ``block_ids``."""
+    np_t = DTYPES[g.dtype]
+    bits = np.dtype(np_t).itemsize * 8
+    shape = pallas_mla_kv_cache_shape(NB, g.block_size, MLA_DIM, bits)
+    p = shape[2]
+    out = {}
+    for layer, name in enumerate(NAMES):
+        cache = np.zeros(shape, dtype=np_t)
+        fill = mla_latents(layer, NB * g.block_size, np_t, fill_seed)
+        for s in range(NB * g.block_size):
+            b, t = divmod(s, g.block_size)
+            cache[b, t // p, t % p, :MLA_DIM] = fill[s]
+        lat = mla_latents(layer, tokens, np_t, seed)
+        for s in range(tokens):
+            b, t = block_ids[s // g.block_size], s % g.block_size
+            cache[b, t // p, t % p, :MLA_DIM] = lat[s]
+        bits_t = torch.from_numpy(cache.view(np.dtype(str(TORCH_BITS[g.dtype]).replace("torch.", ""))))
+        t = torch.empty(bits_t.shape, dtype=TORCH_BITS[g.dtype])
+        t.copy_(bits_t)
+        out[name] = t.view(TORCH[g.dtype])
+    return out
+
+
+def test_geometry_of_the_mla_cache_matches_its_shape_formula():
+    for dtype, tp, bs in [("bf16", 1, 16), ("fp8", 4, 16), ("f32", 2, 8), ("bf16", 8, 64)]:
+        g = mla_geometry(dtype, tp, bs)
+        bits = {"f32": 32, "bf16": 16, "fp8": 8}[dtype]
+        assert (NB,) + g.torch_mla_shape() == pallas_mla_kv_cache_shape(NB, bs, MLA_DIM, bits), g
+        # tpu_sync sees the same bytes token-major: [num_blocks, block_size, D'].
+        assert g.view_shape(NB) == (NB, bs, 640) and g.layer_shape() == (bs, 640)
+        assert g.layer_block_bytes == int(np.prod(g.torch_mla_shape())) * bits // 8 == bs * 640 * bits // 8
+        lay = g.tpu_sync_layout(NB)
+        assert lay["spec"]["order"] == compat.MLA_ORDER and lay["model"]["num_kv_heads"] == 1, lay
+        assert lay["model"]["kv_planes"] == 1 and lay["model"]["head_dim"] == MLA_DIM and "block_format" not in lay
+    # Another engine's MLA layout, or a non-MLA peer, is refused by name.
+    g = mla_geometry("bf16", 2)
+    assert "kv_order" in g.mismatch(dict(g.to_dict(), kv_order="rpa3"))
+    assert "use_mla" in g.mismatch(dict(g.to_dict(), use_mla=False))
+
+
+@pytest.mark.parametrize("dtype,src_tp,dst_tp", [
+    ("bf16", 4, 2),   # TP=4 prefill -> TP=2 decode
+    ("fp8", 2, 4),    # fp8 (4 tokens to a row), TP=2 -> TP=4: every decode rank gets the latent
+])
+def test_worker_pd_of_mla_caches_writes_every_replica_byte_exact(configs, monkeypatch, backend, dtype, src_tp,
+                                                                 dst_tp):
+    """P/D between vLLM-TorchTPU worker sides holding the dense MLA cache: every decode rank's
+    replica gets the request's latents (tokens of a partial last block included) and nothing
+    else: its other blocks, its partial block's unused token slots and the lane padding
+    unchanged; the producer unchanged; each decode rank pulled exactly one latent per token and
+    layer (576 elements: never the lane padding)."""
+    tokens = 40  # 3 blocks of 16, the last one partial
+    src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
+    gs, gd = mla_geometry(dtype, src_tp), mla_geometry(dtype, dst_tp)
+    src = [mla_tensors(gs, tokens, src_ids, seed=3, fill_seed=11) for _ in range(src_tp)]
+    before = mla_tensors(gd, 0, dst_ids, seed=3, fill_seed=12)
+    dst = [mla_tensors(gd, 0, dst_ids, seed=3, fill_seed=12) for _ in range(dst_tp)]
+    # The reference: the filler, with the request's token slots overwritten by its latents.
+    want = mla_tensors(gd, 0, dst_ids, seed=3, fill_seed=12)
+    np_t = DTYPES[dtype]
+    p = gd.packing
+    for layer, n in enumerate(NAMES):
+        lat = mla_latents(layer, tokens, np_t, seed=3)
+        w = want[n].view(TORCH_BITS[dtype]).numpy()
+        for s in range(tokens):
+            b, t = dst_ids[s // MLA_BS], s % MLA_BS
+            w[b, t // p, t % p, :MLA_DIM] = lat[s]
+    src_before = [{n: t.clone() for n, t in r.items()} for r in src]
+    extra = BACKENDS[backend]
+    with pd_workers(configs, monkeypatch, gs, gd, src, dst, extra, 95, src_ids, dst_ids, tokens) as (_, conss):
+        assert_pd_bytes(dst, [want] * dst_tp, src, src_before)
+        for r in range(dst_tp):
+            for n in NAMES:
+                # The request's blocks changed (the test can fail): the filler differed.
+                assert not np.array_equal(as_bytes(dst[r][n]), as_bytes(before[n])), (r, n)
+        elem = np.dtype(np_t).itemsize
+        for w in conss:
+            moved = w.xfer_stats.data["bytes_transferred"] if w.xfer_stats is not None else None
+            if moved is not None:
+                assert moved == [tokens * MLA_DIM * elem * len(NAMES)], moved
+            st = w.adapter_stats
+            assert st["backend"] == ("pjrt-view" if backend == "view" else "framework-copy"), st
+
+
+def test_worker_host_tier_store_then_load_mla_blocks(configs, monkeypatch, backend):
+    g = mla_geometry("bf16", 2)
+    kv = mla_tensors(g, 3 * MLA_BS, [3, 4, 5], seed=21, fill_seed=22)
+    w = worker(configs, "kv_both", g, dict(BACKENDS[backend], host_capacity_bytes=64 << 20))
+    try:
+        register(monkeypatch, w, kv, 1)
+        orig = {n: t.clone() for n, t in kv.items()}
+        hashes = [bytes([i]) * 32 for i in range(1, 4)]
+        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [3, 4, 5])]))
+        assert w.flush_saves(30)
+        assert w.stats["saved_blocks"] == 3
+        w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o1", hashes, [12, 13, 14])]))
+        assert w.stats["loaded_blocks"] == 3 and w.stats["failed_loads"] == 0, w.stats
+        for n in NAMES:
+            want = orig[n].clone()
+            want[12:15] = orig[n][3:6]
+            assert not torch.equal(want[12:15].view(torch.uint8), orig[n][12:15].view(torch.uint8))
+            assert np.array_equal(as_bytes(kv[n]), as_bytes(want)), n
+    finally:
+        w.shutdown()
+
+
+def test_worker_refuses_mla_caches_it_does_not_map(configs, monkeypatch):
+    """Refused at registration, by name: tpu-inference's packing (32 tokens to a row) handed to
+    the torch worker, a sparse MLA layer's (nope, rope) pair, an indexer cache more than the
+    attention layers, and a block size the dtype's packing does not divide."""
+    g = mla_geometry("bf16", 2, block_size=64)
+    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 16 << 20})
+    try:
+        ti = {n: torch.zeros((NB, 2, 32, 640), dtype=torch.bfloat16) for n in NAMES}
+        with pytest.raises(ValueError, match=r"MLA latent cache .*\[num_blocks, 32, 2, 640\].*\[16, 2, 32, 640\]"):
+            register(monkeypatch, w, ti, 0)
+        good = torch.zeros((NB, 32, 2, 640), dtype=torch.bfloat16)
+        sparse = {NAMES[0]: good, NAMES[1]: (torch.zeros((NB, 64, 512), dtype=torch.float8_e4m3fn),
+                                            torch.zeros((NB, 64, 64), dtype=torch.bfloat16))}
+        with pytest.raises(NotImplementedError, match="sparse MLA layer"):
+            register(monkeypatch, w, sparse, 0)
+        indexer = {NAMES[0]: good, NAMES[1]: good, "model.layers.1.self_attn.indexer.k_cache": good}
+        with pytest.raises(ValueError, match="indexer caches"):
+            register(monkeypatch, w, indexer, 0)
+    finally:
+        w.shutdown()
+    odd = mla_geometry("fp8", 1, block_size=18)
+    w = worker(configs, "kv_both", odd, {"host_capacity_bytes": 16 << 20})
+    try:
+        with pytest.raises(ValueError, match="block size 18 .* packs 4 fp8 tokens to a row"):
+            register(monkeypatch, w, {n: torch.zeros((NB, 5, 4, 640), dtype=torch.float8_e4m3fn) for n in NAMES}, 0)
+    finally:
+        w.shutdown()

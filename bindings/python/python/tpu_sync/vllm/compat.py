@@ -40,9 +40,11 @@ RPA3_ORDERS = ("rpa3", "rpa3hd64")
 #: (:meth:`KvGeometry.layer_shape`).
 SAL_ORDER = "rpa-sal"
 
-#: ``kv_order`` (and tpu_sync block order) of tpu-inference's MLA latent cache: per layer
-#: ``[num_blocks, block_size / K, K, D']``, tpu_sync's ``rpamla`` ``[num_blocks, block_size, D']``
-#: (the same bytes), replicated over TP (``tpu_sync.jax_kv``, docs/tpu.md).
+#: ``kv_order`` (and tpu_sync block order) of the TPU engines' dense MLA latent cache: per layer
+#: ``[num_blocks, block_size / K, K, D']`` (tpu-inference: ``K = MLA_KV_PACKING_SIZE``, read by
+#: ``tpu_sync.jax_kv``; vLLM-TorchTPU: ``K = 32 / bits``, :meth:`KvGeometry.torch_mla_shape`),
+#: tpu_sync's ``rpamla`` ``[num_blocks, block_size, D']`` (the same bytes), replicated over TP
+#: (docs/tpu.md).
 MLA_ORDER = "rpamla"
 
 #: Sublanes of a TPU vector register (8 on every TPU generation vLLM-TorchTPU runs on:
@@ -268,15 +270,38 @@ class KvGeometry:
         if self.is_sal:
             return (2 * h, self.sal_head_dim // p, p, self.block_size)
         if self.kv_order == MLA_ORDER:
-            return (self.block_size, -(-self.head_dim // 128) * 128)
+            return (self.block_size, self.mla_lanes)
         return (h, self.block_size, self.kv_planes * self.head_dim)
+
+    @property
+    def mla_lanes(self) -> int:
+        """``D'`` of an MLA latent cache (``rpamla``): the latent and rope of a token
+        (:attr:`head_dim`, e.g. 576 = 512 + 64) padded to 128 lanes."""
+        return -(-self.head_dim // 128) * 128
+
+    def torch_mla_shape(self) -> Tuple[int, ...]:
+        """One block of one layer of vLLM-TorchTPU's dense MLA cache as its tensor has it:
+        ``(block_size / P, P, D')``, ``P`` tokens packed to a row (:attr:`packing`: 32 / bits),
+        ``D'`` = :attr:`mla_lanes`; the same bytes as :meth:`layer_shape`'s ``(block_size, D')``
+        when ``P`` divides the block size. Source: vllm-torchtpu 0.29.0
+        ``PallasMLAttentionBackend.get_kv_cache_shape`` (``layers/adapter/attention.py``), which
+        calls ``kernels/mla/v2/kernel.py`` ``get_kv_cache_shape(num_blocks, block_size, head_size,
+        kv_packing=get_dtype_packing(dtype))``: ``(num_blocks, align(block_size, P) / P, P,
+        align(head_size, 128))``; ``runner/kv_cache_manager.py`` allocates one such tensor per
+        MLA layer, replicated on every TP rank."""
+        p = self.packing
+        return (-(-self.block_size // p), p, self.mla_lanes)
 
     def view_shape(self, num_blocks: int) -> Optional[Tuple[int, ...]]:
         """The shape tpu_sync sees one layer's buffer in, where it differs from the tensor's
         (same bytes): ``[num_blocks, H, block_size, 2 * D']`` for ``rpa-sal``, the LBHNC shape
-        of its opaque ``(block, head)`` regions (:meth:`tpu_sync_layout`); None otherwise."""
+        of its opaque ``(block, head)`` regions (:meth:`tpu_sync_layout`); ``[num_blocks,
+        block_size, D']`` for ``rpamla`` (the engines' packed ``[num_blocks, block_size / K, K,
+        D']`` token-major); None otherwise."""
         if self.is_sal:
             return (int(num_blocks), self.heads_per_rank, self.block_size, 2 * self.sal_head_dim)
+        if self.kv_order == MLA_ORDER:
+            return (int(num_blocks),) + self.layer_shape()
         return None
 
     @property
@@ -641,18 +666,18 @@ def kv_geometry(vllm_config: Any, kv_cache_config: Any = None) -> KvGeometry:
             # tpu-inference's MLA kernel (kernels/mla/v2/kernel.py) pads the latent and the rope
             # part to 128 lanes each: the real elements are the first head_dim lanes of a token
             # only when the latent is a multiple of 128 (512 for DeepSeek-V2/V3, Kimi-K2).
-            import os
-
+            # vLLM-TorchTPU's dense MLA backend (PallasMLAttentionBackend, vllm-torchtpu 0.29.0
+            # layers/adapter/attention.py) allocates its cache with the same kernel's
+            # get_kv_cache_shape (kernels/mla/v2/kernel.py) and fills it through it.
             lora = getattr(getattr(mc, "hf_text_config", None), "kv_lora_rank", None)
             if lora is None or int(lora) % 128:
                 raise ValueError(f"TpuSyncConnector: an MLA cache with kv_lora_rank {lora} (not a multiple of "
                                  "128) on a TPU: its rope part does not follow the latent; not mapped")
-            # Tokens are packed K to a row (MLA_KV_PACKING_SIZE, tpu_inference/envs.py): a block
-            # that is not a multiple of K holds padded token slots, which rpamla does not map.
-            k = int(os.environ.get("MLA_KV_PACKING_SIZE", "32") or 32)
-            if block_size % k:
-                raise ValueError(f"TpuSyncConnector: block size {block_size} with tpu-inference's MLA cache, which "
-                                 f"packs {k} tokens to a row (MLA_KV_PACKING_SIZE): use a multiple of {k}")
+            # Tokens are packed K to a row: tpu-inference's K is MLA_KV_PACKING_SIZE
+            # (tpu_inference/envs.py, 32 by default), vLLM-TorchTPU's the dtype's packing (32 /
+            # bits). A block that is not a multiple of K holds padded token slots, which rpamla
+            # does not map: refused where the caches are registered, which knows the engine
+            # (tpu_sync.jax_kv.JaxKv for a JAX runner, WorkerSide.register_kv_caches for torch).
             order = MLA_ORDER
         fmt = f"vllm-tpu/{order}/{name.replace('torch.', '')}"
     else:

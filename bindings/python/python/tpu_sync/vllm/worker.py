@@ -264,7 +264,9 @@ class WorkerSide:
         attention v3 ``[num_blocks, block_size, R, P, D']`` when the geometry's ``kv_order`` is
         ``rpa3``/``rpa3hd64``, or vLLM-TorchTPU's batched kernel's ``SEQ_ALONG_LANE``
         ``[num_blocks, 2 * H, D' / P, P, block_size]`` for ``rpa-sal``:
-        :meth:`KvGeometry.layer_shape`), orders them by layer, and opens
+        :meth:`KvGeometry.layer_shape`; or, for an MLA model on a TPU (``rpamla``),
+        vLLM-TorchTPU's dense MLA latent cache ``[num_blocks, block_size / P, P, D']``,
+        :meth:`KvGeometry.torch_mla_shape`, the same latent on every TP rank), orders them by layer, and opens
         the host tier and the P/D endpoint over zero-copy views of them (CPU tensors), or over
         host mirrors filled and written back by torch's own copies (accelerator tensors, such as
         vLLM-TorchTPU's: ``torch_backend``, :mod:`tpu_sync.torch_kv`).
@@ -272,15 +274,18 @@ class WorkerSide:
         Raises:
             ValueError: another cache layout (e.g. a GPU backend's ``[2, blocks, ...]``), tensors
                 that differ from each other or from the model's geometry, non-contiguous tensors;
-            NotImplementedError, UnsupportedError: see :meth:`_torch_kv`.
+            NotImplementedError, UnsupportedError: see :meth:`_torch_kv`; NotImplementedError:
+                sparse MLA layers (a ``(nope, rope)`` pair of caches per layer).
         """
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         from vllm.model_executor.models.utils import extract_layer_index
 
         g = self.geometry
-        if g.kv_order == compat.MLA_ORDER:
-            raise NotImplementedError("TpuSyncConnector: MLA caches in torch tensors on a TPU (vLLM-TorchTPU) are not "
-                                      "mapped yet; tpu-inference's MLA caches are, through register_runner (docs/tpu.md)")
+        mla = g.kv_order == compat.MLA_ORDER
+        if mla and g.block_size % g.packing:
+            raise ValueError(f"TpuSyncConnector: block size {g.block_size} with vLLM-TorchTPU's MLA cache, which packs "
+                             f"{g.packing} {g.dtype} tokens to a row: the last row of every block holds padding "
+                             f"slots, which tpu_sync does not map; use a multiple of {g.packing}")
         if compat.uses_amx(g.block_format):
             # vLLM's AMX bf16 attention kernel uses AMX tiles without asking the kernel for them;
             # a P/D consumer's first forward is a decode step, which would die with SIGILL.
@@ -292,12 +297,24 @@ class WorkerSide:
                 raise ValueError(f"TpuSyncConnector: the KV cache groups cover cache layers {covered}, vLLM "
                                  f"registered {len(names)} KV tensors")
         tensors = [kv_caches[n] for n in names]
+        if mla:
+            split = [n for n in names if isinstance(kv_caches[n], (list, tuple))]
+            if split:
+                # vllm-torchtpu 0.29.0 runner/kv_cache_manager.py: a sparse MLA layer
+                # (use_sparse, DeepSeek-V3.2 style) holds a (nope, rope) pair of caches, each in
+                # a layout of its own (TPU_SPARSE_MLA_NOPE_LAYOUT / _ROPE_LAYOUT).
+                raise NotImplementedError(f"TpuSyncConnector: layer {split[0]} is a sparse MLA layer (a (nope, rope) "
+                                          "pair of caches, DeepSeek-V3.2 style): not mapped yet; dense MLA "
+                                          "(DeepSeek-V2/V3, Kimi-K2) is (docs/tpu.md)")
         if len(tensors) != g.num_layers:
-            raise ValueError(f"TpuSyncConnector: {len(tensors)} KV tensors for {g.num_layers} layers")
-        want = g.layer_shape()
+            extra = (" (an MLA model with indexer caches, such as DeepSeek-V3.2's, registers more caches than "
+                     "attention layers: not mapped yet)" if mla and len(tensors) > g.num_layers else "")
+            raise ValueError(f"TpuSyncConnector: {len(tensors)} KV tensors for {g.num_layers} layers{extra}")
+        want = g.torch_mla_shape() if mla else g.layer_shape()
         kind = ("the TPU backends' ragged paged attention v3 per-layer KV cache" if g.is_rpa3 else
                 "vLLM-TorchTPU's batched ragged paged attention SEQ_ALONG_LANE per-layer KV cache" if g.is_sal else
-                "vLLM's LBHNC per-layer KV cache")
+                "vLLM-TorchTPU's MLA latent cache (PallasMLAttentionBackend, the MLA v2 kernel's packed tokens)"
+                if mla else "vLLM's LBHNC per-layer KV cache")
         group_of = g.group_of_layer()
         attn = [i for i in range(len(names)) if not g.is_state_group(group_of[i])]
         first = tensors[attn[0]]
