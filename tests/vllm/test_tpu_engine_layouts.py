@@ -153,7 +153,8 @@ def pd_workers(configs, monkeypatch, gs, gd, src, dst, extra, xfer, src_ids, dst
                 w.wait_for_save(meta)
             else:
                 w.start_load_kv(TpuSyncMetadata(sends=[send]))
-            assert w.stats["registered"] == 1, w.stats
+            # Registered, or skipped where no consumer rank reads this rank's replica.
+            assert w.stats["registered"] + w.stats["register_skipped"] == 1, w.stats
         peers = {r: w.transport.address for r, w in enumerate(prods)}
         layout = gs.tpu_sync_layout(NB)
         for w in conss:
@@ -664,8 +665,13 @@ def test_worker_pd_of_mla_caches_writes_every_replica_byte_exact(configs, monkey
             w[b, t // p, t % p, :MLA_DIM] = lat[s]
     src_before = [{n: t.clone() for n, t in r.items()} for r in src]
     extra = BACKENDS[backend]
-    with pd_workers(configs, monkeypatch, gs, gd, src, dst, extra, 95, src_ids, dst_ids, tokens) as (_, conss):
+    with pd_workers(configs, monkeypatch, gs, gd, src, dst, extra, 95, src_ids, dst_ids, tokens) as (prods, conss):
         assert_pd_bytes(dst, [want] * dst_tp, src, src_before)
+        # Each decode rank reads one producer replica (rank r % src_tp): the producer ranks no
+        # decode rank reads did not register (nor stage) the request.
+        read = {r % src_tp for r in range(dst_tp)}
+        assert [w.stats["registered"] for w in prods] == [int(r in read) for r in range(src_tp)]
+        assert [w.stats["register_skipped"] for w in prods] == [int(r not in read) for r in range(src_tp)]
         for r in range(dst_tp):
             for n in NAMES:
                 # The request's blocks changed (the test can fail): the filler differed.

@@ -452,7 +452,10 @@ def pullers_of_rank(src: Dict[str, Any], rank: Union[int, Iterable[int]], num_to
     when one endpoint serves several: a JAX runner): the registration's expected releases,
     counted by consumer rank (the connector's endpoints count releases by rank, so a consumer
     with one endpoint per rank and one with a single endpoint for all its ranks count alike).
-    Uses the native planner (:class:`tpu_sync.Plan`)."""
+    0 when no decode rank reads from them: a replica that the plan does not use (the TPU engines'
+    MLA latent, or KV heads replicated because there are fewer than TP, pulled from fewer
+    producer ranks than hold them), which the producer need not register. Uses the native
+    planner (:class:`tpu_sync.Plan`), the one the consumer plans its pull with."""
     ranks = {int(rank)} if isinstance(rank, int) else {int(r) for r in rank}
     import tpu_sync
 
@@ -469,7 +472,7 @@ def pullers_of_rank(src: Dict[str, Any], rank: Union[int, Iterable[int]], num_to
         dst = placement(dst_layout, list(range(nb)))
     plan = tpu_sync.Plan(src, dst, int(num_tokens))
     try:
-        return max(1, len({s.dst_rank for s in plan.spans() if s.src_rank in ranks}))
+        return len({s.dst_rank for s in plan.spans() if s.src_rank in ranks})
     finally:
         plan.close()
 

@@ -241,12 +241,14 @@ class WorkerSide:
         #: successful pulls (each from its start to its last byte written); both-at-once pulls
         #: (started once the producer described the request); empty engine steps that waited for
         #: a pull (``idle_wait_ms``), failed background publishes; microseconds both-at-once pulls
-        #: waited for their producer's registration (successful pulls).
+        #: waited for their producer's registration (successful pulls); requests not registered
+        #: because no decode rank pulls from this rank (a replica the plan does not read).
         self.stats: Dict[str, int] = dict(saved_blocks=0, loaded_blocks=0, pulls_done=0, pulls_failed=0, pulls_cancelled=0,
                                           registered=0, register_failed=0, failed_loads=0, lookups=0, rejects_sent=0,
                                           rejects_failed=0, amx_permission=0, layerwise_registered=0,
                                           layerwise_pulls=0, layerwise_loads=0, saves_failed=0, saves_dropped=0,
-                                          save_waits=0, pull_us=0, pulls_deferred=0, idle_waits=0, publish_failed=0, describe_us=0)
+                                          save_waits=0, pull_us=0, pulls_deferred=0, idle_waits=0, publish_failed=0, describe_us=0,
+                                          register_skipped=0)
         #: this interval's observations for vLLM's connector-stats hooks (None: vLLM lacks them).
         self.xfer_stats: Any = None
         try:
@@ -587,7 +589,9 @@ class WorkerSide:
         layout = self.geometry.tpu_sync_layout(self.caches.num_blocks)
         try:
             placement = compat.placement(layout, s.block_ids)
-            pullers = compat.pullers_of_rank(placement, self.caches.tp_rank, s.num_tokens, s.decode_tp)
+            pullers = self._pullers(placement, s)
+            if pullers == 0:
+                return
             self.transport.register_layers(s.xfer_id, placement, s.num_tokens, s.lease_s, pullers)
             self._layer_sends[s.xfer_id] = s
             self.stats["registered"] += 1
@@ -838,18 +842,36 @@ class WorkerSide:
         if lease is not None:
             _close(lease)
 
+    def _pullers(self, placement: Dict[str, Any], s: Any) -> int:
+        """How many decode ranks will pull request ``s`` from this worker's ranks (releases its
+        registration waits for), or 0 where none will and this worker need not register it: a
+        replica the consumers' plans do not read (:func:`compat.pullers_of_rank`; e.g. TP=4 ->
+        1 of an MLA latent reads producer rank 0 only), whose staging would otherwise sit unused
+        until the lease ends. The lowest producer rank always registers: a both-at-once consumer
+        asks it to describe the request (:class:`_Deferred`)."""
+        assert self.caches is not None
+        jx = self.caches.jax
+        # A JAX runner: every rank in this one endpoint, the consumer ranks that pull from any
+        # of them (releases count consumer ranks, whatever endpoints they use).
+        ranks = jx.ranks if jx is not None else [self.caches.tp_rank]
+        n = compat.pullers_of_rank(placement, ranks, s.num_tokens, s.decode_tp)
+        if n == 0 and 0 not in ranks:
+            self.stats["register_skipped"] += 1
+            log.debug("tpu_sync: transfer %s (%s): no decode rank of %d pulls from rank(s) %s; not registered",
+                      s.xfer_id, s.req_id, s.decode_tp, list(ranks))
+            return 0
+        return max(1, n)
+
     def _register(self, s: Any) -> None:
         assert self.caches is not None
         layout = self.geometry.tpu_sync_layout(self.caches.num_blocks)
-        jx, cp = self.caches.jax, self.caches.copier
+        cp = self.caches.copier
         try:
             placement = compat.placement(layout, s.block_ids)
-            if jx is None:
-                pullers = compat.pullers_of_rank(placement, self.caches.tp_rank, s.num_tokens, s.decode_tp)
-            else:
-                # Every rank in this one endpoint: the consumer ranks that pull from any of them
-                # (releases count consumer ranks, whatever endpoints they use).
-                pullers = compat.pullers_of_rank(placement, jx.ranks, s.num_tokens, s.decode_tp)
+            pullers = self._pullers(placement, s)
+            if pullers == 0:
+                self._sent.add(s.req_id)  # nothing staged: vLLM may free the blocks
+                return
             try:
                 if cp is not None:
                     cp.stage(_flat_ids(s.block_ids))  # framework-copy: the device's blocks into the mirrors
