@@ -620,14 +620,25 @@ impl Framed {
                 skip = (i + 1, 0);
             }
             let (first, off) = skip;
+            // The checksum is computed as the bytes arrive, each read's bytes right after the
+            // read (still in cache, while the sender is still sending the rest), not in a
+            // second pass over the whole payload once it is complete. Same value: xxh3 streamed
+            // over the payload in order.
+            let mut h = crate::store::checksum::Xxh3::new();
+            for p in &dst[..first.min(dst.len())] {
+                h.update(p);
+            }
+            if off > 0 {
+                h.update(&dst[first][..off]);
+            }
             let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity(dst.len() - first.min(dst.len()));
             for (i, p) in dst.iter_mut().enumerate().skip(first) {
                 let p: &mut [u8] = p;
                 iov.push(IoSliceMut::new(if i == first { &mut p[off..] } else { p }));
             }
-            read_exact_vectored(&mut self.lane, &mut iov, t).await?;
+            read_exact_vectored(&mut self.lane, &mut iov, t, &mut h).await?;
             drop(iov);
-            let ok = crate::store::checksum::checksum_parts(dst.iter().map(|p| &**p)) == d.checksum;
+            let ok = h.digest() == d.checksum;
             return Ok((
                 d,
                 if ok {
@@ -723,10 +734,13 @@ async fn write_all_vectored(
     }
 }
 
+/// Fills `bufs` from the lane (each read within `t`), feeding `hash` every byte read, in order,
+/// right after the read that brought it.
 async fn read_exact_vectored(
     s: &mut Box<dyn Lane>,
     mut bufs: &mut [IoSliceMut<'_>],
     t: Duration,
+    hash: &mut crate::store::checksum::Xxh3,
 ) -> Result<()> {
     while !bufs.is_empty() {
         let r = tokio::time::timeout(
@@ -742,7 +756,18 @@ async fn read_exact_vectored(
                     "connection closed in the middle of a data frame".into(),
                 ))
             }
-            Ok(Ok(n)) => IoSliceMut::advance_slices(&mut bufs, n),
+            Ok(Ok(n)) => {
+                let mut left = n;
+                for b in bufs.iter() {
+                    if left == 0 {
+                        break;
+                    }
+                    let k = left.min(b.len());
+                    hash.update(&b[..k]);
+                    left -= k;
+                }
+                IoSliceMut::advance_slices(&mut bufs, n)
+            }
         }
     }
     Ok(())
