@@ -518,9 +518,9 @@ def test_worker_pd_reshards_seq_along_lane_caches_byte_exact(configs, monkeypatc
             assert st["backend"] == want_backend, st
 
 
-def test_worker_host_tier_store_then_load_seq_along_lane_blocks(configs, monkeypatch, backend):
-    g = sal_geometry(8, 128, "bf16", 2)
-    kv = sal_tensors(g, 1, sal_slots(g, 3 * SAL_BS, [3, 4, 5], seed=21, fill_seed=22))
+def tier_round_trip(configs, monkeypatch, backend, g, kv):
+    """Saves blocks 3..5 of TP rank 1's ``kv`` to a worker's host tier and loads them into blocks
+    12..14: those become copies of 3..5 (which differed before), every other block unchanged."""
     w = worker(configs, "kv_both", g, dict(BACKENDS[backend], host_capacity_bytes=64 << 20))
     try:
         register(monkeypatch, w, kv, 1)
@@ -538,6 +538,12 @@ def test_worker_host_tier_store_then_load_seq_along_lane_blocks(configs, monkeyp
             assert np.array_equal(as_bytes(kv[n]), as_bytes(want)), n
     finally:
         w.shutdown()
+
+
+def test_worker_host_tier_store_then_load_seq_along_lane_blocks(configs, monkeypatch, backend):
+    g = sal_geometry(8, 128, "bf16", 2)
+    tier_round_trip(configs, monkeypatch, backend, g,
+                    sal_tensors(g, 1, sal_slots(g, 3 * SAL_BS, [3, 4, 5], seed=21, fill_seed=22)))
 
 
 def test_worker_refuses_a_cache_of_the_other_tpu_layout(configs, monkeypatch):
@@ -687,24 +693,7 @@ def test_worker_pd_of_mla_caches_writes_every_replica_byte_exact(configs, monkey
 
 def test_worker_host_tier_store_then_load_mla_blocks(configs, monkeypatch, backend):
     g = mla_geometry("bf16", 2)
-    kv = mla_tensors(g, 3 * MLA_BS, [3, 4, 5], seed=21, fill_seed=22)
-    w = worker(configs, "kv_both", g, dict(BACKENDS[backend], host_capacity_bytes=64 << 20))
-    try:
-        register(monkeypatch, w, kv, 1)
-        orig = {n: t.clone() for n, t in kv.items()}
-        hashes = [bytes([i]) * 32 for i in range(1, 4)]
-        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [3, 4, 5])]))
-        assert w.flush_saves(30)
-        assert w.stats["saved_blocks"] == 3
-        w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o1", hashes, [12, 13, 14])]))
-        assert w.stats["loaded_blocks"] == 3 and w.stats["failed_loads"] == 0, w.stats
-        for n in NAMES:
-            want = orig[n].clone()
-            want[12:15] = orig[n][3:6]
-            assert not torch.equal(want[12:15].view(torch.uint8), orig[n][12:15].view(torch.uint8))
-            assert np.array_equal(as_bytes(kv[n]), as_bytes(want)), n
-    finally:
-        w.shutdown()
+    tier_round_trip(configs, monkeypatch, backend, g, mla_tensors(g, 3 * MLA_BS, [3, 4, 5], seed=21, fill_seed=22))
 
 
 def test_worker_refuses_mla_caches_it_does_not_map(configs, monkeypatch):
