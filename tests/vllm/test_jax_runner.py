@@ -16,6 +16,7 @@ every other block and the producer's caches unchanged.
 
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -32,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from test_connector import configs, connector, vllm_config  # noqa: E402,F401  (fixtures)
 from test_tpu_engine_layouts import geometry, worker  # noqa: E402
+from tpu_sync.jax_kv import JaxKv  # noqa: E402
 from tpu_sync.vllm.metadata import RecvSpec, SendSpec, TierOp, TpuSyncMetadata  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -107,8 +109,20 @@ def wait_pulled(w, req):
     (8, 128, "bf16", 4, 2, True),
     (8, 64, "fp8", 2, 4, True),
 ])
-def test_pd_between_jax_runners_through_the_worker_sides(configs, heads, dim, dtype, src_tp, dst_tp, both, backend):
+def test_pd_between_jax_runners_through_the_worker_sides(configs, monkeypatch, heads, dim, dtype, src_tp, dst_tp,
+                                                         both, backend):
     tokens = 40  # 3 blocks, the last one partial
+    # The runner's arrays are read on the model's thread only: each forward replaces them
+    # (donating the old ones), so a read from another thread mid-forward may meet a deleted
+    # array (a both-at-once pull started on its describe thread once did, 1 run in ~20).
+    readers = set()
+    arrays = JaxKv.arrays
+
+    def recorded(self):
+        readers.add(threading.current_thread().name)
+        return arrays(self)
+
+    monkeypatch.setattr(JaxKv, "arrays", recorded)
     src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
     gs, gd = geometry(heads, dim, dtype, src_tp), geometry(heads, dim, dtype, dst_tp)
     src = rank_caches(gs, tokens, src_ids, seed=3, fill_seed=11)
@@ -158,6 +172,7 @@ def test_pd_between_jax_runners_through_the_worker_sides(configs, heads, dim, dt
                                               np.argwhere(got != exp)[:4])
             assert np.array_equal(bits(pr.kv_caches[layer]), glob(src, layer)), f"layer {layer} of the producer"
         assert cons.stats["pulls_deferred"] == int(both)
+        assert readers == {threading.current_thread().name}, readers
         st = cons.jax_stats
         if want_backend == "framework-copy":
             assert st["h2d_bytes"] == 3 * gd.layer_block_bytes * dst_tp * LAYERS, st

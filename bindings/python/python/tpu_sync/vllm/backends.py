@@ -332,13 +332,26 @@ class EndpointTransport:
         self.endpoint.unregister(xfer_id)
 
     def pull(self, xfer_id: int, peers: Dict[int, str], src: Dict[str, Any], dst: Dict[str, Any],
-             num_tokens: int, wait_for_registration: Optional[float] = None, layerwise: bool = False) -> Any:
+             num_tokens: int, wait_for_registration: Optional[float] = None, layerwise: bool = False,
+             kv: Optional[Dict[int, List[Any]]] = None) -> Any:
         """Consumer: starts pulling request ``xfer_id`` into this worker's ranks' blocks of ``dst``;
         returns a handle with ``done``, ``error``, ``cancel()`` (and, with ``layerwise``, each
         layer written as it arrives: ``wait_layers(n, timeout)``). A producer that has not
-        registered the request yet is waited for up to ``wait_for_registration`` seconds."""
-        return self.endpoint.pull(xfer_id, peers, src, dst, num_tokens, self._caches.kv(),
+        registered the request yet is waited for up to ``wait_for_registration`` seconds.
+
+        ``kv``: the destination buffers (:meth:`buffers`), resolved earlier on the model's
+        thread; None resolves them now, which only the model's thread may do (a JAX runner's
+        arrays are replaced by every forward: read from another thread mid-forward, one of them
+        may already be donated and deleted)."""
+        return self.endpoint.pull(xfer_id, peers, src, dst, num_tokens, self._caches.kv() if kv is None else kv,
                                   wait_for_registration=wait_for_registration, layerwise=layerwise)
+
+    def buffers(self) -> Dict[int, List[Any]]:
+        """The buffers a pull writes, ``{TP rank: [buffer per layer]}`` (:meth:`KvCaches.kv`).
+        Model's thread only; the result may be used from any thread (a zero-copy view stays
+        over the same memory when a forward donates the caches in place, and a pull checks the
+        caches did not move, ``after_write``)."""
+        return self._caches.kv()
 
     def describe(self, xfer_id: int, address: str) -> Tuple[Dict[str, Any], int]:
         """Consumer: the placement and token count the producer at ``address`` registered request

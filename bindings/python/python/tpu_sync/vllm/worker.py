@@ -903,7 +903,10 @@ class WorkerSide:
                     p.ptrs = cp.before_write(_flat_ids(s.dst_block_ids), s.num_tokens - getattr(s, "first_token", 0))
                 if s.src_block_ids is None:
                     # Both-at-once: the producer's blocks are known once it registered.
-                    p.handle = _Deferred(self.transport, s, dst, p.deadline)
+                    # Its buffers are resolved here, on the model's thread: the pull starts on
+                    # the describe thread, maybe while a forward replaces a JAX runner's arrays.
+                    kv = self.transport.buffers() if hasattr(self.transport, "buffers") else None
+                    p.handle = _Deferred(self.transport, s, dst, p.deadline, kv)
                     self.stats["pulls_deferred"] += 1
                 elif self._pull_waits:
                     # The producer registers one engine step after the request finished: the pull
@@ -1311,10 +1314,14 @@ class _Deferred:
     not registered it (until ``deadline``), then starts the pull with it; the handle answers as
     the pull's once it started. The producer's token count must be the spec's. Thread-safe:
     :meth:`cancel` (the worker's thread) and the start (this object's thread) exclude each
-    other, so a cancelled pull never starts writing into blocks vLLM may have freed."""
+    other, so a cancelled pull never starts writing into blocks vLLM may have freed. ``kv``:
+    the destination buffers (``transport.buffers()``), resolved by the caller on the model's
+    thread, since this object's thread may run while a forward replaces the caches (None: the
+    transport resolves them itself)."""
 
-    def __init__(self, transport: Any, spec: RecvSpec, dst: Any, deadline: float) -> None:
+    def __init__(self, transport: Any, spec: RecvSpec, dst: Any, deadline: float, kv: Any = None) -> None:
         self._transport, self._spec, self._dst, self._deadline = transport, spec, dst, deadline
+        self._kv = kv
         self._lock = threading.Lock()
         self._cancelled = False
         self._inner: Any = None
@@ -1413,8 +1420,10 @@ class _Deferred:
                 self._error = RuntimeError(f"pull of transfer {s.xfer_id} cancelled")
                 return
             try:
+                kw = {} if self._kv is None else {"kv": self._kv}
                 self._inner = self._transport.pull(s.xfer_id, s.peers, src, self._dst, s.num_tokens,
-                                                   wait_for_registration=max(0.0, self._deadline - time.monotonic()))
+                                                   wait_for_registration=max(0.0, self._deadline - time.monotonic()),
+                                                   **kw)
             except Exception as e:
                 self._error = e
 
