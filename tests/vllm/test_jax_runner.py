@@ -158,7 +158,9 @@ def test_pd_between_jax_runners_through_the_worker_sides(configs, monkeypatch, h
             prod.wait_for_save(meta)
         else:
             prod.start_load_kv(TpuSyncMetadata(sends=[send]))
-        assert prod.stats["registered"] == 1, prod.stats
+        # Registered whole, staged on this thread (no layer-wise publisher reading the caches
+        # while the next forward donates them).
+        assert prod.stats["registered"] == 1 and prod.stats["layerwise_registered"] == 0, prod.stats
         pr.forward()  # the next step may overwrite the blocks: they are staged
         if not both:
             cr.forward()

@@ -574,11 +574,14 @@ class WorkerSide:
 
     def _sends_whole(self) -> bool:
         """Whether this step's early registrations are made whole in ``wait_for_save`` instead
-        of layer by layer: a transport without layers, or caches reached through the
-        framework's copies (a JAX runner, accelerator torch tensors), whose blocks must be staged
-        into the host mirrors on the model's thread before tpu_sync reads them."""
+        of layer by layer: a transport without layers; caches reached through the framework's
+        copies (accelerator torch tensors, a JAX runner on a TPU), whose blocks must be staged
+        into the host mirrors on the model's thread before tpu_sync reads them; or a JAX runner
+        (any back end), whose forward never calls the layer hooks and whose next forward donates
+        the arrays: staged on the model's thread right after the forward, nothing reads them
+        while the next one runs (a view stays valid only where the donation is in place)."""
         return not hasattr(self.transport, "register_layers") or (
-            self.caches is not None and self.caches.copier is not None)
+            self.caches is not None and (self.caches.copier is not None or self.caches.jax is not None))
 
     def _register_layers(self, s: Any) -> None:
         """Registers a request whose prefill completes this step, before its layers exist."""
