@@ -723,3 +723,155 @@ def test_worker_refuses_mla_caches_it_does_not_map(configs, monkeypatch):
             register(monkeypatch, w, {n: torch.zeros((NB, 5, 4, 640), dtype=torch.float8_e4m3fn) for n in NAMES}, 0)
     finally:
         w.shutdown()
+
+
+# ---- kernel pages smaller than the scheduler's block --------------------------------------------
+# (Where the attention kernel runs a fixed block size that the scheduler's block is a multiple of,
+# vLLM splits scheduler block ``b`` into kernel blocks ``b * s .. b * s + s - 1``
+# (``vllm/v1/worker/block_table.py`` ``map_to_kernel_blocks``) and vLLM-TorchTPU allocates
+# ``[num_blocks * s, block_size / s, ...]`` per layer (``kv_cache_materializer.py``
+# ``make_attention_cache_tensor``, 0.29.0). The connector's block ids are the scheduler's.)
+
+
+def kernel_slots(split, block_size, slots):
+    """(kernel block, slot in it) of scheduler slots ``slots`` (``block * block_size + token``),
+    as vLLM's ``map_to_kernel_blocks`` places them with ``split`` kernel blocks per block."""
+    kbs = block_size // split
+    b, t = np.divmod(np.asarray(slots), block_size)
+    return b * split + t // kbs, t % kbs
+
+
+def kernel_page_tensors(g, rank, tokens, block_ids, seed, fill_seed, split):
+    """One TP rank's per-layer RPA v3 caches with ``split`` kernel pages per scheduler block:
+    ``[NB * split, BS / split, R, P, D']``, every token slot written where the kernel writes it
+    (:func:`kernel_slots`), filler of ``fill_seed`` then the request's tokens at ``block_ids``."""
+    np_t = DTYPES[g.dtype]
+    hd64 = g.kv_order == "rpa3hd64"
+    local = g.heads_per_rank
+    sl = slice(rank * local, (rank + 1) * local)
+    out = {}
+    for layer, name in enumerate(NAMES):
+        cache = np.zeros((NB * split, BS // split) + g.layer_shape()[1:], dtype=np_t)
+        k, v = logical_kv(layer, NB * BS, g.num_kv_heads, g.head_dim, np_t, fill_seed)
+        cache[kernel_slots(split, BS, range(NB * BS))] = merge_kv(k[:, sl], v[:, sl], g.packing, hd64)
+        k, v = logical_kv(layer, tokens, g.num_kv_heads, g.head_dim, np_t, seed)
+        slots = [block_ids[t // BS] * BS + t % BS for t in range(tokens)]
+        if tokens:
+            cache[kernel_slots(split, BS, slots)] = merge_kv(k[:, sl], v[:, sl], g.packing, hd64)
+        bits = torch.from_numpy(cache.view(np.dtype(str(TORCH_BITS[g.dtype]).replace("torch.", ""))))
+        t = torch.empty(bits.shape, dtype=TORCH_BITS[g.dtype])
+        t.copy_(bits)
+        out[name] = t.view(TORCH[g.dtype])
+    return out
+
+
+@pytest.mark.parametrize("heads,dim,dtype,src_tp,dst_tp,src_split,dst_split", [
+    (8, 128, "bf16", 2, 1, 2, 1),   # the prefill's kernel runs 8-token pages, the decode's 16
+    (6, 128, "fp8", 1, 2, 1, 4),    # the decode's kernel runs 4-token pages
+    (4, 64, "bf16", 2, 4, 4, 2),    # the head_dim-64 kernel, kernel pages on both sides
+])
+def test_worker_pd_between_kernel_pages_smaller_than_the_scheduler_block(configs, monkeypatch, backend, heads, dim,
+                                                                        dtype, src_tp, dst_tp, src_split, dst_split):
+    """P/D where one side's (or both sides') kernel runs pages smaller than the scheduler's
+    block: the engine's own tensors (kernel-page shaped) are written in place, byte-exact, tokens
+    of a partial last block included, every other kernel page and the producer unchanged."""
+    tokens = 40  # 3 blocks of 16, the last one partial
+    src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
+    gs, gd = geometry(heads, dim, dtype, src_tp), geometry(heads, dim, dtype, dst_tp)
+    src = [kernel_page_tensors(gs, r, tokens, src_ids, 3, 11, src_split) for r in range(src_tp)]
+    dst = [kernel_page_tensors(gd, r, 0, dst_ids, 3, 12, dst_split) for r in range(dst_tp)]
+    want = [kernel_page_tensors(gd, r, tokens, dst_ids, 3, 12, dst_split) for r in range(dst_tp)]
+    assert tuple(dst[0][NAMES[0]].shape[:2]) == (NB * dst_split, BS // dst_split)
+    src_before = [{n: t.clone() for n, t in r.items()} for r in src]
+    with pd_workers(configs, monkeypatch, gs, gd, src, dst, BACKENDS[backend], 97, src_ids, dst_ids, tokens):
+        assert_pd_bytes(dst, want, src, src_before)
+        for r in range(dst_tp):
+            for n in NAMES:
+                assert not np.array_equal(as_bytes(dst[r][n]), as_bytes(kernel_page_tensors(
+                    gd, r, 0, dst_ids, 3, 12, dst_split)[n])), (r, n)  # the pull changed them
+
+
+def test_worker_pd_of_mla_caches_with_kernel_pages(configs, monkeypatch, backend):
+    """The dense MLA cache with 8-token kernel pages on the prefill (fp8: 2 rows of 4 tokens
+    each) and scheduler-block pages on the decode, TP=2 -> 1: byte-exact."""
+    tokens, src_ids, dst_ids = 40, [5, 9, 2], [11, 3, 7]
+    gs, gd = mla_geometry("fp8", 2), mla_geometry("fp8", 1)
+    np_t = DTYPES["fp8"]
+    p = gs.packing
+    # [NB * 2, 8 / P, P, 640]: the scheduler layout's tensors in kernel pages, each token slot
+    # placed by kernel_slots (not a reshape of the scheduler-block tensor).
+    kb, ks = kernel_slots(2, MLA_BS, range(NB * MLA_BS))
+
+    def paged(kv):
+        out = {}
+        for n, t in kv.items():
+            a = t.view(TORCH_BITS["fp8"]).numpy()
+            rows = a.reshape(NB * MLA_BS, 640)  # token-major, as the scheduler-block cache holds them
+            cache = np.zeros((NB * 2, MLA_BS // 2 // p, p, 640), dtype=np.uint8)
+            cache[kb, ks // p, ks % p] = rows
+            t = torch.empty(cache.shape, dtype=torch.uint8)  # 64-byte aligned, as the engine's
+            t.copy_(torch.from_numpy(cache))
+            out[n] = t.view(TORCH["fp8"])
+        return out
+
+    src = [paged(mla_tensors(gs, tokens, src_ids, seed=3, fill_seed=11)) for _ in range(2)]
+    dst = [mla_tensors(gd, 0, dst_ids, seed=3, fill_seed=12)]
+    want = mla_tensors(gd, 0, dst_ids, seed=3, fill_seed=12)
+    for layer, n in enumerate(NAMES):
+        lat = mla_latents(layer, tokens, np_t, seed=3)
+        w = want[n].view(TORCH_BITS["fp8"]).numpy()
+        for s in range(tokens):
+            b, t = dst_ids[s // MLA_BS], s % MLA_BS
+            w[b, t // p, t % p, :MLA_DIM] = lat[s]
+    src_before = [{n: t.clone() for n, t in r.items()} for r in src]
+    with pd_workers(configs, monkeypatch, gs, gd, src, dst, BACKENDS[backend], 98, src_ids, dst_ids, tokens):
+        assert_pd_bytes(dst, [want], src, src_before)
+
+
+def test_worker_host_tier_store_then_load_kernel_pages(configs, monkeypatch, backend):
+    """Blocks 3..5 saved and loaded into blocks 12..14 of caches with 4 kernel pages per
+    scheduler block: kernel pages 48..59 become copies of 12..23, nothing else changes."""
+    g, split = geometry(8, 128, "bf16", 2), 4
+    kv = kernel_page_tensors(g, 1, 3 * BS, [3, 4, 5], 21, 22, split)
+    w = worker(configs, "kv_both", g, dict(BACKENDS[backend], host_capacity_bytes=64 << 20))
+    try:
+        register(monkeypatch, w, kv, 1)
+        orig = {n: t.clone() for n, t in kv.items()}
+        hashes = [bytes([i]) * 32 for i in range(1, 4)]
+        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [3, 4, 5])]))
+        assert w.flush_saves(30) and w.stats["saved_blocks"] == 3
+        w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o1", hashes, [12, 13, 14])]))
+        assert w.stats["loaded_blocks"] == 3 and w.stats["failed_loads"] == 0, w.stats
+        for n in NAMES:
+            want = orig[n].clone()
+            want[12 * split:15 * split] = orig[n][3 * split:6 * split]
+            assert not torch.equal(want.view(torch.uint8), orig[n].view(torch.uint8))
+            assert np.array_equal(as_bytes(kv[n]), as_bytes(want)), n
+    finally:
+        w.shutdown()
+
+
+def test_worker_refuses_kernel_pages_it_cannot_see_as_blocks(configs, monkeypatch):
+    """Refused at registration, by name: the SEQ_ALONG_LANE cache in kernel pages (its tokens
+    run along each page's lanes), kernel pages of a block-major bundle (a scheduler block's pages
+    are not adjacent there), and pages that do not divide the scheduler's block."""
+    g = sal_geometry(8, 128, "bf16", 2)
+    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 16 << 20})
+    try:
+        paged = {n: torch.zeros((NB * 2,) + g.layer_shape()[:-1] + (SAL_BS // 2,), dtype=torch.bfloat16)
+                 for n in NAMES}
+        with pytest.raises(ValueError, match=r"kernel pages of 64 tokens, smaller than the scheduler's block of 128"):
+            register(monkeypatch, w, paged, 0)
+    finally:
+        w.shutdown()
+    g = geometry(8, 128, "bf16", 2)
+    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 16 << 20})
+    try:
+        bundle = torch.zeros((NB * 2, len(NAMES), BS // 2) + g.layer_shape()[1:], dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=r"kernel pages .* cannot be seen as scheduler blocks of 16 tokens"):
+            register(monkeypatch, w, {n: bundle[:, i] for i, n in enumerate(NAMES)}, 0)
+        odd = {n: torch.zeros((NB * 3, 5) + g.layer_shape()[1:], dtype=torch.bfloat16) for n in NAMES}
+        with pytest.raises(ValueError, match=r"ragged paged attention v3 .*\[num_blocks, 16, 4, 2, 128\]"):
+            register(monkeypatch, w, odd, 0)
+    finally:
+        w.shutdown()

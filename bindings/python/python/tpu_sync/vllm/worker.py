@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from tpu_sync.torch_kv import rows_contiguous
 
@@ -268,7 +268,10 @@ class WorkerSide:
         ``[num_blocks, 2 * H, D' / P, P, block_size]`` for ``rpa-sal``:
         :meth:`KvGeometry.layer_shape`; or, for an MLA model on a TPU (``rpamla``),
         vLLM-TorchTPU's dense MLA latent cache ``[num_blocks, block_size / P, P, D']``,
-        :meth:`KvGeometry.torch_mla_shape`, the same latent on every TP rank), orders them by layer, and opens
+        :meth:`KvGeometry.torch_mla_shape`, the same latent on every TP rank; each of these
+        token-major caches also with kernel pages smaller than the scheduler's block,
+        ``[num_blocks * s, block_size / s, ...]``, seen as scheduler blocks without a copy:
+        :func:`_scheduler_blocks`), orders them by layer, and opens
         the host tier and the P/D endpoint over zero-copy views of them (CPU tensors), or over
         host mirrors filled and written back by torch's own copies (accelerator tensors, such as
         vLLM-TorchTPU's: ``torch_backend``, :mod:`tpu_sync.torch_kv`).
@@ -319,6 +322,9 @@ class WorkerSide:
                 if mla else "vLLM's LBHNC per-layer KV cache")
         group_of = g.group_of_layer()
         attn = [i for i in range(len(names)) if not g.is_state_group(group_of[i])]
+        for i in attn:
+            if not isinstance(tensors[i], (list, tuple)):
+                tensors[i] = _scheduler_blocks(names[i], tensors[i], want, g)
         first = tensors[attn[0]]
         for i, (n, t) in enumerate(zip(names, tensors)):
             if isinstance(t, (list, tuple)):
@@ -1443,6 +1449,47 @@ class _Failed:
 
     def cancel(self) -> None:
         pass
+
+
+def _scheduler_blocks(name: str, t: Any, want: Tuple[int, ...], g: KvGeometry) -> Any:
+    """vLLM's kernel pages smaller than the scheduler's block, seen as scheduler blocks.
+
+    Where the attention kernel runs a fixed block size that the scheduler's block (vLLM's
+    ``cache_config.block_size``, what the connector's block ids count) is a multiple of, vLLM
+    splits each scheduler block ``b`` into kernel blocks ``b * s .. b * s + s - 1``, with
+    ``s = block_size / kernel_block_size`` (``vllm/v1/worker/block_table.py``
+    ``map_to_kernel_blocks``). vLLM-TorchTPU then allocates each layer's cache with ``num_blocks
+    * s`` kernel blocks of ``kernel_block_size`` tokens (``kv_cache_materializer.py``
+    ``make_attention_cache_tensor``, 0.29.0).
+
+    For the token-major caches (RPA v3, head_dim 64, the dense MLA latent), ``[num_blocks * s,
+    kernel_block_size, ...]`` holds the same bytes as ``[num_blocks, block_size, ...]``. This
+    returns that zero-copy view. Any other tensor is returned unchanged, and the caller's shape
+    check names what it expected.
+
+    Raises:
+        ValueError: the ``SEQ_ALONG_LANE`` cache with kernel pages (its tokens run along the
+            lanes of each kernel page, so a scheduler block is not one ``block_size``-token
+            block of the layout); kernel pages whose blocks are not contiguous."""
+    shape = tuple(int(d) for d in t.shape)
+    if len(shape) != 1 + len(want) or shape[1:] == want:
+        return t
+    if g.is_sal:
+        kernel = shape[-1]
+        if shape[2:-1] == want[1:-1] and shape[1] == want[0] and 0 < kernel < want[-1] and want[-1] % kernel == 0:
+            raise ValueError(f"TpuSyncConnector: layer {name} has kernel pages of {kernel} tokens, smaller than the "
+                             f"scheduler's block of {want[-1]} ({list(shape)}): not mapped for the SEQ_ALONG_LANE "
+                             "cache, whose tokens run along the lanes of each kernel page (docs/tpu.md)")
+        return t
+    rows = shape[1]
+    if shape[2:] != want[1:] or not 0 < rows < want[0] or want[0] % rows or shape[0] % (want[0] // rows):
+        return t
+    split = want[0] // rows
+    try:
+        return t.view((shape[0] // split,) + want)
+    except RuntimeError as e:
+        raise ValueError(f"TpuSyncConnector: layer {name}'s kernel pages ({list(shape)}, strides {list(t.stride())}) "
+                         f"cannot be seen as scheduler blocks of {g.block_size} tokens: {e}") from None
 
 
 def _state_view(name: str, t: Any, group: Dict[str, Any], num_slots: int) -> Any:
