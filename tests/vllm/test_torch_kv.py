@@ -284,6 +284,55 @@ def test_strided_views_of_a_block_major_bundle(monkeypatch):
     tk.close()
 
 
+@pytest.mark.parametrize("copy_api", ["torch", "batch_transfer"])
+def test_a_bundle_moves_every_layer_of_a_block_in_one_copy(monkeypatch, copy_api):
+    """The per-layer views of one bundle, in layer order: each device copy moves every layer of
+    its blocks (a stage of blocks 6, 2 and 3: one copy per run with ``Tensor.copy_``, one
+    batched D2H of ``[3, layers, ...]``; a commit likewise), byte-exact in both directions, only
+    those blocks written. Views in another order, or of a part of the layers, get one copy per
+    layer and the same bytes."""
+    calls = install_batch_transfer_stand_in(monkeypatch) if copy_api == "batch_transfer" else []
+    rng = np.random.default_rng(17)
+    bundle = torch.empty((NB, 3) + SHAPE, dtype=torch.bfloat16)
+    bundle.view(torch.uint8).numpy()[:] = rng.integers(1, 256, size=bundle.view(torch.uint8).shape, dtype=np.uint8)
+    before = bundle.view(torch.uint8).numpy().copy()
+    for order, wide in (([0, 1, 2], True), ([1, 0, 2], False), ([0, 1], False)):
+        tk = TorchKv([bundle[:, i] for i in order], backend="framework-copy", copy_api=copy_api, block_size=8)
+        assert (tk.bundle is not None) == wide and tk.stats()["bundle_wide"] == wide, order
+        if wide:
+            assert tk.bundle.data_ptr() == bundle.data_ptr() and tuple(tk.bundle.shape) == tuple(bundle.shape)
+        bufs, bb = tk.views(), tk.block_bytes
+        del calls[:]
+        tk.stage([6, 2, 3])
+        runs = 2  # [6], [2, 3]
+        per_op = 1 if copy_api == "batch_transfer" else runs
+        assert tk.stats()["device_copies"] == (per_op if wide else per_op * len(order)), (order, tk.stats())
+        if copy_api == "batch_transfer":
+            assert calls[0][1] == ([(3, 3) + SHAPE] if wide else [(3,) + SHAPE] * len(order)), calls
+        for i, layer in enumerate(order):
+            got = np.frombuffer(bufs[i].read(), dtype=np.uint8)
+            for b in (6, 2, 3):
+                assert np.array_equal(got[b * bb:(b + 1) * bb], before[b, layer].reshape(-1)), (order, layer, b)
+        tk.drop([6, 2, 3])
+        new = rng.integers(1, 256, size=(len(order), 2, bb), dtype=np.uint8)
+        tk.before_write([10, 4], 16)
+        for i in range(len(order)):
+            bufs[i].write(10 * bb, new[i, 0].tobytes())
+            bufs[i].write(4 * bb, new[i, 1].tobytes())
+        copies = tk.stats()["device_copies"]
+        tk.after_write([10, 4])
+        assert tk.stats()["device_copies"] - copies == (per_op if wide else per_op * len(order)), (order, tk.stats())
+        want = before.copy()
+        for i, layer in enumerate(order):
+            want[10, layer] = new[i, 0].reshape(want[10, layer].shape)
+            want[4, layer] = new[i, 1].reshape(want[4, layer].shape)
+        assert np.array_equal(bundle.view(torch.uint8).numpy(), want), order
+        assert tk.stats()["h2d_bytes"] == 2 * bb * len(order)
+        tk.close()
+        # The next order starts from this one's bytes.
+        before = want
+
+
 def test_the_cpu_client_refuses_to_view_an_accelerator_tensor():
     """A device tensor's data pointer is not host memory: the CPU plugin's client refuses to view
     it (what the SGLang and vLLM integrations would otherwise have done with CUDA or torch_tpu

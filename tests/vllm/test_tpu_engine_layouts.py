@@ -335,6 +335,7 @@ def test_worker_pd_between_a_block_major_bundle_and_per_layer_caches(configs, mo
         for w in strided:
             st = w.adapter_stats
             assert st["backend"] == "framework-copy" and "strided" in st["backend_reason"], st
+            assert st["bundle_wide"], st  # every layer of a block in one copy
         for w in prods:
             send = SendSpec("p1", 92, src_ids, tokens, 60.0, 1)
             meta = TpuSyncMetadata(layer_sends=[send])
@@ -351,6 +352,13 @@ def test_worker_pd_between_a_block_major_bundle_and_per_layer_caches(configs, mo
             assert np.array_equal(got, exp), (n, np.argwhere(got != exp)[:4])
             for r in range(2):
                 assert np.array_equal(as_bytes(src[r][n]), as_bytes(src_before[r][n])), (r, n)
+        # One device copy per run of blocks, every layer at once: the producer's stage of
+        # blocks 5, 9, 2 (3 runs); the consumer's stage of its partial last block, then its
+        # commit of 11, 3, 7 (1 + 3). Per layer it would be twice as many.
+        if direction == "bundle->layers":
+            assert [w.adapter_stats["device_copies"] for w in prods] == [3, 3]
+        else:
+            assert cons.adapter_stats["device_copies"] == 4, cons.adapter_stats
         # The whole bundle: exactly the expected layers side by side (nothing written elsewhere).
         if direction == "bundle->layers":
             for r, b in enumerate(bundles):

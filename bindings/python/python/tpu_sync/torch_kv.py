@@ -23,7 +23,11 @@ reason in :attr:`TorchKv.backend_reason` and :meth:`TorchKv.stats`):
   views of one block-major bundle (vLLM-TorchTPU's ``VLLM_TPU_BLOCK_MAJOR_KV``:
   ``kv_cache_manager.py`` binds ``bundle[:, layer]`` of a ``[num_blocks, layers, BS, R, P, D']``
   bundle); the mirrors are per layer and contiguous, so tpu_sync plans them like any per-layer
-  cache (one copy per layer, where a bundle-wide copy could move every layer at once). The copy API (:attr:`TorchKv.copy_api`):
+  cache. When the views are exactly the bundle's layers in order (:attr:`TorchKv.bundle`), each
+  device copy moves every layer of its blocks at once (a stage: one D2H of ``bundle[ids]``, then
+  host copies into the per-layer mirrors; a commit: the mirrors' blocks stacked on the host, one
+  H2D, one ``index_put_``), which is what the bundle is for; otherwise one copy per layer. The
+  copy API (:attr:`TorchKv.copy_api`):
 
   - ``"batch_transfer"``: torch_tpu's batched copies, as vLLM-TorchTPU's own ``TPUConnector``
     makes them (``vllm_torchtpu/distributed/kv_transfer/tpu_connector.py`` 0.29.0: the blocks
@@ -166,6 +170,9 @@ class TorchKv:
         #: ``VLLM_TPU_BLOCK_MAJOR_KV``: ``bundle[:, layer]`` of ``[N, F, BS, R, P, D']``), or
         #: padded rows: blocks further apart than a block
         self.strided = not all(t.is_contiguous() for t in tensors)
+        #: ``[num_blocks, layers, ...]``: the block-major bundle whose layers ``tensors`` are, in
+        #: order (:func:`_bundle_of`), which framework copies move whole; None otherwise
+        self.bundle = _bundle_of(tensors) if self.strided else None
         if backend == "auto":
             if host and not self.strided:
                 backend, why = "pjrt-view", "the tensors are in host memory: viewed in place"
@@ -214,14 +221,17 @@ class TorchKv:
         self._views: Optional[List[Any]] = None
         self._maps: List[mmap.mmap] = []
         self._mirrors: List[Any] = []
-        self._counters = dict(stages=0, commits=0, d2h_bytes=0, h2d_bytes=0)
+        #: device_copies: copies between the device and the host the framework was asked for
+        #: (a run of blocks of one layer, or of every layer of a bundle, is one)
+        self._counters = dict(stages=0, commits=0, d2h_bytes=0, h2d_bytes=0, device_copies=0)
         #: blocks staged or about to be written and not dropped yet (whose mirror pages hold data)
         self._inflight: Set[int] = set()
         #: guards ``_inflight``, the counters and the mirrors' pages (:meth:`stage_async`'s
         #: finish and :meth:`drop` may run on a saver thread)
         self._lock = threading.Lock()
-        log.info("tpu_sync.torch: %d layers of %s %s on %s; back end %s (%s), copies %s", len(tensors),
-                 list(self.shape), dt, self.device, backend, why, copy_api)
+        log.info("tpu_sync.torch: %d layers of %s %s on %s; back end %s (%s), copies %s%s", len(tensors),
+                 list(self.shape), dt, self.device, backend, why, copy_api,
+                 ", bundle-wide" if self.bundle is not None and backend == "framework-copy" else "")
 
     # -- what tpu_sync reads and writes ---------------------------------------------------------
 
@@ -256,7 +266,8 @@ class TorchKv:
         """Back end, reason, copy API, geometry, and counters (stages and commits, bytes copied by
         torch between the device and the mirrors)."""
         return dict(self._counters, backend=self.backend, backend_reason=self.backend_reason,
-                    copy_api=self.copy_api, device=str(self.device), shape=list(self.shape), dtype=str(self.dtype))
+                    copy_api=self.copy_api, device=str(self.device), shape=list(self.shape), dtype=str(self.dtype),
+                    bundle_wide=self.bundle is not None)
 
     def _ids(self, block_ids: Sequence[int]) -> List[int]:
         ids = [ck.u32("block id", b) for b in block_ids]
@@ -267,10 +278,11 @@ class TorchKv:
 
     # -- framework-copy -------------------------------------------------------------------------
 
-    def _count(self, ops: str, nbytes: str, blocks: int) -> None:
+    def _count(self, ops: str, nbytes: str, blocks: int, copies: int) -> None:
         with self._lock:
             self._counters[ops] += 1
             self._counters[nbytes] += blocks * self.block_bytes * len(self.tensors)
+            self._counters["device_copies"] += copies
 
     def _work(self, block_ids: Sequence[int]
               ) -> Optional[Tuple[Any, List[int], List[Tuple[int, int]], Any, List[Any]]]:
@@ -312,9 +324,34 @@ class TorchKv:
         torch, ids, runs, bits, caches = work
         self._hold(ids)
         bt = self._bt
+        mirrors = self._mirrors
+        if self.bundle is not None:
+            bundle = self.bundle.view(bits)
+            if bt is None:
+                for a, b in runs:
+                    host = bundle[a:b].to("cpu")  # one D2H of every layer (no copy on the CPU)
+                    for layer, m in enumerate(mirrors):
+                        m[a:b].copy_(host[:, layer])
+                self._count("stages", "d2h_bytes", len(ids), len(runs))
+                return _nothing
+            idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            src = [torch.index_select(bundle, 0, idx)]
+            dst = [torch.empty(src[0].shape, dtype=bits, device="cpu")]
+            asynchronous = hasattr(bt, "batch_transfer_d2h")
+            fut = bt.batch_transfer_d2h(src, dst) if asynchronous else bt.batch_transfer_d2h_sync(src, dst)
+
+            def finish_bundle() -> None:
+                if asynchronous:
+                    fut.wait()  # keeps src and dst alive until the DMA is done
+                hidx = torch.tensor(ids, dtype=torch.int64)
+                for layer, m in enumerate(mirrors):
+                    m.index_copy_(0, hidx, dst[0][:, layer])
+                self._count("stages", "d2h_bytes", len(ids), 1)
+
+            return finish_bundle
         if bt is None:
-            _copy_runs(self._mirrors, caches, runs)
-            self._count("stages", "d2h_bytes", len(ids))
+            _copy_runs(mirrors, caches, runs)
+            self._count("stages", "d2h_bytes", len(ids), len(runs) * len(caches))
             return _nothing
         idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
         src = [torch.index_select(t, 0, idx) for t in caches]
@@ -323,7 +360,6 @@ class TorchKv:
                [torch.empty(x.shape, dtype=bits, device="cpu") for x in src])
         asynchronous = hasattr(bt, "batch_transfer_d2h")
         fut = bt.batch_transfer_d2h(src, dst) if asynchronous else bt.batch_transfer_d2h_sync(src, dst)
-        mirrors = self._mirrors
 
         def finish() -> None:
             if asynchronous:
@@ -332,7 +368,7 @@ class TorchKv:
                 hidx = torch.tensor(ids, dtype=torch.int64)
                 for m, d in zip(mirrors, dst):
                     m.index_copy_(0, hidx, d)
-            self._count("stages", "d2h_bytes", len(ids))
+            self._count("stages", "d2h_bytes", len(ids), len(src))
 
         return finish
 
@@ -346,6 +382,21 @@ class TorchKv:
         if work is None:
             return
         torch, ids, runs, bits, caches = work
+        if self.bundle is not None:
+            bundle = self.bundle.view(bits)
+            if self._bt is not None:
+                hidx = torch.tensor(ids, dtype=torch.int64)
+                # The blocks of every layer side by side on the host: one H2D, one index_put_.
+                src = [torch.stack([torch.index_select(m, 0, hidx) for m in self._mirrors], dim=1)]
+                dev = [torch.empty(src[0].shape, dtype=bits, device=self.device)]
+                self._bt.batch_transfer_h2d_sync(src, dev)
+                bundle.index_put_((torch.tensor(ids, dtype=torch.int64, device=self.device),), dev[0])
+                self._count("commits", "h2d_bytes", len(ids), 1)
+            else:
+                for a, b in runs:
+                    bundle[a:b].copy_(torch.stack([m[a:b] for m in self._mirrors], dim=1))
+                self._count("commits", "h2d_bytes", len(ids), len(runs))
+            return
         if self._bt is not None:
             if len(runs) == 1:
                 a, b = runs[0]
@@ -358,9 +409,10 @@ class TorchKv:
             idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
             for t, d in zip(caches, dev):
                 t.index_put_((idx,), d)
+            self._count("commits", "h2d_bytes", len(ids), len(src))
         else:
             _copy_runs(caches, self._mirrors, runs)
-        self._count("commits", "h2d_bytes", len(ids))
+            self._count("commits", "h2d_bytes", len(ids), len(runs) * len(caches))
 
     def _hold(self, ids: Sequence[int]) -> None:
         with self._lock:
@@ -434,6 +486,31 @@ def _copy_runs(dsts: Sequence[Any], srcs: Sequence[Any], runs: Sequence[Tuple[in
     for d, s in zip(dsts, srcs):
         for a, b in runs:
             d[a:b].copy_(s[a:b])
+
+
+def _bundle_of(tensors: Sequence[Any]) -> Any:
+    """The ``[num_blocks, layers, ...]`` tensor whose layers ``0..layers-1`` are ``tensors``, in
+    order, as vLLM-TorchTPU's block-major bundle binds them (``bundle[:, layer]``), viewed over
+    the same storage; None when they are not exactly that (views of different tensors, another
+    layer order or stride, a gap between layers). Only the tensors' metadata is read."""
+    t0 = tensors[0]
+    base = getattr(t0, "_base", None)
+    n = len(tensors)
+    if base is None or n < 2:
+        return None
+    block = int(t0[0].numel())
+    if int(t0.stride(0)) != n * block:
+        return None
+    for layer, t in enumerate(tensors):
+        if (getattr(t, "_base", None) is not base or tuple(t.stride()) != tuple(t0.stride())
+                or int(t.storage_offset()) != int(t0.storage_offset()) + layer * block):
+            return None
+    try:
+        return t0.as_strided((int(t0.shape[0]), n) + tuple(t0.shape[1:]),
+                             (n * block, block) + tuple(t0.stride()[1:]))
+    except RuntimeError as e:  # a framework that cannot view it: per-layer copies
+        log.info("tpu_sync.torch: the bundle of the per-layer views cannot be viewed (%s): one copy per layer", e)
+        return None
 
 
 def rows_contiguous(t: Any) -> bool:
