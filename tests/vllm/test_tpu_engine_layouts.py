@@ -526,9 +526,11 @@ def test_worker_pd_reshards_seq_along_lane_caches_byte_exact(configs, monkeypatc
             assert st["backend"] == want_backend, st
 
 
-def tier_round_trip(configs, monkeypatch, backend, g, kv):
+def tier_round_trip(configs, monkeypatch, backend, g, kv, split=1):
     """Saves blocks 3..5 of TP rank 1's ``kv`` to a worker's host tier and loads them into blocks
-    12..14: those become copies of 3..5 (which differed before), every other block unchanged."""
+    12..14: those become copies of 3..5 (which differed before), every other block unchanged.
+    ``split``: the tensors hold that many kernel pages per scheduler block (block ``b`` is pages
+    ``b * split ..``)."""
     w = worker(configs, "kv_both", g, dict(BACKENDS[backend], host_capacity_bytes=64 << 20))
     try:
         register(monkeypatch, w, kv, 1)
@@ -541,8 +543,8 @@ def tier_round_trip(configs, monkeypatch, backend, g, kv):
         assert w.stats["loaded_blocks"] == 3 and w.stats["failed_loads"] == 0, w.stats
         for n in NAMES:
             want = orig[n].clone()
-            want[12:15] = orig[n][3:6]
-            assert not torch.equal(want[12:15].view(torch.uint8), orig[n][12:15].view(torch.uint8))
+            want[12 * split:15 * split] = orig[n][3 * split:6 * split]
+            assert not torch.equal(want.view(torch.uint8), orig[n].view(torch.uint8))
             assert np.array_equal(as_bytes(kv[n]), as_bytes(want)), n
     finally:
         w.shutdown()
@@ -837,26 +839,9 @@ def test_worker_pd_of_mla_caches_with_kernel_pages(configs, monkeypatch, backend
 
 
 def test_worker_host_tier_store_then_load_kernel_pages(configs, monkeypatch, backend):
-    """Blocks 3..5 saved and loaded into blocks 12..14 of caches with 4 kernel pages per
-    scheduler block: kernel pages 48..59 become copies of 12..23, nothing else changes."""
-    g, split = geometry(8, 128, "bf16", 2), 4
-    kv = kernel_page_tensors(g, 1, 3 * BS, [3, 4, 5], 21, 22, split)
-    w = worker(configs, "kv_both", g, dict(BACKENDS[backend], host_capacity_bytes=64 << 20))
-    try:
-        register(monkeypatch, w, kv, 1)
-        orig = {n: t.clone() for n, t in kv.items()}
-        hashes = [bytes([i]) * 32 for i in range(1, 4)]
-        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [3, 4, 5])]))
-        assert w.flush_saves(30) and w.stats["saved_blocks"] == 3
-        w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o1", hashes, [12, 13, 14])]))
-        assert w.stats["loaded_blocks"] == 3 and w.stats["failed_loads"] == 0, w.stats
-        for n in NAMES:
-            want = orig[n].clone()
-            want[12 * split:15 * split] = orig[n][3 * split:6 * split]
-            assert not torch.equal(want.view(torch.uint8), orig[n].view(torch.uint8))
-            assert np.array_equal(as_bytes(kv[n]), as_bytes(want)), n
-    finally:
-        w.shutdown()
+    """4 kernel pages per scheduler block: kernel pages 48..59 become copies of 12..23."""
+    g = geometry(8, 128, "bf16", 2)
+    tier_round_trip(configs, monkeypatch, backend, g, kernel_page_tensors(g, 1, 3 * BS, [3, 4, 5], 21, 22, 4), split=4)
 
 
 def test_worker_refuses_kernel_pages_it_cannot_see_as_blocks(configs, monkeypatch):
