@@ -868,3 +868,13 @@ def test_worker_refuses_kernel_pages_it_cannot_see_as_blocks(configs, monkeypatc
             register(monkeypatch, w, odd, 0)
     finally:
         w.shutdown()
+    # vLLM's CPU cache [num_blocks, heads, block_size, 2 * head_dim] has heads on its second
+    # axis: half the heads on twice the blocks is a wrong cache, not kernel pages.
+    lb = dataclasses.replace(g, kv_order="lbhnc", block_format="cpu/lbhnc/bf16")
+    w = worker(configs, "kv_both", lb, {"host_capacity_bytes": 16 << 20})
+    try:
+        halved = {n: torch.zeros((NB * 2, 2, BS, 256), dtype=torch.bfloat16) for n in NAMES}
+        with pytest.raises(ValueError, match=r"LBHNC per-layer KV cache \[num_blocks, 4, 16, 256\]"):
+            register(monkeypatch, w, halved, 0)
+    finally:
+        w.shutdown()

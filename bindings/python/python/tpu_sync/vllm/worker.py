@@ -1481,6 +1481,8 @@ def _scheduler_blocks(name: str, t: Any, want: Tuple[int, ...], g: KvGeometry) -
                              f"scheduler's block of {want[-1]} ({list(shape)}): not mapped for the SEQ_ALONG_LANE "
                              "cache, whose tokens run along the lanes of each kernel page (docs/tpu.md)")
         return t
+    if not (g.is_rpa3 or g.kv_order == compat.MLA_ORDER):
+        return t  # LBHNC: its second axis is heads, not tokens
     rows = shape[1]
     if shape[2:] != want[1:] or not 0 < rows < want[0] or want[0] % rows or shape[0] % (want[0] // rows):
         return t
