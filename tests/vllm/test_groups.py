@@ -1050,3 +1050,183 @@ def test_mamba_worker_refuses_a_state_tensor_of_another_layout(configs):
             w.register_kv_caches(kv)
     finally:
         w.shutdown()
+
+
+# ---- vLLM-TorchTPU: sliding-window + full-attention groups in RPA v3 caches -------------------
+# vllm-torchtpu 0.29.0 ``kv_cache_materializer.py`` (``materialize_kv_cache_tensors``, direct
+# allocation): one RPA v3 tensor ``[num_blocks, block_size, R, P, D']`` per region of vLLM's
+# ``KVCacheTensor``, and the layers at one position of every group (here the sliding layer 0 and
+# the full layer 1) are bound to the same tensor; each group reads and writes it at its own
+# block ids.
+
+#: the three ways a worker reaches the tensors: viewed in place, torch's ``Tensor.copy_``, and
+#: torch_tpu's batch_transfer call shape (the stand-in of ``test_torch_kv.py``)
+TPU_BACKENDS = {
+    "view": {},
+    "torch-copy": {"torch_backend": "framework-copy", "torch_copy_api": "torch"},
+    "batch-transfer": {"torch_backend": "framework-copy", "torch_copy_api": "batch_transfer"},
+}
+
+
+def _tpu_refs():
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(here)), "bindings", "python", "tests"))
+    from test_tpu_layouts import DTYPES, logical_kv, merge_kv
+
+    return DTYPES, logical_kv, merge_kv
+
+
+def rpa3_geometry(configs, tp):
+    """The sliding-window model's groups (vLLM's KVCacheConfig, 2 KV heads of 32) on a TPU
+    platform: RPA v3, bf16 (``[BS, R, 2, 128]`` per block: 2 slots per packed row, 96 padding
+    lanes per slot), TP ``tp``."""
+    import dataclasses
+
+    base = connector(configs["kv_both"]).geometry
+    return dataclasses.replace(base, dtype="bf16", kv_order="rpa3", block_format="vllm-tpu/rpa3/bf16", tp=tp,
+                               heads_per_rank=base.num_kv_heads // tp)
+
+
+def rpa3_group_tensor(g, rank, tokens, held, seed, fill_seed):
+    """One TP rank's shared tensor of both layers: every token slot filled as ``merge_kv``
+    writes it (logical KV of seed ``fill_seed``), then the request's ``tokens`` tokens of seed
+    ``seed`` of layer 0 at the sliding group's ``held[0]`` (the request's last blocks) and of
+    layer 1 at the full group's ``held[1]``. Returns ``(tensor, merged)``: ``merged[layer]`` the
+    request's ``[tokens, R, P, D']`` rows of this rank."""
+    import numpy as np
+
+    DTYPES, logical_kv, merge_kv = _tpu_refs()
+    np_t = DTYPES[g.dtype]
+    sl = slice(rank * g.heads_per_rank, (rank + 1) * g.heads_per_rank)
+    cache = np.zeros((NUM_BLOCKS,) + tuple(g.layer_shape()), dtype=np_t)
+    k, v = logical_kv(7, NUM_BLOCKS * BS, g.num_kv_heads, g.head_dim, np_t, fill_seed)
+    cache.reshape((NUM_BLOCKS * BS,) + cache.shape[2:])[:] = merge_kv(k[:, sl], v[:, sl], g.packing, False)
+    merged = []
+    nblocks = -(-tokens // BS)
+    for layer, ids in enumerate(held):
+        k, v = logical_kv(layer, tokens, g.num_kv_heads, g.head_dim, np_t, seed)
+        m = merge_kv(k[:, sl], v[:, sl], g.packing, False)
+        merged.append(m)
+        first = nblocks - len(ids)
+        for t in range(first * BS, tokens):
+            cache[ids[t // BS - first], t % BS] = m[t]
+    t = torch.empty(cache.shape, dtype=torch.int16)
+    t.copy_(torch.from_numpy(cache.view(np.int16)))
+    return t.view(torch.bfloat16), merged
+
+
+@pytest.mark.parametrize("backend", sorted(TPU_BACKENDS))
+def test_worker_pd_of_rpa3_groups_byte_exact(configs, monkeypatch, backend):
+    """P/D TP=2 -> 1 between worker sides holding vLLM-TorchTPU's two groups in RPA v3 caches
+    (one tensor per rank shared by the sliding and the full layer): the decode's tensor gets
+    the full layer's 100 tokens at the full group's blocks and the sliding layer's window
+    (tokens 53..99: ``T + 1 - window`` on) at the sliding group's blocks, byte-exact against
+    the kernels' ``merge_kv`` reference; every other token slot of those blocks, every other
+    block (the other group's too, in the same tensor), and the lane and slot padding unchanged;
+    the producers unchanged."""
+    import numpy as np
+    import vllm.distributed.parallel_state as ps
+
+    from tpu_sync.vllm.worker import WorkerSide
+
+    if backend == "batch-transfer":
+        from test_torch_kv import install_batch_transfer_stand_in
+
+        install_batch_transfer_stand_in(monkeypatch)
+    extra = TPU_BACKENDS[backend]
+    tokens = 100
+    held_src, held_dst = [[12, 13, 14], [9, 4, 7, 3]], [[21, 22, 23], [5, 6, 8, 10]]
+    gs, gd = rpa3_geometry(configs, 2), rpa3_geometry(configs, 1)
+    src = [rpa3_group_tensor(gs, r, tokens, held_src, seed=3, fill_seed=11)[0] for r in range(2)]
+    src_before = [t.clone() for t in src]
+    dst, _ = rpa3_group_tensor(gd, 0, 0, [[], []], seed=3, fill_seed=12)
+    dst_before = dst.clone()
+    _, merged = rpa3_group_tensor(gd, 0, tokens, held_dst, seed=3, fill_seed=12)
+    prods = [WorkerSide(configs["kv_producer"], ConnectorConfig.parse("kv_producer", dict(extra)), gs)
+             for _ in range(2)]
+    cons = WorkerSide(configs["kv_consumer"], ConnectorConfig.parse("kv_consumer", dict(extra)), gd)
+    try:
+        for r, w in enumerate(prods):
+            monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda r=r: r)
+            w.register_kv_caches({L0: src[r], L1: src[r]})
+        monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
+        cons.register_kv_caches({L0: dst, L1: dst})
+        for w in prods:
+            w.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 78, held_src, tokens, 60.0, 1)]))
+            assert w.stats["registered"] == 1, w.stats
+        layout = gs.tpu_sync_layout(NUM_BLOCKS)
+        assert layout["spec"]["order"] == "rpa3" and "block_format" not in layout["groups"][0]
+        peers = {r: w.transport.address for r, w in enumerate(prods)}
+        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 78, peers, layout, held_src, held_dst, tokens,
+                                                            30.0)]))
+        deadline, res = time.monotonic() + 30, None
+        while time.monotonic() < deadline:
+            res = cons.get_transfer_results(set())
+            if res.finished_recving or res.failed_recving:
+                break
+            time.sleep(0.02)
+        assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
+        want = dst_before.view(torch.int16).numpy().copy()
+        need = tokens + 1 - WINDOW
+        for layer, ids in enumerate(held_dst):
+            first = -(-tokens // BS) - len(ids)
+            for t in range(need if layer == 0 else 0, tokens):
+                want[ids[t // BS - first], t % BS] = merged[layer][t]
+        got = dst.view(torch.int16).numpy()
+        assert np.array_equal(got, want), np.argwhere(got != want)[:4]
+        for r in range(2):
+            assert torch.equal(src[r].view(torch.int16), src_before[r].view(torch.int16)), r
+        if backend != "view":
+            # The decode's copies: each group's blocks into its own layer only (3 + 4 blocks);
+            # staged first, the blocks written in part: each group's last (the request ends
+            # in it) and the sliding group's first (the window starts at token 53, inside it).
+            bb = gd.layer_block_bytes
+            st = cons.adapter_stats
+            assert (st["commits"], st["h2d_bytes"], st["d2h_bytes"]) == (1, 7 * bb, 3 * bb), st
+            for w in prods:
+                assert (w.adapter_stats["stages"], w.adapter_stats["d2h_bytes"]) == (1, 7 * gs.layer_block_bytes)
+    finally:
+        cons.shutdown()
+        for w in prods:
+            w.shutdown()
+
+
+@pytest.mark.parametrize("backend", sorted(TPU_BACKENDS))
+def test_worker_host_tier_of_rpa3_groups(configs, monkeypatch, backend):
+    """Host-tier store then load with the two groups in one shared RPA v3 tensor (TP=1): each
+    group's blocks saved from, and loaded into, its own layer's view of the tensor; the sliding
+    group's null block skipped; every other block unchanged."""
+    import vllm.distributed.parallel_state as ps
+
+    from tpu_sync.vllm.worker import WorkerSide
+
+    if backend == "batch-transfer":
+        from test_torch_kv import install_batch_transfer_stand_in
+
+        install_batch_transfer_stand_in(monkeypatch)
+    g = rpa3_geometry(configs, 1)
+    kv, _ = rpa3_group_tensor(g, 0, 3 * BS, [[3, 4, 5], [6, 7, 8]], seed=21, fill_seed=22)
+    w = WorkerSide(configs["kv_both"], ConnectorConfig.parse("kv_both", dict(TPU_BACKENDS[backend],
+                                                                             host_capacity_bytes=64 << 20)), g)
+    try:
+        monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
+        w.register_kv_caches({L0: kv, L1: kv})
+        orig = kv.clone()
+        hashes = [bytes([i]) * 32 for i in range(1, 4)]
+        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [6, 7, 8], None, [[3, 4, 5], [6, 7, 8]])]))
+        assert w.flush_saves(30)
+        assert w.stats["saved_blocks"] == 3, w.stats
+        w.start_load_kv(TpuSyncMetadata(lookups={"o1": hashes}))
+        assert w.build_worker_meta().lookup_hits == {"o1": 3}
+        w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o1", hashes, [16, 17, 18], None,
+                                                      [[0, 11, 12], [16, 17, 18]])]))
+        assert w.stats["loaded_blocks"] == 3 and w.stats["failed_loads"] == 0, w.stats
+        want = orig.clone()
+        for s, d in ((4, 11), (5, 12), (6, 16), (7, 17), (8, 18)):
+            want[d] = orig[s]
+        assert torch.equal(kv.view(torch.int16), want.view(torch.int16))
+    finally:
+        w.shutdown()

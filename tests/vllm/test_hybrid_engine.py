@@ -113,6 +113,75 @@ def test_hybrid_offload_second_pass_hits_host_tier(engines, plain):
     assert res["scheduler_stats"]["failed_loads"] == 0
 
 
+#: bytes per element of the torch dtypes the CPU engines' KV caches use
+ELEM = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
+
+
+def _layer_block_bytes(st):
+    n = 1
+    for d in st["shape"][1:]:
+        n *= int(d)
+    return n * ELEM[st["dtype"]]
+
+
+def test_hybrid_pd_through_torch_copies_matches_plain(engines, plain):
+    """Two KV cache groups with both sides' tensors reached through torch's own copies
+    (``torch_backend`` ``framework-copy``, what vLLM-TorchTPU's torch_tpu tensors get): the
+    producer stages each layer at its own group's held blocks only (the sliding layer 3, 3, 2
+    blocks, the full one 4, 3, 3), the consumer copies each pulled block into its own group's
+    layer. Token-identical to plain."""
+    extra = dict(torch_backend="framework-copy", torch_copy_api="torch")
+    p, c = engines.pd("hybrid_pd_copy", engines.spec(connector=dict(kv_role="kv_producer", extra=dict(
+        lease_s=120.0, **extra))), engines.spec(connector=dict(kv_role="kv_consumer", policy="fail", extra=dict(
+            pull_timeout_s=60.0, **extra))))
+    assert [t[:1] for t in toks(plain)] == toks(p)
+    params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
+    assert [[len(g) for g in x["remote_block_ids"]] for x in params] == [[3, 4], [3, 3], [2, 3]], params
+    assert p["worker_stats"]["registered"] == len(LENS) and p["worker_stats"]["register_failed"] == 0
+    assert toks(c) == toks(plain)
+    assert c["worker_stats"]["pulls_done"] == len(LENS) and c["worker_stats"]["pulls_failed"] == 0
+    assert cached_by(c["metrics"], "p2p") == sum(LENS), c["metrics"]
+    ps, cs = p["adapter_stats"], c["adapter_stats"]
+    for st in (ps, cs):
+        assert (st["backend"], st["copy_api"]) == ("framework-copy", "torch"), st
+    bb = _layer_block_bytes(ps)
+    # Staged: each layer's own group's held blocks, nothing of the other group's.
+    assert (ps["stages"], ps["d2h_bytes"]) == (len(LENS), (3 + 4 + 3 + 3 + 2 + 3) * bb), ps
+    # Committed: the same layer-blocks into the consumer's tensors (one commit per pull), after
+    # staging the blocks a pull writes in part: each group's last (every prompt ends inside a
+    # block) and the sliding group's first (every window, tokens T + 1 - 48 on, starts inside
+    # one), so their other token slots come back unchanged.
+    assert (cs["commits"], cs["h2d_bytes"]) == (len(LENS), ps["d2h_bytes"]), cs
+    assert (cs["stages"], cs["d2h_bytes"]) == (len(LENS), 3 * len(LENS) * bb), cs
+
+
+def test_hybrid_offload_through_torch_copies_matches_plain(engines, plain):
+    """The host tier with two KV cache groups over tensors reached through torch's copies: the
+    first pass saves (each layer staged at its own group's blocks), the second loads (each
+    group's blocks copied into its own layers, the sliding group's null blocks skipped); both
+    passes token-identical to plain."""
+    shm = SHM + "-copy"
+    try:
+        res = engines.run("hybrid_offload_copy", engines.spec(repeat=2, connector=dict(
+            kv_role="kv_both", policy="recompute",
+            extra=dict(shm_name=shm, host_capacity_bytes=64 << 20, torch_backend="framework-copy"))))
+    finally:
+        import tpu_sync
+
+        try:
+            tpu_sync.remove_segment(shm, force=True)
+        except Exception:
+            pass
+    assert toks(res, 0) == toks(plain) and toks(res, 1) == toks(plain)
+    want = [(n - 1) // BS * BS for n in LENS]
+    assert cached(res, 1) == want
+    saved, loaded = sum(n // BS for n in LENS), sum(want) // BS
+    assert res["worker_stats"]["saved_blocks"] == saved and res["worker_stats"]["loaded_blocks"] == loaded
+    assert res["scheduler_stats"]["failed_loads"] == 0
+    st = res["adapter_stats"]
+    assert st["backend"] == "framework-copy" and st["d2h_bytes"] > 0 and st["h2d_bytes"] > 0, st
+
+
 def test_hybrid_layerwise_pd_matches_plain(engines, plain):
     """Layer-wise P/D with two KV cache groups: the producer registers each group's held blocks
     before the prefill's forward and publishes each layer as vLLM saves it; the consumer reads

@@ -206,6 +206,62 @@ def test_a_partial_last_block_keeps_its_other_token_slots(monkeypatch):
     tk.close()
 
 
+@pytest.mark.parametrize("api", ["torch", "batch_transfer"])
+def test_kv_cache_groups_copy_each_layer_at_its_own_groups_blocks(monkeypatch, api):
+    """Two KV cache groups (vLLM's hybrid allocator: layer 0 sliding window, layers 1 and 2 full
+    attention) where layers 0 and 1 share one tensor, as vLLM binds the layers at one position of
+    every group to the same memory: a stage reads, and a commit writes, each layer only at its own
+    group's blocks (vLLM's null block 0 skipped), so the other group's blocks in the shared tensor
+    stay as they were. Copying the union of the ids for every layer would write layer 1's (stale)
+    mirror over blocks 5 and 9 of the shared tensor, which this test checks byte for byte."""
+    calls = install_batch_transfer_stand_in(monkeypatch) if api == "batch_transfer" else []
+    a, b = layers(11, n=2)
+    kv = [a, a, b]  # layers 0 (group 0) and 1 (group 1) share tensor a
+    before = {id(t): raw(t) for t in (a, b)}
+    tk = TorchKv(kv, backend="framework-copy", copy_api=api, block_size=4, layer_group=[0, 1, 1])
+    views = tk.views()
+    bb = tk.block_bytes
+    groups = [[0, 5, 9], [2, 3, 10]]  # the sliding group holds no block at position 0
+    tk.stage(groups)
+    for layer, v in enumerate(views):
+        got = np.frombuffer(v.read(), dtype=np.uint8)
+        own = [5, 9] if layer == 0 else [2, 3, 10]
+        src = before[id(kv[layer])]
+        for blk in range(NB):
+            want = src[blk].reshape(-1) if blk in own else np.zeros(bb, np.uint8)
+            assert np.array_equal(got[blk * bb:(blk + 1) * bb], want), (layer, blk)
+    tk.drop(groups)
+    # A pull into both groups: tpu_sync writes each layer's own blocks into its mirror.
+    rng = np.random.default_rng(12)
+    new = rng.integers(1, 256, size=(3, NB, bb), dtype=np.uint8)
+    dst = [[0, 6, 1], [4, 7, 8]]
+    assert tk.before_write(dst, 12) == ()
+    for layer, v in enumerate(views):
+        for blk in (dst[0] if layer == 0 else dst[1]):
+            if blk:
+                v.write(blk * bb, new[layer, blk].tobytes())
+    tk.after_write(dst)
+    want_a, want_b = before[id(a)].copy(), before[id(b)].copy()
+    for blk in (6, 1):
+        want_a[blk] = new[0, blk].reshape(want_a[blk].shape)
+    for blk in (4, 7, 8):
+        want_a[blk] = new[1, blk].reshape(want_a[blk].shape)
+        want_b[blk] = new[2, blk].reshape(want_b[blk].shape)
+    assert np.array_equal(raw(a), want_a)
+    assert np.array_equal(raw(b), want_b)
+    st = tk.stats()
+    assert (st["stages"], st["commits"]) == (1, 1)
+    assert (st["d2h_bytes"], st["h2d_bytes"]) == ((2 + 3 * 2) * bb, (2 + 3 * 2) * bb)
+    if api == "batch_transfer":
+        # One batched call per group: the sliding group's one layer, the full group's two.
+        assert [(c[0], len(c[1])) for c in calls] == [("d2h_async", 1), ("d2h_async", 2), ("h2d", 1), ("h2d", 2)]
+    with pytest.raises(errors.InvalidArgumentError, match="3 KV cache groups; the layers are in 2"):
+        tk.stage([[1], [2], [3]])
+    with pytest.raises(IndexError):
+        tk.commit([[NB], [1]])
+    tk.close()
+
+
 def test_connector_settings_are_validated():
     pytest.importorskip("vllm")
     from tpu_sync.vllm.config import ConfigError, ConnectorConfig

@@ -37,7 +37,8 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    BlockOrder, DType, KvLayout, ModelKv, ParallelLayout, ParallelSpec, RankCoord, MAX_RANKS,
+    check_order_fits, BlockOrder, DType, KvLayout, ModelKv, ParallelLayout, ParallelSpec,
+    RankCoord, MAX_RANKS,
 };
 use crate::error::{Error, Result};
 use crate::pjrt::ElementType;
@@ -1177,12 +1178,43 @@ impl HybridLayout {
                     grp.kind.name()
                 ));
             }
-            if gl.order.unwrap_or(s.order).is_tpu() {
-                return bad(format!(
-                    "block order {} (a TPU engine's cache) is supported for uniform \
-                     layouts only; hybrid TPU pools are not mapped yet (docs/tpu.md)",
-                    gl.order.unwrap_or(s.order).name()
-                ));
+            let order = self.u_order(g);
+            if order.is_tpu() {
+                // The RPA v3 caches hold attention groups (vLLM-TorchTPU's sliding-window and
+                // full-attention groups, each layer its own RPA v3 tensor); an MLA group in
+                // the TPU MLA cache, and the unified hybrid pools, are not mapped yet.
+                match grp.kind {
+                    GroupKind::Attention {
+                        num_kv_heads,
+                        head_dim,
+                        kv_planes,
+                        dtype,
+                        ..
+                    } if order.is_rpa3() => {
+                        let m = ModelKv {
+                            name: self.model.name.clone(),
+                            num_layers: grp.layers.len() as u32,
+                            num_kv_heads,
+                            head_dim,
+                            kv_planes,
+                            dtype,
+                        };
+                        match check_order_fits(order, &m) {
+                            Err(Error::Layout(msg)) => return bad(msg),
+                            Err(e) => return Err(e),
+                            Ok(()) => {}
+                        }
+                    }
+                    _ => {
+                        return bad(format!(
+                            "block order {} (a TPU engine's cache) holds attention groups \
+                             only here (rpa3, rpa3hd64); {} groups in a TPU cache and the \
+                             unified hybrid pools are not mapped yet (docs/tpu.md)",
+                            order.name(),
+                            grp.kind.name()
+                        ))
+                    }
+                }
             }
             // Sizes in u128: a peer's u32 fields must not wrap.
             let bytes = self.buffer_bytes_wide(g);
@@ -1202,8 +1234,25 @@ impl HybridLayout {
                 let st = self.state_kv_unchecked(g);
                 nb * gl.slot_bytes.unwrap_or(st.slot_bytes) as u128
             }
-            // A rank holds at most every head: bounded by the whole model's bytes per token.
-            kind => nb * self.u_block_size(g) as u128 * kind.bytes_per_token_layer() as u128,
+            // A rank holds at most every head: bounded by the whole model's bytes per token
+            // (the TPU caches with their padding: slots and lanes).
+            kind => {
+                let order = self.u_order(g);
+                match kind.paged() {
+                    Some((num_heads, head_dim, kv_planes, dtype)) if order.is_tpu() => KvLayout {
+                        num_layers: 1,
+                        kv_planes,
+                        num_blocks: gl.num_blocks,
+                        block_size: self.u_block_size(g),
+                        num_heads,
+                        head_dim,
+                        dtype,
+                        order,
+                    }
+                    .buffer_bytes_wide(),
+                    _ => nb * self.u_block_size(g) as u128 * kind.bytes_per_token_layer() as u128,
+                }
+            }
         }
     }
 

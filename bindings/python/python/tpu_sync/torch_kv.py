@@ -78,6 +78,10 @@ TORCH_DTYPES = {
     "torch.uint8": "u8",
 }
 
+#: vLLM's null block (``BlockPool``'s block 0): in per-group block lists, a block a group does not
+#: hold (e.g. outside a sliding window), never copied.
+NULL_BLOCK_ID = 0
+
 #: Where torch_tpu's batched copies live (torch_tpu 0.2.0).
 BATCH_TRANSFER_MODULE = "torch_tpu._internal.batch_transfer"
 
@@ -114,6 +118,13 @@ class TorchKv:
         view_shape: the shape tpu_sync sees the buffers (tensors or mirrors) in, of the same
             bytes (e.g. ``[num_blocks, H, block_size, 2 * D']`` for a cache moved as opaque
             ``(block, head)`` regions); None: the tensors' own shape.
+        layer_group: the KV cache group of each layer (vLLM's hybrid allocator: e.g. sliding
+            window and full attention, each group with its own block table over one shared
+            block pool), ``0..G-1``; None: one group. With several groups the copy methods take
+            one list of block ids per group (:meth:`stage`), and each layer's tensor is copied
+            at its own group's blocks only: layers of different groups may share one tensor
+            (vLLM binds the layers at one position of every group to the same memory), so a
+            block of another group is never written through a layer's tensor.
 
     Raises:
         InvalidArgumentError: no tensors, tensors that differ in shape, dtype or device, blocks
@@ -125,7 +136,8 @@ class TorchKv:
 
     def __init__(self, tensors: Sequence[Any], *, backend: str = "auto", copy_api: str = "auto",
                  client: Any = None, block_size: Optional[int] = None,
-                 view_shape: Optional[Sequence[int]] = None) -> None:
+                 view_shape: Optional[Sequence[int]] = None,
+                 layer_group: Optional[Sequence[int]] = None) -> None:
         if backend not in BACKENDS:
             raise _fail(InvalidArgumentError, f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         if copy_api not in COPY_APIS:
@@ -147,6 +159,14 @@ class TorchKv:
         dt = str(t0.dtype)
         if dt not in TORCH_DTYPES:
             raise _fail(InvalidArgumentError, f"KV tensor dtype {dt} (supported: {', '.join(TORCH_DTYPES)})")
+        if layer_group is not None:
+            layer_group = [int(g) for g in layer_group]
+            if len(layer_group) != len(tensors) or min(layer_group) < 0:
+                raise _fail(InvalidArgumentError, f"layer groups {layer_group} for {len(tensors)} layers: expected one "
+                            "group index (>= 0) per layer")
+        #: KV cache group of each layer (None: one group); groups ``0..num_groups-1``
+        self.layer_group = layer_group
+        self.num_groups = 1 if layer_group is None else max(layer_group) + 1
         self.tensors = tensors
         self.shape = tuple(int(d) for d in t0.shape)
         self.view_shape = None if view_shape is None else tuple(int(d) for d in view_shape)
@@ -172,7 +192,7 @@ class TorchKv:
         self.strided = not all(t.is_contiguous() for t in tensors)
         #: ``[num_blocks, layers, ...]``: the block-major bundle whose layers ``tensors`` are, in
         #: order (:func:`_bundle_of`), which framework copies move whole; None otherwise
-        self.bundle = _bundle_of(tensors) if self.strided else None
+        self.bundle = _bundle_of(tensors) if self.strided and self.num_groups == 1 else None
         if backend == "auto":
             if host and not self.strided:
                 backend, why = "pjrt-view", "the tensors are in host memory: viewed in place"
@@ -276,37 +296,75 @@ class TorchKv:
                 raise IndexError(f"block id {b} out of range 0..{self.num_blocks}")
         return ids
 
+    def _parts(self, block_ids: Any) -> List[Tuple[List[int], List[int]]]:
+        """``block_ids`` as ``(layers, ids)`` pairs: a flat list is every layer's; one list per
+        KV cache group (``[[...], ...]``, as many as :attr:`num_groups`) is the blocks of that
+        group's layers, vLLM's null block (id 0) skipped. Pairs without ids are left out.
+
+        Raises:
+            InvalidArgumentError: per-group lists for another number of groups;
+            IndexError: a block id out of range."""
+        ids = list(block_ids)
+        if ids and isinstance(ids[0], (list, tuple)):
+            if len(ids) != self.num_groups:
+                raise _fail(InvalidArgumentError, f"block ids for {len(ids)} KV cache groups; the layers are in "
+                            f"{self.num_groups}")
+            groups = self.layer_group or [0] * len(self.tensors)
+            out = []
+            for g, gids in enumerate(ids):
+                checked = self._ids([b for b in gids if int(b) != NULL_BLOCK_ID])
+                layers = [i for i, lg in enumerate(groups) if lg == g]
+                if checked and layers:
+                    out.append((layers, checked))
+            return out
+        checked = self._ids(ids)
+        return [(list(range(len(self.tensors))), checked)] if checked else []
+
+    @staticmethod
+    def _flat(block_ids: Any) -> List[int]:
+        """Every block id of a flat list or of per-group lists (null blocks of groups skipped)."""
+        ids = list(block_ids)
+        if ids and isinstance(ids[0], (list, tuple)):
+            return [int(b) for g in ids for b in g if int(b) != NULL_BLOCK_ID]
+        return [int(b) for b in ids]
+
     # -- framework-copy -------------------------------------------------------------------------
 
-    def _count(self, ops: str, nbytes: str, blocks: int, copies: int) -> None:
+    def _count(self, ops: str, nbytes: str, layer_blocks: int, copies: int) -> None:
         with self._lock:
             self._counters[ops] += 1
-            self._counters[nbytes] += blocks * self.block_bytes * len(self.tensors)
+            self._counters[nbytes] += layer_blocks * self.block_bytes
             self._counters["device_copies"] += copies
 
-    def _work(self, block_ids: Sequence[int]
-              ) -> Optional[Tuple[Any, List[int], List[Tuple[int, int]], Any, List[Any]]]:
-        """What a stage or commit of ``block_ids`` needs: torch, the checked ids, their runs, the
-        integer dtype and the tensors' integer views (mirrors made); None when there is nothing
-        to copy (``pjrt-view``, no ids)."""
+    def _work(self, block_ids: Any) -> Optional[Tuple[Any, Any, List[Tuple[List[int], List[int]]]]]:
+        """What a stage or commit of ``block_ids`` needs: torch, the integer dtype and the
+        ``(layers, ids)`` pairs (:meth:`_parts`; mirrors made); None when there is nothing to
+        copy (``pjrt-view``, no ids)."""
         if self.backend == "pjrt-view" or not len(block_ids):
             return None
-        ids = self._ids(block_ids)
+        parts = self._parts(block_ids)
+        if not parts:
+            return None
         self.views()
         import torch
 
-        bits = getattr(torch, self._bits)
-        return torch, ids, _runs(ids), bits, [t.view(bits) for t in self.tensors]
+        return torch, getattr(torch, self._bits), parts
 
-    def stage(self, block_ids: Sequence[int]) -> None:
+    def stage(self, block_ids: Any) -> None:
         """``framework-copy``: copies blocks ``block_ids`` of every layer from the device tensors
         into the host mirrors, before tpu_sync reads them. Nothing for ``pjrt-view``.
 
+        Args:
+            block_ids: block ids, the same for every layer; with several KV cache groups
+                (``layer_group``) also one list per group, each group's layers copied at its
+                own ids (vLLM's null block, id 0, skipped).
+
         Raises:
-            IndexError: a block id out of range; torch's errors from the copies."""
+            IndexError: a block id out of range; InvalidArgumentError: per-group lists for
+                another number of groups; torch's errors from the copies."""
         self.stage_async(block_ids)()
 
-    def stage_async(self, block_ids: Sequence[int]) -> Callable[[], None]:
+    def stage_async(self, block_ids: Any) -> Callable[[], None]:
         """:meth:`stage` in two halves: issues the copies now, on the calling thread (the model
         thread: the framework's ops are issued where the engine issues its own), and returns
         ``finish()``, which waits for them and completes the mirrors; call it once, on any
@@ -316,47 +374,75 @@ class TorchKv:
         with ``torch`` the copies are done before this returns.
 
         Raises:
-            IndexError: a block id out of range; torch's errors from the copies (here, or from
+            IndexError: a block id out of range; InvalidArgumentError: per-group lists for
+                another number of groups; torch's errors from the copies (here, or from
                 ``finish()``)."""
         work = self._work(block_ids)
         if work is None:
             return _nothing
-        torch, ids, runs, bits, caches = work
-        self._hold(ids)
+        torch, bits, parts = work
+        for _, ids in parts:
+            self._hold(ids)
+        if self.bundle is not None:
+            return self._stage_bundle(torch, bits, parts[0][1])
+        pending = [self._stage_layers(torch, bits, layers, ids) for layers, ids in parts]
+        if all(f is None for f, _, _ in pending):
+            self._count("stages", "d2h_bytes", sum(n for _, n, _ in pending), sum(c for _, _, c in pending))
+            return _nothing
+
+        def finish() -> None:
+            for f, _, _ in pending:
+                if f is not None:
+                    f()
+            self._count("stages", "d2h_bytes", sum(n for _, n, _ in pending), sum(c for _, _, c in pending))
+
+        return finish
+
+    def _stage_bundle(self, torch: Any, bits: Any, ids: List[int]) -> Callable[[], None]:
+        """A stage of every layer of a block-major bundle: one D2H of ``bundle[ids]`` (one per
+        run of consecutive ids with ``Tensor.copy_``), then host copies into the mirrors."""
         bt = self._bt
         mirrors = self._mirrors
-        if self.bundle is not None:
-            bundle = self.bundle.view(bits)
-            if bt is None:
-                for a, b in runs:
-                    host = bundle[a:b].to("cpu")  # one D2H of every layer (no copy on the CPU)
-                    for layer, m in enumerate(mirrors):
-                        m[a:b].copy_(host[:, layer])
-                self._count("stages", "d2h_bytes", len(ids), len(runs))
-                return _nothing
-            idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
-            src = [torch.index_select(bundle, 0, idx)]
-            dst = [torch.empty(src[0].shape, dtype=bits, device="cpu")]
-            asynchronous = hasattr(bt, "batch_transfer_d2h")
-            fut = bt.batch_transfer_d2h(src, dst) if asynchronous else bt.batch_transfer_d2h_sync(src, dst)
-
-            def finish_bundle() -> None:
-                if asynchronous:
-                    fut.wait()  # keeps src and dst alive until the DMA is done
-                hidx = torch.tensor(ids, dtype=torch.int64)
+        bundle = self.bundle.view(bits)
+        if bt is None:
+            runs = _runs(ids)
+            for a, b in runs:
+                host = bundle[a:b].to("cpu")  # one D2H of every layer (no copy on the CPU)
                 for layer, m in enumerate(mirrors):
-                    m.index_copy_(0, hidx, dst[0][:, layer])
-                self._count("stages", "d2h_bytes", len(ids), 1)
+                    m[a:b].copy_(host[:, layer])
+            self._count("stages", "d2h_bytes", len(ids) * len(mirrors), len(runs))
+            return _nothing
+        idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        src = [torch.index_select(bundle, 0, idx)]
+        dst = [torch.empty(src[0].shape, dtype=bits, device="cpu")]
+        asynchronous = hasattr(bt, "batch_transfer_d2h")
+        fut = bt.batch_transfer_d2h(src, dst) if asynchronous else bt.batch_transfer_d2h_sync(src, dst)
 
-            return finish_bundle
+        def finish_bundle() -> None:
+            if asynchronous:
+                fut.wait()  # keeps src and dst alive until the DMA is done
+            hidx = torch.tensor(ids, dtype=torch.int64)
+            for layer, m in enumerate(mirrors):
+                m.index_copy_(0, hidx, dst[0][:, layer])
+            self._count("stages", "d2h_bytes", len(ids) * len(mirrors), 1)
+
+        return finish_bundle
+
+    def _stage_layers(self, torch: Any, bits: Any, layers: List[int], ids: List[int]
+                      ) -> Tuple[Optional[Callable[[], None]], int, int]:
+        """Issues the D2H of blocks ``ids`` of ``layers`` into their mirrors; returns what is
+        left to wait for (None: done), the layer-blocks and the device copies."""
+        runs = _runs(ids)
+        caches = [self.tensors[i].view(bits) for i in layers]
+        mirrors = [self._mirrors[i] for i in layers]
+        bt = self._bt
         if bt is None:
             _copy_runs(mirrors, caches, runs)
-            self._count("stages", "d2h_bytes", len(ids), len(runs) * len(caches))
-            return _nothing
+            return None, len(ids) * len(layers), len(runs) * len(caches)
         idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
         src = [torch.index_select(t, 0, idx) for t in caches]
         single = len(runs) == 1
-        dst = ([m[runs[0][0]:runs[0][1]] for m in self._mirrors] if single else
+        dst = ([m[runs[0][0]:runs[0][1]] for m in mirrors] if single else
                [torch.empty(x.shape, dtype=bits, device="cpu") for x in src])
         asynchronous = hasattr(bt, "batch_transfer_d2h")
         fut = bt.batch_transfer_d2h(src, dst) if asynchronous else bt.batch_transfer_d2h_sync(src, dst)
@@ -368,21 +454,26 @@ class TorchKv:
                 hidx = torch.tensor(ids, dtype=torch.int64)
                 for m, d in zip(mirrors, dst):
                     m.index_copy_(0, hidx, d)
-            self._count("stages", "d2h_bytes", len(ids), len(src))
 
-        return finish
+        return finish, len(ids) * len(layers), len(src)
 
-    def commit(self, block_ids: Sequence[int]) -> None:
+    def commit(self, block_ids: Any) -> None:
         """``framework-copy``: copies blocks ``block_ids`` of every layer from the host mirrors
         into the device tensors (in place), after tpu_sync wrote them. Nothing for ``pjrt-view``.
 
+        Args:
+            block_ids: as :meth:`stage` (with several KV cache groups, one list per group: a
+                layer's tensor is written at its own group's blocks only).
+
         Raises:
-            IndexError: a block id out of range; torch's errors from the copies."""
+            IndexError: a block id out of range; InvalidArgumentError: per-group lists for
+                another number of groups; torch's errors from the copies."""
         work = self._work(block_ids)
         if work is None:
             return
-        torch, ids, runs, bits, caches = work
+        torch, bits, parts = work
         if self.bundle is not None:
+            ids = parts[0][1]
             bundle = self.bundle.view(bits)
             if self._bt is not None:
                 hidx = torch.tensor(ids, dtype=torch.int64)
@@ -391,51 +482,60 @@ class TorchKv:
                 dev = [torch.empty(src[0].shape, dtype=bits, device=self.device)]
                 self._bt.batch_transfer_h2d_sync(src, dev)
                 bundle.index_put_((torch.tensor(ids, dtype=torch.int64, device=self.device),), dev[0])
-                self._count("commits", "h2d_bytes", len(ids), 1)
+                self._count("commits", "h2d_bytes", len(ids) * len(self._mirrors), 1)
             else:
+                runs = _runs(ids)
                 for a, b in runs:
                     bundle[a:b].copy_(torch.stack([m[a:b] for m in self._mirrors], dim=1))
-                self._count("commits", "h2d_bytes", len(ids), len(runs))
+                self._count("commits", "h2d_bytes", len(ids) * len(self._mirrors), len(runs))
             return
-        if self._bt is not None:
-            if len(runs) == 1:
-                a, b = runs[0]
-                src = [m[a:b] for m in self._mirrors]
+        layer_blocks = copies = 0
+        for layers, ids in parts:
+            runs = _runs(ids)
+            caches = [self.tensors[i].view(bits) for i in layers]
+            mirrors = [self._mirrors[i] for i in layers]
+            layer_blocks += len(ids) * len(layers)
+            if self._bt is not None:
+                if len(runs) == 1:
+                    a, b = runs[0]
+                    src = [m[a:b] for m in mirrors]
+                else:
+                    hidx = torch.tensor(ids, dtype=torch.int64)
+                    src = [torch.index_select(m, 0, hidx) for m in mirrors]
+                dev = [torch.empty(s.shape, dtype=bits, device=self.device) for s in src]
+                self._bt.batch_transfer_h2d_sync(src, dev)
+                idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
+                for t, d in zip(caches, dev):
+                    t.index_put_((idx,), d)
+                copies += len(src)
             else:
-                hidx = torch.tensor(ids, dtype=torch.int64)
-                src = [torch.index_select(m, 0, hidx) for m in self._mirrors]
-            dev = [torch.empty(s.shape, dtype=bits, device=self.device) for s in src]
-            self._bt.batch_transfer_h2d_sync(src, dev)
-            idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
-            for t, d in zip(caches, dev):
-                t.index_put_((idx,), d)
-            self._count("commits", "h2d_bytes", len(ids), len(src))
-        else:
-            _copy_runs(caches, self._mirrors, runs)
-            self._count("commits", "h2d_bytes", len(ids), len(runs) * len(caches))
+                _copy_runs(caches, mirrors, runs)
+                copies += len(runs) * len(caches)
+        self._count("commits", "h2d_bytes", layer_blocks, copies)
 
     def _hold(self, ids: Sequence[int]) -> None:
         with self._lock:
             self._inflight.update(ids)
 
-    def drop(self, block_ids: Sequence[int]) -> None:
+    def drop(self, block_ids: Any) -> None:
         """``framework-copy``: gives the host memory of blocks ``block_ids``' mirror pages back
         (``madvise(MADV_DONTNEED)``: they read as zero again). Pages a block shares with a block
         still in flight (staged or being written, not dropped yet) stay; once no block is in
         flight, every page of the mirrors is given back, so between transfers the mirrors hold
-        no memory. Nothing for ``pjrt-view``."""
+        no memory. ``block_ids``: a flat list or one list per KV cache group (as :meth:`stage`).
+        Nothing for ``pjrt-view``."""
         if self.backend == "pjrt-view" or not self._maps or not len(block_ids):
             return
+        flat = self._flat(block_ids)
         with self._lock:
-            self._inflight.difference_update(int(b) for b in block_ids)
+            self._inflight.difference_update(flat)
             if not self._inflight:
                 for m in self._maps:
                     m.madvise(mmap.MADV_DONTNEED)
                 return
             page = mmap.PAGESIZE
             bb = self.block_bytes
-            for b in block_ids:
-                b = int(b)
+            for b in flat:
                 if not 0 <= b < self.num_blocks or b in self._inflight:
                     continue
                 # Whole pages inside the block only (a neighbour in flight keeps its bytes).
@@ -445,23 +545,39 @@ class TorchKv:
                     for m in self._maps:
                         m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
-    def before_write(self, block_ids: Sequence[int], num_tokens: int) -> Tuple[int, ...]:
-        """Before tpu_sync writes ``num_tokens`` tokens into blocks ``block_ids`` (a pull):
-        ``framework-copy`` writes whole blocks back, so a partial last block's other token slots
-        go into the mirror first and come back unchanged. Returns what :meth:`after_write` takes
-        (nothing: the tensors do not move)."""
-        if self.backend == "pjrt-view" or not block_ids:
+    def before_write(self, block_ids: Any, num_tokens: int, partial: Any = None) -> Tuple[int, ...]:
+        """Before tpu_sync writes ``num_tokens`` tokens into blocks ``block_ids`` (a pull; a flat
+        list or one list per KV cache group, as :meth:`stage`): ``framework-copy`` writes whole
+        blocks back, so the blocks the write covers only in part go into the mirror first and
+        their other token slots come back unchanged. ``partial``: those blocks (as
+        ``block_ids``; e.g. a sliding-window group's first block, whose tokens before the
+        window are not pulled); None: the last block (of each group) when ``num_tokens`` is not
+        a multiple of the block size. Returns what :meth:`after_write` takes (nothing: the
+        tensors do not move)."""
+        if self.backend == "pjrt-view" or not len(block_ids):
+            return ()
+        parts = self._parts(block_ids)
+        if partial is not None:
+            if self._flat(partial):
+                self.stage(partial)
+            for _, ids in parts:
+                self._hold(ids)
             return ()
         partial = self.block_size is None or num_tokens % self.block_size != 0
-        if partial:
-            self.stage(list(block_ids)[-1:])
-        self._hold(self._ids(block_ids))  # written by tpu_sync until after_write drops them
+        if partial and parts:
+            ids = list(block_ids)
+            if isinstance(ids[0], (list, tuple)):
+                self.stage([[b for b in g if int(b) != NULL_BLOCK_ID][-1:] for g in ids])
+            else:
+                self.stage(ids[-1:])
+        for _, ids in parts:
+            self._hold(ids)  # written by tpu_sync until after_write drops them
         return ()
 
-    def after_write(self, block_ids: Sequence[int], ptrs: Tuple[int, ...] = ()) -> None:
-        """After tpu_sync wrote blocks ``block_ids`` (a pull): commits them into the device
-        tensors (``framework-copy``) and gives the mirrors' pages back (``before_write``'s
-        holds; the worker also drops a failed or cancelled pull's blocks)."""
+    def after_write(self, block_ids: Any, ptrs: Tuple[int, ...] = ()) -> None:
+        """After tpu_sync wrote blocks ``block_ids`` (a pull; as :meth:`before_write`): commits
+        them into the device tensors (``framework-copy``) and gives the mirrors' pages back
+        (``before_write``'s holds; the worker also drops a failed or cancelled pull's blocks)."""
         try:
             self.commit(block_ids)
         finally:

@@ -678,3 +678,83 @@ fn the_documented_json_placement_is_valid() {
     let plan = Plan::build_groups(&p, &p, 18).unwrap();
     assert_eq!(plan.group_bytes(&p.layout), p.needed_bytes(18).unwrap());
 }
+
+/// vLLM-TorchTPU's sliding-window + full-attention groups in the TPU engines' RPA v3 caches
+/// (each layer its own `[num_blocks, block_size, R, P, D']` tensor, `docs/tpu.md`): resharded
+/// between TP sizes, block sizes and to and from the GPU orders, only real heads and tokens
+/// moved (never the slot or lane padding, which the simulation's verify checks unchanged),
+/// including fp8 with 3 local heads (a packed row of 4 slots cut between ranks) and the
+/// head_dim-64 kernel's cache.
+#[test]
+#[cfg_attr(miri, ignore = "byte-level simulation: too slow under Miri")]
+fn rpa3_attention_groups_reshard_byte_exact() {
+    let t = 45;
+    for (heads, dim, dtype, order) in [
+        (4, 128, DType::Bf16, BlockOrder::Rpa3),
+        (6, 80, DType::Fp8, BlockOrder::Rpa3),
+        (2, 64, DType::Bf16, BlockOrder::Rpa3Hd64),
+    ] {
+        let m = HybridModel {
+            name: "tpu-sliding".into(),
+            groups: vec![
+                KvGroup::new("sliding", [0, 2], attn(heads, dim, 2, dtype, Some(20))),
+                KvGroup::new("full", [1, 3], attn(heads, dim, 2, dtype, None)),
+            ],
+        };
+        m.validate().unwrap();
+        for ((stp, sorder, sbs), (dtp, dorder, dbs)) in [
+            ((2, order, 8), (1, order, 8)),
+            ((1, order, 16), (2, order, 8)),
+            ((2, order, 8), (1, BlockOrder::Nhd, 4)),
+            ((1, BlockOrder::Hnd, 16), (2, order, 16)),
+        ] {
+            let src = hybrid_placement(hlayout(&m, spec(stp, 1, 1, sorder), &[sbs], t), 0, t, 31);
+            let dst = hybrid_placement(hlayout(&m, spec(dtp, 1, 1, dorder), &[dbs], t), 0, t, 32);
+            let plan = Plan::build_groups(&src, &dst, t).unwrap();
+            simulate(&src, &dst, t, &plan);
+        }
+    }
+}
+
+/// What the TPU caches do not hold in a hybrid layout is refused by name: an MLA group in a TPU
+/// order, the head_dim-64 cache for another head_dim.
+#[test]
+fn tpu_orders_in_groups_they_do_not_hold_are_refused() {
+    let mla = HybridModel {
+        name: "tpu-mla".into(),
+        groups: vec![KvGroup::new(
+            "mla",
+            0..2,
+            GroupKind::Mla {
+                head_dim: 576,
+                dtype: DType::Bf16,
+            },
+        )],
+    };
+    let e = HybridLayout::new(
+        mla,
+        spec(1, 1, 1, BlockOrder::RpaMla),
+        vec![GroupLayout::new(4)],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("mla groups in a TPU cache"), "{e}");
+    let m = HybridModel {
+        name: "tpu-sliding".into(),
+        groups: vec![
+            KvGroup::new("sliding", [0], attn(2, 128, 2, DType::Bf16, Some(8))),
+            KvGroup::new("full", [1], attn(2, 128, 2, DType::Bf16, None)),
+        ],
+    };
+    let e = HybridLayout::new(
+        m,
+        spec(1, 1, 1, BlockOrder::Rpa3Hd64),
+        vec![GroupLayout::new(4), GroupLayout::new(4)],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("group 0 (`sliding`): model `tpu-sliding`: block order rpa3hd64"),
+        "{e}"
+    );
+}

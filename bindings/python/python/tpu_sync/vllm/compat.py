@@ -359,9 +359,14 @@ class KvGeometry:
         only real heads and tokens, never padding). With :attr:`groups` the groups
         form (``tpu_sync::layout::HybridLayout`` JSON): one group per vLLM KV cache group, each
         ``num_blocks`` blocks per rank (vLLM's groups share one block pool) and the block format
-        tag."""
-        if self.groups and (self.is_rpa3 or self.is_sal or self.kv_order == MLA_ORDER):
-            raise ValueError(f"TpuSyncConnector: KV cache groups with the {self.kv_order} cache are not supported yet")
+        tag, or the RPA v3 order (vLLM-TorchTPU's attention groups, each layer its own RPA v3
+        tensor).
+
+        Raises:
+            ValueError: KV cache groups with the SEQ_ALONG_LANE or MLA cache (not mapped yet)."""
+        if self.groups and (self.is_sal or self.kv_order == MLA_ORDER):
+            raise ValueError(f"TpuSyncConnector: KV cache groups with the {self.kv_order} cache are not supported yet "
+                             "(the RPA v3 caches and vLLM's CPU cache are)")
         if self.groups:
             attn = dict(type="attention", num_kv_heads=1 if self.use_mla else self.num_kv_heads, head_dim=self.head_dim,
                         kv_planes=self.kv_planes, dtype=self.dtype)
@@ -374,7 +379,9 @@ class KvGeometry:
                                        kind=grp["state"]))
                     glayouts.append(dict(num_blocks=int(num_blocks), order="nhd", slot_bytes=int(grp["slot_bytes"])))
                     continue
-                glayouts.append(dict(num_blocks=int(num_blocks), block_format=self.block_format))
+                # The RPA v3 orders name their own element order (no tag, as uniform layouts).
+                glayouts.append(dict(num_blocks=int(num_blocks)) if self.is_rpa3 else
+                                dict(num_blocks=int(num_blocks), block_format=self.block_format))
                 kind = dict(attn)
                 w = grp.get("sliding_window")
                 if w:
@@ -383,7 +390,8 @@ class KvGeometry:
                                    kind=kind))
             return dict(
                 model=dict(name=self.model, groups=groups),
-                spec=dict(tp=self.tp, pcp=1, dp=1, block_size=self.block_size, order="lbhnc"),
+                spec=dict(tp=self.tp, pcp=1, dp=1, block_size=self.block_size,
+                          order=self.kv_order if self.is_rpa3 else "lbhnc"),
                 groups=glayouts,
             )
         # The SEQ_ALONG_LANE cache's bytes of one (block, head) are one contiguous run, K's rows

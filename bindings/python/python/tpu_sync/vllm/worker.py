@@ -142,7 +142,7 @@ class _Saver:
                 err = e
             finally:
                 if self.copier is not None:
-                    self.copier.drop(op.block_ids)
+                    self.copier.drop(_op_ids(op))
             with self._cv:
                 self._blocks -= len(op.hashes)
                 left = self._by_req[op.req_id] - 1
@@ -373,8 +373,8 @@ class WorkerSide:
         why it was chosen are logged and in :attr:`adapter_stats`.
 
         Raises:
-            NotImplementedError: ``framework-copy`` with KV cache groups or layer-wise transfers
-                (not supported yet; docs/tpu.md); UnsupportedError (tpu_sync.errors):
+            NotImplementedError: ``framework-copy`` with state groups (Mamba) or layer-wise
+                transfers (not supported yet; docs/tpu.md); UnsupportedError (tpu_sync.errors):
                 ``pjrt-view`` of accelerator tensors, ``batch_transfer`` without torch_tpu."""
         backend = str(self.cfg.extra.get("torch_backend", "auto"))
         on_host = all(getattr(getattr(t, "device", None), "type", "cpu") == "cpu" for t in tensors)
@@ -389,15 +389,21 @@ class WorkerSide:
 
                 TorchKv(tensors, backend="pjrt-view")  # raises, naming the device or the strides
             return None
-        if g.groups or self.cfg.layerwise:
-            what = "KV cache groups" if g.groups else "layer-wise transfers"
+        states = [i for i in range(len(tensors)) if g.is_state_group(group_of[i])]
+        if states or self.cfg.layerwise:
+            what = ("a model with state groups (Mamba/GDN state slots, a MambaSpec KV cache group)" if states else
+                    "layer-wise transfers")
             raise NotImplementedError(f"TpuSyncConnector: {what} with KV tensors moved by torch's copies "
                                       f"(torch_backend framework-copy; tensors on {tensors[0].device}) are not "
-                                      "supported yet (issue 25; docs/tpu.md)")
+                                      "supported yet (issue 25; docs/tpu.md); attention-only KV cache groups "
+                                      "(sliding window and full attention) are")
         from tpu_sync.torch_kv import TorchKv
 
+        # With KV cache groups each layer's tensor is copied at its own group's blocks only
+        # (vLLM binds one tensor to the layers at one position of every group).
         tk = TorchKv(tensors, backend=backend, copy_api=str(self.cfg.extra.get("torch_copy_api", "auto")),
-                     block_size=g.block_size, view_shape=g.view_shape(int(tensors[0].shape[0])))
+                     block_size=g.block_size, view_shape=g.view_shape(int(tensors[0].shape[0])),
+                     layer_group=group_of if g.groups else None)
         log.info("tpu_sync: KV tensors on %s: back end %s (%s), copies %s", tk.device, tk.backend, tk.backend_reason,
                  tk.copy_api)
         return tk
@@ -819,17 +825,19 @@ class WorkerSide:
     def _load(self, op: Any) -> None:
         delivered = 0
         try:
-            if getattr(op, "group_block_ids", None) is not None:
-                delivered = int(self.tier.get_groups(op.hashes, op.group_block_ids))
-            else:
-                cp = self.caches.copier if self.caches is not None else None
-                try:
+            cp = self.caches.copier if self.caches is not None else None
+            try:
+                if getattr(op, "group_block_ids", None) is not None:
+                    delivered = int(self.tier.get_groups(op.hashes, op.group_block_ids))
+                    if cp is not None:  # framework-copy: each group's delivered blocks into its layers
+                        cp.commit([g[:delivered] for g in op.group_block_ids])
+                else:
                     delivered = int(self.tier.get(op.hashes, op.block_ids))
                     if cp is not None:
                         cp.commit(op.block_ids[:delivered])  # framework-copy: into the caches
-                finally:
-                    if cp is not None:
-                        cp.drop(op.block_ids)
+            finally:
+                if cp is not None:
+                    cp.drop(_op_ids(op))
         except Exception as e:  # ChecksumError, missing blocks, device errors
             log.warning("tpu_sync: host-tier load of %d blocks for %s failed: %s", len(op.block_ids), op.req_id, e)
             delivered = 0
@@ -883,7 +891,8 @@ class WorkerSide:
                 return
             try:
                 if cp is not None:
-                    cp.stage(_flat_ids(s.block_ids))  # framework-copy: the device's blocks into the mirrors
+                    # framework-copy: the device's blocks into the mirrors (per group with groups)
+                    cp.stage(s.block_ids)
                 self.transport.register(s.xfer_id, placement, s.num_tokens, s.lease_s, pullers)
             finally:
                 if cp is not None:
@@ -909,7 +918,11 @@ class WorkerSide:
                 src = None if s.src_block_ids is None else compat.placement(s.src_layout, s.src_block_ids)
                 cp = self.caches.copier
                 if cp is not None:
-                    p.ptrs = cp.before_write(_flat_ids(s.dst_block_ids), s.num_tokens - getattr(s, "first_token", 0))
+                    if self.geometry.groups:
+                        p.ptrs = cp.before_write(s.dst_block_ids, s.num_tokens,
+                                                 partial=_partial_blocks(self.geometry, s))
+                    else:
+                        p.ptrs = cp.before_write(s.dst_block_ids, s.num_tokens - getattr(s, "first_token", 0))
                 if s.src_block_ids is None:
                     # Both-at-once: the producer's blocks are known once it registered.
                     # Its buffers are resolved here, on the model's thread: the pull starts on
@@ -959,9 +972,9 @@ class WorkerSide:
                 finish = None
                 if cp is not None and self._saver.has_room(len(op.hashes)):
                     try:
-                        finish = cp.stage_async(op.block_ids)
+                        finish = cp.stage_async(_op_ids(op))
                     except Exception as e:  # a failed save is a future miss
-                        cp.drop(op.block_ids)
+                        cp.drop(_op_ids(op))
                         self._book_save(op, 0, e)
                         continue
                 if not self._saver.submit(op, finish):
@@ -981,11 +994,11 @@ class WorkerSide:
             try:
                 try:
                     if cp is not None:
-                        cp.stage(op.block_ids)  # framework-copy: the framework's D2H into the mirrors
+                        cp.stage(_op_ids(op))  # framework-copy: the framework's D2H into the mirrors
                     n = _save(self.tier, op)
                 finally:
                     if cp is not None:
-                        cp.drop(op.block_ids)
+                        cp.drop(_op_ids(op))
             except Exception as e:  # a failed save is a future miss
                 self._book_save(op, 0, e)
                 continue
@@ -1111,9 +1124,9 @@ class WorkerSide:
         """A finished pull into caches moved by the framework's copies (``after_write`` of
         :class:`tpu_sync.jax_kv.JaxKv` or :class:`tpu_sync.torch_kv.TorchKv`); the error that
         makes it a failed pull, if any."""
-        ids = _flat_ids(p.spec.dst_block_ids)
+        ids = p.spec.dst_block_ids  # one list per KV cache group with groups (framework-copy of torch)
         if err is not None:
-            cp.drop(ids)
+            cp.drop(_flat_ids(ids))
             return err
         try:
             self.caches.refresh()
@@ -1577,6 +1590,35 @@ def _layer_block_ids(op: Any, caches: KvCaches) -> List[List[Optional[int]]]:
             if b is not None and not 0 <= b < caches.num_blocks:
                 raise IndexError(f"block id {b} out of range 0..{caches.num_blocks}")
     return per
+
+
+def _partial_blocks(g: KvGeometry, s: Any) -> List[List[int]]:
+    """Per KV cache group, the blocks of a grouped pull ``s`` that it writes only in part, whose
+    other token slots a framework copy must keep: the last block when the request ends inside
+    it, and a sliding-window group's first block when the window (tokens ``num_tokens + 1 - w``
+    on, vLLM's rule, :meth:`KvGeometry.held_blocks`) starts inside it."""
+    out: List[List[int]] = []
+    bs = g.block_size
+    first_token = int(getattr(s, "first_token", 0))
+    for gi, ids in enumerate(s.dst_block_ids):
+        ids = [int(b) for b in ids if int(b) != NULL_BLOCK_ID]
+        keep: List[int] = []
+        if ids and not g.is_state_group(gi):
+            w = g.groups[gi].get("sliding_window") if g.groups else None
+            start = max(first_token, int(s.num_tokens) + 1 - int(w)) if w else first_token
+            if start > 0 and start % bs:
+                keep.append(ids[0])
+            if int(s.num_tokens) % bs and ids[-1] not in keep:
+                keep.append(ids[-1])
+        out.append(keep)
+    return out
+
+
+def _op_ids(op: Any) -> Any:
+    """The blocks a :class:`~tpu_sync.vllm.metadata.TierOp` copies, as the framework-copy
+    adapters take them: one list per KV cache group with groups, else its block ids."""
+    gids = getattr(op, "group_block_ids", None)
+    return gids if gids is not None else op.block_ids
 
 
 def _flat_ids(ids: Any) -> List[int]:
