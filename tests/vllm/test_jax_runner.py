@@ -458,3 +458,155 @@ def test_geometry_of_an_mla_model_on_a_tpu(monkeypatch):
     c = cfg(512)
     c.cache_config.block_size = 48
     assert compat.kv_geometry(c).torch_mla_shape() == (24, 2, 640)
+
+
+# ---- KV cache groups (sliding window + full attention) with a JAX runner ----------------------
+# tpu-inference 0.32.0 ``runner/kv_cache_manager.py`` (``initialize_kv_cache``): per
+# ``KVCacheTensor`` one array, shared by the layers at one position of every attention group
+# ("legacy single-cache aliasing"), or one array per layer; ``runner.layer_name_to_kvcache_index``
+# maps each layer name to its array's index in ``runner.kv_caches``.
+
+WINDOW = 24  # 40 tokens: the window [17, 40) starts inside block 1; the sliding group holds 1..2
+
+
+def group_geometry(heads, dim, dtype, tp):
+    import dataclasses
+
+    return dataclasses.replace(geometry(heads, dim, dtype, tp), groups=(
+        dict(kind="attention", layers=[0], sliding_window=WINDOW), dict(kind="attention", layers=[1],
+                                                                        sliding_window=None)))
+
+
+def group_caches(g, tokens, held, seed, fill_seed):
+    """Every TP rank's one array shared by both layers (bit patterns ``[NB, BS, R, P, D']``):
+    other KV everywhere (``fill_seed``), then the sliding layer's (layer 0) tokens at the
+    sliding group's ``held[0]`` (the request's last blocks) and the full layer's at ``held[1]``.
+    Returns ``(per rank array, per rank [merged rows of layer 0, of layer 1])``."""
+    np_t = DTYPES[g.dtype]
+    packing = 4 // np.dtype(np_t).itemsize
+    hd64 = g.kv_order == "rpa3hd64"
+    out, rows = [], []
+    nblocks = -(-tokens // BS)
+    for r in range(g.tp):
+        sl = slice(r * g.heads_per_rank, (r + 1) * g.heads_per_rank)
+        fk, fv = logical_kv(7, NB * BS, g.num_kv_heads, g.head_dim, np_t, fill_seed)
+        cache = merge_kv(fk[:, sl], fv[:, sl], packing, hd64).reshape((NB, BS) + g.layer_shape()[1:]).copy()
+        merged = []
+        for layer, ids in enumerate(held):
+            k, v = logical_kv(layer, max(tokens, 1), g.num_kv_heads, g.head_dim, np_t, seed)
+            m = merge_kv(k[:, sl], v[:, sl], packing, hd64)
+            merged.append(m)
+            first = nblocks - len(ids)
+            for t in range(first * BS, tokens):
+                cache[ids[t // BS - first], t % BS] = m[t]
+        out.append(cache)
+        rows.append(merged)
+    return out, rows
+
+
+class GroupRunner:
+    """tpu-inference's runner around the arrays of a model with two KV cache groups: one array
+    per TP-sharded ``KVCacheTensor``, shared by both layers (``shared``) or one per layer."""
+
+    def __init__(self, g, per_rank, first_device, shared):
+        from test_tpu_engine_layouts import NAMES
+
+        devs = devices_or_skip(8)[first_device:first_device + g.tp]
+        mesh = Mesh(np.array(devs).reshape(1, g.tp), ("data", "model"))
+        sh = NamedSharding(mesh, P("data", None, "model"))
+        arr = np.concatenate(per_rank, axis=2).view(JAX_DTYPE[g.dtype])
+        self.kv_caches = [jax.device_put(arr, sh) for _ in range(1 if shared else 2)]
+        self.layer_name_to_kvcache_index = {NAMES[1]: 0 if shared else 1, NAMES[0]: 0}
+        self._step = jax.jit(lambda c: c, donate_argnums=0)
+
+    def forward(self):
+        self.kv_caches = [self._step(c) for c in self.kv_caches]
+
+
+@pytest.mark.parametrize("backend", ["auto", "framework-copy"])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "per-layer"])
+def test_pd_between_jax_runners_with_kv_cache_groups(configs, backend, shared):
+    """P/D TP=4 -> 2 between tpu-inference runners of a sliding-window + full-attention model
+    (one array per rank shared by both layers, or one per layer): the decode's arrays get the
+    full layer's 40 tokens at the full group's blocks and the sliding layer's window (tokens 17..39)
+    at the sliding group's, byte-exact against ``merge_kv``; every other token slot and block
+    (the other group's, in a shared array) unchanged; the producer unchanged."""
+    tokens = 40
+    held_src, held_dst = [[9, 2], [5, 9 + 3, 2 + 11]], [[3, 7], [11, 4, 13]]
+    gs, gd = group_geometry(8, 128, "bf16", 4), group_geometry(8, 128, "bf16", 2)
+    src, _ = group_caches(gs, tokens, held_src, seed=3, fill_seed=11)
+    dst, _ = group_caches(gd, 0, [[], []], seed=3, fill_seed=12)
+    _, rows = group_caches(gd, tokens, held_dst, seed=3, fill_seed=12)
+    pr, cr = GroupRunner(gs, src, 0, shared), GroupRunner(gd, dst, 4, shared)
+    before_src = [bits(a) for a in pr.kv_caches]
+    prod = worker(configs, "kv_producer", gs, {"jax_backend": backend})
+    cons = worker(configs, "kv_consumer", gd, {"jax_backend": backend})
+    try:
+        prod.register_runner(pr)
+        cons.register_runner(cr)
+        peers = {r: prod.handshake().address for r in prod.handshake().tp_ranks}
+        pr.forward()
+        prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 97, held_src, tokens, 60.0, 2)]))
+        assert prod.stats["registered"] == 1, prod.stats
+        pr.forward()
+        cr.forward()
+        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 97, peers, gs.tpu_sync_layout(NB), held_src,
+                                                           held_dst, tokens, 30.0)]))
+        res = wait_pulled(cons, "d1")
+        assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
+        need = tokens + 1 - WINDOW
+        for layer in range(2):
+            exp = np.concatenate(dst, axis=2)
+            for other in ((1 - layer,) if shared else ()):
+                # A shared array also holds the other layer's blocks.
+                ids, first = held_dst[other], -(-tokens // BS) - len(held_dst[other])
+                for t in range(need if other == 0 else 0, tokens):
+                    exp[ids[t // BS - first], t % BS] = np.concatenate([rows[r][other][t] for r in range(2)], axis=0)
+            ids, first = held_dst[layer], -(-tokens // BS) - len(held_dst[layer])
+            for t in range(need if layer == 0 else 0, tokens):
+                exp[ids[t // BS - first], t % BS] = np.concatenate([rows[r][layer][t] for r in range(2)], axis=0)
+            got = bits(cr.kv_caches[cr.layer_name_to_kvcache_index[sorted(cr.layer_name_to_kvcache_index)[layer]]])
+            assert np.array_equal(got, exp), (layer, np.argwhere(got != exp)[:4])
+        for a, b in zip(pr.kv_caches, before_src):
+            assert np.array_equal(bits(a), b), "the producer changed"
+    finally:
+        cons.shutdown()
+        prod.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["auto", "framework-copy"])
+def test_host_tier_with_kv_cache_groups_in_a_jax_runner(configs, backend):
+    """Host-tier store then load with both groups in one shared array per rank (TP=2): each
+    group's blocks saved from, and loaded into, its own layer's blocks; the sliding group's
+    null block skipped; every other block unchanged. A runner without
+    ``layer_name_to_kvcache_index`` is refused by name."""
+    g = group_geometry(8, 128, "bf16", 2)
+    kv, _ = group_caches(g, 3 * BS, [[3, 4, 5], [6, 7, 8]], seed=21, fill_seed=22)
+    r = GroupRunner(g, kv, 0, shared=True)
+    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 64 << 20, "jax_backend": backend})
+    try:
+        w.register_runner(r)
+        orig = bits(r.kv_caches[0])
+        hashes = [bytes([i]) * 32 for i in range(1, 4)]
+        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [6, 7, 8], None, [[3, 4, 5], [6, 7, 8]])]))
+        assert w.stats["saved_blocks"] == 3, w.stats
+        r.forward()
+        w.start_load_kv(TpuSyncMetadata(lookups={"o1": hashes}))
+        assert w.build_worker_meta().lookup_hits == {"o1": 3}
+        w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o1", hashes, [12, 13, 14], None, [[0, 10, 11], [12, 13, 14]])]))
+        assert w.stats["loaded_blocks"] == 3 and w.stats["failed_loads"] == 0, w.stats
+        want = orig.copy()
+        for s, d in ((4, 10), (5, 11), (6, 12), (7, 13), (8, 14)):
+            want[d] = orig[s]
+        got = bits(r.kv_caches[0])
+        assert np.array_equal(got, want), np.argwhere(got != want)[:4]
+    finally:
+        w.shutdown()
+    bare = GroupRunner(g, kv, 0, shared=True)
+    del bare.layer_name_to_kvcache_index
+    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 16 << 20})
+    try:
+        with pytest.raises(ValueError, match="layer_name_to_kvcache_index"):
+            w.register_runner(bare)
+    finally:
+        w.shutdown()

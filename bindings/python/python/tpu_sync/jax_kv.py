@@ -56,6 +56,9 @@ from . import _check as ck
 from .errors import InvalidArgumentError, MismatchError, UnsupportedError
 from ._native import lib
 
+#: vLLM's null block (id 0): in per-group block lists, a block a group does not hold.
+NULL_BLOCK_ID = 0
+
 log = logging.getLogger("tpu_sync.jax")
 
 #: JAX dtype name -> (tpu_sync buffer dtype, tpu_sync model dtype).
@@ -121,6 +124,14 @@ class JaxKv:
         setter: ``setter(layer, array)`` for a callable source.
         block_size: the engine's tokens per block, when known: an MLA cache whose packed token
             rows hold another count (a block size that is not a multiple of ``K``) is refused.
+        layer_arrays: for each cache layer, the index of its array in the runner's list
+            (tpu-inference's ``runner.layer_name_to_kvcache_index`` in cache-layer order: with
+            KV cache groups the layers at one position of every group may share one array);
+            None: array ``l`` is cache layer ``l``.
+        layer_group: the KV cache group of each cache layer (``0..G-1``; sliding window and
+            full attention, each with its own block ids); None: one group. With several groups
+            the copy methods take one list of block ids per group (as
+            :class:`tpu_sync.torch_kv.TorchKv`), each layer copied at its own group's blocks.
 
     Raises:
         InvalidArgumentError: no caches, arrays of different shapes, dtypes or shardings, an
@@ -130,7 +141,8 @@ class JaxKv:
 
     def __init__(self, source: Any, *, backend: str = "auto", model_axis: str = "model",
                  data_axis: str = "data", client: Any = None,
-                 setter: Optional[Callable[[int, Any], None]] = None, block_size: Optional[int] = None) -> None:
+                 setter: Optional[Callable[[int, Any], None]] = None, block_size: Optional[int] = None,
+                 layer_arrays: Optional[Sequence[int]] = None, layer_group: Optional[Sequence[int]] = None) -> None:
         import jax  # noqa: F401  (needed by every method; fail early without it)
 
         if backend not in BACKENDS:
@@ -144,6 +156,20 @@ class JaxKv:
             client = tpu_sync.Client()
         self.client = client
         caches = self.arrays()
+        if layer_arrays is not None:
+            layer_arrays = [int(i) for i in layer_arrays]
+            bad = [i for i in layer_arrays if not 0 <= i < len(caches)]
+            if not layer_arrays or bad:
+                raise _fail(InvalidArgumentError, f"layer arrays {layer_arrays} for a runner of {len(caches)} arrays")
+        #: index in the runner's list of each cache layer's array
+        self._index: List[int] = list(range(len(caches))) if layer_arrays is None else layer_arrays
+        if layer_group is not None:
+            layer_group = [int(g) for g in layer_group]
+            if len(layer_group) != len(self._index) or min(layer_group) < 0:
+                raise _fail(InvalidArgumentError, f"layer groups {layer_group} for {len(self._index)} cache layers")
+        #: KV cache group of each cache layer (None: one group)
+        self.layer_group = layer_group
+        self.num_groups = 1 if layer_group is None else max(layer_group) + 1
         a0 = caches[0]
         for i, a in enumerate(caches):
             if a.shape != a0.shape or a.dtype != a0.dtype or a.sharding != a0.sharding:
@@ -159,7 +185,9 @@ class JaxKv:
         if dt not in JAX_DTYPES:
             raise _fail(UnsupportedError, f"KV cache dtype {dt} (supported: {', '.join(JAX_DTYPES)})")
         self.buffer_dtype, self.model_dtype = JAX_DTYPES[dt]
-        self.num_layers = len(caches)
+        self.num_layers = len(self._index)
+        if self.mla and self.num_groups > 1:
+            raise _fail(UnsupportedError, "KV cache groups of MLA caches: not mapped yet")
         self.sharding = a0.sharding
         spec = tuple(getattr(self.sharding, "spec", ()) or ())
         mesh = getattr(self.sharding, "mesh", None)
@@ -254,12 +282,21 @@ class JaxKv:
             raise _fail(InvalidArgumentError, "the runner has no KV caches (runner.kv_caches is empty or unset)")
         return list(caches)
 
+    def layer_arrays(self) -> List[Any]:
+        """The current array of each cache layer (the same array for layers that share one)."""
+        a = self.arrays()
+        return [a[i] for i in self._index]
+
     def set_layer(self, layer: int, array: Any) -> None:
-        """Replaces layer ``layer``'s array in the runner (after a scatter)."""
+        """Replaces cache layer ``layer``'s array in the runner (after a scatter; the entry of
+        its array in the runner's list, which layers sharing it see too)."""
+        self._set_array(self._index[layer], array)
+
+    def _set_array(self, index: int, array: Any) -> None:
         if self._setter is not None:
-            self._setter(layer, array)
+            self._setter(index, array)
         else:
-            self._source.kv_caches[layer] = array
+            self._source.kv_caches[index] = array
 
     def stats(self) -> Dict[str, Any]:
         """Back end and reason, shard geometry, and counters (views built, bytes copied by JAX's
@@ -287,7 +324,7 @@ class JaxKv:
     def _shards(self) -> Dict[int, List[Any]]:
         """TP rank -> that rank's shard array of every layer (current arrays)."""
         out: Dict[int, List[Any]] = {r: [] for r in self.ranks}
-        for i, a in enumerate(self.arrays()):
+        for i, a in enumerate(self.layer_arrays()):
             for s in a.addressable_shards:
                 r = self._rank_of.get(s.device)
                 if r is None or tuple(s.data.shape) != self.shard_shape:
@@ -329,18 +366,54 @@ class JaxKv:
 
     # -- framework copies ---------------------------------------------------------------------
 
+    def _ids(self, block_ids: Sequence[int]) -> Any:
+        import numpy as np
+
+        ids = np.asarray([ck.u32("block id", b) for b in block_ids], dtype=np.int32)
+        if ids.size and int(ids.max()) >= self.num_blocks:
+            raise _fail(InvalidArgumentError, f"block id {int(ids.max())} out of range 0..{self.num_blocks}")
+        return ids
+
+    def _per_layer(self, block_ids: Any) -> List[List[int]]:
+        """Each cache layer's block ids: a flat list is every layer's; one list per KV cache
+        group (``[[...], ...]``, as many as :attr:`num_groups`) gives each layer its group's
+        (vLLM's null block, id 0, skipped).
+
+        Raises:
+            InvalidArgumentError: per-group lists for another number of groups, ids out of range."""
+        ids = list(block_ids)
+        if ids and isinstance(ids[0], (list, tuple)):
+            if len(ids) != self.num_groups:
+                raise _fail(InvalidArgumentError, f"block ids for {len(ids)} KV cache groups; the layers are in "
+                            f"{self.num_groups}")
+            groups = self.layer_group or [0] * self.num_layers
+            per = [[int(b) for b in ids[groups[layer]] if int(b) != NULL_BLOCK_ID] for layer in range(self.num_layers)]
+        else:
+            per = [[int(b) for b in ids]] * self.num_layers
+        for layer_ids in per:
+            self._ids(layer_ids)
+        return per
+
+    @staticmethod
+    def _flat(block_ids: Any) -> List[int]:
+        ids = list(block_ids)
+        if ids and isinstance(ids[0], (list, tuple)):
+            return [int(b) for g in ids for b in g if int(b) != NULL_BLOCK_ID]
+        return [int(b) for b in ids]
+
     def gather(self, block_ids: Sequence[int]) -> Dict[int, List[Any]]:
         """``framework-copy`` D2H: the blocks ``block_ids`` of every layer, copied by JAX into
         compact host arrays ``[len(block_ids), block_size, R, P, D']`` (an MLA cache:
         ``[len(block_ids), block_size / K, K, D']``) of their bit patterns (unsigned integers),
         per TP rank: ``{rank: [array per layer]}``. An MLA cache's replicas hold the same bytes:
         one is copied and every rank maps to it."""
+        return self._gather([list(self._ids(block_ids))] * self.num_layers)
+
+    def _gather(self, per_layer: List[List[int]]) -> Dict[int, List[Any]]:
+        """:meth:`gather` with each layer's own block ids (an empty list: nothing copied)."""
         import jax
         import numpy as np
 
-        ids = np.asarray([ck.u32("block id", b) for b in block_ids], dtype=np.int32)
-        if ids.size and int(ids.max()) >= self.num_blocks:
-            raise _fail(InvalidArgumentError, f"block id {int(ids.max())} out of range 0..{self.num_blocks}")
         shards = self._shards()
         out: Dict[int, List[Any]] = {}
         for r in self.ranks:
@@ -348,11 +421,13 @@ class JaxKv:
                 out[r] = out[self.ranks[0]]  # a replica of the same latent: copied once
                 continue
             per = []
-            for d in shards[r]:
+            for d, layer_ids in zip(shards[r], per_layer):
+                ids = np.asarray(layer_ids, dtype=np.int32)
                 # The gather on the bit patterns too (see scatter).
                 bits = jax.lax.bitcast_convert_type(d, _uint(d.dtype.itemsize))
-                host = np.asarray(jax.device_get(bits[ids]))
-                self._counters["d2h_bytes"] += host.nbytes
+                host = np.asarray(jax.device_get(bits[ids])) if ids.size else None
+                if host is not None:
+                    self._counters["d2h_bytes"] += host.nbytes
                 per.append(host)
             out[r] = per
         return out
@@ -361,13 +436,19 @@ class JaxKv:
         """``framework-copy`` H2D: writes ``data[rank][layer]`` (as :meth:`gather` returns) into
         blocks ``block_ids`` of every rank's shard (an MLA cache: of its one replicated array,
         after checking every rank's data is the same), by a jitted scatter that donates the old
-        cache; the result replaces ``runner.kv_caches[l]``."""
+        cache; the result replaces the layer's array in ``runner.kv_caches``."""
+        self._scatter_layers([list(self._ids(block_ids))] * self.num_layers, data)
+
+    def _scatter_layers(self, per_layer: List[List[int]], data: Dict[int, List[Any]]) -> None:
+        """:meth:`scatter` with each layer's own block ids. Layers that share one array (KV
+        cache groups) are written by one scatter of their ids together.
+
+        Raises:
+            InvalidArgumentError: data for other ranks, a block written twice into one array;
+            MismatchError: an update of another shape, MLA replicas that differ."""
         import jax
         import numpy as np
 
-        ids = np.asarray([ck.u32("block id", b) for b in block_ids], dtype=np.int32)
-        if ids.size and int(ids.max()) >= self.num_blocks:
-            raise _fail(InvalidArgumentError, f"block id {int(ids.max())} out of range 0..{self.num_blocks}")
         if sorted(data) != self.ranks:
             raise _fail(InvalidArgumentError, f"data for ranks {sorted(data)}, the caches have {self.ranks}")
         if self._scatter is None:
@@ -380,26 +461,41 @@ class JaxKv:
                 return lax.bitcast_convert_type(bits, c.dtype)
 
             self._scatter = jax.jit(scatter, donate_argnums=0)
-        for layer, a in enumerate(self.arrays()):
-            # The update as one global array, each rank's rows on its own device (no gather).
-            parts = [data[r][layer] for r in self.ranks]
+        arrays = self.arrays()
+        layers_of: Dict[int, List[int]] = {}
+        for layer, index in enumerate(self._index):
+            if per_layer[layer]:
+                layers_of.setdefault(index, []).append(layer)
+        for index, layers in layers_of.items():
+            a = arrays[index]
+            ids = np.asarray([b for layer in layers for b in per_layer[layer]], dtype=np.int32)
+            if len(set(ids.tolist())) != ids.size:
+                raise _fail(InvalidArgumentError, f"cache layers {layers} share one array and would write a block "
+                            "twice (their block ids overlap)")
             want = (len(ids),) + self.shard_shape[1:]
-            for r, p in zip(self.ranks, parts):
-                if tuple(p.shape) != want:
-                    raise _fail(MismatchError, f"rank {r} layer {layer}: update of shape {tuple(p.shape)}, expected {want}")
             u = _uint(np.dtype(a.dtype).itemsize)
+            parts = []
+            for r in self.ranks:
+                for layer in layers:
+                    p = data[r][layer]
+                    if p is None or tuple(p.shape) != (len(per_layer[layer]),) + self.shard_shape[1:]:
+                        raise _fail(MismatchError, f"rank {r} layer {layer}: update of shape "
+                                    f"{None if p is None else tuple(p.shape)}, expected "
+                                    f"{(len(per_layer[layer]),) + self.shard_shape[1:]}")
+                parts.append(np.concatenate([np.asarray(data[r][layer]).view(u) for layer in layers], axis=0)
+                             if len(layers) > 1 else np.asarray(data[r][layers[0]]).view(u))
             if self.mla:
                 # One latent, replicated: every replica must have received the same bytes.
                 for r, p in zip(self.ranks, parts):
-                    if not np.array_equal(np.asarray(p).view(u), np.asarray(parts[0]).view(u)):
-                        raise _fail(MismatchError, f"layer {layer}: MLA replica of TP rank {r} differs from "
+                    if not np.array_equal(p, parts[0]):
+                        raise _fail(MismatchError, f"layer {layers[0]}: MLA replica of TP rank {r} differs from "
                                     f"TP rank {self.ranks[0]}'s (a replicated cache must stay identical)")
-                upd = jax.make_array_from_callback(want, self.sharding, lambda idx: np.asarray(parts[0]).view(u)[idx])
+                upd = jax.make_array_from_callback(want, self.sharding, lambda idx: parts[0][idx])
             else:
                 glob = want[:2] + (want[2] * self.tp,) + want[3:]
                 upd = jax.make_array_from_callback(
-                    glob, self.sharding, lambda idx: np.asarray(parts[(idx[2].start or 0) // want[2]]).view(u))
-            self.set_layer(layer, self._scatter(a, ids, upd))
+                    glob, self.sharding, lambda idx: parts[(idx[2].start or 0) // want[2]])
+            self._set_array(index, self._scatter(a, ids, upd))
             self._counters["h2d_bytes"] += sum(p.nbytes for p in parts)
 
     # -- block-level access for the engine connectors -------------------------------------------
@@ -447,34 +543,39 @@ class JaxKv:
         shards = self._shards()
         return tuple(int(d.unsafe_buffer_pointer()) for r in self.ranks for d in shards[r])
 
-    def stage(self, block_ids: Sequence[int]) -> None:
+    def stage(self, block_ids: Any) -> None:
         """``framework-copy``: copies blocks ``block_ids`` of every layer and rank into the host
-        mirrors (JAX's gather and D2H) before tpu_sync reads them; nothing for ``pjrt-view``."""
+        mirrors (JAX's gather and D2H) before tpu_sync reads them; nothing for ``pjrt-view``.
+        ``block_ids``: a flat list, or one list per KV cache group (``layer_group``), each
+        layer copied at its own group's blocks."""
         if self.backend == "pjrt-view" or not len(block_ids):
             return
         self.rank_views()
-        ids = [ck.u32("block id", b) for b in block_ids]
-        got = self.gather(ids)
+        per = self._per_layer(block_ids)
+        got = self._gather(per)
         mirrors = self._mirror_arrays()
         for r in self.ranks:
             for layer, g in enumerate(got[r]):
-                mirrors[r][layer][ids] = g
+                if g is not None:
+                    mirrors[r][layer][per[layer]] = g
 
-    def commit(self, block_ids: Sequence[int]) -> None:
-        """``framework-copy``: writes blocks ``block_ids`` of the host mirrors into the caches
-        (JAX's H2D and a donating scatter; ``runner.kv_caches`` replaced) after tpu_sync wrote
-        them; nothing for ``pjrt-view`` (tpu_sync wrote the shards in place)."""
+    def commit(self, block_ids: Any) -> None:
+        """``framework-copy``: writes blocks ``block_ids`` (as :meth:`stage`) of the host mirrors
+        into the caches (JAX's H2D and a donating scatter; ``runner.kv_caches`` replaced) after
+        tpu_sync wrote them; nothing for ``pjrt-view`` (tpu_sync wrote the shards in place)."""
         if self.backend == "pjrt-view" or not len(block_ids):
             return
         self.rank_views()
-        ids = [ck.u32("block id", b) for b in block_ids]
+        per = self._per_layer(block_ids)
         mirrors = self._mirror_arrays()
-        self.scatter(ids, {r: [m[ids] for m in mirrors[r]] for r in self.ranks})
+        self._scatter_layers(per, {r: [m[ids] if ids else None for m, ids in zip(mirrors[r], per)]
+                                   for r in self.ranks})
 
-    def drop(self, block_ids: Sequence[int]) -> None:
+    def drop(self, block_ids: Any) -> None:
         """``framework-copy``: gives the host memory of blocks ``block_ids``' mirror pages back
         (``madvise(MADV_DONTNEED)``: they read as zero again), so the mirrors hold only blocks in
-        flight. Nothing for ``pjrt-view``."""
+        flight. ``block_ids``: a flat list or one list per KV cache group. Nothing for
+        ``pjrt-view``."""
         if self.backend == "pjrt-view" or self._mirrors is None or not len(block_ids):
             return
         import mmap
@@ -483,22 +584,32 @@ class JaxKv:
 
         block = int(np.prod(self.shard_shape[1:])) * ITEMSIZE[self.buffer_dtype]
         page = mmap.PAGESIZE
+        flat = self._flat(block_ids)
         for ms in self._mirrors[0].values():
             for m in ms:
-                for b in block_ids:
+                for b in flat:
                     # Whole pages inside the block only (a neighbour's bytes stay).
                     lo = -(-(int(b) * block) // page) * page
                     hi = ((int(b) + 1) * block // page) * page
                     if hi > lo:
                         m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
-    def before_write(self, block_ids: Sequence[int], num_tokens: int) -> Tuple[int, ...]:
-        """Before tpu_sync writes ``num_tokens`` tokens into blocks ``block_ids`` (a pull):
-        ``framework-copy`` writes whole blocks back, so a partial last block's other token slots
-        go into the mirror first and come back unchanged. Returns the shards' addresses for
+    def before_write(self, block_ids: Any, num_tokens: int, partial: Any = None) -> Tuple[int, ...]:
+        """Before tpu_sync writes ``num_tokens`` tokens into blocks ``block_ids`` (a pull; flat
+        or per KV cache group): ``framework-copy`` writes whole blocks back, so the blocks it
+        writes in part go into the mirror first and their other token slots come back
+        unchanged: ``partial`` (as ``block_ids``; e.g. a sliding-window group's first block),
+        or by default a partial last block. Returns the shards' addresses for
         :meth:`after_write`."""
-        if block_ids and num_tokens % self.block_size:
-            self.stage(list(block_ids)[-1:])
+        if partial is not None:
+            if self._flat(partial):
+                self.stage(partial)
+        elif block_ids and num_tokens % self.block_size:
+            ids = list(block_ids)
+            if isinstance(ids[0], (list, tuple)):
+                self.stage([[b for b in g if int(b) != NULL_BLOCK_ID][-1:] for g in ids])
+            else:
+                self.stage(ids[-1:])
         return self.pointers()
 
     def after_write(self, block_ids: Sequence[int], ptrs: Tuple[int, ...]) -> None:

@@ -87,6 +87,15 @@ class KvCaches:
         off = block_id * self.layer_block_bytes
         return [(v, off, self.layer_block_bytes) for v in self.views]
 
+    def view_groups(self) -> List[int]:
+        """The KV cache group of each of :attr:`views` (a JAX runner's are every rank's layers,
+        rank-major: view ``i`` is layer ``i % layers``)."""
+        assert self.views is not None
+        if not self.layer_group:
+            return [0] * len(self.views)
+        n = len(self.layer_group)
+        return [self.layer_group[i % n] for i in range(len(self.views))]
+
     def group_pieces(self, group_ids: Sequence[int]) -> List[Tuple[Any, int, int]]:
         """``(view, byte offset, length)`` in every layer, in layer order, of one block position
         of a model with KV cache groups: layer ``l``'s piece is block ``group_ids[group of l]``
@@ -95,8 +104,7 @@ class KvCaches:
         Raises:
             ValueError: a group count other than the layers' groups; IndexError: an id out of
             range."""
-        assert self.views is not None
-        groups = self.layer_group or [0] * len(self.views)
+        groups = self.view_groups()
         if len(group_ids) != max(groups) + 1:
             raise ValueError(f"{len(group_ids)} block ids for {max(groups) + 1} KV cache groups")
         for b in group_ids:
@@ -235,8 +243,7 @@ class StoreTier:
         from .compat import NULL_BLOCK_ID
 
         caches = self._caches
-        assert caches.views is not None
-        groups = caches.layer_group or [0] * len(caches.views)
+        groups = caches.view_groups()
         if len(group_ids) != max(groups) + 1 or any(len(g) != len(hashes) for g in group_ids):
             raise ValueError(f"block ids per group {[len(g) for g in group_ids]} for {max(groups) + 1} groups "
                              f"and {len(hashes)} hashes")

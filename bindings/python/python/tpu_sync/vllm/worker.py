@@ -433,15 +433,18 @@ class WorkerSide:
             raise ValueError("TpuSyncConnector: register_runner without registered KV caches, and the runner has no "
                              "kv_caches")
         g = self.geometry
-        if g.groups or self.cfg.layerwise or g.kv_order not in ("rpa3", "rpa3hd64", compat.MLA_ORDER):
-            what = ("KV cache groups" if g.groups else "layer-wise transfers" if self.cfg.layerwise else
-                    f"the {g.kv_order} cache")
+        if ((g.groups and (g.has_state or g.kv_order == compat.MLA_ORDER)) or self.cfg.layerwise
+                or g.kv_order not in ("rpa3", "rpa3hd64", compat.MLA_ORDER)):
+            what = ("KV cache groups with state (Mamba) or MLA layers" if g.groups else
+                    "layer-wise transfers" if self.cfg.layerwise else f"the {g.kv_order} cache")
             raise NotImplementedError(f"TpuSyncConnector: {what} with a JAX model runner (tpu-inference) are not "
                                       "supported yet (issue 25; docs/tpu.md)")
         from tpu_sync.jax_kv import JaxKv
 
+        layer_arrays = _runner_layer_arrays(runner, g) if g.groups else None
         jx = JaxKv(runner, backend=str(self.cfg.extra.get("jax_backend", "auto")),
-                   block_size=g.block_size if g.kv_order == compat.MLA_ORDER else None)
+                   block_size=g.block_size if g.kv_order == compat.MLA_ORDER else None,
+                   layer_arrays=layer_arrays, layer_group=g.group_of_layer() if g.groups else None)
         want = tuple(g.layer_shape())
         problems = []
         if jx.num_layers != g.num_layers:
@@ -1590,6 +1593,28 @@ def _layer_block_ids(op: Any, caches: KvCaches) -> List[List[Optional[int]]]:
             if b is not None and not 0 <= b < caches.num_blocks:
                 raise IndexError(f"block id {b} out of range 0..{caches.num_blocks}")
     return per
+
+
+def _runner_layer_arrays(runner: Any, g: KvGeometry) -> List[int]:
+    """The index in ``runner.kv_caches`` of each cache layer's array, for a model with KV cache
+    groups: tpu-inference's ``runner.layer_name_to_kvcache_index`` (``runner/kv_cache_manager.py``
+    0.32.0, ``initialize_kv_cache``: the layers at one position of every attention group may
+    share one array), its layer names in cache-layer order (vLLM's numbering of the groups'
+    layers); layers that reuse another layer's cache (``runner.shared_kv_cache_layers``, not in
+    vLLM's groups) are left out.
+
+    Raises:
+        ValueError: a runner without that map, or whose layers are not the groups' layers."""
+    index = getattr(runner, "layer_name_to_kvcache_index", None)
+    if not isinstance(index, dict) or not index:
+        raise ValueError("TpuSyncConnector: a JAX runner of a model with KV cache groups needs "
+                         "runner.layer_name_to_kvcache_index (tpu-inference) to find each layer's cache")
+    shared = set(getattr(runner, "shared_kv_cache_layers", None) or ())
+    names = compat.layer_order([n for n in index if n not in shared])
+    if len(names) != g.num_layers:
+        raise ValueError(f"TpuSyncConnector: the runner maps {len(names)} layers to KV caches, the model's KV cache "
+                         f"groups have {g.num_layers}")
+    return [int(index[n]) for n in names]
 
 
 def _partial_blocks(g: KvGeometry, s: Any) -> List[List[int]]:
