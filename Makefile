@@ -218,9 +218,10 @@ e2e-vllm: vllm-env etcd
 # through MultiConnector as vLLM-TorchTPU's TPUMultiConnector wraps it, both at once, host-tier
 # offload, torch framework copies, the HTTP proxy in front of two `vllm serve` instances),
 # token-identical to a plain engine; the connector's KV cache group units and the hybrid-model
-# engine tests (sliding window + full attention: P/D, TP=1 -> 2, layer-wise, offload). Left to
-# the 0.32 run (they exercise no connector hook the others do not): the poisoned/corrupted tier
-# and the hybrid model through torch framework copies (VLLM029_ALL=1 runs them too). Not run on 0.29: the Mamba hybrid (granite) engine test, whose
+# engine tests (sliding window + full attention: P/D, TP=1 -> 2, layer-wise, offload, torch
+# framework copies). Left to
+# the 0.32 run (it exercises no connector hook the others do not): the poisoned/corrupted tier
+# (VLLM029_ALL=1 runs it too). Not run on 0.29: the Mamba hybrid (granite) engine test, whose
 # plain engine cannot run there (vLLM 0.29's CPU causal_conv1d kernel has no float32).
 VLLM029_VENV := $(CURDIR)/.venv-vllm-0.29.0
 vllm-env-0.29: python
@@ -232,8 +233,7 @@ e2e-vllm-0.29: vllm-env-0.29 etcd
 	timeout 1800 $(VLLM029_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=8 \
 	  tests/vllm/test_connector.py tests/vllm/test_engine.py tests/vllm/test_groups.py \
 	  tests/vllm/test_hybrid_engine.py \
-	  -k "not mamba_hybrid$(if $(VLLM029_ALL),, and not poisoned_and_corrupted and not hybrid_pd_through_torch \
-	  and not hybrid_offload_through_torch)"
+	  -k "not mamba_hybrid$(if $(VLLM029_ALL),, and not poisoned_and_corrupted)"
 
 # TTFT of a 2,000-token prompt loaded from the host tier vs recomputed (prints the ratio).
 bench-vllm: vllm-env
