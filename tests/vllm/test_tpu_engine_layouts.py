@@ -25,6 +25,7 @@ vllm = pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 from test_connector import configs, connector, vllm_config  # noqa: E402,F401  (fixtures)
+from tpu_sync import errors  # noqa: E402
 from tpu_sync.vllm import compat  # noqa: E402
 from tpu_sync.vllm.compat import KvGeometry  # noqa: E402
 from tpu_sync.vllm.config import ConnectorConfig  # noqa: E402
@@ -844,25 +845,115 @@ def test_worker_host_tier_store_then_load_kernel_pages(configs, monkeypatch, bac
     tier_round_trip(configs, monkeypatch, backend, g, kernel_page_tensors(g, 1, 3 * BS, [3, 4, 5], 21, 22, 4), split=4)
 
 
-def test_worker_refuses_kernel_pages_it_cannot_see_as_blocks(configs, monkeypatch):
-    """Refused at registration, by name: the SEQ_ALONG_LANE cache in kernel pages (its tokens
-    run along each page's lanes), kernel pages of a block-major bundle (a scheduler block's pages
-    are not adjacent there), and pages that do not divide the scheduler's block."""
+def sal_kernel_pages(kv, split):
+    """SEQ_ALONG_LANE caches (``[NB, 2H, D'/P, P, BS]`` per layer) as vLLM-TorchTPU allocates
+    them with ``split`` kernel pages per scheduler block: ``[NB * split, 2H, D'/P, P, BS /
+    split]``, token ``j`` of block ``b`` in lane ``j % (BS / split)`` of kernel page ``b * split +
+    j // (BS / split)`` (``map_to_kernel_blocks``), each page's tokens along its lanes."""
+    out = {}
+    for n, t in kv.items():
+        bits = TORCH_BITS[str(t.dtype).split(".")[-1].replace("bfloat16", "bf16").replace("float8_e4m3fn", "fp8")
+                          .replace("float32", "f32")]
+        a = t.view(bits).numpy()
+        nb, rows, dp, p, bs = a.shape
+        kbs = bs // split
+        paged = np.zeros((nb * split, rows, dp, p, kbs), dtype=a.dtype)
+        for j in range(bs):
+            paged[np.arange(nb) * split + j // kbs, :, :, :, j % kbs] = a[:, :, :, :, j]
+        c = torch.empty(paged.shape, dtype=bits)
+        c.copy_(torch.from_numpy(paged))
+        out[n] = c.view(t.dtype)
+    return out
+
+
+@pytest.mark.parametrize("src_split,dst_split", [(2, 1), (1, 4)])
+def test_worker_pd_of_seq_along_lane_kernel_pages(configs, monkeypatch, backend, src_split, dst_split):
+    """The SEQ_ALONG_LANE cache in kernel pages smaller than the scheduler's block (64- or
+    32-token pages of a 128-token block) on the prefill or the decode, TP=2 -> 1: the pages are
+    seen as scheduler blocks through a logical view (``[N, 2H, D'/P, P, s, BS/s]``) that only the
+    framework's copies move (chosen for them whatever the back end asked for them is ``auto``),
+    byte-exact in the engine's own paged tensors, every other page and the producer unchanged."""
+    tokens = 300
+    src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
+    gs, gd = sal_geometry(8, 128, "bf16", 2), sal_geometry(8, 128, "bf16", 1)
+    s_slots = sal_slots(gs, tokens, src_ids, seed=3, fill_seed=11)
+    d_slots = sal_slots(gd, 0, dst_ids, seed=3, fill_seed=12)
+    w_slots = []
+    for (sk, sv), (dk, dv) in zip(s_slots, d_slots):
+        wk, wv = dk.copy(), dv.copy()
+        for a, b in zip(src_ids, dst_ids):
+            wk[b * SAL_BS:(b + 1) * SAL_BS] = sk[a * SAL_BS:(a + 1) * SAL_BS]
+            wv[b * SAL_BS:(b + 1) * SAL_BS] = sv[a * SAL_BS:(a + 1) * SAL_BS]
+        w_slots.append((wk, wv))
+
+    def paged(kv, split):
+        return sal_kernel_pages(kv, split) if split > 1 else kv
+
+    src = [paged(sal_tensors(gs, r, s_slots), src_split) for r in range(2)]
+    dst = [paged(sal_tensors(gd, 0, d_slots), dst_split)]
+    want = [paged(sal_tensors(gd, 0, w_slots), dst_split)]
+    src_before = [{n: t.clone() for n, t in r.items()} for r in src]
+    with pd_workers(configs, monkeypatch, gs, gd, src, dst, BACKENDS[backend], 96, src_ids, dst_ids,
+                    tokens) as (prods, conss):
+        assert_pd_bytes(dst, want, src, src_before)
+        assert not np.array_equal(as_bytes(dst[0][NAMES[0]]), as_bytes(paged(sal_tensors(gd, 0, d_slots),
+                                                                               dst_split)[NAMES[0]]))
+        for ws, split in ((prods, src_split), (conss, dst_split)):
+            for w in ws:
+                st = w.adapter_stats
+                assert st["backend"] == ("framework-copy" if split > 1 or backend != "view" else "pjrt-view"), st
+
+
+@pytest.mark.parametrize("direction", ["bundle->layers", "layers->bundle"])
+def test_worker_pd_of_a_bundle_of_kernel_pages(configs, monkeypatch, backend, direction):
+    """vLLM-TorchTPU's block-major bundle with kernel pages (``[NB * 2, layers, BS / 2, R, P,
+    D']``; a scheduler block's two pages of one layer lie a bundle row apart) on one side,
+    per-layer caches on the other, TP=2 -> 1: byte-exact in the bundle, every other page and the
+    producer unchanged."""
+    tokens = 40
+    src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
+    gs, gd = geometry(8, 128, "bf16", 2), geometry(8, 128, "bf16", 1)
+    to_bundle = direction == "layers->bundle"
+
+    def side(g, rank, n, ids, seed, fill, bundled):
+        kv = kernel_page_tensors(g, rank, n, ids, seed, fill, 2 if bundled else 1)
+        return block_major(kv)[1] if bundled else kv
+
+    src = [side(gs, r, tokens, src_ids, 3, 11, not to_bundle) for r in range(2)]
+    dst = [side(gd, 0, 0, dst_ids, 3, 12, to_bundle)]
+    want = [side(gd, 0, tokens, dst_ids, 3, 12, to_bundle)]
+    src_before = [{n: t.clone() for n, t in r.items()} for r in src]
+    with pd_workers(configs, monkeypatch, gs, gd, src, dst, BACKENDS[backend], 99, src_ids, dst_ids, tokens):
+        assert_pd_bytes(dst, want, src, src_before)
+
+
+def test_worker_host_tier_store_then_load_kernel_pages_in_other_layouts(configs, monkeypatch, backend):
+    """The host tier with 2 kernel pages per block of the SEQ_ALONG_LANE cache, and of a
+    block-major bundle: pages 24..29 become copies of 6..11."""
     g = sal_geometry(8, 128, "bf16", 2)
-    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 16 << 20})
+    kv = sal_kernel_pages(sal_tensors(g, 1, sal_slots(g, 3 * SAL_BS, [3, 4, 5], seed=21, fill_seed=22)), 2)
+    tier_round_trip(configs, monkeypatch, backend, g, kv, split=2)
+    g = geometry(8, 128, "bf16", 2)
+    tier_round_trip(configs, monkeypatch, backend, g,
+                    block_major(kernel_page_tensors(g, 1, 3 * BS, [3, 4, 5], 21, 22, 2))[1], split=2)
+
+
+def test_worker_refuses_kernel_pages_it_cannot_see_as_blocks(configs, monkeypatch):
+    """Refused at registration, by name: pages that do not divide the scheduler's block, and
+    ``pjrt-view`` asked for kernel pages that only framework copies can see as scheduler blocks
+    (the SEQ_ALONG_LANE cache's)."""
+    g = sal_geometry(8, 128, "bf16", 2)
+    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 16 << 20, "torch_backend": "pjrt-view"})
     try:
         paged = {n: torch.zeros((NB * 2,) + g.layer_shape()[:-1] + (SAL_BS // 2,), dtype=torch.bfloat16)
                  for n in NAMES}
-        with pytest.raises(ValueError, match=r"kernel pages of 64 tokens, smaller than the scheduler's block of 128"):
+        with pytest.raises(errors.InvalidArgumentError, match=r"pjrt-view needs contiguous KV tensors"):
             register(monkeypatch, w, paged, 0)
     finally:
         w.shutdown()
     g = geometry(8, 128, "bf16", 2)
     w = worker(configs, "kv_both", g, {"host_capacity_bytes": 16 << 20})
     try:
-        bundle = torch.zeros((NB * 2, len(NAMES), BS // 2) + g.layer_shape()[1:], dtype=torch.bfloat16)
-        with pytest.raises(ValueError, match=r"kernel pages .* cannot be seen as scheduler blocks of 16 tokens"):
-            register(monkeypatch, w, {n: bundle[:, i] for i, n in enumerate(NAMES)}, 0)
         odd = {n: torch.zeros((NB * 3, 5) + g.layer_shape()[1:], dtype=torch.bfloat16) for n in NAMES}
         with pytest.raises(ValueError, match=r"ragged paged attention v3 .*\[num_blocks, 16, 4, 2, 128\]"):
             register(monkeypatch, w, odd, 0)

@@ -104,8 +104,11 @@ def _runs(ids: Sequence[int]) -> List[Tuple[int, int]]:
 
 class TorchKv:
     """A worker's per-layer KV tensors (``[num_blocks, ...]`` each, all of one shape, dtype and
-    device; each block contiguous: whole tensors, or strided per-layer views of a block-major
-    bundle), moved by tpu_sync in place (contiguous CPU tensors) or through torch's copies.
+    device, blocks apart by at least a block: whole tensors, strided per-layer views of a
+    block-major bundle, or logical views whose blocks are not contiguous, such as kernel pages
+    seen as scheduler blocks), moved by tpu_sync in place (contiguous CPU tensors) or through
+    torch's copies (any of them: the host mirrors hold each block's elements in the tensors'
+    logical order, contiguous).
 
     Args:
         tensors: the per-layer tensors, in layer order.
@@ -128,8 +131,8 @@ class TorchKv:
 
     Raises:
         InvalidArgumentError: no tensors, tensors that differ in shape, dtype or device, blocks
-            that are not contiguous, ``pjrt-view`` of strided views, a dtype tpu_sync cannot
-            describe, an unknown back end or copy API;
+            closer than a block apart, ``pjrt-view`` of strided views (non-contiguous tensors,
+            blocks included), a dtype tpu_sync cannot describe, an unknown back end or copy API;
         UnsupportedError: ``pjrt-view`` of accelerator tensors; ``batch_transfer`` where torch_tpu's
             module does not import.
     """
@@ -153,9 +156,9 @@ class TorchKv:
         if t0.dim() < 2:
             raise _fail(InvalidArgumentError, f"a KV tensor of shape {list(t0.shape)}: expected [num_blocks, ...]")
         for i, t in enumerate(tensors):
-            if not rows_contiguous(t):
-                raise _fail(InvalidArgumentError, f"layer {i}'s KV tensor has strides {list(t.stride())}: each block "
-                            "must be contiguous, blocks apart by at least a block")
+            if not (t.shape[0] <= 1 or int(t.stride(0)) >= int(t[0].numel())):
+                raise _fail(InvalidArgumentError, f"layer {i}'s KV tensor has strides {list(t.stride())}: blocks must "
+                            "be apart by at least a block")
         dt = str(t0.dtype)
         if dt not in TORCH_DTYPES:
             raise _fail(InvalidArgumentError, f"KV tensor dtype {dt} (supported: {', '.join(TORCH_DTYPES)})")
@@ -187,8 +190,9 @@ class TorchKv:
         self.nbytes = self.num_blocks * self.block_bytes
         host = self.device.type == "cpu"
         #: per-layer strided views of one block-major bundle (vLLM-TorchTPU's
-        #: ``VLLM_TPU_BLOCK_MAJOR_KV``: ``bundle[:, layer]`` of ``[N, F, BS, R, P, D']``), or
-        #: padded rows: blocks further apart than a block
+        #: ``VLLM_TPU_BLOCK_MAJOR_KV``: ``bundle[:, layer]`` of ``[N, F, BS, R, P, D']``), padded
+        #: rows (blocks further apart than a block), or logical views whose blocks are not
+        #: contiguous (kernel pages seen as scheduler blocks: only framework copies move them)
         self.strided = not all(t.is_contiguous() for t in tensors)
         #: ``[num_blocks, layers, ...]``: the block-major bundle whose layers ``tensors`` are, in
         #: order (:func:`_bundle_of`), which framework copies move whole; None otherwise

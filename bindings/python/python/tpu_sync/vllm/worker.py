@@ -322,9 +322,14 @@ class WorkerSide:
                 if mla else "vLLM's LBHNC per-layer KV cache")
         group_of = g.group_of_layer()
         attn = [i for i in range(len(names)) if not g.is_state_group(group_of[i])]
+        #: layers whose kernel pages tpu_sync sees through a strided logical view of the
+        #: scheduler's blocks (moved by the framework's copies only)
+        logical = set()
         for i in attn:
             if not isinstance(tensors[i], (list, tuple)):
-                tensors[i] = _scheduler_blocks(names[i], tensors[i], want, g)
+                tensors[i], as_logical = _scheduler_blocks(names[i], tensors[i], want, g)
+                if as_logical:
+                    logical.add(i)
         first = tensors[attn[0]]
         for i, (n, t) in enumerate(zip(names, tensors)):
             if isinstance(t, (list, tuple)):
@@ -332,17 +337,24 @@ class WorkerSide:
             if g.is_state_group(group_of[i]):
                 continue  # checked and viewed below
             shape = tuple(int(s) for s in t.shape)
-            if len(shape) != 1 + len(want) or shape[1:] != want:
+            if i in logical:
+                pass  # kernel pages: the scheduler's blocks in a logical order (_scheduler_blocks)
+            elif len(shape) != 1 + len(want) or shape[1:] != want:
                 raise ValueError(
                     f"TpuSyncConnector needs {kind} [num_blocks, {', '.join(str(d) for d in want)}] "
                     f"({g.kv_order}, {g.dtype}); layer {n} has shape {list(shape)}"
                 )
-            if t.shape != first.shape or t.dtype != first.dtype or not rows_contiguous(t):
+            if t.shape != first.shape or t.dtype != first.dtype or (i not in logical and not rows_contiguous(t)):
                 raise ValueError(f"TpuSyncConnector: layer {n} differs from layer {names[attn[0]]}, or its blocks are "
                                  f"not contiguous (strides {list(t.stride())})")
             if compat.TORCH_TO_TPU_SYNC_DTYPE.get(str(t.dtype)) != g.dtype:
                 raise ValueError(f"TpuSyncConnector: layer {n} is {t.dtype}, the model's KV dtype is {g.dtype}")
-        torch_kv = self._torch_kv(tensors, g)
+        if logical:
+            logical_view = g.view_shape(int(first.shape[0])) or (int(first.shape[0]),) + tuple(want)
+            if len(logical) != len(attn):
+                raise ValueError("TpuSyncConnector: some layers' kernel pages are viewed as scheduler blocks and some "
+                                 "are not: their caches differ")
+        torch_kv = self._torch_kv(tensors, g, logical_view if logical else None)
         for i, n in enumerate(names):
             if g.is_state_group(group_of[i]):
                 tensors[i] = _state_view(n, tensors[i], g.groups[group_of[i]], int(first.shape[0]))
@@ -366,7 +378,7 @@ class WorkerSide:
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._open(rank)
 
-    def _torch_kv(self, tensors: List[Any], g: KvGeometry) -> Any:
+    def _torch_kv(self, tensors: List[Any], g: KvGeometry, logical_view: Optional[Tuple[int, ...]] = None) -> Any:
         """The :class:`tpu_sync.torch_kv.TorchKv` that moves accelerator tensors through torch's
         own copies (``torch_backend``: ``framework-copy``, the default for tensors not in host
         memory), or None where tpu_sync views the tensors in place (CPU tensors). The back end and
@@ -375,7 +387,10 @@ class WorkerSide:
         Raises:
             NotImplementedError: ``framework-copy`` with state groups (Mamba) or layer-wise
                 transfers (not supported yet; docs/tpu.md); UnsupportedError (tpu_sync.errors):
-                ``pjrt-view`` of accelerator tensors, ``batch_transfer`` without torch_tpu."""
+                ``pjrt-view`` of accelerator tensors, ``batch_transfer`` without torch_tpu;
+                InvalidArgumentError: ``pjrt-view`` of kernel pages that only the framework's
+                copies can see as scheduler blocks (``logical_view``: the shape tpu_sync sees
+                their mirrors in)."""
         backend = str(self.cfg.extra.get("torch_backend", "auto"))
         on_host = all(getattr(getattr(t, "device", None), "type", "cpu") == "cpu" for t in tensors)
         # Per-layer strided views of one block-major bundle (vLLM-TorchTPU's
@@ -402,7 +417,7 @@ class WorkerSide:
         # With KV cache groups each layer's tensor is copied at its own group's blocks only
         # (vLLM binds one tensor to the layers at one position of every group).
         tk = TorchKv(tensors, backend=backend, copy_api=str(self.cfg.extra.get("torch_copy_api", "auto")),
-                     block_size=g.block_size, view_shape=g.view_shape(int(tensors[0].shape[0])),
+                     block_size=g.block_size, view_shape=logical_view or g.view_shape(int(tensors[0].shape[0])),
                      layer_group=group_of if g.groups else None)
         log.info("tpu_sync: KV tensors on %s: back end %s (%s), copies %s", tk.device, tk.backend, tk.backend_reason,
                  tk.copy_api)
@@ -1467,7 +1482,7 @@ class _Failed:
         pass
 
 
-def _scheduler_blocks(name: str, t: Any, want: Tuple[int, ...], g: KvGeometry) -> Any:
+def _scheduler_blocks(name: str, t: Any, want: Tuple[int, ...], g: KvGeometry) -> Tuple[Any, bool]:
     """vLLM's kernel pages smaller than the scheduler's block, seen as scheduler blocks.
 
     Where the attention kernel runs a fixed block size that the scheduler's block (vLLM's
@@ -1478,33 +1493,49 @@ def _scheduler_blocks(name: str, t: Any, want: Tuple[int, ...], g: KvGeometry) -
     * s`` kernel blocks of ``kernel_block_size`` tokens (``kv_cache_materializer.py``
     ``make_attention_cache_tensor``, 0.29.0).
 
-    For the token-major caches (RPA v3, head_dim 64, the dense MLA latent), ``[num_blocks * s,
-    kernel_block_size, ...]`` holds the same bytes as ``[num_blocks, block_size, ...]``. This
-    returns that zero-copy view. Any other tensor is returned unchanged, and the caller's shape
-    check names what it expected.
+    Returns ``(tensor, logical)``:
+
+    * the token-major caches (RPA v3, head_dim 64, the dense MLA latent) in one tensor:
+      ``[num_blocks * s, kernel_block_size, ...]`` holds the same bytes as ``[num_blocks,
+      block_size, ...]``: that zero-copy view, ``logical`` False;
+    * the same caches as strided per-layer views of a block-major bundle (a scheduler block's
+      ``s`` kernel pages of one layer lie a bundle row apart): ``[num_blocks, s,
+      kernel_block_size, ...]``, ``logical`` True;
+    * the ``SEQ_ALONG_LANE`` cache (``[num_blocks * s, 2H, D'/P, P, kernel_block_size]``, tokens
+      along each kernel page's lanes): ``[num_blocks, 2H, D'/P, P, s, kernel_block_size]``, the
+      order of a ``block_size``-token block's elements, ``logical`` True.
+
+    A logical view's elements are in the order of the scheduler block's layout, but not its
+    bytes: only the framework's own copies (``framework-copy``, into contiguous host mirrors
+    that then hold exactly those blocks) can move it. Any other tensor is returned unchanged
+    (``logical`` False), and the caller's shape check names what it expected.
 
     Raises:
-        ValueError: the ``SEQ_ALONG_LANE`` cache with kernel pages (its tokens run along the
-            lanes of each kernel page, so a scheduler block is not one ``block_size``-token
-            block of the layout); kernel pages whose blocks are not contiguous."""
+        ValueError: kernel pages of a bundle that cannot be split into scheduler blocks."""
     shape = tuple(int(d) for d in t.shape)
     if len(shape) != 1 + len(want) or shape[1:] == want:
-        return t
+        return t, False
     if g.is_sal:
         kernel = shape[-1]
-        if shape[2:-1] == want[1:-1] and shape[1] == want[0] and 0 < kernel < want[-1] and want[-1] % kernel == 0:
-            raise ValueError(f"TpuSyncConnector: layer {name} has kernel pages of {kernel} tokens, smaller than the "
-                             f"scheduler's block of {want[-1]} ({list(shape)}): not mapped for the SEQ_ALONG_LANE "
-                             "cache, whose tokens run along the lanes of each kernel page (docs/tpu.md)")
-        return t
+        if (shape[2:-1] == want[1:-1] and shape[1] == want[0] and 0 < kernel < want[-1] and want[-1] % kernel == 0
+                and shape[0] % (want[-1] // kernel) == 0):
+            split = want[-1] // kernel
+            # [N * s, 2H, D'/P, P, k] -> [N, 2H, D'/P, P, s, k]: token s_i * k + j of a block.
+            return t.unflatten(0, (shape[0] // split, split)).permute(0, 2, 3, 4, 1, 5), True
+        return t, False
     if not (g.is_rpa3 or g.kv_order == compat.MLA_ORDER):
-        return t  # LBHNC: its second axis is heads, not tokens
+        return t, False  # LBHNC: its second axis is heads, not tokens
     rows = shape[1]
     if shape[2:] != want[1:] or not 0 < rows < want[0] or want[0] % rows or shape[0] % (want[0] // rows):
-        return t
+        return t, False
     split = want[0] // rows
     try:
-        return t.view((shape[0] // split,) + want)
+        return t.view((shape[0] // split,) + want), False
+    except RuntimeError:
+        pass
+    try:
+        # Strided (a bundle's per-layer view): the s kernel pages of a block as one logical block.
+        return t.unflatten(0, (shape[0] // split, split)), True
     except RuntimeError as e:
         raise ValueError(f"TpuSyncConnector: layer {name}'s kernel pages ({list(shape)}, strides {list(t.stride())}) "
                          f"cannot be seen as scheduler blocks of {g.block_size} tokens: {e}") from None
