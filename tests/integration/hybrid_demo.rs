@@ -1,7 +1,8 @@
 //! `tpu-sync demo --preset NAME` for every hybrid preset (KV cache groups) as a user runs it:
 //! prefill and decode as two OS processes with their own PJRT clients, P/D resharded (TP over
 //! heads, PCP over tokens, DP, different block sizes and orders), byte-exact with every other
-//! byte unchanged; and decode sides whose groups differ from the prefill's (a group missing,
+//! byte unchanged (the attention groups also in the TPU engines' RPA v3 caches); and decode
+//! sides whose groups differ from the prefill's (a group missing,
 //! another window, another state shape) refused by the prefill at the handshake.
 
 use crate::common;
@@ -46,6 +47,21 @@ const CASES: &[(&str, u32, &str, &str)] = &[
         50,
         "tp=1,pcp=2,block=64",
         "tp=4,dp=2,block=32",
+    ),
+    // The TPU engines' RPA v3 caches for the attention groups (docs/tpu.md): vLLM-TorchTPU
+    // TP=2 -> tpu-inference TP=1 (head_dim 64 in 128 lanes), and a GPU-style NHD prefill into
+    // a TPU decode.
+    (
+        "gpt-oss-120b",
+        200,
+        "tp=2,block=64,order=rpa3",
+        "tp=1,block=32,order=rpa3",
+    ),
+    (
+        "gemma-3-27b",
+        40,
+        "tp=2,block=16,order=nhd",
+        "tp=4,block=32,order=rpa3",
     ),
 ];
 
