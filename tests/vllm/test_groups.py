@@ -958,11 +958,11 @@ def mamba_tensors(seed):
     return raw, {MAMBA: state, L1: attn}
 
 
-def mamba_worker(configs, role, kvc=None):
+def mamba_worker(configs, role, kvc=None, extra=None):
     from tpu_sync.vllm.worker import WorkerSide
 
     c = connector(configs[role], kvc=kvc or mamba_kvc())
-    return WorkerSide(configs[role], ConnectorConfig.parse(role, {}), c.geometry)
+    return WorkerSide(configs[role], ConnectorConfig.parse(role, extra or {}), c.geometry)
 
 
 def test_mamba_worker_pd_moves_state_slot_and_blocks_byte_exact(configs):
@@ -1048,6 +1048,16 @@ def test_mamba_worker_refuses_a_state_tensor_of_another_layout(configs):
     try:
         with pytest.raises(ValueError, match="state layer"):
             w.register_kv_caches(kv)
+    finally:
+        w.shutdown()
+    # State groups reached through torch's copies (framework-copy): not mapped, refused by name
+    # before anything opens (attention-only groups are).
+    w = mamba_worker(configs, "kv_consumer", extra={"torch_backend": "framework-copy"})
+    raw, kv = mamba_tensors(5)
+    try:
+        with pytest.raises(NotImplementedError, match=r"state groups \(Mamba/GDN state slots"):
+            w.register_kv_caches(kv)
+        assert w.transport is None
     finally:
         w.shutdown()
 
