@@ -48,14 +48,14 @@ const CASES: &[(&str, u32, &str, &str)] = &[
         "tp=1,pcp=2,block=64",
         "tp=4,dp=2,block=32",
     ),
-    // The TPU engines' RPA v3 caches for the attention groups (docs/tpu.md): vLLM-TorchTPU
-    // TP=2 -> tpu-inference TP=1 (head_dim 64 in 128 lanes), and a GPU-style NHD prefill into
-    // a TPU decode.
+    // The TPU engines' RPA v3 caches for the attention groups (docs/tpu.md): gpt-oss (head_dim
+    // 64) in the head_dim-64 kernel's cache, vLLM-TorchTPU TP=2 -> tpu-inference TP=1, and a
+    // GPU-style NHD prefill into a TPU decode.
     (
         "gpt-oss-120b",
         200,
-        "tp=2,block=64,order=rpa3",
-        "tp=1,block=32,order=rpa3",
+        "tp=2,block=64,order=rpa3hd64",
+        "tp=1,block=32,order=rpa3hd64",
     ),
     (
         "gemma-3-27b",

@@ -261,6 +261,11 @@ def test_kv_cache_groups_copy_each_layer_at_its_own_groups_blocks(monkeypatch, a
         tk.stage([[1], [2], [3]])
     with pytest.raises(IndexError):
         tk.commit([[NB], [1]])
+    # One list for layers of two groups would copy each layer at the other group's blocks too.
+    with pytest.raises(errors.InvalidArgumentError, match="flat list of block ids for layers in 2 KV cache groups"):
+        tk.commit([5])
+    with pytest.raises(errors.InvalidArgumentError, match="without a gap"):
+        TorchKv(kv, backend="framework-copy", layer_group=[0, 2, 2])
     tk.close()
 
 

@@ -165,8 +165,10 @@ class JaxKv:
         self._index: List[int] = list(range(len(caches))) if layer_arrays is None else layer_arrays
         if layer_group is not None:
             layer_group = [int(g) for g in layer_group]
-            if len(layer_group) != len(self._index) or min(layer_group) < 0:
-                raise _fail(InvalidArgumentError, f"layer groups {layer_group} for {len(self._index)} cache layers")
+            if (len(layer_group) != len(self._index)
+                    or sorted(set(layer_group)) != list(range(max(layer_group) + 1))):
+                raise _fail(InvalidArgumentError, f"layer groups {layer_group} for {len(self._index)} cache layers: "
+                            "one group index per layer, the groups numbered 0..G-1 without a gap")
         #: KV cache group of each cache layer (None: one group)
         self.layer_group = layer_group
         self.num_groups = 1 if layer_group is None else max(layer_group) + 1
@@ -388,6 +390,9 @@ class JaxKv:
                             f"{self.num_groups}")
             groups = self.layer_group or [0] * self.num_layers
             per = [[int(b) for b in ids[groups[layer]] if int(b) != NULL_BLOCK_ID] for layer in range(self.num_layers)]
+        elif self.num_groups > 1 and ids:
+            raise _fail(InvalidArgumentError, f"a flat list of block ids for layers in {self.num_groups} KV cache "
+                        "groups: give one list per group")
         else:
             per = [[int(b) for b in ids]] * self.num_layers
         for layer_ids in per:
@@ -425,9 +430,11 @@ class JaxKv:
                 ids = np.asarray(layer_ids, dtype=np.int32)
                 # The gather on the bit patterns too (see scatter).
                 bits = jax.lax.bitcast_convert_type(d, _uint(d.dtype.itemsize))
-                host = np.asarray(jax.device_get(bits[ids])) if ids.size else None
-                if host is not None:
+                if ids.size:
+                    host = np.asarray(jax.device_get(bits[ids]))
                     self._counters["d2h_bytes"] += host.nbytes
+                else:
+                    host = np.zeros((0,) + tuple(d.shape[1:]), dtype=_uint(d.dtype.itemsize))
                 per.append(host)
             out[r] = per
         return out
@@ -436,7 +443,15 @@ class JaxKv:
         """``framework-copy`` H2D: writes ``data[rank][layer]`` (as :meth:`gather` returns) into
         blocks ``block_ids`` of every rank's shard (an MLA cache: of its one replicated array,
         after checking every rank's data is the same), by a jitted scatter that donates the old
-        cache; the result replaces the layer's array in ``runner.kv_caches``."""
+        cache; the result replaces the layer's array in ``runner.kv_caches``.
+
+        Raises:
+            InvalidArgumentError: layers in several KV cache groups (their blocks differ: use
+                :meth:`commit` with one list per group), ids out of range, data for other ranks;
+            MismatchError: an update of another shape, MLA replicas that differ."""
+        if self.num_groups > 1:
+            raise _fail(InvalidArgumentError, f"scatter of one list of block ids into layers of {self.num_groups} KV "
+                        "cache groups: commit one list per group")
         self._scatter_layers([list(self._ids(block_ids))] * self.num_layers, data)
 
     def _scatter_layers(self, per_layer: List[List[int]], data: Dict[int, List[Any]]) -> None:
@@ -478,9 +493,9 @@ class JaxKv:
             for r in self.ranks:
                 for layer in layers:
                     p = data[r][layer]
-                    if p is None or tuple(p.shape) != (len(per_layer[layer]),) + self.shard_shape[1:]:
+                    if tuple(p.shape) != (len(per_layer[layer]),) + self.shard_shape[1:]:
                         raise _fail(MismatchError, f"rank {r} layer {layer}: update of shape "
-                                    f"{None if p is None else tuple(p.shape)}, expected "
+                                    f"{tuple(p.shape)}, expected "
                                     f"{(len(per_layer[layer]),) + self.shard_shape[1:]}")
                 parts.append(np.concatenate([np.asarray(data[r][layer]).view(u) for layer in layers], axis=0)
                              if len(layers) > 1 else np.asarray(data[r][layers[0]]).view(u))
@@ -556,7 +571,7 @@ class JaxKv:
         mirrors = self._mirror_arrays()
         for r in self.ranks:
             for layer, g in enumerate(got[r]):
-                if g is not None:
+                if len(per[layer]):
                     mirrors[r][layer][per[layer]] = g
 
     def commit(self, block_ids: Any) -> None:
@@ -568,8 +583,11 @@ class JaxKv:
         self.rank_views()
         per = self._per_layer(block_ids)
         mirrors = self._mirror_arrays()
-        self._scatter_layers(per, {r: [m[ids] if ids else None for m, ids in zip(mirrors[r], per)]
-                                   for r in self.ranks})
+        self._scatter_layers(per, {r: [m[ids] for m, ids in zip(mirrors[r], per)] for r in self.ranks})
+
+    def hold(self, block_ids: Any) -> None:
+        """Nothing to do: :meth:`drop` gives back only the pages of the blocks it names (as
+        :meth:`tpu_sync.torch_kv.TorchKv.hold`'s callers expect)."""
 
     def drop(self, block_ids: Any) -> None:
         """``framework-copy``: gives the host memory of blocks ``block_ids``' mirror pages back

@@ -164,9 +164,9 @@ class TorchKv:
             raise _fail(InvalidArgumentError, f"KV tensor dtype {dt} (supported: {', '.join(TORCH_DTYPES)})")
         if layer_group is not None:
             layer_group = [int(g) for g in layer_group]
-            if len(layer_group) != len(tensors) or min(layer_group) < 0:
+            if len(layer_group) != len(tensors) or sorted(set(layer_group)) != list(range(max(layer_group) + 1)):
                 raise _fail(InvalidArgumentError, f"layer groups {layer_group} for {len(tensors)} layers: expected one "
-                            "group index (>= 0) per layer")
+                            "group index per layer, the groups numbered 0..G-1 without a gap")
         #: KV cache group of each layer (None: one group); groups ``0..num_groups-1``
         self.layer_group = layer_group
         self.num_groups = 1 if layer_group is None else max(layer_group) + 1
@@ -321,6 +321,11 @@ class TorchKv:
                 if checked and layers:
                     out.append((layers, checked))
             return out
+        if self.num_groups > 1 and ids:
+            # One list for layers of several groups would copy every layer at every group's
+            # blocks: through a tensor the groups share, a group's blocks overwritten.
+            raise _fail(InvalidArgumentError, f"a flat list of block ids for layers in {self.num_groups} KV cache "
+                        "groups: give one list per group")
         checked = self._ids(ids)
         return [(list(range(len(self.tensors))), checked)] if checked else []
 
@@ -520,6 +525,17 @@ class TorchKv:
     def _hold(self, ids: Sequence[int]) -> None:
         with self._lock:
             self._inflight.update(ids)
+
+    def hold(self, block_ids: Any) -> None:
+        """Marks blocks ``block_ids`` (flat or per KV cache group) in flight before tpu_sync writes
+        them into the mirrors by other means than a pull (a host-tier load): until :meth:`drop`
+        releases them, no :meth:`drop` of other blocks (e.g. the host-tier saver's, on its
+        thread) gives their pages back, which would turn the written bytes into zeros before
+        :meth:`commit`. Nothing for ``pjrt-view``."""
+        if self.backend == "pjrt-view" or not len(block_ids):
+            return
+        self.views()
+        self._hold(self._flat(block_ids))
 
     def drop(self, block_ids: Any) -> None:
         """``framework-copy``: gives the host memory of blocks ``block_ids``' mirror pages back

@@ -439,7 +439,8 @@ class WorkerSide:
         Raises:
             ValueError: no caches, or caches that disagree with the model's geometry (TP,
                 per-rank shape, dtype, layers); NotImplementedError: what is not supported with
-                a JAX runner yet (layer-wise transfers, KV cache groups); UnsupportedError (tpu_sync.errors): shardings not mapped
+                a JAX runner yet (layer-wise transfers, KV cache groups with state or MLA layers);
+                UnsupportedError (tpu_sync.errors): shardings not mapped
                 (docs/tpu.md); ImportError without jax."""
         if self.caches is not None:
             return
@@ -450,8 +451,8 @@ class WorkerSide:
         g = self.geometry
         if ((g.groups and (g.has_state or g.kv_order == compat.MLA_ORDER)) or self.cfg.layerwise
                 or g.kv_order not in ("rpa3", "rpa3hd64", compat.MLA_ORDER)):
-            what = ("KV cache groups with state (Mamba) or MLA layers" if g.groups else
-                    "layer-wise transfers" if self.cfg.layerwise else f"the {g.kv_order} cache")
+            what = ("layer-wise transfers" if self.cfg.layerwise else
+                    "KV cache groups with state (Mamba) or MLA layers" if g.groups else f"the {g.kv_order} cache")
             raise NotImplementedError(f"TpuSyncConnector: {what} with a JAX model runner (tpu-inference) are not "
                                       "supported yet (issue 25; docs/tpu.md)")
         from tpu_sync.jax_kv import JaxKv
@@ -844,6 +845,11 @@ class WorkerSide:
         delivered = 0
         try:
             cp = self.caches.copier if self.caches is not None else None
+            if cp is not None:
+                # Written into the mirrors by the tier, committed below: held until then, so a
+                # drop of other blocks (the saver thread's, when a save ends) cannot give their
+                # pages back in between (the load would commit zeros).
+                cp.hold(_op_ids(op))
             try:
                 if getattr(op, "group_block_ids", None) is not None:
                     delivered = int(self.tier.get_groups(op.hashes, op.group_block_ids))
