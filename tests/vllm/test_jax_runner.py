@@ -610,3 +610,22 @@ def test_host_tier_with_kv_cache_groups_in_a_jax_runner(configs, backend):
             w.register_runner(bare)
     finally:
         w.shutdown()
+
+
+def test_a_data_parallel_runner_is_refused_by_the_connector(configs):
+    """tpu-inference with DP > 1 (``data`` axis on the blocks): JaxKv maps the shards, but the
+    DP scheduler passes on none of this connector's metadata and no handshake, so the worker
+    refuses it at ``register_runner``, naming why (docs/tpu.md)."""
+    g = geometry(8, 128, "bf16", 2)
+    devs = devices_or_skip(8)
+    mesh = Mesh(np.array(devs[:4]).reshape(2, 2), ("data", "model"))
+    rows, packing, lanes = g.layer_shape()[1:]
+    a = jax.device_put(np.zeros((2 * NB, BS, rows * 2, packing, lanes), JAX_DTYPE["bf16"]),
+                       NamedSharding(mesh, P("data", None, "model")))
+    r = Runner([a, a + 0])
+    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 16 << 20})
+    try:
+        with pytest.raises(NotImplementedError, match=r"data axis \(DP=2\).*DP scheduler"):
+            w.register_runner(r)
+    finally:
+        w.shutdown()

@@ -202,10 +202,10 @@ def test_views_follow_a_forward_that_moves_the_caches():
 
 def test_unmapped_shardings_are_refused_by_name():
     devs = devices_or_skip(8)
-    # Data-parallel shards of the block ids.
     mesh = Mesh(np.array(devs[:4]).reshape(2, 2), ("data", "model"))
-    a = jax.device_put(np.zeros((8, 16, 4, 2, 128), ml_dtypes.bfloat16), NamedSharding(mesh, P("data", None, "model")))
-    with pytest.raises(UnsupportedError, match="data-parallel"):
+    # A data axis on another dimension than the blocks.
+    a = jax.device_put(np.zeros((8, 16, 4, 2, 128), ml_dtypes.bfloat16), NamedSharding(mesh, P(None, "data", "model")))
+    with pytest.raises(UnsupportedError, match="only a split of the blocks"):
         JaxKv(Runner([a]))
     # Replicated KV heads (fewer heads than TP devices).
     b = jax.device_put(np.zeros((8, 16, 4, 2, 128), ml_dtypes.bfloat16), NamedSharding(mesh, P(None, None, None)))
@@ -326,3 +326,94 @@ def test_an_mla_cache_whose_rows_do_not_hold_the_block_size_is_refused():
     with pytest.raises(UnsupportedError, match="multiple of 32"):
         JaxKv(Runner([a]), block_size=16)
     assert JaxKv(Runner([a]), block_size=32).block_size == 32
+
+
+# ---- data parallelism: the ``data`` axis on the blocks ----------------------------------------
+# tpu-inference with DP > 1 shards every layer ``P("data", None, "model")`` over a (data, model)
+# mesh: DP replica ``d`` holds global blocks ``d * N .. (d + 1) * N - 1`` of its own requests
+# (``core/sched/dp_scheduler.py`` offsets each rank's block ids by ``rank * num_blocks_per_rank``).
+
+DP_NB = 12  # blocks per DP replica
+
+
+def dp_runner(dtype, dp, tp, devices, per_replica):
+    """A runner whose layers are ``[dp * DP_NB, BS, tp * R, P, D']`` on a (dp, tp) mesh, replica
+    ``d``'s rank ``r`` holding ``per_replica[d][r][layer]``."""
+    mesh = Mesh(np.array(devices[:dp * tp]).reshape(dp, tp), ("data", "model"))
+    sh = NamedSharding(mesh, P("data", None, "model"))
+    arrays = []
+    for layer in range(LAYERS):
+        rows = [np.concatenate([per_replica[d][r][layer] for r in range(tp)], axis=2) for d in range(dp)]
+        arrays.append(jax.device_put(np.concatenate(rows, axis=0).view(JAX_DTYPE[dtype]), sh))
+    return Runner(arrays)
+
+
+@pytest.mark.parametrize("direction", ["dp->tp", "tp->dp"])
+@pytest.mark.parametrize("backend", ["auto", "framework-copy"])
+def test_pd_with_data_parallel_shards(direction, backend):
+    """A DP=2 x TP=2 runner (global block ids, each request in one replica's shard) and a
+    TP=2 runner, both directions: the request in DP replica 1 is pulled byte-exact into its
+    destination; every other block, replica 0's shards included, and the producer unchanged."""
+    devs = devices_or_skip(8)
+    dtype, bs = "bf16", 16
+    ids_local = [(5 * i + 2) % DP_NB for i in range(-(-TOKENS // bs))]
+    nblocks = len(ids_local)
+    src_dp = direction == "dp->tp"
+    rng = np.random.default_rng(5)
+    np_t = DTYPES[dtype]
+
+    def filler(tp):
+        return [[rng.integers(1, np.iinfo(np_t).max, size=(DP_NB, bs, 2 * HEADS // tp // 2, 2, DIM), dtype=np_t)
+                 for _ in range(LAYERS)] for _ in range(tp)]
+
+    req = rank_caches(LAYERS, TOKENS, HEADS, DIM, dtype, 2, bs, DP_NB, [ids_local] * 2, False, seed=13)
+    if src_dp:
+        src_rep = [filler(2), [[req[r][l] for l in range(LAYERS)] for r in range(2)]]
+        prod = dp_runner(dtype, 2, 2, devs, src_rep)
+        s_ids = [DP_NB + b for b in ids_local]  # global ids of replica 1
+        dst_rep = [filler(2)]
+        cons = dp_runner(dtype, 1, 2, devs[4:], dst_rep)
+        d_ids = [(DP_NB - 1 - 2 * i) % DP_NB for i in range(nblocks)]
+    else:
+        src_rep = [[[req[r][l] for l in range(LAYERS)] for r in range(2)]]
+        prod = dp_runner(dtype, 1, 2, devs, src_rep)
+        s_ids = ids_local
+        dst_rep = [filler(2), filler(2)]
+        cons = dp_runner(dtype, 2, 2, devs[4:], dst_rep)
+        d_ids = [DP_NB + (DP_NB - 1 - 2 * i) % DP_NB for i in range(nblocks)]  # into replica 1
+    # From the inputs, not by reading the arrays: a jax.Array caches its host value once read,
+    # and pjrt-view writes its memory behind JAX's back (a forward gives new arrays).
+    def glob(rep):
+        return [np.concatenate([np.concatenate([rep[d][r][layer] for r in range(2)], axis=2)
+                                for d in range(len(rep))], axis=0) for layer in range(LAYERS)]
+
+    before_src, before_dst = glob(src_rep), glob(dst_rep)
+    client = tpu_sync.Client()
+    pk = JaxKv(prod, backend=backend, client=client)
+    ck = JaxKv(cons, backend=backend, client=client)
+    assert (pk.dp, ck.dp) == ((2, 1) if src_dp else (1, 2))
+    assert (pk.num_blocks, pk.tp) == (DP_NB, 2)
+    assert (pk.ranks if src_dp else ck.ranks) == [0, 1, 2, 3]
+    model = tpu_sync.model("tpu-inference-test", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=dtype)
+    assert (pk if src_dp else ck).layout(model)["spec"]["dp"] == 2
+    prod.forward()
+    with tpu_sync.Endpoint(listen="127.0.0.1:0", timeout=20, name="prefill") as pe, \
+            tpu_sync.Endpoint(listen=None, timeout=20, name="decode") as de:
+        src_place = pk.register(pe, 81, model, s_ids, TOKENS)
+        assert src_place["dp_rank"] == (1 if src_dp else 0)
+        prod.forward()
+        report = ck.pull(de, 81, pe.address, src_place, model, d_ids, TOKENS, timeout_s=60)
+    assert report["bytes"] == TOKENS * HEADS * 2 * DIM * 2 * LAYERS
+    local_d = [b % DP_NB for b in d_ids]
+    d_rep = 1 if not src_dp else 0
+    for layer in range(LAYERS):
+        want = before_dst[layer].copy()
+        glob_req = np.concatenate([req[r][layer] for r in range(2)], axis=2)
+        for t in range(TOKENS):
+            want[d_rep * DP_NB + local_d[t // bs], t % bs] = glob_req[ids_local[t // bs], t % bs]
+        got = host(cons.kv_caches[layer])
+        assert np.array_equal(got, want), (layer, np.argwhere(got != want)[:4])
+        assert np.array_equal(host(prod.kv_caches[layer]), before_src[layer]), f"layer {layer}: producer changed"
+    # Ids of two replicas in one request are refused by name.
+    with pytest.raises(tpu_sync.errors.InvalidArgumentError, match="DP replicas"):
+        (pk if src_dp else ck).split([1, DP_NB + 1])

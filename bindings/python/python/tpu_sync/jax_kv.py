@@ -35,12 +35,23 @@ device of that axis holds a replica of the whole latent. Each replica is one TP 
 tpu_sync's ``rpamla`` layout (``[num_blocks, block_size, D']``, the same bytes): a pull writes every
 replica, a register reads them (all equal).
 
-Not mapped (refused with the reason): a data axis of more than one device (the DP shards split
-the block ids), an MLA cache split over the ``kv_context`` axis (PCP/DCP in the mesh), tiled
+Data parallelism: with the ``data`` axis on the blocks (``P("data", None, "model")``, DP > 1),
+each DP replica's shards hold ``num_blocks`` blocks of their own, and the methods take global
+block ids as tpu-inference's scheduler gives them (replica ``d`` holds ``d * num_blocks ..``;
+one request's blocks are in one replica). The shard of DP replica ``d`` and TP rank ``t`` is
+tpu_sync rank ``d * tp + t`` of a layout with ``dp = DP``, and a request's placement names its
+replica (``dp_rank``), so the planner reshards between DP and non-DP layouts.
+
+Not mapped (refused with the reason): a data axis on another dimension than the blocks, an MLA
+cache split over the ``kv_context`` axis (PCP/DCP in the mesh), KV cache groups with DP, tiled
 physical layouts (a TPU's ``Layout.tiling``; the layout is passed on, and a plan that needs rows it
 cannot address refuses it by name). (KV heads fewer than TP are mapped: tpu-inference pads them
 to TP by repeating each head, ``repeat_interleave``, so each shard holds one head, as tpu_sync's
 replicated TP split expects.)
+
+With ``pjrt-view`` a pull writes the shards' memory behind JAX's back: an array whose host
+value was already read (``np.asarray(array)``, ``jax.device_get``) keeps returning that cached
+copy; read the runner's arrays after a forward (new arrays), as an engine does.
 
 Thread-safety: one :class:`JaxKv` per model-runner thread; its calls must not overlap a forward
 that donates the caches (the connector hooks run between forwards).
@@ -194,18 +205,27 @@ class JaxKv:
         spec = tuple(getattr(self.sharding, "spec", ()) or ())
         mesh = getattr(self.sharding, "mesh", None)
         sizes = dict(mesh.shape) if mesh is not None else {}
-        if sizes.get(data_axis, 1) > 1 and _axis_of(spec, data_axis) is not None:
-            raise _fail(UnsupportedError, f"the KV caches are split over mesh axis {data_axis!r} "
-                        f"({sizes[data_axis]} data-parallel shards of the block ids): not mapped yet")
+        data_dim = _axis_of(spec, data_axis)
+        #: data-parallel shards of the block ids (tpu-inference's ``data`` axis on dimension 0):
+        #: DP replica ``d`` holds global blocks ``d * num_blocks .. (d + 1) * num_blocks - 1``
+        self.dp = int(sizes.get(data_axis, 1)) if data_dim is not None else 1
+        if self.dp > 1 and data_dim != 0:
+            raise _fail(UnsupportedError, f"the KV caches are split over mesh axis {data_axis!r} on dimension "
+                        f"{data_dim}: only a split of the blocks (dimension 0) is mapped")
+        if self.dp > 1 and self.num_groups > 1:
+            raise _fail(UnsupportedError, "KV cache groups with data-parallel shards of the blocks: not mapped yet")
+        self._mesh = mesh
         dim = _axis_of(spec, model_axis)
         shards = list(a0.addressable_shards)
         self.shard_shape = tuple(int(x) for x in shards[0].data.shape)
+        #: device -> tpu_sync rank of its shard: ``dp_rank * tp + tp_rank``
         self._rank_of: Dict[Any, int] = {}
         if self.mla:
             if dim is not None:
                 raise _fail(UnsupportedError, f"an MLA cache sharded over {model_axis!r} on dimension {dim}; "
                             "tpu-inference replicates it over that axis")
-            if tuple(self.shard_shape) != tuple(int(x) for x in a0.shape):
+            if (tuple(self.shard_shape[1:]) != tuple(int(x) for x in a0.shape[1:])
+                    or self.shard_shape[0] * self.dp != int(a0.shape[0])):
                 raise _fail(UnsupportedError, f"an MLA cache split into shards of {self.shard_shape} (global "
                             f"{tuple(a0.shape)}): a kv_context (PCP/DCP) split is not mapped yet")
             # One replica per device of the model axis: TP rank = the device's position on it.
@@ -218,11 +238,12 @@ class JaxKv:
                 if mesh is not None and model_axis in names:
                     at = np.argwhere(np.asarray(mesh.devices) == s.device)
                     r = int(at[0][names.index(model_axis)]) if len(at) else -1
-                if r < 0 or r in self._rank_of.values():
+                d = (s.index[0].start or 0) // self.shard_shape[0] if self.dp > 1 else 0
+                if r < 0 or d * self.tp + r in self._rank_of.values():
                     where = f"position {r} on the {model_axis!r} axis is taken" if r >= 0 else "not in the mesh"
                     raise _fail(UnsupportedError, f"MLA replica on {s.device}: {where} (another mesh axis in play): "
                                 "not mapped yet")
-                self._rank_of[s.device] = r
+                self._rank_of[s.device] = d * self.tp + r
         else:
             if dim not in (None, 2):
                 raise _fail(UnsupportedError, f"the KV caches are sharded over {model_axis!r} on dimension {dim}; "
@@ -233,11 +254,14 @@ class JaxKv:
             for s in shards:
                 start = (s.index[2].start or 0) if dim == 2 else 0
                 r = start // rows
-                if r in self._rank_of.values():
+                d = (s.index[0].start or 0) // self.shard_shape[0] if self.dp > 1 else 0
+                if d * self.tp + r in self._rank_of.values():
                     raise _fail(UnsupportedError, f"TP rank {r}'s KV shard is on more than one device "
                                 "(a data axis not in the sharding): not mapped yet")
-                self._rank_of[s.device] = r
+                self._rank_of[s.device] = d * self.tp + r
+        #: tpu_sync ranks held here (``dp_rank * tp + tp_rank``; the TP ranks when DP is 1)
         self.ranks: List[int] = sorted(self._rank_of.values())
+        #: blocks per shard (per DP replica); with DP the methods take global block ids
         self.num_blocks = self.shard_shape[0]
         # tpu_sync's shape of a rank's buffer (the same bytes): the shard's own, or for MLA the
         # token-major [num_blocks, block_size, D'] of the rpamla layout.
@@ -303,7 +327,7 @@ class JaxKv:
     def stats(self) -> Dict[str, Any]:
         """Back end and reason, shard geometry, and counters (views built, bytes copied by JAX's
         own copies, registers, pulls)."""
-        return dict(self._counters, backend=self.backend, backend_reason=self.backend_reason, tp=self.tp,
+        return dict(self._counters, backend=self.backend, backend_reason=self.backend_reason, tp=self.tp, dp=self.dp,
                     ranks=list(self.ranks), shard_shape=list(self.shard_shape), physical_layout=self.physical_layout,
                     mla=self.mla)
 
@@ -317,7 +341,7 @@ class JaxKv:
         # tpu-inference runs the head_dim-64 kernel (K and V of a head side by side in one
         # 128-lane row) whenever head_dim is 64 (ragged_paged_attention/v3/kernel_hd64.py).
         order = "rpamla" if self.mla else "rpa3hd64" if int(model.get("head_dim", 0)) == 64 else "rpa3"
-        lay = tpu_sync.layout(model, tp=self.tp, block_size=self.block_size, order=order,
+        lay = tpu_sync.layout(model, tp=self.tp, dp=self.dp, block_size=self.block_size, order=order,
                               num_blocks=self.num_blocks if num_blocks is None else num_blocks)
         if self.physical_layout != xla_layout(None, len(self.shard_shape)):
             lay["physical_layout"] = self.physical_layout
@@ -372,9 +396,30 @@ class JaxKv:
         import numpy as np
 
         ids = np.asarray([ck.u32("block id", b) for b in block_ids], dtype=np.int32)
-        if ids.size and int(ids.max()) >= self.num_blocks:
-            raise _fail(InvalidArgumentError, f"block id {int(ids.max())} out of range 0..{self.num_blocks}")
+        total = self.num_blocks * self.dp
+        if ids.size and int(ids.max()) >= total:
+            raise _fail(InvalidArgumentError, f"block id {int(ids.max())} out of range 0..{total}")
         return ids
+
+    def replica_ranks(self, dp_rank: int) -> List[int]:
+        """The ranks of DP replica ``dp_rank`` held here (its TP ranks, ``dp_rank * tp + t``)."""
+        return [r for r in self.ranks if r // self.tp == dp_rank]
+
+    def split(self, block_ids: Sequence[int]) -> Tuple[int, List[int]]:
+        """``(dp_rank, local ids)`` of global block ids (with DP, replica ``d`` holds global
+        blocks ``d * num_blocks ..``; a request's blocks are on one replica). DP 1: ``(0, ids)``.
+
+        Raises:
+            InvalidArgumentError: ids out of range, or ids of several DP replicas."""
+        ids = [int(b) for b in self._ids(block_ids)]
+        if self.dp == 1:
+            return 0, ids
+        reps = sorted({b // self.num_blocks for b in ids})
+        if len(reps) > 1:
+            raise _fail(InvalidArgumentError, f"block ids {ids} lie in DP replicas {reps}: a request's blocks are in "
+                        "one replica's shard")
+        d = reps[0] if reps else 0
+        return d, [b - d * self.num_blocks for b in ids]
 
     def _per_layer(self, block_ids: Any) -> List[List[int]]:
         """Each cache layer's block ids: a flat list is every layer's; one list per KV cache
@@ -410,20 +455,22 @@ class JaxKv:
         """``framework-copy`` D2H: the blocks ``block_ids`` of every layer, copied by JAX into
         compact host arrays ``[len(block_ids), block_size, R, P, D']`` (an MLA cache:
         ``[len(block_ids), block_size / K, K, D']``) of their bit patterns (unsigned integers),
-        per TP rank: ``{rank: [array per layer]}``. An MLA cache's replicas hold the same bytes:
-        one is copied and every rank maps to it."""
-        return self._gather([list(self._ids(block_ids))] * self.num_layers)
+        per rank of the DP replica holding them: ``{rank: [array per layer]}``. An MLA cache's
+        replicas hold the same bytes: one is copied and every rank maps to it."""
+        d, local = self.split(block_ids)
+        return self._gather([local] * self.num_layers, d)
 
-    def _gather(self, per_layer: List[List[int]]) -> Dict[int, List[Any]]:
-        """:meth:`gather` with each layer's own block ids (an empty list: nothing copied)."""
+    def _gather(self, per_layer: List[List[int]], dp_rank: int = 0) -> Dict[int, List[Any]]:
+        """:meth:`gather` with each layer's own (local) block ids of DP replica ``dp_rank``."""
         import jax
         import numpy as np
 
         shards = self._shards()
         out: Dict[int, List[Any]] = {}
-        for r in self.ranks:
+        replica = self.replica_ranks(dp_rank)
+        for r in replica:
             if self.mla and out:
-                out[r] = out[self.ranks[0]]  # a replica of the same latent: copied once
+                out[r] = out[replica[0]]  # a replica of the same latent: copied once
                 continue
             per = []
             for d, layer_ids in zip(shards[r], per_layer):
@@ -452,9 +499,10 @@ class JaxKv:
         if self.num_groups > 1:
             raise _fail(InvalidArgumentError, f"scatter of one list of block ids into layers of {self.num_groups} KV "
                         "cache groups: commit one list per group")
-        self._scatter_layers([list(self._ids(block_ids))] * self.num_layers, data)
+        d, _ = self.split(block_ids)
+        self._scatter_layers([[int(b) for b in self._ids(block_ids)]] * self.num_layers, data, d)
 
-    def _scatter_layers(self, per_layer: List[List[int]], data: Dict[int, List[Any]]) -> None:
+    def _scatter_layers(self, per_layer: List[List[int]], data: Dict[int, List[Any]], dp_rank: int = 0) -> None:
         """:meth:`scatter` with each layer's own block ids. Layers that share one array (KV
         cache groups) are written by one scatter of their ids together.
 
@@ -464,8 +512,10 @@ class JaxKv:
         import jax
         import numpy as np
 
-        if sorted(data) != self.ranks:
-            raise _fail(InvalidArgumentError, f"data for ranks {sorted(data)}, the caches have {self.ranks}")
+        replica = self.replica_ranks(dp_rank)
+        if sorted(data) != replica:
+            raise _fail(InvalidArgumentError, f"data for ranks {sorted(data)}, DP replica {dp_rank} of the caches has "
+                        f"ranks {replica}")
         if self._scatter is None:
             from jax import lax
 
@@ -490,7 +540,7 @@ class JaxKv:
             want = (len(ids),) + self.shard_shape[1:]
             u = _uint(np.dtype(a.dtype).itemsize)
             parts = []
-            for r in self.ranks:
+            for r in replica:
                 for layer in layers:
                     p = data[r][layer]
                     if tuple(p.shape) != (len(per_layer[layer]),) + self.shard_shape[1:]:
@@ -499,19 +549,32 @@ class JaxKv:
                                     f"{(len(per_layer[layer]),) + self.shard_shape[1:]}")
                 parts.append(np.concatenate([np.asarray(data[r][layer]).view(u) for layer in layers], axis=0)
                              if len(layers) > 1 else np.asarray(data[r][layers[0]]).view(u))
+            # The update's rows are not split over a data axis (the ids are global blocks of one
+            # replica): each device gets them all, and the scatter writes those in its shard.
+            sharding = self.sharding if self.dp == 1 else self._update_sharding()
             if self.mla:
                 # One latent, replicated: every replica must have received the same bytes.
-                for r, p in zip(self.ranks, parts):
+                for r, p in zip(replica, parts):
                     if not np.array_equal(p, parts[0]):
                         raise _fail(MismatchError, f"layer {layers[0]}: MLA replica of TP rank {r} differs from "
-                                    f"TP rank {self.ranks[0]}'s (a replicated cache must stay identical)")
-                upd = jax.make_array_from_callback(want, self.sharding, lambda idx: parts[0][idx])
+                                    f"TP rank {replica[0]}'s (a replicated cache must stay identical)")
+                upd = jax.make_array_from_callback(want, sharding, lambda idx: parts[0][idx])
             else:
                 glob = want[:2] + (want[2] * self.tp,) + want[3:]
                 upd = jax.make_array_from_callback(
-                    glob, self.sharding, lambda idx: parts[(idx[2].start or 0) // want[2]])
+                    glob, sharding, lambda idx: parts[(idx[2].start or 0) // want[2]])
             self._set_array(index, self._scatter(a, ids, upd))
             self._counters["h2d_bytes"] += sum(p.nbytes for p in parts)
+
+    def _update_sharding(self) -> Any:
+        """The sharding of a scatter's update with DP: the caches' own without the data axis
+        (rows replicated over it)."""
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        spec = list(getattr(self.sharding, "spec", ()) or ())
+        spec += [None] * (len(self.shard_shape) - len(spec))
+        spec[0] = None
+        return NamedSharding(self._mesh, PartitionSpec(*spec))
 
     # -- block-level access for the engine connectors -------------------------------------------
 
@@ -550,6 +613,11 @@ class JaxKv:
         return {r: [np.frombuffer(m, dtype=np_t).reshape(self.shard_shape) for m in ms]
                 for r, ms in self._mirrors[0].items()}
 
+    def _replica_views(self, dp_rank: int) -> Dict[int, List[Any]]:
+        """:meth:`rank_views` of DP replica ``dp_rank``'s ranks."""
+        keep = set(self.replica_ranks(dp_rank))
+        return {r: v for r, v in self.rank_views().items() if r in keep}
+
     def pointers(self) -> Tuple[int, ...]:
         """The shards' current addresses (``pjrt-view``): compared before and after a transfer
         into them, so one that a forward moved mid-transfer is caught."""
@@ -567,12 +635,14 @@ class JaxKv:
             return
         self.rank_views()
         per = self._per_layer(block_ids)
-        got = self._gather(per)
+        d, _ = self.split(self._flat(block_ids))
+        local = [[b - d * self.num_blocks for b in ids] for ids in per]
+        got = self._gather(local, d)
         mirrors = self._mirror_arrays()
-        for r in self.ranks:
+        for r in self.replica_ranks(d):
             for layer, g in enumerate(got[r]):
-                if len(per[layer]):
-                    mirrors[r][layer][per[layer]] = g
+                if len(local[layer]):
+                    mirrors[r][layer][local[layer]] = g
 
     def commit(self, block_ids: Any) -> None:
         """``framework-copy``: writes blocks ``block_ids`` (as :meth:`stage`) of the host mirrors
@@ -582,8 +652,11 @@ class JaxKv:
             return
         self.rank_views()
         per = self._per_layer(block_ids)
+        d, _ = self.split(self._flat(block_ids))
+        local = [[b - d * self.num_blocks for b in ids] for ids in per]
         mirrors = self._mirror_arrays()
-        self._scatter_layers(per, {r: [m[ids] for m, ids in zip(mirrors[r], per)] for r in self.ranks})
+        self._scatter_layers(per, {r: [m[ids] for m, ids in zip(mirrors[r], local)] for r in self.replica_ranks(d)},
+                             d)
 
     def hold(self, block_ids: Any) -> None:
         """Nothing to do: :meth:`drop` gives back only the pages of the blocks it names (as
@@ -603,9 +676,12 @@ class JaxKv:
         block = int(np.prod(self.shard_shape[1:])) * ITEMSIZE[self.buffer_dtype]
         page = mmap.PAGESIZE
         flat = self._flat(block_ids)
-        for ms in self._mirrors[0].values():
+        for r, ms in self._mirrors[0].items():
             for m in ms:
-                for b in flat:
+                for g in flat:
+                    if g // self.num_blocks != r // self.tp:
+                        continue  # another DP replica's block
+                    b = g % self.num_blocks
                     # Whole pages inside the block only (a neighbour's bytes stay).
                     lo = -(-(int(b) * block) // page) * page
                     hi = ((int(b) + 1) * block // page) * page
@@ -672,10 +748,12 @@ class JaxKv:
         import tpu_sync
 
         ids = [ck.u32("block id", b) for b in block_ids]
-        place = tpu_sync.placement(self.layout(model), [ids] * self.tp)
+        d, local = self.split(ids)
+        place = tpu_sync.placement(self.layout(model), [local] * self.tp, dp_rank=d)
         self.stage(ids)
         try:
-            endpoint.register(request_id, place, num_tokens, self.rank_views(), expected_releases=expected_releases)
+            endpoint.register(request_id, place, num_tokens, self._replica_views(d),
+                              expected_releases=expected_releases)
         finally:
             self.drop(ids)  # staged by the endpoint (or failed)
         self._counters["registers"] += 1
@@ -694,10 +772,11 @@ class JaxKv:
         import tpu_sync
 
         ids = [ck.u32("block id", b) for b in block_ids]
-        dst = tpu_sync.placement(self.layout(model), [ids] * self.tp)
+        d, local = self.split(ids)
+        dst = tpu_sync.placement(self.layout(model), [local] * self.tp, dp_rank=d)
         ptrs = self.before_write(ids, num_tokens)
         try:
-            t = endpoint.pull(request_id, peers, src_placement, dst, num_tokens, self.rank_views(),
+            t = endpoint.pull(request_id, peers, src_placement, dst, num_tokens, self._replica_views(d),
                               wait_for_registration=wait_for_registration)
             report = _wait(t, timeout_s)
         except BaseException:

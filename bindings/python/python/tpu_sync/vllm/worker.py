@@ -461,6 +461,16 @@ class WorkerSide:
         jx = JaxKv(runner, backend=str(self.cfg.extra.get("jax_backend", "auto")),
                    block_size=g.block_size if g.kv_order == compat.MLA_ORDER else None,
                    layer_arrays=layer_arrays, layer_group=g.group_of_layer() if g.groups else None)
+        if jx.dp > 1:
+            jx.close()
+            # tpu-inference 0.32.0 core/sched/dp_scheduler.py: one vLLM scheduler per DP rank,
+            # whose connector metadata it merges into type(meta)() keeping only requests_meta,
+            # reqs_to_send and reqs_to_load; its get_kv_connector() is None, so no scheduler
+            # gets the workers' handshake.
+            raise NotImplementedError(f"TpuSyncConnector: a JAX runner whose KV caches are split over the mesh's "
+                                      f"data axis (DP={jx.dp}) is not supported yet: tpu-inference's DP scheduler "
+                                      "passes on only its own connectors' metadata fields and no handshake "
+                                      "(tpu_sync.jax_kv.JaxKv maps such caches on its own; docs/tpu.md)")
         want = tuple(g.layer_shape())
         problems = []
         if jx.num_layers != g.num_layers:
