@@ -1071,11 +1071,7 @@ def test_mamba_worker_refuses_a_state_tensor_of_another_layout(configs):
 
 #: the three ways a worker reaches the tensors: viewed in place, torch's ``Tensor.copy_``, and
 #: torch_tpu's batch_transfer call shape (the stand-in of ``test_torch_kv.py``)
-TPU_BACKENDS = {
-    "view": {},
-    "torch-copy": {"torch_backend": "framework-copy", "torch_copy_api": "torch"},
-    "batch-transfer": {"torch_backend": "framework-copy", "torch_copy_api": "batch_transfer"},
-}
+from test_tpu_engine_layouts import BACKENDS as TPU_BACKENDS, drop_during_loads  # noqa: E402
 
 
 def _tpu_refs():
@@ -1231,19 +1227,7 @@ def test_worker_host_tier_of_rpa3_groups(configs, monkeypatch, backend):
         assert w.stats["saved_blocks"] == 3, w.stats
         w.start_load_kv(TpuSyncMetadata(lookups={"o1": hashes}))
         assert w.build_worker_meta().lookup_hits == {"o1": 3}
-        cp = w.caches.copier
-        if cp is not None:
-            # Another save ends on the saver thread while this load is between the tier's
-            # write into the mirrors and the commit: its drop must not give the loaded
-            # blocks' pages back (before the fix the load committed zeros, silently).
-            real = w.tier.get_groups
-
-            def racing(hashes, ids):
-                n = real(hashes, ids)
-                cp.drop([1])
-                return n
-
-            monkeypatch.setattr(w.tier, "get_groups", racing)
+        drop_during_loads(monkeypatch, w, "get_groups")
         w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o1", hashes, [16, 17, 18], None,
                                                       [[0, 11, 12], [16, 17, 18]])]))
         assert w.stats["loaded_blocks"] == 3 and w.stats["failed_loads"] == 0, w.stats

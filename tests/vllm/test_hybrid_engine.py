@@ -93,24 +93,31 @@ def test_hybrid_pd_decode_matches_plain(engines, plain):
 
 
 def test_hybrid_offload_second_pass_hits_host_tier(engines, plain):
+    res, want = offload_twice(engines, plain, "hybrid_offload", SHM)
+    assert cached(res, 0) == [0] * len(LENS)
+    assert res["worker_stats"]["saved_blocks"] == sum(n // BS for n in LENS)
+    assert res["worker_stats"]["loaded_blocks"] == sum(want) // BS
+    assert res["scheduler_stats"]["failed_loads"] == 0
+
+
+def offload_twice(engines, plain, tag, shm, **extra):
+    """One engine with the host tier (segment ``shm``, removed after) running the prompts twice:
+    both passes token-identical to plain, the second's cached tokens the host tier's (every
+    full block before the last prompt token). Returns (result, cached tokens per prompt)."""
     try:
-        res = engines.run("hybrid_offload", engines.spec(repeat=2, connector=dict(
-            kv_role="kv_both", policy="recompute", extra=dict(shm_name=SHM, host_capacity_bytes=64 << 20))))
+        res = engines.run(tag, engines.spec(repeat=2, connector=dict(
+            kv_role="kv_both", policy="recompute", extra=dict(shm_name=shm, host_capacity_bytes=64 << 20, **extra))))
     finally:
         import tpu_sync
 
         try:
-            tpu_sync.remove_segment(SHM, force=True)
+            tpu_sync.remove_segment(shm, force=True)
         except Exception:
             pass
-    assert toks(res, 0) == toks(plain), "first pass (saves) differs from plain"
-    assert toks(res, 1) == toks(plain), "second pass (loads) differs from plain"
+    assert toks(res, 0) == toks(plain) and toks(res, 1) == toks(plain)
     want = [(n - 1) // BS * BS for n in LENS]
-    assert cached(res, 0) == [0] * len(LENS)
     assert cached(res, 1) == want
-    assert res["worker_stats"]["saved_blocks"] == sum(n // BS for n in LENS)
-    assert res["worker_stats"]["loaded_blocks"] == sum(want) // BS
-    assert res["scheduler_stats"]["failed_loads"] == 0
+    return res, want
 
 
 #: bytes per element of the torch dtypes the CPU engines' KV caches use
@@ -160,21 +167,7 @@ def test_hybrid_offload_through_torch_copies_matches_plain(engines, plain):
     first pass saves (each layer staged at its own group's blocks), the second loads (each
     group's blocks copied into its own layers, the sliding group's null blocks skipped); both
     passes token-identical to plain."""
-    shm = SHM + "-copy"
-    try:
-        res = engines.run("hybrid_offload_copy", engines.spec(repeat=2, connector=dict(
-            kv_role="kv_both", policy="recompute",
-            extra=dict(shm_name=shm, host_capacity_bytes=64 << 20, torch_backend="framework-copy"))))
-    finally:
-        import tpu_sync
-
-        try:
-            tpu_sync.remove_segment(shm, force=True)
-        except Exception:
-            pass
-    assert toks(res, 0) == toks(plain) and toks(res, 1) == toks(plain)
-    want = [(n - 1) // BS * BS for n in LENS]
-    assert cached(res, 1) == want
+    res, want = offload_twice(engines, plain, "hybrid_offload_copy", SHM + "-copy", torch_backend="framework-copy")
     saved, loaded = sum(n // BS for n in LENS), sum(want) // BS
     assert res["worker_stats"]["saved_blocks"] == saved and res["worker_stats"]["loaded_blocks"] == loaded
     assert res["scheduler_stats"]["failed_loads"] == 0
@@ -218,21 +211,7 @@ def test_hybrid_layerwise_pd_matches_plain(engines, plain):
 def test_hybrid_layerwise_offload_matches_plain(engines, plain):
     """Layer-wise host-tier loads with two KV cache groups: each layer written from its own
     group's block (the sliding group's null blocks skipped); second pass token-identical."""
-    shm = SHM + "-lw"
-    try:
-        res = engines.run("hybrid_offload_lw", engines.spec(repeat=2, connector=dict(
-            kv_role="kv_both", policy="recompute",
-            extra=dict(shm_name=shm, host_capacity_bytes=64 << 20, layerwise=True))))
-    finally:
-        import tpu_sync
-
-        try:
-            tpu_sync.remove_segment(shm, force=True)
-        except Exception:
-            pass
-    assert toks(res, 0) == toks(plain) and toks(res, 1) == toks(plain)
-    want = [(n - 1) // BS * BS for n in LENS]
-    assert cached(res, 1) == want
+    res, want = offload_twice(engines, plain, "hybrid_offload_lw", SHM + "-lw", layerwise=True)
     assert res["worker_stats"]["layerwise_loads"] == len(LENS)
     assert res["worker_stats"]["loaded_blocks"] == sum(want) // BS
     assert res["scheduler_stats"]["failed_loads"] == 0

@@ -441,6 +441,22 @@ def sal_tensors(g, rank, slots):
     return out
 
 
+def sal_pd_slots(gs, gd, tokens, src_ids, dst_ids):
+    """The logical K/V slots of a SEQ_ALONG_LANE P/D case: the producer's (the request's tokens
+    at ``src_ids``), the consumer's before (other KV), and after (the producer's blocks, whole,
+    at ``dst_ids``: an opaque region moves with its unused token slots)."""
+    s_slots = sal_slots(gs, tokens, src_ids, seed=3, fill_seed=11)
+    d_slots = sal_slots(gd, 0, dst_ids, seed=3, fill_seed=12)
+    w_slots = []
+    for (sk, sv), (dk, dv) in zip(s_slots, d_slots):
+        wk, wv = dk.copy(), dv.copy()
+        for a, b in zip(src_ids, dst_ids):
+            wk[b * SAL_BS:(b + 1) * SAL_BS] = sk[a * SAL_BS:(a + 1) * SAL_BS]
+            wv[b * SAL_BS:(b + 1) * SAL_BS] = sv[a * SAL_BS:(a + 1) * SAL_BS]
+        w_slots.append((wk, wv))
+    return s_slots, d_slots, w_slots
+
+
 def test_geometry_of_the_seq_along_lane_cache_matches_its_shape_formula(configs, monkeypatch):
     import copy
     import types
@@ -501,15 +517,7 @@ def test_worker_pd_reshards_seq_along_lane_caches_byte_exact(configs, monkeypatc
     tokens = 300  # 3 blocks of 128, the last one partial
     src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
     gs, gd = sal_geometry(heads, dim, dtype, src_tp), sal_geometry(heads, dim, dtype, dst_tp)
-    s_slots = sal_slots(gs, tokens, src_ids, seed=3, fill_seed=11)
-    d_slots = sal_slots(gd, 0, dst_ids, seed=3, fill_seed=12)
-    w_slots = []
-    for (sk, sv), (dk, dv) in zip(s_slots, d_slots):
-        wk, wv = dk.copy(), dv.copy()
-        for a, b in zip(src_ids, dst_ids):
-            wk[b * SAL_BS:(b + 1) * SAL_BS] = sk[a * SAL_BS:(a + 1) * SAL_BS]
-            wv[b * SAL_BS:(b + 1) * SAL_BS] = sv[a * SAL_BS:(a + 1) * SAL_BS]
-        w_slots.append((wk, wv))
+    s_slots, d_slots, w_slots = sal_pd_slots(gs, gd, tokens, src_ids, dst_ids)
     src = [sal_tensors(gs, r, s_slots) for r in range(src_tp)]
     dst = [sal_tensors(gd, r, d_slots) for r in range(dst_tp)]
     want = [sal_tensors(gd, r, w_slots) for r in range(dst_tp)]
@@ -527,6 +535,24 @@ def test_worker_pd_reshards_seq_along_lane_caches_byte_exact(configs, monkeypatc
             assert st["backend"] == want_backend, st
 
 
+def drop_during_loads(monkeypatch, w, method):
+    """With framework copies: every host-tier load of worker ``w`` (``w.tier.<method>``) is
+    followed, between the tier's write into the mirrors and the commit, by a drop of another
+    block, as when a save ends on the saver thread then; the load must keep its blocks' pages
+    (before the fix it committed zeros, silently)."""
+    cp = w.caches.copier
+    if cp is None:
+        return
+    real = getattr(w.tier, method)
+
+    def racing(hashes, ids):
+        n = real(hashes, ids)
+        cp.drop([1])
+        return n
+
+    monkeypatch.setattr(w.tier, method, racing)
+
+
 def tier_round_trip(configs, monkeypatch, backend, g, kv, split=1):
     """Saves blocks 3..5 of TP rank 1's ``kv`` to a worker's host tier and loads them into blocks
     12..14: those become copies of 3..5 (which differed before), every other block unchanged.
@@ -540,18 +566,7 @@ def tier_round_trip(configs, monkeypatch, backend, g, kv, split=1):
         w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [3, 4, 5])]))
         assert w.flush_saves(30)
         assert w.stats["saved_blocks"] == 3
-        cp = w.caches.copier
-        if cp is not None:
-            # Another save ends on the saver thread between the tier's write into the mirrors
-            # and the commit: its drop must leave the loaded blocks (else zeros are committed).
-            real = w.tier.get
-
-            def racing(hashes, ids):
-                n = real(hashes, ids)
-                cp.drop([1])
-                return n
-
-            monkeypatch.setattr(w.tier, "get", racing)
+        drop_during_loads(monkeypatch, w, "get")
         w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o1", hashes, [12, 13, 14])]))
         assert w.stats["loaded_blocks"] == 3 and w.stats["failed_loads"] == 0, w.stats
         for n in NAMES:
@@ -888,15 +903,7 @@ def test_worker_pd_of_seq_along_lane_kernel_pages(configs, monkeypatch, backend,
     tokens = 300
     src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
     gs, gd = sal_geometry(8, 128, "bf16", 2), sal_geometry(8, 128, "bf16", 1)
-    s_slots = sal_slots(gs, tokens, src_ids, seed=3, fill_seed=11)
-    d_slots = sal_slots(gd, 0, dst_ids, seed=3, fill_seed=12)
-    w_slots = []
-    for (sk, sv), (dk, dv) in zip(s_slots, d_slots):
-        wk, wv = dk.copy(), dv.copy()
-        for a, b in zip(src_ids, dst_ids):
-            wk[b * SAL_BS:(b + 1) * SAL_BS] = sk[a * SAL_BS:(a + 1) * SAL_BS]
-            wv[b * SAL_BS:(b + 1) * SAL_BS] = sv[a * SAL_BS:(a + 1) * SAL_BS]
-        w_slots.append((wk, wv))
+    s_slots, d_slots, w_slots = sal_pd_slots(gs, gd, tokens, src_ids, dst_ids)
 
     def paged(kv, split):
         return sal_kernel_pages(kv, split) if split > 1 else kv

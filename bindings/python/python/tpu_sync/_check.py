@@ -169,3 +169,22 @@ def _short(v: Any) -> str:
     except Exception:  # a repr that raises
         return "(unprintable)"
     return r if len(r) <= 60 else r[:57] + "..."
+
+
+#: vLLM's null block (``BlockPool``'s block 0): in per-group block lists, a block a group does not
+#: hold (e.g. outside a sliding window), never copied.
+NULL_BLOCK_ID = 0
+
+
+def per_group(block_ids: Any) -> bool:
+    """Whether ``block_ids`` is one list per KV cache group (``[[...], ...]``) rather than flat."""
+    ids = list(block_ids)
+    return bool(ids) and isinstance(ids[0], (list, tuple))
+
+
+def flat_block_ids(block_ids: Any) -> List[int]:
+    """Every block id of a flat list, or of per-group lists with the null blocks left out."""
+    if per_group(block_ids):
+        return [int(b) for g in block_ids for b in g if int(b) != NULL_BLOCK_ID]
+    return [int(b) for b in block_ids]
+

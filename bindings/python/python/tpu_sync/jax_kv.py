@@ -67,8 +67,7 @@ from . import _check as ck
 from .errors import InvalidArgumentError, MismatchError, UnsupportedError
 from ._native import lib
 
-#: vLLM's null block (id 0): in per-group block lists, a block a group does not hold.
-NULL_BLOCK_ID = 0
+NULL_BLOCK_ID = ck.NULL_BLOCK_ID
 
 log = logging.getLogger("tpu_sync.jax")
 
@@ -446,10 +445,8 @@ class JaxKv:
 
     @staticmethod
     def _flat(block_ids: Any) -> List[int]:
-        ids = list(block_ids)
-        if ids and isinstance(ids[0], (list, tuple)):
-            return [int(b) for g in ids for b in g if int(b) != NULL_BLOCK_ID]
-        return [int(b) for b in ids]
+        """Every block id of a flat list or of per-group lists (null blocks of groups skipped)."""
+        return ck.flat_block_ids(block_ids)
 
     def gather(self, block_ids: Sequence[int]) -> Dict[int, List[Any]]:
         """``framework-copy`` D2H: the blocks ``block_ids`` of every layer, copied by JAX into

@@ -78,9 +78,7 @@ TORCH_DTYPES = {
     "torch.uint8": "u8",
 }
 
-#: vLLM's null block (``BlockPool``'s block 0): in per-group block lists, a block a group does not
-#: hold (e.g. outside a sliding window), never copied.
-NULL_BLOCK_ID = 0
+NULL_BLOCK_ID = ck.NULL_BLOCK_ID
 
 #: Where torch_tpu's batched copies live (torch_tpu 0.2.0).
 BATCH_TRANSFER_MODULE = "torch_tpu._internal.batch_transfer"
@@ -332,10 +330,7 @@ class TorchKv:
     @staticmethod
     def _flat(block_ids: Any) -> List[int]:
         """Every block id of a flat list or of per-group lists (null blocks of groups skipped)."""
-        ids = list(block_ids)
-        if ids and isinstance(ids[0], (list, tuple)):
-            return [int(b) for g in ids for b in g if int(b) != NULL_BLOCK_ID]
-        return [int(b) for b in ids]
+        return ck.flat_block_ids(block_ids)
 
     # -- framework-copy -------------------------------------------------------------------------
 
