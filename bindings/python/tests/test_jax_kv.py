@@ -417,3 +417,23 @@ def test_pd_with_data_parallel_shards(direction, backend):
     # Ids of two replicas in one request are refused by name.
     with pytest.raises(tpu_sync.errors.InvalidArgumentError, match="DP replicas"):
         (pk if src_dp else ck).split([1, DP_NB + 1])
+
+
+def test_data_axis_grouped_with_another_axis_counts_every_replica():
+    """Attention DP may shard the blocks over the data axis grouped with another
+    (``P(("data", "attn_dp"), None, "model")``): DP is the product of their sizes, every
+    replica's shard maps to its own ranks, and a block of the last replica reads back its bytes
+    (framework copies)."""
+    devs = devices_or_skip(8)
+    mesh = Mesh(np.array(devs[:8]).reshape(2, 2, 2), ("data", "attn_dp", "model"))
+    nb = 16
+    rng = np.random.default_rng(9)
+    glob = rng.integers(1, 65535, size=(nb, 16, 8, 2, 128), dtype=np.uint16)
+    a = jax.device_put(glob.view(ml_dtypes.bfloat16), NamedSharding(mesh, P(("data", "attn_dp"), None, "model")))
+    k = JaxKv(Runner([a]), backend="framework-copy")
+    assert (k.dp, k.tp, k.num_blocks, k.ranks) == (4, 2, 4, list(range(8)))
+    assert k.split([13, 14]) == (3, [1, 2])
+    got = k.gather([13, 14])
+    assert sorted(got) == [6, 7]
+    for t, r in enumerate((6, 7)):
+        assert np.array_equal(got[r][0], glob[[13, 14], :, 4 * t:4 * (t + 1)]), r

@@ -205,9 +205,15 @@ class JaxKv:
         mesh = getattr(self.sharding, "mesh", None)
         sizes = dict(mesh.shape) if mesh is not None else {}
         data_dim = _axis_of(spec, data_axis)
-        #: data-parallel shards of the block ids (tpu-inference's ``data`` axis on dimension 0):
-        #: DP replica ``d`` holds global blocks ``d * num_blocks .. (d + 1) * num_blocks - 1``
-        self.dp = int(sizes.get(data_axis, 1)) if data_dim is not None else 1
+        #: data-parallel shards of the block ids (tpu-inference's ``data`` axis on dimension 0,
+        #: alone or grouped with other axes there, e.g. attention DP's ``("data", "attn_dp")``:
+        #: the product of their sizes): DP replica ``d`` holds global blocks ``d * num_blocks ..
+        #: (d + 1) * num_blocks - 1``
+        self.dp = 1
+        if data_dim is not None:
+            entry = spec[data_dim]
+            for name in (entry if isinstance(entry, tuple) else (entry,)):
+                self.dp *= int(sizes.get(name, 1))
         if self.dp > 1 and data_dim != 0:
             raise _fail(UnsupportedError, f"the KV caches are split over mesh axis {data_axis!r} on dimension "
                         f"{data_dim}: only a split of the blocks (dimension 0) is mapped")
@@ -258,6 +264,10 @@ class JaxKv:
                     raise _fail(UnsupportedError, f"TP rank {r}'s KV shard is on more than one device "
                                 "(a data axis not in the sharding): not mapped yet")
                 self._rank_of[s.device] = d * self.tp + r
+        if self.shard_shape[0] * self.dp != int(a0.shape[0]):
+            raise _fail(UnsupportedError, f"shards of {self.shard_shape[0]} blocks of {int(a0.shape[0])} for "
+                        f"{self.dp} data-parallel replicas: a split of the blocks over other mesh axes is not "
+                        "mapped")
         #: tpu_sync ranks held here (``dp_rank * tp + tp_rank``; the TP ranks when DP is 1)
         self.ranks: List[int] = sorted(self._rank_of.values())
         #: blocks per shard (per DP replica); with DP the methods take global block ids
