@@ -1124,10 +1124,12 @@ def rpa3_group_tensor(g, rank, tokens, held, seed, fill_seed):
     return t.view(torch.bfloat16), merged
 
 
+@pytest.mark.parametrize("split", [1, 2], ids=["blocks", "kernel-pages"])
 @pytest.mark.parametrize("backend", sorted(TPU_BACKENDS))
-def test_worker_pd_of_rpa3_groups_byte_exact(configs, monkeypatch, backend):
+def test_worker_pd_of_rpa3_groups_byte_exact(configs, monkeypatch, backend, split):
     """P/D TP=2 -> 1 between worker sides holding vLLM-TorchTPU's two groups in RPA v3 caches
-    (one tensor per rank shared by the sliding and the full layer): the decode's tensor gets
+    (one tensor per rank shared by the sliding and the full layer; on the decode also in kernel
+    pages of half the scheduler's block): the decode's tensor gets
     the full layer's 100 tokens at the full group's blocks and the sliding layer's window
     (tokens 53..99: ``T + 1 - window`` on) at the sliding group's blocks, byte-exact against
     the kernels' ``merge_kv`` reference; every other token slot of those blocks, every other
@@ -1159,7 +1161,10 @@ def test_worker_pd_of_rpa3_groups_byte_exact(configs, monkeypatch, backend):
             monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda r=r: r)
             w.register_kv_caches({L0: src[r], L1: src[r]})
         monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
-        cons.register_kv_caches({L0: dst, L1: dst})
+        # split 2: the decode's kernel runs 16-token pages of the 32-token scheduler block, its
+        # one tensor [NUM_BLOCKS * 2, 16, R, P, D'] (token-major: the same bytes).
+        paged = dst.view((NUM_BLOCKS * split, BS // split) + tuple(dst.shape[2:]))
+        cons.register_kv_caches({L0: paged, L1: paged})
         for w in prods:
             w.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 78, held_src, tokens, 60.0, 1)]))
             assert w.stats["registered"] == 1, w.stats

@@ -40,7 +40,10 @@ each DP replica's shards hold ``num_blocks`` blocks of their own, and the method
 block ids as tpu-inference's scheduler gives them (replica ``d`` holds ``d * num_blocks ..``;
 one request's blocks are in one replica). The shard of DP replica ``d`` and TP rank ``t`` is
 tpu_sync rank ``d * tp + t`` of a layout with ``dp = DP``, and a request's placement names its
-replica (``dp_rank``), so the planner reshards between DP and non-DP layouts.
+replica (``dp_rank``), so the planner reshards between DP and non-DP layouts. With
+``framework-copy`` a commit's update is put on the devices of every replica (its rows are not
+split over the data axis; each replica's scatter keeps the rows of its own shard), so the H2D
+moves DP times the blocks' bytes (``h2d_bytes`` counts them once).
 
 Not mapped (refused with the reason): a data axis on another dimension than the blocks, an MLA
 cache split over the ``kv_context`` axis (PCP/DCP in the mesh), KV cache groups with DP, tiled
