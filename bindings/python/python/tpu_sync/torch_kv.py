@@ -389,18 +389,16 @@ class TorchKv:
             self._hold(ids)
         if self.bundle is not None:
             return self._stage_bundle(torch, bits, parts[0][1])
-        pending = [self._stage_layers(torch, bits, layers, ids) for layers, ids in parts]
-        if all(f is None for f, _, _ in pending):
-            self._count("stages", "d2h_bytes", sum(n for _, n, _ in pending), sum(c for _, _, c in pending))
+        layer_blocks = sum(len(ids) * len(layers) for layers, ids in parts)
+        if self._bt is None:
+            copies = 0
+            for layers, ids in parts:
+                runs = _runs(ids)
+                _copy_runs([self._mirrors[i] for i in layers], [self.tensors[i].view(bits) for i in layers], runs)
+                copies += len(runs) * len(layers)
+            self._count("stages", "d2h_bytes", layer_blocks, copies)
             return _nothing
-
-        def finish() -> None:
-            for f, _, _ in pending:
-                if f is not None:
-                    f()
-            self._count("stages", "d2h_bytes", sum(n for _, n, _ in pending), sum(c for _, _, c in pending))
-
-        return finish
+        return self._stage_batched(torch, bits, parts, layer_blocks)
 
     def _stage_bundle(self, torch: Any, bits: Any, ids: List[int]) -> Callable[[], None]:
         """A stage of every layer of a block-major bundle: one D2H of ``bundle[ids]`` (one per
@@ -432,34 +430,35 @@ class TorchKv:
 
         return finish_bundle
 
-    def _stage_layers(self, torch: Any, bits: Any, layers: List[int], ids: List[int]
-                      ) -> Tuple[Optional[Callable[[], None]], int, int]:
-        """Issues the D2H of blocks ``ids`` of ``layers`` into their mirrors; returns what is
-        left to wait for (None: done), the layer-blocks and the device copies."""
-        runs = _runs(ids)
-        caches = [self.tensors[i].view(bits) for i in layers]
-        mirrors = [self._mirrors[i] for i in layers]
+    def _stage_batched(self, torch: Any, bits: Any, parts: List[Tuple[List[int], List[int]]],
+                       layer_blocks: int) -> Callable[[], None]:
+        """torch_tpu's batched D2H of every ``(layers, ids)`` pair in one call (each layer's
+        blocks gathered on the device at its own ids, KV cache groups included); the mirrors
+        are completed by the returned ``finish``."""
         bt = self._bt
-        if bt is None:
-            _copy_runs(mirrors, caches, runs)
-            return None, len(ids) * len(layers), len(runs) * len(caches)
-        idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        src = [torch.index_select(t, 0, idx) for t in caches]
-        single = len(runs) == 1
-        dst = ([m[runs[0][0]:runs[0][1]] for m in mirrors] if single else
-               [torch.empty(x.shape, dtype=bits, device="cpu") for x in src])
+        src, dst, fills = [], [], []
+        for layers, ids in parts:
+            runs = _runs(ids)
+            idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            single = len(runs) == 1
+            for i in layers:
+                src.append(torch.index_select(self.tensors[i].view(bits), 0, idx))
+                if single:
+                    dst.append(self._mirrors[i][runs[0][0]:runs[0][1]])  # straight into the mirror
+                else:
+                    dst.append(torch.empty(src[-1].shape, dtype=bits, device="cpu"))
+                    fills.append((self._mirrors[i], ids, dst[-1]))
         asynchronous = hasattr(bt, "batch_transfer_d2h")
         fut = bt.batch_transfer_d2h(src, dst) if asynchronous else bt.batch_transfer_d2h_sync(src, dst)
 
         def finish() -> None:
             if asynchronous:
                 fut.wait()  # keeps src and dst alive until the DMA is done
-            if not single:
-                hidx = torch.tensor(ids, dtype=torch.int64)
-                for m, d in zip(mirrors, dst):
-                    m.index_copy_(0, hidx, d)
+            for m, ids, d in fills:
+                m.index_copy_(0, torch.tensor(ids, dtype=torch.int64), d)
+            self._count("stages", "d2h_bytes", layer_blocks, len(src))
 
-        return finish, len(ids) * len(layers), len(src)
+        return finish
 
     def commit(self, block_ids: Any) -> None:
         """``framework-copy``: copies blocks ``block_ids`` of every layer from the host mirrors
@@ -493,29 +492,31 @@ class TorchKv:
                     bundle[a:b].copy_(torch.stack([m[a:b] for m in self._mirrors], dim=1))
                 self._count("commits", "h2d_bytes", len(ids) * len(self._mirrors), len(runs))
             return
-        layer_blocks = copies = 0
+        layer_blocks = sum(len(ids) * len(layers) for layers, ids in parts)
+        if self._bt is None:
+            copies = 0
+            for layers, ids in parts:
+                runs = _runs(ids)
+                _copy_runs([self.tensors[i].view(bits) for i in layers], [self._mirrors[i] for i in layers], runs)
+                copies += len(runs) * len(layers)
+            self._count("commits", "h2d_bytes", layer_blocks, copies)
+            return
+        # torch_tpu's batched H2D of every layer's blocks (every group's) in one call, then
+        # each layer's index_put_ at its own ids.
+        src, puts = [], []
         for layers, ids in parts:
             runs = _runs(ids)
-            caches = [self.tensors[i].view(bits) for i in layers]
-            mirrors = [self._mirrors[i] for i in layers]
-            layer_blocks += len(ids) * len(layers)
-            if self._bt is not None:
-                if len(runs) == 1:
-                    a, b = runs[0]
-                    src = [m[a:b] for m in mirrors]
-                else:
-                    hidx = torch.tensor(ids, dtype=torch.int64)
-                    src = [torch.index_select(m, 0, hidx) for m in mirrors]
-                dev = [torch.empty(s.shape, dtype=bits, device=self.device) for s in src]
-                self._bt.batch_transfer_h2d_sync(src, dev)
-                idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
-                for t, d in zip(caches, dev):
-                    t.index_put_((idx,), d)
-                copies += len(src)
-            else:
-                _copy_runs(caches, mirrors, runs)
-                copies += len(runs) * len(caches)
-        self._count("commits", "h2d_bytes", layer_blocks, copies)
+            hidx = None if len(runs) == 1 else torch.tensor(ids, dtype=torch.int64)
+            idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            for i in layers:
+                m = self._mirrors[i]
+                src.append(m[runs[0][0]:runs[0][1]] if hidx is None else torch.index_select(m, 0, hidx))
+                puts.append((self.tensors[i].view(bits), idx))
+        dev = [torch.empty(x.shape, dtype=bits, device=self.device) for x in src]
+        self._bt.batch_transfer_h2d_sync(src, dev)
+        for (t, idx), d in zip(puts, dev):
+            t.index_put_((idx,), d)
+        self._count("commits", "h2d_bytes", layer_blocks, len(src))
 
     def _hold(self, ids: Sequence[int]) -> None:
         with self._lock:
