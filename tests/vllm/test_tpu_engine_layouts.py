@@ -942,8 +942,18 @@ def test_worker_pd_of_a_bundle_of_kernel_pages(configs, monkeypatch, backend, di
     dst = [side(gd, 0, 0, dst_ids, 3, 12, to_bundle)]
     want = [side(gd, 0, tokens, dst_ids, 3, 12, to_bundle)]
     src_before = [{n: t.clone() for n, t in r.items()} for r in src]
-    with pd_workers(configs, monkeypatch, gs, gd, src, dst, BACKENDS[backend], 99, src_ids, dst_ids, tokens):
+    with pd_workers(configs, monkeypatch, gs, gd, src, dst, BACKENDS[backend], 99, src_ids, dst_ids,
+                    tokens) as (prods, conss):
         assert_pd_bytes(dst, want, src, src_before)
+        # The bundle side moves every layer of a block's pages in one device copy: a stage of
+        # [5, 9, 2] (or a commit of [11, 3, 7]) is one batched call, or one Tensor.copy_ per run
+        # (3 runs) with torch's copies, not one per layer too.
+        for w in (conss if to_bundle else prods):
+            st = w.adapter_stats
+            assert st["bundle_wide"], st
+            op = 1 if backend == "batch-transfer" else 3
+            # the decode also stages its partial last block first (one more op of one block)
+            assert st["device_copies"] == (op + 1 if to_bundle else op), st
 
 
 def test_worker_host_tier_store_then_load_kernel_pages_in_other_layouts(configs, monkeypatch, backend):

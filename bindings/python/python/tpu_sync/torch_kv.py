@@ -26,7 +26,9 @@ reason in :attr:`TorchKv.backend_reason` and :meth:`TorchKv.stats`):
   cache. When the views are exactly the bundle's layers in order (:attr:`TorchKv.bundle`), each
   device copy moves every layer of its blocks at once (a stage: one D2H of ``bundle[ids]``, then
   host copies into the per-layer mirrors; a commit: the mirrors' blocks stacked on the host, one
-  H2D, one ``index_put_``), which is what the bundle is for; otherwise one copy per layer. The
+  H2D, one ``index_put_``), which is what the bundle is for, also when the views are kernel pages
+  seen as scheduler blocks (the bundle then ``[num_blocks, s, layers, kernel_block_size, ...]``);
+  otherwise one copy per layer. The
   copy API (:attr:`TorchKv.copy_api`):
 
   - ``"batch_transfer"``: torch_tpu's batched copies, as vLLM-TorchTPU's own ``TPUConnector``
@@ -192,9 +194,15 @@ class TorchKv:
         #: rows (blocks further apart than a block), or logical views whose blocks are not
         #: contiguous (kernel pages seen as scheduler blocks: only framework copies move them)
         self.strided = not all(t.is_contiguous() for t in tensors)
-        #: ``[num_blocks, layers, ...]``: the block-major bundle whose layers ``tensors`` are, in
-        #: order (:func:`_bundle_of`), which framework copies move whole; None otherwise
-        self.bundle = _bundle_of(tensors) if self.strided and self.num_groups == 1 else None
+        #: ``[num_blocks, layers, ...]`` (or ``[num_blocks, s, layers, ...]`` for kernel pages):
+        #: the block-major bundle whose layers ``tensors`` are, in order, on axis
+        #: :attr:`bundle_axis` (:func:`_bundle_of`), which framework copies move whole; None
+        #: otherwise
+        self.bundle: Any = None
+        self.bundle_axis = 1
+        found = _bundle_of(tensors) if self.strided and self.num_groups == 1 else None
+        if found is not None:
+            self.bundle, self.bundle_axis = found
         if backend == "auto":
             if host and not self.strided:
                 backend, why = "pjrt-view", "the tensors are in host memory: viewed in place"
@@ -411,7 +419,7 @@ class TorchKv:
             for a, b in runs:
                 host = bundle[a:b].to("cpu")  # one D2H of every layer (no copy on the CPU)
                 for layer, m in enumerate(mirrors):
-                    m[a:b].copy_(host[:, layer])
+                    m[a:b].copy_(host.select(self.bundle_axis, layer))
             self._count("stages", "d2h_bytes", len(ids) * len(mirrors), len(runs))
             return _nothing
         idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
@@ -425,7 +433,7 @@ class TorchKv:
                 fut.wait()  # keeps src and dst alive until the DMA is done
             hidx = torch.tensor(ids, dtype=torch.int64)
             for layer, m in enumerate(mirrors):
-                m.index_copy_(0, hidx, dst[0][:, layer])
+                m.index_copy_(0, hidx, dst[0].select(self.bundle_axis, layer))
             self._count("stages", "d2h_bytes", len(ids) * len(mirrors), 1)
 
         return finish_bundle
@@ -481,7 +489,7 @@ class TorchKv:
             if self._bt is not None:
                 hidx = torch.tensor(ids, dtype=torch.int64)
                 # The blocks of every layer side by side on the host: one H2D, one index_put_.
-                src = [torch.stack([torch.index_select(m, 0, hidx) for m in self._mirrors], dim=1)]
+                src = [torch.stack([torch.index_select(m, 0, hidx) for m in self._mirrors], dim=self.bundle_axis)]
                 dev = [torch.empty(src[0].shape, dtype=bits, device=self.device)]
                 self._bt.batch_transfer_h2d_sync(src, dev)
                 bundle.index_put_((torch.tensor(ids, dtype=torch.int64, device=self.device),), dev[0])
@@ -489,7 +497,7 @@ class TorchKv:
             else:
                 runs = _runs(ids)
                 for a, b in runs:
-                    bundle[a:b].copy_(torch.stack([m[a:b] for m in self._mirrors], dim=1))
+                    bundle[a:b].copy_(torch.stack([m[a:b] for m in self._mirrors], dim=self.bundle_axis))
                 self._count("commits", "h2d_bytes", len(ids) * len(self._mirrors), len(runs))
             return
         layer_blocks = sum(len(ids) * len(layers) for layers, ids in parts)
@@ -620,29 +628,41 @@ def _copy_runs(dsts: Sequence[Any], srcs: Sequence[Any], runs: Sequence[Tuple[in
             d[a:b].copy_(s[a:b])
 
 
-def _bundle_of(tensors: Sequence[Any]) -> Any:
-    """The ``[num_blocks, layers, ...]`` tensor whose layers ``0..layers-1`` are ``tensors``, in
-    order, as vLLM-TorchTPU's block-major bundle binds them (``bundle[:, layer]``), viewed over
-    the same storage; None when they are not exactly that (views of different tensors, another
-    layer order or stride, a gap between layers). Only the tensors' metadata is read."""
+def _bundle_of(tensors: Sequence[Any]) -> Optional[Tuple[Any, int]]:
+    """``(bundle, axis)``: the tensor whose index ``layer`` on axis ``axis`` is ``tensors[layer]``,
+    viewed over the same storage, as vLLM-TorchTPU's block-major bundle binds its layers:
+    ``[num_blocks, layers, ...]`` (axis 1) for the views ``bundle[:, layer]``, or ``[num_blocks,
+    s, layers, ...]`` (axis 2) for those views of kernel pages seen as scheduler blocks
+    (``[num_blocks, s, kernel_block_size, ...]``, each a block's ``s`` pages a bundle row apart).
+    None when they are not exactly that (views of different tensors, another layer order or
+    stride, a gap between layers). Only the tensors' metadata is read."""
     t0 = tensors[0]
     base = getattr(t0, "_base", None)
     n = len(tensors)
     if base is None or n < 2:
         return None
-    block = int(t0[0].numel())
-    if int(t0.stride(0)) != n * block:
-        return None
-    for layer, t in enumerate(tensors):
-        if (getattr(t, "_base", None) is not base or tuple(t.stride()) != tuple(t0.stride())
-                or int(t.storage_offset()) != int(t0.storage_offset()) + layer * block):
+    for axis in (1, 2):
+        if t0.dim() <= axis:
+            break
+        # unit: one layer's part of a bundle row (a block, or a kernel page)
+        unit = int(t0[(0,) * axis].numel())
+        outer = [int(d) for d in t0.shape[:axis]]
+        # The rows of the bundle: row-major over the block dimensions, n units each.
+        want = [n * unit * math.prod(outer[i + 1:]) for i in range(axis)]
+        if [int(x) for x in t0.stride()[:axis]] != want:
+            continue
+        if any(getattr(t, "_base", None) is not base or tuple(t.stride()) != tuple(t0.stride())
+               or int(t.storage_offset()) != int(t0.storage_offset()) + layer * unit
+               for layer, t in enumerate(tensors)):
+            continue  # e.g. kernel pages: a bundle row holds a page of each layer, not a block
+        try:
+            return (t0.as_strided(tuple(outer) + (n,) + tuple(t0.shape[axis:]),
+                                  tuple(want) + (unit,) + tuple(t0.stride()[axis:])), axis)
+        except RuntimeError as e:  # a framework that cannot view it: per-layer copies
+            log.info("tpu_sync.torch: the bundle of the per-layer views cannot be viewed (%s): one copy per layer",
+                     e)
             return None
-    try:
-        return t0.as_strided((int(t0.shape[0]), n) + tuple(t0.shape[1:]),
-                             (n * block, block) + tuple(t0.stride()[1:]))
-    except RuntimeError as e:  # a framework that cannot view it: per-layer copies
-        log.info("tpu_sync.torch: the bundle of the per-layer views cannot be viewed (%s): one copy per layer", e)
-        return None
+    return None
 
 
 def rows_contiguous(t: Any) -> bool:
