@@ -188,3 +188,11 @@ def flat_block_ids(block_ids: Any) -> List[int]:
         return [int(b) for g in block_ids for b in g if int(b) != NULL_BLOCK_ID]
     return [int(b) for b in block_ids]
 
+
+def last_block_ids(block_ids: Any) -> Any:
+    """The last block of a flat list (``[b]``), or of each group's list with the null blocks
+    left out (``[[b], ...]``): where a pull ends inside a block."""
+    if per_group(block_ids):
+        return [[b for b in g if int(b) != NULL_BLOCK_ID][-1:] for g in block_ids]
+    return list(block_ids)[-1:]
+

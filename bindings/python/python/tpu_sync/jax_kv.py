@@ -441,7 +441,7 @@ class JaxKv:
         Raises:
             InvalidArgumentError: per-group lists for another number of groups, ids out of range."""
         ids = list(block_ids)
-        if ids and isinstance(ids[0], (list, tuple)):
+        if ck.per_group(ids):
             if len(ids) != self.num_groups:
                 raise _fail(InvalidArgumentError, f"block ids for {len(ids)} KV cache groups; the layers are in "
                             f"{self.num_groups}")
@@ -709,11 +709,7 @@ class JaxKv:
             if self._flat(partial):
                 self.stage(partial)
         elif block_ids and num_tokens % self.block_size:
-            ids = list(block_ids)
-            if isinstance(ids[0], (list, tuple)):
-                self.stage([[b for b in g if int(b) != NULL_BLOCK_ID][-1:] for g in ids])
-            else:
-                self.stage(ids[-1:])
+            self.stage(ck.last_block_ids(block_ids))
         return self.pointers()
 
     def after_write(self, block_ids: Sequence[int], ptrs: Tuple[int, ...]) -> None:

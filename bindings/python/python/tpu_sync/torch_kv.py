@@ -315,7 +315,7 @@ class TorchKv:
             InvalidArgumentError: per-group lists for another number of groups;
             IndexError: a block id out of range."""
         ids = list(block_ids)
-        if ids and isinstance(ids[0], (list, tuple)):
+        if ck.per_group(ids):
             if len(ids) != self.num_groups:
                 raise _fail(InvalidArgumentError, f"block ids for {len(ids)} KV cache groups; the layers are in "
                             f"{self.num_groups}")
@@ -589,11 +589,7 @@ class TorchKv:
             return ()
         partial = self.block_size is None or num_tokens % self.block_size != 0
         if partial and parts:
-            ids = list(block_ids)
-            if isinstance(ids[0], (list, tuple)):
-                self.stage([[b for b in g if int(b) != NULL_BLOCK_ID][-1:] for g in ids])
-            else:
-                self.stage(ids[-1:])
+            self.stage(ck.last_block_ids(block_ids))
         for _, ids in parts:
             self._hold(ids)  # written by tpu_sync until after_write drops them
         return ()

@@ -55,7 +55,7 @@ SAL_SUBLANES = 8
 
 #: vLLM's null block (``BlockPool.null_block``, the pool's first block, id 0): stands for the
 #: blocks a sliding-window group no longer holds; never a request's own KV.
-NULL_BLOCK_ID = 0
+from .._check import NULL_BLOCK_ID  # noqa: E402  (one definition, shared with the adapters)
 
 #: Version of the ``kv_transfer_params`` this connector produces and accepts.
 PARAMS_VERSION = 1

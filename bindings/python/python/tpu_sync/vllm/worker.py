@@ -1695,8 +1695,10 @@ def _op_ids(op: Any) -> Any:
 
 def _flat_ids(ids: Any) -> List[int]:
     """Block ids of a spec: a list, or one list per KV cache group (vLLM's groups share one
-    block pool, so the ids are distinct)."""
-    return [int(b) for g in ids for b in (g if isinstance(g, (list, tuple)) else [g]) if b != NULL_BLOCK_ID]
+    block pool, so the ids are distinct; their null blocks left out)."""
+    from tpu_sync import _check
+
+    return _check.flat_block_ids(ids)
 
 
 def _is_unknown_request(e: BaseException) -> bool:
