@@ -11,13 +11,17 @@ tpu-inference's runner around the arrays only.
 
 P/D between the worker sides over loopback TCP (TP=4 -> 2 and 2 -> 4, bf16 and fp8, head_dim 128
 and the head_dim-64 kernel's cache, both back ends), and host-tier store then load: byte-exact,
-every other block and the producer's caches unchanged.
+every other block and the producer's caches unchanged. Under tpu-inference's DP scheduler (the
+``data`` axis on the blocks): its merge of the ranks' connector metadata restated, around the
+connector's scheduler sides and around vLLM's own ``Scheduler`` per DP rank.
 """
 
 import os
+import pickle
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,10 +35,12 @@ jax.config.update("jax_platforms", "cpu")
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from test_connector import configs, connector, vllm_config  # noqa: E402,F401  (fixtures)
+from test_connector import FakeManager, blocks, configs, connector, request, sched_out, tokens, vllm_config  # noqa: E402,F401
 from test_tpu_engine_layouts import geometry, worker  # noqa: E402
 from tpu_sync.jax_kv import JaxKv  # noqa: E402
+from tpu_sync.vllm.config import ConnectorConfig  # noqa: E402
 from tpu_sync.vllm.metadata import RecvSpec, SendSpec, TierOp, TpuSyncMetadata  # noqa: E402
+from tpu_sync.vllm.worker import WorkerSide  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "bindings", "python", "tests"))
@@ -52,18 +58,19 @@ def rank_caches(g, tokens, ids, seed, fill_seed):
     np_t = DTYPES[g.dtype]
     packing = 4 // np.dtype(np_t).itemsize
     hd64 = g.kv_order == "rpa3hd64"
+    bs = g.block_size
     out = []
     for r in range(g.tp):
         sl = slice(r * g.heads_per_rank, (r + 1) * g.heads_per_rank)
         per = []
         for layer in range(LAYERS):
-            fk, fv = logical_kv(layer, NB * BS, g.num_kv_heads, g.head_dim, np_t, fill_seed)
-            cache = merge_kv(fk[:, sl], fv[:, sl], packing, hd64).reshape((NB, BS) + g.layer_shape()[1:]).copy()
+            fk, fv = logical_kv(layer, NB * bs, g.num_kv_heads, g.head_dim, np_t, fill_seed)
+            cache = merge_kv(fk[:, sl], fv[:, sl], packing, hd64).reshape((NB, bs) + g.layer_shape()[1:]).copy()
             if tokens:
                 k, v = logical_kv(layer, tokens, g.num_kv_heads, g.head_dim, np_t, seed)
                 m = merge_kv(k[:, sl], v[:, sl], packing, hd64)
                 for t in range(tokens):
-                    cache[ids[t // BS], t % BS] = m[t]
+                    cache[ids[t // bs], t % bs] = m[t]
             per.append(cache)
         out.append(per)
     return out
@@ -612,20 +619,472 @@ def test_host_tier_with_kv_cache_groups_in_a_jax_runner(configs, backend):
         w.shutdown()
 
 
-def test_a_data_parallel_runner_is_refused_by_the_connector(configs):
-    """tpu-inference with DP > 1 (``data`` axis on the blocks): JaxKv maps the shards, but the
-    DP scheduler passes on none of this connector's metadata and no handshake, so the worker
-    refuses it at ``register_runner``, naming why (docs/tpu.md)."""
+# ---- tpu-inference's DP scheduler (the mesh's data axis on the blocks, DP > 1) -----------------
+# tpu-inference 0.32.0 ``core/sched/dp_scheduler.py``: one vLLM scheduler per DP rank (its own
+# process, its own connector scheduler side) over ``num_blocks / DP`` rank-local blocks. Each
+# step it merges the ranks' connector metadata into ``type(meta)()``, keeping only the field
+# ``requests_meta`` (and ``reqs_to_send`` / ``reqs_to_load``) and adding ``rank *
+# num_blocks_per_rank`` to each entry's non-empty ``local_block_ids`` (and ``save_spec.src_blocks``,
+# ``load_spec.dst_blocks``); every rank's scheduler then gets the whole ``KVConnectorOutput``
+# (``_split_model_output_by_rank``: ``kv_connector_output=g.kv_connector_output``), each its own
+# pickled copy; its ``get_kv_connector()`` is None, so no rank gets the workers' handshake. The
+# stand-in below restates that merge; the schedulers are the connector's real scheduler sides,
+# the worker its real worker side over a JAX runner on 8 CPU devices.
+
+DP = 2
+
+
+def dp_merge(metas, num_blocks_per_rank):
+    """``DPScheduler._combine_scheduler_outputs``' merge of the ranks' connector metadata (each
+    first pickled, as it crosses from the rank's process)."""
+    combined = None
+    for rank, meta in enumerate(pickle.loads(pickle.dumps(m)) for m in metas):
+        if meta is None:
+            continue
+        if combined is None:
+            combined = type(meta)()
+        if hasattr(meta, "requests_meta"):
+            off = rank * num_blocks_per_rank
+            for rm in meta.requests_meta:
+                if getattr(rm, "local_block_ids", None):
+                    rm.local_block_ids = [b + off for b in rm.local_block_ids]
+                for spec, attr in (("save_spec", "src_blocks"), ("load_spec", "dst_blocks")):
+                    sp = getattr(rm, spec, None)
+                    if sp is not None and getattr(sp, attr, None):
+                        setattr(sp, attr, [b + off for b in getattr(sp, attr)])
+            combined.requests_meta.extend(meta.requests_meta)
+        if hasattr(meta, "reqs_to_send"):
+            combined.reqs_to_send.update(meta.reqs_to_send)
+        if hasattr(meta, "reqs_to_load"):
+            combined.reqs_to_load.update(meta.reqs_to_load)
+    return combined
+
+
+def dp_vllm_config(configs, role, dp):
+    """What the connector reads of tpu-inference's config: vLLM's, and its platform's
+    ``sharding_config.total_dp_size``."""
+    return SimpleNamespace(**{k: getattr(configs[role], k) for k in ("kv_transfer_config", "model_config",
+                                                                      "parallel_config", "cache_config")},
+                           sharding_config=SimpleNamespace(total_dp_size=dp))
+
+
+class DpEngine:
+    """One engine under tpu-inference's DP scheduler: a connector scheduler side per DP rank,
+    one worker side over the runner (every replica and TP rank in this process)."""
+
+    def __init__(self, configs, role, g, runner, extra):
+        from vllm.v1.kv_cache_interface import KVCacheConfig
+
+        from tpu_sync.vllm.config import ConnectorConfig
+        from tpu_sync.vllm.scheduler import SchedulerSide
+
+        vc = dp_vllm_config(configs, role, DP)
+        cfg = ConnectorConfig.parse(role, extra)
+        self.ranks = [SchedulerSide(vc, KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[]), cfg, g)
+                      for _ in range(DP)]
+        for s in self.ranks:
+            s.kv_cache_manager = FakeManager()
+        from tpu_sync.vllm.worker import WorkerSide
+
+        self.worker = WorkerSide(vc, cfg, g)
+        self.runner = runner
+        self.worker.register_runner(runner)
+
+    def step(self, scheduled=None, finished=()):
+        """One engine step: every rank's metadata (``scheduled[rank]``: request -> tokens this
+        step), merged, through the worker's hooks around a forward; every rank's scheduler side
+        takes its own copy of the output. Returns those copies, by rank."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        scheduled = scheduled or {}
+        metas = [s.build_connector_meta(sched_out(scheduled.get(r, {}))) for r, s in enumerate(self.ranks)]
+        assert all(m.requests_meta or not any(vars(m).values()) for m in metas), "DP metadata outside requests_meta"
+        meta = dp_merge(metas, NB)
+        w = self.worker
+        w.bind(meta)
+        w.handle_preemptions(meta)
+        w.start_load_kv(meta)
+        self.runner.forward()
+        w.wait_for_save(meta)
+        res = w.get_transfer_results(set(finished))
+        out = KVConnectorOutput(finished_sending=res.finished_sending or None,
+                                finished_recving=res.finished_recving or None, failed_recving=res.failed_recving,
+                                invalid_block_ids=w.get_block_ids_with_load_errors(),
+                                kv_connector_worker_meta=w.build_worker_meta())
+        copies = [pickle.loads(pickle.dumps(out)) for _ in self.ranks]
+        for s, o in zip(self.ranks, copies):
+            s.update_connector_output(o)
+        return copies
+
+    def shutdown(self):
+        self.worker.shutdown()
+
+
+def dp_caches(g, reqs, fill_seed):
+    """Every replica's per-rank caches: replica ``d`` filled with other KV (seed ``fill_seed +
+    d``), then each request ``(d, tokens, local ids, seed)`` of that replica written there."""
+    out = []
+    for d in range(DP):
+        per = rank_caches(g, 0, [], seed=0, fill_seed=fill_seed + d)
+        for rd, tokens, ids, seed in reqs:
+            if rd == d:
+                req = rank_caches(g, tokens, ids, seed=seed, fill_seed=fill_seed + d)
+                for r in range(g.tp):
+                    for layer in range(LAYERS):
+                        for b in ids:
+                            per[r][layer][b] = req[r][layer][b]
+        out.append(per)
+    return out
+
+
+def dp_runner(g, reps, first_device):
+    devs = devices_or_skip(8)[first_device:first_device + DP * g.tp]
+    mesh = Mesh(np.array(devs).reshape(DP, g.tp), ("data", "model"))
+    sh = NamedSharding(mesh, P("data", None, "model"))
+    return Runner([jax.device_put(dp_glob(reps, layer).view(JAX_DTYPE[g.dtype]), sh) for layer in range(LAYERS)])
+
+
+def dp_glob(reps, layer):
+    return np.concatenate([glob(rep, layer) for rep in reps], axis=0)
+
+
+@pytest.mark.parametrize("backend", ["auto", "framework-copy"])
+def test_pd_under_tpu_inferences_dp_scheduler(configs, backend):
+    """P/D between two engines under tpu-inference's DP scheduler (producer DP=2 x TP=2,
+    consumer DP=2 x TP=1): each rank's scheduler learns the workers' endpoint from their report
+    (no start-up handshake reaches it), the producer's params name no blocks (a rank does not
+    know its offset; the consumer asks the endpoint), block ids reach the workers through the
+    DP scheduler's merge only; two requests cross replicas (producer replica 1 -> consumer
+    replica 0 and 0 -> 1) byte-exact, every other block of every replica unchanged; each rank's
+    scheduler sees only its own requests in the finished sets (vLLM's asserts it knows them)."""
+    from vllm.v1.request import RequestStatus
+
+    gs, gd = geometry(8, 128, "bf16", 2), geometry(8, 128, "bf16", 1)
+    t1, t2 = 40, 23  # 3 blocks and 2, the last ones partial
+    p_ids = {"p1": (1, [5, 9, 2]), "p2": (0, [7, 1])}  # (producer DP rank, rank-local blocks)
+    d_ids = {"d1": (0, [11, 3, 7]), "d2": (1, [4, 14])}
+    src_reps = dp_caches(gs, [(1, t1, p_ids["p1"][1], 31), (0, t2, p_ids["p2"][1], 32)], fill_seed=40)
+    dst_reps = dp_caches(gd, [], fill_seed=50)
+    want = dp_caches(gd, [(0, t1, d_ids["d1"][1], 31), (1, t2, d_ids["d2"][1], 32)], fill_seed=50)
+    extra = {"jax_backend": backend}
+    prod = DpEngine(configs, "kv_producer", gs, dp_runner(gs, src_reps, 0), extra)
+    cons = DpEngine(configs, "kv_consumer", gd, dp_runner(gd, dst_reps, 4), extra)
+    try:
+        assert prod.worker.jax_stats["dp"] == DP and prod.worker.caches.num_blocks == DP * NB
+        # The first step: every rank asks for the handshake and gets it from the report.
+        assert all(not s.peers for s in prod.ranks)
+        prod.step()
+        addr = prod.worker.handshake().address
+        assert all(s.peers == {r: addr for r in range(DP * gs.tp)} for s in prod.ranks), prod.ranks[0].peers
+        assert prod.step()[0].kv_connector_worker_meta is None  # asked once
+        # The prefills: each request on its rank, registered in the step that completes it
+        # (early_register, the default), then handed off by request_finished.
+        reqs = {}
+        for rid, n in (("p1", t1), ("p2", t2)):
+            rank, ids = p_ids[rid]
+            s = prod.ranks[rank]
+            r = request(rid, tokens(n, seed=len(rid) + n), {"do_remote_decode": True}, max_tokens=1)
+            s.on_new_request(r)
+            s.kv_cache_manager.ids[rid] = ids
+            reqs[rid] = r
+        prod.step({1: {"p1": t1}, 0: {"p2": t2}})
+        assert prod.worker.stats["registered"] == 2, prod.worker.stats
+        params = {}
+        for rid, n in (("p1", t1), ("p2", t2)):
+            r = reqs[rid]
+            r.num_computed_tokens, r.status = n, RequestStatus.FINISHED_LENGTH_CAPPED
+            delay, params[rid] = prod.ranks[p_ids[rid][0]].request_finished(r, p_ids[rid][1])
+            assert delay is True
+            assert "remote_block_ids" not in params[rid] and params[rid]["remote_describe"] is True
+        outs = prod.step()
+        # The handoffs are reported to every rank; each keeps its own request only.
+        assert [set(o.finished_sending or ()) for o in outs] == [{"p2"}, {"p1"}], [o.finished_sending for o in outs]
+        assert all(s.pending_sends() == 0 for s in prod.ranks)
+        # The consumer: each request on its rank, its params as the proxy passes them on.
+        cons.step()
+        for did, pid, n in (("d1", "p1", t1), ("d2", "p2", t2)):
+            rank, ids = d_ids[did]
+            s = cons.ranks[rank]
+            r = request(did, tokens(n, seed=len(pid) + n), dict(params[pid]))
+            s.on_new_request(r)
+            assert s.get_num_new_matched_tokens(r, 0) == (n, True)
+            s.update_state_after_alloc(r, blocks(ids), n)
+        deadline, done = time.monotonic() + 60, [set(), set()]
+        while time.monotonic() < deadline and done != [{"d1"}, {"d2"}]:
+            outs = cons.step()
+            for rank, o in enumerate(outs):
+                done[rank] |= set(o.finished_recving or ())
+                assert not o.failed_recving and not o.invalid_block_ids, (o, cons.worker.stats)
+            time.sleep(0.01)
+        assert done == [{"d1"}, {"d2"}], (done, cons.worker.stats)
+        assert cons.worker.stats["pulls_deferred"] == 2 and cons.worker.stats["pulls_failed"] == 0
+        assert cons.ranks[0].stats["p2p_tokens"] == t1 and cons.ranks[1].stats["p2p_tokens"] == t2
+        for layer in range(LAYERS):
+            got, exp = bits(cons.runner.kv_caches[layer]), dp_glob(want, layer)
+            assert np.array_equal(got, exp), (layer, sorted({int(i[0]) for i in np.argwhere(got != exp)}))
+    finally:
+        cons.shutdown()
+        prod.shutdown()
+
+
+def tier_request(rid, hashes, n):
+    """What the scheduler side reads of a vLLM request with host-tier hashes."""
+    return SimpleNamespace(request_id=rid, block_hashes=hashes, num_prompt_tokens=n, num_tokens=n,
+                           num_computed_tokens=0, kv_transfer_params=None)
+
+
+@pytest.mark.parametrize("backend", ["auto", "framework-copy"])
+def test_host_tier_under_tpu_inferences_dp_scheduler(configs, monkeypatch, backend):
+    """Offload under the DP scheduler (DP=2 x TP=2): a prompt saved from replica 1 is found by
+    a request of rank 0 and loaded into replica 0 byte-exact (one tier entry holds a block of
+    one replica's TP ranks), every other block unchanged; the load is asynchronous there and
+    reported to rank 0 only; a load that fails is reported as failed_recving of its request,
+    never as block ids (no rank's scheduler could read global ids)."""
+    g = geometry(8, 128, "bf16", 2)
+    bs, n = g.block_size, 3 * g.block_size + 5
+    src, dst = [5, 9, 2], [12, 13, 6]
+    reps = dp_caches(g, [(1, 3 * bs, src, 61)], fill_seed=70)
+    eng = DpEngine(configs, "kv_both", g, dp_runner(g, reps, 0), {"host_capacity_bytes": 64 << 20,
+                                                                     "jax_backend": backend})
+    try:
+        s0, s1 = eng.ranks
+        hashes = [bytes([i]) * 32 for i in range(1, 4)]
+        s1.on_new_request(tier_request("o1", hashes, n))
+        s1.kv_cache_manager.ids["o1"] = src
+        eng.step({1: {"o1": n}})  # the prefill: its full blocks saved
+        assert eng.worker.stats["saved_blocks"] == 3, eng.worker.stats
+        r2 = tier_request("o2", hashes, n)
+        s0.on_new_request(r2)
+        assert s0.get_num_new_matched_tokens(r2, 0) == (None, False)  # looked up in the next step
+        eng.step()
+        assert s0.get_num_new_matched_tokens(r2, 0) == (3 * bs, True)  # asynchronous under DP
+        s0.update_state_after_alloc(r2, blocks(dst), 3 * bs)
+        outs = eng.step()
+        assert [set(o.finished_recving or ()) for o in outs] == [{"o2"}, set()], outs
+        assert not outs[0].failed_recving and not outs[0].invalid_block_ids
+        for layer in range(LAYERS):
+            exp = dp_glob(reps, layer).copy()
+            for s_b, d_b in zip(src, dst):
+                exp[d_b] = exp[NB + s_b]  # replica 1's block into replica 0's
+            got = bits(eng.runner.kv_caches[layer])
+            assert np.array_equal(got, exp), (layer, sorted({int(i[0]) for i in np.argwhere(got != exp)}))
+        # A load that fails (a tier error) names its request, on its rank only.
+        r3 = tier_request("o3", hashes, n)
+        s1.on_new_request(r3)
+        s1.get_num_new_matched_tokens(r3, 0)
+        eng.step()
+        assert s1.get_num_new_matched_tokens(r3, 0) == (3 * bs, True)
+        s1.update_state_after_alloc(r3, blocks([3, 4, 8]), 3 * bs)
+
+        def broken(*a, **k):
+            raise OSError("tier read failed")
+
+        monkeypatch.setattr(eng.worker.tier, "get", broken)
+        outs = eng.step()
+        assert [set(o.finished_recving or ()) for o in outs] == [set(), {"o3"}] and outs[1].failed_recving == {"o3"}, outs
+        assert outs[0].failed_recving == set() and not outs[1].invalid_block_ids
+        assert s1.stats["failed_loads"] == 1
+    finally:
+        eng.shutdown()
+
+
+class RealDpEngine:
+    """tpu-inference's DP scheduler around vLLM's real ``Scheduler``, one per DP rank (each with
+    its own connector, as each rank's process builds it), over the tiny model's geometry on a
+    TPU platform (``rpa3``): each step schedules every rank, merges their metadata
+    (:func:`dp_merge`), runs the worker's hooks around a forward, and gives every rank's
+    ``update_from_output`` its requests' sampled tokens and its own copy of the whole
+    ``KVConnectorOutput`` (``_split_model_output_by_rank``). vLLM's scheduler asserts it knows
+    every request in the finished sets."""
+
+    def __init__(self, tiny_model, role, runner_for, extra):
+        import torch
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.cfg = vllm_config(tiny_model, role, extra)
+        self.cfg.sharding_config = SimpleNamespace(total_dp_size=DP)  # as tpu-inference's platform sets it
+        self.cfg.cache_config.num_gpu_blocks = NB
+        bs = self.cfg.cache_config.block_size
+        spec = FullAttentionSpec(block_size=bs, num_kv_heads=2, head_size=32, dtype=torch.float32)
+        kcc = KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)], spec)])
+        self.scheds = [Scheduler(self.cfg, kcc, StructuredOutputManager(self.cfg), block_size=bs) for _ in range(DP)]
+        self.geometry = self.scheds[0].connector.geometry
+        self.worker = WorkerSide(self.cfg, ConnectorConfig.parse(role, extra), self.geometry)
+        self.runner = runner_for(self.geometry)
+        self.worker.register_runner(self.runner)
+        self.tokens = {}
+        #: every running request's block ids (rank-local), as last scheduled
+        self.blocks_of = {}
+
+    def step(self):
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        outs = [s.schedule() for s in self.scheds]
+        for s in self.scheds:
+            for r in s.running:
+                self.blocks_of[r.request_id] = list(s.kv_cache_manager.get_block_ids(r.request_id)[0])
+        meta = dp_merge([o.kv_connector_metadata for o in outs], NB)
+        w = self.worker
+        w.bind(meta)
+        w.handle_preemptions(meta)
+        w.start_load_kv(meta)
+        self.runner.forward()
+        w.wait_for_save(meta)
+        finished = set().union(*(o.finished_req_ids for o in outs))
+        res = w.get_transfer_results(finished)
+        kv = KVConnectorOutput(finished_sending=res.finished_sending or None,
+                               finished_recving=res.finished_recving or None, failed_recving=res.failed_recving,
+                               invalid_block_ids=w.get_block_ids_with_load_errors(),
+                               kv_connector_worker_meta=w.build_worker_meta())
+        for s, o in zip(self.scheds, outs):
+            ids = list(o.num_scheduled_tokens)
+            # A token for every request whose prompt is computed after this step.
+            sampled = [[11] if s.requests[r].num_computed_tokens >= s.requests[r].num_prompt_tokens else []
+                       for r in ids]
+            mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                    sampled_token_ids=sampled, kv_connector_output=pickle.loads(pickle.dumps(kv)))
+            for eo in s.update_from_output(o, mro).values():
+                for out in eo.outputs:
+                    self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return outs
+
+    def run_until(self, done, limit=400):
+        for _ in range(limit):
+            self.step()
+            if done():
+                return
+            time.sleep(0.005)
+        raise AssertionError(f"not done after {limit} steps: {self.tokens}, {self.worker.stats}")
+
+    def shutdown(self):
+        self.worker.shutdown()
+
+
+@pytest.fixture
+def tpu_platform(monkeypatch):
+    """The tiny model's geometry as on a TPU (``rpa3``, compat.kv_geometry)."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "device_type", "tpu", raising=False)
+
+
+@pytest.mark.parametrize("backend", ["auto", "framework-copy"])
+def test_pd_consumer_with_vllms_schedulers_under_the_dp_scheduler(tiny_model, tpu_platform, backend):
+    """vLLM's own scheduler per DP rank (DP=2 x TP=1) on the consumer, a TP=1 producer: two
+    requests pulled on different ranks run to their tokens (vLLM's asserts on the finished sets
+    hold: each rank sees only its own), the KV lands byte-exact in the blocks vLLM allocated in
+    that rank's replica, every other block unchanged."""
+    from vllm.v1.request import RequestStatus
+
+    from tpu_sync.vllm.scheduler import SchedulerSide
+
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    extra = {"jax_backend": backend}
+    cons = RealDpEngine(tiny_model, "kv_consumer", lambda g: dp_runner(g, dp_caches(g, [], fill_seed=80), 4), extra)
+    g = cons.geometry
+    n1, n2 = 70, 41
+    src = {"p1": [9, 2, 5], "p2": [1, 12]}
+    pk = rank_caches(g, 0, [], seed=0, fill_seed=90)
+    for rid, n, seed in (("p1", n1, 91), ("p2", n2, 92)):
+        one = rank_caches(g, n, src[rid], seed=seed, fill_seed=90)
+        for layer in range(LAYERS):
+            for b in src[rid]:
+                pk[0][layer][b] = one[0][layer][b]
+    prod_runner = runner(g, pk, 0)
+    pcfg = vllm_config(tiny_model, "kv_producer", extra)
+    prod = WorkerSide(pcfg, ConnectorConfig.parse("kv_producer", extra), g)
+    try:
+        prod.register_runner(prod_runner)
+        ps = SchedulerSide(pcfg, KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[]),
+                           ConnectorConfig.parse("kv_producer", extra), g)
+        ps.set_handshake({0: prod.handshake()})
+        params = {}
+        for rid, n in (("p1", n1), ("p2", n2)):
+            r = request(rid, tokens(n, seed=n), {"do_remote_decode": True}, max_tokens=1)
+            r.num_computed_tokens, r.status = n, RequestStatus.FINISHED_LENGTH_CAPPED
+            params[rid] = ps.request_finished(r, src[rid])[1]
+        prod.start_load_kv(ps.build_connector_meta(sched_out({})))
+        assert prod.stats["registered"] == 2
+        before = [dp_glob(dp_caches(g, [], fill_seed=80), layer) for layer in range(LAYERS)]
+        # tpu-inference's DP scheduler routes each request to one rank.
+        for rank, (did, pid, n) in enumerate((("d1", "p1", n1), ("d2", "p2", n2))):
+            cons.scheds[1 - rank].add_request(request(did, tokens(n, seed=n), dict(params[pid]), max_tokens=2))
+        cons.run_until(lambda: all(len(cons.tokens.get(d, ())) == 2 for d in ("d1", "d2")))
+        assert cons.worker.stats["pulls_done"] == 2 and cons.worker.stats["pulls_failed"] == 0, cons.worker.stats
+        assert [s.connector.scheduler_side.stats["p2p_tokens"] for s in cons.scheds] == [n2, n1]
+        # In the blocks vLLM allocated (read from each rank's cache manager while they ran).
+        bs = g.block_size
+        for layer in range(LAYERS):
+            got = bits(cons.runner.kv_caches[layer])
+            exp = before[layer].copy()
+            for rank, did, pid, n in ((1, "d1", "p1", n1), (0, "d2", "p2", n2)):
+                dst = cons.blocks_of[did]
+                for t in range(n):
+                    exp[rank * NB + dst[t // bs], t % bs] = pk[0][layer][src[pid][t // bs], t % bs]
+            assert np.array_equal(got, exp), (layer, sorted({int(i[0]) for i in np.argwhere(got != exp)}))
+    finally:
+        cons.shutdown()
+        prod.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["auto", "framework-copy"])
+def test_host_tier_with_vllms_schedulers_under_the_dp_scheduler(tiny_model, tpu_platform, backend):
+    """vLLM's own scheduler per DP rank (DP=2 x TP=1), offload: a prompt computed on rank 1 is
+    saved (its blocks freed only once the save is reported, to rank 1 alone), then the same
+    prompt on rank 0 hits the host tier, loads asynchronously into replica 0 and runs to its
+    tokens; its blocks hold replica 1's bytes, every other block unchanged."""
+    extra = {"jax_backend": backend, "host_capacity_bytes": 32 << 20}
+    eng = RealDpEngine(tiny_model, "kv_both", lambda g: dp_runner(g, dp_caches(g, [], fill_seed=100), 0), extra)
+    g = eng.geometry
+    try:
+        bs, n = g.block_size, 3 * g.block_size + 5
+        before = [dp_glob(dp_caches(g, [], fill_seed=100), layer) for layer in range(LAYERS)]
+        prompt = tokens(n, seed=7)
+        eng.scheds[1].add_request(request("a", prompt, max_tokens=2))
+        eng.run_until(lambda: len(eng.tokens.get("a", ())) == 2 and not eng.scheds[1].requests)
+        assert eng.worker.stats["saved_blocks"] == 3, eng.worker.stats
+        eng.scheds[0].add_request(request("b", prompt, max_tokens=2))
+        eng.run_until(lambda: len(eng.tokens.get("b", ())) == 2)
+        assert eng.worker.stats["loaded_blocks"] == 3 and eng.worker.stats["failed_loads"] == 0, eng.worker.stats
+        side0 = eng.scheds[0].connector.scheduler_side
+        assert side0.stats["host_hit_tokens"] == 3 * bs
+        a, b = eng.blocks_of["a"], eng.blocks_of["b"]
+        for layer in range(LAYERS):
+            exp = before[layer].copy()
+            for i in range(3):
+                exp[b[i]] = before[layer][NB + a[i]]  # replica 1's block into replica 0's
+            got = bits(eng.runner.kv_caches[layer])
+            assert np.array_equal(got, exp), (layer, sorted({int(i[0]) for i in np.argwhere(got != exp)}))
+    finally:
+        eng.shutdown()
+
+
+def test_a_data_parallel_runner_needs_the_dp_scheduler(configs):
+    """A runner whose caches are split over the mesh's data axis (DP=2) in an engine whose
+    scheduler is not tpu-inference's DP scheduler (no ``sharding_config``, or another DP) is
+    refused at ``register_runner``, naming both (its one scheduler would hand out ids of one
+    replica's size); the DP scheduler's engine takes it."""
     g = geometry(8, 128, "bf16", 2)
     devs = devices_or_skip(8)
     mesh = Mesh(np.array(devs[:4]).reshape(2, 2), ("data", "model"))
     rows, packing, lanes = g.layer_shape()[1:]
     a = jax.device_put(np.zeros((2 * NB, BS, rows * 2, packing, lanes), JAX_DTYPE["bf16"]),
                        NamedSharding(mesh, P("data", None, "model")))
-    r = Runner([a, a + 0])
-    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 16 << 20})
+    for vc in (configs["kv_both"], dp_vllm_config(configs, "kv_both", 4)):
+        w = WorkerSide(vc, ConnectorConfig.parse("kv_both", {"host_capacity_bytes": 16 << 20}), g)
+        try:
+            with pytest.raises(ValueError, match=r"2 data-parallel replica\(s\).*DP scheduler has [14]"):
+                w.register_runner(Runner([a, a + 0]))
+        finally:
+            w.shutdown()
+    w = WorkerSide(dp_vllm_config(configs, "kv_both", 2), ConnectorConfig.parse("kv_both", {"host_capacity_bytes": 16 << 20}),
+                   g)
     try:
-        with pytest.raises(NotImplementedError, match=r"data axis \(DP=2\).*DP scheduler"):
-            w.register_runner(r)
+        w.register_runner(Runner([a, a + 0]))
+        assert w.handshake().dp == 2 and w.caches.num_blocks == 2 * NB and w.caches.entry_ranks == 2
     finally:
         w.shutdown()

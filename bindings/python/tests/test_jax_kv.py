@@ -29,6 +29,7 @@ jax.config.update("jax_platforms", "cpu")
 
 import ml_dtypes  # noqa: E402  (installed with jax)
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 import tpu_sync  # noqa: E402
 from tpu_sync.errors import UnsupportedError  # noqa: E402
@@ -53,7 +54,11 @@ class Runner:
     arrays that each forward replaces."""
 
     def __init__(self, caches):
-        self.kv_caches = caches
+        # XLA's own buffers, as an engine allocates its caches: jax.device_put of a host array
+        # may alias the array's memory (f32 on the CPU devices, when it is aligned), and the
+        # first donating forward then moves the cache to a buffer of XLA's, failing a transfer
+        # that was writing into it (correctly: the caches moved), 1 run in 2.
+        self.kv_caches = [jnp.copy(c) for c in caches]
         self._step = jax.jit(lambda c: c, donate_argnums=0)
 
     def forward(self):

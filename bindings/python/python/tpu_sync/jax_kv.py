@@ -623,6 +623,11 @@ class JaxKv:
         return {r: [np.frombuffer(m, dtype=np_t).reshape(self.shard_shape) for m in ms]
                 for r, ms in self._mirrors[0].items()}
 
+    def replica_views(self, dp_rank: int) -> Dict[int, List[Any]]:
+        """:meth:`rank_views` of DP replica ``dp_rank``'s ranks (``{dp_rank * tp + t: [buffer
+        per layer]}``), the buffers of a placement in that replica."""
+        return self._replica_views(dp_rank)
+
     def _replica_views(self, dp_rank: int) -> Dict[int, List[Any]]:
         """:meth:`rank_views` of DP replica ``dp_rank``'s ranks."""
         keep = set(self.replica_ranks(dp_rank))

@@ -65,27 +65,42 @@ class KvCaches:
             kv = self.jax.rank_views()
             self.views = [v for r in sorted(kv) for v in kv[r]]
 
-    def kv(self) -> Dict[int, List[Any]]:
+    def kv(self, dp_rank: Optional[int] = None) -> Dict[int, List[Any]]:
         """The buffers a :class:`tpu_sync.Endpoint` moves: ``{TP rank: [view per layer]}`` for
-        every rank this worker holds (one for vLLM's per-rank workers, all for a JAX runner)."""
+        every rank this worker holds (one for vLLM's per-rank workers, all for a JAX runner);
+        ``dp_rank``: only that data-parallel replica's ranks (``dp_rank * tp + t``), as a
+        placement of that replica needs."""
         if self.jax is not None:
+            if dp_rank is not None and self.jax.dp > 1:
+                return self.jax.replica_views(int(dp_rank))
             return self.jax.rank_views()
         assert self.views is not None
         return {self.tp_rank: self.views}
 
     @property
     def entry_ranks(self) -> int:
-        """TP ranks in one host-tier entry (all of a JAX runner's, else 1)."""
-        return len(self.jax.ranks) if self.jax is not None else 1
+        """TP ranks in one host-tier entry (all of a JAX runner's, one DP replica's with DP;
+        else 1)."""
+        if self.jax is None:
+            return 1
+        return len(self.jax.ranks) // max(1, int(self.jax.dp))
 
     def pieces(self, block_id: int) -> List[Tuple[Any, int, int]]:
         """``(view, byte offset, length)`` of block ``block_id`` in every layer, in layer order:
-        one host-tier entry is their concatenation."""
+        one host-tier entry is their concatenation. A JAX runner with DP replicas: global
+        ``block_id`` (replica ``block_id // per-replica blocks``), its replica's TP ranks only
+        (an entry saved from one replica loads into any other)."""
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block id {block_id} out of range 0..{self.num_blocks}")
         assert self.views is not None
+        views = self.views
+        if self.jax is not None and self.jax.dp > 1:
+            d, block_id = divmod(block_id, int(self.jax.num_blocks))
+            per = len(self.names)
+            ranks = sorted(self.jax.ranks)  # views are rank-major in this order (refresh)
+            views = [v for i, r in enumerate(ranks) if r // self.jax.tp == d for v in views[i * per:(i + 1) * per]]
         off = block_id * self.layer_block_bytes
-        return [(v, off, self.layer_block_bytes) for v in self.views]
+        return [(v, off, self.layer_block_bytes) for v in views]
 
     def view_groups(self) -> List[int]:
         """The KV cache group of each of :attr:`views` (a JAX runner's are every rank's layers,
@@ -319,14 +334,15 @@ class EndpointTransport:
         ``xfer_id`` until ``pullers`` consumers released them or the endpoint's lease (``lease_s``
         of the config) passes without a live consumer. vLLM may reuse the blocks once this
         returns."""
-        self.endpoint.register(xfer_id, placement, num_tokens, self._caches.kv(), expected_releases=pullers)
+        self.endpoint.register(xfer_id, placement, num_tokens, self._caches.kv(placement.get("dp_rank")),
+                               expected_releases=pullers)
 
     def register_layers(self, xfer_id: int, placement: Dict[str, Any], num_tokens: int, lease_s: float,
                         pullers: int = 1) -> None:
         """Layer-wise producer: registers request ``xfer_id`` before its layers are computed
         (nothing staged yet); :meth:`publish_layers` stages each layer once the model wrote it.
         vLLM must keep the blocks until every layer is published."""
-        self.endpoint.register_layers(xfer_id, placement, num_tokens, self._caches.kv(),
+        self.endpoint.register_layers(xfer_id, placement, num_tokens, self._caches.kv(placement.get("dp_rank")),
                                       layers_ready=0, expected_releases=pullers)
 
     def publish_layers(self, xfer_id: int, layers: int) -> int:
@@ -350,15 +366,17 @@ class EndpointTransport:
         thread; None resolves them now, which only the model's thread may do (a JAX runner's
         arrays are replaced by every forward: read from another thread mid-forward, one of them
         may already be donated and deleted)."""
-        return self.endpoint.pull(xfer_id, peers, src, dst, num_tokens, self._caches.kv() if kv is None else kv,
+        return self.endpoint.pull(xfer_id, peers, src, dst, num_tokens,
+                                  self._caches.kv(dst.get("dp_rank")) if kv is None else kv,
                                   wait_for_registration=wait_for_registration, layerwise=layerwise)
 
-    def buffers(self) -> Dict[int, List[Any]]:
-        """The buffers a pull writes, ``{TP rank: [buffer per layer]}`` (:meth:`KvCaches.kv`).
+    def buffers(self, dp_rank: Optional[int] = None) -> Dict[int, List[Any]]:
+        """The buffers a pull writes, ``{TP rank: [buffer per layer]}`` (:meth:`KvCaches.kv`;
+        ``dp_rank``: that data-parallel replica's).
         Model's thread only; the result may be used from any thread (a zero-copy view stays
         over the same memory when a forward donates the caches in place, and a pull checks the
         caches did not move, ``after_write``)."""
-        return self._caches.kv()
+        return self._caches.kv(dp_rank)
 
     def describe(self, xfer_id: int, address: str) -> Tuple[Dict[str, Any], int]:
         """Consumer: the placement and token count the producer at ``address`` registered request

@@ -352,9 +352,10 @@ class KvGeometry:
             parts.append(kind + ":" + ",".join(str(l) for l in grp["layers"]))
         return "/groups=" + ";".join(parts)
 
-    def tpu_sync_layout(self, num_blocks: int) -> Dict[str, Any]:
+    def tpu_sync_layout(self, num_blocks: int, dp: int = 1) -> Dict[str, Any]:
         """The ``tpu_sync`` layout (``ParallelLayout`` JSON) of this engine: order ``lbhnc``
-        with the block format tag, ``num_blocks`` blocks per rank; for an RPA v3 cache the order
+        with the block format tag, ``num_blocks`` blocks per rank (``dp`` data-parallel
+        replicas of TP ranks: tpu-inference's DP, ranks ``d * tp + t``); for an RPA v3 cache the order
         :attr:`kv_order` (the planner then reshards between TP sizes and block sizes and moves
         only real heads and tokens, never padding). With :attr:`groups` the groups
         form (``tpu_sync::layout::HybridLayout`` JSON): one group per vLLM KV cache group, each
@@ -363,7 +364,10 @@ class KvGeometry:
         tensor).
 
         Raises:
-            ValueError: KV cache groups with the SEQ_ALONG_LANE or MLA cache (not mapped yet)."""
+            ValueError: KV cache groups with the SEQ_ALONG_LANE or MLA cache, or with DP (not
+            mapped yet)."""
+        if self.groups and dp != 1:
+            raise ValueError("TpuSyncConnector: KV cache groups with data-parallel caches are not supported yet")
         if self.groups and (self.is_sal or self.kv_order == MLA_ORDER):
             raise ValueError(f"TpuSyncConnector: KV cache groups with the {self.kv_order} cache are not supported yet "
                              "(the RPA v3 caches and vLLM's CPU cache are)")
@@ -411,7 +415,7 @@ class KvGeometry:
                 kv_planes=self.kv_planes,
                 dtype=self.dtype,
             ),
-            spec=dict(tp=self.tp, pcp=1, dp=1, block_size=self.block_size, order="lbhnc" if sal else self.kv_order),
+            spec=dict(tp=self.tp, pcp=1, dp=int(dp), block_size=self.block_size, order="lbhnc" if sal else self.kv_order),
             num_blocks=int(num_blocks),
             # The TPU orders that name their own element order carry no block format tag (so
             # they plan against the GPU orders); the opaque LBHNC regions need one.
@@ -476,7 +480,7 @@ def pullers_of_rank(src: Dict[str, Any], rank: Union[int, Iterable[int]], num_to
         dst = dict(layout=dst_layout, dp_rank=0,
                    block_ids=[[list(range(len(per[0]))) for _ in range(int(decode_tp))] for per in src["block_ids"]])
     else:
-        dst_layout = dict(layout, spec=dict(layout["spec"], tp=int(decode_tp)), num_blocks=max(nb, 1))
+        dst_layout = dict(layout, spec=dict(layout["spec"], tp=int(decode_tp), dp=1), num_blocks=max(nb, 1))
         dst = placement(dst_layout, list(range(nb)))
     plan = tpu_sync.Plan(src, dst, int(num_tokens))
     try:
@@ -778,11 +782,25 @@ def check_pair_params(params: Dict[str, Any]) -> Optional[str]:
     return None
 
 
+def dp_scheduler_size(vllm_config: Any) -> int:
+    """DP replicas that tpu-inference's DP scheduler splits the engine into, one vLLM scheduler
+    each over ``num_blocks / DP`` blocks (``vllm_config.sharding_config.total_dp_size``, set by
+    its platform; tpu-inference 0.32.0 ``core/sched/dp_scheduler.py``
+    ``update_vllm_config_for_dp_scheduler`` installs that scheduler whenever it exceeds 1); 1
+    on every other engine."""
+    sc = getattr(vllm_config, "sharding_config", None)
+    try:
+        return max(1, int(getattr(sc, "total_dp_size", 1) or 1))
+    except (TypeError, ValueError):
+        return 1
+
+
 def check_params(params: Dict[str, Any]) -> Optional[str]:
     """Why ``kv_transfer_params`` of a producer are unusable, or None."""
     need = ("remote_request_id", "remote_addresses", "remote_block_ids", "remote_num_tokens", "remote_geometry",
             "remote_num_blocks")
-    missing = [k for k in need if params.get(k) in (None, "", [], {})]
+    described = params.get("remote_describe") is True
+    missing = [k for k in need if params.get(k) in (None, "", [], {}) and not (described and k == "remote_block_ids")]
     if missing:
         return f"kv_transfer_params lack {', '.join(missing)}"
     if params.get("tpu_sync_version") != PARAMS_VERSION:
@@ -793,9 +811,9 @@ def check_params(params: Dict[str, Any]) -> Optional[str]:
         rid = int(params["remote_request_id"])
         n = int(params["remote_num_tokens"])
         if groups:
-            gids = [[int(b) for b in ids] for ids in params["remote_block_ids"]]
+            gids = [[int(b) for b in ids] for ids in params.get("remote_block_ids") or []]
         else:
-            ids: List[int] = [int(b) for b in params["remote_block_ids"]]
+            ids: List[int] = [int(b) for b in params.get("remote_block_ids") or []]
     except (TypeError, ValueError):
         return "kv_transfer_params hold non-integer ids" + (" (one list per KV cache group expected)" if groups else "")
     if not 1 <= rid < 2**53 or n <= 0:
@@ -803,6 +821,15 @@ def check_params(params: Dict[str, Any]) -> Optional[str]:
     bs = int(geom.get("block_size") or 0)
     if bs <= 0:
         return f"bad remote block size {bs}"
+    if described:
+        # A producer whose scheduler cannot name its blocks (tpu-inference's DP scheduler: a
+        # rank's scheduler does not know its rank's offset): the consumer asks the producer's
+        # endpoint for the placement it registered.
+        if groups:
+            return "described remote blocks with KV cache groups (not supported)"
+        if params.get("remote_block_ids"):
+            return "kv_transfer_params both describe and list the remote blocks"
+        return None
     if groups:
         try:
             g = KvGeometry(**{k: geom[k] for k in KvGeometry.__dataclass_fields__ if k in geom})

@@ -3,6 +3,7 @@ process boundaries in vLLM's multiprocess executors). Needs vLLM."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set
 
@@ -105,6 +106,42 @@ class TierOp:
     block_ids: List[int]
     parent: Optional[bytes] = None
     group_block_ids: Optional[List[List[int]]] = None
+    #: a load reported like a pull (the scheduler answered it as asynchronous): in
+    #: ``finished_recving``, and on failure in ``failed_recving`` instead of as load errors
+    #: (tpu-inference's DP scheduler: block-level load errors cannot name a DP rank's blocks)
+    report: bool = False
+
+
+#: ``TpuSyncMetadata`` fields of ops whose block ids a DP scheduler offsets, and the field of
+#: each op that holds them (one flat list: KV cache groups and DP are not combined).
+_DP_BLOCK_FIELDS = {"loads": "block_ids", "saves": "block_ids", "sends": "block_ids", "layer_sends": "block_ids",
+                    "recvs": "dst_block_ids", "layer_recvs": "dst_block_ids"}
+#: ``TpuSyncMetadata`` list fields without block ids, moved as they are.
+_DP_PLAIN_FIELDS = ("rejects", "handoffs", "withdraws", "preempted")
+
+
+@dataclass
+class DpEntry:
+    """One item of a DP rank scheduler's step, in the form tpu-inference's DP scheduler passes
+    on (``tpu_inference/core/sched/dp_scheduler.py`` 0.32.0, ``_combine_scheduler_outputs``): it
+    builds ``type(meta)()`` and keeps only the ``requests_meta`` list of every rank's metadata,
+    adding ``rank * num_blocks_per_rank`` to each entry's non-empty ``local_block_ids``. So an
+    op's block ids travel there, rank-local when built and global (the worker's, as
+    :class:`tpu_sync.jax_kv.JaxKv` takes them) when the workers read them.
+
+    Attributes:
+        kind: the :class:`TpuSyncMetadata` field the item belongs to (``"lookups"``: ``item`` is
+            ``(req_id, hashes)``; ``"idle"``: this rank computes nothing this step;
+            ``"hello"``: this rank's scheduler has no worker addresses yet, the workers send
+            their handshake in their next report).
+        item: the op (its block ids as the rank scheduler gave them), or the plain value.
+        local_block_ids: the op's block ids (field ``_DP_BLOCK_FIELDS[kind]``), offset by the
+            DP scheduler; empty for items without blocks.
+    """
+
+    kind: str
+    item: Any = None
+    local_block_ids: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -136,6 +173,61 @@ class TpuSyncMetadata(KVConnectorMetadata):
     #: no token is computed in this step (every request waits for its KV, or none is left):
     #: the workers may wait for a pull before returning (``idle_wait_ms``).
     idle: bool = False
+    #: tpu-inference's DP scheduler (DP > 1): every item above as a :class:`DpEntry` (the only
+    #: field it passes on); the other fields are then empty. See :meth:`to_dp_form`.
+    requests_meta: List[DpEntry] = field(default_factory=list)
+    #: the workers should send their handshake (:class:`TpuSyncWorkerMetadata.handshake`)
+    hello: bool = False
+
+    def to_dp_form(self) -> "TpuSyncMetadata":
+        """This step's items as :class:`DpEntry` s in ``requests_meta`` (block ids rank-local),
+        for tpu-inference's DP scheduler to merge with the other ranks'."""
+        out: List[DpEntry] = []
+        for name, attr in _DP_BLOCK_FIELDS.items():
+            for op in getattr(self, name):
+                if getattr(op, "group_block_ids", None) is not None:
+                    raise ValueError("KV cache groups under a DP scheduler are not supported")
+                out.append(DpEntry(name, op, [int(b) for b in getattr(op, attr)]))
+        for name in _DP_PLAIN_FIELDS:
+            out.extend(DpEntry(name, x) for x in getattr(self, name))
+        out.extend(DpEntry("lookups", (r, h)) for r, h in self.lookups.items())
+        if self.idle:
+            out.append(DpEntry("idle"))
+        if self.hello:
+            out.append(DpEntry("hello"))
+        return TpuSyncMetadata(requests_meta=out)
+
+    def from_dp_form(self, dp: int) -> "TpuSyncMetadata":
+        """The merged step of ``dp`` rank schedulers (:meth:`to_dp_form`, then the DP
+        scheduler's merge) as one :class:`TpuSyncMetadata` whose block ids are global; itself
+        when ``requests_meta`` is empty. The step is idle only if every rank's is; ``hello`` if
+        any rank asked.
+
+        Raises:
+            ValueError: an entry of an unknown kind, or block ids of another length than its op's."""
+        if not self.requests_meta:
+            return self
+        out = TpuSyncMetadata()
+        idle = 0
+        for e in self.requests_meta:
+            if e.kind in _DP_BLOCK_FIELDS:
+                attr = _DP_BLOCK_FIELDS[e.kind]
+                if len(e.local_block_ids) != len(getattr(e.item, attr)):
+                    raise ValueError(f"DP entry {e.kind}: {len(e.local_block_ids)} block ids for an op of "
+                                     f"{len(getattr(e.item, attr))}")
+                getattr(out, e.kind).append(dataclasses.replace(e.item, **{attr: [int(b) for b in e.local_block_ids]}))
+            elif e.kind in _DP_PLAIN_FIELDS:
+                getattr(out, e.kind).append(e.item)
+            elif e.kind == "lookups":
+                out.lookups[e.item[0]] = e.item[1]
+            elif e.kind == "idle":
+                idle += 1
+            elif e.kind == "hello":
+                out.hello = True
+            else:
+                raise ValueError(f"unknown DP entry kind {e.kind!r}")
+        out.idle = idle >= dp
+        return out
 
 
 @dataclass
@@ -151,6 +243,9 @@ class TpuSyncWorkerMetadata(KVConnectorWorkerMetadata):
         failed_pulls: requests whose pull failed this step (also in ``finished_recving``; their
             blocks reported as load errors): for vLLM releases whose ``KVConnectorOutput`` has
             no ``failed_recving`` (0.29, which vLLM-TorchTPU forks).
+        handshakes: the workers' :class:`TpuSyncHandshake` s by TP rank, sent when a scheduler asked
+            (``TpuSyncMetadata.hello``): under tpu-inference's DP scheduler no rank's scheduler
+            gets vLLM's start-up handshake, but every rank gets the workers' reports.
     """
 
     lookup_hits: Dict[str, int] = field(default_factory=dict)
@@ -158,6 +253,7 @@ class TpuSyncWorkerMetadata(KVConnectorWorkerMetadata):
     saved_blocks: int = 0
     loaded_blocks: int = 0
     failed_pulls: Set[str] = field(default_factory=set)
+    handshakes: Dict[int, "TpuSyncHandshake"] = field(default_factory=dict)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TpuSyncWorkerMetadata":
         """Combines two workers' reports: a block is usable only if every rank has it (minimum
@@ -172,12 +268,13 @@ class TpuSyncWorkerMetadata(KVConnectorWorkerMetadata):
             saved_blocks=max(self.saved_blocks, other.saved_blocks),
             loaded_blocks=max(self.loaded_blocks, other.loaded_blocks),
             failed_pulls=self.failed_pulls | other.failed_pulls,
+            handshakes={**self.handshakes, **other.handshakes},
         )
 
     def is_empty(self) -> bool:
         """Nothing to report."""
         return not (self.lookup_hits or self.failed_loads or self.saved_blocks or self.loaded_blocks or
-                    self.failed_pulls)
+                    self.failed_pulls or self.handshakes)
 
 
 @dataclass
@@ -198,3 +295,6 @@ class TpuSyncHandshake(KVConnectorHandshakeMetadata):
     block_format: str
     num_blocks: int
     tp_ranks: Optional[List[int]] = None
+    #: data-parallel replicas of the caches (tpu-inference's ``data`` axis on the blocks):
+    #: ``num_blocks`` counts all of them, ``num_blocks / dp`` per replica
+    dp: int = 1

@@ -54,8 +54,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ._api import CacheHitSource
 
-from .compat import (NULL_BLOCK_ID, PAIR_KEY, PARAMS_VERSION, KvGeometry, check_pair_params, check_params, pair_nonce,
-                     pair_xfer_id, peers_from_params, prompt_digest)
+from .compat import (NULL_BLOCK_ID, PAIR_KEY, PARAMS_VERSION, KvGeometry, check_pair_params, check_params,
+                     dp_scheduler_size, pair_nonce, pair_xfer_id, peers_from_params, prompt_digest)
 from .config import ConnectorConfig
 from .metadata import (RecvSpec, RejectSpec, SendSpec, TierOp, TpuSyncHandshake, TpuSyncMetadata,
                        TpuSyncWorkerMetadata)
@@ -87,6 +87,21 @@ class SchedulerSide:
         self.block_size = geometry.block_size
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.num_blocks = int(kv_cache_config.num_blocks)
+        #: tpu-inference's DP scheduler runs this scheduler for one of ``dp`` ranks, over its
+        #: ``num_blocks`` rank-local blocks (see :meth:`build_connector_meta`,
+        #: :meth:`update_connector_output`)
+        self.dp = dp_scheduler_size(vllm_config)
+        if self.dp > 1 and (geometry.groups or cfg.layerwise):
+            from .config import ConfigError
+
+            raise ConfigError(f"TpuSyncConnector under tpu-inference's DP scheduler (DP={self.dp}): "
+                              f"{'KV cache groups' if geometry.groups else 'layerwise'} not supported yet")
+        #: DP: this rank's requests (the workers' finished sets name every rank's), and those
+        #: whose pull or load the workers will report in finished_recving
+        self._dp_own: Set[str] = set()
+        self._dp_recv_pending: Set[str] = set()
+        #: DP: finished requests whose pull or load is still to be reported
+        self._dp_finished: Set[str] = set()
         self.layout = geometry.tpu_sync_layout(self.num_blocks)
         self.kv_cache_manager: Any = None
         #: vLLM 0.29 (no ``kv_connector_block_state`` in its scheduler output, no cache manager
@@ -155,8 +170,9 @@ class SchedulerSide:
                     f"TpuSyncConnector: worker {rank} packs blocks as {meta.block_format!r}, the "
                     f"scheduler expected {self.geometry.block_format!r}"
                 )
-            if meta.num_blocks != self.num_blocks:
-                log.warning("tpu_sync: worker %s has %s blocks, scheduler %s", rank, meta.num_blocks, self.num_blocks)
+            if meta.num_blocks != self.num_blocks * self.dp:
+                log.warning("tpu_sync: worker %s has %s blocks, scheduler %s x %s DP ranks", rank, meta.num_blocks,
+                            self.num_blocks, self.dp)
             if meta.address:
                 for r in getattr(meta, "tp_ranks", None) or [meta.tp_rank]:
                     self.peers[int(r)] = meta.address
@@ -167,6 +183,8 @@ class SchedulerSide:
         """Starts host-tier bookkeeping of a request. A producer of a model with state groups
         prefills a ``do_remote_decode`` request's prompt less its last token (see
         :meth:`_truncate_for_state`)."""
+        if self.dp > 1:
+            self._dp_own.add(request.request_id)
         if self.cfg.offload:
             self._off[request.request_id] = _OffloadState(request)
         params = getattr(request, "kv_transfer_params", None)
@@ -200,7 +218,10 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         """Tokens the connector can provide beyond ``num_computed_tokens`` (block-aligned local
         hit), and whether they arrive asynchronously. Side-effect free except for queueing one
-        host-tier lookup per request."""
+        host-tier lookup per request. Under tpu-inference's DP scheduler host-tier loads are
+        asynchronous too (a failed load is then reported by request, not by block id)."""
+        if self.dp > 1:
+            self._dp_own.add(request.request_id)
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill") and self.cfg.is_consumer:
             self._pd_first.pop(request.request_id, None)
@@ -279,7 +300,7 @@ class SchedulerSide:
         if n <= start:
             return 0, False
         st.load_start = start
-        return (n - start) * bs, False
+        return (n - start) * bs, self.dp > 1
 
     def _layerwise_covers(self, m: int, n: int) -> bool:
         """Whether a consumer that has the KV of tokens ``[0, m)`` pulled from a producer's
@@ -417,7 +438,7 @@ class SchedulerSide:
         start = st.load_start
         n = num_external_tokens // bs
         hashes = [bytes(h) for h in st.request.block_hashes[start:start + n]]
-        op = TierOp(req_id, hashes, block_ids[start:start + n])
+        op = TierOp(req_id, hashes, block_ids[start:start + n], report=self.dp > 1)
         if self.geometry.groups:
             # Per group; a sliding-window group's blocks before its window are vLLM's null
             # block (id 0): the worker does not write them.
@@ -477,6 +498,14 @@ class SchedulerSide:
                 self._save_planned.update(op.req_id for op in meta.saves)
                 meta.preempted = [r for r in (getattr(scheduler_output, "preempted_req_ids", None) or ())
                                   if r in self._save_planned]
+        if self.dp > 1:
+            # tpu-inference's DP scheduler passes on only requests_meta (block ids offset to the
+            # global ones) and never hands this rank's scheduler the workers' handshake: ask
+            # the workers for it in their report.
+            self._dp_recv_pending.update(r.req_id for r in meta.recvs)
+            self._dp_recv_pending.update(op.req_id for op in meta.loads if op.report)
+            meta.hello = self.cfg.pd and len(self.peers) < self.geometry.tp
+            return meta.to_dp_form()
         return meta
 
     def _plan_layer_sends(self, scheduler_output: Any) -> List[SendSpec]:
@@ -618,8 +647,16 @@ class SchedulerSide:
         return None
 
     def update_connector_output(self, output: Any) -> None:
-        """Takes the workers' lookup answers and failed loads; forgets finished sends."""
+        """Takes the workers' lookup answers and failed loads; forgets finished sends. Under
+        tpu-inference's DP scheduler every rank's scheduler gets the whole ``output`` (its own
+        copy): the finished sets are cut to this rank's requests here, before vLLM's scheduler
+        reads them (it asserts it knows every request named there), and a handshake in the
+        report gives this rank the workers' addresses."""
         meta = output.kv_connector_worker_meta
+        if self.dp > 1:
+            self._dp_filter(output)
+        if isinstance(meta, TpuSyncWorkerMetadata) and meta.handshakes:
+            self.set_handshake(meta.handshakes)
         if isinstance(meta, TpuSyncWorkerMetadata):
             for req_id, hits in meta.lookup_hits.items():
                 if req_id in self._lookup_sent:
@@ -650,6 +687,23 @@ class SchedulerSide:
             else:
                 self.stats["p2p_tokens"] += n
 
+    def _dp_filter(self, output: Any) -> None:
+        """DP: keeps only this rank's requests in ``output``'s finished (and failed) sets, and
+        forgets requests whose last report this is."""
+        own = self._dp_own
+        for name in ("finished_sending", "finished_recving", "failed_recving"):
+            ids = getattr(output, name, None)
+            if ids:
+                setattr(output, name, {r for r in ids if r in own})
+        for req_id in output.finished_recving or ():
+            self._dp_recv_pending.discard(req_id)
+        for req_id in output.finished_sending or ():
+            own.discard(req_id)  # sent after request_finished: vLLM frees the request now
+        for req_id in output.finished_recving or ():
+            if req_id in self._dp_finished:
+                own.discard(req_id)
+                self._dp_finished.discard(req_id)
+
     # ---- completion ----------------------------------------------------------------------
 
     def request_finished_all_groups(self, request: Any,
@@ -679,7 +733,13 @@ class SchedulerSide:
         if request.request_id in self._save_planned:
             self._save_planned.discard(request.request_id)
             self._save_delayed.add(request.request_id)
-            return True, params
+            delay = True
+        if self.dp > 1:
+            req_id = request.request_id
+            if req_id in self._dp_recv_pending:
+                self._dp_finished.add(req_id)  # vLLM frees it once its pull is reported
+            elif not delay:
+                self._dp_own.discard(req_id)
         return delay, params
 
     def _request_finished(self, request: Any, block_ids: List[Any],
@@ -795,6 +855,12 @@ class SchedulerSide:
             remote_prompt_digest=prompt_digest(prompt[:n]),
             tp_size=self.geometry.tp,
         )
+        if self.dp > 1:
+            # This rank's block ids are local to its share of the caches (tpu-inference's DP
+            # scheduler offsets them only inside the workers' metadata): the consumer asks this
+            # producer's endpoint for the placement it registered, as a both-at-once one does.
+            del d["remote_block_ids"]
+            d["remote_describe"] = True
         nonce = pair_nonce(request.kv_transfer_params)
         if nonce is not None:
             d[PAIR_KEY] = nonce  # the router can check which request it answers

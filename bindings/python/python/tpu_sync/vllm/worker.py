@@ -216,6 +216,10 @@ class WorkerSide:
         #: stages and publishes layers off the model's thread (created on first use)
         self._stager: Optional[_Stager] = None
         self._load_errors: Set[int] = set()
+        #: host-tier loads reported like pulls (``TierOp.report``): request -> delivered whole
+        self._loads_reported: Dict[str, bool] = {}
+        #: the last step's metadata as tpu-inference's DP scheduler merged it, and its unpacked form
+        self._dp_meta: Optional[Tuple[Any, Any]] = None
         self._report = TpuSyncWorkerMetadata()
         self._src_layouts: Dict[str, Dict[str, Any]] = {}
         self._reject_queue: "queue.Queue[Optional[RejectSpec]]" = queue.Queue()
@@ -461,18 +465,24 @@ class WorkerSide:
         jx = JaxKv(runner, backend=str(self.cfg.extra.get("jax_backend", "auto")),
                    block_size=g.block_size if g.kv_order == compat.MLA_ORDER else None,
                    layer_arrays=layer_arrays, layer_group=g.group_of_layer() if g.groups else None)
-        if jx.dp > 1:
-            jx.close()
-            # tpu-inference 0.32.0 core/sched/dp_scheduler.py: one vLLM scheduler per DP rank,
-            # whose connector metadata it merges into type(meta)() keeping only requests_meta,
-            # reqs_to_send and reqs_to_load; its get_kv_connector() is None, so no scheduler
-            # gets the workers' handshake.
-            raise NotImplementedError(f"TpuSyncConnector: a JAX runner whose KV caches are split over the mesh's "
-                                      f"data axis (DP={jx.dp}) is not supported yet: tpu-inference's DP scheduler "
-                                      "passes on only its own connectors' metadata fields and no handshake "
-                                      "(tpu_sync.jax_kv.JaxKv maps such caches on its own; docs/tpu.md)")
         want = tuple(g.layer_shape())
         problems = []
+        sched_dp = compat.dp_scheduler_size(self.vllm_config)
+        if jx.dp != sched_dp:
+            # tpu-inference 0.32.0 core/sched/dp_scheduler.py: with DP > 1 one vLLM scheduler
+            # per DP rank over num_blocks / DP blocks, whose metadata the connector sends in the
+            # form that scheduler merges (TpuSyncMetadata.to_dp_form).
+            problems.append(f"split over {jx.dp} data-parallel replica(s) of the mesh's data axis, while the "
+                            f"engine's DP scheduler has {sched_dp} (vllm_config.sharding_config.total_dp_size)")
+        if jx.dp > 1:
+            from ._api import KVConnectorTransferResults, _TransferResults
+
+            if KVConnectorTransferResults is _TransferResults:  # tpu_sync's stand-in: vLLM 0.29
+                problems.append("split over data-parallel replicas, which needs vLLM's failed_recving (vLLM >= 0.30: "
+                                "a failed load is reported by request, since no rank's scheduler can read global "
+                                "block ids)")
+            if self.cfg.extra.get("cluster"):
+                problems.append("split over data-parallel replicas with a cluster tier (not supported yet)")
         if jx.num_layers != g.num_layers:
             problems.append(f"{jx.num_layers} layers, the model has {g.num_layers}")
         if jx.tp != g.tp:
@@ -491,13 +501,13 @@ class WorkerSide:
             jx.close()
             raise ValueError("TpuSyncConnector: the runner's KV caches " + "; ".join(problems))
         self.caches = KvCaches(names=[f"layer.{i}" for i in range(jx.num_layers)], tensors=[],
-                               num_blocks=jx.num_blocks, layer_block_bytes=g.layer_block_bytes, tp_rank=0,
+                               num_blocks=jx.num_blocks * jx.dp, layer_block_bytes=g.layer_block_bytes, tp_rank=0,
                                layer_group=g.group_of_layer(), jax=jx, copier=jx)
         self.caches._client = jx.client  # type: ignore[attr-defined]
         self.caches.refresh()
         self._layer_index = {}
-        log.info("tpu_sync: JAX model runner: TP ranks %s in this process, back end %s (%s)", jx.ranks, jx.backend,
-                 jx.backend_reason)
+        log.info("tpu_sync: JAX model runner: TP ranks %s in this process (DP %d), back end %s (%s)", jx.ranks, jx.dp,
+                 jx.backend, jx.backend_reason)
         self._open(0)
 
     @property
@@ -561,14 +571,18 @@ class WorkerSide:
         jx = self.caches.jax
         return TpuSyncHandshake(tp_rank=self.caches.tp_rank, address=getattr(self.transport, "address", None),
                                 block_format=self.geometry.block_format, num_blocks=self.caches.num_blocks,
-                                tp_ranks=None if jx is None else list(jx.ranks))
+                                tp_ranks=None if jx is None else list(jx.ranks), dp=self._dp)
 
     # ---- per step ------------------------------------------------------------------------
 
     def start_load_kv(self, meta: TpuSyncMetadata) -> None:
         """Lookups, host-tier loads (synchronous, or started layer-wise), registrations and pull
         starts of this step."""
+        meta = self._unpacked(meta)
         self._step_idle = bool(getattr(meta, "idle", False))
+        if getattr(meta, "hello", False) and self.caches is not None:
+            # A scheduler without the start-up handshake (tpu-inference's DP ranks) asked.
+            self._report.handshakes[self.caches.tp_rank] = self.handshake()
         if self.caches is not None:
             self.caches.refresh()  # a JAX runner's arrays of this step
         if self.tier is not None:
@@ -601,6 +615,7 @@ class WorkerSide:
         registers the requests whose prefill completes this step, so that ``save_kv_layer``
         publishes each layer as the forward writes it. (vLLM calls ``start_load_kv`` only after
         the forward when the step has no synchronous loads, too late for that.)"""
+        meta = self._unpacked(meta)
         if self.transport is not None:
             self._register_step(meta)
             self._bound = meta
@@ -624,15 +639,45 @@ class WorkerSide:
         return not hasattr(self.transport, "register_layers") or (
             self.caches is not None and (self.caches.copier is not None or self.caches.jax is not None))
 
+    @property
+    def _dp(self) -> int:
+        """Data-parallel replicas of the caches (a JAX runner's ``data`` axis; else 1)."""
+        jx = self.caches.jax if self.caches is not None else None
+        return 1 if jx is None else int(jx.dp)
+
+    def _placement(self, block_ids: Any, first_token: int = 0) -> Dict[str, Any]:
+        """The tpu_sync placement of blocks ``block_ids`` of these caches: with DP (a JAX
+        runner's replicas), global ids as tpu-inference's DP scheduler gives them, mapped to
+        their replica's local ids and ``dp_rank`` in a layout of ``dp`` replicas."""
+        assert self.caches is not None
+        jx = self.caches.jax
+        if jx is not None and jx.dp > 1:
+            d, local = jx.split(_flat_ids(block_ids))
+            p = compat.placement(self.geometry.tpu_sync_layout(jx.num_blocks, jx.dp), local, first_token)
+            p["dp_rank"] = d
+            return p
+        return compat.placement(self.geometry.tpu_sync_layout(self.caches.num_blocks), block_ids, first_token)
+
+    def _unpacked(self, meta: Any) -> Any:
+        """The step's metadata with tpu-inference's DP scheduler's merge undone
+        (:meth:`TpuSyncMetadata.from_dp_form`; the same object for every hook of the step);
+        ``meta`` itself otherwise."""
+        if meta is None or not getattr(meta, "requests_meta", None):
+            return meta
+        if self._dp_meta is not None and self._dp_meta[0] is meta:
+            return self._dp_meta[1]
+        out = meta.from_dp_form(self._dp)
+        self._dp_meta = (meta, out)
+        return out
+
     def _register_layers(self, s: Any) -> None:
         """Registers a request whose prefill completes this step, before its layers exist."""
         assert self.caches is not None
         if self._sends_whole():
             self._layer_sends[s.xfer_id] = s  # registered whole in wait_for_save
             return
-        layout = self.geometry.tpu_sync_layout(self.caches.num_blocks)
         try:
-            placement = compat.placement(layout, s.block_ids)
+            placement = self._placement(s.block_ids)
             pullers = self._pullers(placement, s)
             if pullers == 0:
                 return
@@ -677,8 +722,7 @@ class WorkerSide:
         assert self.caches is not None
         s = p.spec
         try:
-            dst = compat.placement(self.geometry.tpu_sync_layout(self.caches.num_blocks), s.dst_block_ids,
-                                   getattr(s, "first_token", 0))
+            dst = self._placement(s.dst_block_ids, getattr(s, "first_token", 0))
             src = compat.placement(s.src_layout, s.src_block_ids)
             p.handle = self.transport.pull(s.xfer_id, s.peers, src, dst, s.num_tokens,
                                            wait_for_registration=max(0.0, p.deadline - time.monotonic()),
@@ -824,6 +868,7 @@ class WorkerSide:
     def handle_preemptions(self, meta: Optional[TpuSyncMetadata]) -> None:
         """Before the forward: waits for the saves of requests vLLM preempted this step (their
         blocks are free and may be written by this very forward)."""
+        meta = self._unpacked(meta)
         if self._saver is None or meta is None:
             return
         reqs = [r for r in getattr(meta, "preempted", ()) if self._saver.pending(r)]
@@ -878,8 +923,13 @@ class WorkerSide:
         self._book_load(op, delivered)
 
     def _book_load(self, op: Any, delivered: int) -> None:
+        if getattr(op, "report", False):
+            # Answered as asynchronous (tpu-inference's DP scheduler): reported by request.
+            self._loads_reported[op.req_id] = delivered >= len(op.block_ids)
         if delivered < len(op.block_ids):
-            if getattr(op, "group_block_ids", None) is not None:
+            if getattr(op, "report", False):
+                pass  # failed_recving names the request; block ids cannot name a DP rank's blocks
+            elif getattr(op, "group_block_ids", None) is not None:
                 self._load_errors.update(b for g in op.group_block_ids for b in g[delivered:] if b != NULL_BLOCK_ID)
             else:
                 self._load_errors.update(op.block_ids[delivered:])
@@ -903,10 +953,12 @@ class WorkerSide:
         assert self.caches is not None
         jx = self.caches.jax
         # A JAX runner: every rank in this one endpoint, the consumer ranks that pull from any
-        # of them (releases count consumer ranks, whatever endpoints they use).
-        ranks = jx.ranks if jx is not None else [self.caches.tp_rank]
+        # of them (releases count consumer ranks, whatever endpoints they use); with DP, the
+        # ranks of the request's replica.
+        ranks = ((jx.replica_ranks(int(placement.get("dp_rank", 0))) if jx.dp > 1 else jx.ranks) if jx is not None
+                 else [self.caches.tp_rank])
         n = compat.pullers_of_rank(placement, ranks, s.num_tokens, s.decode_tp)
-        if n == 0 and 0 not in ranks:
+        if n == 0 and all(r % self.geometry.tp for r in ranks):
             self.stats["register_skipped"] += 1
             log.debug("tpu_sync: transfer %s (%s): no decode rank of %d pulls from rank(s) %s; not registered",
                       s.xfer_id, s.req_id, s.decode_tp, list(ranks))
@@ -915,10 +967,9 @@ class WorkerSide:
 
     def _register(self, s: Any) -> None:
         assert self.caches is not None
-        layout = self.geometry.tpu_sync_layout(self.caches.num_blocks)
         cp = self.caches.copier
         try:
-            placement = compat.placement(layout, s.block_ids)
+            placement = self._placement(s.block_ids)
             pullers = self._pullers(placement, s)
             if pullers == 0:
                 self._sent.add(s.req_id)  # nothing staged: vLLM may free the blocks
@@ -947,8 +998,7 @@ class WorkerSide:
                 continue
             s = p.spec
             try:
-                dst = compat.placement(self.geometry.tpu_sync_layout(self.caches.num_blocks), s.dst_block_ids,
-                                   getattr(s, "first_token", 0))
+                dst = self._placement(s.dst_block_ids, getattr(s, "first_token", 0))
                 src = None if s.src_block_ids is None else compat.placement(s.src_layout, s.src_block_ids)
                 cp = self.caches.copier
                 if cp is not None:
@@ -961,7 +1011,9 @@ class WorkerSide:
                     # Both-at-once: the producer's blocks are known once it registered.
                     # Its buffers are resolved here, on the model's thread: the pull starts on
                     # the describe thread, maybe while a forward replaces a JAX runner's arrays.
-                    kv = self.transport.buffers() if hasattr(self.transport, "buffers") else None
+                    kv = None
+                    if hasattr(self.transport, "buffers"):
+                        kv = self.transport.buffers(dst["dp_rank"]) if self._dp > 1 else self.transport.buffers()
                     p.handle = _Deferred(self.transport, s, dst, p.deadline, kv)
                     self.stats["pulls_deferred"] += 1
                 elif self._pull_waits:
@@ -981,6 +1033,7 @@ class WorkerSide:
         """Saves this step's newly full prompt blocks to the host tier (synchronously: vLLM may
         reuse the blocks after the step). Layer-wise: publishes every layer of the step's
         registrations (those the hook did not), ends the step's pulls and host-tier loads."""
+        meta = self._unpacked(meta)
         if self._layer_sends:
             assert self.caches is not None
             if self._sends_whole():
@@ -1049,6 +1102,11 @@ class WorkerSide:
             if lease is not None:
                 _close(lease)
         res = KVConnectorTransferResults()
+        for req_id, ok in self._loads_reported.items():
+            res.finished_recving.add(req_id)
+            if not ok:
+                res.failed_recving.add(req_id)
+        self._loads_reported.clear()
         staging = self._stager.busy() if self._stager is not None else set()
         if self._saver is not None or self._save_reqs or self._save_finished:
             # A finished request whose blocks had saves (the scheduler delayed freeing them,
@@ -1128,7 +1186,10 @@ class WorkerSide:
                         self.xfer_stats.record_failure(_error_kind(err))
                     res.failed_recving.add(req_id)
                     self._report.failed_pulls.add(req_id)  # vLLM 0.29 has no failed_recving
-                    self._load_errors.update(_flat_ids(p.spec.dst_block_ids))
+                    if self._dp == 1:
+                        # (With DP the block ids are global: no rank's scheduler could read them;
+                        # failed_recving names the request.)
+                        self._load_errors.update(_flat_ids(p.spec.dst_block_ids))
                     # vLLM recomputes (or fails) it: the KV will not be pulled again.
                     self._reject(RejectSpec(req_id, p.spec.xfer_id, p.spec.peers,
                                             f"request {req_id}: its pull failed ({type(err).__name__}); recomputed"))
