@@ -918,6 +918,8 @@ class RealDpEngine:
         self.tokens = {}
         #: every running request's block ids (rank-local), as last scheduled
         self.blocks_of = {}
+        #: the kv_transfer_params of finished requests (a producer's hand-offs)
+        self.params = {}
 
     def step(self):
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -949,6 +951,8 @@ class RealDpEngine:
             for eo in s.update_from_output(o, mro).values():
                 for out in eo.outputs:
                     self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    if out.kv_transfer_params:
+                        self.params[out.request_id] = out.kv_transfer_params
         return outs
 
     def run_until(self, done, limit=400):
@@ -972,60 +976,45 @@ def tpu_platform(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["auto", "framework-copy"])
-def test_pd_consumer_with_vllms_schedulers_under_the_dp_scheduler(tiny_model, tpu_platform, backend):
-    """vLLM's own scheduler per DP rank (DP=2 x TP=1) on the consumer, a TP=1 producer: two
-    requests pulled on different ranks run to their tokens (vLLM's asserts on the finished sets
-    hold: each rank sees only its own), the KV lands byte-exact in the blocks vLLM allocated in
-    that rank's replica, every other block unchanged."""
-    from vllm.v1.request import RequestStatus
-
-    from tpu_sync.vllm.scheduler import SchedulerSide
-
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-
+def test_pd_with_vllms_schedulers_under_the_dp_scheduler(tiny_model, tpu_platform, backend):
+    """vLLM's own scheduler per DP rank on both sides (producer and consumer DP=2 x TP=1): two
+    prompts prefilled on different producer ranks are handed off (their params name no
+    blocks), pulled on the other consumer rank, and run to their tokens; vLLM's asserts on the
+    finished sets hold (each rank sees only its own requests); each request's KV lands
+    byte-exact in the blocks the consumer's vLLM allocated in that rank's replica, read from
+    the blocks the producer's vLLM allocated in its replica; every other block unchanged."""
     extra = {"jax_backend": backend}
+    prod = RealDpEngine(tiny_model, "kv_producer", lambda g: dp_runner(g, dp_caches(g, [], fill_seed=90), 0), extra)
     cons = RealDpEngine(tiny_model, "kv_consumer", lambda g: dp_runner(g, dp_caches(g, [], fill_seed=80), 4), extra)
     g = cons.geometry
-    n1, n2 = 70, 41
-    src = {"p1": [9, 2, 5], "p2": [1, 12]}
-    pk = rank_caches(g, 0, [], seed=0, fill_seed=90)
-    for rid, n, seed in (("p1", n1, 91), ("p2", n2, 92)):
-        one = rank_caches(g, n, src[rid], seed=seed, fill_seed=90)
-        for layer in range(LAYERS):
-            for b in src[rid]:
-                pk[0][layer][b] = one[0][layer][b]
-    prod_runner = runner(g, pk, 0)
-    pcfg = vllm_config(tiny_model, "kv_producer", extra)
-    prod = WorkerSide(pcfg, ConnectorConfig.parse("kv_producer", extra), g)
     try:
-        prod.register_runner(prod_runner)
-        ps = SchedulerSide(pcfg, KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[]),
-                           ConnectorConfig.parse("kv_producer", extra), g)
-        ps.set_handshake({0: prod.handshake()})
-        params = {}
-        for rid, n in (("p1", n1), ("p2", n2)):
-            r = request(rid, tokens(n, seed=n), {"do_remote_decode": True}, max_tokens=1)
-            r.num_computed_tokens, r.status = n, RequestStatus.FINISHED_LENGTH_CAPPED
-            params[rid] = ps.request_finished(r, src[rid])[1]
-        prod.start_load_kv(ps.build_connector_meta(sched_out({})))
-        assert prod.stats["registered"] == 2
-        before = [dp_glob(dp_caches(g, [], fill_seed=80), layer) for layer in range(LAYERS)]
-        # tpu-inference's DP scheduler routes each request to one rank.
-        for rank, (did, pid, n) in enumerate((("d1", "p1", n1), ("d2", "p2", n2))):
-            cons.scheds[1 - rank].add_request(request(did, tokens(n, seed=n), dict(params[pid]), max_tokens=2))
-        cons.run_until(lambda: all(len(cons.tokens.get(d, ())) == 2 for d in ("d1", "d2")))
+        src_before = [dp_glob(dp_caches(g, [], fill_seed=90), layer) for layer in range(LAYERS)]
+        dst_before = [dp_glob(dp_caches(g, [], fill_seed=80), layer) for layer in range(LAYERS)]
+        # (request, tokens, producer rank, consumer rank): tpu-inference routes each to a rank.
+        reqs = [("r1", 70, 1, 0), ("r2", 41, 0, 1)]
+        for rid, n, pr, _ in reqs:
+            prod.scheds[pr].add_request(request(rid, tokens(n, seed=n), {"do_remote_decode": True}, max_tokens=1))
+        prod.run_until(lambda: all(rid in prod.params for rid, *_ in reqs))
+        assert prod.worker.stats["registered"] == 2, prod.worker.stats
+        for rid, *_ in reqs:
+            assert prod.params[rid]["remote_describe"] is True and "remote_block_ids" not in prod.params[rid]
+        for rid, n, _, cr in reqs:
+            cons.scheds[cr].add_request(request(rid, tokens(n, seed=n), dict(prod.params[rid]), max_tokens=2))
+        cons.run_until(lambda: all(len(cons.tokens.get(rid, ())) == 2 for rid, *_ in reqs))
         assert cons.worker.stats["pulls_done"] == 2 and cons.worker.stats["pulls_failed"] == 0, cons.worker.stats
-        assert [s.connector.scheduler_side.stats["p2p_tokens"] for s in cons.scheds] == [n2, n1]
-        # In the blocks vLLM allocated (read from each rank's cache manager while they ran).
+        assert [s.connector.scheduler_side.stats["p2p_tokens"] for s in cons.scheds] == [70, 41]
+        # The producer frees the blocks once the consumers released them (reported to their rank).
+        prod.run_until(lambda: not any(s.requests for s in prod.scheds))
         bs = g.block_size
         for layer in range(LAYERS):
             got = bits(cons.runner.kv_caches[layer])
-            exp = before[layer].copy()
-            for rank, did, pid, n in ((1, "d1", "p1", n1), (0, "d2", "p2", n2)):
-                dst = cons.blocks_of[did]
+            exp = dst_before[layer].copy()
+            for rid, n, pr, cr in reqs:
+                src, dst = prod.blocks_of[rid], cons.blocks_of[rid]
                 for t in range(n):
-                    exp[rank * NB + dst[t // bs], t % bs] = pk[0][layer][src[pid][t // bs], t % bs]
+                    exp[cr * NB + dst[t // bs], t % bs] = src_before[layer][pr * NB + src[t // bs], t % bs]
             assert np.array_equal(got, exp), (layer, sorted({int(i[0]) for i in np.argwhere(got != exp)}))
+            assert np.array_equal(bits(prod.runner.kv_caches[layer]), src_before[layer])
     finally:
         cons.shutdown()
         prod.shutdown()

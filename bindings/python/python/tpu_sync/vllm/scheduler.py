@@ -220,9 +220,15 @@ class SchedulerSide:
         hit), and whether they arrive asynchronously. Side-effect free except for queueing one
         host-tier lookup per request. Under tpu-inference's DP scheduler host-tier loads are
         asynchronous too (a failed load is then reported by request, not by block id)."""
+        params = request.kv_transfer_params
         if self.dp > 1:
             self._dp_own.add(request.request_id)
-        params = request.kv_transfer_params
+            if (params and params.get("do_remote_decode") and self.cfg.is_producer
+                    and len(self.peers) < self.geometry.tp):
+                # No worker addresses yet (they come in the workers' first report, after this
+                # rank asked): a request finished now could not be handed off. Ask again next
+                # step (the empty step carries the request for the addresses).
+                return None, False
         if params and params.get("do_remote_prefill") and self.cfg.is_consumer:
             self._pd_first.pop(request.request_id, None)
             if num_computed_tokens > 0 and self.geometry.groups:
