@@ -897,24 +897,28 @@ class RealDpEngine:
     ``KVConnectorOutput`` (``_split_model_output_by_rank``). vLLM's scheduler asserts it knows
     every request in the finished sets."""
 
-    def __init__(self, tiny_model, role, runner_for, extra):
+    def __init__(self, tiny_model, role, runner_for, extra, dp=DP):
         import torch
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.cfg = vllm_config(tiny_model, role, extra)
-        self.cfg.sharding_config = SimpleNamespace(total_dp_size=DP)  # as tpu-inference's platform sets it
+        self.dp = dp
+        self.cfg.sharding_config = SimpleNamespace(total_dp_size=dp)  # as tpu-inference's platform sets it
         self.cfg.cache_config.num_gpu_blocks = NB
         bs = self.cfg.cache_config.block_size
         spec = FullAttentionSpec(block_size=bs, num_kv_heads=2, head_size=32, dtype=torch.float32)
         kcc = KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)], spec)])
-        self.scheds = [Scheduler(self.cfg, kcc, StructuredOutputManager(self.cfg), block_size=bs) for _ in range(DP)]
+        self.scheds = [Scheduler(self.cfg, kcc, StructuredOutputManager(self.cfg), block_size=bs) for _ in range(dp)]
         self.geometry = self.scheds[0].connector.geometry
         self.worker = WorkerSide(self.cfg, ConnectorConfig.parse(role, extra), self.geometry)
         self.runner = runner_for(self.geometry)
         self.worker.register_runner(self.runner)
+        if dp == 1:
+            # vLLM's own scheduler (tpu-inference uses it at DP 1): the start-up handshake.
+            self.scheds[0].connector.set_xfer_handshake_metadata({0: self.worker.handshake()})
         self.tokens = {}
         #: every running request's block ids (rank-local), as last scheduled
         self.blocks_of = {}
@@ -928,7 +932,7 @@ class RealDpEngine:
         for s in self.scheds:
             for r in s.running:
                 self.blocks_of[r.request_id] = list(s.kv_cache_manager.get_block_ids(r.request_id)[0])
-        meta = dp_merge([o.kv_connector_metadata for o in outs], NB)
+        meta = dp_merge([o.kv_connector_metadata for o in outs], NB) if self.dp > 1 else outs[0].kv_connector_metadata
         w = self.worker
         w.bind(meta)
         w.handle_preemptions(meta)
@@ -975,43 +979,63 @@ def tpu_platform(monkeypatch):
     monkeypatch.setattr(type(current_platform), "device_type", "tpu", raising=False)
 
 
-@pytest.mark.parametrize("backend", ["auto", "framework-copy"])
-def test_pd_with_vllms_schedulers_under_the_dp_scheduler(tiny_model, tpu_platform, backend):
-    """vLLM's own scheduler per DP rank on both sides (producer and consumer DP=2 x TP=1): two
-    prompts prefilled on different producer ranks are handed off (their params name no
-    blocks), pulled on the other consumer rank, and run to their tokens; vLLM's asserts on the
-    finished sets hold (each rank sees only its own requests); each request's KV lands
-    byte-exact in the blocks the consumer's vLLM allocated in that rank's replica, read from
-    the blocks the producer's vLLM allocated in its replica; every other block unchanged."""
+def engine_runner(dp, fill_seed, first_device):
+    """A DP x TP=1 runner (the tiny model's geometry) for :class:`RealDpEngine`."""
+    def make(g):
+        reps = dp_caches(g, [], fill_seed=fill_seed)
+        return dp_runner(g, reps, first_device) if dp > 1 else runner(g, reps[0], first_device)
+    return make
+
+
+@pytest.mark.parametrize("prod_dp,cons_dp,backend", [
+    (2, 2, "auto"), (2, 2, "framework-copy"), (1, 2, "auto"), (2, 1, "framework-copy")])
+def test_pd_with_vllms_schedulers_under_the_dp_scheduler(tiny_model, tpu_platform, prod_dp, cons_dp, backend):
+    """vLLM's own scheduler per DP rank on either side (DP=2 x TP=1, or one plain vLLM
+    scheduler at DP 1): prompts prefilled on the producer's ranks are handed off (under DP their
+    params name no blocks), pulled on the consumer's ranks (crossing replicas) and run to their
+    tokens; vLLM's asserts on the finished sets hold (each rank sees only its own requests);
+    each request's KV lands byte-exact in the blocks the consumer's vLLM allocated in its rank's
+    replica, read from the blocks the producer's vLLM allocated in its own; every other block
+    unchanged. One request has a local prefix hit of 2 blocks on the consumer (a prompt
+    sharing its first 64 tokens ran there first): only the tokens past it are pulled, into
+    its own blocks; the shared ones are untouched."""
     extra = {"jax_backend": backend}
-    prod = RealDpEngine(tiny_model, "kv_producer", lambda g: dp_runner(g, dp_caches(g, [], fill_seed=90), 0), extra)
-    cons = RealDpEngine(tiny_model, "kv_consumer", lambda g: dp_runner(g, dp_caches(g, [], fill_seed=80), 4), extra)
+    prod = RealDpEngine(tiny_model, "kv_producer", engine_runner(prod_dp, 90, 0), extra, dp=prod_dp)
+    cons = RealDpEngine(tiny_model, "kv_consumer", engine_runner(cons_dp, 80, 4), extra, dp=cons_dp)
     g = cons.geometry
+    bs = g.block_size
     try:
-        src_before = [dp_glob(dp_caches(g, [], fill_seed=90), layer) for layer in range(LAYERS)]
-        dst_before = [dp_glob(dp_caches(g, [], fill_seed=80), layer) for layer in range(LAYERS)]
+        def before(dp, seed):
+            return [dp_glob(dp_caches(g, [], fill_seed=seed)[:dp], layer) for layer in range(LAYERS)]
+
+        src_before, dst_before = before(prod_dp, 90), before(cons_dp, 80)
         # (request, tokens, producer rank, consumer rank): tpu-inference routes each to a rank.
-        reqs = [("r1", 70, 1, 0), ("r2", 41, 0, 1)]
+        reqs = [("r1", 70, 1 % prod_dp, 0), ("r2", 41, 0, 1 % cons_dp), ("r3", 100, 1 % prod_dp, 1 % cons_dp)]
+        prompts = {rid: tokens(n, seed=n) for rid, n, *_ in reqs}
         for rid, n, pr, _ in reqs:
-            prod.scheds[pr].add_request(request(rid, tokens(n, seed=n), {"do_remote_decode": True}, max_tokens=1))
+            prod.scheds[pr].add_request(request(rid, prompts[rid], {"do_remote_decode": True}, max_tokens=1))
         prod.run_until(lambda: all(rid in prod.params for rid, *_ in reqs))
-        assert prod.worker.stats["registered"] == 2, prod.worker.stats
+        assert prod.worker.stats["registered"] == 3, prod.worker.stats
         for rid, *_ in reqs:
-            assert prod.params[rid]["remote_describe"] is True and "remote_block_ids" not in prod.params[rid]
+            assert (prod.params[rid].get("remote_describe") is True) == (prod_dp > 1), prod.params[rid]
+        # r3's first two blocks computed on its consumer rank by an earlier request.
+        cons.scheds[1 % cons_dp].add_request(request("warm", prompts["r3"][:2 * bs] + tokens(9, seed=5), max_tokens=1))
+        cons.run_until(lambda: len(cons.tokens.get("warm", ())) == 1)
         for rid, n, _, cr in reqs:
-            cons.scheds[cr].add_request(request(rid, tokens(n, seed=n), dict(prod.params[rid]), max_tokens=2))
+            cons.scheds[cr].add_request(request(rid, prompts[rid], dict(prod.params[rid]), max_tokens=2))
         cons.run_until(lambda: all(len(cons.tokens.get(rid, ())) == 2 for rid, *_ in reqs))
-        assert cons.worker.stats["pulls_done"] == 2 and cons.worker.stats["pulls_failed"] == 0, cons.worker.stats
-        assert [s.connector.scheduler_side.stats["p2p_tokens"] for s in cons.scheds] == [70, 41]
+        assert cons.worker.stats["pulls_done"] == 3 and cons.worker.stats["pulls_failed"] == 0, cons.worker.stats
+        sides = [s.connector.scheduler_side for s in cons.scheds]
+        assert sum(s.stats["p2p_tokens"] for s in sides) == 70 + 41 + 100 - 2 * bs
+        assert sum(s.stats["p2p_partial"] for s in sides) == 1 and cons.blocks_of["r3"][:2] == cons.blocks_of["warm"][:2]
         # The producer frees the blocks once the consumers released them (reported to their rank).
         prod.run_until(lambda: not any(s.requests for s in prod.scheds))
-        bs = g.block_size
         for layer in range(LAYERS):
             got = bits(cons.runner.kv_caches[layer])
             exp = dst_before[layer].copy()
             for rid, n, pr, cr in reqs:
                 src, dst = prod.blocks_of[rid], cons.blocks_of[rid]
-                for t in range(n):
+                for t in range(2 * bs if rid == "r3" else 0, n):
                     exp[cr * NB + dst[t // bs], t % bs] = src_before[layer][pr * NB + src[t // bs], t % bs]
             assert np.array_equal(got, exp), (layer, sorted({int(i[0]) for i in np.argwhere(got != exp)}))
             assert np.array_equal(bits(prod.runner.kv_caches[layer]), src_before[layer])
