@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from test_connector import FakeManager, blocks, configs, connector, request, sched_out, tokens, vllm_config  # noqa: E402,F401
 from test_tpu_engine_layouts import geometry, worker  # noqa: E402
 from tpu_sync.jax_kv import JaxKv  # noqa: E402
+from tpu_sync.vllm.compat import PAIR_KEY, pair_params  # noqa: E402
 from tpu_sync.vllm.config import ConnectorConfig  # noqa: E402
 from tpu_sync.vllm.metadata import RecvSpec, SendSpec, TierOp, TpuSyncMetadata  # noqa: E402
 from tpu_sync.vllm.worker import WorkerSide  # noqa: E402
@@ -1024,9 +1025,24 @@ def test_pd_with_vllms_schedulers_under_the_dp_scheduler(tiny_model, tpu_platfor
         for rid, n, _, cr in reqs:
             cons.scheds[cr].add_request(request(rid, prompts[rid], dict(prod.params[rid]), max_tokens=2))
         cons.run_until(lambda: all(len(cons.tokens.get(rid, ())) == 2 for rid, *_ in reqs))
-        assert cons.worker.stats["pulls_done"] == 3 and cons.worker.stats["pulls_failed"] == 0, cons.worker.stats
+        # Both at once (a router sends the prompt to both sides; compat.pair_params from an
+        # earlier answer of the producer): the consumer waits for the producer's registration.
+        nonce = "pair-nonce-r4"
+        reqs.append(("r4", 50, 0, cons_dp - 1))
+        prompts["r4"] = tokens(50, seed=50)
+        prod.scheds[0].add_request(request("r4", prompts["r4"], {"do_remote_decode": True, PAIR_KEY: nonce},
+                                           max_tokens=1))
+        cons.scheds[cons_dp - 1].add_request(request("r4", prompts["r4"], pair_params(prod.params["r1"], nonce),
+                                                      max_tokens=2))
+        for _ in range(400):
+            cons.step()
+            prod.step()
+            if len(cons.tokens.get("r4", ())) == 2:
+                break
+        assert cons.worker.stats["pulls_done"] == 4 and cons.worker.stats["pulls_failed"] == 0, cons.worker.stats
+        assert cons.worker.stats["pulls_deferred"] == 1 + 3 * (prod_dp > 1)  # described by the producer
         sides = [s.connector.scheduler_side for s in cons.scheds]
-        assert sum(s.stats["p2p_tokens"] for s in sides) == 70 + 41 + 100 - 2 * bs
+        assert sum(s.stats["p2p_tokens"] for s in sides) == 70 + 41 + 100 - 2 * bs + 50
         assert sum(s.stats["p2p_partial"] for s in sides) == 1 and cons.blocks_of["r3"][:2] == cons.blocks_of["warm"][:2]
         # The producer frees the blocks once the consumers released them (reported to their rank).
         prod.run_until(lambda: not any(s.requests for s in prod.scheds))

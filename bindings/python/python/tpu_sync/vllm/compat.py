@@ -726,7 +726,7 @@ def peers_from_params(params: Dict[str, Any]) -> Dict[int, str]:
 PAIR_KEY = "tpu_sync_pair"
 #: What a producer's params hold per request; :func:`pair_params` drops them from a template.
 _PER_REQUEST = ("remote_request_id", "remote_block_ids", "remote_num_tokens", "remote_prompt_digest",
-                "do_remote_decode", "tpu_sync_truncated")
+                "do_remote_decode", "tpu_sync_truncated", "remote_describe")
 
 
 def pair_nonce(params: Optional[Dict[str, Any]]) -> Optional[str]:
