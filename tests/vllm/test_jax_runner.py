@@ -35,7 +35,8 @@ jax.config.update("jax_platforms", "cpu")
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from test_connector import FakeManager, blocks, configs, connector, request, sched_out, tokens, vllm_config  # noqa: E402,F401
+from test_connector import (FakeManager, blocks, configs, connector, request, sched_out, tokens,  # noqa: E402,F401
+                            vllm_config)
 from test_tpu_engine_layouts import geometry, worker  # noqa: E402
 from tpu_sync.jax_kv import JaxKv  # noqa: E402
 from tpu_sync.vllm.compat import PAIR_KEY, pair_params  # noqa: E402
@@ -882,7 +883,8 @@ def test_host_tier_under_tpu_inferences_dp_scheduler(configs, monkeypatch, backe
 
         monkeypatch.setattr(eng.worker.tier, "get", broken)
         outs = eng.step()
-        assert [set(o.finished_recving or ()) for o in outs] == [set(), {"o3"}] and outs[1].failed_recving == {"o3"}, outs
+        assert [set(o.finished_recving or ()) for o in outs] == [set(), {"o3"}], outs
+        assert outs[1].failed_recving == {"o3"}
         assert outs[0].failed_recving == set() and not outs[1].invalid_block_ids
         assert s1.stats["failed_loads"] == 1
     finally:
@@ -1043,7 +1045,8 @@ def test_pd_with_vllms_schedulers_under_the_dp_scheduler(tiny_model, tpu_platfor
         assert cons.worker.stats["pulls_deferred"] == 1 + 3 * (prod_dp > 1)  # described by the producer
         sides = [s.connector.scheduler_side for s in cons.scheds]
         assert sum(s.stats["p2p_tokens"] for s in sides) == 70 + 41 + 100 - 2 * bs + 50
-        assert sum(s.stats["p2p_partial"] for s in sides) == 1 and cons.blocks_of["r3"][:2] == cons.blocks_of["warm"][:2]
+        assert sum(s.stats["p2p_partial"] for s in sides) == 1
+        assert cons.blocks_of["r3"][:2] == cons.blocks_of["warm"][:2]
         # The producer frees the blocks once the consumers released them (reported to their rank).
         prod.run_until(lambda: not any(s.requests for s in prod.scheds))
         for layer in range(LAYERS):
@@ -1110,8 +1113,8 @@ def test_a_data_parallel_runner_needs_the_dp_scheduler(configs):
                 w.register_runner(Runner([a, a + 0]))
         finally:
             w.shutdown()
-    w = WorkerSide(dp_vllm_config(configs, "kv_both", 2), ConnectorConfig.parse("kv_both", {"host_capacity_bytes": 16 << 20}),
-                   g)
+    w = WorkerSide(dp_vllm_config(configs, "kv_both", 2),
+                   ConnectorConfig.parse("kv_both", {"host_capacity_bytes": 16 << 20}), g)
     try:
         w.register_runner(Runner([a, a + 0]))
         assert w.handshake().dp == 2 and w.caches.num_blocks == 2 * NB and w.caches.entry_ranks == 2

@@ -415,7 +415,8 @@ class KvGeometry:
                 kv_planes=self.kv_planes,
                 dtype=self.dtype,
             ),
-            spec=dict(tp=self.tp, pcp=1, dp=int(dp), block_size=self.block_size, order="lbhnc" if sal else self.kv_order),
+            spec=dict(tp=self.tp, pcp=1, dp=int(dp), block_size=self.block_size,
+                      order="lbhnc" if sal else self.kv_order),
             num_blocks=int(num_blocks),
             # The TPU orders that name their own element order carry no block format tag (so
             # they plan against the GPU orders); the opaque LBHNC regions need one.
