@@ -33,6 +33,7 @@ vllm = pytest.importorskip("vllm")
 jax = pytest.importorskip("jax")
 jax.config.update("jax_platforms", "cpu")
 
+import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from test_connector import (FakeManager, blocks, configs, connector, request, sched_out, tokens,  # noqa: E402,F401
@@ -887,6 +888,205 @@ def test_host_tier_under_tpu_inferences_dp_scheduler(configs, monkeypatch, backe
         assert outs[1].failed_recving == {"o3"}
         assert outs[0].failed_recving == set() and not outs[1].invalid_block_ids
         assert s1.stats["failed_loads"] == 1
+    finally:
+        eng.shutdown()
+
+
+# ---- KV cache groups under the DP scheduler ---------------------------------------------------
+
+
+class GroupManager:
+    """vLLM's KV cache manager as the scheduler side reads it: per request, one list of block
+    ids per KV cache group (rank-local)."""
+
+    def __init__(self):
+        self.ids = {}
+
+    def get_block_ids(self, rid):
+        return tuple(list(g) for g in self.ids[rid])
+
+
+def group_blocks(ids):
+    """``KVCacheBlocks`` of one list per KV cache group."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks(tuple(tuple(KVCacheBlock(block_id=i) for i in g) for g in ids))
+
+
+class DpGroupRunner(GroupRunner):
+    """:class:`GroupRunner` over DP replicas (the mesh's data axis on the blocks): one array
+    shared by both layers, replica ``d``'s blocks ``d * NB ..``."""
+
+    def __init__(self, g, reps, first_device):
+        from test_tpu_engine_layouts import NAMES
+
+        devs = devices_or_skip(8)[first_device:first_device + DP * g.tp]
+        mesh = Mesh(np.array(devs).reshape(DP, g.tp), ("data", "model"))
+        arr = dp_group_glob(reps).view(JAX_DTYPE[g.dtype])
+        # XLA's own buffer (a device_put may alias host memory: test_jax_kv.Runner).
+        self.kv_caches = [jnp.copy(jax.device_put(arr, NamedSharding(mesh, P("data", None, "model"))))]
+        self.layer_name_to_kvcache_index = {NAMES[1]: 0, NAMES[0]: 0}
+        self._step = jax.jit(lambda c: c, donate_argnums=0)
+
+
+def dp_group_glob(reps):
+    """The global array (bit patterns) of every replica's per-rank arrays."""
+    return np.concatenate([np.concatenate(per, axis=2) for per in reps], axis=0)
+
+
+def with_group_request(g, base, tokens, held, seed):
+    """``base`` (one replica's per-rank arrays) with a request's KV written as a transfer
+    leaves it: the full layer's tokens ``[0, tokens)`` at the full group's blocks ``held[1]``,
+    the sliding layer's window ``[tokens + 1 - WINDOW, tokens)`` at ``held[0]``."""
+    _, rows = group_caches(g, tokens, held, seed=seed, fill_seed=0)
+    out = [a.copy() for a in base]
+    nblocks = -(-tokens // BS)
+    for layer, ids in enumerate(held):
+        first = nblocks - len(ids)
+        for t in range(max(first * BS, tokens + 1 - WINDOW if layer == 0 else 0), tokens):
+            for r in range(g.tp):
+                out[r][ids[t // BS - first], t % BS] = rows[r][layer][t]
+    return out
+
+
+def test_dp_form_carries_kv_cache_groups():
+    """The DP form of ops with one block id list per KV cache group: through the DP
+    scheduler's merge (rank 1's ids offset by ``NB``) each group's ids come back global, in
+    their structure, vLLM's null block (0 on every rank, offset like any id by the merge) as
+    0; a tier op's flat ``block_ids`` and ``group_block_ids`` both; a merge that offsets one
+    op's ids unevenly is refused."""
+    send = SendSpec("p1", 5, [[9, 2], [5, 12, 13]], 40, 60.0, 1)
+    recv = RecvSpec("d1", 6, {0: "x"}, {}, None, [[3, 7], [11, 4, 13]], 40, 30.0)
+    load = TierOp("o1", [b"a" * 32, b"b" * 32], [12, 13], None, [[0, 10], [12, 13]], report=True)
+    rank1 = TpuSyncMetadata(sends=[send], recvs=[recv], loads=[load]).to_dp_form()
+    assert [e.local_block_ids for e in rank1.requests_meta] == [[12, 13, 0, 10, 12, 13], [9, 2, 5, 12, 13],
+                                                               [3, 7, 11, 4, 13]]
+    rank0 = TpuSyncMetadata(saves=[TierOp("o0", [b"c" * 32], [4], None, [[3], [4]])]).to_dp_form()
+    out = dp_merge([rank0, rank1], NB).from_dp_form(DP)
+    (save,) = out.saves
+    assert save.block_ids == [4] and save.group_block_ids == [[3], [4]]
+    (s,), (r,), (ld,) = out.sends, out.recvs, out.loads
+    assert s.block_ids == [[9 + NB, 2 + NB], [5 + NB, 12 + NB, 13 + NB]] and s.num_tokens == 40
+    assert r.dst_block_ids == [[3 + NB, 7 + NB], [11 + NB, 4 + NB, 13 + NB]] and r.src_block_ids is None
+    assert ld.block_ids == [12 + NB, 13 + NB] and ld.group_block_ids == [[0, 10 + NB], [12 + NB, 13 + NB]]
+    assert ld.report is True
+    bad = dp_merge([None, TpuSyncMetadata(sends=[send]).to_dp_form()], NB)
+    bad.requests_meta[0].local_block_ids[0] += 1
+    with pytest.raises(ValueError, match="offset by"):
+        bad.from_dp_form(DP)
+
+
+@pytest.mark.parametrize("backend", ["auto", "framework-copy"])
+def test_pd_with_kv_cache_groups_under_tpu_inferences_dp_scheduler(configs, backend):
+    """P/D of a sliding-window + full-attention model between two engines under the DP
+    scheduler (producer DP=2 x TP=2, consumer DP=2 x TP=1, one array per rank shared by both
+    layers): each group's held blocks travel through the merge per group; two requests cross
+    replicas (producer replica 1 -> consumer replica 0, 0 -> 1), each group's tokens land
+    byte-exact at its own blocks (the sliding layer's window only), every other block of every
+    replica unchanged, the producer unchanged; each rank sees only its own requests."""
+    from vllm.v1.request import RequestStatus
+
+    gs, gd = group_geometry(8, 128, "bf16", 2), group_geometry(8, 128, "bf16", 1)
+    t1, t2 = 40, 23
+    # (DP rank, vLLM's block ids per group: the sliding group's null block before its window)
+    p_ids = {"p1": (1, [[0, 9, 2], [5, 12, 13]]), "p2": (0, [[6, 8], [10, 14]])}
+    d_ids = {"d1": (0, [[0, 3, 7], [11, 4, 13]]), "d2": (1, [[2, 5], [9, 12]])}
+    # Held: the sliding group's last 2 blocks (the window of the last token), the full group's all.
+    held = {k: [ids[0][-2:], ids[1]] for k, (_, ids) in {**p_ids, **d_ids}.items()}
+    src_reps = [group_caches(gs, t2, held["p2"], seed=32, fill_seed=40)[0],
+                group_caches(gs, t1, held["p1"], seed=31, fill_seed=41)[0]]
+    dst_reps = [group_caches(gd, 0, [[], []], seed=0, fill_seed=50 + d)[0] for d in range(DP)]
+    want = [with_group_request(gd, dst_reps[0], t1, held["d1"], 31),
+            with_group_request(gd, dst_reps[1], t2, held["d2"], 32)]
+    extra = {"jax_backend": backend}
+    prod = DpEngine(configs, "kv_producer", gs, DpGroupRunner(gs, src_reps, 0), extra)
+    cons = DpEngine(configs, "kv_consumer", gd, DpGroupRunner(gd, dst_reps, 4), extra)
+    for s in prod.ranks + cons.ranks:
+        s.kv_cache_manager = GroupManager()
+    src_before = bits(prod.runner.kv_caches[0])
+    try:
+        prod.step()
+        reqs = {}
+        for rid, n in (("p1", t1), ("p2", t2)):
+            rank, ids = p_ids[rid]
+            s = prod.ranks[rank]
+            r = request(rid, tokens(n, seed=len(rid) + n), {"do_remote_decode": True}, max_tokens=1)
+            s.on_new_request(r)
+            s.kv_cache_manager.ids[rid] = ids
+            reqs[rid] = r
+        prod.step({1: {"p1": t1}, 0: {"p2": t2}})
+        assert prod.worker.stats["registered"] == 2, prod.worker.stats
+        params = {}
+        for rid, n in (("p1", t1), ("p2", t2)):
+            r = reqs[rid]
+            r.num_computed_tokens, r.status = n, RequestStatus.FINISHED_LENGTH_CAPPED
+            delay, params[rid] = prod.ranks[p_ids[rid][0]].request_finished_all_groups(r, tuple(p_ids[rid][1]))
+            assert delay is True and params[rid]["remote_describe"] is True
+        outs = prod.step()
+        assert [set(o.finished_sending or ()) for o in outs] == [{"p2"}, {"p1"}], [o.finished_sending for o in outs]
+        cons.step()
+        for did, pid, n in (("d1", "p1", t1), ("d2", "p2", t2)):
+            rank, ids = d_ids[did]
+            s = cons.ranks[rank]
+            r = request(did, tokens(n, seed=len(pid) + n), dict(params[pid]))
+            s.on_new_request(r)
+            assert s.get_num_new_matched_tokens(r, 0) == (n, True)
+            s.update_state_after_alloc(r, group_blocks(ids), n)
+        deadline, done = time.monotonic() + 60, [set(), set()]
+        while time.monotonic() < deadline and done != [{"d1"}, {"d2"}]:
+            outs = cons.step()
+            for rank, o in enumerate(outs):
+                done[rank] |= set(o.finished_recving or ())
+                assert not o.failed_recving and not o.invalid_block_ids, (o, cons.worker.stats)
+            time.sleep(0.01)
+        assert done == [{"d1"}, {"d2"}], (done, cons.worker.stats)
+        assert cons.worker.stats["pulls_failed"] == 0, cons.worker.stats
+        got, exp = bits(cons.runner.kv_caches[0]), dp_group_glob(want)
+        assert np.array_equal(got, exp), str(sorted({tuple(int(x) for x in i[:2]) for i in np.argwhere(got != exp)}))
+        assert np.array_equal(bits(prod.runner.kv_caches[0]), src_before), "the producer changed"
+    finally:
+        cons.shutdown()
+        prod.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["auto", "framework-copy"])
+def test_host_tier_with_kv_cache_groups_under_tpu_inferences_dp_scheduler(configs, backend):
+    """Offload of a sliding-window + full-attention model under the DP scheduler (DP=2 x
+    TP=2, one shared array per rank): a prompt saved from replica 0 is loaded by a request of
+    rank 1 into replica 1, each group's blocks at its own blocks, the sliding group's null
+    block skipped (offset by the merge to replica 1's block 0, which stays unchanged), every
+    other block of both replicas unchanged; reported to rank 1 only."""
+    g = group_geometry(8, 128, "bf16", 2)
+    bs, n = g.block_size, 3 * g.block_size + 5
+    reps = [group_caches(g, 3 * bs, [[3, 4, 5], [6, 7, 8]], seed=61, fill_seed=70 + d)[0] for d in range(DP)]
+    eng = DpEngine(configs, "kv_both", g, DpGroupRunner(g, reps, 0), {"host_capacity_bytes": 64 << 20,
+                                                                       "jax_backend": backend})
+    for s in eng.ranks:
+        s.kv_cache_manager = GroupManager()
+    try:
+        s0, s1 = eng.ranks
+        hashes = [bytes([i]) * 32 for i in range(1, 4)]
+        s0.on_new_request(tier_request("o1", hashes, n))
+        s0.kv_cache_manager.ids["o1"] = [[3, 4, 5, 9], [6, 7, 8, 15]]
+        eng.step({0: {"o1": n}})  # the prefill: its full blocks saved, every group's
+        assert eng.worker.stats["saved_blocks"] == 3, eng.worker.stats
+        orig = bits(eng.runner.kv_caches[0])
+        r2 = tier_request("o2", hashes, n)
+        s1.on_new_request(r2)
+        assert s1.get_num_new_matched_tokens(r2, 0) == (None, False)
+        eng.step()
+        assert s1.get_num_new_matched_tokens(r2, 0) == (3 * bs, True)
+        s1.update_state_after_alloc(r2, group_blocks([[0, 10, 11, 1], [12, 13, 14, 2]]), 3 * bs)
+        outs = eng.step()
+        assert [set(o.finished_recving or ()) for o in outs] == [set(), {"o2"}], outs
+        assert not outs[1].failed_recving and not outs[1].invalid_block_ids
+        assert eng.worker.stats["loaded_blocks"] == 3, eng.worker.stats
+        want = orig.copy()
+        for s_b, d_b in ((4, 10), (5, 11), (6, 12), (7, 13), (8, 14)):
+            want[NB + d_b] = orig[s_b]  # replica 0's block into replica 1's
+        got = bits(eng.runner.kv_caches[0])
+        assert np.array_equal(got, want), sorted({int(i[0]) for i in np.argwhere(got != want)})
     finally:
         eng.shutdown()
 

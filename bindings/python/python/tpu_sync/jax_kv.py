@@ -46,7 +46,7 @@ split over the data axis; each replica's scatter keeps the rows of its own shard
 moves DP times the blocks' bytes (``h2d_bytes`` counts them once).
 
 Not mapped (refused with the reason): a data axis on another dimension than the blocks, an MLA
-cache split over the ``kv_context`` axis (PCP/DCP in the mesh), KV cache groups with DP, tiled
+cache split over the ``kv_context`` axis (PCP/DCP in the mesh), tiled
 physical layouts (a TPU's ``Layout.tiling``; the layout is passed on, and a plan that needs rows it
 cannot address refuses it by name). (KV heads fewer than TP are mapped: tpu-inference pads them
 to TP by repeating each head, ``repeat_interleave``, so each shard holds one head, as tpu_sync's
@@ -220,8 +220,6 @@ class JaxKv:
         if self.dp > 1 and data_dim != 0:
             raise _fail(UnsupportedError, f"the KV caches are split over mesh axis {data_axis!r} on dimension "
                         f"{data_dim}: only a split of the blocks (dimension 0) is mapped")
-        if self.dp > 1 and self.num_groups > 1:
-            raise _fail(UnsupportedError, "KV cache groups with data-parallel shards of the blocks: not mapped yet")
         self._mesh = mesh
         dim = _axis_of(spec, model_axis)
         shards = list(a0.addressable_shards)

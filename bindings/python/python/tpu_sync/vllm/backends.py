@@ -92,41 +92,63 @@ class KvCaches:
         (an entry saved from one replica loads into any other)."""
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block id {block_id} out of range 0..{self.num_blocks}")
-        assert self.views is not None
-        views = self.views
-        if self.jax is not None and self.jax.dp > 1:
-            d, block_id = divmod(block_id, int(self.jax.num_blocks))
-            per = len(self.names)
-            ranks = sorted(self.jax.ranks)  # views are rank-major in this order (refresh)
-            views = [v for i, r in enumerate(ranks) if r // self.jax.tp == d for v in views[i * per:(i + 1) * per]]
-        off = block_id * self.layer_block_bytes
+        views, offset = self.replica_of([block_id])
+        off = (block_id - offset) * self.layer_block_bytes
         return [(v, off, self.layer_block_bytes) for v in views]
 
-    def view_groups(self) -> List[int]:
-        """The KV cache group of each of :attr:`views` (a JAX runner's are every rank's layers,
-        rank-major: view ``i`` is layer ``i % layers``)."""
+    def replica_of(self, block_ids: Sequence[int]) -> Tuple[List[Any], int]:
+        """``(views, first block)`` of the DP replica holding global blocks ``block_ids`` (a
+        JAX runner with DP replicas: replica ``block_id // per-replica blocks``, the views of
+        its TP ranks only, rank-major, and the global id of its block 0); ``(views, 0)``
+        otherwise. vLLM's null block (id 0) names no replica and is left out of the choice.
+
+        Raises:
+            ValueError: ids of several replicas (a request's blocks are in one)."""
+        from .compat import NULL_BLOCK_ID
+
         assert self.views is not None
+        if self.jax is None or self.jax.dp <= 1:
+            return self.views, 0
+        nb = int(self.jax.num_blocks)
+        reps = {int(b) // nb for b in block_ids if int(b) != NULL_BLOCK_ID}
+        if len(reps) > 1:
+            raise ValueError(f"block ids {list(block_ids)} lie in DP replicas {sorted(reps)}: one position's blocks "
+                             "are in one replica")
+        d = reps.pop() if reps else 0
+        per = len(self.names)
+        ranks = sorted(self.jax.ranks)  # views are rank-major in this order (refresh)
+        views = [v for i, r in enumerate(ranks) if r // self.jax.tp == d for v in self.views[i * per:(i + 1) * per]]
+        return views, d * nb
+
+    def view_groups(self, views: Optional[Sequence[Any]] = None) -> List[int]:
+        """The KV cache group of each of :attr:`views` (or of ``views``, a replica's from
+        :meth:`replica_of`; a JAX runner's are every rank's layers, rank-major: view ``i`` is
+        layer ``i % layers``)."""
+        views = self.views if views is None else views
+        assert views is not None
         if not self.layer_group:
-            return [0] * len(self.views)
+            return [0] * len(views)
         n = len(self.layer_group)
-        return [self.layer_group[i % n] for i in range(len(self.views))]
+        return [self.layer_group[i % n] for i in range(len(views))]
 
     def group_pieces(self, group_ids: Sequence[int]) -> List[Tuple[Any, int, int]]:
         """``(view, byte offset, length)`` in every layer, in layer order, of one block position
         of a model with KV cache groups: layer ``l``'s piece is block ``group_ids[group of l]``
-        (one tier entry is their concatenation).
+        (one tier entry is their concatenation). With DP replicas (a JAX runner) the ids are
+        global, of one replica, and the pieces that replica's ranks'.
 
         Raises:
-            ValueError: a group count other than the layers' groups; IndexError: an id out of
-            range."""
-        groups = self.view_groups()
-        if len(group_ids) != max(groups) + 1:
-            raise ValueError(f"{len(group_ids)} block ids for {max(groups) + 1} KV cache groups")
+            ValueError: a group count other than the layers' groups, ids of several DP
+            replicas; IndexError: an id out of range."""
         for b in group_ids:
             if not 0 <= int(b) < self.num_blocks:
                 raise IndexError(f"block id {b} out of range 0..{self.num_blocks}")
+        views, offset = self.replica_of(group_ids)
+        groups = self.view_groups(views)
+        if len(group_ids) != max(groups) + 1:
+            raise ValueError(f"{len(group_ids)} block ids for {max(groups) + 1} KV cache groups")
         lbb = self.layer_block_bytes
-        return [(v, int(group_ids[g]) * lbb, lbb) for v, g in zip(self.views, groups)]
+        return [(v, (int(group_ids[g]) - offset) * lbb, lbb) for v, g in zip(views, groups)]
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -258,22 +280,24 @@ class StoreTier:
         from .compat import NULL_BLOCK_ID
 
         caches = self._caches
-        groups = caches.view_groups()
+        # With DP replicas (a JAX runner): the request's replica (its global ids are in one).
+        views, offset = caches.replica_of([b for g in group_ids for b in g])
+        groups = caches.view_groups(views)
         if len(group_ids) != max(groups) + 1 or any(len(g) != len(hashes) for g in group_ids):
             raise ValueError(f"block ids per group {[len(g) for g in group_ids]} for {max(groups) + 1} groups "
                              f"and {len(hashes)} hashes")
         lbb = caches.layer_block_bytes
-        buf = np.empty((len(hashes), lbb * len(caches.views)), dtype=np.uint8)
+        buf = np.empty((len(hashes), lbb * len(views)), dtype=np.uint8)
         n = int(self.store.get([self.key(h) for h in hashes], [buf[i] for i in range(len(hashes))]).delivered)
         copies = []
         for i in range(n):
-            for layer, (view, g) in enumerate(zip(caches.views, groups)):
+            for layer, (view, g) in enumerate(zip(views, groups)):
                 b = int(group_ids[g][i])
                 if b == NULL_BLOCK_ID:
                     continue
                 if not 0 <= b < caches.num_blocks:
                     raise IndexError(f"block id {b} out of range 0..{caches.num_blocks}")
-                copies.append((view, b * lbb, buf[i, layer * lbb:(layer + 1) * lbb]))
+                copies.append((view, (b - offset) * lbb, buf[i, layer * lbb:(layer + 1) * lbb]))
         if copies:
             device.h2d(copies).wait()
         return n

@@ -361,13 +361,11 @@ class KvGeometry:
         form (``tpu_sync::layout::HybridLayout`` JSON): one group per vLLM KV cache group, each
         ``num_blocks`` blocks per rank (vLLM's groups share one block pool) and the block format
         tag, or the RPA v3 order (vLLM-TorchTPU's attention groups, each layer its own RPA v3
-        tensor).
+        tensor). With ``dp`` > 1 the groups' layout has ``dp`` replicas of ``num_blocks`` blocks
+        per rank, as a uniform one (tpu-inference's DP: the groups share each replica's pool).
 
         Raises:
-            ValueError: KV cache groups with the SEQ_ALONG_LANE or MLA cache, or with DP (not
-            mapped yet)."""
-        if self.groups and dp != 1:
-            raise ValueError("TpuSyncConnector: KV cache groups with data-parallel caches are not supported yet")
+            ValueError: KV cache groups with the SEQ_ALONG_LANE or MLA cache (not mapped yet)."""
         if self.groups and (self.is_sal or self.kv_order == MLA_ORDER):
             raise ValueError(f"TpuSyncConnector: KV cache groups with the {self.kv_order} cache are not supported yet "
                              "(the RPA v3 caches and vLLM's CPU cache are)")
@@ -394,7 +392,7 @@ class KvGeometry:
                                    kind=kind))
             return dict(
                 model=dict(name=self.model, groups=groups),
-                spec=dict(tp=self.tp, pcp=1, dp=1, block_size=self.block_size,
+                spec=dict(tp=self.tp, pcp=1, dp=int(dp), block_size=self.block_size,
                           order=self.kv_order if self.is_rpa3 else "lbhnc"),
                 groups=glayouts,
             )
@@ -476,7 +474,7 @@ def pullers_of_rank(src: Dict[str, Any], rank: Union[int, Iterable[int]], num_to
     nb = -(-int(num_tokens) // int(layout["spec"]["block_size"]))
     if "groups" in layout:
         # Same groups; each group's held blocks numbered from 0 in a layout just large enough.
-        dst_layout = dict(layout, spec=dict(layout["spec"], tp=int(decode_tp)),
+        dst_layout = dict(layout, spec=dict(layout["spec"], tp=int(decode_tp), dp=1),
                           groups=[dict(g, num_blocks=max(nb, 1)) for g in layout["groups"]])
         dst = dict(layout=dst_layout, dp_rank=0,
                    block_ids=[[list(range(len(per[0]))) for _ in range(int(decode_tp))] for per in src["block_ids"]])
@@ -825,9 +823,13 @@ def check_params(params: Dict[str, Any]) -> Optional[str]:
     if described:
         # A producer whose scheduler cannot name its blocks (tpu-inference's DP scheduler: a
         # rank's scheduler does not know its rank's offset): the consumer asks the producer's
-        # endpoint for the placement it registered.
+        # endpoint for the placement it registered (with KV cache groups, each group's held
+        # blocks; the consumer's plan checks them against the producer's groups).
         if groups:
-            return "described remote blocks with KV cache groups (not supported)"
+            try:
+                KvGeometry(**{k: geom[k] for k in KvGeometry.__dataclass_fields__ if k in geom})
+            except TypeError as e:
+                return f"bad remote_geometry: {e}"
         if params.get("remote_block_ids"):
             return "kv_transfer_params both describe and list the remote blocks"
         return None

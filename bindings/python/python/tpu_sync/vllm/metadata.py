@@ -13,6 +13,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from .._check import NULL_BLOCK_ID
+
 
 @dataclass
 class SendSpec:
@@ -113,11 +115,66 @@ class TierOp:
 
 
 #: ``TpuSyncMetadata`` fields of ops whose block ids a DP scheduler offsets, and the field of
-#: each op that holds them (one flat list: KV cache groups and DP are not combined).
+#: each op that holds them (a flat list, or one list per KV cache group; a :class:`TierOp` of a
+#: model with groups also has ``group_block_ids``): see :func:`_dp_ids`.
 _DP_BLOCK_FIELDS = {"loads": "block_ids", "saves": "block_ids", "sends": "block_ids", "layer_sends": "block_ids",
                     "recvs": "dst_block_ids", "layer_recvs": "dst_block_ids"}
 #: ``TpuSyncMetadata`` list fields without block ids, moved as they are.
 _DP_PLAIN_FIELDS = ("rejects", "handoffs", "withdraws", "preempted")
+
+
+def _dp_ids(op: Any, attr: str) -> List[int]:
+    """An op's rank-local block ids as one flat list, the form the DP scheduler offsets: its
+    field ``attr`` (a flat list, or one list per KV cache group concatenated in group order),
+    then a :class:`TierOp`'s ``group_block_ids`` concatenated likewise."""
+    ids = getattr(op, attr)
+    out = [int(b) for g in ids for b in g] if _nested(ids) else [int(b) for b in ids]
+    gids = getattr(op, "group_block_ids", None)
+    if gids is not None:
+        out.extend(int(b) for g in gids for b in g)
+    return out
+
+
+def _nested(ids: Any) -> bool:
+    return bool(ids) and isinstance(ids[0], (list, tuple))
+
+
+def _dp_restore(op: Any, attr: str, merged: List[int]) -> Any:
+    """``op`` with its block ids (as :func:`_dp_ids` flattened them) replaced by ``merged``,
+    the DP scheduler's offset copy, in the op's own structure. In per-group lists vLLM's null
+    block stays ``NULL_BLOCK_ID`` (0): every rank's scheduler has its own null block, local id
+    0, which the merge offset to ``rank * num_blocks_per_rank`` like any other id; the workers
+    skip id 0 (the null block of DP rank 0, the only one that is 0 globally) in those lists.
+
+    Raises:
+        ValueError: ``merged`` of another length than the op's ids, or an offset that differs
+            between the op's ids (a merge that did not add one rank's offset to all of them)."""
+    local = _dp_ids(op, attr)
+    if len(merged) != len(local):
+        raise ValueError(f"DP entry: {len(merged)} block ids for an op of {len(local)}")
+    offsets = {int(m) - b for m, b in zip(merged, local) if b != NULL_BLOCK_ID}
+    if len(offsets) > 1:
+        raise ValueError(f"DP entry: block ids offset by {sorted(offsets)}: one op's blocks are in one DP rank")
+    pos = 0
+
+    def take(ids: Any, nested: bool) -> Any:
+        nonlocal pos
+        if not nested:
+            pos += len(ids)
+            return [int(m) for m in merged[pos - len(ids):pos]]
+        groups = []
+        for g in ids:
+            groups.append([NULL_BLOCK_ID if int(b) == NULL_BLOCK_ID else int(m)
+                           for b, m in zip(g, merged[pos:pos + len(g)])])
+            pos += len(g)
+        return groups
+
+    ids = getattr(op, attr)
+    changes: Dict[str, Any] = {attr: take(ids, _nested(ids))}
+    gids = getattr(op, "group_block_ids", None)
+    if gids is not None:
+        changes["group_block_ids"] = take(gids, True)
+    return dataclasses.replace(op, **changes)
 
 
 @dataclass
@@ -135,7 +192,8 @@ class DpEntry:
             ``"hello"``: this rank's scheduler has no worker addresses yet, the workers send
             their handshake in their next report).
         item: the op (its block ids as the rank scheduler gave them), or the plain value.
-        local_block_ids: the op's block ids (field ``_DP_BLOCK_FIELDS[kind]``), offset by the
+        local_block_ids: the op's block ids (field ``_DP_BLOCK_FIELDS[kind]``, per-group lists
+            and a tier op's ``group_block_ids`` concatenated: :func:`_dp_ids`), offset by the
             DP scheduler; empty for items without blocks.
     """
 
@@ -185,9 +243,7 @@ class TpuSyncMetadata(KVConnectorMetadata):
         out: List[DpEntry] = []
         for name, attr in _DP_BLOCK_FIELDS.items():
             for op in getattr(self, name):
-                if getattr(op, "group_block_ids", None) is not None:
-                    raise ValueError("KV cache groups under a DP scheduler are not supported")
-                out.append(DpEntry(name, op, [int(b) for b in getattr(op, attr)]))
+                out.append(DpEntry(name, op, _dp_ids(op, attr)))
         for name in _DP_PLAIN_FIELDS:
             out.extend(DpEntry(name, x) for x in getattr(self, name))
         out.extend(DpEntry("lookups", (r, h)) for r, h in self.lookups.items())
@@ -204,18 +260,15 @@ class TpuSyncMetadata(KVConnectorMetadata):
         any rank asked.
 
         Raises:
-            ValueError: an entry of an unknown kind, or block ids of another length than its op's."""
+            ValueError: an entry of an unknown kind, or block ids of another length than its op's
+            or not offset by one rank's offset (:func:`_dp_restore`)."""
         if not self.requests_meta:
             return self
         out = TpuSyncMetadata()
         idle = 0
         for e in self.requests_meta:
             if e.kind in _DP_BLOCK_FIELDS:
-                attr = _DP_BLOCK_FIELDS[e.kind]
-                if len(e.local_block_ids) != len(getattr(e.item, attr)):
-                    raise ValueError(f"DP entry {e.kind}: {len(e.local_block_ids)} block ids for an op of "
-                                     f"{len(getattr(e.item, attr))}")
-                getattr(out, e.kind).append(dataclasses.replace(e.item, **{attr: [int(b) for b in e.local_block_ids]}))
+                getattr(out, e.kind).append(_dp_restore(e.item, _DP_BLOCK_FIELDS[e.kind], list(e.local_block_ids)))
             elif e.kind in _DP_PLAIN_FIELDS:
                 getattr(out, e.kind).append(e.item)
             elif e.kind == "lookups":

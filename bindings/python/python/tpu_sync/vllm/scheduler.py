@@ -91,11 +91,11 @@ class SchedulerSide:
         #: ``num_blocks`` rank-local blocks (see :meth:`build_connector_meta`,
         #: :meth:`update_connector_output`)
         self.dp = dp_scheduler_size(vllm_config)
-        if self.dp > 1 and (geometry.groups or cfg.layerwise):
+        if self.dp > 1 and cfg.layerwise:
             from .config import ConfigError
 
             raise ConfigError(f"TpuSyncConnector under tpu-inference's DP scheduler (DP={self.dp}): "
-                              f"{'KV cache groups' if geometry.groups else 'layerwise'} not supported yet")
+                              "layerwise not supported yet")
         #: DP: this rank's requests (the workers' finished sets name every rank's), and those
         #: whose pull or load the workers will report in finished_recving
         self._dp_own: Set[str] = set()

@@ -648,11 +648,15 @@ class WorkerSide:
     def _placement(self, block_ids: Any, first_token: int = 0) -> Dict[str, Any]:
         """The tpu_sync placement of blocks ``block_ids`` of these caches: with DP (a JAX
         runner's replicas), global ids as tpu-inference's DP scheduler gives them, mapped to
-        their replica's local ids and ``dp_rank`` in a layout of ``dp`` replicas."""
+        their replica's local ids and ``dp_rank`` in a layout of ``dp`` replicas (per KV cache
+        group with groups; vLLM's null block, id 0, stays 0)."""
         assert self.caches is not None
         jx = self.caches.jax
         if jx is not None and jx.dp > 1:
             d, local = jx.split(_flat_ids(block_ids))
+            if block_ids and isinstance(block_ids[0], (list, tuple)):
+                off = d * int(jx.num_blocks)
+                local = [[NULL_BLOCK_ID if int(b) == NULL_BLOCK_ID else int(b) - off for b in g] for g in block_ids]
             p = compat.placement(self.geometry.tpu_sync_layout(jx.num_blocks, jx.dp), local, first_token)
             p["dp_rank"] = d
             return p
