@@ -1100,13 +1100,15 @@ class RealDpEngine:
     ``KVConnectorOutput`` (``_split_model_output_by_rank``). vLLM's scheduler asserts it knows
     every request in the finished sets."""
 
-    def __init__(self, tiny_model, role, runner_for, extra, dp=DP):
+    def __init__(self, tiny_model, role, runner_for, extra, dp=DP, policy=None):
         import torch
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.cfg = vllm_config(tiny_model, role, extra)
+        if policy is not None:
+            self.cfg.kv_transfer_config.kv_load_failure_policy = policy
         self.dp = dp
         self.cfg.sharding_config = SimpleNamespace(total_dp_size=dp)  # as tpu-inference's platform sets it
         self.cfg.cache_config.num_gpu_blocks = NB
@@ -1293,6 +1295,139 @@ def test_host_tier_with_vllms_schedulers_under_the_dp_scheduler(tiny_model, tpu_
             assert np.array_equal(got, exp), (layer, sorted({int(i[0]) for i in np.argwhere(got != exp)}))
     finally:
         eng.shutdown()
+
+
+def test_a_request_finished_while_its_load_is_pending_under_dp(configs):
+    """Under the DP scheduler a request with host-tier saves, preempted and readmitted with an
+    asynchronous load of its own saved blocks, then finished (aborted) before that step's
+    output: vLLM frees it when the load is reported (``finished_recving``), so the workers'
+    report of its saves never names it afterwards (vLLM asserts it knows every request there)
+    and the rank holds no block free pending (``has_pending_block_frees`` would otherwise stop
+    preemption on that rank for good)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    g = geometry(8, 128, "bf16", 2)
+    bs, n = g.block_size, 3 * g.block_size + 5
+    reps = dp_caches(g, [(1, 3 * bs, [5, 9, 2], 61)], fill_seed=70)
+    eng = DpEngine(configs, "kv_both", g, dp_runner(g, reps, 0), {"host_capacity_bytes": 64 << 20})
+    try:
+        s1 = eng.ranks[1]
+        hashes = [bytes([i]) * 32 for i in range(1, 4)]
+        r1 = tier_request("o1", hashes, n)
+        s1.on_new_request(r1)
+        s1.kv_cache_manager.ids["o1"] = [5, 9, 2]
+        eng.step({1: {"o1": n}})  # its prefill: saves planned
+        assert eng.worker.stats["saved_blocks"] == 3
+        # Preempted (that step waited for its saves), readmitted: a hit of its own blocks.
+        assert s1.get_num_new_matched_tokens(r1, 0) == (None, False)
+        eng.step()
+        assert s1.get_num_new_matched_tokens(r1, 0) == (3 * bs, True)
+        s1.update_state_after_alloc(r1, blocks([3, 4, 8]), 3 * bs)
+        # The step that loads it; the request is aborted before vLLM reads that step's output.
+        meta = dp_merge([s.build_connector_meta(sched_out({})) for s in eng.ranks], NB)
+        w = eng.worker
+        w.bind(meta)
+        w.start_load_kv(meta)
+        eng.runner.forward()
+        w.wait_for_save(meta)
+        res = w.get_transfer_results(set())
+        out = KVConnectorOutput(finished_sending=res.finished_sending or None,
+                                finished_recving=res.finished_recving or None, failed_recving=res.failed_recving,
+                                invalid_block_ids=w.get_block_ids_with_load_errors(),
+                                kv_connector_worker_meta=w.build_worker_meta())
+        s1.request_finished(r1, [3, 4, 8])
+        seen = []
+        for s, o in zip(eng.ranks, [pickle.loads(pickle.dumps(out)) for _ in eng.ranks]):
+            s.update_connector_output(o)
+            seen.append(o)
+        assert seen[1].finished_recving == {"o1"} and not seen[1].finished_sending
+        seen += eng.step(finished={"o1"})
+        for _ in range(3):
+            seen += eng.step()
+        # After the finished_recving that freed it, no report names the request again.
+        assert not any("o1" in (o.finished_sending or ()) for o in seen), [o.finished_sending for o in seen]
+        assert s1.pending_frees() == 0 and not s1._dp_own and not s1._dp_finished
+    finally:
+        eng.shutdown()
+
+
+def test_a_failed_load_under_dp_is_not_tried_again(tiny_model, tpu_platform, monkeypatch):
+    """vLLM's own Scheduler per DP rank, ``kv_load_failure_policy="recompute"``: a prompt
+    whose host-tier entry cannot be read (the tier's reads fail) is loaded once, reported as
+    ``failed_recving``, returned by vLLM to the waiting queue and then computed locally to its
+    tokens, instead of the same failing load answered again at every step."""
+    eng = RealDpEngine(tiny_model, "kv_both", engine_runner(DP, 100, 0), {"host_capacity_bytes": 32 << 20},
+                       policy="recompute")
+    try:
+        prompt = tokens(3 * eng.geometry.block_size + 5, seed=7)
+        eng.scheds[1].add_request(request("a", prompt, max_tokens=2))
+        eng.run_until(lambda: len(eng.tokens.get("a", ())) == 2 and not eng.scheds[1].requests)
+        assert eng.worker.stats["saved_blocks"] == 3, eng.worker.stats
+
+        def broken(*a, **k):
+            raise OSError("tier entry unreadable")
+
+        monkeypatch.setattr(eng.worker.tier, "get", broken)
+        eng.scheds[0].add_request(request("b", prompt, max_tokens=2))
+        eng.run_until(lambda: len(eng.tokens.get("b", ())) == 2, limit=60)
+        assert eng.worker.stats["failed_loads"] == 1, eng.worker.stats
+        assert eng.tokens["b"] == eng.tokens["a"]
+    finally:
+        eng.shutdown()
+
+
+def test_described_params_are_pulled_whole_by_a_layerwise_consumer(configs):
+    """Params of a producer under the DP scheduler name no blocks (``remote_describe``): a
+    layer-wise consumer (DP 1) cannot read them within the step that computes the request, so
+    it answers asynchronously and pulls the request whole, as for a both-at-once request."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import RequestStatus
+
+    from tpu_sync.vllm.metadata import TpuSyncHandshake
+    from tpu_sync.vllm.scheduler import SchedulerSide
+
+    g = geometry(8, 128, "bf16", 2)
+    kcc = KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[])
+    prod = SchedulerSide(dp_vllm_config(configs, "kv_producer", DP), kcc, ConnectorConfig.parse("kv_producer", {}), g)
+    prod.kv_cache_manager = FakeManager()
+    prod.set_handshake({0: TpuSyncHandshake(tp_rank=0, address="127.0.0.1:1", block_format=g.block_format,
+                                            num_blocks=DP * NB, tp_ranks=list(range(DP * g.tp)), dp=DP)})
+    t = tokens(40, seed=3)
+    r = request("p1", t, {"do_remote_decode": True}, max_tokens=1)
+    prod.on_new_request(r)
+    r.num_computed_tokens, r.status = 40, RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = prod.request_finished(r, [5, 9, 2])
+    assert params["remote_describe"] is True and "remote_block_ids" not in params
+    cons = SchedulerSide(configs["kv_consumer"], kcc, ConnectorConfig.parse("kv_consumer", {"layerwise": True}), g)
+    cons.kv_cache_manager = FakeManager()
+    d = request("d1", t, dict(params))
+    cons.on_new_request(d)
+    assert cons.get_num_new_matched_tokens(d, 0) == (40, True)
+    cons.update_state_after_alloc(d, blocks([1, 2, 3]), 40)
+    meta = cons.build_connector_meta(sched_out({}))
+    assert [x.req_id for x in meta.recvs] == ["d1"] and not meta.layer_recvs
+    assert meta.recvs[0].src_block_ids is None and meta.recvs[0].dst_block_ids == [1, 2, 3]
+
+
+def test_a_dp_producer_without_an_endpoint_does_not_wait_for_one(configs):
+    """A producer rank under the DP scheduler waits (answers None) for the workers' addresses
+    only until their handshake arrives: workers without a P/D endpoint (address None) end the
+    wait, and the request is computed and finished without a hand-off (logged), never left
+    waiting for good."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from tpu_sync.vllm.metadata import TpuSyncHandshake
+    from tpu_sync.vllm.scheduler import SchedulerSide
+
+    g = geometry(8, 128, "bf16", 2)
+    kcc = KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[])
+    prod = SchedulerSide(dp_vllm_config(configs, "kv_producer", DP), kcc, ConnectorConfig.parse("kv_producer", {}), g)
+    r = request("p1", tokens(40, seed=3), {"do_remote_decode": True}, max_tokens=1)
+    prod.on_new_request(r)
+    assert prod.get_num_new_matched_tokens(r, 0) == (None, False)
+    prod.set_handshake({0: TpuSyncHandshake(tp_rank=0, address=None, block_format=g.block_format,
+                                            num_blocks=DP * NB, tp_ranks=list(range(DP * g.tp)), dp=DP)})
+    assert prod.get_num_new_matched_tokens(r, 0) == (0, False)
 
 
 def test_a_data_parallel_runner_needs_the_dp_scheduler(configs):

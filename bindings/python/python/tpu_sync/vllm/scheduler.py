@@ -109,6 +109,8 @@ class SchedulerSide:
         self._req_blocks: Dict[str, List[List[int]]] = {}
         #: P/D endpoint address per TP rank (from the workers' handshake metadata)
         self.peers: Dict[int, str] = {}
+        #: the workers' handshake arrived (with or without endpoint addresses)
+        self._handshake_seen = False
         # Random start: a restarted producer does not reuse the ids of its predecessor.
         self._next_xfer = 1 + secrets.randbits(48)
         # P/D
@@ -165,6 +167,7 @@ class SchedulerSide:
         for rank, meta in metadata.items():
             if not isinstance(meta, TpuSyncHandshake):
                 continue
+            self._handshake_seen = True
             if meta.block_format != self.geometry.block_format:
                 raise RuntimeError(
                     f"TpuSyncConnector: worker {rank} packs blocks as {meta.block_format!r}, the "
@@ -224,10 +227,12 @@ class SchedulerSide:
         if self.dp > 1:
             self._dp_own.add(request.request_id)
             if (params and params.get("do_remote_decode") and self.cfg.is_producer
-                    and len(self.peers) < self.geometry.tp):
+                    and len(self.peers) < self.geometry.tp and not self._handshake_seen):
                 # No worker addresses yet (they come in the workers' first report, after this
                 # rank asked): a request finished now could not be handed off. Ask again next
-                # step (the empty step carries the request for the addresses).
+                # step (the empty step carries the request for the addresses). A handshake
+                # without addresses (no P/D endpoint) ends the wait: request_finished then
+                # logs that it hands nothing off.
                 return None, False
         if params and params.get("do_remote_prefill") and self.cfg.is_consumer:
             self._pd_first.pop(request.request_id, None)
@@ -248,7 +253,7 @@ class SchedulerSide:
                 # (the plan covers that token range; the shared blocks are never written).
                 if n <= num_computed_tokens:
                     return 0, False  # the hit covers all the producer has: compute the rest here
-                if self.cfg.layerwise and not pair_nonce(params):
+                if self._sync_layerwise(params):
                     m = (min(n, int(request.num_tokens) - 1) // self.block_size) * self.block_size
                     if m <= num_computed_tokens:
                         return 0, False
@@ -271,7 +276,7 @@ class SchedulerSide:
                                  "producer's blocks of %d tokens; prefilling locally", request.request_id,
                                  min(n, int(request.num_tokens) - 1), n)
                     return 0, False
-                if self.cfg.layerwise and not pair_nonce(params):
+                if self._sync_layerwise(params):
                     # A synchronous load read layer by layer by this step's forward; vLLM
                     # computes at least the last prompt token (block-aligned, as host-tier hits).
                     m = (min(n, int(request.num_tokens) - 1) // self.block_size) * self.block_size
@@ -307,6 +312,14 @@ class SchedulerSide:
             return 0, False
         st.load_start = start
         return (n - start) * bs, self.dp > 1
+
+    def _sync_layerwise(self, params: Dict[str, Any]) -> bool:
+        """Whether a P/D request is loaded layer by layer within the step that computes it (a
+        synchronous answer): ``layerwise``, and the producer's blocks are named in ``params``.
+        A both-at-once request (pair nonce) or a producer whose params describe instead
+        (``remote_describe``: tpu-inference's DP scheduler) is pulled whole, asynchronously:
+        its placement is known only once the producer answers."""
+        return bool(self.cfg.layerwise and not pair_nonce(params) and not params.get("remote_describe"))
 
     def _layerwise_covers(self, m: int, n: int) -> bool:
         """Whether a consumer that has the KV of tokens ``[0, m)`` pulled from a producer's
@@ -673,7 +686,14 @@ class SchedulerSide:
                 if st is not None:
                     # vLLM recomputes from the first bad block; save the recomputed blocks again.
                     st.in_tier = min(st.in_tier, st.load_start)
-            self.stats["failed_loads"] += len(meta.failed_loads)
+                    # Never the same load again: vLLM asks once more for a request whose
+                    # asynchronous load failed (under DP, with kv_load_failure_policy
+                    # "recompute" it returns to the waiting queue), and an unreadable entry
+                    # would fail every time.
+                    if req_id in self._hits:
+                        self._hits[req_id] = min(self._hits[req_id], st.load_start)
+                    self.stats["failed_loads"] += 1  # this rank's requests only (DP: every rank reads all)
+            # The engine's totals (under DP every rank reads the same report).
             self.stats["saved_blocks"] += meta.saved_blocks
             self.stats["loaded_blocks"] += meta.loaded_blocks
         for req_id in output.finished_sending or ():
@@ -701,6 +721,10 @@ class SchedulerSide:
             ids = getattr(output, name, None)
             if ids:
                 setattr(output, name, {r for r in ids if r in own})
+        if output.finished_sending:
+            # A request vLLM frees when its load or pull is reported (see request_finished):
+            # the workers' report of its (finished) saves must not reach vLLM.
+            output.finished_sending = {r for r in output.finished_sending if r not in self._dp_finished}
         for req_id in output.finished_recving or ():
             self._dp_recv_pending.discard(req_id)
         for req_id in output.finished_sending or ():
@@ -736,16 +760,21 @@ class SchedulerSide:
         ``block_ids`` holds one list per KV cache group (see
         :meth:`request_finished_all_groups`)."""
         delay, params = self._request_finished(request, block_ids, grouped)
-        if request.request_id in self._save_planned:
-            self._save_planned.discard(request.request_id)
-            self._save_delayed.add(request.request_id)
+        req_id = request.request_id
+        if self.dp > 1 and req_id in self._dp_recv_pending:
+            # Finished while waiting for its load or pull: vLLM frees it when that is reported
+            # (finished_recving) and then no longer knows it, so no finished_sending may name
+            # it (_dp_filter drops the workers'). Its saves are done: it was readmitted after a
+            # preemption, whose step waited for them (handle_preemptions).
+            self._save_planned.discard(req_id)
+            self._dp_finished.add(req_id)
+            return delay, params
+        if req_id in self._save_planned:
+            self._save_planned.discard(req_id)
+            self._save_delayed.add(req_id)
             delay = True
-        if self.dp > 1:
-            req_id = request.request_id
-            if req_id in self._dp_recv_pending:
-                self._dp_finished.add(req_id)  # vLLM frees it once its pull is reported
-            elif not delay:
-                self._dp_own.discard(req_id)
+        if self.dp > 1 and not delay:
+            self._dp_own.discard(req_id)
         return delay, params
 
     def _request_finished(self, request: Any, block_ids: List[Any],
