@@ -1100,10 +1100,11 @@ class RealDpEngine:
     ``KVConnectorOutput`` (``_split_model_output_by_rank``). vLLM's scheduler asserts it knows
     every request in the finished sets."""
 
-    def __init__(self, tiny_model, role, runner_for, extra, dp=DP, policy=None):
+    def __init__(self, tiny_model, role, runner_for, extra, dp=DP, policy=None, window=None):
         import torch
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                                SlidingWindowSpec)
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.cfg = vllm_config(tiny_model, role, extra)
@@ -1113,9 +1114,16 @@ class RealDpEngine:
         self.cfg.sharding_config = SimpleNamespace(total_dp_size=dp)  # as tpu-inference's platform sets it
         self.cfg.cache_config.num_gpu_blocks = NB
         bs = self.cfg.cache_config.block_size
-        spec = FullAttentionSpec(block_size=bs, num_kv_heads=2, head_size=32, dtype=torch.float32)
-        kcc = KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[
-            KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)], spec)])
+        attn = dict(block_size=bs, num_kv_heads=2, head_size=32, dtype=torch.float32)
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        if window is None:
+            groups = [KVCacheGroupSpec(names, FullAttentionSpec(**attn))]
+        else:
+            # A hybrid model: layer 0 sliding-window (group 0), layer 1 full attention (group 1),
+            # as vLLM's hybrid KV cache manager groups them, one block pool for both.
+            groups = [KVCacheGroupSpec(names[:1], SlidingWindowSpec(sliding_window=window, **attn)),
+                      KVCacheGroupSpec(names[1:], FullAttentionSpec(**attn))]
+        kcc = KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=groups)
         self.scheds = [Scheduler(self.cfg, kcc, StructuredOutputManager(self.cfg), block_size=bs) for _ in range(dp)]
         self.geometry = self.scheds[0].connector.geometry
         self.worker = WorkerSide(self.cfg, ConnectorConfig.parse(role, extra), self.geometry)
@@ -1127,6 +1135,8 @@ class RealDpEngine:
         self.tokens = {}
         #: every running request's block ids (rank-local), as last scheduled
         self.blocks_of = {}
+        #: every request's block ids per KV cache group (rank-local), when it first ran
+        self.group_blocks_of = {}
         #: the kv_transfer_params of finished requests (a producer's hand-offs)
         self.params = {}
 
@@ -1136,7 +1146,9 @@ class RealDpEngine:
         outs = [s.schedule() for s in self.scheds]
         for s in self.scheds:
             for r in s.running:
-                self.blocks_of[r.request_id] = list(s.kv_cache_manager.get_block_ids(r.request_id)[0])
+                ids = s.kv_cache_manager.get_block_ids(r.request_id)
+                self.blocks_of[r.request_id] = list(ids[0])
+                self.group_blocks_of.setdefault(r.request_id, [list(g) for g in ids])
         meta = dp_merge([o.kv_connector_metadata for o in outs], NB) if self.dp > 1 else outs[0].kv_connector_metadata
         w = self.worker
         w.bind(meta)
@@ -1260,6 +1272,59 @@ def test_pd_with_vllms_schedulers_under_the_dp_scheduler(tiny_model, tpu_platfor
                     exp[cr * NB + dst[t // bs], t % bs] = src_before[layer][pr * NB + src[t // bs], t % bs]
             assert np.array_equal(got, exp), (layer, sorted({int(i[0]) for i in np.argwhere(got != exp)}))
             assert np.array_equal(bits(prod.runner.kv_caches[layer]), src_before[layer])
+    finally:
+        cons.shutdown()
+        prod.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["auto", "framework-copy"])
+def test_pd_with_kv_cache_groups_and_vllms_schedulers_under_the_dp_scheduler(tiny_model, tpu_platform, backend):
+    """A hybrid model (layer 0 sliding-window, 40 tokens; layer 1 full attention; one array per
+    replica shared by both, as the TPU engines bind them) with vLLM's own Scheduler per DP rank
+    and its hybrid KV cache manager on both sides (DP=2 x TP=1): prompts prefilled on one
+    producer rank are handed off (each group's held blocks, the sliding group's blocks before
+    the window already vLLM's null block) and pulled on the other consumer rank, run to their
+    tokens; the full layer's tokens land at the full group's blocks and the sliding layer's
+    window at the sliding group's, byte-exact, every other block of both replicas unchanged."""
+    window = 40
+    extra = {"jax_backend": backend}
+
+    def group_runner(fill_seed, first_device):
+        def make(g):
+            # One array per rank for both layers: layer 0's other KV as its content.
+            reps = [[per[r][0] for r in range(g.tp)] for per in dp_caches(g, [], fill_seed=fill_seed)]
+            return DpGroupRunner(g, reps, first_device)
+        return make
+
+    prod = RealDpEngine(tiny_model, "kv_producer", group_runner(90, 0), extra, window=window)
+    cons = RealDpEngine(tiny_model, "kv_consumer", group_runner(80, 2), extra, window=window)
+    g = cons.geometry
+    assert [grp.get("sliding_window") for grp in g.groups] == [window, None], g.groups
+    bs = g.block_size
+    src_before, dst_before = bits(prod.runner.kv_caches[0]), bits(cons.runner.kv_caches[0])
+    try:
+        # (request, tokens, producer rank, consumer rank); r2's window starts in its block 1.
+        reqs = [("r1", 70, 1, 0), ("r2", 100, 0, 1)]
+        prompts = {rid: tokens(n, seed=n) for rid, n, *_ in reqs}
+        for rid, n, pr, _ in reqs:
+            prod.scheds[pr].add_request(request(rid, prompts[rid], {"do_remote_decode": True}, max_tokens=1))
+        prod.run_until(lambda: all(rid in prod.params for rid, *_ in reqs))
+        assert prod.worker.stats["registered"] == 2, prod.worker.stats
+        for rid, n, _, cr in reqs:
+            assert prod.params[rid]["remote_describe"] is True
+            cons.scheds[cr].add_request(request(rid, prompts[rid], dict(prod.params[rid]), max_tokens=2))
+        cons.run_until(lambda: all(len(cons.tokens.get(rid, ())) == 2 for rid, *_ in reqs))
+        assert cons.worker.stats["pulls_done"] == 2 and cons.worker.stats["pulls_failed"] == 0, cons.worker.stats
+        prod.run_until(lambda: not any(s.requests for s in prod.scheds))
+        exp = dst_before.copy()
+        for rid, n, pr, cr in reqs:
+            src, dst = prod.group_blocks_of[rid], cons.group_blocks_of[rid]
+            for layer, first in ((0, max(0, n + 1 - window)), (1, 0)):
+                for t in range(first, n):
+                    exp[cr * NB + dst[layer][t // bs], t % bs] = src_before[pr * NB + src[layer][t // bs], t % bs]
+        got = bits(cons.runner.kv_caches[0])
+        assert np.array_equal(got, exp), str(sorted({tuple(int(x) for x in i[:2]) for i in np.argwhere(got != exp)}))
+        assert np.array_equal(bits(prod.runner.kv_caches[0]), src_before)
     finally:
         cons.shutdown()
         prod.shutdown()
