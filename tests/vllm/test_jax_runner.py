@@ -1495,6 +1495,31 @@ def test_a_dp_producer_without_an_endpoint_does_not_wait_for_one(configs):
     assert prod.get_num_new_matched_tokens(r, 0) == (0, False)
 
 
+def test_a_cluster_tier_with_a_runner_of_several_ranks_is_refused(configs):
+    """The cluster tier shares one host-tier store per TP rank, described in the directory as
+    that rank's; a JAX runner of several ranks in one process keeps entries of every rank's
+    bytes, which a peer would read as one rank's: refused at ``register_runner`` by name (TP=2,
+    and DP=2 x TP=1), before anything is published."""
+    g = geometry(8, 128, "bf16", 2)
+    cluster = {"cluster": {"endpoints": ["http://127.0.0.1:9"], "advertise": "127.0.0.1:9"},
+               "host_capacity_bytes": 16 << 20}
+    caches = rank_caches(g, 0, [], seed=0, fill_seed=3)
+    w = WorkerSide(configs["kv_both"], ConnectorConfig.parse("kv_both", cluster), g)
+    try:
+        with pytest.raises(ValueError, match=r"2 ranks \(DP 1 x TP 2\).*cluster tier"):
+            w.register_runner(runner(g, caches, 0))
+        assert w.caches is None and w.tier is None
+    finally:
+        w.shutdown()
+    g1 = geometry(8, 128, "bf16", 1)
+    w = WorkerSide(dp_vllm_config(configs, "kv_both", DP), ConnectorConfig.parse("kv_both", cluster), g1)
+    try:
+        with pytest.raises(ValueError, match=r"2 ranks \(DP 2 x TP 1\).*cluster tier"):
+            w.register_runner(dp_runner(g1, dp_caches(g1, [], fill_seed=5), 0))
+    finally:
+        w.shutdown()
+
+
 def test_a_data_parallel_runner_needs_the_dp_scheduler(configs):
     """A runner whose caches are split over the mesh's data axis (DP=2) in an engine whose
     scheduler is not tpu-inference's DP scheduler (no ``sharding_config``, or another DP) is

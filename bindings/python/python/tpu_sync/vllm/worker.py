@@ -481,8 +481,13 @@ class WorkerSide:
                 problems.append("split over data-parallel replicas, which needs vLLM's failed_recving (vLLM >= 0.30: "
                                 "a failed load is reported by request, since no rank's scheduler can read global "
                                 "block ids)")
-            if self.cfg.extra.get("cluster"):
-                problems.append("split over data-parallel replicas with a cluster tier (not supported yet)")
+        if self.cfg.extra.get("cluster") and len(jx.ranks) > 1:
+            # The cluster directory describes one store per TP rank (its layout, rank and
+            # namespace), while this worker's host-tier entries hold a block of every rank of a
+            # replica (entry_ranks): a peer would read them as one rank's.
+            problems.append(f"hold {len(jx.ranks)} ranks (DP {jx.dp} x TP {jx.tp}) in one process, whose host-tier "
+                            "entries hold every rank's bytes: the cluster tier (cluster settings) shares one store "
+                            "per rank and is not supported with such a runner yet (one rank per runner is)")
         if jx.num_layers != g.num_layers:
             problems.append(f"{jx.num_layers} layers, the model has {g.num_layers}")
         if jx.tp != g.tp:
