@@ -547,11 +547,16 @@ impl ParallelLayout {
     /// Errors with [`Error::Mismatch`] naming both layouts when both sides' physical layouts are
     /// known and differ (raw bytes copied between them would be garbage: TPU layouts are tiled).
     ///
-    /// The RPA v3 orders are planned per head row, which only the dense row-major layout keeps
-    /// contiguous: a known tiled layout of either side (a TPU's `{4,3,2,1,0:T(4,128)(4,1)}`
-    /// interleaves the `P` slots of each packed row lane by lane) is refused naming it.
+    /// The TPU orders are planned by token row in a dense row-major buffer. A known tiled
+    /// layout is mapped for the RPA v3 orders when it keeps each packed row (the `P x D'`
+    /// elements of a `(block, token, r)`) contiguous ([`crate::transfer::rows_stay_contiguous`]:
+    /// a TPU's fp8 `{4,3,2,1,0:T(4,128)(4,1)}`), and only between two sides that both name the
+    /// same layout (a tiled side and an unknown one are refused); the plan must then move whole
+    /// packed rows ([`Plan::build`](crate::plan::Plan::build) refuses one that cuts a row:
+    /// lane padding, `head_dim < D'`, or a TP split inside a packed row). Any other tiled
+    /// layout, and any tiled layout of [`BlockOrder::RpaMla`], is refused naming it.
     pub fn check_physical_layout(&self, other: &ParallelLayout) -> Result<()> {
-        for l in [self, other] {
+        for (l, o) in [(self, other), (other, self)] {
             if let (true, Some(p)) = (l.spec.order.is_tpu(), &l.physical_layout) {
                 // Dense row-major of the buffer's rank: 5 for RPA v3; tpu-inference's MLA arrays
                 // are `[N, BS / K, K, D']` (4), viewed as `[N, BS, D']` (3).
@@ -560,23 +565,43 @@ impl ParallelLayout {
                 } else {
                     &[5]
                 };
-                if !ranks
+                if ranks
                     .iter()
                     .any(|&n| crate::transfer::is_dense_row_major(p, n))
                 {
-                    let dense = if ranks[0] == 5 {
-                        "{4,3,2,1,0}"
-                    } else {
-                        "{3,2,1,0}"
-                    };
-                    return Err(Error::Mismatch(format!(
-                        "physical layout `{p}` of the {} buffers ({}): tpu-sync moves these TPU \
-                         caches by token row, which only the dense row-major layout `{dense}` \
-                         keeps contiguous; tiled TPU layouts are not mapped yet (docs/tpu.md)",
-                        l.spec.order.name(),
-                        l.describe()
-                    )));
+                    continue;
                 }
+                if l.spec.order.is_rpa3()
+                    && crate::transfer::rows_stay_contiguous(p, &l.rank_kv()?.dims())
+                {
+                    if o.physical_layout.as_deref() != Some(p.as_str()) {
+                        return Err(Error::Mismatch(format!(
+                            "physical layout `{p}` of the {} buffers ({}) is tiled and the other \
+                             side's is {}: whole packed rows are copied raw, which is exact only \
+                             between buffers of the same tiled layout",
+                            l.spec.order.name(),
+                            l.describe(),
+                            o.physical_layout
+                                .as_deref()
+                                .map_or("unknown".to_string(), |x| format!("`{x}`"))
+                        )));
+                    }
+                    continue;
+                }
+                let dense = if ranks[0] == 5 {
+                    "{4,3,2,1,0}"
+                } else {
+                    "{3,2,1,0}"
+                };
+                return Err(Error::Mismatch(format!(
+                    "physical layout `{p}` of the {} buffers ({}): tpu-sync moves these TPU \
+                     caches by token row, which the dense row-major layout `{dense}` keeps \
+                     contiguous, and for the RPA v3 orders a tiling of the last two dimensions \
+                     that divides them (each packed row one run); this layout is neither \
+                     (docs/tpu.md)",
+                    l.spec.order.name(),
+                    l.describe()
+                )));
             }
         }
         match (&self.physical_layout, &other.physical_layout) {
@@ -588,6 +613,19 @@ impl ParallelLayout {
             ))),
             _ => Ok(()),
         }
+    }
+
+    /// Bytes of one packed row (`P x D'` elements, a `(block, token, r)` of the RPA v3 orders)
+    /// when this layout names a tiled physical layout that keeps such rows contiguous (the
+    /// unit a plan must move whole, [`ParallelLayout::check_physical_layout`]); `None` for the
+    /// dense or an unknown layout and the other orders.
+    pub fn tiled_row_bytes(&self) -> Option<u64> {
+        let p = self.physical_layout.as_deref()?;
+        if !self.spec.order.is_rpa3() || crate::transfer::is_dense_row_major(p, 5) {
+            return None;
+        }
+        let kv = self.rank_kv().ok()?;
+        Some(kv.packing() as u64 * kv.padded_head_dim() as u64 * kv.dtype.size())
     }
 
     /// Checks that the split is possible: sizes > 0, TP divides the KV heads or the heads divide

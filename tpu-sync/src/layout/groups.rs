@@ -1600,7 +1600,7 @@ impl HybridLayout {
 
     /// Group `g` seen as a uniform [`ParallelLayout`] (paged attention geometry, block size and
     /// order, tags), for the raw-compatibility checks shared with uniform layouts.
-    fn group_as_parallel(&self, g: usize) -> ParallelLayout {
+    pub(crate) fn group_as_parallel(&self, g: usize) -> ParallelLayout {
         let gl = &self.groups[g];
         let (heads, head_dim, planes, dtype) =
             self.model.groups[g]

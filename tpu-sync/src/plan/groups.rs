@@ -238,7 +238,12 @@ impl Plan {
         for g in 0..groups {
             let mut rows = group_rows(src, dst, g, num_tokens);
             rows.sort_unstable_by_key(|s| (s.dst_rank, s.dst_offset));
-            bases.push(compress_strided(coalesce(rows)));
+            let base = compress_strided(coalesce(rows));
+            // A tiled layout that keeps packed rows contiguous: whole rows only.
+            super::check_tiled_rows(&base, &src.layout.group_as_parallel(g)).map_err(|e| {
+                e.context(format!("KV cache group {}", src.layout.model.group_name(g)))
+            })?;
+            bases.push(base);
         }
         // Order by (destination rank, layer, destination offset), as Plan::build.
         let ranks: BTreeSet<u32> = bases.iter().flatten().map(|s| s.dst_rank).collect();

@@ -1136,3 +1136,194 @@ fn rpamla_shape_offsets_and_refusals() {
         ParallelLayout::new(llama, ParallelSpec::parse("order=rpamla").unwrap(), 4).unwrap_err();
     assert!(e.to_string().contains("MLA"), "{e}");
 }
+
+// ---------------------------------------------------------------- tiled TPU physical layouts
+
+/// XLA's tiling, restated independently of the code under test: the physical element index of
+/// logical index `idx` in a row-major array of `dims` tiled by `tiles` (each tile applied to the
+/// minor-most dimensions of the shape the previous one left: the tiled dimensions become the
+/// tile counts, followed by the tile's own dimensions; `xla::Layout` tiling semantics).
+fn xla_tiled_index(dims: &[u64], idx: &[u64], tiles: &[Vec<u64>]) -> u64 {
+    let (mut shape, mut ix) = (dims.to_vec(), idx.to_vec());
+    for t in tiles {
+        let (n, k) = (shape.len(), t.len());
+        let mut s2 = shape[..n - k].to_vec();
+        let mut i2 = ix[..n - k].to_vec();
+        for i in 0..k {
+            s2.push(shape[n - k + i].div_ceil(t[i]));
+            i2.push(ix[n - k + i] / t[i]);
+        }
+        for i in 0..k {
+            s2.push(t[i]);
+            i2.push(ix[n - k + i] % t[i]);
+        }
+        (shape, ix) = (s2, i2);
+    }
+    shape.iter().zip(&ix).fold(0, |acc, (s, i)| acc * s + i)
+}
+
+/// A dense row-major buffer of `dims` (elements of `size` bytes) as the tiled layout lays it
+/// out in memory (same size: the tiles divide the dims).
+fn tile_bytes(
+    dense: &[u8],
+    dims: &[u64],
+    size: usize,
+    tiles: &[Vec<u64>],
+    untile: bool,
+) -> Vec<u8> {
+    let mut out = vec![0u8; dense.len()];
+    let n: u64 = dims.iter().product();
+    let mut idx = vec![0u64; dims.len()];
+    for lin in 0..n {
+        let mut rem = lin;
+        for d in (0..dims.len()).rev() {
+            idx[d] = rem % dims[d];
+            rem /= dims[d];
+        }
+        let (a, b) = (
+            lin as usize * size,
+            xla_tiled_index(dims, &idx, tiles) as usize * size,
+        );
+        let (from, to) = if untile { (b, a) } else { (a, b) };
+        out[to..to + size].copy_from_slice(&dense[from..from + size]);
+    }
+    out
+}
+
+/// RPA v3 caches in a TPU's tiled layout (fp8 `T(4,128)(4,1)`, bf16 `T(2,128)(2,1)`), the same
+/// on both sides: plans whose every run is whole packed rows are built, and applying them as
+/// raw copies between the tiled images of the `merge_kv` reference buffers gives exactly the
+/// tiled image of the destination's reference (TP 2 -> 1, 1 -> 4, 4 -> 2, other block sizes);
+/// plans that would cut a packed row (lane padding, an odd head count split inside a row), a
+/// tiled side against an unknown or another layout, and tilings that do not keep rows
+/// contiguous are refused naming the layout.
+#[test]
+#[cfg_attr(miri, ignore = "tiles megabytes element by element")]
+fn tiled_rpa3_layouts_move_whole_rows_exactly() {
+    let tiled = |l: ParallelLayout, p: &str| ParallelLayout {
+        physical_layout: Some(p.to_string()),
+        ..l
+    };
+    let cases = [
+        (
+            DType::Fp8,
+            8u32,
+            128u32,
+            "{4,3,2,1,0:T(4,128)(4,1)}",
+            (2, 16),
+            (1, 8),
+        ),
+        (
+            DType::Fp8,
+            8,
+            256,
+            "{4,3,2,1,0:T(4,128)(4,1)}",
+            (1, 16),
+            (4, 32),
+        ),
+        (
+            DType::Bf16,
+            4,
+            128,
+            "{4,3,2,1,0:T(2,128)(2,1)}",
+            (4, 8),
+            (2, 16),
+        ),
+    ];
+    for (dtype, heads, dim, text, (s_tp, s_bs), (d_tp, d_bs)) in cases {
+        let tiles = crate::transfer::XlaLayout::parse(text).unwrap().tiles;
+        let m = ModelKv {
+            name: "tpu".into(),
+            num_layers: 2,
+            num_kv_heads: heads,
+            head_dim: dim,
+            kv_planes: 2,
+            dtype,
+        };
+        let t = 45;
+        let o = BlockOrder::Rpa3;
+        let src = placement(tiled(layout(&m, s_tp, 1, 1, s_bs, o, t), text), 0, t, 3);
+        let dst = placement(tiled(layout(&m, d_tp, 1, 1, d_bs, o, t), text), 0, t, 4);
+        let plan = Plan::build(&src, &dst, t).unwrap_or_else(|e| panic!("{text}: {e}"));
+        let sdims: Vec<u64> = src
+            .layout
+            .rank_kv()
+            .unwrap()
+            .dims()
+            .iter()
+            .map(|&d| d as u64)
+            .collect();
+        let ddims: Vec<u64> = dst
+            .layout
+            .rank_kv()
+            .unwrap()
+            .dims()
+            .iter()
+            .map(|&d| d as u64)
+            .collect();
+        let size = dtype.size() as usize;
+        for layer in 0..m.num_layers {
+            let from: Vec<Vec<u8>> = rpa3_rank_buffers(&src, layer, t)
+                .iter()
+                .map(|b| tile_bytes(b, &sdims, size, &tiles, false))
+                .collect();
+            let want = rpa3_rank_buffers(&dst, layer, t);
+            assert!(
+                tile_bytes(&want[0], &ddims, size, &tiles, false) != want[0],
+                "{text}: the tiling must permute the bytes"
+            );
+            let mut got: Vec<Vec<u8>> = want.iter().map(|b| vec![0u8; b.len()]).collect();
+            apply_layer(&plan, layer, &from, &mut got);
+            for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+                let dense = tile_bytes(g, &ddims, size, &tiles, true);
+                assert!(
+                    &dense == w,
+                    "{text} {dtype:?}: layer {layer} rank {r} differs"
+                );
+            }
+        }
+        // The same destination with no tiling named: refused (whole rows of a tiled source
+        // into a buffer of unknown layout).
+        let plain = Placement {
+            layout: ParallelLayout {
+                physical_layout: None,
+                ..dst.layout.clone()
+            },
+            ..dst.clone()
+        };
+        let e = Plan::build(&src, &plain, t).unwrap_err().to_string();
+        assert!(e.contains(text) && e.contains("unknown"), "{e}");
+    }
+    let fp8 = "{4,3,2,1,0:T(4,128)(4,1)}";
+    let refused = |heads: u32, dim: u32, s_tp: u32, d_tp: u32, text: &str, dtype: DType| {
+        let m = ModelKv {
+            name: "tpu".into(),
+            num_layers: 1,
+            num_kv_heads: heads,
+            head_dim: dim,
+            kv_planes: 2,
+            dtype,
+        };
+        let o = BlockOrder::Rpa3;
+        let src = placement(tiled(layout(&m, s_tp, 1, 1, 16, o, 40), text), 0, 40, 5);
+        let dst = placement(tiled(layout(&m, d_tp, 1, 1, 16, o, 40), text), 0, 40, 6);
+        let e = Plan::build(&src, &dst, 40).unwrap_err();
+        assert!(matches!(e, Error::Mismatch(_)), "{e}");
+        e.to_string()
+    };
+    // Lane padding: head_dim 80 in 128 lanes (each row's real lanes are a part of it).
+    let e = refused(8, 80, 2, 1, fp8, DType::Fp8);
+    assert!(
+        e.contains(fp8) && e.contains("cuts") && e.contains("head_dim 80"),
+        "{e}"
+    );
+    // 6 heads over TP=2: 3 per rank, 6 slots in rows of 4: the second row half real.
+    let e = refused(6, 128, 2, 1, fp8, DType::Fp8);
+    assert!(e.contains("cuts") && e.contains("3 heads per rank"), "{e}");
+    // A tile taller than the packing (bf16 P = 2 under T(8,128)): rows padded, not mapped.
+    let e = refused(4, 128, 1, 1, "{4,3,2,1,0:T(8,128)(2,1)}", DType::Bf16);
+    assert!(e.contains("T(8,128)") && e.contains("neither"), "{e}");
+    // A tile over three dimensions spans several rows.
+    let e = refused(8, 128, 1, 1, "{4,3,2,1,0:T(2,4,128)}", DType::Fp8);
+    assert!(e.contains("T(2,4,128)"), "{e}");
+}

@@ -34,6 +34,106 @@ pub fn is_dense_row_major(layout: &str, ndims: usize) -> bool {
     }
 }
 
+/// An XLA layout in its text form (`{minor_to_major:T(tile)(tile)...}`, as PJRT plugins
+/// serialize it, `xla::Layout::ToString`): the dimension order and the tiles, outermost first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct XlaLayout {
+    /// Dimensions from minor to major.
+    pub minor_to_major: Vec<usize>,
+    /// Tiles, each applied to the minor-most dimensions of the shape the previous one left
+    /// (XLA's tiling: `T(8,128)(2,1)` tiles the last two dimensions by 8 x 128, then each tile's
+    /// elements by 2 x 1).
+    pub tiles: Vec<Vec<u64>>,
+}
+
+impl XlaLayout {
+    /// Parses `{4,3,2,1,0}` or `{4,3,2,1,0:T(4,128)(4,1)}`; `None` for anything else (other
+    /// annotations such as an element size `E(4)` or a memory space `S(1)`, combined tile
+    /// dimensions `*`, malformed text), which callers refuse naming the text.
+    pub fn parse(text: &str) -> Option<XlaLayout> {
+        let inner = text.trim().strip_prefix('{')?.strip_suffix('}')?;
+        let (order, rest) = match inner.split_once(':') {
+            Some((o, r)) => (o, Some(r.trim())),
+            None => (inner, None),
+        };
+        let minor_to_major = if order.trim().is_empty() {
+            Vec::new()
+        } else {
+            order
+                .split(',')
+                .map(|p| p.trim().parse().ok())
+                .collect::<Option<Vec<usize>>>()?
+        };
+        let mut tiles = Vec::new();
+        if let Some(mut r) = rest {
+            r = r.strip_prefix('T')?;
+            while !r.is_empty() {
+                let body = r.strip_prefix('(')?;
+                let end = body.find(')')?;
+                let tile = body[..end]
+                    .split(',')
+                    .map(|p| p.trim().parse().ok().filter(|&x: &u64| x > 0))
+                    .collect::<Option<Vec<u64>>>()?;
+                tiles.push(tile);
+                r = &body[end + 1..];
+            }
+            if tiles.is_empty() {
+                return None;
+            }
+        }
+        Some(XlaLayout {
+            minor_to_major,
+            tiles,
+        })
+    }
+}
+
+/// Whether the physical layout `text` of a buffer of `dims` keeps every row of its last two
+/// dimensions contiguous: dense row-major dimension order, and tiles that cover only those two
+/// dimensions and divide them (no padding), each later tile dividing the one before. Then the
+/// `dims[n-2] x dims[n-1]` elements of each row (an RPA v3 packed row of `P x D'` elements: a
+/// `(block, token, r)`) are one contiguous run of bytes whose inner order the tiling permutes,
+/// the same in every row; raw copies of whole rows between two buffers of the same layout are
+/// exact, copies of parts of rows are not. A TPU's fp8 cache `{4,3,2,1,0:T(4,128)(4,1)}` over
+/// `[N, BS, R, 4, D']` is such a layout (its `(block, token, r)` rows of `4 * D'` bytes stay
+/// contiguous: the issue's reading of `vllm_torchtpu/distributed/kv_transfer/raiden/
+/// layout_fingerprint.py`, vllm-torchtpu-core 0.29.0); the dense layout is one too.
+pub fn rows_stay_contiguous(text: &str, dims: &[i64]) -> bool {
+    let n = dims.len();
+    let Some(l) = XlaLayout::parse(text) else {
+        return false;
+    };
+    if n < 2 || !is_dense_order(&l.minor_to_major, n) {
+        return false;
+    }
+    let mut shape: Vec<u64> = vec![dims[n - 2] as u64, dims[n - 1] as u64];
+    for tile in &l.tiles {
+        if tile.len() > 2 || shape.contains(&0) {
+            return false;
+        }
+        // Right-aligned: a 1-dimensional tile covers the last dimension only.
+        let off = shape.len() - tile.len();
+        if tile
+            .iter()
+            .enumerate()
+            .any(|(i, &t)| shape[off + i] % t != 0)
+        {
+            return false;
+        }
+        shape = shape[..off].to_vec();
+        shape.extend(tile);
+        if shape.len() < 2 {
+            shape.insert(0, 1);
+        }
+        shape = shape[shape.len() - 2..].to_vec();
+    }
+    true
+}
+
+fn is_dense_order(m2m: &[usize], ndims: usize) -> bool {
+    m2m.len() == ndims && m2m.iter().enumerate().all(|(i, &d)| d == ndims - 1 - i)
+}
+
 fn describe(b: &DeviceBuffer) -> String {
     format!(
         "{}{:?}, {} bytes on device, layout {}",
@@ -69,7 +169,9 @@ fn expected(kv: &KvLayout) -> String {
 /// ([`ParallelLayout::rank_kv`]): one buffer per layer, each live, of the layout's element type,
 /// of its dims (leading 1s ignored), with `PJRT_Buffer_OnDeviceSizeInBytes` equal to the dense
 /// size the byte offsets assume, and a physical layout that is dense row-major (when the plugin
-/// reports one) and equal to `layout.physical_layout` (when the placement names one).
+/// reports one) and equal to `layout.physical_layout` (when the placement names one). For the
+/// RPA v3 orders a tiled layout that keeps packed rows contiguous ([`rows_stay_contiguous`]) is
+/// taken too, when the placement names it (its plans then move whole rows only).
 ///
 /// Errors: [`Error::Mismatch`] naming the rank, the layer, the buffer and what was expected;
 /// [`Error::Layout`] for a layout with a zero field; [`Error::InvalidArgument`] for a deleted
@@ -132,7 +234,19 @@ pub fn check_rank_buffers(
             )));
         }
         if let Some(p) = b.physical_layout() {
-            if !is_dense_row_major(p, b.dims().len()) {
+            // The RPA v3 orders also take a tiling that keeps each packed row contiguous (the
+            // plan then moves whole rows only: ParallelLayout::check_physical_layout).
+            let dense = is_dense_row_major(p, b.dims().len());
+            let rows_whole = kv.order.is_rpa3() && rows_stay_contiguous(p, b.dims());
+            if !dense && rows_whole && layout.physical_layout.is_none() {
+                return Err(Error::Mismatch(format!(
+                    "{}: physical layout `{p}` is tiled (packed rows contiguous) and the \
+                     placement names no physical layout: it must name `{p}`, so that its plans \
+                     move whole packed rows only (ParallelLayout::physical_layout)",
+                    what()
+                )));
+            }
+            if !dense && !rows_whole {
                 return Err(Error::Mismatch(format!(
                     "{}: physical layout `{p}`, the layout's byte offsets assume dense row-major \
                      `{{{}}}`",
@@ -256,6 +370,62 @@ mod tests {
         assert!(!is_dense_row_major("{2,1,0}", 4), "rank differs");
         assert!(!is_dense_row_major("4,3,2,1,0", 5));
         assert!(!is_dense_row_major("{x}", 1));
+    }
+
+    #[test]
+    fn xla_layouts_and_rows_that_stay_contiguous() {
+        let l = XlaLayout::parse("{4,3,2,1,0:T(4,128)(4,1)}").unwrap();
+        assert_eq!(l.minor_to_major, vec![4, 3, 2, 1, 0]);
+        assert_eq!(l.tiles, vec![vec![4, 128], vec![4, 1]]);
+        assert_eq!(
+            XlaLayout::parse("{1,0}").unwrap().tiles,
+            Vec::<Vec<u64>>::new()
+        );
+        for bad in [
+            "{1,0:T()}",
+            "{1,0:T(8,128",
+            "{1,0:E(4)}",
+            "{1,0:T(8,*)}",
+            "{1,0:T(0,1)}",
+            "1,0",
+        ] {
+            assert!(XlaLayout::parse(bad).is_none(), "{bad}");
+        }
+        let fp8 = [16, 16, 4, 4, 256];
+        assert!(rows_stay_contiguous("{4,3,2,1,0:T(4,128)(4,1)}", &fp8));
+        assert!(rows_stay_contiguous("{4,3,2,1,0}", &fp8), "dense");
+        assert!(rows_stay_contiguous(
+            "{4,3,2,1,0:T(2,128)(2,1)}",
+            &[8, 16, 2, 2, 128]
+        ));
+        assert!(
+            rows_stay_contiguous("{4,3,2,1,0:T(128)}", &fp8),
+            "one lane tile"
+        );
+        assert!(
+            !rows_stay_contiguous("{4,3,2,1,0:T(8,128)(2,1)}", &[8, 16, 2, 2, 128]),
+            "P padded"
+        );
+        assert!(
+            !rows_stay_contiguous("{4,3,2,1,0:T(4,96)}", &fp8),
+            "lanes padded"
+        );
+        assert!(
+            !rows_stay_contiguous("{4,3,2,1,0:T(2,4,128)}", &fp8),
+            "across rows"
+        );
+        assert!(
+            !rows_stay_contiguous("{3,4,2,1,0:T(4,128)}", &fp8),
+            "not row-major"
+        );
+        assert!(
+            !rows_stay_contiguous("{4,3,2,1,0:T(4,128)(8,1)}", &fp8),
+            "sub-tile too tall"
+        );
+        assert!(
+            !rows_stay_contiguous("{4,3,2,1,0:T(4,128)}", &[16, 16, 4]),
+            "rank differs"
+        );
     }
 
     #[test]

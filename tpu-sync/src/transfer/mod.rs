@@ -54,7 +54,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-pub use check::{check_group_buffers, check_rank_buffers, is_dense_row_major};
+pub use check::{
+    check_group_buffers, check_rank_buffers, is_dense_row_major, rows_stay_contiguous, XlaLayout,
+};
 
 use crate::arena::{ArenaOptions, DmaRegistration, LockStatus};
 use crate::budget::{BudgetStats, StagingBudget};

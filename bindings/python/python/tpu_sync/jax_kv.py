@@ -46,11 +46,14 @@ split over the data axis; each replica's scatter keeps the rows of its own shard
 moves DP times the blocks' bytes (``h2d_bytes`` counts them once).
 
 Not mapped (refused with the reason): a data axis on another dimension than the blocks, an MLA
-cache split over the ``kv_context`` axis (PCP/DCP in the mesh), tiled
-physical layouts (a TPU's ``Layout.tiling``; the layout is passed on, and a plan that needs rows it
-cannot address refuses it by name). (KV heads fewer than TP are mapped: tpu-inference pads them
-to TP by repeating each head, ``repeat_interleave``, so each shard holds one head, as tpu_sync's
-replicated TP split expects.)
+cache split over the ``kv_context`` axis (PCP/DCP in the mesh). Tiled physical layouts (a TPU's
+``Layout.tiling``) matter only with ``pjrt-view``, where tpu_sync reads the shards themselves:
+the layout is passed on in :meth:`JaxKv.layout`, and tpu_sync maps a tiling that keeps each
+packed row contiguous (e.g. ``{4,3,2,1,0:T(4,128)(4,1)}``) for plans of whole packed rows
+between two sides of that layout, refusing any other by name (``docs/tpu.md``);
+``framework-copy`` moves JAX's dense host copies. (KV heads fewer than TP are mapped:
+tpu-inference pads them to TP by repeating each head, ``repeat_interleave``, so each shard holds
+one head, as tpu_sync's replicated TP split expects.)
 
 With ``pjrt-view`` a pull writes the shards' memory behind JAX's back: an array whose host
 value was already read (``np.asarray(array)``, ``jax.device_get``) keeps returning that cached
@@ -353,7 +356,9 @@ class JaxKv:
         order = "rpamla" if self.mla else "rpa3hd64" if int(model.get("head_dim", 0)) == 64 else "rpa3"
         lay = tpu_sync.layout(model, tp=self.tp, dp=self.dp, block_size=self.block_size, order=order,
                               num_blocks=self.num_blocks if num_blocks is None else num_blocks)
-        if self.physical_layout != xla_layout(None, len(self.shard_shape)):
+        if self.backend == "pjrt-view" and self.physical_layout != xla_layout(None, len(self.shard_shape)):
+            # tpu_sync reads the shards themselves: their tiling decides which plans are exact
+            # (whole packed rows only). With framework-copy it moves JAX's dense host copies.
             lay["physical_layout"] = self.physical_layout
         return lay
 

@@ -716,6 +716,50 @@ fn rpa3_attention_groups_reshard_byte_exact() {
     }
 }
 
+/// RPA v3 attention groups in a TPU's tiled layout (fp8 `T(4,128)(4,1)`, named by both sides'
+/// groups): planned when every run is whole packed rows (TP 2 -> 1, 8 heads of 128), refused
+/// naming the group and the layout when a run would cut a row (head_dim 80 in 128 lanes) or the
+/// other side names no layout.
+#[test]
+fn tiled_rpa3_groups_move_whole_rows_or_are_refused() {
+    let fp8 = "{4,3,2,1,0:T(4,128)(4,1)}";
+    let t = 45;
+    let build = |dim: u32, named: bool| {
+        let m = HybridModel {
+            name: "tpu-sliding".into(),
+            groups: vec![
+                KvGroup::new("sliding", [0, 2], attn(8, dim, 2, DType::Fp8, Some(20))),
+                KvGroup::new("full", [1, 3], attn(8, dim, 2, DType::Fp8, None)),
+            ],
+        };
+        let tiled = |mut p: HybridPlacement, on: bool| {
+            for g in &mut p.layout.groups {
+                g.physical_layout = on.then(|| fp8.to_string());
+            }
+            p
+        };
+        let o = BlockOrder::Rpa3;
+        let src = tiled(
+            hybrid_placement(hlayout(&m, spec(2, 1, 1, o), &[8], t), 0, t, 31),
+            true,
+        );
+        let dst = tiled(
+            hybrid_placement(hlayout(&m, spec(1, 1, 1, o), &[16], t), 0, t, 32),
+            named,
+        );
+        Plan::build_groups(&src, &dst, t).map(|p| (src, dst, p))
+    };
+    let (src, dst, plan) = build(128, true).unwrap();
+    simulate(&src, &dst, t, &plan);
+    let e = build(80, true).unwrap_err().to_string();
+    assert!(
+        e.contains("KV cache group") && e.contains(fp8) && e.contains("cuts"),
+        "{e}"
+    );
+    let e = build(128, false).unwrap_err().to_string();
+    assert!(e.contains(fp8) && e.contains("unknown"), "{e}");
+}
+
 /// What the TPU caches do not hold in a hybrid layout is refused by name: an MLA group in a TPU
 /// order, the head_dim-64 cache for another head_dim.
 #[test]
