@@ -379,6 +379,30 @@ def test_consumer_refuses_unusable_params(configs, tamper):
     assert [x.req_id for x in rejects] == ["d3"]  # its params still name the producer's transfer
 
 
+@pytest.mark.parametrize("field,value", [
+    ("remote_geometry", "a string"), ("remote_geometry", ["a", "list"]), ("block_size", "sixteen"),
+    ("remote_num_blocks", "many"), ("remote_num_blocks", 0), ("remote_addresses", {"zero": "10.0.0.1:7001"}),
+    ("remote_addresses", ["10.0.0.1:7001"]), ("remote_addresses", {"-1": "10.0.0.1:7001"})])
+def test_consumer_refuses_malformed_params_without_raising(configs, field, value):
+    """``kv_transfer_params`` come from the client: a malformed field (a geometry or address
+    map of another type, a non-integer block size, block count or TP rank) is refused as
+    unusable params (the request is prefilled locally), never an exception out of the
+    scheduler's hooks, which would stop the engine."""
+    _, toks, _, params = producer_params(configs)
+    params = dict(params)
+    if field == "block_size":
+        params["remote_geometry"] = dict(params["remote_geometry"], block_size=value)
+    else:
+        params[field] = value
+    c = connector(configs["kv_consumer"])
+    r = request("d4", toks, params)
+    assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert c.scheduler_side.stats["refused_params"] == 1
+    c.update_state_after_alloc(r, blocks([50, 51, 52, 53]), 0)
+    meta = c.build_connector_meta(sched_out({}))
+    assert not meta.recvs
+
+
 # ---- offload ---------------------------------------------------------------------------------
 
 

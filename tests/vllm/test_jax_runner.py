@@ -958,9 +958,10 @@ def test_dp_form_carries_kv_cache_groups():
     op's ids unevenly is refused."""
     send = SendSpec("p1", 5, [[9, 2], [5, 12, 13]], 40, 60.0, 1)
     recv = RecvSpec("d1", 6, {0: "x"}, {}, None, [[3, 7], [11, 4, 13]], 40, 30.0)
-    load = TierOp("o1", [b"a" * 32, b"b" * 32], [12, 13], None, [[0, 10], [12, 13]], report=True)
+    # A grouped tier op's flat ids are vLLM's first group's (here the sliding one's, a null first).
+    load = TierOp("o1", [b"a" * 32, b"b" * 32], [0, 10], None, [[0, 10], [12, 13]], report=True)
     rank1 = TpuSyncMetadata(sends=[send], recvs=[recv], loads=[load]).to_dp_form()
-    assert [e.local_block_ids for e in rank1.requests_meta] == [[12, 13, 0, 10, 12, 13], [9, 2, 5, 12, 13],
+    assert [e.local_block_ids for e in rank1.requests_meta] == [[0, 10, 0, 10, 12, 13], [9, 2, 5, 12, 13],
                                                                [3, 7, 11, 4, 13]]
     rank0 = TpuSyncMetadata(saves=[TierOp("o0", [b"c" * 32], [4], None, [[3], [4]])]).to_dp_form()
     out = dp_merge([rank0, rank1], NB).from_dp_form(DP)
@@ -969,7 +970,7 @@ def test_dp_form_carries_kv_cache_groups():
     (s,), (r,), (ld,) = out.sends, out.recvs, out.loads
     assert s.block_ids == [[9 + NB, 2 + NB], [5 + NB, 12 + NB, 13 + NB]] and s.num_tokens == 40
     assert r.dst_block_ids == [[3 + NB, 7 + NB], [11 + NB, 4 + NB, 13 + NB]] and r.src_block_ids is None
-    assert ld.block_ids == [12 + NB, 13 + NB] and ld.group_block_ids == [[0, 10 + NB], [12 + NB, 13 + NB]]
+    assert ld.block_ids == [0, 10 + NB] and ld.group_block_ids == [[0, 10 + NB], [12 + NB, 13 + NB]]
     assert ld.report is True
     bad = dp_merge([None, TpuSyncMetadata(sends=[send]).to_dp_form()], NB)
     bad.requests_meta[0].local_block_ids[0] += 1

@@ -280,6 +280,10 @@ class StoreTier:
         from .compat import NULL_BLOCK_ID
 
         caches = self._caches
+        for g in group_ids:
+            for b in g:
+                if not 0 <= int(b) < caches.num_blocks:
+                    raise IndexError(f"block id {b} out of range 0..{caches.num_blocks}")
         # With DP replicas (a JAX runner): the request's replica (its global ids are in one).
         views, offset = caches.replica_of([b for g in group_ids for b in g])
         groups = caches.view_groups(views)

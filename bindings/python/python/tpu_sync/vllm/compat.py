@@ -805,19 +805,29 @@ def check_params(params: Dict[str, Any]) -> Optional[str]:
     if params.get("tpu_sync_version") != PARAMS_VERSION:
         return f"kv_transfer_params version {params.get('tpu_sync_version')!r} (expected {PARAMS_VERSION})"
     geom = params["remote_geometry"]
-    groups = geom.get("groups") if isinstance(geom, dict) else None
+    if not isinstance(geom, dict):
+        return f"remote_geometry is a {type(geom).__name__}, not a mapping"
+    addrs = params["remote_addresses"]
+    if not isinstance(addrs, dict):
+        return f"remote_addresses is a {type(addrs).__name__}, not a mapping of TP rank to address"
+    groups = geom.get("groups")
     try:
         rid = int(params["remote_request_id"])
         n = int(params["remote_num_tokens"])
+        nblocks = int(params["remote_num_blocks"])
+        ranks = [int(k) for k in addrs]
+        bs = int(geom.get("block_size") or 0)
         if groups:
             gids = [[int(b) for b in ids] for ids in params.get("remote_block_ids") or []]
         else:
             ids: List[int] = [int(b) for b in params.get("remote_block_ids") or []]
     except (TypeError, ValueError):
-        return "kv_transfer_params hold non-integer ids" + (" (one list per KV cache group expected)" if groups else "")
-    if not 1 <= rid < 2**53 or n <= 0:
-        return f"bad remote_request_id {rid} or remote_num_tokens {n}"
-    bs = int(geom.get("block_size") or 0)
+        return ("kv_transfer_params hold non-integer ids, counts or ranks"
+                + (" (one list per KV cache group expected)" if groups else ""))
+    if not 1 <= rid < 2**53 or n <= 0 or nblocks <= 0:
+        return f"bad remote_request_id {rid}, remote_num_tokens {n} or remote_num_blocks {nblocks}"
+    if any(r < 0 for r in ranks):
+        return f"negative TP ranks in remote_addresses: {sorted(ranks)}"
     if bs <= 0:
         return f"bad remote block size {bs}"
     if described:

@@ -170,8 +170,11 @@ def _dp_restore(op: Any, attr: str, merged: List[int]) -> Any:
         return groups
 
     ids = getattr(op, attr)
-    changes: Dict[str, Any] = {attr: take(ids, _nested(ids))}
     gids = getattr(op, "group_block_ids", None)
+    # A grouped tier op's flat ids are one group's list (vLLM's first group, maybe a sliding
+    # window's, with null blocks): nulls restored there too.
+    changes: Dict[str, Any] = {attr: take([ids], True)[0] if gids is not None and not _nested(ids)
+                               else take(ids, _nested(ids))}
     if gids is not None:
         changes["group_block_ids"] = take(gids, True)
     return dataclasses.replace(op, **changes)

@@ -472,7 +472,7 @@ class SchedulerSide:
         try:
             xfer = int(params["remote_request_id"])
             peers = peers_from_params(params)
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, AttributeError):
             return  # no usable transfer to reject
         if not 1 <= xfer < 2**53 or not peers:
             return
@@ -669,7 +669,8 @@ class SchedulerSide:
         """Takes the workers' lookup answers and failed loads; forgets finished sends. Under
         tpu-inference's DP scheduler every rank's scheduler gets the whole ``output`` (its own
         copy): the finished sets are cut to this rank's requests here, before vLLM's scheduler
-        reads them (it asserts it knows every request named there), and a handshake in the
+        reads them (it asserts it knows every request named there; it reads ``failed_recving``
+        earlier, by ``requests.get``, which skips other ranks' ids), and a handshake in the
         report gives this rank the workers' addresses."""
         meta = output.kv_connector_worker_meta
         if self.dp > 1:
