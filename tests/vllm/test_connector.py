@@ -317,8 +317,12 @@ def test_both_at_once_ids_agree_only_for_the_same_prompt(configs, tiny_model):
     d = request("d10", tokens(100, seed=3), dict(params))
     assert c.get_num_new_matched_tokens(d, 0) == (100, True)
     assert d.kv_transfer_params["remote_request_id"] != xfer
+    # Client-supplied fields of other types: refused, never an exception out of the scheduler.
     for bad in (dict(params, **{PAIR_KEY: "short"}), dict(params, tpu_sync_version=99),
-                {k: v for k, v in params.items() if k != "remote_addresses"}):
+                {k: v for k, v in params.items() if k != "remote_addresses"},
+                dict(params, remote_geometry="x"), dict(params, remote_addresses=["10.0.0.1:7001"]),
+                dict(params, remote_addresses={"zero": "10.0.0.1:7001"}), dict(params, remote_num_blocks="many"),
+                dict(params, remote_geometry=dict(params["remote_geometry"], block_size="sixteen"))):
         assert check_pair_params(bad) is not None
         c = connector(configs["kv_consumer"])
         d = request("d11", toks, bad)

@@ -774,8 +774,17 @@ def check_pair_params(params: Dict[str, Any]) -> Optional[str]:
     if pair_nonce(params) is None:
         return f"bad {PAIR_KEY} (a string of 8 to 128 characters expected)"
     geom = params["remote_geometry"]
-    if not isinstance(geom, dict) or int(geom.get("block_size") or 0) <= 0:
-        return "bad remote_geometry"
+    addrs = params["remote_addresses"]
+    if not isinstance(geom, dict) or not isinstance(addrs, dict):
+        return "bad remote_geometry or remote_addresses (mappings expected)"
+    try:
+        bs = int(geom.get("block_size") or 0)
+        nblocks = int(params["remote_num_blocks"])
+        ranks = [int(k) for k in addrs]
+    except (TypeError, ValueError):
+        return "kv_transfer_params hold a non-integer block size, block count or TP rank"
+    if bs <= 0 or nblocks <= 0 or any(r < 0 for r in ranks):
+        return f"bad remote block size {bs}, block count {nblocks} or TP ranks {sorted(ranks)}"
     if geom.get("groups"):
         return "both-at-once transfers of models with KV cache groups are not supported"
     return None
