@@ -126,11 +126,25 @@ def test_rpa3_layout_errors_name_the_cause():
     with pytest.raises(LayoutError, match="head_dim"):
         l = tpu_sync.layout(llama, order="rpa3hd64", num_blocks=4)
         tpu_sync.Plan(tpu_sync.placement(l, [[0]]), tpu_sync.placement(l, [[1]]), 8)
-    # A tiled TPU physical layout is refused, naming it (rows are not contiguous there).
+    # A tiled TPU physical layout against an unknown one is refused, naming it.
     l = tpu_sync.layout(llama, order="rpa3", num_blocks=4)
     tiled = dict(l, physical_layout="{4,3,2,1,0:T(2,128)(2,1)}")
-    with pytest.raises(MismatchError, match=r"T\(2,128\)"):
+    with pytest.raises(MismatchError, match=r"T\(2,128\).*unknown"):
         tpu_sync.Plan(tpu_sync.placement(tiled, [[0]]), tpu_sync.placement(l, [[1]]), 8)
+    # The same tiling on both sides (it keeps each packed row contiguous): whole-row plans are
+    # built (TP 2 -> 1, head_dim 128), plans that cut rows are refused naming the layout.
+    fp8 = "{4,3,2,1,0:T(4,128)(4,1)}"
+    m = dict(llama, dtype="fp8")
+    src = dict(tpu_sync.layout(m, tp=2, order="rpa3", num_blocks=4), physical_layout=fp8)
+    dst = dict(tpu_sync.layout(m, order="rpa3", num_blocks=4), physical_layout=fp8)
+    plan = tpu_sync.Plan(tpu_sync.placement(src, [[0], [1]]), tpu_sync.placement(dst, [[2]]), 8)
+    assert plan.total_bytes == 8 * 32 * 8 * 2 * 128  # tokens x layers x heads x K,V x 128 fp8 lanes
+    plan.close()
+    m80 = dict(m, head_dim=80)
+    src = dict(tpu_sync.layout(m80, tp=2, order="rpa3", num_blocks=4), physical_layout=fp8)
+    dst = dict(tpu_sync.layout(m80, order="rpa3", num_blocks=4), physical_layout=fp8)
+    with pytest.raises(MismatchError, match=r"T\(4,128\)\(4,1\).*cuts"):
+        tpu_sync.Plan(tpu_sync.placement(src, [[0], [1]]), tpu_sync.placement(dst, [[2]]), 8)
 
 
 # vLLM-TorchTPU's batched ragged paged attention kernel in its SEQ_ALONG_LANE layout
