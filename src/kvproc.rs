@@ -339,7 +339,10 @@ pub(crate) fn physical_layout(buffers: &[Vec<DeviceBuffer>]) -> Option<String> {
 /// `text` followed by the layout's physical layout, when known.
 fn with_physical(text: String, layout: &ParallelLayout) -> String {
     match &layout.physical_layout {
-        Some(p) => format!("{text}, physical {p}"),
+        Some(p) if tpu_sync::transfer::is_dense_row_major(p, 5) => {
+            format!("{text}, physical layout {p} (dense row-major)")
+        }
+        Some(p) => format!("{text}, physical layout {p}"),
         None => text,
     }
 }

@@ -140,7 +140,10 @@ impl std::fmt::Display for DmaOutcome {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             DmaOutcome::Mapped => f.write_str("DMA-mapped"),
-            DmaOutcome::Skipped(why) => write!(f, "DMA map skipped ({why})"),
+            DmaOutcome::Skipped(why) => write!(
+                f,
+                "not DMA-mapped, the plugin has no DMA map ({why}): its own staging copies"
+            ),
             DmaOutcome::Disabled => f.write_str("DMA map disabled"),
         }
     }
