@@ -276,7 +276,8 @@ pub fn check_rank_buffers(
 /// own group gives it ([`HybridLayout::layer_shape`]: element type, dims with leading 1s
 /// ignored, `PJRT_Buffer_OnDeviceSizeInBytes` equal to the dense bytes), with a dense row-major
 /// physical layout (when the plugin reports one) equal to the group's
-/// [`GroupLayout::physical_layout`](crate::layout::GroupLayout) when the layout names one. So
+/// [`GroupLayout::physical_layout`](crate::layout::GroupLayout) when the layout names one (an
+/// RPA v3 group also takes a named tiling that keeps packed rows contiguous). So
 /// layers of different groups may have buffers of different sizes and shapes; each is checked
 /// against its own group's geometry, never another's.
 ///
@@ -336,10 +337,21 @@ pub fn check_group_buffers(
             )));
         }
         if let Some(p) = b.physical_layout() {
-            if !is_dense_row_major(p, b.dims().len()) {
+            // As check_rank_buffers: an RPA v3 group also takes a tiling that keeps each packed
+            // row contiguous, when the group names it (its plans move whole rows only).
+            let named = layout.groups[g].physical_layout.as_deref();
+            let rpa3 = layout.group_as_parallel(g).spec.order.is_rpa3();
+            let rows_whole = rpa3 && named == Some(p) && rows_stay_contiguous(p, b.dims());
+            if !is_dense_row_major(p, b.dims().len()) && !rows_whole {
                 return Err(Error::Mismatch(format!(
-                    "{}: physical layout `{p}` is not dense row-major",
-                    what()
+                    "{}: physical layout `{p}` is not dense row-major{}",
+                    what(),
+                    if rpa3 && rows_stay_contiguous(p, b.dims()) {
+                        " (a tiling that keeps packed rows contiguous is taken when the group's \
+                         layout names it)"
+                    } else {
+                        ""
+                    }
                 )));
             }
             if let Some(named) = &layout.groups[g].physical_layout {
