@@ -671,6 +671,23 @@ def dp_vllm_config(configs, role, dp):
                            sharding_config=SimpleNamespace(total_dp_size=dp))
 
 
+def worker_step(w, runner, meta, finished):
+    """One engine step of the worker side ``w`` around ``runner``'s forward, as vLLM's model
+    runner calls the connector's hooks; returns the step's ``KVConnectorOutput``."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    w.bind(meta)
+    w.handle_preemptions(meta)
+    w.start_load_kv(meta)
+    runner.forward()
+    w.wait_for_save(meta)
+    res = w.get_transfer_results(finished)
+    return KVConnectorOutput(finished_sending=res.finished_sending or None,
+                             finished_recving=res.finished_recving or None, failed_recving=res.failed_recving,
+                             invalid_block_ids=w.get_block_ids_with_load_errors(),
+                             kv_connector_worker_meta=w.build_worker_meta())
+
+
 class DpEngine:
     """One engine under tpu-inference's DP scheduler: a connector scheduler side per DP rank,
     one worker side over the runner (every replica and TP rank in this process)."""
@@ -697,23 +714,10 @@ class DpEngine:
         """One engine step: every rank's metadata (``scheduled[rank]``: request -> tokens this
         step), merged, through the worker's hooks around a forward; every rank's scheduler side
         takes its own copy of the output. Returns those copies, by rank."""
-        from vllm.v1.outputs import KVConnectorOutput
-
         scheduled = scheduled or {}
         metas = [s.build_connector_meta(sched_out(scheduled.get(r, {}))) for r, s in enumerate(self.ranks)]
         assert all(m.requests_meta or not any(vars(m).values()) for m in metas), "DP metadata outside requests_meta"
-        meta = dp_merge(metas, NB)
-        w = self.worker
-        w.bind(meta)
-        w.handle_preemptions(meta)
-        w.start_load_kv(meta)
-        self.runner.forward()
-        w.wait_for_save(meta)
-        res = w.get_transfer_results(set(finished))
-        out = KVConnectorOutput(finished_sending=res.finished_sending or None,
-                                finished_recving=res.finished_recving or None, failed_recving=res.failed_recving,
-                                invalid_block_ids=w.get_block_ids_with_load_errors(),
-                                kv_connector_worker_meta=w.build_worker_meta())
+        out = worker_step(self.worker, self.runner, dp_merge(metas, NB), set(finished))
         copies = [pickle.loads(pickle.dumps(out)) for _ in self.ranks]
         for s, o in zip(self.ranks, copies):
             s.update_connector_output(o)
@@ -751,6 +755,59 @@ def dp_glob(reps, layer):
     return np.concatenate([glob(rep, layer) for rep in reps], axis=0)
 
 
+def prefill_and_hand_off(prod, p_ids, reqs, finish):
+    """The producer side of the DP P/D tests: each request ``(rid, tokens)`` on its rank
+    (``p_ids[rid]``: rank, vLLM's block ids) prefilled in one step (registered there,
+    ``early_register``), then finished by ``finish(scheduler side, request, ids)`` (vLLM's
+    ``request_finished`` or its all-groups form). Returns each request's params: they describe
+    (no block ids: a DP rank does not know its offset)."""
+    from vllm.v1.request import RequestStatus
+
+    made = {}
+    for rid, n in reqs:
+        rank, ids = p_ids[rid]
+        s = prod.ranks[rank]
+        r = request(rid, tokens(n, seed=len(rid) + n), {"do_remote_decode": True}, max_tokens=1)
+        s.on_new_request(r)
+        s.kv_cache_manager.ids[rid] = ids
+        made[rid] = r
+    prod.step({p_ids[rid][0]: {rid: n} for rid, n in reqs})
+    assert prod.worker.stats["registered"] == len(reqs), prod.worker.stats
+    params = {}
+    for rid, n in reqs:
+        r = made[rid]
+        r.num_computed_tokens, r.status = n, RequestStatus.FINISHED_LENGTH_CAPPED
+        delay, params[rid] = finish(prod.ranks[p_ids[rid][0]], r, p_ids[rid][1])
+        assert delay is True
+        assert "remote_block_ids" not in params[rid] and params[rid]["remote_describe"] is True
+    return params
+
+
+def pull_on_consumer_ranks(cons, d_ids, params, reqs, blocks_of):
+    """The consumer side of the DP P/D tests: each request ``(did, pid, tokens)`` on its rank
+    (``d_ids[did]``: rank, vLLM's block ids), its params as the proxy passes them on (the
+    producer's ``params[pid]``), answered asynchronously, its blocks allocated
+    (``blocks_of(ids)``: ``KVCacheBlocks``); then steps until each rank saw its own requests
+    in ``finished_recving``, none failed."""
+    cons.step()
+    for did, pid, n in reqs:
+        rank, ids = d_ids[did]
+        s = cons.ranks[rank]
+        r = request(did, tokens(n, seed=len(pid) + n), dict(params[pid]))
+        s.on_new_request(r)
+        assert s.get_num_new_matched_tokens(r, 0) == (n, True)
+        s.update_state_after_alloc(r, blocks_of(ids), n)
+    want = [{did for did, *_ in reqs if d_ids[did][0] == rank} for rank in range(DP)]
+    deadline, done = time.monotonic() + 60, [set() for _ in range(DP)]
+    while time.monotonic() < deadline and done != want:
+        outs = cons.step()
+        for rank, o in enumerate(outs):
+            done[rank] |= set(o.finished_recving or ())
+            assert not o.failed_recving and not o.invalid_block_ids, (o, cons.worker.stats)
+        time.sleep(0.01)
+    assert done == want, (done, cons.worker.stats)
+
+
 @pytest.mark.parametrize("backend", ["auto", "framework-copy"])
 def test_pd_under_tpu_inferences_dp_scheduler(configs, backend):
     """P/D between two engines under tpu-inference's DP scheduler (producer DP=2 x TP=2,
@@ -760,8 +817,6 @@ def test_pd_under_tpu_inferences_dp_scheduler(configs, backend):
     DP scheduler's merge only; two requests cross replicas (producer replica 1 -> consumer
     replica 0 and 0 -> 1) byte-exact, every other block of every replica unchanged; each rank's
     scheduler sees only its own requests in the finished sets (vLLM's asserts it knows them)."""
-    from vllm.v1.request import RequestStatus
-
     gs, gd = geometry(8, 128, "bf16", 2), geometry(8, 128, "bf16", 1)
     t1, t2 = 40, 23  # 3 blocks and 2, the last ones partial
     p_ids = {"p1": (1, [5, 9, 2]), "p2": (0, [7, 1])}  # (producer DP rank, rank-local blocks)
@@ -782,44 +837,14 @@ def test_pd_under_tpu_inferences_dp_scheduler(configs, backend):
         assert prod.step()[0].kv_connector_worker_meta is None  # asked once
         # The prefills: each request on its rank, registered in the step that completes it
         # (early_register, the default), then handed off by request_finished.
-        reqs = {}
-        for rid, n in (("p1", t1), ("p2", t2)):
-            rank, ids = p_ids[rid]
-            s = prod.ranks[rank]
-            r = request(rid, tokens(n, seed=len(rid) + n), {"do_remote_decode": True}, max_tokens=1)
-            s.on_new_request(r)
-            s.kv_cache_manager.ids[rid] = ids
-            reqs[rid] = r
-        prod.step({1: {"p1": t1}, 0: {"p2": t2}})
-        assert prod.worker.stats["registered"] == 2, prod.worker.stats
-        params = {}
-        for rid, n in (("p1", t1), ("p2", t2)):
-            r = reqs[rid]
-            r.num_computed_tokens, r.status = n, RequestStatus.FINISHED_LENGTH_CAPPED
-            delay, params[rid] = prod.ranks[p_ids[rid][0]].request_finished(r, p_ids[rid][1])
-            assert delay is True
-            assert "remote_block_ids" not in params[rid] and params[rid]["remote_describe"] is True
+        params = prefill_and_hand_off(prod, p_ids, (("p1", t1), ("p2", t2)),
+                                      lambda side, r, ids: side.request_finished(r, ids))
         outs = prod.step()
         # The handoffs are reported to every rank; each keeps its own request only.
         assert [set(o.finished_sending or ()) for o in outs] == [{"p2"}, {"p1"}], [o.finished_sending for o in outs]
         assert all(s.pending_sends() == 0 for s in prod.ranks)
         # The consumer: each request on its rank, its params as the proxy passes them on.
-        cons.step()
-        for did, pid, n in (("d1", "p1", t1), ("d2", "p2", t2)):
-            rank, ids = d_ids[did]
-            s = cons.ranks[rank]
-            r = request(did, tokens(n, seed=len(pid) + n), dict(params[pid]))
-            s.on_new_request(r)
-            assert s.get_num_new_matched_tokens(r, 0) == (n, True)
-            s.update_state_after_alloc(r, blocks(ids), n)
-        deadline, done = time.monotonic() + 60, [set(), set()]
-        while time.monotonic() < deadline and done != [{"d1"}, {"d2"}]:
-            outs = cons.step()
-            for rank, o in enumerate(outs):
-                done[rank] |= set(o.finished_recving or ())
-                assert not o.failed_recving and not o.invalid_block_ids, (o, cons.worker.stats)
-            time.sleep(0.01)
-        assert done == [{"d1"}, {"d2"}], (done, cons.worker.stats)
+        pull_on_consumer_ranks(cons, d_ids, params, (("d1", "p1", t1), ("d2", "p2", t2)), blocks)
         assert cons.worker.stats["pulls_deferred"] == 2 and cons.worker.stats["pulls_failed"] == 0
         assert cons.ranks[0].stats["p2p_tokens"] == t1 and cons.ranks[1].stats["p2p_tokens"] == t2
         for layer in range(LAYERS):
@@ -986,8 +1011,6 @@ def test_pd_with_kv_cache_groups_under_tpu_inferences_dp_scheduler(configs, back
     replicas (producer replica 1 -> consumer replica 0, 0 -> 1), each group's tokens land
     byte-exact at its own blocks (the sliding layer's window only), every other block of every
     replica unchanged, the producer unchanged; each rank sees only its own requests."""
-    from vllm.v1.request import RequestStatus
-
     gs, gd = group_geometry(8, 128, "bf16", 2), group_geometry(8, 128, "bf16", 1)
     t1, t2 = 40, 23
     # (DP rank, vLLM's block ids per group: the sliding group's null block before its window)
@@ -1008,40 +1031,11 @@ def test_pd_with_kv_cache_groups_under_tpu_inferences_dp_scheduler(configs, back
     src_before = bits(prod.runner.kv_caches[0])
     try:
         prod.step()
-        reqs = {}
-        for rid, n in (("p1", t1), ("p2", t2)):
-            rank, ids = p_ids[rid]
-            s = prod.ranks[rank]
-            r = request(rid, tokens(n, seed=len(rid) + n), {"do_remote_decode": True}, max_tokens=1)
-            s.on_new_request(r)
-            s.kv_cache_manager.ids[rid] = ids
-            reqs[rid] = r
-        prod.step({1: {"p1": t1}, 0: {"p2": t2}})
-        assert prod.worker.stats["registered"] == 2, prod.worker.stats
-        params = {}
-        for rid, n in (("p1", t1), ("p2", t2)):
-            r = reqs[rid]
-            r.num_computed_tokens, r.status = n, RequestStatus.FINISHED_LENGTH_CAPPED
-            delay, params[rid] = prod.ranks[p_ids[rid][0]].request_finished_all_groups(r, tuple(p_ids[rid][1]))
-            assert delay is True and params[rid]["remote_describe"] is True
+        params = prefill_and_hand_off(prod, p_ids, (("p1", t1), ("p2", t2)),
+                                      lambda side, r, ids: side.request_finished_all_groups(r, tuple(ids)))
         outs = prod.step()
         assert [set(o.finished_sending or ()) for o in outs] == [{"p2"}, {"p1"}], [o.finished_sending for o in outs]
-        cons.step()
-        for did, pid, n in (("d1", "p1", t1), ("d2", "p2", t2)):
-            rank, ids = d_ids[did]
-            s = cons.ranks[rank]
-            r = request(did, tokens(n, seed=len(pid) + n), dict(params[pid]))
-            s.on_new_request(r)
-            assert s.get_num_new_matched_tokens(r, 0) == (n, True)
-            s.update_state_after_alloc(r, group_blocks(ids), n)
-        deadline, done = time.monotonic() + 60, [set(), set()]
-        while time.monotonic() < deadline and done != [{"d1"}, {"d2"}]:
-            outs = cons.step()
-            for rank, o in enumerate(outs):
-                done[rank] |= set(o.finished_recving or ())
-                assert not o.failed_recving and not o.invalid_block_ids, (o, cons.worker.stats)
-            time.sleep(0.01)
-        assert done == [{"d1"}, {"d2"}], (done, cons.worker.stats)
+        pull_on_consumer_ranks(cons, d_ids, params, (("d1", "p1", t1), ("d2", "p2", t2)), group_blocks)
         assert cons.worker.stats["pulls_failed"] == 0, cons.worker.stats
         got, exp = bits(cons.runner.kv_caches[0]), dp_group_glob(want)
         assert np.array_equal(got, exp), str(sorted({tuple(int(x) for x in i[:2]) for i in np.argwhere(got != exp)}))
@@ -1142,7 +1136,7 @@ class RealDpEngine:
         self.params = {}
 
     def step(self):
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import ModelRunnerOutput
 
         outs = [s.schedule() for s in self.scheds]
         for s in self.scheds:
@@ -1151,18 +1145,7 @@ class RealDpEngine:
                 self.blocks_of[r.request_id] = list(ids[0])
                 self.group_blocks_of.setdefault(r.request_id, [list(g) for g in ids])
         meta = dp_merge([o.kv_connector_metadata for o in outs], NB) if self.dp > 1 else outs[0].kv_connector_metadata
-        w = self.worker
-        w.bind(meta)
-        w.handle_preemptions(meta)
-        w.start_load_kv(meta)
-        self.runner.forward()
-        w.wait_for_save(meta)
-        finished = set().union(*(o.finished_req_ids for o in outs))
-        res = w.get_transfer_results(finished)
-        kv = KVConnectorOutput(finished_sending=res.finished_sending or None,
-                               finished_recving=res.finished_recving or None, failed_recving=res.failed_recving,
-                               invalid_block_ids=w.get_block_ids_with_load_errors(),
-                               kv_connector_worker_meta=w.build_worker_meta())
+        kv = worker_step(self.worker, self.runner, meta, set().union(*(o.finished_req_ids for o in outs)))
         for s, o in zip(self.scheds, outs):
             ids = list(o.num_scheduled_tokens)
             # A token for every request whose prompt is computed after this step.
@@ -1370,8 +1353,6 @@ def test_a_request_finished_while_its_load_is_pending_under_dp(configs):
     report of its saves never names it afterwards (vLLM asserts it knows every request there)
     and the rank holds no block free pending (``has_pending_block_frees`` would otherwise stop
     preemption on that rank for good)."""
-    from vllm.v1.outputs import KVConnectorOutput
-
     g = geometry(8, 128, "bf16", 2)
     bs, n = g.block_size, 3 * g.block_size + 5
     reps = dp_caches(g, [(1, 3 * bs, [5, 9, 2], 61)], fill_seed=70)
@@ -1390,17 +1371,8 @@ def test_a_request_finished_while_its_load_is_pending_under_dp(configs):
         assert s1.get_num_new_matched_tokens(r1, 0) == (3 * bs, True)
         s1.update_state_after_alloc(r1, blocks([3, 4, 8]), 3 * bs)
         # The step that loads it; the request is aborted before vLLM reads that step's output.
-        meta = dp_merge([s.build_connector_meta(sched_out({})) for s in eng.ranks], NB)
-        w = eng.worker
-        w.bind(meta)
-        w.start_load_kv(meta)
-        eng.runner.forward()
-        w.wait_for_save(meta)
-        res = w.get_transfer_results(set())
-        out = KVConnectorOutput(finished_sending=res.finished_sending or None,
-                                finished_recving=res.finished_recving or None, failed_recving=res.failed_recving,
-                                invalid_block_ids=w.get_block_ids_with_load_errors(),
-                                kv_connector_worker_meta=w.build_worker_meta())
+        out = worker_step(eng.worker, eng.runner, dp_merge([s.build_connector_meta(sched_out({})) for s in eng.ranks],
+                                                           NB), set())
         s1.request_finished(r1, [3, 4, 8])
         seen = []
         for s, o in zip(eng.ranks, [pickle.loads(pickle.dumps(out)) for _ in eng.ranks]):

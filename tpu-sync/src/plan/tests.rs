@@ -1245,22 +1245,11 @@ fn tiled_rpa3_layouts_move_whole_rows_exactly() {
         let src = placement(tiled(layout(&m, s_tp, 1, 1, s_bs, o, t), text), 0, t, 3);
         let dst = placement(tiled(layout(&m, d_tp, 1, 1, d_bs, o, t), text), 0, t, 4);
         let plan = Plan::build(&src, &dst, t).unwrap_or_else(|e| panic!("{text}: {e}"));
-        let sdims: Vec<u64> = src
-            .layout
-            .rank_kv()
-            .unwrap()
-            .dims()
-            .iter()
-            .map(|&d| d as u64)
-            .collect();
-        let ddims: Vec<u64> = dst
-            .layout
-            .rank_kv()
-            .unwrap()
-            .dims()
-            .iter()
-            .map(|&d| d as u64)
-            .collect();
+        let dims_of = |p: &Placement| -> Vec<u64> {
+            let d = p.layout.rank_kv().unwrap().dims();
+            d.iter().map(|&x| x as u64).collect()
+        };
+        let (sdims, ddims) = (dims_of(&src), dims_of(&dst));
         let size = dtype.size() as usize;
         for layer in 0..m.num_layers {
             let from: Vec<Vec<u8>> = rpa3_rank_buffers(&src, layer, t)
