@@ -547,72 +547,74 @@ impl ParallelLayout {
     /// Errors with [`Error::Mismatch`] naming both layouts when both sides' physical layouts are
     /// known and differ (raw bytes copied between them would be garbage: TPU layouts are tiled).
     ///
-    /// The TPU orders are planned by token row in a dense row-major buffer. A known tiled
-    /// layout is mapped for the RPA v3 orders when it keeps each packed row (the `P x D'`
-    /// elements of a `(block, token, r)`) contiguous ([`crate::transfer::rows_stay_contiguous`]:
-    /// a TPU's fp8 `{4,3,2,1,0:T(4,128)(4,1)}`), and only between two sides that both name the
-    /// same layout (a tiled side and an unknown one are refused); the plan must then move whole
-    /// packed rows ([`Plan::build`](crate::plan::Plan::build) refuses one that cuts a row:
-    /// lane padding, `head_dim < D'`, or a TP split inside a packed row). Any other tiled
-    /// layout, and any tiled layout of [`BlockOrder::RpaMla`], is refused naming it.
+    /// Plans compute byte offsets in a dense row-major buffer, so a known layout that is not
+    /// dense (any order, any rank) is refused naming it, with one exception: for the RPA v3
+    /// orders a tiling that keeps each packed row (the `P x D'` elements of a `(block, token,
+    /// r)`) contiguous ([`crate::transfer::rows_stay_contiguous`]: a TPU's fp8
+    /// `{4,3,2,1,0:T(4,128)(4,1)}`), when both sides are RPA v3 and name that same layout (a
+    /// tiled side against an unknown one, or another order, is refused); the plan must then
+    /// move whole packed rows ([`Plan::build`](crate::plan::Plan::build) refuses one that cuts
+    /// a row: lane padding, `head_dim < D'`, or a TP split inside a packed row).
     pub fn check_physical_layout(&self, other: &ParallelLayout) -> Result<()> {
-        for (l, o) in [(self, other), (other, self)] {
-            if let (true, Some(p)) = (l.spec.order.is_tpu(), &l.physical_layout) {
-                // Dense row-major of the buffer's rank: 5 for RPA v3; tpu-inference's MLA arrays
-                // are `[N, BS / K, K, D']` (4), viewed as `[N, BS, D']` (3).
-                let ranks: &[usize] = if l.spec.order == BlockOrder::RpaMla {
-                    &[4, 3]
-                } else {
-                    &[5]
-                };
-                if ranks
-                    .iter()
-                    .any(|&n| crate::transfer::is_dense_row_major(p, n))
-                {
-                    continue;
-                }
-                if l.spec.order.is_rpa3()
-                    && crate::transfer::rows_stay_contiguous(p, &l.rank_kv()?.dims())
-                {
-                    if o.physical_layout.as_deref() != Some(p.as_str()) {
-                        return Err(Error::Mismatch(format!(
-                            "physical layout `{p}` of the {} buffers ({}) is tiled and the other \
-                             side's is {}: whole packed rows are copied raw, which is exact only \
-                             between buffers of the same tiled layout",
-                            l.spec.order.name(),
-                            l.describe(),
-                            o.physical_layout
-                                .as_deref()
-                                .map_or("unknown".to_string(), |x| format!("`{x}`"))
-                        )));
-                    }
-                    continue;
-                }
-                let dense = if ranks[0] == 5 {
-                    "{4,3,2,1,0}"
-                } else {
-                    "{3,2,1,0}"
-                };
+        if let (Some(a), Some(b)) = (&self.physical_layout, &other.physical_layout) {
+            if a != b {
                 return Err(Error::Mismatch(format!(
-                    "physical layout `{p}` of the {} buffers ({}): tpu-sync moves these TPU \
-                     caches by token row, which the dense row-major layout `{dense}` keeps \
-                     contiguous, and for the RPA v3 orders a tiling of the last two dimensions \
-                     that divides them (each packed row one run); this layout is neither \
-                     (docs/tpu.md)",
-                    l.spec.order.name(),
-                    l.describe()
+                    "physical KV buffer layouts differ: `{a}` ({}) vs `{b}` ({}); raw KV bytes \
+                     can only be copied between identical device layouts",
+                    self.describe(),
+                    other.describe()
                 )));
             }
         }
-        match (&self.physical_layout, &other.physical_layout) {
-            (Some(a), Some(b)) if a != b => Err(Error::Mismatch(format!(
-                "physical KV buffer layouts differ: `{a}` ({}) vs `{b}` ({}); raw KV bytes can \
-                 only be copied between identical device layouts",
-                self.describe(),
-                other.describe()
-            ))),
-            _ => Ok(()),
+        for (l, o) in [(self, other), (other, self)] {
+            let Some(p) = &l.physical_layout else {
+                continue;
+            };
+            // Dense row-major of the buffer's rank: 5 for RPA v3; tpu-inference's MLA arrays
+            // are `[N, BS / K, K, D']` (4), viewed as `[N, BS, D']` (3); the other orders'
+            // buffers come with or without leading 1s (any rank).
+            let ranks: &[usize] = match l.spec.order {
+                BlockOrder::RpaMla => &[4, 3],
+                o if o.is_rpa3() => &[5],
+                _ => &[],
+            };
+            if crate::transfer::XlaLayout::parse(p).is_some_and(|x| {
+                x.is_dense() && (ranks.is_empty() || ranks.contains(&x.minor_to_major.len()))
+            }) {
+                continue;
+            }
+            // Not dense: only an RPA v3 tiling that keeps packed rows contiguous, named by
+            // both sides, both RPA v3 (the plan then moves whole rows only: check_tiled_rows).
+            let rows = l.spec.order.is_rpa3()
+                && crate::transfer::rows_stay_contiguous(p, &l.rank_kv()?.dims());
+            if rows && o.spec.order.is_rpa3() && o.physical_layout.as_deref() == Some(p.as_str()) {
+                continue;
+            }
+            return Err(Error::Mismatch(if rows {
+                format!(
+                    "physical layout `{p}` of the {} buffers ({}) is tiled and the other side \
+                     ({}, physical layout {}) is not the same RPA v3 tiling: whole packed rows \
+                     are copied raw, which is exact only between RPA v3 buffers of the same \
+                     tiled layout",
+                    l.spec.order.name(),
+                    l.describe(),
+                    o.spec.order.name(),
+                    o.physical_layout
+                        .as_deref()
+                        .map_or("unknown".to_string(), |x| format!("`{x}`"))
+                )
+            } else {
+                format!(
+                    "physical layout `{p}` of the {} buffers ({}): tpu-sync plans byte offsets \
+                     in the dense row-major layout, and for the RPA v3 orders also in a tiling \
+                     of the last two dimensions that divides them (each packed row one run); \
+                     this layout is neither (docs/tpu.md)",
+                    l.spec.order.name(),
+                    l.describe()
+                )
+            }));
         }
+        Ok(())
     }
 
     /// Bytes of one packed row (`P x D'` elements, a `(block, token, r)` of the RPA v3 orders)

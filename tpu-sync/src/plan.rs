@@ -387,7 +387,7 @@ impl Plan {
             }
         }
         let plan = Self::from_layer_rows(rows, skv.num_layers, num_tokens);
-        check_tiled_rows(&plan.spans, sl)?;
+        check_tiled_rows(&plan.spans, sl, dl)?;
         Ok(plan)
     }
 
@@ -747,43 +747,48 @@ impl FanOut {
     }
 }
 
-/// With a tiled physical layout that keeps packed rows contiguous
+/// With a tiled physical layout that keeps packed rows contiguous on either side
 /// ([`ParallelLayout::tiled_row_bytes`]; both sides name the same one,
-/// [`ParallelLayout::check_physical_layout`]), every run of `spans` must be whole packed rows:
-/// the tiling permutes the bytes inside a row, so only whole rows copy exactly.
+/// [`ParallelLayout::check_physical_layout`]), every run of `spans` must be whole packed rows of
+/// that side: the tiling permutes the bytes inside a row, so only whole rows copy exactly.
 ///
 /// Errors: [`Error::Mismatch`] naming the layout, the row size and the first run that cuts a
 /// row.
-fn check_tiled_rows(spans: &[Span], layout: &ParallelLayout) -> Result<()> {
-    let Some(row) = layout.tiled_row_bytes() else {
-        return Ok(());
-    };
-    let cut = |x: u64| x % row != 0;
-    if let Some(s) = spans.iter().find(|s| {
-        cut(s.src_offset)
-            || cut(s.dst_offset)
-            || cut(s.len)
-            || (s.count > 1 && (cut(s.src_stride) || cut(s.dst_stride)))
-    }) {
-        let kv = layout.rank_kv()?;
-        return Err(Error::Mismatch(format!(
-            "physical layout `{}` is tiled: tpu-sync copies whole packed rows ({} bytes: {} \
-             x {} lanes of {}) there, and this plan cuts one (a run of {} bytes at source \
-             offset {}, destination offset {}): lane padding (head_dim {} < {} lanes) or a \
-             TP split inside a packed row ({} heads per rank); move such caches in a layout \
-             where both sides have whole rows, or in the dense layout",
-            layout.physical_layout.as_deref().unwrap_or_default(),
-            row,
-            kv.packing(),
-            kv.padded_head_dim(),
-            kv.dtype.name(),
-            s.len,
-            s.src_offset,
-            s.dst_offset,
-            kv.head_dim,
-            kv.padded_head_dim(),
-            kv.num_heads
-        )));
+fn check_tiled_rows(spans: &[Span], src: &ParallelLayout, dst: &ParallelLayout) -> Result<()> {
+    for (layout, is_src) in [(src, true), (dst, false)] {
+        let Some(row) = layout.tiled_row_bytes() else {
+            continue;
+        };
+        let cut = |x: u64| x % row != 0;
+        let bad = spans.iter().find(|s| {
+            let (off, stride) = if is_src {
+                (s.src_offset, s.src_stride)
+            } else {
+                (s.dst_offset, s.dst_stride)
+            };
+            cut(off) || cut(s.len) || (s.count > 1 && cut(stride))
+        });
+        if let Some(s) = bad {
+            let kv = layout.rank_kv()?;
+            return Err(Error::Mismatch(format!(
+                "physical layout `{}` is tiled: tpu-sync copies whole packed rows ({} bytes: {} \
+                 x {} lanes of {}) there, and this plan cuts one (a run of {} bytes at source \
+                 offset {}, destination offset {}): lane padding (head_dim {} < {} lanes) or a \
+                 TP split inside a packed row ({} heads per rank); move such caches in a layout \
+                 where both sides have whole rows, or in the dense layout",
+                layout.physical_layout.as_deref().unwrap_or_default(),
+                row,
+                kv.packing(),
+                kv.padded_head_dim(),
+                kv.dtype.name(),
+                s.len,
+                s.src_offset,
+                s.dst_offset,
+                kv.head_dim,
+                kv.padded_head_dim(),
+                kv.num_heads
+            )));
+        }
     }
     Ok(())
 }

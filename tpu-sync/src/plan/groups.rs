@@ -240,9 +240,12 @@ impl Plan {
             rows.sort_unstable_by_key(|s| (s.dst_rank, s.dst_offset));
             let base = compress_strided(coalesce(rows));
             // A tiled layout that keeps packed rows contiguous: whole rows only.
-            super::check_tiled_rows(&base, &src.layout.group_as_parallel(g)).map_err(|e| {
-                e.context(format!("KV cache group {}", src.layout.model.group_name(g)))
-            })?;
+            super::check_tiled_rows(
+                &base,
+                &src.layout.group_as_parallel(g),
+                &dst.layout.group_as_parallel(g),
+            )
+            .map_err(|e| e.context(format!("KV cache group {}", src.layout.model.group_name(g))))?;
             bases.push(base);
         }
         // Order by (destination rank, layer, destination offset), as Plan::build.

@@ -222,7 +222,14 @@ fn physical_layouts_must_agree_when_both_are_known() {
     };
     // Equal, or unknown on either side (an older peer): planned.
     assert!(Plan::build(&with(&src, Some(dense)), &with(&dst, Some(dense)), t).is_ok());
-    assert!(Plan::build(&with(&src, None), &with(&dst, Some(tiled)), t).is_ok());
+    assert!(Plan::build(&with(&src, None), &with(&dst, Some(dense)), t).is_ok());
+    // A known layout that is not dense, on an order planned at dense offsets: refused naming
+    // it, even against an unknown side.
+    let e = Plan::build(&with(&src, None), &with(&dst, Some(tiled)), t).unwrap_err();
+    assert!(
+        matches!(e, Error::Mismatch(_)) && e.to_string().contains(tiled),
+        "{e}"
+    );
     // Different: refused, naming both.
     let e = Plan::build(&with(&src, Some(dense)), &with(&dst, Some(tiled)), t).unwrap_err();
     let msg = e.to_string();
@@ -1315,4 +1322,91 @@ fn tiled_rpa3_layouts_move_whole_rows_exactly() {
     // A tile over three dimensions spans several rows.
     let e = refused(8, 128, 1, 1, "{4,3,2,1,0:T(2,4,128)}", DType::Fp8);
     assert!(e.contains("T(2,4,128)"), "{e}");
+    // Another order naming the same tiling (its runs are planned at NHD offsets): refused.
+    let m = ModelKv {
+        name: "tpu".into(),
+        num_layers: 1,
+        num_kv_heads: 8,
+        head_dim: 128,
+        kv_planes: 2,
+        dtype: DType::Fp8,
+    };
+    let src = placement(
+        tiled(layout(&m, 1, 1, 1, 16, BlockOrder::Nhd, 40), fp8),
+        0,
+        40,
+        7,
+    );
+    let dst = placement(
+        tiled(layout(&m, 1, 1, 1, 16, BlockOrder::Rpa3, 40), fp8),
+        0,
+        40,
+        8,
+    );
+    let e = Plan::build(&src, &dst, 40).unwrap_err().to_string();
+    assert!(e.contains(fp8) && e.contains("nhd"), "{e}");
+}
+
+/// [`crate::transfer::rows_stay_contiguous`] against the restated XLA tiling: for every layout
+/// it accepts, each row of the last two dimensions maps onto one contiguous run of the tiled
+/// buffer (and the tiled buffer is the dense size); the tilings that pad or mix rows are
+/// refused.
+#[test]
+fn rows_stay_contiguous_agrees_with_xla_tiling() {
+    let dims_list: [[u64; 5]; 3] = [[2, 2, 2, 4, 256], [2, 3, 1, 2, 128], [1, 2, 2, 1, 384]];
+    let tilings = [
+        "{4,3,2,1,0}",
+        "{4,3,2,1,0:T(4,128)(4,1)}",
+        "{4,3,2,1,0:T(2,128)(2,1)}",
+        "{4,3,2,1,0:T(1,128)}",
+        "{4,3,2,1,0:T(128)}",
+        "{4,3,2,1,0:T(128)(4,1)}",
+        "{4,3,2,1,0:T(256)(4,1)}",
+        "{4,3,2,1,0:T(4,128)(64)(4,1)}",
+        "{4,3,2,1,0:T(4,128)(128)(4,1)}",
+        "{4,3,2,1,0:T(2,64)(2,1)}",
+        "{4,3,2,1,0:T(8,128)(2,1)}",
+        "{4,3,2,1,0:T(2,4,128)}",
+    ];
+    let mut accepted = 0;
+    for dims in &dims_list {
+        let idims: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
+        for text in tilings {
+            if !crate::transfer::rows_stay_contiguous(text, &idims) {
+                continue;
+            }
+            accepted += 1;
+            let tiles = crate::transfer::XlaLayout::parse(text).unwrap().tiles;
+            let row = dims[3] * dims[4];
+            let total: u64 = dims.iter().product();
+            for r in 0..total / row {
+                let (mut lo, mut hi) = (u64::MAX, 0);
+                for e in 0..row {
+                    let lin = r * row + e;
+                    let idx = [
+                        lin / (dims[1] * dims[2] * row),
+                        lin / (dims[2] * row) % dims[1],
+                        lin / row % dims[2],
+                        e / dims[4],
+                        e % dims[4],
+                    ];
+                    let at = xla_tiled_index(dims, &idx, &tiles);
+                    assert!(at < total, "{text} {dims:?}: padded");
+                    (lo, hi) = (lo.min(at), hi.max(at));
+                }
+                assert_eq!(
+                    (lo, hi),
+                    (r * row, r * row + row - 1),
+                    "{text} {dims:?}: row {r}"
+                );
+            }
+        }
+    }
+    assert!(accepted >= 8, "{accepted}");
+    for text in ["{4,3,2,1,0:T(128)(4,1)}", "{4,3,2,1,0:T(4,128)(64)(4,1)}"] {
+        assert!(
+            !crate::transfer::rows_stay_contiguous(text, &[2, 2, 2, 4, 256]),
+            "{text}"
+        );
+    }
 }

@@ -47,6 +47,11 @@ pub struct XlaLayout {
 }
 
 impl XlaLayout {
+    /// Whether this is the dense row-major layout of its rank (`{n-1, ..., 1, 0}`, no tiles).
+    pub fn is_dense(&self) -> bool {
+        self.tiles.is_empty() && is_dense_order(&self.minor_to_major, self.minor_to_major.len())
+    }
+
     /// Parses `{4,3,2,1,0}` or `{4,3,2,1,0:T(4,128)(4,1)}`; `None` for anything else (other
     /// annotations such as an element size `E(4)` or a memory space `S(1)`, combined tile
     /// dimensions `*`, malformed text), which callers refuse naming the text.
@@ -103,29 +108,29 @@ pub fn rows_stay_contiguous(text: &str, dims: &[i64]) -> bool {
     let Some(l) = XlaLayout::parse(text) else {
         return false;
     };
-    if n < 2 || !is_dense_order(&l.minor_to_major, n) {
+    if n < 2 || !is_dense_order(&l.minor_to_major, n) || dims.iter().any(|&d| d <= 0) {
         return false;
     }
-    let mut shape: Vec<u64> = vec![dims[n - 2] as u64, dims[n - 1] as u64];
+    // The minor dimensions of the tiled shape that hold one row's elements, as XLA's tiling
+    // leaves them: a tile of rank k over the last k of them turns each into (count, tile);
+    // a tile that reaches beyond them (into the rows' own index) or pads one is refused.
+    let mut row: Vec<u64> = vec![dims[n - 2] as u64, dims[n - 1] as u64];
     for tile in &l.tiles {
-        if tile.len() > 2 || shape.contains(&0) {
+        if tile.is_empty() || tile.len() > row.len() {
             return false;
         }
-        // Right-aligned: a 1-dimensional tile covers the last dimension only.
-        let off = shape.len() - tile.len();
-        if tile
+        let off = row.len() - tile.len();
+        if tile.iter().enumerate().any(|(i, &t)| row[off + i] % t != 0) {
+            return false;
+        }
+        let counts: Vec<u64> = tile
             .iter()
             .enumerate()
-            .any(|(i, &t)| shape[off + i] % t != 0)
-        {
-            return false;
-        }
-        shape = shape[..off].to_vec();
-        shape.extend(tile);
-        if shape.len() < 2 {
-            shape.insert(0, 1);
-        }
-        shape = shape[shape.len() - 2..].to_vec();
+            .map(|(i, &t)| row[off + i] / t)
+            .collect();
+        row.truncate(off);
+        row.extend(counts);
+        row.extend(tile);
     }
     true
 }
