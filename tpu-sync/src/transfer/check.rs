@@ -419,30 +419,17 @@ mod tests {
             rows_stay_contiguous("{4,3,2,1,0:T(128)}", &fp8),
             "one lane tile"
         );
-        assert!(
-            !rows_stay_contiguous("{4,3,2,1,0:T(8,128)(2,1)}", &[8, 16, 2, 2, 128]),
-            "P padded"
-        );
-        assert!(
-            !rows_stay_contiguous("{4,3,2,1,0:T(4,96)}", &fp8),
-            "lanes padded"
-        );
-        assert!(
-            !rows_stay_contiguous("{4,3,2,1,0:T(2,4,128)}", &fp8),
-            "across rows"
-        );
-        assert!(
-            !rows_stay_contiguous("{3,4,2,1,0:T(4,128)}", &fp8),
-            "not row-major"
-        );
-        assert!(
-            !rows_stay_contiguous("{4,3,2,1,0:T(4,128)(8,1)}", &fp8),
-            "sub-tile too tall"
-        );
-        assert!(
-            !rows_stay_contiguous("{4,3,2,1,0:T(4,128)}", &[16, 16, 4]),
-            "rank differs"
-        );
+        let refused: [(&str, &[i64], &str); 6] = [
+            ("{4,3,2,1,0:T(8,128)(2,1)}", &[8, 16, 2, 2, 128], "P padded"),
+            ("{4,3,2,1,0:T(4,96)}", &fp8, "lanes padded"),
+            ("{4,3,2,1,0:T(2,4,128)}", &fp8, "across rows"),
+            ("{3,4,2,1,0:T(4,128)}", &fp8, "not row-major"),
+            ("{4,3,2,1,0:T(4,128)(8,1)}", &fp8, "sub-tile too tall"),
+            ("{4,3,2,1,0:T(4,128)}", &[16, 16, 4], "rank differs"),
+        ];
+        for (text, dims, why) in refused {
+            assert!(!rows_stay_contiguous(text, dims), "{why}: {text}");
+        }
     }
 
     #[test]
