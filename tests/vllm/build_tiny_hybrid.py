@@ -2,7 +2,7 @@
 engine tests, without the Hugging Face hub: the tiny Llama of ``build_tiny_model.py`` (same
 tokenizer and weights) with a different ``config.json``, or a Mamba2 hybrid.
 
-Usage: python build_tiny_hybrid.py OUT_DIR --kind sliding|granite [--window TOKENS]
+Usage: python build_tiny_hybrid.py OUT_DIR --kind sliding|granite [--window TOKENS] [--base TINY_LLAMA_DIR]
 
 * ``sliding``: the tiny Llama with ``layer_types`` ``[sliding_attention, full_attention]`` and
   ``sliding_window`` (vLLM's Llama reads both, ``vllm/model_executor/models/llama.py``): a
@@ -17,6 +17,7 @@ Deterministic (seeded); weights N(0, 0.2).
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -28,9 +29,14 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--kind", choices=["sliding", "granite"], required=True)
     ap.add_argument("--window", type=int, default=48)
+    ap.add_argument("--base", help="a tiny model built by build_tiny_model.py with --layers 2 --max-len 4096, "
+                                   "copied instead of building one")
     a = ap.parse_args()
-    subprocess.run([sys.executable, os.path.join(HERE, "build_tiny_model.py"), a.out, "--layers", "2",
-                    "--max-len", "4096"], check=True)
+    if a.base and os.path.exists(os.path.join(a.base, "config.json")):
+        shutil.copytree(a.base, a.out, dirs_exist_ok=True)
+    else:
+        subprocess.run([sys.executable, os.path.join(HERE, "build_tiny_model.py"), a.out, "--layers", "2",
+                        "--max-len", "4096"], check=True)
     path = os.path.join(a.out, "config.json")
     cfg = json.load(open(path))
     if a.kind == "sliding":

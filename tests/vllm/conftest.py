@@ -28,11 +28,66 @@ ENV = {
 os.environ.update(ENV)
 
 
-def build_model(path: str, layers: int = 2, max_len: int = 4096) -> str:
-    """Builds the tiny model at ``path`` unless it is there."""
-    if not os.path.exists(os.path.join(path, "config.json")):
-        subprocess.run([sys.executable, os.path.join(HERE, "build_tiny_model.py"), path, "--layers", str(layers),
-                        "--max-len", str(max_len)], check=True, timeout=300, env=dict(os.environ, **ENV))
+#: The sliding window (tokens) of the tiny sliding-window Llama (``tiny-sliding``).
+SLIDING_WINDOW = 48
+
+
+def _model_commands(workdir: str) -> dict:
+    """The tiny models of the suite under ``workdir``: name -> the builder's arguments. The two
+    hybrids start from a copy of ``tiny-llama`` (``--base``: the same tokenizer and weights as a
+    build of their own would give, without its 15 s)."""
+    llama = os.path.join(workdir, "tiny-llama")
+    hybrid = os.path.join(HERE, "build_tiny_hybrid.py")
+    return {
+        "tiny-llama": [os.path.join(HERE, "build_tiny_model.py"), llama, "--layers", "2", "--max-len", "4096"],
+        "tiny-sliding": [hybrid, os.path.join(workdir, "tiny-sliding"), "--kind", "sliding", "--window",
+                         str(SLIDING_WINDOW), "--base", llama],
+        "tiny-granite": [hybrid, os.path.join(workdir, "tiny-granite"), "--kind", "granite", "--base", llama],
+    }
+
+
+def _built(path: str) -> bool:
+    return os.path.exists(os.path.join(path, "config.json")) and os.path.exists(
+        os.path.join(path, "model.safetensors"))
+
+
+_prebuild = None
+
+
+def start_model_builds(workdir: str) -> None:
+    """Starts building the tiny models that ``workdir`` lacks, one after the other in one
+    background shell, while the session starts the engines' fork server (both mostly import torch
+    and transformers, each on one core). :func:`model` waits for it."""
+    global _prebuild
+    todo = [cmd for name, cmd in _model_commands(workdir).items() if not _built(os.path.join(workdir, name))]
+    if not todo:
+        return
+    import shlex
+
+    log = open(os.path.join(workdir, "models.log"), "w")
+    _prebuild = subprocess.Popen(["bash", "-c", " && ".join(shlex.join([sys.executable] + c) for c in todo)],
+                                 env=dict(os.environ, **ENV), stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+
+
+def model(workdir: str, name: str) -> str:
+    """The path of the tiny model ``name`` (``tiny-llama``, ``tiny-sliding``, ``tiny-granite``),
+    once the background builds ended; built here if they did not build it (their log is in
+    ``models.log``: a failed build fails here again, in the foreground)."""
+    global _prebuild
+    if _prebuild is not None:
+        try:
+            _prebuild.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            _prebuild.kill()
+            _prebuild.wait()
+        _prebuild = None
+    cmds = _model_commands(workdir)
+    path = os.path.join(workdir, name)
+    if not _built(path):
+        if "--base" in cmds[name]:
+            model(workdir, "tiny-llama")
+        subprocess.run([sys.executable] + cmds[name], check=True, timeout=300, env=dict(os.environ, **ENV))
     return path
 
 
@@ -44,7 +99,7 @@ def workdir() -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model(workdir) -> str:
-    return build_model(os.path.join(workdir, "tiny-llama"))
+    return model(workdir, "tiny-llama")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -52,7 +107,8 @@ def zygote(workdir):
     """The fork server of the engine processes (``tests/zygote.py`` serving ``run_engine.py``):
     imports torch and vLLM once, so that each engine run skips that import; its socket is in
     ``TPU_SYNC_ZYGOTE`` meanwhile. ``TPU_SYNC_VLLM_ZYGOTE=0`` turns it off (every engine then
-    imports for itself)."""
+    imports for itself). The tiny models are built meanwhile (:func:`start_model_builds`)."""
+    start_model_builds(workdir)
     if os.environ.get("TPU_SYNC_VLLM_ZYGOTE") == "0":
         yield None
         return

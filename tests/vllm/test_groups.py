@@ -22,13 +22,14 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from conftest import SLIDING_WINDOW  # noqa: E402
 from test_connector import BS, request, sched_out, tokens, vllm_config  # noqa: E402
 from tpu_sync.vllm.compat import KvGeometry  # noqa: E402
 from tpu_sync.vllm.config import ConfigError, ConnectorConfig  # noqa: E402
 from tpu_sync.vllm.metadata import RecvSpec, SendSpec, TierOp, TpuSyncHandshake, TpuSyncMetadata  # noqa: E402
 
 NUM_BLOCKS = 24
-WINDOW = 48
+WINDOW = SLIDING_WINDOW
 L0, L1 = "model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"
 ATTN = dict(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
 
@@ -42,17 +43,9 @@ def kv_cache_config(window=WINDOW, groups=None):
 
 @pytest.fixture(scope="module")
 def sliding_model(workdir):
-    import os
-    import subprocess
-    import sys
+    from conftest import model
 
-    from conftest import ENV, HERE
-
-    path = os.path.join(workdir, "tiny-sliding")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        subprocess.run([sys.executable, os.path.join(HERE, "build_tiny_hybrid.py"), path, "--kind", "sliding",
-                        "--window", str(WINDOW)], check=True, timeout=300, env=dict(os.environ, **ENV))
-    return path
+    return model(workdir, "tiny-sliding")
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,10 @@ import os
 
 import pytest
 
+from conftest import SLIDING_WINDOW
 from test_engine import BACKEND, Engines, cached, cached_by, toks
 
-WINDOW = 48
+WINDOW = SLIDING_WINDOW
 BS = 32
 # 107 tokens: the window [60, 107) spans blocks 1..3; 70 tokens: [23, 70) spans blocks 0..2;
 # 80 tokens: [33, 80) spans blocks 1..2. A layer-wise consumer computes from token 96, 64, 64
@@ -39,16 +40,9 @@ pytestmark = pytest.mark.skipif(BACKEND == "ref", reason="the reference backends
 
 @pytest.fixture(scope="module")
 def sliding_model(workdir):
-    import subprocess
-    import sys
+    from conftest import model
 
-    from conftest import ENV, HERE
-
-    path = os.path.join(workdir, "tiny-sliding")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        subprocess.run([sys.executable, os.path.join(HERE, "build_tiny_hybrid.py"), path, "--kind", "sliding",
-                        "--window", str(WINDOW)], check=True, timeout=300, env=dict(os.environ, **ENV))
-    return path
+    return model(workdir, "tiny-sliding")
 
 
 @pytest.fixture(scope="module")
@@ -325,15 +319,9 @@ GRANITE_PROMPTS = [[(i * 97 + 29 * k) % 1000 + 3 for i in range(n)] for k, n in 
 
 @pytest.fixture(scope="module")
 def granite_engines(workdir):
-    import subprocess
-    import sys
+    from conftest import model
 
-    from conftest import ENV, HERE
-
-    path = os.path.join(workdir, "tiny-granite")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        subprocess.run([sys.executable, os.path.join(HERE, "build_tiny_hybrid.py"), path, "--kind", "granite"],
-                       check=True, timeout=300, env=dict(os.environ, **ENV))
+    path = model(workdir, "tiny-granite")
     e = Engines(workdir, path)
     e.spec = lambda **kw: dict(model=path, prompts=GRANITE_PROMPTS, max_tokens=MAX_TOKENS, **kw)
     return e
