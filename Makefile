@@ -43,8 +43,8 @@ demo: build
 # took 13.6 min instead of 7.6 (its engines bind OpenMP threads to both cores, which spin while
 # the other suite's processes hold them), longer than the two in turn. The two shorter suites
 # (vLLM 0.29, SGLang) do run side by side, their OpenMP threads sleeping when idle
-# (OMP_WAIT_POLICY=PASSIVE): measured on 2026-12-06, both ended 4.3 min after they started,
-# against 5.8 min in turn (2.4 + 3.4), every test passing. Each suite alone uses about one core
+# (OMP_WAIT_POLICY=PASSIVE): measured on 2026-12-06, both ended 4.3 min after they started
+# (4.9 in a clean clone's `make test`), against 5.8 min in turn (2.4 + 3.4), every test passing. Each suite alone uses about one core
 # of two (user CPU / wall 0.8-1.0: the engines mostly wait on each other and on start-ups).
 # Their wheel installs run first, in turn (both targets rebuild target/wheels).
 # The criterion benches are not built here (82 s of compilation on 2 cores for code no test

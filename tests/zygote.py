@@ -310,6 +310,32 @@ def serving(runner_path, workdir):
                 os.remove(p)
 
 
+def wants_engines(config):
+    """Whether a pytest run's arguments may select engine tests: no argument (the whole
+    directory), a directory, or a file whose name holds ``engine``. The conftests start the fork
+    server (and build the tiny models) before collection only then: collection imports torch and
+    the engine for half a minute, which the server's own import overlaps on a second core."""
+    args = [str(a).split("::")[0] for a in (config.args or [])]
+    return not args or any(os.path.isdir(a) or "engine" in os.path.basename(a) for a in args)
+
+
+class EarlyServer:
+    """:func:`serving` entered at ``pytest_sessionstart`` and left at ``pytest_sessionfinish``
+    (a pytest hook cannot hold a ``with`` block)."""
+
+    def __init__(self):
+        self._cm = None
+
+    def start(self, runner_path, workdir):
+        self._cm = serving(runner_path, workdir)
+        return self._cm.__enter__()
+
+    def stop(self):
+        if self._cm is not None:
+            cm, self._cm = self._cm, None
+            cm.__exit__(None, None, None)
+
+
 def command(runner_path):
     """The command line that runs ``runner_path``: through the server when one is up
     (``TPU_SYNC_ZYGOTE`` set), else the script itself. Append the runner's arguments; the started

@@ -34,13 +34,57 @@ sys.path.insert(0, os.path.dirname(HERE))
 import zygote as fork_server  # noqa: E402  (tests/zygote.py: the engines' fork server)
 
 
+def _model_command(path: str) -> list:
+    return [sys.executable, os.path.join(ROOT, "tests", "vllm", "build_tiny_model.py"), path, "--max-len", "2048"]
+
+
+def _built(path: str) -> bool:
+    return os.path.exists(os.path.join(path, "config.json")) and os.path.exists(
+        os.path.join(path, "model.safetensors"))
+
+
+_prebuild = None
+
+
 def build_model(path: str) -> str:
     """Builds the tiny model at ``path`` unless it is there (``tests/vllm/build_tiny_model.py``:
-    2 layers, 2 KV heads of 32, random weights, a tokenizer trained on local text)."""
-    if not os.path.exists(os.path.join(path, "config.json")):
-        subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm", "build_tiny_model.py"), path,
-                        "--max-len", "2048"], check=True, timeout=300, env=dict(os.environ))
+    2 layers, 2 KV heads of 32, random weights, a tokenizer trained on local text), after the
+    build :func:`pytest_sessionstart` started in the background ended (a failed one fails here
+    again, in the foreground)."""
+    global _prebuild
+    if _prebuild is not None:
+        try:
+            _prebuild.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            _prebuild.kill()
+            _prebuild.wait()
+        _prebuild = None
+    if not _built(path):
+        subprocess.run(_model_command(path), check=True, timeout=300, env=dict(os.environ))
     return path
+
+
+_server = fork_server.EarlyServer()
+
+
+def pytest_sessionstart(session):
+    """Before collection, when engine tests may run (:func:`zygote.wants_engines`): the tiny
+    model's build and the fork server start here, so that their imports overlap collection's."""
+    global _prebuild
+    if not fork_server.wants_engines(session.config):
+        return
+    os.makedirs(WORKDIR, exist_ok=True)
+    path = os.path.join(WORKDIR, "tiny-llama")
+    if not _built(path):
+        with open(os.path.join(WORKDIR, "model.log"), "w") as log:
+            _prebuild = subprocess.Popen(_model_command(path), env=dict(os.environ), stdout=log,
+                                         stderr=subprocess.STDOUT)
+    if os.environ.get("TPU_SYNC_SGLANG_ZYGOTE") != "0":
+        _server.start(os.path.join(HERE, "run_engine.py"), WORKDIR)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -60,12 +104,15 @@ def zygote(workdir):
     imports torch and SGLang once, and each engine, forked from it, forks its scheduler and
     detokenizer processes too (``run_engine.zygote_child``), so that no engine process imports
     SGLang for itself. ``TPU_SYNC_SGLANG_ZYGOTE=0`` turns it off (every process then imports for
-    itself, as SGLang starts them)."""
+    itself, as SGLang starts them). Started before collection where :func:`pytest_sessionstart`
+    did, else here."""
     if os.environ.get("TPU_SYNC_SGLANG_ZYGOTE") == "0":
         yield None
         return
-    with fork_server.serving(os.path.join(HERE, "run_engine.py"), workdir) as path:
-        yield path
+    if not os.environ.get(fork_server.ENV_SOCKET):  # not started before collection
+        _server.start(os.path.join(HERE, "run_engine.py"), workdir)
+    yield os.environ.get(fork_server.ENV_SOCKET)
+    _server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -59,6 +59,8 @@ def start_model_builds(workdir: str) -> None:
     background shell, while the session starts the engines' fork server (both mostly import torch
     and transformers, each on one core). :func:`model` waits for it."""
     global _prebuild
+    if _prebuild is not None:
+        return
     todo = [cmd for name, cmd in _model_commands(workdir).items() if not _built(os.path.join(workdir, name))]
     if not todo:
         return
@@ -102,18 +104,37 @@ def tiny_model(workdir) -> str:
     return model(workdir, "tiny-llama")
 
 
+_server = fork_server.EarlyServer()
+
+
+def _start_zygote(workdir: str) -> None:
+    start_model_builds(workdir)
+    if os.environ.get("TPU_SYNC_VLLM_ZYGOTE") != "0" and not os.environ.get(fork_server.ENV_SOCKET):
+        _server.start(os.path.join(HERE, "run_engine.py"), workdir)
+
+
+def pytest_sessionstart(session):
+    """Before collection, when engine tests may run (:func:`zygote.wants_engines`): the fork
+    server and the tiny models' builds start here, so their imports overlap collection's."""
+    if fork_server.wants_engines(session.config):
+        os.makedirs(WORKDIR, exist_ok=True)
+        _start_zygote(WORKDIR)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _server.stop()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def zygote(workdir):
     """The fork server of the engine processes (``tests/zygote.py`` serving ``run_engine.py``):
     imports torch and vLLM once, so that each engine run skips that import; its socket is in
     ``TPU_SYNC_ZYGOTE`` meanwhile. ``TPU_SYNC_VLLM_ZYGOTE=0`` turns it off (every engine then
-    imports for itself). The tiny models are built meanwhile (:func:`start_model_builds`)."""
-    start_model_builds(workdir)
-    if os.environ.get("TPU_SYNC_VLLM_ZYGOTE") == "0":
-        yield None
-        return
-    with fork_server.serving(os.path.join(HERE, "run_engine.py"), workdir) as path:
-        yield path
+    imports for itself). Started before collection where :func:`pytest_sessionstart` did, else
+    here; the tiny models are built meanwhile (:func:`start_model_builds`)."""
+    _start_zygote(workdir)
+    yield os.environ.get(fork_server.ENV_SOCKET)
+    _server.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)
