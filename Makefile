@@ -5,6 +5,12 @@ PLUGIN := $(CURDIR)/.deps/xla-cpu-pjrt/xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so
 PJRT_INCLUDE := $(CURDIR)/.deps/xla-cpu-pjrt/xla_plugins/xla_cpu_pjrt/include
 export TPU_SYNC_PJRT_PLUGIN ?= $(PLUGIN)
 export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
+# Python writes its bytecode caches (`__pycache__`, ignored by git; the venvs are the project's
+# own) in every target: where the environment sets PYTHONDONTWRITEBYTECODE (as this project's
+# sandboxes do), each test process that imports torch, vLLM or SGLang (pytest, the fork servers,
+# the model builders, the bindings' tests with JAX) compiled them from source again: `import
+# vllm, torch, transformers` took 14.5 s that way and 6.1 s from the caches (2026-12-06).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: stress
 .PHONY: all build plugin protoc etcd demo test test-lean test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm vllm-env-0.29 e2e-vllm-0.29 run-e2e-vllm-0.29 bench-vllm bench-vllm-layerwise bench-vllm-saves sglang-env e2e-sglang run-e2e-sglang
