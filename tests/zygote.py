@@ -319,6 +319,38 @@ def wants_engines(config):
     return not args or any(os.path.isdir(a) or "engine" in os.path.basename(a) for a in args)
 
 
+class Background:
+    """A command run beside the session (the tiny models' builds, output to a log file), waited
+    for where what it makes is needed. Its exit status is not checked: the caller builds in the
+    foreground whatever it did not make, so a failure shows there."""
+
+    def __init__(self):
+        self._proc = None
+
+    def start(self, argv, log_path, env):
+        import subprocess
+
+        with open(log_path, "w") as log:
+            self._proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    @property
+    def started(self):
+        return self._proc is not None
+
+    def wait(self, timeout=600):
+        """Waits until it ended (killed after ``timeout`` s); at once if none runs."""
+        import subprocess
+
+        if self._proc is None:
+            return
+        try:
+            self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+
 class EarlyServer:
     """:func:`serving` entered at ``pytest_sessionstart`` and left at ``pytest_sessionfinish``
     (a pytest hook cannot hold a ``with`` block)."""

@@ -43,7 +43,7 @@ def _built(path: str) -> bool:
         os.path.join(path, "model.safetensors"))
 
 
-_prebuild = None
+_prebuild = fork_server.Background()
 
 
 def build_model(path: str) -> str:
@@ -51,14 +51,7 @@ def build_model(path: str) -> str:
     2 layers, 2 KV heads of 32, random weights, a tokenizer trained on local text), after the
     build :func:`pytest_sessionstart` started in the background ended (a failed one fails here
     again, in the foreground)."""
-    global _prebuild
-    if _prebuild is not None:
-        try:
-            _prebuild.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            _prebuild.kill()
-            _prebuild.wait()
-        _prebuild = None
+    _prebuild.wait()
     if not _built(path):
         subprocess.run(_model_command(path), check=True, timeout=300, env=dict(os.environ))
     return path
@@ -70,15 +63,12 @@ _server = fork_server.EarlyServer()
 def pytest_sessionstart(session):
     """Before collection, when engine tests may run (:func:`zygote.wants_engines`): the tiny
     model's build and the fork server start here, so that their imports overlap collection's."""
-    global _prebuild
     if not fork_server.wants_engines(session.config):
         return
     os.makedirs(WORKDIR, exist_ok=True)
     path = os.path.join(WORKDIR, "tiny-llama")
     if not _built(path):
-        with open(os.path.join(WORKDIR, "model.log"), "w") as log:
-            _prebuild = subprocess.Popen(_model_command(path), env=dict(os.environ), stdout=log,
-                                         stderr=subprocess.STDOUT)
+        _prebuild.start(_model_command(path), os.path.join(WORKDIR, "model.log"), dict(os.environ))
     if os.environ.get("TPU_SYNC_SGLANG_ZYGOTE") != "0":
         _server.start(os.path.join(HERE, "run_engine.py"), WORKDIR)
 

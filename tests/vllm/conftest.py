@@ -51,39 +51,29 @@ def _built(path: str) -> bool:
         os.path.join(path, "model.safetensors"))
 
 
-_prebuild = None
+_prebuild = fork_server.Background()
 
 
 def start_model_builds(workdir: str) -> None:
     """Starts building the tiny models that ``workdir`` lacks, one after the other in one
     background shell, while the session starts the engines' fork server (both mostly import torch
     and transformers, each on one core). :func:`model` waits for it."""
-    global _prebuild
-    if _prebuild is not None:
+    if _prebuild.started:
         return
     todo = [cmd for name, cmd in _model_commands(workdir).items() if not _built(os.path.join(workdir, name))]
     if not todo:
         return
     import shlex
 
-    log = open(os.path.join(workdir, "models.log"), "w")
-    _prebuild = subprocess.Popen(["bash", "-c", " && ".join(shlex.join([sys.executable] + c) for c in todo)],
-                                 env=dict(os.environ, **ENV), stdout=log, stderr=subprocess.STDOUT)
-    log.close()
+    _prebuild.start(["bash", "-c", " && ".join(shlex.join([sys.executable] + c) for c in todo)],
+                    os.path.join(workdir, "models.log"), dict(os.environ, **ENV))
 
 
 def model(workdir: str, name: str) -> str:
     """The path of the tiny model ``name`` (``tiny-llama``, ``tiny-sliding``, ``tiny-granite``),
     once the background builds ended; built here if they did not build it (their log is in
     ``models.log``: a failed build fails here again, in the foreground)."""
-    global _prebuild
-    if _prebuild is not None:
-        try:
-            _prebuild.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            _prebuild.kill()
-            _prebuild.wait()
-        _prebuild = None
+    _prebuild.wait()
     cmds = _model_commands(workdir)
     path = os.path.join(workdir, name)
     if not _built(path):
