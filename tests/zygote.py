@@ -331,7 +331,8 @@ class Background:
         import subprocess
 
         with open(log_path, "w") as log:
-            self._proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+            self._proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
 
     @property
     def started(self):
@@ -346,7 +347,7 @@ class Background:
         try:
             self._proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self._proc.kill()
+            os.killpg(self._proc.pid, signal.SIGKILL)  # the shell and the builder it runs
             self._proc.wait()
         self._proc = None
 

@@ -32,11 +32,23 @@ def main() -> None:
     ap.add_argument("--base", help="a tiny model built by build_tiny_model.py with --layers 2 --max-len 4096, "
                                    "copied instead of building one")
     a = ap.parse_args()
+    # Built in a scratch directory renamed into place at the end: an interrupted build never
+    # leaves a directory that looks like a model (the tiny Llama's files under a hybrid's name).
+    final, a.out = a.out, a.out.rstrip("/") + ".partial"
+    shutil.rmtree(a.out, ignore_errors=True)
     if a.base and os.path.exists(os.path.join(a.base, "config.json")):
-        shutil.copytree(a.base, a.out, dirs_exist_ok=True)
+        shutil.copytree(a.base, a.out)
     else:
         subprocess.run([sys.executable, os.path.join(HERE, "build_tiny_model.py"), a.out, "--layers", "2",
                         "--max-len", "4096"], check=True)
+    build(a)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(a.out, final)
+    print(f"-> {final}")
+
+
+def build(a) -> None:
+    """Turns the tiny Llama in ``a.out`` into the ``a.kind`` model."""
     path = os.path.join(a.out, "config.json")
     cfg = json.load(open(path))
     if a.kind == "sliding":
