@@ -1181,39 +1181,49 @@ impl HybridLayout {
             let order = self.u_order(g);
             if order.is_tpu() {
                 // The RPA v3 caches hold attention groups (vLLM-TorchTPU's sliding-window and
-                // full-attention groups, each layer its own RPA v3 tensor); an MLA group in
-                // the TPU MLA cache, and the unified hybrid pools, are not mapped yet.
-                match grp.kind {
+                // full-attention groups, each layer its own RPA v3 tensor); the TPU MLA cache
+                // holds MLA groups (vLLM-TorchTPU's sparse MLA: the `nope`, `rope` and indexer
+                // caches of one block table, each a token-major cache of its own row width).
+                // The unified hybrid pools are not mapped yet.
+                let fits = match grp.kind {
                     GroupKind::Attention {
                         num_kv_heads,
                         head_dim,
                         kv_planes,
                         dtype,
                         ..
-                    } if order.is_rpa3() => {
-                        let m = ModelKv {
-                            name: self.model.name.clone(),
-                            num_layers: grp.layers.len() as u32,
-                            num_kv_heads,
-                            head_dim,
-                            kv_planes,
-                            dtype,
-                        };
-                        match check_order_fits(order, &m) {
-                            Err(Error::Layout(msg)) => return bad(msg),
-                            Err(e) => return Err(e),
-                            Ok(()) => {}
-                        }
+                    } if order.is_rpa3() => Some((num_kv_heads, head_dim, kv_planes, dtype)),
+                    GroupKind::Mla { head_dim, dtype } if order == BlockOrder::RpaMla => {
+                        Some((1, head_dim, 1, dtype))
                     }
-                    _ => {
-                        return bad(format!(
-                            "block order {} (a TPU engine's cache) holds attention groups \
-                             only here (rpa3, rpa3hd64); {} groups in a TPU cache and the \
-                             unified hybrid pools are not mapped yet (docs/tpu.md)",
-                            order.name(),
-                            grp.kind.name()
-                        ))
-                    }
+                    _ => None,
+                };
+                let Some((num_kv_heads, head_dim, kv_planes, dtype)) = fits else {
+                    return bad(format!(
+                        "block order {} (a TPU engine's cache) holds {} groups only here; {} \
+                         groups in it and the unified hybrid pools are not mapped yet \
+                         (docs/tpu.md)",
+                        order.name(),
+                        if order == BlockOrder::RpaMla {
+                            "mla"
+                        } else {
+                            "attention"
+                        },
+                        grp.kind.name()
+                    ));
+                };
+                let m = ModelKv {
+                    name: self.model.name.clone(),
+                    num_layers: grp.layers.len() as u32,
+                    num_kv_heads,
+                    head_dim,
+                    kv_planes,
+                    dtype,
+                };
+                match check_order_fits(order, &m) {
+                    Err(Error::Layout(msg)) => return bad(msg),
+                    Err(e) => return Err(e),
+                    Ok(()) => {}
                 }
             }
             // Sizes in u128: a peer's u32 fields must not wrap.

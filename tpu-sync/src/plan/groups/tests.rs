@@ -760,29 +760,91 @@ fn tiled_rpa3_groups_move_whole_rows_or_are_refused() {
     assert!(e.contains(fp8) && e.contains("unknown"), "{e}");
 }
 
-/// What the TPU caches do not hold in a hybrid layout is refused by name: an MLA group in a TPU
-/// order, the head_dim-64 cache for another head_dim.
+fn mla(head_dim: u32) -> GroupKind {
+    GroupKind::Mla {
+        head_dim,
+        dtype: DType::Fp8,
+    }
+}
+
+/// vLLM-TorchTPU's sparse MLA caches (DeepSeek-V3.2; vllm-torchtpu 0.29.0
+/// `PallasMLAttentionBackend.get_sparse_kv_cache_specs` and `VllmTPUDeepseekV32IndexerBackend`,
+/// docs/tpu.md section 3) as three MLA groups in the TPU MLA order over one block table: the
+/// `nope` latent (512 fp8 bytes a token), the `rope` key (128 bytes) and the indexer key (256
+/// bytes), plus a group of 64 real bytes in 128 lanes (lane padding never moved). Resharded
+/// between TP sizes (every decode rank gets the replicated caches) and block sizes, and
+/// converted to and from a GPU order: byte-exact, moved = needed.
+#[test]
+#[cfg_attr(miri, ignore = "byte-level simulation: too slow under Miri")]
+fn sparse_mla_groups_in_the_tpu_mla_cache_reshard_byte_exact() {
+    let t = 45;
+    let m = HybridModel {
+        name: "tpu-sparse-mla".into(),
+        groups: vec![
+            KvGroup::new("nope", [1, 4], mla(512)),
+            KvGroup::new("rope", [2, 5], mla(128)),
+            KvGroup::new("indexer", [0, 3], mla(256)),
+            KvGroup::new("padded", [6], mla(64)),
+        ],
+    };
+    m.validate().unwrap();
+    let o = BlockOrder::RpaMla;
+    for ((stp, sorder, sbs), (dtp, dorder, dbs)) in [
+        ((2, o, 16), (4, o, 16)),
+        ((4, o, 16), (1, o, 32)),
+        ((1, o, 8), (2, BlockOrder::Nhd, 16)),
+        ((2, BlockOrder::Hnd, 16), (1, o, 8)),
+    ] {
+        let src = hybrid_placement(hlayout(&m, spec(stp, 1, 1, sorder), &[sbs], t), 0, t, 41);
+        let dst = hybrid_placement(hlayout(&m, spec(dtp, 1, 1, dorder), &[dbs], t), 0, t, 42);
+        let plan = Plan::build_groups(&src, &dst, t).unwrap();
+        simulate(&src, &dst, t, &plan);
+        // One token row per token, layer and decode rank: 64 bytes of the padded group, never
+        // its 128 lanes.
+        let per_token = [512u64, 128, 256, 64];
+        let layers = [2u64, 2, 2, 1];
+        let want: Vec<u64> = (0..4)
+            .map(|g| per_token[g] * layers[g] * t as u64 * dtp as u64)
+            .collect();
+        assert_eq!(plan.group_bytes(&dst.layout), want);
+    }
+}
+
+/// What the TPU caches do not hold in a hybrid layout is refused by name: an MLA group in an RPA
+/// v3 cache, an attention group in the TPU MLA cache, the head_dim-64 cache for another
+/// head_dim.
 #[test]
 fn tpu_orders_in_groups_they_do_not_hold_are_refused() {
-    let mla = HybridModel {
+    let mla_model = HybridModel {
         name: "tpu-mla".into(),
-        groups: vec![KvGroup::new(
-            "mla",
-            0..2,
-            GroupKind::Mla {
-                head_dim: 576,
-                dtype: DType::Bf16,
-            },
-        )],
+        groups: vec![KvGroup::new("mla", 0..2, mla(576))],
     };
     let e = HybridLayout::new(
-        mla,
+        mla_model,
+        spec(1, 1, 1, BlockOrder::Rpa3),
+        vec![GroupLayout::new(4)],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("holds attention groups only here; mla groups in it"),
+        "{e}"
+    );
+    let attn_model = HybridModel {
+        name: "tpu-attn".into(),
+        groups: vec![KvGroup::new("full", 0..2, attn(2, 128, 2, DType::Bf16, None))],
+    };
+    let e = HybridLayout::new(
+        attn_model,
         spec(1, 1, 1, BlockOrder::RpaMla),
         vec![GroupLayout::new(4)],
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("mla groups in a TPU cache"), "{e}");
+    assert!(
+        e.contains("block order rpamla (a TPU engine's cache) holds mla groups only here"),
+        "{e}"
+    );
     let m = HybridModel {
         name: "tpu-sliding".into(),
         groups: vec![
