@@ -80,6 +80,9 @@ TORCH_DTYPES = {
     "torch.uint8": "u8",
 }
 
+#: Bytes per element of the tpu_sync buffer dtypes above.
+VIEW_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4, "f8e4m3fn": 1, "u8": 1}
+
 NULL_BLOCK_ID = ck.NULL_BLOCK_ID
 
 #: Where torch_tpu's batched copies live (torch_tpu 0.2.0).
@@ -128,6 +131,10 @@ class TorchKv:
             at its own group's blocks only: layers of different groups may share one tensor
             (vLLM binds the layers at one position of every group to the same memory), so a
             block of another group is never written through a layer's tensor.
+        view_dtype: the tpu_sync dtype the buffers are viewed as, with ``view_shape`` in its
+            elements (the same bytes; e.g. ``"f8e4m3fn"`` for vLLM-TorchTPU's sparse MLA caches,
+            fp8 bytes held in ``uint32`` or ``uint8`` tensors); None: the tensors' own dtype,
+            which must then be one tpu_sync describes.
 
     Raises:
         InvalidArgumentError: no tensors, tensors that differ in shape, dtype or device, blocks
@@ -140,7 +147,7 @@ class TorchKv:
     def __init__(self, tensors: Sequence[Any], *, backend: str = "auto", copy_api: str = "auto",
                  client: Any = None, block_size: Optional[int] = None,
                  view_shape: Optional[Sequence[int]] = None,
-                 layer_group: Optional[Sequence[int]] = None) -> None:
+                 layer_group: Optional[Sequence[int]] = None, view_dtype: Optional[str] = None) -> None:
         if backend not in BACKENDS:
             raise _fail(InvalidArgumentError, f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         if copy_api not in COPY_APIS:
@@ -160,8 +167,12 @@ class TorchKv:
                 raise _fail(InvalidArgumentError, f"layer {i}'s KV tensor has strides {list(t.stride())}: blocks must "
                             "be apart by at least a block")
         dt = str(t0.dtype)
-        if dt not in TORCH_DTYPES:
+        if view_dtype is None and dt not in TORCH_DTYPES:
             raise _fail(InvalidArgumentError, f"KV tensor dtype {dt} (supported: {', '.join(TORCH_DTYPES)})")
+        if view_dtype is not None and view_dtype not in VIEW_ITEMSIZE:
+            raise _fail(InvalidArgumentError, f"view dtype {view_dtype!r} (supported: {', '.join(VIEW_ITEMSIZE)})")
+        if int(t0.element_size()) not in (1, 2, 4):
+            raise _fail(InvalidArgumentError, f"KV tensor dtype {dt} of {t0.element_size()} bytes per element")
         if layer_group is not None:
             layer_group = [int(g) for g in layer_group]
             if len(layer_group) != len(tensors) or sorted(set(layer_group)) != list(range(max(layer_group) + 1)):
@@ -173,12 +184,16 @@ class TorchKv:
         self.tensors = tensors
         self.shape = tuple(int(d) for d in t0.shape)
         self.view_shape = None if view_shape is None else tuple(int(d) for d in view_shape)
-        if self.view_shape is not None and (math.prod(self.view_shape) != math.prod(self.shape) or
-                                            not self.view_shape or self.view_shape[0] != self.shape[0]):
-            raise _fail(InvalidArgumentError, f"view shape {list(self.view_shape)} is not the {self.shape[0]} "
-                        f"blocks and {math.prod(self.shape)} elements of {list(self.shape)}")
         self.dtype = t0.dtype
-        self.buffer_dtype = TORCH_DTYPES[dt]
+        self.buffer_dtype = view_dtype or TORCH_DTYPES[dt]
+        esize = int(t0.element_size())
+        vsize = VIEW_ITEMSIZE[self.buffer_dtype]
+        if self.view_shape is not None and (math.prod(self.view_shape) * vsize != math.prod(self.shape) * esize or
+                                            not self.view_shape or self.view_shape[0] != self.shape[0]):
+            raise _fail(InvalidArgumentError, f"view shape {list(self.view_shape)} ({self.buffer_dtype}) is not the "
+                        f"{self.shape[0]} blocks and {math.prod(self.shape) * esize} bytes of {list(self.shape)} {dt}")
+        if self.view_shape is None and vsize != esize:
+            raise _fail(InvalidArgumentError, f"view dtype {self.buffer_dtype} of {dt} tensors needs a view shape")
         self.device = t0.device
         #: copies and gathers run on integer views of the same element size (bit patterns: no
         #: dtype support needed for fp8, no NaN canonicalisation)
@@ -272,7 +287,8 @@ class TorchKv:
         wrote)."""
         if self._views is None:
             if self.backend == "pjrt-view":
-                self._views = [self.client.view(t, shape=self.view_shape) for t in self.tensors]
+                self._views = [self.client.view(t, shape=self.view_shape, dtype=self.buffer_dtype)
+                               for t in self.tensors]
             else:
                 import numpy as np
                 import torch
@@ -611,6 +627,131 @@ class TorchKv:
             self._views = None
         self._mirrors = []
         self._maps = []
+
+
+class PartsKv:
+    """One worker's KV tensors whose layers differ in block geometry but share block ids: one
+    :class:`TorchKv` per set of uniform layers (a *part*), behind :class:`TorchKv`'s interface.
+    vLLM-TorchTPU's sparse MLA caches are its use (:attr:`tpu_sync.vllm.compat.KvGeometry.
+    mla_parts`: the ``nope``, ``rope`` and indexer caches of one block table, of 512, 128 and
+    256 bytes a token). Every copy method takes the same block ids for every part.
+
+    Args:
+        parts: the :class:`TorchKv` of each part (one back end and copy API for all; give them
+            one ``client``).
+        layers: the cache layers of each part, in the order of its tensors; together
+            ``0..n-1`` exactly once.
+
+    Raises:
+        InvalidArgumentError: no parts, layers that are not ``0..n-1`` once each, parts of
+            different back ends.
+
+    Thread-safety: as :class:`TorchKv`.
+    """
+
+    def __init__(self, parts: Sequence[TorchKv], layers: Sequence[Sequence[int]]) -> None:
+        self.parts = list(parts)
+        if not self.parts or len(layers) != len(self.parts):
+            raise _fail(InvalidArgumentError, f"{len(self.parts)} parts for {len(layers)} lists of layers")
+        flat = sorted(int(x) for ls in layers for x in ls)
+        if flat != list(range(len(flat))) or any(len(ls) != len(p.tensors) for p, ls in zip(self.parts, layers)):
+            raise _fail(InvalidArgumentError, f"part layers {[list(ls) for ls in layers]}: each part's tensors, "
+                        "together every cache layer once")
+        if len({(p.backend, p.copy_api) for p in self.parts}) != 1:
+            raise _fail(InvalidArgumentError, "the parts' back ends or copy APIs differ")
+        #: (part, index in it) of every cache layer
+        self._where: List[Tuple[int, int]] = [(0, 0)] * len(flat)
+        for i, ls in enumerate(layers):
+            for j, layer in enumerate(ls):
+                self._where[int(layer)] = (i, j)
+        p0 = self.parts[0]
+        self.client, self.backend, self.backend_reason = p0.client, p0.backend, p0.backend_reason
+        self.copy_api, self.device, self.num_blocks = p0.copy_api, p0.device, p0.num_blocks
+        #: bytes of one block of each cache layer
+        self.layer_bytes = [self.parts[i].block_bytes for i, _ in self._where]
+
+    def views(self) -> List[Any]:
+        """Every cache layer's buffer, in cache layer order (:meth:`TorchKv.views`)."""
+        per = [p.views() for p in self.parts]
+        return [per[i][j] for i, j in self._where]
+
+    def stats(self) -> Dict[str, Any]:
+        """:meth:`TorchKv.stats` of the first part with the counters summed over the parts and
+        each part's shape and dtype."""
+        out = dict(self.parts[0].stats())
+        for k in self.parts[0]._counters:
+            out[k] = sum(int(p._counters[k]) for p in self.parts)
+        out["shape"] = [list(p.shape) for p in self.parts]
+        out["dtype"] = [str(p.dtype) for p in self.parts]
+        return out
+
+    def stage(self, block_ids: Any) -> None:
+        """:meth:`TorchKv.stage` of every part."""
+        self.stage_async(block_ids)()
+
+    def stage_async(self, block_ids: Any) -> Callable[[], None]:
+        """:meth:`TorchKv.stage_async` of every part; ``finish()`` finishes them all (each
+        issued part's, also when one fails, so that none is left holding blocks)."""
+        finishes: List[Callable[[], None]] = []
+        try:
+            for p in self.parts:
+                finishes.append(p.stage_async(block_ids))
+        except BaseException:
+            for f in finishes:
+                try:
+                    f()
+                except Exception:  # the first error is the one raised
+                    pass
+            raise
+
+        def finish() -> None:
+            err: Optional[BaseException] = None
+            for f in finishes:
+                try:
+                    f()
+                except BaseException as e:
+                    err = err or e
+            if err is not None:
+                raise err
+
+        return finish
+
+    def commit(self, block_ids: Any) -> None:
+        """:meth:`TorchKv.commit` of every part."""
+        for p in self.parts:
+            p.commit(block_ids)
+
+    def hold(self, block_ids: Any) -> None:
+        """:meth:`TorchKv.hold` of every part."""
+        for p in self.parts:
+            p.hold(block_ids)
+
+    def drop(self, block_ids: Any) -> None:
+        """:meth:`TorchKv.drop` of every part."""
+        for p in self.parts:
+            p.drop(block_ids)
+
+    def before_write(self, block_ids: Any, num_tokens: int, partial: Any = None) -> Tuple[int, ...]:
+        """:meth:`TorchKv.before_write` of every part."""
+        for p in self.parts:
+            p.before_write(block_ids, num_tokens, partial)
+        return ()
+
+    def after_write(self, block_ids: Any, ptrs: Tuple[int, ...] = ()) -> None:
+        """:meth:`TorchKv.after_write` of every part (each part's, also when one fails)."""
+        err: Optional[BaseException] = None
+        for p in self.parts:
+            try:
+                p.after_write(block_ids)
+            except BaseException as e:
+                err = err or e
+        if err is not None:
+            raise err
+
+    def close(self) -> None:
+        """:meth:`TorchKv.close` of every part."""
+        for p in self.parts:
+            p.close()
 
 
 def _nothing() -> None:

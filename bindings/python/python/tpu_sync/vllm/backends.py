@@ -57,6 +57,18 @@ class KvCaches:
     #: the shape tpu_sync views each layer's tensor in (same bytes), where it differs from the
     #: tensor's own (:meth:`KvGeometry.view_shape`: the SEQ_ALONG_LANE cache as LBHNC regions)
     view_shape: Optional[Tuple[int, ...]] = None
+    #: bytes of one block of each layer where the layers differ (vLLM-TorchTPU's sparse MLA
+    #: caches: :meth:`KvGeometry.layer_bytes`); None: every layer :attr:`layer_block_bytes`
+    layer_bytes: Optional[List[int]] = None
+
+    def view_bytes(self, views: Sequence[Any]) -> List[int]:
+        """Bytes of one block of each of ``views`` (:attr:`views`, or a replica's from
+        :meth:`replica_of`), in order."""
+        if self.layer_bytes is None:
+            return [self.layer_block_bytes] * len(views)
+        if len(views) != len(self.layer_bytes):
+            raise ValueError(f"{len(views)} views for {len(self.layer_bytes)} layers of their own block sizes")
+        return list(self.layer_bytes)
 
     def refresh(self) -> None:
         """A JAX runner's caches: reads the runner's current arrays again (a forward may have
@@ -93,8 +105,7 @@ class KvCaches:
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block id {block_id} out of range 0..{self.num_blocks}")
         views, offset = self.replica_of([block_id])
-        off = (block_id - offset) * self.layer_block_bytes
-        return [(v, off, self.layer_block_bytes) for v in views]
+        return [(v, (block_id - offset) * n, n) for v, n in zip(views, self.view_bytes(views))]
 
     def replica_of(self, block_ids: Sequence[int]) -> Tuple[List[Any], int]:
         """``(views, first block)`` of the DP replica holding global blocks ``block_ids`` (a
@@ -147,8 +158,7 @@ class KvCaches:
         groups = self.view_groups(views)
         if len(group_ids) != max(groups) + 1:
             raise ValueError(f"{len(group_ids)} block ids for {max(groups) + 1} KV cache groups")
-        lbb = self.layer_block_bytes
-        return [(v, (int(group_ids[g]) - offset) * lbb, lbb) for v, g in zip(views, groups)]
+        return [(v, (int(group_ids[g]) - offset) * n, n) for v, g, n in zip(views, groups, self.view_bytes(views))]
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -290,8 +300,9 @@ class StoreTier:
         if len(group_ids) != max(groups) + 1 or any(len(g) != len(hashes) for g in group_ids):
             raise ValueError(f"block ids per group {[len(g) for g in group_ids]} for {max(groups) + 1} groups "
                              f"and {len(hashes)} hashes")
-        lbb = caches.layer_block_bytes
-        buf = np.empty((len(hashes), lbb * len(views)), dtype=np.uint8)
+        sizes = caches.view_bytes(views)
+        starts = [sum(sizes[:layer]) for layer in range(len(sizes))]
+        buf = np.empty((len(hashes), sum(sizes)), dtype=np.uint8)
         n = int(self.store.get([self.key(h) for h in hashes], [buf[i] for i in range(len(hashes))]).delivered)
         copies = []
         for i in range(n):
@@ -301,7 +312,8 @@ class StoreTier:
                     continue
                 if not 0 <= b < caches.num_blocks:
                     raise IndexError(f"block id {b} out of range 0..{caches.num_blocks}")
-                copies.append((view, (b - offset) * lbb, buf[i, layer * lbb:(layer + 1) * lbb]))
+                lbb = sizes[layer]
+                copies.append((view, (b - offset) * lbb, buf[i, starts[layer]:starts[layer] + lbb]))
         if copies:
             device.h2d(copies).wait()
         return n

@@ -47,6 +47,26 @@ SAL_ORDER = "rpa-sal"
 #: (docs/tpu.md).
 MLA_ORDER = "rpamla"
 
+#: vLLM-TorchTPU's sparse MLA caches (DeepSeek-V3.2 style, ``use_sparse`` MLA layers and their
+#: DSA indexer), as :attr:`KvGeometry.mla_parts` names them: ``(name, real bytes per token,
+#: bytes per token row)``. Sources (vllm-torchtpu 0.29.0): ``PallasMLAttentionBackend.
+#: get_sparse_kv_cache_specs`` (``layers/adapter/attention.py``) gives each sparse layer a
+#: ``nope`` cache of ``head_size - 64`` fp8 lanes (512) and a ``rope`` cache of 64 lanes, each
+#: padded to 128 bytes (``kernels/mla/kv_cache_utils.py`` ``get_kv_cache_shape``); the kernel
+#: stores the rope key in bf16 (``layers/core/attention_interface.py`` asserts ``rope_dim * 2 ==
+#: TILE_LANE_BYTES``), so its 128 bytes are all real. The indexer's K cache
+#: (``VllmTPUDeepseekV32IndexerBackend``, ``kernels/deepseek_v4/streamindex_topk/
+#: streamindex_topk.py`` ``get_kv_cache_shape``, ``HEAD_ALONG_SUBLANE``) holds a 129-byte record
+#: per token (128 fp8 key bytes, then one e8m0 scale byte: ``convert_cache_to_seq_along_lane``
+#: reads ``[:128]`` and ``[128]``) in a 256-byte row.
+SPARSE_MLA_CACHES = (("nope", 512, 512), ("rope", 128, 128), ("indexer", 129, 256))
+
+#: Layouts of the sparse MLA ``nope`` and ``rope`` caches (``TPU_SPARSE_MLA_NOPE_LAYOUT`` /
+#: ``TPU_SPARSE_MLA_ROPE_LAYOUT``, default ``sparsecore``; vllm-torchtpu 0.29.0 ``envs.py``) and
+#: the torch dtype of each (``kernels/mla/kv_cache_utils.py`` ``_LAYOUT_DTYPES``): a token's row
+#: holds the same bytes in another order in each, so both sides must use the same.
+SPARSE_MLA_LAYOUTS = {"sparsecore": "torch.uint32", "tensorcore": "torch.uint8"}
+
 #: Sublanes of a TPU vector register (8 on every TPU generation vLLM-TorchTPU runs on:
 #: ``pltpu.get_tpu_info_for_chip(...).num_sublanes``). The ``SEQ_ALONG_LANE`` cache rounds
 #: head_dim up to ``SAL_SUBLANES * P`` (``get_kv_cache_shape`` in
@@ -137,6 +157,16 @@ class KvGeometry:
             tpu_sync state kind (:func:`mamba_state_group`), "slot_bytes": slot stride}``.
             Cache layers number the per-layer KV tensors in model layer order (the order
             :meth:`tpu_sync.vllm.worker.WorkerSide.register_kv_caches` sorts them in).
+        mla_parts: None, or for vLLM-TorchTPU's sparse MLA (``kv_order`` ``rpamla``, fp8) the
+            token-major caches of every vLLM block, each ``{"name": "nope" | "rope" |
+            "indexer", "lanes": bytes per token row, "bytes": real bytes per token (the rest of
+            the row is padding, never moved), "layout": "sparsecore" | "tensorcore" |
+            "head_along_sublane", "layers": [cache layers]}``. A sparse layer registers a
+            ``[nope, rope]`` list (two cache layers, nope first), an indexer its K cache (one);
+            cache layers number them in vLLM layer order. All of them share vLLM's one block
+            table (one KV cache group of several page sizes, ``UniformTypeKVCacheSpecs``), so
+            block ids stay one list; only the bytes per block differ (:meth:`layer_bytes`).
+            :data:`SPARSE_MLA_CACHES`; built by :func:`sparse_mla_parts`.
     """
 
     model: str
@@ -151,6 +181,7 @@ class KvGeometry:
     use_mla: bool = False
     groups: Optional[Tuple[Dict[str, Any], ...]] = None
     kv_order: str = "lbhnc"
+    mla_parts: Optional[Tuple[Dict[str, Any], ...]] = None
 
     @property
     def num_groups(self) -> int:
@@ -306,16 +337,43 @@ class KvGeometry:
 
     @property
     def layer_block_bytes(self) -> int:
-        """Bytes of one block of one layer on one rank (padding of an RPA v3 cache included)."""
+        """Bytes of one block of one layer on one rank (padding of an RPA v3 cache included).
+
+        Raises:
+            ValueError: sparse MLA caches (:attr:`mla_parts`), whose layers differ: use
+            :meth:`layer_bytes`."""
+        if self.mla_parts:
+            raise ValueError("TpuSyncConnector: the sparse MLA caches' layers have blocks of different sizes "
+                             "(KvGeometry.layer_bytes)")
         n = 1
         for d in self.layer_shape():
             n *= d
         return n * self.elem_bytes
 
+    def layer_bytes(self) -> List[int]:
+        """Bytes of one block of each cache layer on one rank, in cache layer order: all
+        :attr:`layer_block_bytes`, or for sparse MLA caches ``block_size * lanes`` of each
+        layer's part."""
+        if not self.mla_parts:
+            return [self.layer_block_bytes] * self.num_layers
+        out = [0] * self.num_layers
+        for part in self.mla_parts:
+            for layer in part["layers"]:
+                out[int(layer)] = self.block_size * int(part["lanes"])
+        return out
+
+    def part_of_layer(self) -> List[Dict[str, Any]]:
+        """The :attr:`mla_parts` entry of every cache layer (sparse MLA caches only)."""
+        out: List[Dict[str, Any]] = [{}] * self.num_layers
+        for part in self.mla_parts or ():
+            for layer in part["layers"]:
+                out[int(layer)] = part
+        return out
+
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of every layer on one rank (one host-tier entry)."""
-        return self.num_layers * self.layer_block_bytes
+        return sum(self.layer_bytes())
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain dict (JSON-able), as sent in ``kv_transfer_params``."""
@@ -326,7 +384,7 @@ class KvGeometry:
         here, or None when they can. Compares everything that fixes a block's bytes (layers,
         heads, head_dim, dtype, block size, MLA, block format); TP may differ (resharded)."""
         keys = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "use_mla", "block_format", "groups",
-                "kv_order")
+                "kv_order", "mla_parts")
         mine = self.to_dict()
         theirs = dict(other)
         theirs.setdefault("kv_order", "lbhnc")  # a peer from before the field: vLLM's CPU layout
@@ -343,6 +401,9 @@ class KvGeometry:
 
     def _groups_tag(self) -> str:
         """Namespace part naming the groups (empty for a uniform model, so its keys are as before)."""
+        if self.mla_parts:
+            return "/sparse=" + ";".join(f"{p['name']}.{p['layout']}:" + ",".join(str(l) for l in p["layers"])
+                                         for p in self.mla_parts)
         if not self.groups:
             return ""
         parts = []
@@ -364,8 +425,21 @@ class KvGeometry:
         tensor). With ``dp`` > 1 the groups' layout has ``dp`` replicas of ``num_blocks`` blocks
         per rank, as a uniform one (tpu-inference's DP: the groups share each replica's pool).
 
+        Sparse MLA caches (:attr:`mla_parts`) are the groups form too: one ``mla`` group per
+        part (``head_dim`` its real bytes per token, fp8, so tpu_sync's ``rpamla`` rows are its
+        ``lanes``), ``num_blocks`` blocks each, one block table for all (:func:`placement`
+        takes one list of ids for them).
+
         Raises:
             ValueError: KV cache groups with the SEQ_ALONG_LANE or MLA cache (not mapped yet)."""
+        if self.mla_parts:
+            return dict(
+                model=dict(name=self.model, groups=[
+                    dict(name=p["name"], layers=[int(l) for l in p["layers"]],
+                         kind=dict(type="mla", head_dim=int(p["bytes"]), dtype="fp8")) for p in self.mla_parts]),
+                spec=dict(tp=self.tp, pcp=1, dp=int(dp), block_size=self.block_size, order=MLA_ORDER),
+                groups=[dict(num_blocks=int(num_blocks)) for _ in self.mla_parts],
+            )
         if self.groups and (self.is_sal or self.kv_order == MLA_ORDER):
             raise ValueError(f"TpuSyncConnector: KV cache groups with the {self.kv_order} cache are not supported yet "
                              "(the RPA v3 caches and vLLM's CPU cache are)")
@@ -440,11 +514,17 @@ def placement(layout: Dict[str, Any], block_ids: Sequence[Any], first_token: int
     (uniform layouts): the blocks hold the request from that token (block-aligned) on, as
     :func:`tpu_sync.plan.placement` reads it.
 
+    A grouped layout in the TPU MLA order (vLLM-TorchTPU's sparse MLA caches,
+    :attr:`KvGeometry.mla_parts`) takes one flat list: all its groups share vLLM's one block
+    table.
+
     Raises:
         ValueError: a grouped layout given a number of lists other than its group count."""
     tp = int(layout["spec"]["tp"])
     if "groups" in layout:
         n = len(layout["groups"])
+        if layout["spec"].get("order") == MLA_ORDER and all(not isinstance(b, (list, tuple)) for b in block_ids):
+            block_ids = [list(block_ids)] * n
         if len(block_ids) != n or not all(isinstance(g, (list, tuple)) for g in block_ids):
             raise ValueError(f"TpuSyncConnector: block ids must be one list per KV cache group ({n}), got "
                              f"{str(block_ids)[:200]}")
@@ -610,6 +690,94 @@ def mamba_state_group(spec: Any, tp: int = 1) -> Tuple[Dict[str, Any], int]:
     return dict(type="state", components=comps, replicated=bool(getattr(spec, "tp_replicated", False))), slot
 
 
+def sparse_mla_parts(layer_names: Sequence[str], indexers: Iterable[str], nope_layout: str = "sparsecore",
+                     rope_layout: str = "sparsecore", indexer_layout: str = "head_along_sublane",
+                     ordered: bool = False) -> Tuple[Dict[str, Any], ...]:
+    """:attr:`KvGeometry.mla_parts` of vLLM-TorchTPU's sparse MLA caches: ``layer_names`` the
+    names vLLM registers caches under (sparse MLA layers and indexer K caches; sorted here by
+    :func:`layer_order` unless ``ordered``), ``indexers`` those that are indexer caches. Each
+    sparse layer gives two cache layers (nope, then rope), each indexer one.
+
+    Raises:
+        ValueError: an unknown layout; the indexer's ``seq_along_lane`` layout (132 bytes a
+            token along the lanes, not token-major: not mapped yet); no sparse layer."""
+    for what, v, ok in (("TPU_SPARSE_MLA_NOPE_LAYOUT", nope_layout, SPARSE_MLA_LAYOUTS),
+                        ("TPU_SPARSE_MLA_ROPE_LAYOUT", rope_layout, SPARSE_MLA_LAYOUTS),
+                        ("the indexer K cache layout", indexer_layout, ("head_along_sublane", "seq_along_lane"))):
+        if v not in ok:
+            raise ValueError(f"TpuSyncConnector: {what} {v!r} is not one of {', '.join(ok)}")
+    if indexer_layout != "head_along_sublane":
+        raise ValueError("TpuSyncConnector: the DSA indexer's K cache in the SEQ_ALONG_LANE layout (tokens along the "
+                         "lanes, 132 bytes a token) is not mapped yet; vLLM-TorchTPU picks it for "
+                         "VLLM_TPU_INDEXER_KV_CACHE_MODE=sal (its default) with a block size that is a multiple of 128: "
+                         "set VLLM_TPU_INDEXER_KV_CACHE_MODE=has (HEAD_ALONG_SUBLANE, token-major) (docs/tpu.md)")
+    idx = set(indexers)
+    names = list(layer_names) if ordered else layer_order(list(layer_names))
+    parts: Dict[str, List[int]] = {"nope": [], "rope": [], "indexer": []}
+    layer = 0
+    for n in names:
+        if n in idx:
+            parts["indexer"].append(layer)
+            layer += 1
+        else:
+            parts["nope"].append(layer)
+            parts["rope"].append(layer + 1)
+            layer += 2
+    if not parts["nope"]:
+        raise ValueError("TpuSyncConnector: sparse MLA caches without a sparse MLA layer")
+    layouts = {"nope": nope_layout, "rope": rope_layout, "indexer": indexer_layout}
+    return tuple(dict(name=name, lanes=lanes, bytes=real, layout=layouts[name], layers=parts[name])
+                 for name, real, lanes in SPARSE_MLA_CACHES if parts[name])
+
+
+def tpu_indexer_layout(block_size: int) -> str:
+    """The layout vLLM-TorchTPU gives the DSA indexer's K cache (``head_along_sublane`` or
+    ``seq_along_lane``), restating vllm-torchtpu 0.29.0 ``indexer_kv_layout``
+    (``kernels/deepseek_v4/streamindex_topk/streamindex_topk.py``): ``VLLM_TPU_INDEXER_KV_CACHE_MODE``
+    (default ``sal``; ``xla`` and ``has`` give ``head_along_sublane``); ``sal`` only with a
+    block size that is a positive multiple of 128 and without Raiden GLM admission
+    (``TPU_USE_RAIDEN_KV_CACHE_MANAGER=1`` and ``TPU_RAIDEN_GLM_ADMISSION=1``)."""
+    import os
+
+    mode = os.environ.get("VLLM_TPU_INDEXER_KV_CACHE_MODE", "sal").strip().lower()
+    raiden = all(os.environ.get(k, "0").strip().lower() in ("1", "true")
+                 for k in ("TPU_USE_RAIDEN_KV_CACHE_MANAGER", "TPU_RAIDEN_GLM_ADMISSION"))
+    if mode == "sal" and not raiden and block_size >= 128 and block_size % 128 == 0:
+        return "seq_along_lane"
+    return "head_along_sublane"
+
+
+def tpu_sparse_mla_parts(kv_cache_config: Any, block_size: int) -> Tuple[Dict[str, Any], ...]:
+    """:func:`sparse_mla_parts` of a vLLM-TorchTPU engine from its ``KVCacheConfig``: its KV
+    cache groups must be one group (vLLM 0.29 keeps the latent and indexer layers in one group
+    of several page sizes, ``UniformTypeKVCacheSpecs``); indexer caches are the layers whose
+    spec is ``uint8`` (``DeepseekV32IndexerCache.get_kv_cache_spec``), or named ``*.k_cache``
+    where the spec does not say. The layouts come from ``TPU_SPARSE_MLA_NOPE_LAYOUT``,
+    ``TPU_SPARSE_MLA_ROPE_LAYOUT`` and :func:`tpu_indexer_layout`, as the engine reads them.
+
+    Raises:
+        ValueError: no KV cache config, several groups, or what :func:`sparse_mla_parts` raises."""
+    import os
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if len(groups) != 1:
+        raise ValueError(f"TpuSyncConnector: sparse MLA caches in {len(groups)} KV cache groups (the KV cache config "
+                         "is needed, with one group for the latent and indexer layers, as vLLM 0.29 makes it)")
+    grp = groups[0]
+    per_layer = getattr(grp.kv_cache_spec, "kv_cache_specs", None) or {}
+    indexers = []
+    for n in grp.layer_names:
+        spec = per_layer.get(n)
+        dt = getattr(spec, "dtype", None)
+        if (str(dt) == "torch.uint8") if dt is not None else n.endswith(".k_cache"):
+            indexers.append(n)
+    env = os.environ
+    return sparse_mla_parts(list(grp.layer_names), indexers,
+                            env.get("TPU_SPARSE_MLA_NOPE_LAYOUT", "sparsecore").strip().lower(),
+                            env.get("TPU_SPARSE_MLA_ROPE_LAYOUT", "sparsecore").strip().lower(),
+                            tpu_indexer_layout(block_size))
+
+
 def tpu_seq_along_lane(vllm_config: Any) -> bool:
     """Whether vLLM-TorchTPU allocates its KV caches in the batched ragged paged attention
     kernel's ``SEQ_ALONG_LANE`` layout (:data:`SAL_ORDER`): the attention backend is ``CUSTOM``
@@ -693,6 +861,19 @@ def kv_geometry(vllm_config: Any, kv_cache_config: Any = None) -> KvGeometry:
             # does not map: refused where the caches are registered, which knows the engine
             # (tpu_sync.jax_kv.JaxKv for a JAX runner, WorkerSide.register_kv_caches for torch).
             order = MLA_ORDER
+            if hasattr(getattr(mc, "hf_text_config", None), "index_topk"):
+                # DeepSeek-V3.2 style (vLLM's deepseek_v2.py: is_v32 = hasattr(config,
+                # "index_topk")): vLLM-TorchTPU gives each such layer a (nope, rope) pair of
+                # fp8 caches and each indexer a K cache (docs/tpu.md, sparse MLA).
+                if name != "torch.float8_e4m3fn":
+                    raise ValueError(f"TpuSyncConnector: vLLM-TorchTPU's sparse MLA caches need --kv-cache-dtype fp8 "
+                                     f"(its kernel takes fp8 only); the cache dtype is {name}")
+                parts = tpu_sparse_mla_parts(kv_cache_config, block_size)
+                return KvGeometry(
+                    model=str(mc.model), num_layers=sum(len(p["layers"]) for p in parts), num_kv_heads=1,
+                    heads_per_rank=1, head_dim=head_dim, dtype="fp8", block_size=block_size,
+                    tp=int(pc.tensor_parallel_size), block_format=f"vllm-tpu/{order}-sparse/fp8", use_mla=True,
+                    groups=None, kv_order=order, mla_parts=parts)
         fmt = f"vllm-tpu/{order}/{name.replace('torch.', '')}"
     else:
         fmt = f"vllm-{device}/default/{name.replace('torch.', '')}"

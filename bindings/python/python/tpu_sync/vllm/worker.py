@@ -204,6 +204,8 @@ class WorkerSide:
         self.geometry = geometry
         self.vllm_config = vllm_config
         self.caches: Optional[KvCaches] = None
+        #: what made :attr:`caches`' in-place views where no copier owns them (sparse MLA caches)
+        self._views_owner: Any = None
         self.tier: Any = None
         self.transport: Any = None
         self._leases: Dict[str, Any] = {}
@@ -284,12 +286,16 @@ class WorkerSide:
             ValueError: another cache layout (e.g. a GPU backend's ``[2, blocks, ...]``), tensors
                 that differ from each other or from the model's geometry, non-contiguous tensors;
             NotImplementedError, UnsupportedError: see :meth:`_torch_kv`; NotImplementedError:
-                sparse MLA layers (a ``(nope, rope)`` pair of caches per layer).
+                sparse MLA layers (a ``(nope, rope)`` pair of caches per layer) for a geometry
+                without :attr:`KvGeometry.mla_parts` (those are :meth:`_register_sparse_mla`'s).
         """
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         from vllm.model_executor.models.utils import extract_layer_index
 
         g = self.geometry
+        if g.mla_parts:
+            self._register_sparse_mla(kv_caches)
+            return
         mla = g.kv_order == compat.MLA_ORDER
         if mla and g.block_size % g.packing:
             raise ValueError(f"TpuSyncConnector: block size {g.block_size} with vLLM-TorchTPU's MLA cache, which packs "
@@ -313,11 +319,13 @@ class WorkerSide:
                 # (use_sparse, DeepSeek-V3.2 style) holds a (nope, rope) pair of caches, each in
                 # a layout of its own (TPU_SPARSE_MLA_NOPE_LAYOUT / _ROPE_LAYOUT).
                 raise NotImplementedError(f"TpuSyncConnector: layer {split[0]} is a sparse MLA layer (a (nope, rope) "
-                                          "pair of caches, DeepSeek-V3.2 style): not mapped yet; dense MLA "
-                                          "(DeepSeek-V2/V3, Kimi-K2) is (docs/tpu.md)")
+                                          "pair of caches, DeepSeek-V3.2 style), but the model's geometry is dense "
+                                          "MLA (its config has no index_topk): sparse MLA caches are mapped for "
+                                          "models whose config has it, from their KV cache config (docs/tpu.md)")
         if len(tensors) != g.num_layers:
             extra = (" (an MLA model with indexer caches, such as DeepSeek-V3.2's, registers more caches than "
-                     "attention layers: not mapped yet)" if mla and len(tensors) > g.num_layers else "")
+                     "attention layers: its geometry must be the sparse MLA one, from a config with index_topk)"
+                     if mla and len(tensors) > g.num_layers else "")
             raise ValueError(f"TpuSyncConnector: {len(tensors)} KV tensors for {g.num_layers} layers{extra}")
         want = g.torch_mla_shape() if mla else g.layer_shape()
         kind = ("the TPU backends' ragged paged attention v3 per-layer KV cache" if g.is_rpa3 else
@@ -380,6 +388,110 @@ class WorkerSide:
             self.caches.views = torch_kv.views()
             self.caches.copier = torch_kv
         self._layer_index = {n: i for i, n in enumerate(names)}
+        self._open(rank)
+
+    def _register_sparse_mla(self, kv_caches: Dict[str, Any]) -> None:
+        """:meth:`register_kv_caches` of vLLM-TorchTPU's sparse MLA caches
+        (:attr:`KvGeometry.mla_parts`): each sparse layer's ``[nope, rope]`` list becomes two
+        cache layers, each indexer's K cache one, in vLLM layer order; every tensor is checked
+        against its part's shape formula and layout, and tpu_sync sees each as ``[num_blocks,
+        block_size, lanes]`` fp8 bytes (the same memory: every token of a page is one contiguous
+        row of ``lanes`` bytes at ``slot * lanes`` in either layout). CPU tensors are viewed in
+        place; accelerator tensors move through torch's copies, one :class:`TorchKv` per part
+        (:class:`tpu_sync.torch_kv.PartsKv`).
+
+        Raises:
+            ValueError: a layer count, list length, shape, dtype (another layout than the
+                geometry's) or block count other than the geometry's; non-contiguous tensors;
+            NotImplementedError: layer-wise transfers (not supported with these caches yet)."""
+        import torch
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        from tpu_sync.torch_kv import PartsKv, TorchKv
+
+        g = self.geometry
+        bs = g.block_size
+        if self.cfg.layerwise:
+            raise NotImplementedError("TpuSyncConnector: layer-wise transfers of sparse MLA caches are not supported "
+                                      "yet (docs/tpu.md); use whole-request transfers")
+        if bs % 4:
+            raise ValueError(f"TpuSyncConnector: block size {bs} with vLLM-TorchTPU's sparse MLA caches, whose rope and "
+                             "indexer caches pack 4 tokens to a row: use a multiple of 4")
+        names = compat.layer_order(list(kv_caches))
+        layers: List[Tuple[str, str, Any]] = []  # (cache layer name, part name, tensor)
+        for n in names:
+            v = kv_caches[n]
+            if isinstance(v, (list, tuple)):
+                if len(v) != 2:
+                    raise ValueError(f"TpuSyncConnector: sparse MLA layer {n} registered {len(v)} caches; expected "
+                                     "[nope, rope]")
+                layers += [(n + "#nope", "nope", v[0]), (n + "#rope", "rope", v[1])]
+            else:
+                layers.append((n, "indexer", v))
+        want = g.part_of_layer()
+        got = [p for _, p, _ in layers]
+        if got != [p.get("name") for p in want]:
+            raise ValueError(f"TpuSyncConnector: vLLM registered sparse MLA caches {got} in layer order; the geometry "
+                             f"(from the KV cache config) has {[p.get('name') for p in want]}")
+        nb = None
+        by_part: Dict[str, List[int]] = {}
+        tensors = []
+        for i, ((name, part, t), spec) in enumerate(zip(layers, want)):
+            lanes, layout = int(spec["lanes"]), str(spec["layout"])
+            dtype = "torch.uint8" if part == "indexer" else compat.SPARSE_MLA_LAYOUTS[layout]
+            word = 4 if dtype == "torch.uint32" else 1
+            if part == "nope":
+                shape = (bs, lanes // 4) if layout == "sparsecore" else (bs, lanes // 128, 128)
+            else:  # rope, indexer: 4 tokens to a row
+                shape = (bs // 4, lanes) if layout == "sparsecore" else (bs // 4, 4, lanes)
+            have = tuple(int(d) for d in t.shape)
+            if str(t.dtype) != dtype or have[1:] != shape:
+                raise ValueError(f"TpuSyncConnector: sparse MLA {part} cache {name} is {list(have)} {t.dtype}; the "
+                                 f"{layout} layout of {lanes}-byte tokens is [num_blocks, "
+                                 f"{', '.join(str(d) for d in shape)}] {dtype} (vllm-torchtpu 0.29.0 "
+                                 "kernels/mla/kv_cache_utils.py; both sides must use the same layout)")
+            if nb is None:
+                nb = have[0]
+            if have[0] != nb or not t.is_contiguous():
+                raise ValueError(f"TpuSyncConnector: sparse MLA cache {name} has {have[0]} blocks (others {nb}) or is "
+                                 f"not contiguous (strides {list(t.stride())})")
+            assert int(t[0].numel()) * word == bs * lanes
+            by_part.setdefault(part, []).append(i)
+            tensors.append(t)
+        assert nb is not None
+        backend = str(self.cfg.extra.get("torch_backend", "auto"))
+        copy_api = str(self.cfg.extra.get("torch_copy_api", "auto"))
+        kvs: List[Any] = []
+        client = None
+        try:
+            for part, idx in by_part.items():
+                tk = TorchKv([tensors[i] for i in idx], backend=backend, copy_api=copy_api, client=client,
+                             block_size=bs, view_shape=(nb, bs, int(want[idx[0]]["lanes"])), view_dtype="f8e4m3fn")
+                client = tk.client
+                kvs.append(tk)
+            parts = PartsKv(kvs, list(by_part.values()))
+        except BaseException:
+            for tk in kvs:
+                tk.close()
+            raise
+        log.info("tpu_sync: sparse MLA caches (%s) on %s: back end %s (%s), copies %s",
+                 ", ".join(f"{p}: {len(i)} layers" for p, i in by_part.items()), parts.device, parts.backend,
+                 parts.backend_reason, parts.copy_api)
+        try:
+            rank = int(get_tensor_model_parallel_rank())
+        except Exception:  # no TP group (single process)
+            rank = 0
+        del torch
+        sizes = g.layer_bytes()
+        self.caches = KvCaches(names=[n for n, _, _ in layers], tensors=tensors, num_blocks=nb,
+                               layer_block_bytes=max(sizes), tp_rank=rank, layer_bytes=sizes)
+        self.caches._client = parts.client  # type: ignore[attr-defined]
+        self.caches.views = parts.views()
+        if parts.backend == "framework-copy":
+            self.caches.copier = parts
+        else:
+            self._views_owner = parts  # closed at shutdown
+        self._layer_index = {n: i for i, (n, _, _) in enumerate(layers)}
         self._open(rank)
 
     def _torch_kv(self, tensors: List[Any], g: KvGeometry, logical_view: Optional[Tuple[int, ...]] = None) -> Any:
@@ -453,9 +565,10 @@ class WorkerSide:
             raise ValueError("TpuSyncConnector: register_runner without registered KV caches, and the runner has no "
                              "kv_caches")
         g = self.geometry
-        if ((g.groups and (g.has_state or g.kv_order == compat.MLA_ORDER)) or self.cfg.layerwise
+        if ((g.groups and (g.has_state or g.kv_order == compat.MLA_ORDER)) or self.cfg.layerwise or g.mla_parts
                 or g.kv_order not in ("rpa3", "rpa3hd64", compat.MLA_ORDER)):
             what = ("layer-wise transfers" if self.cfg.layerwise else
+                    "sparse MLA caches (vLLM-TorchTPU's; tpu-inference has none)" if g.mla_parts else
                     "KV cache groups with state (Mamba) or MLA layers" if g.groups else f"the {g.kv_order} cache")
             raise NotImplementedError(f"TpuSyncConnector: {what} with a JAX model runner (tpu-inference) are not "
                                       "supported yet (issue 25; docs/tpu.md)")
@@ -1342,6 +1455,9 @@ class WorkerSide:
         cp = self.caches.copier if self.caches is not None else None
         if cp is not None:
             cp.close()  # the views and host mirrors (the caches themselves are the engine's)
+        if self._views_owner is not None:
+            self._views_owner.close()
+            self._views_owner = None
 
 
 class _Stager:

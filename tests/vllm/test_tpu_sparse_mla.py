@@ -1,0 +1,250 @@
+"""vLLM-TorchTPU's sparse MLA caches (DeepSeek-V3.2 style) through the connector's worker side
+(issue 25; docs/tpu.md): each sparse layer registers a ``[nope, rope]`` pair of fp8 caches and
+each DSA indexer a K cache, of exactly the shapes and dtypes vllm-torchtpu 0.29.0 allocates
+(``kernels/mla/kv_cache_utils.py`` ``SparseMLAKVCacheSpec.shape``, ``sparsecore`` uint32 and
+``tensorcore`` uint8; ``VllmTPUDeepseekV32IndexerBackend``, ``HEAD_ALONG_SUBLANE``), filled as
+its writers fill them (``_scatter_rows`` / ``pack_tokens`` and the indexer's 129-byte records,
+restated here in numpy). P/D between TP sizes over loopback TCP and host-tier store then load:
+byte-exact, every other block and slot unchanged, each cache's padding never moved. The tensors
+are torch CPU tensors (no TPU here); each case runs with them viewed in place and through torch's
+own copies (what torch_tpu tensors get)."""
+
+import types
+
+import numpy as np
+import pytest
+
+vllm = pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from test_connector import configs, connector, vllm_config  # noqa: E402,F401  (fixtures)
+from test_tpu_engine_layouts import (BACKENDS, as_bytes, backend, pd_workers, register,  # noqa: E402,F401
+                                     worker)
+from tpu_sync.vllm import compat  # noqa: E402
+from tpu_sync.vllm.compat import KvGeometry  # noqa: E402
+from tpu_sync.vllm.metadata import TierOp, TpuSyncMetadata  # noqa: E402
+
+NB, BS = 16, 16
+#: what vLLM registers, as DeepSeek-V3.2's layers name them (vLLM's deepseek_v2.py: the
+#: latent cache ``<prefix>.attn``, the indexer's ``<prefix>.indexer.k_cache``)
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.0.self_attn.indexer.k_cache",
+          "model.layers.1.self_attn.attn", "model.layers.1.self_attn.indexer.k_cache"]
+INDEXERS = [n for n in LAYERS if n.endswith("k_cache")]
+#: real bytes a token, bytes a row: the nope latent (512 fp8), the rope key (64 bf16), the
+#: indexer's record (128 fp8 key bytes and one e8m0 scale byte) in a 256-byte row
+REAL = {"nope": 512, "rope": 128, "indexer": 129}
+LANES = {"nope": 512, "rope": 128, "indexer": 256}
+
+
+def geometry(tp, nope="sparsecore", rope="sparsecore"):
+    parts = compat.sparse_mla_parts(LAYERS, INDEXERS, nope, rope)
+    return KvGeometry(model="deepseek-v32-tpu-test", num_layers=sum(len(p["layers"]) for p in parts), num_kv_heads=1,
+                      heads_per_rank=1, head_dim=576, dtype="fp8", block_size=BS, tp=tp,
+                      block_format="vllm-tpu/rpamla-sparse/fp8", use_mla=True, kv_order=compat.MLA_ORDER,
+                      mla_parts=parts)
+
+
+def values(layer, part, tokens, seed):
+    """``[tokens, real bytes]`` non-zero bytes of one cache of one layer; distinct per seed."""
+    rng = np.random.default_rng(seed * 1000 + layer * 10 + len(part))
+    return rng.integers(1, 256, size=(tokens, REAL[part]), dtype=np.uint8)
+
+
+def token_row(part, layout, real, garbage_padding=False):
+    """The ``lanes`` bytes of one token's row as the engine's writer leaves them in memory:
+    ``as_token_bytes`` zero-pads the token to its row; ``sparsecore`` then interleaves four
+    byte bands into each little-endian 32-bit word (``pack_tokens``: word ``i`` holds bytes
+    ``i``, ``q + i``, ``2q + i``, ``3q + i`` of the row, ``q = lanes / 4``). The indexer's record
+    is its row's first 129 bytes (``convert_cache_to_seq_along_lane`` reads ``[:128]`` and
+    ``[128]``). ``garbage_padding``: the padding bytes non-zero (never moved, so a destination's
+    stay what they were)."""
+    lanes = LANES[part]
+    row = np.zeros(lanes, dtype=np.uint8)
+    if garbage_padding:
+        row[:] = 0xA5
+    row[:len(real)] = real
+    if layout == "sparsecore":
+        row = row.reshape(4, lanes // 4).T.reshape(-1)
+    return row
+
+
+def tensors(g, tokens, block_ids, seed, fill_seed, garbage_padding=False):
+    """One TP rank's caches (every rank holds the same), as vLLM-TorchTPU registers them: per
+    sparse layer ``[nope, rope]``, per indexer its K cache; every token slot of every block
+    written with filler of ``fill_seed``, then the request's ``tokens`` tokens of ``seed`` at
+    ``block_ids``."""
+    parts = {p["name"]: p for p in g.mla_parts}
+    caches = {}
+    for layer, part in enumerate(q["name"] for q in g.part_of_layer()):
+        layout = parts[part]["layout"]
+        rows = np.zeros((NB * BS, LANES[part]), dtype=np.uint8)
+        fill = values(layer, part, NB * BS, fill_seed)
+        for s in range(NB * BS):
+            rows[s] = token_row(part, layout, fill[s])
+        req = values(layer, part, tokens, seed)
+        for s in range(tokens):
+            rows[block_ids[s // BS] * BS + s % BS] = token_row(part, layout, req[s], garbage_padding)
+        if part == "indexer":
+            shape, dtype = (NB, BS // 4, 4, LANES[part]), torch.uint8
+        elif layout == "sparsecore":
+            shape = (NB, BS, LANES[part] // 4) if part == "nope" else (NB, BS // 4, LANES[part])
+            dtype = torch.uint32
+        else:
+            shape = (NB, BS, LANES[part] // 128, 128) if part == "nope" else (NB, BS // 4, 4, LANES[part])
+            dtype = torch.uint8
+        t = torch.empty(shape, dtype=dtype)
+        t.view(torch.uint8).view(-1).copy_(torch.from_numpy(rows.reshape(-1)))
+        caches[layer] = t
+    out, layer = {}, 0
+    for n in compat.layer_order(LAYERS):
+        if n in INDEXERS:
+            out[n] = caches[layer]
+            layer += 1
+        else:
+            out[n] = [caches[layer], caches[layer + 1]]
+            layer += 2
+    return out
+
+
+def flat(kv):
+    """Every cache tensor of ``kv``, in cache layer order, with its name."""
+    out = []
+    for n in compat.layer_order(list(kv)):
+        v = kv[n]
+        out += [(n + "#nope", v[0]), (n + "#rope", v[1])] if isinstance(v, list) else [(n, v)]
+    return out
+
+
+def test_geometry_and_layout_of_the_sparse_mla_caches():
+    g = geometry(2)
+    # Cache layers in vLLM layer order: layer 0's nope, rope, indexer, then layer 1's.
+    assert [p["name"] for p in g.part_of_layer()] == ["nope", "rope", "indexer"] * 2
+    assert g.layer_bytes() == [BS * 512, BS * 128, BS * 256] * 2 and g.block_bytes == BS * 896 * 2
+    with pytest.raises(ValueError, match="layer_bytes"):
+        g.layer_block_bytes
+    lay = g.tpu_sync_layout(NB)
+    assert lay["spec"]["order"] == compat.MLA_ORDER and len(lay["groups"]) == 3
+    assert [(x["name"], x["layers"], x["kind"]["head_dim"]) for x in lay["model"]["groups"]] == [
+        ("nope", [0, 3], 512), ("rope", [1, 4], 128), ("indexer", [2, 5], 129)]
+    # One block table: one list of ids stands for every group.
+    p = compat.placement(lay, [5, 9, 2])
+    assert p["block_ids"] == [[[5, 9, 2]] * 2] * 3
+    # Each rank of a TP=2 producer is read by the decode ranks that map to it.
+    assert [compat.pullers_of_rank(p, r, 40, 4) for r in range(2)] == [2, 2]
+    # A peer whose nope cache is in the other layout holds the same bytes in another order.
+    other = geometry(2, nope="tensorcore")
+    assert "mla_parts" in g.mismatch(other.to_dict()) and g.mismatch(geometry(4).to_dict()) is None
+    assert g.namespace() != other.namespace() != geometry(2, rope="tensorcore").namespace()
+    # The indexer's SEQ_ALONG_LANE cache (tokens along the lanes) is refused, naming the remedy.
+    with pytest.raises(ValueError, match="VLLM_TPU_INDEXER_KV_CACHE_MODE=has"):
+        compat.sparse_mla_parts(LAYERS, INDEXERS, indexer_layout="seq_along_lane")
+    with pytest.raises(ValueError, match="not one of sparsecore, tensorcore"):
+        compat.sparse_mla_parts(LAYERS, INDEXERS, nope_layout="tiled")
+
+
+def test_sparse_mla_parts_from_the_kv_cache_config(monkeypatch):
+    """From vLLM 0.29's one KV cache group of several page sizes (``UniformTypeKVCacheSpecs``,
+    the indexer caches' specs ``uint8``), with the layouts from the engine's environment."""
+    specs = {n: types.SimpleNamespace(dtype=torch.uint8 if n in INDEXERS else torch.float8_e4m3fn) for n in LAYERS}
+    grp = types.SimpleNamespace(layer_names=list(reversed(LAYERS)),
+                                kv_cache_spec=types.SimpleNamespace(kv_cache_specs=specs))
+    cfg = types.SimpleNamespace(kv_cache_groups=[grp])
+    for k in ("TPU_SPARSE_MLA_NOPE_LAYOUT", "TPU_SPARSE_MLA_ROPE_LAYOUT", "VLLM_TPU_INDEXER_KV_CACHE_MODE"):
+        monkeypatch.delenv(k, raising=False)
+    assert compat.tpu_sparse_mla_parts(cfg, 16) == geometry(1).mla_parts
+    monkeypatch.setenv("TPU_SPARSE_MLA_ROPE_LAYOUT", "tensorcore")
+    assert compat.tpu_sparse_mla_parts(cfg, 16) == geometry(1, rope="tensorcore").mla_parts
+    # vLLM-TorchTPU's default indexer mode with a block size of 128 is SEQ_ALONG_LANE: refused.
+    assert compat.tpu_indexer_layout(128) == "seq_along_lane" and compat.tpu_indexer_layout(64) == "head_along_sublane"
+    with pytest.raises(ValueError, match="SEQ_ALONG_LANE"):
+        compat.tpu_sparse_mla_parts(cfg, 128)
+    monkeypatch.setenv("VLLM_TPU_INDEXER_KV_CACHE_MODE", "has")
+    assert compat.tpu_indexer_layout(128) == "head_along_sublane"
+    with pytest.raises(ValueError, match="2 KV cache groups"):
+        compat.tpu_sparse_mla_parts(types.SimpleNamespace(kv_cache_groups=[grp, grp]), 16)
+
+
+@pytest.mark.parametrize("nope,rope,src_tp,dst_tp", [
+    ("sparsecore", "sparsecore", 2, 4),   # the engine's default layouts, TP=2 prefill -> TP=4 decode
+    ("tensorcore", "sparsecore", 4, 1),   # another nope layout, TP=4 -> TP=1
+])
+def test_worker_pd_of_sparse_mla_caches_byte_exact(configs, monkeypatch, backend, nope, rope, src_tp, dst_tp):
+    """Every decode rank gets the request's tokens in every cache (a partial last block
+    included) and nothing else: its other blocks, the partial block's unused slots and every
+    row's padding unchanged (the producer's padding is garbage here, so moving it would show);
+    the producer unchanged; bytes moved = real bytes of the request's tokens."""
+    tokens = 40
+    src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
+    gs, gd = geometry(src_tp, nope, rope), geometry(dst_tp, nope, rope)
+    src = [tensors(gs, tokens, src_ids, seed=3, fill_seed=11, garbage_padding=True) for _ in range(src_tp)]
+    before = tensors(gd, 0, dst_ids, seed=3, fill_seed=12)
+    dst = [tensors(gd, 0, dst_ids, seed=3, fill_seed=12) for _ in range(dst_tp)]
+    # The reference: the destination's filler with the request's tokens written with zero padding.
+    ref = tensors(gd, tokens, dst_ids, seed=3, fill_seed=12)
+    src_before = [{n: [x.clone() for x in t] if isinstance(t, list) else t.clone() for n, t in r.items()} for r in src]
+    with pd_workers(configs, monkeypatch, gs, gd, src, dst, BACKENDS[backend], 97, src_ids, dst_ids, tokens) as (
+            prods, conss):
+        for r in range(dst_tp):
+            for (n, got), (_, exp), (_, old) in zip(flat(dst[r]), flat(ref), flat(before)):
+                assert np.array_equal(as_bytes(got), as_bytes(exp)), (r, n, np.argwhere(as_bytes(got) !=
+                                                                                         as_bytes(exp))[:4])
+                assert not np.array_equal(as_bytes(got), as_bytes(old)), (r, n)  # the test can fail
+        for r in range(src_tp):
+            for (n, got), (_, exp) in zip(flat(src[r]), flat(src_before[r])):
+                assert np.array_equal(as_bytes(got), as_bytes(exp)), (r, n)
+        for w in conss:
+            moved = w.xfer_stats.data["bytes_transferred"] if w.xfer_stats is not None else None
+            if moved is not None:
+                assert moved == [tokens * sum(REAL.values()) * 2], moved
+            assert w.adapter_stats["backend"] == ("pjrt-view" if backend == "view" else "framework-copy")
+
+
+def test_worker_host_tier_store_then_load_sparse_mla_blocks(configs, monkeypatch, backend):
+    """Blocks 3..5 of every cache saved to the host tier and loaded into 12..14: those become
+    copies of 3..5 (which differed before), every other block unchanged."""
+    g = geometry(2, "tensorcore", "sparsecore")
+    kv = tensors(g, 3 * BS, [3, 4, 5], seed=21, fill_seed=22)
+    w = worker(configs, "kv_both", g, dict(BACKENDS[backend], host_capacity_bytes=64 << 20))
+    try:
+        register(monkeypatch, w, kv, 1)
+        orig = [(n, t.clone()) for n, t in flat(kv)]
+        hashes = [bytes([i]) * 32 for i in range(1, 4)]
+        w.wait_for_save(TpuSyncMetadata(saves=[TierOp("o1", hashes, [3, 4, 5])]))
+        assert w.flush_saves(30)
+        assert w.stats["saved_blocks"] == 3
+        w.start_load_kv(TpuSyncMetadata(loads=[TierOp("o1", hashes, [12, 13, 14])]))
+        assert w.stats["loaded_blocks"] == 3 and w.stats["failed_loads"] == 0, w.stats
+        for (n, t), (_, o) in zip(flat(kv), orig):
+            want = o.clone()
+            want[12:15] = o[3:6]
+            assert not torch.equal(want.view(torch.uint8), o.view(torch.uint8))
+            assert np.array_equal(as_bytes(t), as_bytes(want)), n
+    finally:
+        w.shutdown()
+
+
+def test_worker_refuses_sparse_mla_caches_that_differ_from_the_geometry(configs, monkeypatch):
+    """Refused at registration, by name: a cache in the other layout than the geometry's, a
+    pair that is not ``[nope, rope]``, a missing indexer, a block size 4 does not divide."""
+    g = geometry(1)
+    w = worker(configs, "kv_both", g, {"host_capacity_bytes": 16 << 20})
+    try:
+        kv = tensors(geometry(1, rope="tensorcore"), 0, [], seed=1, fill_seed=2)
+        with pytest.raises(ValueError, match=r"rope cache .*\[16, 4, 4, 128\] torch.uint8.*sparsecore layout"):
+            register(monkeypatch, w, kv, 0)
+        kv = tensors(g, 0, [], seed=1, fill_seed=2)
+        bad = dict(kv, **{LAYERS[0]: kv[LAYERS[0]][:1]})
+        with pytest.raises(ValueError, match="registered 1 caches; expected"):
+            register(monkeypatch, w, bad, 0)
+        with pytest.raises(ValueError, match="from the KV cache config"):
+            register(monkeypatch, w, {n: v for n, v in kv.items() if n != INDEXERS[1]}, 0)
+        assert w.caches is None
+    finally:
+        w.shutdown()
+    odd = KvGeometry(**dict(geometry(1).to_dict(), block_size=18))
+    w = worker(configs, "kv_both", odd, {"host_capacity_bytes": 16 << 20})
+    try:
+        with pytest.raises(ValueError, match="block size 18 .* multiple of 4"):
+            register(monkeypatch, w, tensors(g, 0, [], seed=1, fill_seed=2), 0)
+    finally:
+        w.shutdown()
