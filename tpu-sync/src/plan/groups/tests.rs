@@ -832,7 +832,11 @@ fn tpu_orders_in_groups_they_do_not_hold_are_refused() {
     );
     let attn_model = HybridModel {
         name: "tpu-attn".into(),
-        groups: vec![KvGroup::new("full", 0..2, attn(2, 128, 2, DType::Bf16, None))],
+        groups: vec![KvGroup::new(
+            "full",
+            0..2,
+            attn(2, 128, 2, DType::Bf16, None),
+        )],
     };
     let e = HybridLayout::new(
         attn_model,
