@@ -124,7 +124,7 @@ enum Cmd {
 pub struct JobArgs {
     /// Model KV geometry preset: llama-3.1-8b, qwen3-32b, llama-3.1-70b, deepseek-v3, or a
     /// hybrid model's KV cache groups: qwen3-next-80b, qwen3.5-9b, gpt-oss-120b, gemma-3-27b,
-    /// deepseek-v3.2 (see docs/hybrid.md).
+    /// deepseek-v3.2, deepseek-v3.2-tpu (see docs/hybrid.md).
     #[arg(long, default_value = "llama-3.1-8b")]
     pub preset: String,
     /// Prompt length in tokens. `decode` takes the count from the prefill; given to `decode`, it

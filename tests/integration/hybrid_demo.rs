@@ -63,6 +63,14 @@ const CASES: &[(&str, u32, &str, &str)] = &[
         "tp=2,block=16,order=nhd",
         "tp=4,block=32,order=rpa3",
     ),
+    // vLLM-TorchTPU's sparse MLA caches (nope, rope, indexer) in the TPU MLA cache, TP=2 ->
+    // TP=4 (every decode rank a replica) with another block size.
+    (
+        "deepseek-v3.2-tpu",
+        50,
+        "tp=2,block=64,order=rpamla",
+        "tp=4,block=32,order=rpamla",
+    ),
 ];
 
 /// The bytes the decode layout needs per group, from the geometry alone (block counts and ids

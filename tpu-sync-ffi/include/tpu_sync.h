@@ -983,7 +983,8 @@ enum tpu_sync_status tpu_sync_plan_new(const char *src_placement_json,
  * every layout and placement JSON accepts as its `"model"`: for a uniform preset
  * (`llama-3.1-8b`, `qwen3-32b`, `llama-3.1-70b`, `deepseek-v3`) the `tpu_sync::layout::ModelKv`
  * form `{"name", "num_layers", "num_kv_heads", "head_dim", "kv_planes", "dtype"}`; for a hybrid
- * preset (`qwen3-next-80b`, `qwen3.5-9b`, `gpt-oss-120b`, `gemma-3-27b`, `deepseek-v3.2`) the
+ * preset (`qwen3-next-80b`, `qwen3.5-9b`, `gpt-oss-120b`, `gemma-3-27b`, `deepseek-v3.2`,
+ * `deepseek-v3.2-tpu`) the
  * KV cache groups form `{"name", "groups": [...]}` of `tpu_sync::layout::HybridModel`
  * (docs/hybrid.md). The numbers and the configs they come from are documented on
  * `HybridModel::preset` and `ModelKv::preset`. `tpu_sync_model_presets` lists the names.

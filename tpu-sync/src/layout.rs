@@ -571,10 +571,11 @@ impl ParallelLayout {
                 continue;
             };
             // Dense row-major of the buffer's rank: 5 for RPA v3; tpu-inference's MLA arrays
-            // are `[N, BS / K, K, D']` (4), viewed as `[N, BS, D']` (3); the other orders'
-            // buffers come with or without leading 1s (any rank).
+            // are `[N, BS / K, K, D']` (4), viewed as `[N, BS, D']` (3), and tpu-sync's own
+            // shape of them is `[1, 1, N, BS, D']` (5, `KvLayout::dims`: the demos' buffers);
+            // the other orders' buffers come with or without leading 1s (any rank).
             let ranks: &[usize] = match l.spec.order {
-                BlockOrder::RpaMla => &[4, 3],
+                BlockOrder::RpaMla => &[5, 4, 3],
                 o if o.is_rpa3() => &[5],
                 _ => &[],
             };

@@ -57,6 +57,7 @@ pub const HYBRID_PRESETS: &[&str] = &[
     "gpt-oss-120b",
     "gemma-3-27b",
     "deepseek-v3.2",
+    "deepseek-v3.2-tpu",
 ];
 
 fn two() -> u32 {
@@ -462,6 +463,12 @@ impl HybridModel {
     ///   cache (`kv_lora_rank` 512 + `qk_rope_head_dim` 64 = 576, bf16; cache layers 0..61) and
     ///   an indexer key cache (`index_head_dim` 128 fp8 + a 4-byte f32 scale per token, vLLM's
     ///   fp8 indexer cache; cache layers 61..122).
+    /// * `deepseek-v3.2-tpu`: the same model's caches as vLLM-TorchTPU 0.29 allocates them
+    ///   (`--kv-cache-dtype fp8`; docs/tpu.md, sparse MLA): per layer `l` a `nope` cache (cache
+    ///   layer `3l`, 512 fp8 bytes a token), a `rope` cache (`3l + 1`, 64 bf16 lanes: 128 bytes)
+    ///   and the indexer's K cache (`3l + 2`, a 129-byte record: 128 fp8 key bytes and one e8m0
+    ///   scale byte, in a 256-byte row), each an MLA group (token-major rows; in the TPU MLA
+    ///   order [`super::BlockOrder::RpaMla`] the rows are 512, 128 and 256 bytes).
     pub fn preset(name: &str) -> Result<HybridModel> {
         let attn = |heads, dim, window| GroupKind::Attention {
             num_kv_heads: heads,
@@ -523,6 +530,17 @@ impl HybridModel {
                     },
                 ),
             ],
+            "deepseek-v3.2-tpu" => {
+                let fp8 = |head_dim| GroupKind::Mla {
+                    head_dim,
+                    dtype: DType::Fp8,
+                };
+                vec![
+                    KvGroup::new("nope", (0..61).map(|l| 3 * l), fp8(512)),
+                    KvGroup::new("rope", (0..61).map(|l| 3 * l + 1), fp8(128)),
+                    KvGroup::new("indexer", (0..61).map(|l| 3 * l + 2), fp8(129)),
+                ]
+            }
             other => match ModelKv::preset(other) {
                 Ok(m) => return Ok(HybridModel::from_uniform(&m)),
                 Err(_) => {

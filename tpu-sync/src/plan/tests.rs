@@ -1124,10 +1124,11 @@ fn rpamla_shape_offsets_and_refusals() {
     let mla = ModelKv::preset("deepseek-v3").unwrap();
     let l = ParallelLayout::new(mla, ParallelSpec::parse("tp=4,order=rpamla").unwrap(), 8).unwrap();
     assert_eq!(l.rank_kv().unwrap().dims(), [1, 1, 8, 16, 640]);
-    // Physical layouts: tpu-inference's dense 4-D array or its 3-D view are row-major; a tiled
-    // one is refused by name, as is a 3-D layout for a 5-D RPA v3 buffer.
+    // Physical layouts: tpu-inference's dense 4-D array, its 3-D view and tpu-sync's own 5-D
+    // shape of it are row-major; a tiled one is refused by name, as is a 3-D layout for a 5-D
+    // RPA v3 buffer.
     let with = |l: &ParallelLayout, p: &str| l.clone().with_physical_layout(p);
-    for ok in ["{3,2,1,0}", "{2,1,0}"] {
+    for ok in ["{4,3,2,1,0}", "{3,2,1,0}", "{2,1,0}"] {
         with(&l, ok).check_physical_layout(&l).unwrap();
     }
     let e = with(&l, "{3,2,1,0:T(8,128)(2,1)}")

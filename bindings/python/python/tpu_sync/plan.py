@@ -43,7 +43,8 @@ def preset(name: str, dtype: Optional[str] = None) -> Dict[str, Any]:
     """A published model's KV geometry, from the native library (``tpu_sync_model_preset``; the
     numbers and the configs they come from are documented there). A uniform preset
     (:data:`PRESETS`) is a :func:`model` dict, in ``dtype`` (default bf16); a hybrid preset
-    (:data:`HYBRID_PRESETS`: qwen3-next-80b, qwen3.5-9b, gpt-oss-120b, gemma-3-27b, deepseek-v3.2)
+    (:data:`HYBRID_PRESETS`: qwen3-next-80b, qwen3.5-9b, gpt-oss-120b, gemma-3-27b, deepseek-v3.2,
+    deepseek-v3.2-tpu)
     is a :func:`hybrid_model` dict with each group's own dtype, so ``dtype`` must be left out.
     Either goes to :func:`layout`.
 
