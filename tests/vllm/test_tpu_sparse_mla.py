@@ -30,14 +30,13 @@ NB, BS = 16, 16
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.0.self_attn.indexer.k_cache",
           "model.layers.1.self_attn.attn", "model.layers.1.self_attn.indexer.k_cache"]
 INDEXERS = [n for n in LAYERS if n.endswith("k_cache")]
-#: real bytes a token, bytes a row: the nope latent (512 fp8), the rope key (64 bf16), the
-#: indexer's record (128 fp8 key bytes and one e8m0 scale byte) in a 256-byte row
+#: real bytes a token: the nope latent (512 fp8), the rope key (64 bf16), the indexer's record
+#: (128 fp8 key bytes and one e8m0 scale byte; in a 256-byte row, or 132 along the lanes)
 REAL = {"nope": 512, "rope": 128, "indexer": 129}
-LANES = {"nope": 512, "rope": 128, "indexer": 256}
 
 
-def geometry(tp, nope="sparsecore", rope="sparsecore"):
-    parts = compat.sparse_mla_parts(LAYERS, INDEXERS, nope, rope)
+def geometry(tp, nope="sparsecore", rope="sparsecore", indexer="head_along_sublane"):
+    parts = compat.sparse_mla_parts(LAYERS, INDEXERS, nope, rope, indexer)
     return KvGeometry(model="deepseek-v32-tpu-test", num_layers=sum(len(p["layers"]) for p in parts), num_kv_heads=1,
                       heads_per_rank=1, head_dim=576, dtype="fp8", block_size=BS, tp=tp,
                       block_format="vllm-tpu/rpamla-sparse/fp8", use_mla=True, kv_order=compat.MLA_ORDER,
@@ -50,15 +49,15 @@ def values(layer, part, tokens, seed):
     return rng.integers(1, 256, size=(tokens, REAL[part]), dtype=np.uint8)
 
 
-def token_row(part, layout, real, garbage_padding=False):
+def token_row(lanes, layout, real, garbage_padding=False):
     """The ``lanes`` bytes of one token's row as the engine's writer leaves them in memory:
     ``as_token_bytes`` zero-pads the token to its row; ``sparsecore`` then interleaves four
     byte bands into each little-endian 32-bit word (``pack_tokens``: word ``i`` holds bytes
     ``i``, ``q + i``, ``2q + i``, ``3q + i`` of the row, ``q = lanes / 4``). The indexer's record
     is its row's first 129 bytes (``convert_cache_to_seq_along_lane`` reads ``[:128]`` and
-    ``[128]``). ``garbage_padding``: the padding bytes non-zero (never moved, so a destination's
-    stay what they were)."""
-    lanes = LANES[part]
+    ``[128]``; in ``seq_along_lane`` the record padded to 132 bytes). ``garbage_padding``: the
+    padding bytes non-zero (never moved in a token-major cache, so a destination's stay what
+    they were)."""
     row = np.zeros(lanes, dtype=np.uint8)
     if garbage_padding:
         row[:] = 0xA5
@@ -73,24 +72,27 @@ def tensors(g, tokens, block_ids, seed, fill_seed, garbage_padding=False):
     sparse layer ``[nope, rope]``, per indexer its K cache; every token slot of every block
     written with filler of ``fill_seed``, then the request's ``tokens`` tokens of ``seed`` at
     ``block_ids``."""
-    parts = {p["name"]: p for p in g.mla_parts}
     caches = {}
-    for layer, part in enumerate(q["name"] for q in g.part_of_layer()):
-        layout = parts[part]["layout"]
-        rows = np.zeros((NB * BS, LANES[part]), dtype=np.uint8)
+    for layer, spec in enumerate(g.part_of_layer()):
+        part, layout, lanes = spec["name"], spec["layout"], int(spec["lanes"])
+        rows = np.zeros((NB * BS, lanes), dtype=np.uint8)
         fill = values(layer, part, NB * BS, fill_seed)
         for s in range(NB * BS):
-            rows[s] = token_row(part, layout, fill[s])
+            rows[s] = token_row(lanes, layout, fill[s])
         req = values(layer, part, tokens, seed)
         for s in range(tokens):
-            rows[block_ids[s // BS] * BS + s % BS] = token_row(part, layout, req[s], garbage_padding)
-        if part == "indexer":
-            shape, dtype = (NB, BS // 4, 4, LANES[part]), torch.uint8
+            rows[block_ids[s // BS] * BS + s % BS] = token_row(lanes, layout, req[s], garbage_padding)
+        if layout == "seq_along_lane":
+            # Byte j of token t of a block at row j, lane t: (N, 33, 4, BS).
+            rows = rows.reshape(NB, BS, lanes).transpose(0, 2, 1).copy()
+            shape, dtype = (NB, lanes // 4, 4, BS), torch.uint8
+        elif part == "indexer":
+            shape, dtype = (NB, BS // 4, 4, lanes), torch.uint8
         elif layout == "sparsecore":
-            shape = (NB, BS, LANES[part] // 4) if part == "nope" else (NB, BS // 4, LANES[part])
+            shape = (NB, BS, lanes // 4) if part == "nope" else (NB, BS // 4, lanes)
             dtype = torch.uint32
         else:
-            shape = (NB, BS, LANES[part] // 128, 128) if part == "nope" else (NB, BS // 4, 4, LANES[part])
+            shape = (NB, BS, lanes // 128, 128) if part == "nope" else (NB, BS // 4, 4, lanes)
             dtype = torch.uint8
         t = torch.empty(shape, dtype=dtype)
         t.view(torch.uint8).view(-1).copy_(torch.from_numpy(rows.reshape(-1)))
@@ -135,9 +137,14 @@ def test_geometry_and_layout_of_the_sparse_mla_caches():
     other = geometry(2, nope="tensorcore")
     assert "mla_parts" in g.mismatch(other.to_dict()) and g.mismatch(geometry(4).to_dict()) is None
     assert g.namespace() != other.namespace() != geometry(2, rope="tensorcore").namespace()
-    # The indexer's SEQ_ALONG_LANE cache (tokens along the lanes) is refused, naming the remedy.
-    with pytest.raises(ValueError, match="VLLM_TPU_INDEXER_KV_CACHE_MODE=has"):
-        compat.sparse_mla_parts(LAYERS, INDEXERS, indexer_layout="seq_along_lane")
+    # The indexer's SEQ_ALONG_LANE cache (tokens along the lanes) moves as opaque whole blocks.
+    sal = geometry(2, indexer="seq_along_lane")
+    assert sal.layer_bytes() == [BS * 512, BS * 128, BS * 132] * 2
+    lay = sal.tpu_sync_layout(NB)
+    assert lay["model"]["groups"][2]["kind"] == dict(type="attention", num_kv_heads=1, head_dim=132, kv_planes=1,
+                                                     dtype="fp8")
+    assert lay["groups"][2] == dict(num_blocks=NB, order="lbhnc", block_format=compat.SAL_INDEXER_FORMAT)
+    assert "mla_parts" in sal.mismatch(g.to_dict())
     with pytest.raises(ValueError, match="not one of sparsecore, tensorcore"):
         compat.sparse_mla_parts(LAYERS, INDEXERS, nope_layout="tiled")
 
@@ -154,33 +161,48 @@ def test_sparse_mla_parts_from_the_kv_cache_config(monkeypatch):
     assert compat.tpu_sparse_mla_parts(cfg, 16) == geometry(1).mla_parts
     monkeypatch.setenv("TPU_SPARSE_MLA_ROPE_LAYOUT", "tensorcore")
     assert compat.tpu_sparse_mla_parts(cfg, 16) == geometry(1, rope="tensorcore").mla_parts
-    # vLLM-TorchTPU's default indexer mode with a block size of 128 is SEQ_ALONG_LANE: refused.
+    # vLLM-TorchTPU's default indexer mode with a block size of 128 is SEQ_ALONG_LANE.
     assert compat.tpu_indexer_layout(128) == "seq_along_lane" and compat.tpu_indexer_layout(64) == "head_along_sublane"
-    with pytest.raises(ValueError, match="SEQ_ALONG_LANE"):
-        compat.tpu_sparse_mla_parts(cfg, 128)
+    assert [p["layout"] for p in compat.tpu_sparse_mla_parts(cfg, 128)] == ["sparsecore", "tensorcore",
+                                                                             "seq_along_lane"]
+    monkeypatch.setenv("TPU_USE_RAIDEN_KV_CACHE_MANAGER", "1")
+    monkeypatch.setenv("TPU_RAIDEN_GLM_ADMISSION", "1")
+    assert compat.tpu_indexer_layout(128) == "head_along_sublane"
+    monkeypatch.delenv("TPU_RAIDEN_GLM_ADMISSION")
     monkeypatch.setenv("VLLM_TPU_INDEXER_KV_CACHE_MODE", "has")
     assert compat.tpu_indexer_layout(128) == "head_along_sublane"
     with pytest.raises(ValueError, match="2 KV cache groups"):
         compat.tpu_sparse_mla_parts(types.SimpleNamespace(kv_cache_groups=[grp, grp]), 16)
 
 
-@pytest.mark.parametrize("nope,rope,src_tp,dst_tp", [
-    ("sparsecore", "sparsecore", 2, 4),   # the engine's default layouts, TP=2 prefill -> TP=4 decode
-    ("tensorcore", "sparsecore", 4, 1),   # another nope layout, TP=4 -> TP=1
+@pytest.mark.parametrize("nope,rope,indexer,src_tp,dst_tp", [
+    # the engine's default layouts (a block size < 128), TP=2 prefill -> TP=4 decode
+    ("sparsecore", "sparsecore", "head_along_sublane", 2, 4),
+    ("tensorcore", "sparsecore", "head_along_sublane", 4, 1),   # another nope layout, TP=4 -> TP=1
+    ("sparsecore", "tensorcore", "seq_along_lane", 1, 2),       # the indexer's SEQ_ALONG_LANE cache
 ])
-def test_worker_pd_of_sparse_mla_caches_byte_exact(configs, monkeypatch, backend, nope, rope, src_tp, dst_tp):
+def test_worker_pd_of_sparse_mla_caches_byte_exact(configs, monkeypatch, backend, nope, rope, indexer, src_tp,
+                                                   dst_tp):
     """Every decode rank gets the request's tokens in every cache (a partial last block
     included) and nothing else: its other blocks, the partial block's unused slots and every
     row's padding unchanged (the producer's padding is garbage here, so moving it would show);
-    the producer unchanged; bytes moved = real bytes of the request's tokens."""
+    the producer unchanged; bytes moved = real bytes of the request's tokens. The indexer's
+    ``SEQ_ALONG_LANE`` cache moves in whole blocks: the request's blocks become the producer's
+    (their unused slots and padding rows too), 132 bytes a token slot."""
     tokens = 40
     src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
-    gs, gd = geometry(src_tp, nope, rope), geometry(dst_tp, nope, rope)
+    gs, gd = geometry(src_tp, nope, rope, indexer), geometry(dst_tp, nope, rope, indexer)
     src = [tensors(gs, tokens, src_ids, seed=3, fill_seed=11, garbage_padding=True) for _ in range(src_tp)]
     before = tensors(gd, 0, dst_ids, seed=3, fill_seed=12)
     dst = [tensors(gd, 0, dst_ids, seed=3, fill_seed=12) for _ in range(dst_tp)]
-    # The reference: the destination's filler with the request's tokens written with zero padding.
+    # The reference: the destination's filler with the request's tokens written with zero padding
+    # (whole blocks of the producer's SEQ_ALONG_LANE indexer caches).
     ref = tensors(gd, tokens, dst_ids, seed=3, fill_seed=12)
+    whole = indexer == "seq_along_lane"
+    if whole:
+        for n in INDEXERS:
+            for a, b in zip(src_ids, dst_ids):
+                ref[n][b] = src[0][n][a]
     src_before = [{n: [x.clone() for x in t] if isinstance(t, list) else t.clone() for n, t in r.items()} for r in src]
     with pd_workers(configs, monkeypatch, gs, gd, src, dst, BACKENDS[backend], 97, src_ids, dst_ids, tokens) as (
             prods, conss):
@@ -195,14 +217,17 @@ def test_worker_pd_of_sparse_mla_caches_byte_exact(configs, monkeypatch, backend
         for w in conss:
             moved = w.xfer_stats.data["bytes_transferred"] if w.xfer_stats is not None else None
             if moved is not None:
-                assert moved == [tokens * sum(REAL.values()) * 2], moved
+                per_token = REAL["nope"] + REAL["rope"] + (0 if whole else REAL["indexer"])
+                blocks = len(dst_ids) * BS * compat.SAL_INDEXER_LANES if whole else 0
+                assert moved == [(tokens * per_token + blocks) * 2], moved
             assert w.adapter_stats["backend"] == ("pjrt-view" if backend == "view" else "framework-copy")
 
 
-def test_worker_host_tier_store_then_load_sparse_mla_blocks(configs, monkeypatch, backend):
+@pytest.mark.parametrize("indexer", ["head_along_sublane", "seq_along_lane"])
+def test_worker_host_tier_store_then_load_sparse_mla_blocks(configs, monkeypatch, backend, indexer):
     """Blocks 3..5 of every cache saved to the host tier and loaded into 12..14: those become
     copies of 3..5 (which differed before), every other block unchanged."""
-    g = geometry(2, "tensorcore", "sparsecore")
+    g = geometry(2, "tensorcore", "sparsecore", indexer)
     kv = tensors(g, 3 * BS, [3, 4, 5], seed=21, fill_seed=22)
     w = worker(configs, "kv_both", g, dict(BACKENDS[backend], host_capacity_bytes=64 << 20))
     try:

@@ -61,6 +61,15 @@ MLA_ORDER = "rpamla"
 #: reads ``[:128]`` and ``[128]``) in a 256-byte row.
 SPARSE_MLA_CACHES = (("nope", 512, 512), ("rope", 128, 128), ("indexer", 129, 256))
 
+#: The indexer's K cache in its other layout, ``SEQ_ALONG_LANE`` (``(N, 33, 4, block_size)``
+#: uint8: byte ``j`` of every token's 132-byte record, 128 key bytes, the scale byte and 3 bytes
+#: of padding, is row ``j`` of the block, the tokens along the lanes; vllm-torchtpu 0.29.0
+#: ``streamindex_topk.py`` ``get_kv_cache_shape`` and ``convert_cache_to_seq_along_lane``): no
+#: token is contiguous, so tpu-sync moves its blocks whole, as opaque regions of ``block_size *
+#: 132`` bytes (both sides need the same block size; this block format tag).
+SAL_INDEXER_LANES = 132
+SAL_INDEXER_FORMAT = "vllm-tpu/dsa-indexer-seq-along-lane/uint8"
+
 #: Layouts of the sparse MLA ``nope`` and ``rope`` caches (``TPU_SPARSE_MLA_NOPE_LAYOUT`` /
 #: ``TPU_SPARSE_MLA_ROPE_LAYOUT``, default ``sparsecore``; vllm-torchtpu 0.29.0 ``envs.py``) and
 #: the torch dtype of each (``kernels/mla/kv_cache_utils.py`` ``_LAYOUT_DTYPES``): a token's row
@@ -428,17 +437,25 @@ class KvGeometry:
         Sparse MLA caches (:attr:`mla_parts`) are the groups form too: one ``mla`` group per
         part (``head_dim`` its real bytes per token, fp8, so tpu_sync's ``rpamla`` rows are its
         ``lanes``), ``num_blocks`` blocks each, one block table for all (:func:`placement`
-        takes one list of ids for them).
+        takes one list of ids for them); the indexer's ``SEQ_ALONG_LANE`` cache is an
+        ``attention`` group of one head and one plane of 132 fp8 bytes in the ``lbhnc`` order,
+        tagged :data:`SAL_INDEXER_FORMAT`: opaque whole blocks.
 
         Raises:
             ValueError: KV cache groups with the SEQ_ALONG_LANE or MLA cache (not mapped yet)."""
         if self.mla_parts:
+            def kind(p: Dict[str, Any]) -> Dict[str, Any]:
+                if p["layout"] == "seq_along_lane":
+                    return dict(type="attention", num_kv_heads=1, head_dim=int(p["lanes"]), kv_planes=1, dtype="fp8")
+                return dict(type="mla", head_dim=int(p["bytes"]), dtype="fp8")
+
             return dict(
                 model=dict(name=self.model, groups=[
-                    dict(name=p["name"], layers=[int(l) for l in p["layers"]],
-                         kind=dict(type="mla", head_dim=int(p["bytes"]), dtype="fp8")) for p in self.mla_parts]),
+                    dict(name=p["name"], layers=[int(l) for l in p["layers"]], kind=kind(p)) for p in self.mla_parts]),
                 spec=dict(tp=self.tp, pcp=1, dp=int(dp), block_size=self.block_size, order=MLA_ORDER),
-                groups=[dict(num_blocks=int(num_blocks)) for _ in self.mla_parts],
+                groups=[dict(num_blocks=int(num_blocks), order="lbhnc", block_format=SAL_INDEXER_FORMAT)
+                        if p["layout"] == "seq_along_lane" else dict(num_blocks=int(num_blocks))
+                        for p in self.mla_parts],
             )
         if self.groups and (self.is_sal or self.kv_order == MLA_ORDER):
             raise ValueError(f"TpuSyncConnector: KV cache groups with the {self.kv_order} cache are not supported yet "
@@ -698,19 +715,16 @@ def sparse_mla_parts(layer_names: Sequence[str], indexers: Iterable[str], nope_l
     :func:`layer_order` unless ``ordered``), ``indexers`` those that are indexer caches. Each
     sparse layer gives two cache layers (nope, then rope), each indexer one.
 
+    The indexer's ``seq_along_lane`` layout (:data:`SAL_INDEXER_LANES`) is moved in whole
+    blocks (``lanes`` 132 bytes a token: ``bytes`` 132, its 3 padding bytes included).
+
     Raises:
-        ValueError: an unknown layout; the indexer's ``seq_along_lane`` layout (132 bytes a
-            token along the lanes, not token-major: not mapped yet); no sparse layer."""
+        ValueError: an unknown layout; no sparse layer."""
     for what, v, ok in (("TPU_SPARSE_MLA_NOPE_LAYOUT", nope_layout, SPARSE_MLA_LAYOUTS),
                         ("TPU_SPARSE_MLA_ROPE_LAYOUT", rope_layout, SPARSE_MLA_LAYOUTS),
                         ("the indexer K cache layout", indexer_layout, ("head_along_sublane", "seq_along_lane"))):
         if v not in ok:
             raise ValueError(f"TpuSyncConnector: {what} {v!r} is not one of {', '.join(ok)}")
-    if indexer_layout != "head_along_sublane":
-        raise ValueError("TpuSyncConnector: the DSA indexer's K cache in the SEQ_ALONG_LANE layout (tokens along the "
-                         "lanes, 132 bytes a token) is not mapped yet; vLLM-TorchTPU picks it for "
-                         "VLLM_TPU_INDEXER_KV_CACHE_MODE=sal (its default) with a block size that is a multiple of 128: "
-                         "set VLLM_TPU_INDEXER_KV_CACHE_MODE=has (HEAD_ALONG_SUBLANE, token-major) (docs/tpu.md)")
     idx = set(indexers)
     names = list(layer_names) if ordered else layer_order(list(layer_names))
     parts: Dict[str, List[int]] = {"nope": [], "rope": [], "indexer": []}
@@ -726,8 +740,11 @@ def sparse_mla_parts(layer_names: Sequence[str], indexers: Iterable[str], nope_l
     if not parts["nope"]:
         raise ValueError("TpuSyncConnector: sparse MLA caches without a sparse MLA layer")
     layouts = {"nope": nope_layout, "rope": rope_layout, "indexer": indexer_layout}
-    return tuple(dict(name=name, lanes=lanes, bytes=real, layout=layouts[name], layers=parts[name])
-                 for name, real, lanes in SPARSE_MLA_CACHES if parts[name])
+    sizes = {name: (real, lanes) for name, real, lanes in SPARSE_MLA_CACHES}
+    if indexer_layout == "seq_along_lane":
+        sizes["indexer"] = (SAL_INDEXER_LANES, SAL_INDEXER_LANES)
+    return tuple(dict(name=name, lanes=sizes[name][1], bytes=sizes[name][0], layout=layouts[name], layers=parts[name])
+                 for name, _, _ in SPARSE_MLA_CACHES if parts[name])
 
 
 def tpu_indexer_layout(block_size: int) -> str:

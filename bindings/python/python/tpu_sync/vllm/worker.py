@@ -396,7 +396,9 @@ class WorkerSide:
         cache layers, each indexer's K cache one, in vLLM layer order; every tensor is checked
         against its part's shape formula and layout, and tpu_sync sees each as ``[num_blocks,
         block_size, lanes]`` fp8 bytes (the same memory: every token of a page is one contiguous
-        row of ``lanes`` bytes at ``slot * lanes`` in either layout). CPU tensors are viewed in
+        row of ``lanes`` bytes at ``slot * lanes`` in either layout; the indexer's
+        ``SEQ_ALONG_LANE`` cache is moved in whole blocks, so its view's inner order does not
+        matter). CPU tensors are viewed in
         place; accelerator tensors move through torch's copies, one :class:`TorchKv` per part
         (:class:`tpu_sync.torch_kv.PartsKv`).
 
@@ -442,6 +444,8 @@ class WorkerSide:
             word = 4 if dtype == "torch.uint32" else 1
             if part == "nope":
                 shape = (bs, lanes // 4) if layout == "sparsecore" else (bs, lanes // 128, 128)
+            elif layout == "seq_along_lane":  # the indexer's: byte j of every token in row j
+                shape = (lanes // 4, 4, bs)
             else:  # rope, indexer: 4 tokens to a row
                 shape = (bs // 4, lanes) if layout == "sparsecore" else (bs // 4, 4, lanes)
             have = tuple(int(d) for d in t.shape)
@@ -465,8 +469,13 @@ class WorkerSide:
         client = None
         try:
             for part, idx in by_part.items():
+                spec = want[idx[0]]
+                # tpu-sync's shapes: rpamla [N, BS, lanes]; the SEQ_ALONG_LANE indexer as opaque
+                # LBHNC regions of one head, [N, 1, BS, 132].
+                view = ((nb, 1, bs, int(spec["lanes"])) if spec["layout"] == "seq_along_lane" else
+                        (nb, bs, int(spec["lanes"])))
                 tk = TorchKv([tensors[i] for i in idx], backend=backend, copy_api=copy_api, client=client,
-                             block_size=bs, view_shape=(nb, bs, int(want[idx[0]]["lanes"])), view_dtype="f8e4m3fn")
+                             block_size=bs, view_shape=view, view_dtype="f8e4m3fn")
                 client = tk.client
                 kvs.append(tk)
             parts = PartsKv(kvs, list(by_part.values()))
