@@ -273,3 +273,39 @@ def test_worker_refuses_sparse_mla_caches_that_differ_from_the_geometry(configs,
             register(monkeypatch, w, tensors(g, 0, [], seed=1, fill_seed=2), 0)
     finally:
         w.shutdown()
+
+
+def test_geometry_of_a_sparse_mla_model_on_a_tpu(monkeypatch):
+    """On a TPU platform a model whose config has ``index_topk`` (DeepSeek-V3.2) gets the sparse
+    MLA geometry from its KV cache config, with ``--kv-cache-dtype fp8`` (its kernel's only
+    dtype); another cache dtype, or no KV cache config, is refused by name."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "device_type", "tpu", raising=False)
+    for k in ("TPU_SPARSE_MLA_NOPE_LAYOUT", "TPU_SPARSE_MLA_ROPE_LAYOUT", "VLLM_TPU_INDEXER_KV_CACHE_MODE"):
+        monkeypatch.delenv(k, raising=False)
+
+    def cfg(cache_dtype):
+        mc = types.SimpleNamespace(
+            model="deepseek-v32-test", dtype=torch.bfloat16, use_mla=True,
+            hf_text_config=types.SimpleNamespace(kv_lora_rank=512, index_topk=2048),
+            get_num_kv_heads=lambda pc: 1, get_head_size=lambda: 576, get_num_layers=lambda pc: 2,
+            get_total_num_kv_heads=lambda: 128)
+        return types.SimpleNamespace(model_config=mc, parallel_config=types.SimpleNamespace(tensor_parallel_size=2),
+                                     cache_config=types.SimpleNamespace(cache_dtype=cache_dtype, block_size=BS),
+                                     attention_config=types.SimpleNamespace(backend=None))
+
+    specs = {n: types.SimpleNamespace(dtype=torch.uint8 if n in INDEXERS else torch.float8_e4m3fn) for n in LAYERS}
+    kvc = types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(
+        layer_names=list(LAYERS), kv_cache_spec=types.SimpleNamespace(kv_cache_specs=specs))])
+    g = compat.kv_geometry(cfg("fp8"), kvc)
+    assert g.mla_parts == geometry(2).mla_parts and g.mismatch(geometry(2).to_dict()) is None, g
+    assert g.block_format == "vllm-tpu/rpamla-sparse/fp8" and g.num_layers == 6 and g.groups is None
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8"):
+        compat.kv_geometry(cfg("auto"), kvc)
+    # vLLM's own table would make "fp8" uint8 (CUDA's caches); the TPU backends' is float8_e4m3fn.
+    assert compat.kv_geometry(cfg("fp8_e4m3"), kvc) == g
+    with pytest.raises(ValueError, match=r"'fp8_e5m2' \(torch.float8_e5m2\) is not supported"):
+        compat.kv_geometry(cfg("fp8_e5m2"), kvc)
+    with pytest.raises(ValueError, match="KV cache config is needed"):
+        compat.kv_geometry(cfg("fp8"), None)

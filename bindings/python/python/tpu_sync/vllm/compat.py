@@ -30,6 +30,22 @@ TORCH_TO_TPU_SYNC_DTYPE = {
     "torch.float8_e4m3fn": "fp8",
 }
 
+#: The KV cache dtype strings of vLLM-TorchTPU (``--kv-cache-dtype``) and the torch dtypes its
+#: caches have (vllm-torchtpu 0.29.0 ``TPU_STR_DTYPE_TO_TORCH_DTYPE``,
+#: ``layers/adapter/attention.py``), as torch dtype names; those tpu_sync cannot describe
+#: (``fp8_e5m2``, ``fp8_ds_mla``, ``int8``) are refused where the geometry is made.
+TPU_CACHE_DTYPES = {
+    "half": "torch.float16",
+    "bfloat16": "torch.bfloat16",
+    "float": "torch.float32",
+    "fp8": "torch.float8_e4m3fn",
+    "fp8_e4m3": "torch.float8_e4m3fn",
+    "fp8_e5m2": "torch.float8_e5m2",
+    "fp8_ds_mla": "torch.uint8",
+    "int8": "torch.int8",
+    "uint8": "torch.uint8",
+}
+
 #: ``tpu_sync`` block orders of the TPU backends' ragged paged attention v3 caches
 #: (``docs/tpu.md``).
 RPA3_ORDERS = ("rpa3", "rpa3hd64")
@@ -838,8 +854,14 @@ def kv_geometry(vllm_config: Any, kv_cache_config: Any = None) -> KvGeometry:
     from vllm.platforms import current_platform
 
     cache_dtype = cc.cache_dtype
+    on_tpu = (getattr(current_platform, "device_type", "") or "") == "tpu"
     if cache_dtype in (None, "auto"):
         torch_dtype = mc.dtype
+    elif on_tpu:
+        # vLLM's own table stores fp8 as uint8 (CUDA's caches); the TPU backends allocate
+        # float8_e4m3fn (vllm-torchtpu 0.29.0 TPU_STR_DTYPE_TO_TORCH_DTYPE,
+        # layers/adapter/attention.py).
+        torch_dtype = TPU_CACHE_DTYPES.get(str(cache_dtype).lower().strip())
     else:
         from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 
