@@ -58,6 +58,12 @@ class TpuSyncConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.parse(ktc.kv_role, ktc.kv_connector_extra_config)
         self.geometry = kv_geometry(vllm_config, kv_cache_config)
+        if self.geometry.mla_parts and self.config.layerwise:
+            from .config import ConfigError
+
+            # The hooks name vLLM's layers; a sparse MLA layer is two cache layers and its
+            # indexer one more (docs/tpu.md).
+            raise ConfigError("layerwise is not supported yet for vLLM-TorchTPU's sparse MLA caches; leave it off")
         if self.geometry.has_state and self.config.layerwise:
             from .config import ConfigError
 
