@@ -815,54 +815,39 @@ fn sparse_mla_groups_in_the_tpu_mla_cache_reshard_byte_exact() {
 /// head_dim.
 #[test]
 fn tpu_orders_in_groups_they_do_not_hold_are_refused() {
-    let mla_model = HybridModel {
-        name: "tpu-mla".into(),
-        groups: vec![KvGroup::new("mla", 0..2, mla(576))],
+    // The error of a layout of `groups` (one kind each, 4 blocks) in `order`.
+    let refusal = |name: &str, kinds: &[(&str, GroupKind)], order: BlockOrder| {
+        let groups = kinds
+            .iter()
+            .enumerate()
+            .map(|(i, (n, k))| KvGroup::new(n, [i as u32], k.clone()))
+            .collect();
+        let m = HybridModel {
+            name: name.into(),
+            groups,
+        };
+        let gl = vec![GroupLayout::new(4); kinds.len()];
+        HybridLayout::new(m, spec(1, 1, 1, order), gl)
+            .unwrap_err()
+            .to_string()
     };
-    let e = HybridLayout::new(
-        mla_model,
-        spec(1, 1, 1, BlockOrder::Rpa3),
-        vec![GroupLayout::new(4)],
-    )
-    .unwrap_err()
-    .to_string();
+    let e = refusal("tpu-mla", &[("mla", mla(576))], BlockOrder::Rpa3);
     assert!(
         e.contains("holds attention groups only here; mla groups in it"),
         "{e}"
     );
-    let attn_model = HybridModel {
-        name: "tpu-attn".into(),
-        groups: vec![KvGroup::new(
-            "full",
-            0..2,
-            attn(2, 128, 2, DType::Bf16, None),
-        )],
-    };
-    let e = HybridLayout::new(
-        attn_model,
-        spec(1, 1, 1, BlockOrder::RpaMla),
-        vec![GroupLayout::new(4)],
-    )
-    .unwrap_err()
-    .to_string();
+    let full = attn(2, 128, 2, DType::Bf16, None);
+    let e = refusal("tpu-attn", &[("full", full.clone())], BlockOrder::RpaMla);
     assert!(
         e.contains("block order rpamla (a TPU engine's cache) holds mla groups only here"),
         "{e}"
     );
-    let m = HybridModel {
-        name: "tpu-sliding".into(),
-        groups: vec![
-            KvGroup::new("sliding", [0], attn(2, 128, 2, DType::Bf16, Some(8))),
-            KvGroup::new("full", [1], attn(2, 128, 2, DType::Bf16, None)),
-        ],
-    };
-    let e = HybridLayout::new(
-        m,
-        spec(1, 1, 1, BlockOrder::Rpa3Hd64),
-        vec![GroupLayout::new(4), GroupLayout::new(4)],
-    )
-    .unwrap_err()
-    .to_string();
+    let sliding = attn(2, 128, 2, DType::Bf16, Some(8));
+    let e = refusal(
+        "tpu-sliding",
+        &[("sliding", sliding), ("full", full)],
+        BlockOrder::Rpa3Hd64,
+    );
     assert!(
         e.contains("group 0 (`sliding`): model `tpu-sliding`: block order rpa3hd64"),
         "{e}"
