@@ -152,13 +152,19 @@ def test_geometry_and_layout_of_the_sparse_mla_caches():
 def test_sparse_mla_parts_from_the_kv_cache_config(monkeypatch):
     """From vLLM 0.29's one KV cache group of several page sizes (``UniformTypeKVCacheSpecs``,
     the indexer caches' specs ``uint8``), with the layouts from the engine's environment."""
-    specs = {n: types.SimpleNamespace(dtype=torch.uint8 if n in INDEXERS else torch.float8_e4m3fn) for n in LAYERS}
+    # The indexer's spec: its own head size (key and scale bytes) in uint8; the latent's 576 (its
+    # dtype does not tell them apart: vLLM's own table stores fp8 as uint8 too).
+    specs = {n: types.SimpleNamespace(head_size=129 if n in INDEXERS else 576, dtype=torch.uint8) for n in LAYERS}
     grp = types.SimpleNamespace(layer_names=list(reversed(LAYERS)),
                                 kv_cache_spec=types.SimpleNamespace(kv_cache_specs=specs))
     cfg = types.SimpleNamespace(kv_cache_groups=[grp])
     for k in ("TPU_SPARSE_MLA_NOPE_LAYOUT", "TPU_SPARSE_MLA_ROPE_LAYOUT", "VLLM_TPU_INDEXER_KV_CACHE_MODE"):
         monkeypatch.delenv(k, raising=False)
     assert compat.tpu_sparse_mla_parts(cfg, 16) == geometry(1).mla_parts
+    # Without per-layer specs, vLLM's name for the indexer's cache tells them apart.
+    bare = types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(
+        layer_names=list(LAYERS), kv_cache_spec=types.SimpleNamespace())])
+    assert compat.tpu_sparse_mla_parts(bare, 16) == geometry(1).mla_parts
     monkeypatch.setenv("TPU_SPARSE_MLA_ROPE_LAYOUT", "tensorcore")
     assert compat.tpu_sparse_mla_parts(cfg, 16) == geometry(1, rope="tensorcore").mla_parts
     # vLLM-TorchTPU's default indexer mode with a block size of 128 is SEQ_ALONG_LANE.
@@ -215,11 +221,11 @@ def test_worker_pd_of_sparse_mla_caches_byte_exact(configs, monkeypatch, backend
             for (n, got), (_, exp) in zip(flat(src[r]), flat(src_before[r])):
                 assert np.array_equal(as_bytes(got), as_bytes(exp)), (r, n)
         for w in conss:
-            moved = w.xfer_stats.data["bytes_transferred"] if w.xfer_stats is not None else None
-            if moved is not None:
-                per_token = REAL["nope"] + REAL["rope"] + (0 if whole else REAL["indexer"])
-                blocks = len(dst_ids) * BS * compat.SAL_INDEXER_LANES if whole else 0
-                assert moved == [(tokens * per_token + blocks) * 2], moved
+            assert w.xfer_stats is not None  # vLLM 0.32's connector stats
+            moved = w.xfer_stats.data["bytes_transferred"]
+            per_token = REAL["nope"] + REAL["rope"] + (0 if whole else REAL["indexer"])
+            blocks = len(dst_ids) * BS * compat.SAL_INDEXER_LANES if whole else 0
+            assert moved == [(tokens * per_token + blocks) * 2], moved
             assert w.adapter_stats["backend"] == ("pjrt-view" if backend == "view" else "framework-copy")
 
 
@@ -295,7 +301,7 @@ def test_geometry_of_a_sparse_mla_model_on_a_tpu(monkeypatch):
                                      cache_config=types.SimpleNamespace(cache_dtype=cache_dtype, block_size=BS),
                                      attention_config=types.SimpleNamespace(backend=None))
 
-    specs = {n: types.SimpleNamespace(dtype=torch.uint8 if n in INDEXERS else torch.float8_e4m3fn) for n in LAYERS}
+    specs = {n: types.SimpleNamespace(head_size=129 if n in INDEXERS else 576, dtype=torch.uint8) for n in LAYERS}
     kvc = types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(
         layer_names=list(LAYERS), kv_cache_spec=types.SimpleNamespace(kv_cache_specs=specs))])
     g = compat.kv_geometry(cfg("fp8"), kvc)
@@ -309,3 +315,33 @@ def test_geometry_of_a_sparse_mla_model_on_a_tpu(monkeypatch):
         compat.kv_geometry(cfg("fp8_e5m2"), kvc)
     with pytest.raises(ValueError, match="KV cache config is needed"):
         compat.kv_geometry(cfg("fp8"), None)
+
+
+def test_consumer_of_sparse_mla_caches_with_a_local_prefix_hit_prefills_the_rest(configs):
+    """The sparse MLA caches move as groups, whose plans cover whole requests: a consumer with
+    a local prefix-cache hit prefills the rest itself (and tells the producer) instead of
+    pulling a token range that a grouped placement cannot take; without a hit it pulls the
+    whole request, one list of block ids standing for every group."""
+    import dataclasses
+
+    from test_connector import NUM_BLOCKS, blocks, producer_params, request, sched_out
+
+    _, toks, _, params = producer_params(configs)
+    c = connector(configs["kv_consumer"])
+    g = dataclasses.replace(geometry(1), block_size=c.geometry.block_size)
+    c.scheduler_side.geometry, c.scheduler_side.layout = g, g.tpu_sync_layout(NUM_BLOCKS)
+    params = dict(params, remote_geometry=g.to_dict())
+    r = request("d1", toks, dict(params))
+    assert c.get_num_new_matched_tokens(r, 2 * g.block_size) == (0, False)
+    c.update_state_after_alloc(r, blocks([50, 51, 52, 53]), 0)
+    meta = c.build_connector_meta(sched_out({}))
+    assert meta.recvs == [] and [x.req_id for x in meta.rejects] == ["d1"]
+    r2 = request("d2", toks, dict(params, remote_request_id=params["remote_request_id"] + 1))
+    assert c.get_num_new_matched_tokens(r2, 0) == (100, True)
+    c.update_state_after_alloc(r2, blocks([50, 51, 52, 53]), 100)
+    [spec] = c.build_connector_meta(sched_out({})).recvs
+    assert spec.first_token == 0 and spec.src_layout["spec"]["order"] == compat.MLA_ORDER
+    p = compat.placement(spec.src_layout, spec.src_block_ids)
+    assert p["block_ids"] == [[list(spec.src_block_ids)]] * 3
+    with pytest.raises(ValueError, match="token ranges are planned between uniform layouts only"):
+        compat.placement(spec.src_layout, spec.src_block_ids, 64)

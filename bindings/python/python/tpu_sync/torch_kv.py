@@ -722,9 +722,17 @@ class PartsKv:
             p.commit(block_ids)
 
     def hold(self, block_ids: Any) -> None:
-        """:meth:`TorchKv.hold` of every part."""
-        for p in self.parts:
-            p.hold(block_ids)
+        """:meth:`TorchKv.hold` of every part, or of none (a part that fails releases the
+        holds of those before it)."""
+        done: List[TorchKv] = []
+        try:
+            for p in self.parts:
+                p.hold(block_ids)
+                done.append(p)
+        except BaseException:
+            for p in done:
+                p.drop(block_ids)
+            raise
 
     def drop(self, block_ids: Any) -> None:
         """:meth:`TorchKv.drop` of every part."""

@@ -38,6 +38,8 @@ TPU_CACHE_DTYPES = {
     "half": "torch.float16",
     "bfloat16": "torch.bfloat16",
     "float": "torch.float32",
+    "float32": "torch.float32",
+    "float16": "torch.float16",
     "fp8": "torch.float8_e4m3fn",
     "fp8_e4m3": "torch.float8_e4m3fn",
     "fp8_e5m2": "torch.float8_e5m2",
@@ -552,8 +554,12 @@ def placement(layout: Dict[str, Any], block_ids: Sequence[Any], first_token: int
     table.
 
     Raises:
-        ValueError: a grouped layout given a number of lists other than its group count."""
+        ValueError: a grouped layout given a number of lists other than its group count, or a
+            ``first_token`` (token ranges are planned between uniform layouts only)."""
     tp = int(layout["spec"]["tp"])
+    if "groups" in layout and first_token:
+        raise ValueError(f"TpuSyncConnector: a transfer from token {first_token} of a layout with KV cache groups "
+                         "(token ranges are planned between uniform layouts only)")
     if "groups" in layout:
         n = len(layout["groups"])
         if layout["spec"].get("order") == MLA_ORDER and all(not isinstance(b, (list, tuple)) for b in block_ids):
@@ -780,13 +786,16 @@ def tpu_indexer_layout(block_size: int) -> str:
     return "head_along_sublane"
 
 
-def tpu_sparse_mla_parts(kv_cache_config: Any, block_size: int) -> Tuple[Dict[str, Any], ...]:
+def tpu_sparse_mla_parts(kv_cache_config: Any, block_size: int, latent_head: int = 576) -> Tuple[Dict[str, Any], ...]:
     """:func:`sparse_mla_parts` of a vLLM-TorchTPU engine from its ``KVCacheConfig``: its KV
     cache groups must be one group (vLLM 0.29 keeps the latent and indexer layers in one group
     of several page sizes, ``UniformTypeKVCacheSpecs``); indexer caches are the layers whose
-    spec is ``uint8`` (``DeepseekV32IndexerCache.get_kv_cache_spec``), or named ``*.k_cache``
-    where the spec does not say. The layouts come from ``TPU_SPARSE_MLA_NOPE_LAYOUT``,
-    ``TPU_SPARSE_MLA_ROPE_LAYOUT`` and :func:`tpu_indexer_layout`, as the engine reads them.
+    spec's ``head_size`` is not the latent's ``latent_head`` (the model's head size, 576 for
+    DeepSeek-V3.2; ``DeepseekV32IndexerCache.get_kv_cache_spec`` gives its own, the key and
+    its scale bytes), or, where the spec does not say, those named ``*.k_cache`` (vLLM's
+    ``deepseek_v2.py`` names the indexer's cache ``<prefix>.k_cache``). The layouts come from
+    ``TPU_SPARSE_MLA_NOPE_LAYOUT``, ``TPU_SPARSE_MLA_ROPE_LAYOUT`` and
+    :func:`tpu_indexer_layout`, as the engine reads them.
 
     Raises:
         ValueError: no KV cache config, several groups, or what :func:`sparse_mla_parts` raises."""
@@ -800,9 +809,8 @@ def tpu_sparse_mla_parts(kv_cache_config: Any, block_size: int) -> Tuple[Dict[st
     per_layer = getattr(grp.kv_cache_spec, "kv_cache_specs", None) or {}
     indexers = []
     for n in grp.layer_names:
-        spec = per_layer.get(n)
-        dt = getattr(spec, "dtype", None)
-        if (str(dt) == "torch.uint8") if dt is not None else n.endswith(".k_cache"):
+        head = getattr(per_layer.get(n), "head_size", None)
+        if (int(head) != int(latent_head)) if head is not None else n.endswith(".k_cache"):
             indexers.append(n)
     env = os.environ
     return sparse_mla_parts(list(grp.layer_names), indexers,
@@ -907,7 +915,7 @@ def kv_geometry(vllm_config: Any, kv_cache_config: Any = None) -> KvGeometry:
                 if name != "torch.float8_e4m3fn":
                     raise ValueError(f"TpuSyncConnector: vLLM-TorchTPU's sparse MLA caches need --kv-cache-dtype fp8 "
                                      f"(its kernel takes fp8 only); the cache dtype is {name}")
-                parts = tpu_sparse_mla_parts(kv_cache_config, block_size)
+                parts = tpu_sparse_mla_parts(kv_cache_config, block_size, head_dim)
                 return KvGeometry(
                     model=str(mc.model), num_layers=sum(len(p["layers"]) for p in parts), num_kv_heads=1,
                     heads_per_rank=1, head_dim=head_dim, dtype="fp8", block_size=block_size,

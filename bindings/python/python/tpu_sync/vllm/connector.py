@@ -64,6 +64,12 @@ class TpuSyncConnector(KVConnectorBase_V1, SupportsHMA):
             # The hooks name vLLM's layers; a sparse MLA layer is two cache layers and its
             # indexer one more (docs/tpu.md).
             raise ConfigError("layerwise is not supported yet for vLLM-TorchTPU's sparse MLA caches; leave it off")
+        if self.geometry.mla_parts and self.config.extra.get("cluster"):
+            from .config import ConfigError
+
+            # A peer's blocks load through a uniform placement; these caches move as groups.
+            raise ConfigError("the cluster tier is not supported yet for vLLM-TorchTPU's sparse MLA caches; use the "
+                              "local host tier (offload) and P/D")
         if self.geometry.has_state and self.config.layerwise:
             from .config import ConfigError
 

@@ -236,11 +236,12 @@ class SchedulerSide:
                 return None, False
         if params and params.get("do_remote_prefill") and self.cfg.is_consumer:
             self._pd_first.pop(request.request_id, None)
-            if num_computed_tokens > 0 and self.geometry.groups:
-                # A local prefix-cache hit of a model with KV cache groups: a pull writes every
-                # group's held blocks of the whole request (token ranges are planned for uniform
-                # layouts only), and the first ones are shared with other requests. Compute the
-                # rest of the prompt here instead.
+            if num_computed_tokens > 0 and (self.geometry.groups or self.geometry.mla_parts):
+                # A local prefix-cache hit of a model with KV cache groups (or vLLM-TorchTPU's
+                # sparse MLA caches, moved as groups): a pull writes every group's held blocks
+                # of the whole request (token ranges are planned for uniform layouts only), and
+                # the first ones are shared with other requests. Compute the rest of the prompt
+                # here instead.
                 if request.request_id not in self._pd_local_hit_logged:
                     self._pd_local_hit_logged.add(request.request_id)
                     log.info("tpu_sync: request %s hit %d tokens locally (a model with KV cache groups); "

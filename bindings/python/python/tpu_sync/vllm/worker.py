@@ -456,13 +456,14 @@ class WorkerSide:
                                  "kernels/mla/kv_cache_utils.py; both sides must use the same layout)")
             if nb is None:
                 nb = have[0]
-            if have[0] != nb or not t.is_contiguous():
-                raise ValueError(f"TpuSyncConnector: sparse MLA cache {name} has {have[0]} blocks (others {nb}) or is "
-                                 f"not contiguous (strides {list(t.stride())})")
-            assert int(t[0].numel()) * word == bs * lanes
+            if have[0] != nb or not t.is_contiguous() or int(t[0].numel()) * word != bs * lanes:
+                raise ValueError(f"TpuSyncConnector: sparse MLA cache {name} has {have[0]} blocks (others {nb}), is "
+                                 f"not contiguous (strides {list(t.stride())}) or its blocks are not {bs} x {lanes} "
+                                 "bytes")
             by_part.setdefault(part, []).append(i)
             tensors.append(t)
-        assert nb is not None
+        if nb is None:
+            raise ValueError("TpuSyncConnector: no sparse MLA caches registered")
         backend = str(self.cfg.extra.get("torch_backend", "auto"))
         copy_api = str(self.cfg.extra.get("torch_copy_api", "auto"))
         kvs: List[Any] = []
@@ -479,6 +480,7 @@ class WorkerSide:
                 client = tk.client
                 kvs.append(tk)
             parts = PartsKv(kvs, list(by_part.values()))
+            views = parts.views()
         except BaseException:
             for tk in kvs:
                 tk.close()
@@ -495,7 +497,7 @@ class WorkerSide:
         self.caches = KvCaches(names=[n for n, _, _ in layers], tensors=tensors, num_blocks=nb,
                                layer_block_bytes=max(sizes), tp_rank=rank, layer_bytes=sizes)
         self.caches._client = parts.client  # type: ignore[attr-defined]
-        self.caches.views = parts.views()
+        self.caches.views = views
         if parts.backend == "framework-copy":
             self.caches.copier = parts
         else:
