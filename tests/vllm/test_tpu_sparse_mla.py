@@ -345,3 +345,48 @@ def test_consumer_of_sparse_mla_caches_with_a_local_prefix_hit_prefills_the_rest
     assert p["block_ids"] == [[list(spec.src_block_ids)]] * 3
     with pytest.raises(ValueError, match="token ranges are planned between uniform layouts only"):
         compat.placement(spec.src_layout, spec.src_block_ids, 64)
+
+
+def test_both_at_once_pd_of_sparse_mla_caches(configs, monkeypatch, backend):
+    """A router's both-at-once request (the consumer pulls before the producer has described
+    it, ``src_block_ids`` None): the consumer's pull waits for the producer's registration,
+    made as an engine step with early registration makes it (``bind`` before the forward,
+    ``save_kv_layer`` of vLLM's layer names, ``wait_for_save``); TP=2 -> 4, byte-exact."""
+    from tpu_sync.vllm.metadata import RecvSpec, SendSpec
+
+    from test_tpu_engine_layouts import wait_recv
+
+    tokens, src_tp, dst_tp = 40, 2, 4
+    src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
+    gs, gd = geometry(src_tp), geometry(dst_tp)
+    src = [tensors(gs, tokens, src_ids, seed=5, fill_seed=13, garbage_padding=True) for _ in range(src_tp)]
+    dst = [tensors(gd, 0, dst_ids, seed=5, fill_seed=14) for _ in range(dst_tp)]
+    ref = tensors(gd, tokens, dst_ids, seed=5, fill_seed=14)
+    prods = [worker(configs, "kv_producer", gs, BACKENDS[backend]) for _ in range(src_tp)]
+    conss = [worker(configs, "kv_consumer", gd, BACKENDS[backend]) for _ in range(dst_tp)]
+    try:
+        for r, w in enumerate(prods):
+            register(monkeypatch, w, src[r], r)
+        for r, w in enumerate(conss):
+            register(monkeypatch, w, dst[r], r)
+        peers = {r: w.transport.address for r, w in enumerate(prods)}
+        for w in conss:
+            w.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 99, peers, gs.tpu_sync_layout(NB), None, dst_ids,
+                                                            tokens, 30.0)]))
+            assert w.get_transfer_results(set()).finished_recving == set()  # waits for the producer
+        for w in prods:
+            meta = TpuSyncMetadata(layer_sends=[SendSpec("p1", 99, src_ids, tokens, 60.0, dst_tp)])
+            w.bind(meta)
+            w.start_load_kv(meta)
+            for n in LAYERS:
+                w.save_kv_layer(n)
+            w.wait_for_save(meta)
+        for r, w in enumerate(conss):
+            res = wait_recv(w)
+            assert res.finished_recving == {"d1"} and not res.failed_recving, (r, w.stats)
+            assert w.stats["pulls_deferred"] == 1
+            for (n, got), (_, exp) in zip(flat(dst[r]), flat(ref)):
+                assert np.array_equal(as_bytes(got), as_bytes(exp)), (r, n)
+    finally:
+        for w in conss + prods:
+            w.shutdown()
