@@ -9,6 +9,7 @@ byte-exact, every other block and slot unchanged, each cache's padding never mov
 are torch CPU tensors (no TPU here); each case runs with them viewed in place and through torch's
 own copies (what torch_tpu tensors get)."""
 
+import time
 import types
 
 import numpy as np
@@ -351,7 +352,10 @@ def test_both_at_once_pd_of_sparse_mla_caches(configs, monkeypatch, backend):
     """A router's both-at-once request (the consumer pulls before the producer has described
     it, ``src_block_ids`` None): the consumer's pull waits for the producer's registration,
     made as an engine step with early registration makes it (``bind`` before the forward,
-    ``save_kv_layer`` of vLLM's layer names, ``wait_for_save``); TP=2 -> 4, byte-exact."""
+    ``save_kv_layer`` of vLLM's layer names, ``wait_for_save``); TP=2 -> 4, byte-exact. Decode
+    rank 3 starts only after ranks 0-2 finished, when producer rank 0's registration is gone
+    (released by its pullers, decode ranks 0 and 2): it must ask producer rank 1, which it
+    reads from (asking rank 0, as before, waited until its deadline)."""
     from tpu_sync.vllm.metadata import RecvSpec, SendSpec
 
     from test_tpu_engine_layouts import wait_recv
@@ -370,9 +374,9 @@ def test_both_at_once_pd_of_sparse_mla_caches(configs, monkeypatch, backend):
         for r, w in enumerate(conss):
             register(monkeypatch, w, dst[r], r)
         peers = {r: w.transport.address for r, w in enumerate(prods)}
-        for w in conss:
-            w.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 99, peers, gs.tpu_sync_layout(NB), None, dst_ids,
-                                                            tokens, 30.0)]))
+        recv = RecvSpec("d1", 99, peers, gs.tpu_sync_layout(NB), None, dst_ids, tokens, 30.0)
+        for w in conss[:3]:
+            w.start_load_kv(TpuSyncMetadata(recvs=[recv]))
             assert w.get_transfer_results(set()).finished_recving == set()  # waits for the producer
         for w in prods:
             meta = TpuSyncMetadata(layer_sends=[SendSpec("p1", 99, src_ids, tokens, 60.0, dst_tp)])
@@ -381,8 +385,14 @@ def test_both_at_once_pd_of_sparse_mla_caches(configs, monkeypatch, backend):
             for n in LAYERS:
                 w.save_kv_layer(n)
             w.wait_for_save(meta)
-        for r, w in enumerate(conss):
-            res = wait_recv(w)
+        results = [wait_recv(w) for w in conss[:3]]
+        deadline = time.monotonic() + 30
+        while prods[0].transport.endpoint.stats()["leases"] and time.monotonic() < deadline:
+            time.sleep(0.02)  # producer rank 0 released by decode ranks 0 and 2
+        assert not prods[0].transport.endpoint.stats()["leases"]
+        conss[3].start_load_kv(TpuSyncMetadata(recvs=[recv]))
+        results.append(wait_recv(conss[3]))
+        for r, (w, res) in enumerate(zip(conss, results)):
             assert res.finished_recving == {"d1"} and not res.failed_recving, (r, w.stats)
             assert w.stats["pulls_deferred"] == 1
             for (n, got), (_, exp) in zip(flat(dst[r]), flat(ref)):

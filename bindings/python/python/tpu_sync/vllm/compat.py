@@ -607,6 +607,29 @@ def pullers_of_rank(src: Dict[str, Any], rank: Union[int, Iterable[int]], num_to
         plan.close()
 
 
+def source_ranks(src_layout: Dict[str, Any], dst: Dict[str, Any], num_tokens: int,
+                 dst_ranks: Iterable[int]) -> List[int]:
+    """The producer ranks (of ``src_layout``, a uniform layout or the sparse MLA caches' one
+    block table) that the destination ranks ``dst_ranks`` of placement ``dst`` read a request
+    of ``num_tokens`` tokens from, sorted: planned with the native planner against stand-in
+    source block ids (which ranks send does not depend on them). A both-at-once consumer asks
+    one of them for the request's placement: their registrations wait for its release, while
+    another rank's may already be gone (released by its own pullers).
+
+    Raises:
+        ValueError, tpu_sync errors: a layout the planner refuses."""
+    import tpu_sync
+
+    nb = -(-int(num_tokens) // int(src_layout["spec"]["block_size"]))
+    src = placement(src_layout, list(range(1, nb + 1)))
+    want = {int(r) for r in dst_ranks}
+    plan = tpu_sync.Plan(src, dst, int(num_tokens))
+    try:
+        return sorted({int(sp.src_rank) for sp in plan.spans() if int(sp.dst_rank) in want})
+    finally:
+        plan.close()
+
+
 def prompt_digest(token_ids: Sequence[int]) -> str:
     """Digest of the prompt tokens whose KV a producer hands over; the consumer refuses KV whose
     digest differs from its own prompt's (a proxy that re-tokenised differently)."""

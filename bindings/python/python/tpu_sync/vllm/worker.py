@@ -1122,6 +1122,22 @@ class WorkerSide:
         # The endpoint staged the blocks (or failed): vLLM may free them.
         self._sent.add(s.req_id)
 
+    def _describe_peer(self, s: RecvSpec, dst: Dict[str, Any]) -> Optional[str]:
+        """The producer endpoint a both-at-once pull asks for the request's placement: one of
+        the producer ranks this worker's ranks read from (:func:`compat.source_ranks`), whose
+        registration waits for this worker's release; with several producer ranks, another
+        rank's registration may already be released by its own pullers when this one asks.
+        None (the transport's first peer) where the planner cannot tell."""
+        try:
+            # The global ranks of this worker's buffers (a JAX runner's replica: its ranks).
+            mine = list(self.caches.kv(dst.get("dp_rank")).keys()) if self.caches is not None else []
+            for r in compat.source_ranks(s.src_layout, dst, s.num_tokens, mine):
+                if r in s.peers:
+                    return s.peers[r]
+        except Exception as e:  # the first peer then (every rank of a one-endpoint producer)
+            log.debug("tpu_sync: the producer ranks transfer %s reads from: %s", s.xfer_id, e)
+        return None
+
     def _poll_starts(self) -> None:
         """Starts pulls not started yet (retrying while the producer does not know the request)."""
         assert self.caches is not None
@@ -1147,7 +1163,7 @@ class WorkerSide:
                     kv = None
                     if hasattr(self.transport, "buffers"):
                         kv = self.transport.buffers(dst["dp_rank"]) if self._dp > 1 else self.transport.buffers()
-                    p.handle = _Deferred(self.transport, s, dst, p.deadline, kv)
+                    p.handle = _Deferred(self.transport, s, dst, p.deadline, kv, self._describe_peer(s, dst))
                     self.stats["pulls_deferred"] += 1
                 elif self._pull_waits:
                     # The producer registers one engine step after the request finished: the pull
@@ -1570,11 +1586,15 @@ class _Deferred:
     other, so a cancelled pull never starts writing into blocks vLLM may have freed. ``kv``:
     the destination buffers (``transport.buffers()``), resolved by the caller on the model's
     thread, since this object's thread may run while a forward replaces the caches (None: the
-    transport resolves them itself)."""
+    transport resolves them itself). ``addr``: the producer endpoint asked
+    (:meth:`WorkerSide._describe_peer`; None: the first peer's)."""
 
-    def __init__(self, transport: Any, spec: RecvSpec, dst: Any, deadline: float, kv: Any = None) -> None:
+    def __init__(self, transport: Any, spec: RecvSpec, dst: Any, deadline: float, kv: Any = None,
+                 addr: Optional[str] = None) -> None:
         self._transport, self._spec, self._dst, self._deadline = transport, spec, dst, deadline
         self._kv = kv
+        #: the producer endpoint to ask (None: the first peer's)
+        self._addr = addr
         self._lock = threading.Lock()
         self._cancelled = False
         self._inner: Any = None
@@ -1639,7 +1659,7 @@ class _Deferred:
     def _start(self) -> None:
         s = self._spec
         t0 = time.monotonic()
-        addr = s.peers[min(s.peers)] if s.peers else None
+        addr = self._addr or (s.peers[min(s.peers)] if s.peers else None)
         if addr is None or not hasattr(self._transport, "describe"):
             self._fail(RuntimeError("this P/D transport cannot ask a producer for its placement "
                                     "(both-at-once requests need tpu_sync's endpoint)"))
