@@ -21,6 +21,9 @@ DTYPES = {
     "s32": lib.TPU_SYNC_DTYPE_S32,
 }
 
+#: Bytes per element of each of :data:`DTYPES`.
+ITEMSIZE = {"u8": 1, "bf16": 2, "f16": 2, "f32": 4, "f8e4m3fn": 1, "s8": 1, "s32": 4}
+
 _ALIASES = {
     "uint8": "u8",
     "int8": "s8",

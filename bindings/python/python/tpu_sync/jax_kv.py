@@ -70,6 +70,7 @@ import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import _check as ck
+from .arrays import ITEMSIZE
 from .errors import InvalidArgumentError, MismatchError, UnsupportedError
 from ._native import lib
 
@@ -87,8 +88,6 @@ JAX_DTYPES = {
 
 BACKENDS = ("auto", "pjrt-view", "framework-copy")
 
-#: Bytes per element of the tpu_sync buffer dtypes above.
-ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4, "f8e4m3fn": 1}
 
 
 def _uint(itemsize: int) -> Any:

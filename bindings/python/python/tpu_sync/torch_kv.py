@@ -60,6 +60,7 @@ import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from . import _check as ck
+from .arrays import ITEMSIZE
 from ._native import lib
 from .errors import InvalidArgumentError, UnsupportedError
 
@@ -79,9 +80,6 @@ TORCH_DTYPES = {
     "torch.float8_e4m3fn": "f8e4m3fn",
     "torch.uint8": "u8",
 }
-
-#: Bytes per element of the tpu_sync buffer dtypes above.
-VIEW_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4, "f8e4m3fn": 1, "u8": 1}
 
 NULL_BLOCK_ID = ck.NULL_BLOCK_ID
 
@@ -169,8 +167,8 @@ class TorchKv:
         dt = str(t0.dtype)
         if view_dtype is None and dt not in TORCH_DTYPES:
             raise _fail(InvalidArgumentError, f"KV tensor dtype {dt} (supported: {', '.join(TORCH_DTYPES)})")
-        if view_dtype is not None and view_dtype not in VIEW_ITEMSIZE:
-            raise _fail(InvalidArgumentError, f"view dtype {view_dtype!r} (supported: {', '.join(VIEW_ITEMSIZE)})")
+        if view_dtype is not None and view_dtype not in ITEMSIZE:
+            raise _fail(InvalidArgumentError, f"view dtype {view_dtype!r} (supported: {', '.join(ITEMSIZE)})")
         if int(t0.element_size()) not in (1, 2, 4):
             raise _fail(InvalidArgumentError, f"KV tensor dtype {dt} of {t0.element_size()} bytes per element")
         if layer_group is not None:
@@ -187,7 +185,7 @@ class TorchKv:
         self.dtype = t0.dtype
         self.buffer_dtype = view_dtype or TORCH_DTYPES[dt]
         esize = int(t0.element_size())
-        vsize = VIEW_ITEMSIZE[self.buffer_dtype]
+        vsize = ITEMSIZE[self.buffer_dtype]
         if self.view_shape is not None and (math.prod(self.view_shape) * vsize != math.prod(self.shape) * esize or
                                             not self.view_shape or self.view_shape[0] != self.shape[0]):
             raise _fail(InvalidArgumentError, f"view shape {list(self.view_shape)} ({self.buffer_dtype}) is not the "

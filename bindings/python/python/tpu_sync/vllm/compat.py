@@ -20,7 +20,7 @@ import hashlib
 import logging
 import platform
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 #: tpu_sync dtype names (``tpu_sync::layout::DType``) of torch KV cache dtypes.
 TORCH_TO_TPU_SYNC_DTYPE = {
@@ -587,8 +587,6 @@ def pullers_of_rank(src: Dict[str, Any], rank: Union[int, Iterable[int]], num_to
     producer ranks than hold them), which the producer need not register. Uses the native
     planner (:class:`tpu_sync.Plan`), the one the consumer plans its pull with."""
     ranks = {int(rank)} if isinstance(rank, int) else {int(r) for r in rank}
-    import tpu_sync
-
     layout = src["layout"]
     nb = -(-int(num_tokens) // int(layout["spec"]["block_size"]))
     if "groups" in layout:
@@ -600,9 +598,17 @@ def pullers_of_rank(src: Dict[str, Any], rank: Union[int, Iterable[int]], num_to
     else:
         dst_layout = dict(layout, spec=dict(layout["spec"], tp=int(decode_tp), dp=1), num_blocks=max(nb, 1))
         dst = placement(dst_layout, list(range(nb)))
+    return len({d for s, d in _rank_pairs(src, dst, num_tokens) if s in ranks})
+
+
+def _rank_pairs(src: Dict[str, Any], dst: Dict[str, Any], num_tokens: int) -> Set[Tuple[int, int]]:
+    """``(source rank, destination rank)`` of every span the native planner plans between
+    placements ``src`` and ``dst`` (:class:`tpu_sync.Plan`)."""
+    import tpu_sync
+
     plan = tpu_sync.Plan(src, dst, int(num_tokens))
     try:
-        return len({s.dst_rank for s in plan.spans() if s.src_rank in ranks})
+        return {(int(sp.src_rank), int(sp.dst_rank)) for sp in plan.spans()}
     finally:
         plan.close()
 
@@ -618,16 +624,10 @@ def source_ranks(src_layout: Dict[str, Any], dst: Dict[str, Any], num_tokens: in
 
     Raises:
         ValueError, tpu_sync errors: a layout the planner refuses."""
-    import tpu_sync
-
     nb = -(-int(num_tokens) // int(src_layout["spec"]["block_size"]))
     src = placement(src_layout, list(range(1, nb + 1)))
     want = {int(r) for r in dst_ranks}
-    plan = tpu_sync.Plan(src, dst, int(num_tokens))
-    try:
-        return sorted({int(sp.src_rank) for sp in plan.spans() if int(sp.dst_rank) in want})
-    finally:
-        plan.close()
+    return sorted({s for s, d in _rank_pairs(src, dst, num_tokens) if d in want})
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:
@@ -753,11 +753,11 @@ def mamba_state_group(spec: Any, tp: int = 1) -> Tuple[Dict[str, Any], int]:
 
 
 def sparse_mla_parts(layer_names: Sequence[str], indexers: Iterable[str], nope_layout: str = "sparsecore",
-                     rope_layout: str = "sparsecore", indexer_layout: str = "head_along_sublane",
-                     ordered: bool = False) -> Tuple[Dict[str, Any], ...]:
+                     rope_layout: str = "sparsecore", indexer_layout: str = "head_along_sublane"
+                     ) -> Tuple[Dict[str, Any], ...]:
     """:attr:`KvGeometry.mla_parts` of vLLM-TorchTPU's sparse MLA caches: ``layer_names`` the
     names vLLM registers caches under (sparse MLA layers and indexer K caches; sorted here by
-    :func:`layer_order` unless ``ordered``), ``indexers`` those that are indexer caches. Each
+    :func:`layer_order`), ``indexers`` those that are indexer caches. Each
     sparse layer gives two cache layers (nope, then rope), each indexer one.
 
     The indexer's ``seq_along_lane`` layout (:data:`SAL_INDEXER_LANES`) is moved in whole
@@ -771,7 +771,7 @@ def sparse_mla_parts(layer_names: Sequence[str], indexers: Iterable[str], nope_l
         if v not in ok:
             raise ValueError(f"TpuSyncConnector: {what} {v!r} is not one of {', '.join(ok)}")
     idx = set(indexers)
-    names = list(layer_names) if ordered else layer_order(list(layer_names))
+    names = layer_order(list(layer_names))
     parts: Dict[str, List[int]] = {"nope": [], "rope": [], "indexer": []}
     layer = 0
     for n in names:

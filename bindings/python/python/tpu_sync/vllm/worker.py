@@ -406,7 +406,6 @@ class WorkerSide:
             ValueError: a layer count, list length, shape, dtype (another layout than the
                 geometry's) or block count other than the geometry's; non-contiguous tensors;
             NotImplementedError: layer-wise transfers (not supported with these caches yet)."""
-        import torch
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         from tpu_sync.torch_kv import PartsKv, TorchKv
@@ -492,7 +491,6 @@ class WorkerSide:
             rank = int(get_tensor_model_parallel_rank())
         except Exception:  # no TP group (single process)
             rank = 0
-        del torch
         sizes = g.layer_bytes()
         self.caches = KvCaches(names=[n for n, _, _ in layers], tensors=tensors, num_blocks=nb,
                                layer_block_bytes=max(sizes), tp_rank=rank, layer_bytes=sizes)
