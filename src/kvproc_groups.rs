@@ -185,6 +185,7 @@ fn placement(
         layout,
         dp_rank,
         block_ids,
+        first_token: 0,
     };
     p.validate(tokens)?;
     Ok(p)
@@ -355,6 +356,7 @@ pub async fn decode_request(
     let background = HybridPlacement {
         dp_rank: u32::MAX,
         block_ids: vec![],
+        first_token: 0,
         ..dst_h.clone()
     };
     let buffers = make_buffers(&client, &background, num_tokens, kvproc::DECODE_SALT)?;

@@ -83,6 +83,7 @@ fn needed(preset: &str, tokens: u32, decode: &str) -> Vec<(String, u64)> {
         layout,
         dp_rank: 0,
         block_ids: vec![],
+        first_token: 0,
     };
     let n = p.needed_bytes(tokens).unwrap();
     m.groups.iter().map(|g| g.name.clone()).zip(n).collect()

@@ -454,6 +454,7 @@ fn device_parts_round_trip_into_other_blocks() {
         layout: layout.clone(),
         dp_rank: 0,
         block_ids: ids.into_iter().map(|v| vec![v]).collect(),
+        first_token: 0,
     };
     assert_eq!(layout.window_blocks(1, tokens).unwrap(), 3..6);
     let src = place([vec![17, 3, 9, 22, 0, 11], vec![4, 8, 1], vec![2]]);
@@ -477,6 +478,7 @@ fn device_parts_round_trip_into_other_blocks() {
     let empty = HybridPlacement {
         dp_rank: u32::MAX,
         block_ids: vec![],
+        first_token: 0,
         ..dst.clone()
     };
     let dst_bufs = buffers(&empty, 2);

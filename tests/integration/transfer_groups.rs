@@ -112,6 +112,7 @@ fn placement(m: &HybridModel, spec: &str, seed: u64) -> HybridPlacement {
         layout,
         dp_rank: 0,
         block_ids,
+        first_token: 0,
     };
     p.validate(TOKENS).unwrap();
     p
@@ -136,6 +137,7 @@ fn background(client: &Client, p: &HybridPlacement, rank: u32) -> Vec<DeviceBuff
     let bg = HybridPlacement {
         dp_rank: u32::MAX,
         block_ids: vec![],
+        first_token: 0,
         ..p.clone()
     };
     buffers(client, &bg, rank, DST_SALT)

@@ -245,6 +245,60 @@ def test_hybrid_pd_reshards_tp1_prefill_into_tp2_decode(engines, plain):
     assert m["vllm:prompt_tokens_by_source{source=external_kv_transfer}"] == sum(LENS), m
 
 
+# A system prompt of 3 blocks shared by three requests. The first (106 tokens) is pulled whole:
+# the consumer's sliding group then holds blocks 1..3 (its window [59, 106)) and both groups
+# cache blocks 0..2's tokens (the sliding group blocks 1 and 2, all that the window of a hit of
+# 96 tokens, [49, 96), reads), so the next two hit 96 tokens in the local prefix cache.
+SYSTEM = [(i * 53 + 7) % 1000 + 3 for i in range(3 * BS)]
+SHARED_LENS = (106, 136, 160)
+SHARED_PROMPTS = [SYSTEM + [(i * 71 + 41 * k) % 1000 + 5 for i in range(n - len(SYSTEM))]
+                  for k, n in enumerate(SHARED_LENS)]
+SHARED_WAVES = [[0], [1, 2]]
+
+
+def _shared_spec(engines, **kw):
+    s = engines.spec(**kw)
+    s["prompts"] = SHARED_PROMPTS
+    return s
+
+
+def test_hybrid_pd_shared_system_prompt_pulls_only_the_uncached_blocks(engines):
+    """A decode instance with prefix caching whose requests share a system prompt, with two KV
+    cache groups (sliding window + full attention): the first request is pulled whole, the next
+    two hit the system prompt's 3 blocks in the local prefix cache (in both groups) and pull
+    only the tokens after it, each group into its own blocks from block 3 on (the placement's
+    ``first_token``). Token-identical to a plain engine with prefix caching; the bytes received
+    are exactly those of the uncomputed blocks of each group: the sliding group of 136 tokens
+    needs blocks 2..4 of its window [89, 136) and pulls 3..4 (block 2 is the hit's), the full
+    group blocks 3..4 of 5."""
+    plain = engines.run("hybrid_plain_shared", _shared_spec(engines, prefix_caching=True, waves=SHARED_WAVES))
+    assert len({tuple(t) for t in toks(plain)}) == len(SHARED_PROMPTS)
+    assert cached(plain) == [0, len(SYSTEM), len(SYSTEM)], cached(plain)
+    p, c = engines.pd("hybrid_pd_shared", _shared_spec(engines, connector=dict(
+        kv_role="kv_producer", extra=dict(lease_s=120.0))), _shared_spec(
+            engines, prefix_caching=True, waves=SHARED_WAVES,
+            connector=dict(kv_role="kv_consumer", policy="fail", extra=dict(pull_timeout_s=60.0))))
+    assert toks(c) == toks(plain)
+    hit = len(SYSTEM)
+    st = c["scheduler_stats"]
+    assert st["p2p_partial"] == 2 and st["p2p_local_hit_tokens"] == 2 * hit, st
+    assert st["rejects"] == 0 and st["refused_params"] == 0 and st["window_local"] == 0, st
+    assert c["worker_stats"]["pulls_done"] == 3 and c["worker_stats"]["pulls_failed"] == 0
+    m = c["metrics"]
+    lens = SHARED_LENS
+    assert cached_by(m, "p2p") == lens[0] + (lens[1] - hit) + (lens[2] - hit), m
+    # Layer-blocks pulled (one layer per group; CPU blocks move whole): 106 tokens whole, the
+    # sliding group's window blocks 1..3 and the full group's 0..3; after the hit, blocks 3..4
+    # of each group for 136 and for 160 tokens (the sliding window of 160, [113, 160), starts
+    # in block 3 anyway).
+    params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
+    assert [[len(g) for g in x["remote_block_ids"]] for x in params] == [[3, 4], [3, 5], [2, 5]], params
+    geo = params[0]["remote_geometry"]
+    elem = {"f32": 4, "bf16": 2, "f16": 2}[geo["dtype"]]
+    bb = 2 * geo["num_kv_heads"] * geo["head_dim"] * geo["block_size"] * elem
+    assert m["vllm:tpu_sync_bytes_transferred"] == (7 + 4 + 4) * bb, (m["vllm:tpu_sync_bytes_transferred"], bb)
+
+
 # Prompt lengths T where the window of the recomputed last prompt token (position T - 1, after
 # a whole-prompt load vLLM sets num_computed_tokens = T - 1) starts one block before the
 # producer's window of T tokens: (T + 1 - 48) % 32 == 0 for 79 and 111 (windows [31, 79) and

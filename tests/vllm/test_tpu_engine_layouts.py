@@ -130,11 +130,13 @@ def register(monkeypatch, w, tensors, rank):
 
 
 @contextlib.contextmanager
-def pd_workers(configs, monkeypatch, gs, gd, src, dst, extra, xfer, src_ids, dst_ids, tokens, early=False):
+def pd_workers(configs, monkeypatch, gs, gd, src, dst, extra, xfer, src_ids, dst_ids, tokens, early=False,
+               first_token=0):
     """Worker sides of a P/D pair, one per TP rank: producers registered with ``src`` (one
     tensor dict per rank), consumers with ``dst``; request ``xfer`` registered by every producer
     (``early``: as an engine step does with ``early_register``, ``bind`` before the forward,
-    ``save_kv_layer`` per layer, ``wait_for_save``) and pulled by every consumer. Yields
+    ``save_kv_layer`` per layer, ``wait_for_save``) and pulled by every consumer (from token
+    ``first_token`` on, into ``dst_ids`` the blocks from there on: a local prefix hit). Yields
     ``(producers, consumers)`` once every pull finished; shuts them down after."""
     prods = [worker(configs, "kv_producer", gs, extra) for _ in src]
     conss = [worker(configs, "kv_consumer", gd, extra) for _ in dst]
@@ -160,7 +162,7 @@ def pd_workers(configs, monkeypatch, gs, gd, src, dst, extra, xfer, src_ids, dst
         layout = gs.tpu_sync_layout(NB)
         for w in conss:
             w.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", xfer, peers, layout, src_ids, dst_ids, tokens,
-                                                            30.0)]))
+                                                            30.0, first_token=first_token)]))
         for r, w in enumerate(conss):
             res = wait_recv(w)
             assert res.finished_recving == {"d1"} and not res.failed_recving, (r, w.stats)

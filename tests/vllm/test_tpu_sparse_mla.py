@@ -318,11 +318,11 @@ def test_geometry_of_a_sparse_mla_model_on_a_tpu(monkeypatch):
         compat.kv_geometry(cfg("fp8"), None)
 
 
-def test_consumer_of_sparse_mla_caches_with_a_local_prefix_hit_prefills_the_rest(configs):
-    """The sparse MLA caches move as groups, whose plans cover whole requests: a consumer with
-    a local prefix-cache hit prefills the rest itself (and tells the producer) instead of
-    pulling a token range that a grouped placement cannot take; without a hit it pulls the
-    whole request, one list of block ids standing for every group."""
+def test_consumer_of_sparse_mla_caches_with_a_local_prefix_hit_pulls_the_rest(configs):
+    """A consumer with a local prefix-cache hit of 2 blocks pulls only the producer's tokens
+    after it, into its blocks from block 2 on (one list of block ids standing for every group,
+    with the hit as the placement's ``first_token``); without a hit it pulls the whole
+    request."""
     import dataclasses
 
     from test_connector import NUM_BLOCKS, blocks, producer_params, request, sched_out
@@ -332,20 +332,62 @@ def test_consumer_of_sparse_mla_caches_with_a_local_prefix_hit_prefills_the_rest
     g = dataclasses.replace(geometry(1), block_size=c.geometry.block_size)
     c.scheduler_side.geometry, c.scheduler_side.layout = g, g.tpu_sync_layout(NUM_BLOCKS)
     params = dict(params, remote_geometry=g.to_dict())
+    hit = 2 * g.block_size
     r = request("d1", toks, dict(params))
-    assert c.get_num_new_matched_tokens(r, 2 * g.block_size) == (0, False)
-    c.update_state_after_alloc(r, blocks([50, 51, 52, 53]), 0)
-    meta = c.build_connector_meta(sched_out({}))
-    assert meta.recvs == [] and [x.req_id for x in meta.rejects] == ["d1"]
+    assert c.get_num_new_matched_tokens(r, hit) == (100 - hit, True)
+    c.update_state_after_alloc(r, blocks([50, 51, 52, 53]), 100 - hit)
+    [spec] = c.build_connector_meta(sched_out({})).recvs
+    assert (spec.first_token, spec.dst_block_ids) == (hit, [52, 53]), spec
+    p = compat.placement(g.tpu_sync_layout(NUM_BLOCKS), spec.dst_block_ids, spec.first_token)
+    assert p["first_token"] == hit and p["block_ids"] == [[[52, 53]]] * 3, p
+    assert c.scheduler_side.stats["p2p_partial"] == 1
     r2 = request("d2", toks, dict(params, remote_request_id=params["remote_request_id"] + 1))
     assert c.get_num_new_matched_tokens(r2, 0) == (100, True)
     c.update_state_after_alloc(r2, blocks([50, 51, 52, 53]), 100)
     [spec] = c.build_connector_meta(sched_out({})).recvs
     assert spec.first_token == 0 and spec.src_layout["spec"]["order"] == compat.MLA_ORDER
     p = compat.placement(spec.src_layout, spec.src_block_ids)
-    assert p["block_ids"] == [[list(spec.src_block_ids)]] * 3
-    with pytest.raises(ValueError, match="token ranges are planned between uniform layouts only"):
-        compat.placement(spec.src_layout, spec.src_block_ids, 64)
+    assert p["block_ids"] == [[list(spec.src_block_ids)]] * 3 and "first_token" not in p
+
+
+@pytest.mark.parametrize("indexer", ["head_along_sublane", "seq_along_lane"])
+def test_worker_pd_of_sparse_mla_caches_after_a_local_prefix_hit(configs, monkeypatch, backend, indexer):
+    """A decode instance (TP=4) that already holds the request's first block (a local prefix
+    hit of 16 tokens) pulls only tokens 16..40 from the TP=2 producer, into its blocks from the
+    second on, in every cache: the hit's block is never written (it holds other bytes than the
+    producer's here, so a write would show), nor are the other blocks or the padding; bytes
+    moved = real bytes of the 24 tokens after the hit (the ``SEQ_ALONG_LANE`` indexer: its 2
+    whole blocks after the hit)."""
+    tokens, first = 40, BS
+    src_ids, dst_ids = [5, 9, 2], [11, 3, 7]
+    gs, gd = geometry(2, indexer=indexer), geometry(4, indexer=indexer)
+    src = [tensors(gs, tokens, src_ids, seed=3, fill_seed=11, garbage_padding=True) for _ in range(2)]
+    # The consumer's hit: tokens 0..16 at its first block, of another seed than the producer's.
+    before = tensors(gd, first, dst_ids, seed=4, fill_seed=12)
+    dst = [tensors(gd, first, dst_ids, seed=4, fill_seed=12) for _ in range(4)]
+    ref = tensors(gd, tokens, dst_ids, seed=3, fill_seed=12)
+    whole = indexer == "seq_along_lane"
+    for (n, r), (_, b) in zip(flat(ref), flat(before)):
+        r[dst_ids[0]] = b[dst_ids[0]]  # the hit's block as it was
+        if whole and n in INDEXERS:
+            for a, d in zip(src_ids[1:], dst_ids[1:]):
+                r[d] = src[0][n][a]
+    src_before = [{n: [x.clone() for x in t] if isinstance(t, list) else t.clone() for n, t in r.items()} for r in src]
+    with pd_workers(configs, monkeypatch, gs, gd, src, dst, BACKENDS[backend], 98, src_ids, dst_ids[1:], tokens,
+                    first_token=first) as (prods, conss):
+        for r in range(4):
+            for (n, got), (_, exp), (_, old) in zip(flat(dst[r]), flat(ref), flat(before)):
+                assert np.array_equal(as_bytes(got), as_bytes(exp)), (r, n, np.argwhere(as_bytes(got) !=
+                                                                                         as_bytes(exp))[:4])
+                assert not np.array_equal(as_bytes(got), as_bytes(old)), (r, n)  # the test can fail
+        for r in range(2):
+            for (n, got), (_, exp) in zip(flat(src[r]), flat(src_before[r])):
+                assert np.array_equal(as_bytes(got), as_bytes(exp)), (r, n)
+        for w in conss:
+            moved = w.xfer_stats.data["bytes_transferred"]
+            per_token = REAL["nope"] + REAL["rope"] + (0 if whole else REAL["indexer"])
+            blocks = 2 * BS * compat.SAL_INDEXER_LANES if whole else 0
+            assert moved == [((tokens - first) * per_token + blocks) * 2], moved
 
 
 def test_both_at_once_pd_of_sparse_mla_caches(configs, monkeypatch, backend):

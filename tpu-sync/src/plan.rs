@@ -60,9 +60,8 @@ pub struct Placement {
     /// `block_ids` then lists the request blocks [`Placement::held_chunk`] (the PCP chunk from
     /// request block `k` on), and a plan copies only tokens `first_token..num_tokens`. A source
     /// must hold every token its destination wants (its `first_token` <= the destination's).
-    /// Uniform placements only: a grouped placement with a non-zero `first_token` is refused
-    /// ([`Error::InvalidArgument`]), and so is a plan between a placement with a non-zero
-    /// `first_token` and a grouped one.
+    /// With groups it is the groups' [`HybridPlacement::first_token`] (the same semantics, per
+    /// group).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub first_token: u32,
 }
@@ -91,13 +90,6 @@ impl Placement {
     /// number of block ids, an id `>= num_blocks`, or an id used twice on one rank.
     pub fn validate(&self, num_tokens: u32) -> Result<()> {
         if let Some(h) = &self.groups {
-            if self.first_token != 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "a placement with KV cache groups holds the whole request; first_token {} \
-                     (a token range) is for uniform placements only",
-                    self.first_token
-                )));
-            }
             self.check_carrier(h)?;
             return h.validate(num_tokens);
         }

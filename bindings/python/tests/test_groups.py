@@ -121,6 +121,50 @@ def test_grouped_pull_is_byte_exact_and_mismatched_groups_are_refused_at_the_han
         prod.close()
 
 
+def test_grouped_pull_after_a_prefix_hit_moves_only_the_tokens_after_it(client, data):
+    """A destination that holds the request's first 32 tokens (a prefix-cache hit of 2 blocks)
+    lists only the blocks after them (``first_token``): the full group its block 2, the sliding
+    group its window's block, the state group its slot. The pull over loopback TCP moves exactly
+    tokens 32..40 of the full layer, the window's 7 tokens of the sliding layers and the state
+    slot, byte-exact; the hit's blocks (the full layer's blocks 2 and 0 of the destination's
+    first placement) and every other byte unchanged. An unaligned hit is refused by name."""
+    dst_hit = tpu_sync.placement(layout(), [[[1]], [[3]], [[0]]], first_token=32)
+    assert dst_hit["first_token"] == 32
+    needed = 2 * 7 * 2 * 2 * 4 * 2 + 8 * 2 * 2 * 4 * 2 + 176
+    with tpu_sync.Plan(SRC, dst_hit, TOKENS) as plan:
+        assert plan.total_bytes == needed
+        spans = list(plan.spans())
+    with pytest.raises(errors.InvalidArgumentError, match="multiple of the block size 16"):
+        tpu_sync.Plan(SRC, tpu_sync.placement(layout(), [[[1]], [[3]], [[0]]], first_token=24), TOKENS)
+    prod = tpu_sync.Endpoint(listen="127.0.0.1:0", timeout=10, staging_budget_bytes=1 << 30)
+    cons = tpu_sync.Endpoint(listen=None, timeout=10)
+    try:
+        src = buffers(client, data, 30)
+        prod.register(32, SRC, TOKENS, {0: src})
+        dst = buffers(client, data, 40)
+        init = [b.read() for b in dst]
+        stats = cons.pull(32, prod.address, SRC, dst_hit, TOKENS, {0: dst}).wait(timeout=30)
+        assert stats["bytes"] == needed
+        want = [bytearray(b) for b in init]
+        srcb = [b.read() for b in src]
+        for s in spans:
+            for i in range(s.count):
+                a, d = s.src_offset + i * s.src_stride, s.dst_offset + i * s.dst_stride
+                want[s.dst_buffer][d:d + s.len] = srcb[s.src_buffer][a:a + s.len]
+        got = [b.read() for b in dst]
+        assert got == [bytes(b) for b in want]
+        # The full layer's blocks 0 and 2 (the hit's blocks in DST) were not written.
+        blk = 16 * 2 * 4 * 2
+        for plane in range(2):
+            for b in (0, 2):
+                o = (plane * 6 + b) * blk
+                assert got[1][o:o + blk] == init[1][o:o + blk]
+        assert got[1] != init[1] and got[3] != init[3]  # the test can fail
+    finally:
+        cons.close()
+        prod.close()
+
+
 def test_presets_come_from_the_native_library_and_plan_their_own_bytes():
     names = tpu_sync.PRESET_NAMES
     assert set(tpu_sync.PRESETS) | set(tpu_sync.HYBRID_PRESETS) == set(names)

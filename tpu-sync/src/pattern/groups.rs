@@ -71,7 +71,7 @@ impl GroupedContents {
         for (g, kv) in kvs.iter().enumerate() {
             let mut rb = vec![u32::MAX; kv.num_blocks() as usize];
             if let Some(local) = placement.local_rank(rank) {
-                let held = l.u_held_blocks(g, num_tokens, coord.pcp);
+                let held = placement.u_listed_blocks(g, num_tokens, coord.pcp);
                 let ids = placement
                     .block_ids
                     .get(g)

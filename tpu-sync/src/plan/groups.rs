@@ -14,6 +14,7 @@
 //! read from PCP rank `dst_pcp % src_pcp` of the source (every PCP rank holds the state).
 
 use std::collections::BTreeSet;
+use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
@@ -24,7 +25,8 @@ use crate::layout::{DType, GroupKind, GroupRankKv, HybridLayout, ModelKv, Parall
 /// Where one request's KV cache lives on one side of a transfer, group by group.
 ///
 /// JSON: `{"layout": HybridLayout, "dp_rank": 0, "block_ids": [[[ids of rank 0], [ids of rank
-/// 1], ...] of group 0, ...]}`; unknown keys are refused.
+/// 1], ...] of group 0, ...], "first_token": 0}` (`first_token` optional); unknown keys are
+/// refused.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HybridPlacement {
@@ -34,9 +36,22 @@ pub struct HybridPlacement {
     pub dp_rank: u32,
     /// `block_ids[group][local]`: for local rank `local = pcp * tp_size + tp` of the replica,
     /// the device block ids of the request blocks
-    /// [`HybridLayout::held_blocks`]`(group, num_tokens, pcp)`, in order (a sliding-window group
-    /// lists only the blocks of its window); for a state group exactly one slot id.
+    /// [`HybridPlacement::listed_blocks`]`(group, num_tokens, pcp)`, in order: the group's
+    /// [`HybridLayout::held_blocks`] (a sliding-window group holds only the blocks of its
+    /// window) from request block `first_token / block_size` on; for a state group exactly one
+    /// slot id.
     pub block_ids: Vec<Vec<Vec<u32>>>,
+    /// The first token of the request whose KV this side holds or wants (default 0, absent in
+    /// JSON when 0), as [`Placement::first_token`] for uniform placements: a destination with
+    /// `first_token = k` already holds tokens `[0, k)` of every paged group (a prefix-cache hit,
+    /// block-aligned in every paged group) and receives only tokens `k..num_tokens` of each
+    /// group's needed tokens, into the blocks it lists (from request block `k / block_size` on;
+    /// the blocks before it, shared with other requests, are neither listed nor written). A
+    /// state group's slot is the state after the whole request and always moves whole. A
+    /// source must hold every token its destination wants (its `first_token` <= the
+    /// destination's).
+    #[serde(default, skip_serializing_if = "super::is_zero")]
+    pub first_token: u32,
 }
 
 impl HybridPlacement {
@@ -46,7 +61,29 @@ impl HybridPlacement {
             layout: HybridLayout::from_uniform(&p.layout),
             dp_rank: p.dp_rank,
             block_ids: vec![p.block_ids.clone()],
+            first_token: p.first_token,
         }
+    }
+
+    /// The request blocks of group `g` whose ids local ranks of PCP rank `pcp` list in
+    /// [`HybridPlacement::block_ids`]: the group's held blocks
+    /// ([`HybridLayout::held_blocks`]) from request block `first_token / block_size` on (for
+    /// a state group, its slot `0..1` whatever `first_token`). Possibly empty.
+    ///
+    /// Errors: [`Error::Layout`] for a group index out of range.
+    pub fn listed_blocks(&self, g: usize, num_tokens: u32, pcp: u32) -> Result<Range<u32>> {
+        self.layout.held_blocks(g, num_tokens, pcp)?;
+        Ok(self.u_listed_blocks(g, num_tokens, pcp))
+    }
+
+    pub(crate) fn u_listed_blocks(&self, g: usize, num_tokens: u32, pcp: u32) -> Range<u32> {
+        let l = &self.layout;
+        let held = l.u_held_blocks(g, num_tokens, pcp);
+        if l.model.groups[g].kind.is_state() {
+            return held;
+        }
+        let first = self.first_token / l.u_block_size(g);
+        held.start.max(first).min(held.end)..held.end
     }
 
     /// Global rank of local rank `local`.
@@ -63,10 +100,11 @@ impl HybridPlacement {
     /// Checks the placement against its layout for a request of `num_tokens` tokens.
     ///
     /// Errors: [`Error::Layout`] for a bad layout or DP rank; [`Error::InvalidArgument`] for no
-    /// tokens; [`Error::BlockRange`] naming the group and rank for a wrong number of id lists or
-    /// ids (a rank lists [`HybridLayout::held_blocks`] of each paged group, one slot of each
-    /// state group), an id `>=` the group's blocks (slots), or an id used twice in one group on
-    /// one rank.
+    /// tokens, or a `first_token` not below `num_tokens` or not a multiple of every paged
+    /// group's block size; [`Error::BlockRange`] naming the group and rank for a wrong number
+    /// of id lists or ids (a rank lists [`HybridPlacement::listed_blocks`] of each paged group,
+    /// one slot of each state group), an id `>=` the group's blocks (slots), or an id used
+    /// twice in one group on one rank.
     pub fn validate(&self, num_tokens: u32) -> Result<()> {
         let l = &self.layout;
         l.validate()?;
@@ -81,6 +119,25 @@ impl HybridPlacement {
                 "DP rank {} out of range for DP={}",
                 self.dp_rank, s.dp
             )));
+        }
+        if self.first_token != 0 {
+            if self.first_token >= num_tokens {
+                return Err(Error::InvalidArgument(format!(
+                    "first_token {} must be below the request's {num_tokens} tokens",
+                    self.first_token
+                )));
+            }
+            for g in 0..l.groups.len() {
+                let bs = l.u_block_size(g);
+                if !l.model.groups[g].kind.is_state() && self.first_token % bs != 0 {
+                    return Err(Error::InvalidArgument(format!(
+                        "first_token {} must be a multiple of the block size {bs} of KV cache \
+                         group {}",
+                        self.first_token,
+                        l.model.group_name(g)
+                    )));
+                }
+            }
         }
         if self.block_ids.len() != l.groups.len() {
             return Err(Error::BlockRange(format!(
@@ -106,7 +163,7 @@ impl HybridPlacement {
             for (local, ids) in per_rank.iter().enumerate() {
                 let rank = self.global_rank(local as u32);
                 let pcp = local as u32 / s.tp;
-                let want = l.u_held_blocks(g, num_tokens, pcp).len();
+                let want = self.u_listed_blocks(g, num_tokens, pcp).len();
                 if ids.len() != want {
                     return Err(Error::BlockRange(if state {
                         format!(
@@ -117,10 +174,12 @@ impl HybridPlacement {
                     } else {
                         format!(
                             "group {name}: rank {rank} (pcp {pcp}, tp {}) lists {} block ids; \
-                             {num_tokens} tokens at block size {} need {want} on this rank",
+                             {num_tokens} tokens at block size {} from token {} need {want} on \
+                             this rank",
                             local as u32 % s.tp,
                             ids.len(),
-                            l.u_block_size(g)
+                            l.u_block_size(g),
+                            self.first_token
                         )
                     }));
                 }
@@ -173,9 +232,10 @@ impl HybridPlacement {
 
     /// Bytes the ranks of this placement's replica must receive per group (the group's share of
     /// a plan into this placement), from the geometry alone: the needed tokens
-    /// ([`HybridLayout::needed_tokens`]) of each rank's held blocks times the rank's bytes per
-    /// token of all the group's layers (whole held blocks for the LBHNC order), or the dense slot
-    /// bytes of every layer for a state group.
+    /// ([`HybridLayout::needed_tokens`], from `first_token` on) of each rank's listed blocks
+    /// ([`HybridPlacement::listed_blocks`]) times the rank's bytes per token of all the group's
+    /// layers (whole listed blocks for the LBHNC order), or the dense slot bytes of every layer
+    /// for a state group.
     ///
     /// Errors: as [`HybridLayout::check_nonzero`].
     pub fn needed_bytes(&self, num_tokens: u32) -> Result<Vec<u64>> {
@@ -190,7 +250,7 @@ impl HybridPlacement {
                 let bs = l.u_block_size(g) as u64;
                 let mut total = 0u64;
                 for local in 0..s.ranks_per_replica() {
-                    let held = l.u_held_blocks(g, num_tokens, local / s.tp);
+                    let held = self.u_listed_blocks(g, num_tokens, local / s.tp);
                     let tokens = || {
                         let a = (held.start as u64 * bs).max(need.start as u64);
                         let b = (held.end as u64 * bs).min(need.end as u64);
@@ -219,11 +279,14 @@ impl HybridPlacement {
 impl Plan {
     /// Plans a request of `num_tokens` tokens from `src` to `dst`, group by group.
     ///
+    /// A destination with a `first_token` receives only its tokens from there on
+    /// ([`HybridPlacement::first_token`]).
+    ///
     /// Errors, before anything is planned: [`Error::Mismatch`] when the two models' groups
     /// differ ([`crate::layout::HybridModel::check_compatible`]: a group missing, other layers, a
-    /// different window or state shape, ...) or a group's raw bytes cannot be copied
-    /// ([`HybridLayout::check_raw_compatible`]); the errors of [`HybridPlacement::validate`] for
-    /// either side.
+    /// different window or state shape, ...), a group's raw bytes cannot be copied
+    /// ([`HybridLayout::check_raw_compatible`]) or the source's `first_token` is past the
+    /// destination's; the errors of [`HybridPlacement::validate`] for either side.
     pub fn build_groups(
         src: &HybridPlacement,
         dst: &HybridPlacement,
@@ -233,6 +296,12 @@ impl Plan {
         src.layout.check_raw_compatible(&dst.layout)?;
         src.validate(num_tokens)?;
         dst.validate(num_tokens)?;
+        if src.first_token > dst.first_token {
+            return Err(Error::Mismatch(format!(
+                "the destination wants tokens from {}, the source holds them from {}",
+                dst.first_token, src.first_token
+            )));
+        }
         let groups = dst.layout.groups.len();
         let mut bases: Vec<Vec<Span>> = Vec::with_capacity(groups);
         for g in 0..groups {
@@ -304,6 +373,8 @@ fn group_rows(src: &HybridPlacement, dst: &HybridPlacement, g: usize, t: u32) ->
     };
     let (ssplit, dsplit) = (sl.u_head_split(g), dl.u_head_split(g));
     let (sbs, dbs) = (sl.u_block_size(g), dl.u_block_size(g));
+    // Listed destination blocks start at its first_token (block-aligned), so every token of
+    // them from the group's needed tokens on is wanted.
     let need = dl.u_needed_tokens(g, t);
     let mut rows = Vec::new();
     for ld in 0..dl.spec.ranks_per_replica() {
@@ -313,7 +384,7 @@ fn group_rows(src: &HybridPlacement, dst: &HybridPlacement, g: usize, t: u32) ->
         // Source local rank and index of request block `js` for global head `gh`.
         let source = |js: u32, gh: u32, split: crate::layout::HeadSplit| {
             let ps = sl.u_pcp_of_block(g, t, js);
-            let idx = (js - sl.u_held_blocks(g, t, ps).start) as usize;
+            let idx = (js - src.u_listed_blocks(g, t, ps).start) as usize;
             let reps = split.ranks_of_head(gh);
             let ts = reps.start + ld % (reps.end - reps.start);
             let ls = ps * sl.spec.tp + ts;
@@ -323,7 +394,7 @@ fn group_rows(src: &HybridPlacement, dst: &HybridPlacement, g: usize, t: u32) ->
             (GroupRankKv::Paged(s), GroupRankKv::Paged(d)) if s.order.is_opaque() => {
                 // Equal block sizes (checked): request block `jd` is the same block on both
                 // sides; whole (block, head) regions.
-                for (i, jd) in dl.u_held_blocks(g, t, dc.pcp).enumerate() {
+                for (i, jd) in dst.u_listed_blocks(g, t, dc.pcp).enumerate() {
                     for hl in 0..d.num_heads {
                         let gh = dsplit.first_head(dc.tp) + hl;
                         let (ls, idx, hs) = source(jd, gh, ssplit);
@@ -339,7 +410,7 @@ fn group_rows(src: &HybridPlacement, dst: &HybridPlacement, g: usize, t: u32) ->
                 }
             }
             (GroupRankKv::Paged(s), GroupRankKv::Paged(d)) => {
-                for (i, jd) in dl.u_held_blocks(g, t, dc.pcp).enumerate() {
+                for (i, jd) in dst.u_listed_blocks(g, t, dc.pcp).enumerate() {
                     for tok in (jd * dbs).max(need.start)..((jd + 1) * dbs).min(t) {
                         let js = tok / sbs;
                         for hl in 0..d.num_heads {
@@ -361,7 +432,7 @@ fn group_rows(src: &HybridPlacement, dst: &HybridPlacement, g: usize, t: u32) ->
                 }
             }
             (GroupRankKv::Indexer(s), GroupRankKv::Indexer(d)) => {
-                for (i, jd) in dl.u_held_blocks(g, t, dc.pcp).enumerate() {
+                for (i, jd) in dst.u_listed_blocks(g, t, dc.pcp).enumerate() {
                     for tok in (jd * dbs).max(need.start)..((jd + 1) * dbs).min(t) {
                         let js = tok / sbs;
                         let (ls, idx, _) = source(js, 0, ssplit);
@@ -462,8 +533,8 @@ impl Placement {
             layout: carrier_layout(&h),
             dp_rank: h.dp_rank,
             block_ids: vec![Vec::new(); rpr as usize],
+            first_token: h.first_token,
             groups: Some(Box::new(h)),
-            first_token: 0,
         })
     }
 
@@ -482,17 +553,19 @@ impl Placement {
         let rpr = h.layout.spec.ranks_per_replica() as usize;
         if self.layout != carrier_layout(h)
             || self.dp_rank != h.dp_rank
+            || self.first_token != h.first_token
             || self.block_ids.len() != rpr
             || self.block_ids.iter().any(|v| !v.is_empty())
         {
             return Err(Error::Layout(format!(
-                "a placement with KV cache groups must have the layout, DP rank and (empty) block \
-                 id lists derived from its groups (model `{}`: {} cache layers, {}, DP rank {}, \
-                 {rpr} empty block id lists)",
+                "a placement with KV cache groups must have the layout, DP rank, first token and \
+                 (empty) block id lists derived from its groups (model `{}`: {} cache layers, {}, \
+                 DP rank {}, first token {}, {rpr} empty block id lists)",
                 h.layout.model.name,
                 h.layout.num_layers(),
                 h.layout.spec,
-                h.dp_rank
+                h.dp_rank,
+                h.first_token
             )));
         }
         Ok(())
@@ -550,13 +623,6 @@ pub(super) fn grouped_block_ranges(h: &HybridPlacement, local: u32) -> Result<Ve
 /// [`Plan::build`] when either side is grouped: both sides' uniform fields checked against
 /// their groups, then [`Plan::build_groups`].
 pub(super) fn build_placements(src: &Placement, dst: &Placement, num_tokens: u32) -> Result<Plan> {
-    if src.first_token != 0 || dst.first_token != 0 {
-        return Err(Error::InvalidArgument(format!(
-            "token ranges (first_token {} -> {}) are planned between uniform placements only, \
-             not with KV cache groups",
-            src.first_token, dst.first_token
-        )));
-    }
     for (p, side) in [(src, "source"), (dst, "destination")] {
         if let Some(h) = &p.groups {
             p.check_carrier(h)

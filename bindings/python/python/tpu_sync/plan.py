@@ -104,27 +104,30 @@ def placement(layout: Dict[str, Any], block_ids: Sequence[Sequence[int]], dp_ran
     window's blocks, a state group one slot id (docs/hybrid.md); every buffer is then checked
     against its own group's geometry.
 
-    ``first_token`` (tokens, a multiple of the block size, below the request's token count;
-    uniform layouts only): the placement holds the request from that token on. A pull's
-    destination with ``first_token = k * block_size`` already has tokens ``[0, first_token)``
-    (a local prefix-cache hit) and receives only the rest; its ``block_ids`` then list the
-    request blocks from ``k`` on (of each rank's PCP chunk). Checked when planned
-    (InvalidArgumentError: unaligned, past the request, or with groups; BlockRangeError: a
+    ``first_token`` (tokens, a multiple of the block size, below the request's token count):
+    the placement holds the request from that token on. A pull's destination with
+    ``first_token = k * block_size`` already has tokens ``[0, first_token)`` (a local
+    prefix-cache hit) and receives only the rest; its ``block_ids`` then list the request
+    blocks from ``k`` on (of each rank's PCP chunk). With KV cache groups it must be a multiple
+    of every paged group's block size; each paged group lists its held blocks (a sliding
+    window's) from that token on, a state group its one slot (the state moves whole). Checked
+    when planned (InvalidArgumentError: unaligned or past the request; BlockRangeError: a
     wrong number of ids)."""
     if not isinstance(layout, dict):
         raise ck.fail(f"layout must be a dict (tpu_sync.layout(...)), got {type(layout).__name__}")
+    first = ck.u32("first_token", first_token)
     if "groups" in layout:
-        if first_token:
-            raise ck.fail("first_token (a token range) is for uniform layouts only, not with KV cache groups")
         # Groups form: block_ids[group][rank] (one slot id per rank for a state group).
         gids = [[[ck.u32(f"block_ids[{g}][{i}][{j}]", b) for j, b in enumerate(ck.items(f"block_ids[{g}][{i}]", r))]
                  for i, r in enumerate(ck.items(f"block_ids[{g}]", per))]
                 for g, per in enumerate(ck.items("block_ids", block_ids))]
-        return dict(layout=layout, dp_rank=ck.u32("dp_rank", dp_rank), block_ids=gids)
+        gout = dict(layout=layout, dp_rank=ck.u32("dp_rank", dp_rank), block_ids=gids)
+        if first:
+            gout["first_token"] = first
+        return gout
     ids = [[ck.u32(f"block_ids[{i}][{j}]", b) for j, b in enumerate(ck.items(f"block_ids[{i}]", r))]
            for i, r in enumerate(ck.items("block_ids", block_ids))]
     out = dict(layout=layout, dp_rank=ck.u32("dp_rank", dp_rank), block_ids=ids)
-    first = ck.u32("first_token", first_token)
     if first:
         out["first_token"] = first
     return out

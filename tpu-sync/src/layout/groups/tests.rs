@@ -359,6 +359,7 @@ fn zero_fields_are_errors_not_panics() {
             layout: l.clone(),
             dp_rank: 0,
             block_ids: vec![vec![vec![]; 2]; 2],
+            first_token: 0,
         };
         assert!(p.validate(10).is_err());
         assert!(p.block_ranges(0).is_err());

@@ -36,23 +36,52 @@ pub(crate) fn hybrid_placement(
     tokens: u32,
     seed: u64,
 ) -> HybridPlacement {
+    placement_from(layout, dp_rank, tokens, seed, 0)
+}
+
+/// A placement of tokens `first_token..tokens` of a request (a destination with a prefix hit of
+/// `first_token` tokens) at scattered block ids on DP replica `dp_rank`.
+fn placement_from(
+    layout: HybridLayout,
+    dp_rank: u32,
+    tokens: u32,
+    seed: u64,
+    first_token: u32,
+) -> HybridPlacement {
     let s = layout.spec;
-    let block_ids = (0..layout.groups.len())
+    let mut p = HybridPlacement {
+        layout,
+        dp_rank,
+        block_ids: vec![],
+        first_token,
+    };
+    p.block_ids = (0..p.layout.groups.len())
         .map(|g| {
             (0..s.ranks_per_replica())
                 .map(|local| {
-                    let n = layout.held_blocks(g, tokens, local / s.tp).unwrap().len();
+                    let n = p.listed_blocks(g, tokens, local / s.tp).unwrap().len();
                     let salt = seed ^ ((g as u64) << 40) ^ local as u64;
-                    scattered(layout.groups[g].num_blocks, n, salt)
+                    scattered(p.layout.groups[g].num_blocks, n, salt)
                 })
                 .collect()
         })
         .collect();
-    HybridPlacement {
-        layout,
-        dp_rank,
-        block_ids,
-    }
+    p
+}
+
+/// The least common multiple of the block sizes of `l`'s paged groups (1 without any): the
+/// alignment of a grouped placement's `first_token`.
+fn paged_block_lcm(l: &HybridLayout) -> u32 {
+    let gcd = |mut a: u32, mut b: u32| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    (0..l.groups.len())
+        .filter(|&g| !l.model.groups[g].kind.is_state())
+        .map(|g| l.block_size(g).unwrap())
+        .fold(1, |a, b| a / gcd(a, b) * b)
 }
 
 /// Applies `plan` to simulated buffers of every layer and checks each destination byte: request
@@ -75,6 +104,7 @@ fn simulate(src: &HybridPlacement, dst: &HybridPlacement, tokens: u32, plan: &Pl
         .collect();
     let empty = HybridPlacement {
         block_ids: vec![],
+        first_token: 0,
         dp_rank: u32::MAX,
         ..dst.clone()
     };
@@ -288,6 +318,114 @@ fn sliding_window_moves_only_the_window() {
     // A prompt shorter than the window keeps every token.
     let short = hlayout(&m, spec(1, 1, 1, BlockOrder::Nhd), &[4], 5);
     assert_eq!(short.needed_tokens(1, 5).unwrap(), 0..5);
+}
+
+/// A destination with a prefix-cache hit (`first_token`) lists only its blocks from the hit on
+/// and receives exactly the tokens after it: the full-attention group all of them, the
+/// sliding-window group those of its window after the hit, the state group its whole slot; the
+/// blocks of the hit are never written (the simulation checks every byte outside the listed
+/// blocks unchanged).
+#[test]
+#[cfg_attr(miri, ignore = "byte-level simulation: too slow under Miri")]
+fn a_prefix_hit_receives_only_the_tokens_after_it() {
+    let m = small_model("gpt-oss");
+    let t = 40; // window 12: tokens 29..40 needed, blocks 7..10 at block size 4
+    let l = hlayout(&m, spec(1, 1, 1, BlockOrder::Nhd), &[4], t);
+    let src = hybrid_placement(l.clone(), 0, t, 1);
+    let per_token = 8 * 2 * 2 * 2 * 2; // 8 heads x 2 dims x bf16 x 2 planes x 2 layers
+    for (first, full, sliding, listed) in [
+        (0, 40, 11, [10, 3]),
+        (8, 32, 11, [8, 3]), // a hit before the window: the whole window still arrives
+        (32, 8, 8, [2, 2]),  // a hit inside the window: tokens 32..40 of both groups
+        (36, 4, 4, [1, 1]),  // the last block only
+    ] {
+        let dst = placement_from(l.clone(), 0, t, 2, first);
+        assert_eq!(
+            [dst.block_ids[0][0].len(), dst.block_ids[1][0].len()],
+            listed
+        );
+        let plan = Plan::build_groups(&src, &dst, t).unwrap();
+        assert_eq!(
+            plan.group_bytes(&dst.layout),
+            vec![full * per_token, sliding * per_token],
+            "first_token {first}"
+        );
+        simulate(&src, &dst, t, &plan);
+        // Through the carrier form too, as the pipeline and the C ABI see it, and its JSON.
+        let (ps, pd) = (
+            Placement::from_groups(src.clone()).unwrap(),
+            Placement::from_groups(dst.clone()).unwrap(),
+        );
+        assert_eq!(pd.first_token, first);
+        assert_eq!(Plan::build(&ps, &pd, t).unwrap(), plan);
+        let json = serde_json::to_value(&pd).unwrap();
+        assert_eq!(json["groups"].get("first_token").is_some(), first != 0);
+        let back = Placement::try_from(json).unwrap();
+        assert_eq!(back, pd);
+        let grouped_form = serde_json::to_value(&dst).unwrap();
+        assert_eq!(Placement::try_from(grouped_form).unwrap(), pd);
+    }
+    // A state group moves its whole slot whatever the hit.
+    let q = small_model("qwen3-next");
+    let ql = hlayout(&q, spec(2, 1, 1, BlockOrder::Nhd), &[4], t);
+    let qs = hybrid_placement(ql.clone(), 0, t, 3);
+    let whole = Plan::build_groups(&qs, &hybrid_placement(ql.clone(), 0, t, 4), t).unwrap();
+    let qd = placement_from(ql, 0, t, 4, 24);
+    let plan = Plan::build_groups(&qs, &qd, t).unwrap();
+    let (a, b) = (plan.group_bytes(&qd.layout), whole.group_bytes(&qd.layout));
+    assert_eq!(a[1], b[1], "the state slot moves whole");
+    assert_eq!(a[0] * 40, b[0] * 16, "16 of 40 tokens of the full group");
+    simulate(&qs, &qd, t, &plan);
+}
+
+/// Token ranges that cannot be planned are refused with the reason: a first token not aligned
+/// to every paged group's block size or not below the request, ids listed for the blocks of
+/// the hit, a source that starts after its destination, a carrier that disagrees.
+#[test]
+fn bad_grouped_token_ranges_are_refused() {
+    let m = small_model("gpt-oss");
+    let t = 40;
+    let l = hlayout(&m, spec(1, 1, 1, BlockOrder::Nhd), &[4, 8], t);
+    assert_eq!(paged_block_lcm(&l), 8);
+    let good = placement_from(l.clone(), 0, t, 1, 16);
+    good.validate(t).unwrap();
+    let msg = |p: &HybridPlacement| p.validate(t).unwrap_err().to_string();
+    let mut unaligned = good.clone();
+    unaligned.first_token = 12; // a multiple of 4 (group full), not of 8 (group sliding)
+    assert!(
+        msg(&unaligned).contains("block size 8") && msg(&unaligned).contains("sliding"),
+        "{}",
+        msg(&unaligned)
+    );
+    let mut past = good.clone();
+    past.first_token = 40;
+    assert!(
+        msg(&past).contains("below the request's 40 tokens"),
+        "{}",
+        msg(&past)
+    );
+    // The ids of the whole request with a first_token: too many for the full group.
+    let mut whole = hybrid_placement(l.clone(), 0, t, 1);
+    whole.first_token = 16;
+    assert!(
+        msg(&whole).contains("from token 16 need 6"),
+        "{}",
+        msg(&whole)
+    );
+    // A source holding less than the destination wants.
+    let src = placement_from(l.clone(), 0, t, 2, 24);
+    let e = Plan::build_groups(&src, &good, t).unwrap_err();
+    assert_eq!(e.kind(), crate::ErrorKind::Mismatch);
+    assert!(
+        e.to_string()
+            .contains("from 16, the source holds them from 24"),
+        "{e}"
+    );
+    // A carrier whose first_token disagrees with its groups'.
+    let mut carrier = Placement::from_groups(good.clone()).unwrap();
+    carrier.first_token = 0;
+    let e = carrier.validate(t).unwrap_err().to_string();
+    assert!(e.contains("first token 16"), "{e}");
 }
 
 #[test]
@@ -600,6 +738,34 @@ proptest! {
         }
     }
 
+    /// The same mixes into a destination with a prefix hit (a `first_token` aligned to every
+    /// paged group's block size) from a source holding the request from 0 or from an earlier
+    /// aligned token: only the tokens after the hit arrive, into the blocks listed after it,
+    /// exactly once; nothing else changes; moved / needed = 1.00 per group.
+    #[test]
+    fn random_group_mixes_after_a_prefix_hit_move_exactly_the_rest(
+        m in arb_model(),
+        tokens in 2u32..90,
+        seed in any::<u64>(),
+        s in arb_side(),
+        d in arb_side(),
+        hit in any::<u32>(),
+        src_hit in any::<bool>(),
+    ) {
+        prop_assume!(m.validate().is_ok());
+        let sl = hlayout(&m, spec(s.0, s.1, s.2, s.3), &s.4, tokens);
+        let dl = hlayout(&m, spec(d.0, d.1, d.2, d.3), &d.4, tokens);
+        let dlcm = paged_block_lcm(&dl);
+        let first = dlcm * (hit % tokens.div_ceil(dlcm));
+        prop_assume!(first > 0);
+        let slcm = paged_block_lcm(&sl);
+        let sfirst = if src_hit { first / slcm * slcm } else { 0 };
+        let src = placement_from(sl, seed as u32 % s.2, tokens, seed, sfirst);
+        let dst = placement_from(dl, (seed >> 8) as u32 % d.2, tokens, !seed, first);
+        let plan = Plan::build_groups(&src, &dst, tokens).unwrap();
+        simulate(&src, &dst, tokens, &plan);
+    }
+
     /// Uniform models: the one-group plan is Plan::build's plan, span for span.
     #[test]
     fn uniform_group_plan_equals_the_uniform_plan(
@@ -638,7 +804,8 @@ proptest! {
     }
 
     /// Sliding-window and full attention groups in the opaque LBHNC order (equal block sizes):
-    /// whole regions of the window's blocks.
+    /// whole regions of the window's blocks (after a destination's prefix hit, if any: `hit`
+    /// blocks, or none when `hit` is past the request's blocks).
     #[test]
     fn lbhnc_groups_move_whole_window_blocks(
         heads in proptest::sample::select(vec![1u32, 2, 4]),
@@ -648,6 +815,7 @@ proptest! {
         seed in any::<u64>(),
         s in arb_side(),
         d in arb_side(),
+        hit in 0u32..20,
     ) {
         let m = HybridModel {
             name: "lb".into(),
@@ -662,7 +830,8 @@ proptest! {
             l
         };
         let src = hybrid_placement(mk(&s), seed as u32 % s.2, tokens, seed);
-        let dst = hybrid_placement(mk(&d), (seed >> 8) as u32 % d.2, tokens, !seed);
+        let first = if hit * bs < tokens { hit * bs } else { 0 };
+        let dst = placement_from(mk(&d), (seed >> 8) as u32 % d.2, tokens, !seed, first);
         let plan = Plan::build_groups(&src, &dst, tokens).unwrap();
         simulate(&src, &dst, tokens, &plan);
     }

@@ -233,26 +233,29 @@ class KvGeometry:
                 out[int(layer)] = g
         return out
 
-    def held_blocks(self, group: int, num_tokens: int) -> Tuple[int, int]:
+    def held_blocks(self, group: int, num_tokens: int, first_token: int = 0) -> Tuple[int, int]:
         """``(first, end)``: the request blocks of ``group`` that hold KV a request of
         ``num_tokens`` tokens still needs, as ``tpu_sync::layout::HybridLayout::held_blocks``
         computes them: every block for full attention; for a sliding window ``w`` only the blocks
         of tokens ``[num_tokens + 1 - w, num_tokens)`` (vLLM's
         ``SlidingWindowManager.get_num_skipped_tokens``: the blocks before them are vLLM's null
         block). A state group holds one slot per request (vLLM's ``MambaSpec`` group with
-        ``mamba_cache_mode="none"`` gives a request one block, its state slot): ``(0, 1)``."""
+        ``mamba_cache_mode="none"`` gives a request one block, its state slot): ``(0, 1)``.
+        ``first_token`` (a local prefix hit, block-aligned): only the blocks from
+        ``first_token // block_size`` on (``HybridPlacement::listed_blocks``: the blocks a
+        destination with that ``first_token`` lists); a state group's slot whatever it is."""
         if self.is_state_group(group):
             return 0, 1
         nb = -(-int(num_tokens) // self.block_size)
         w = (self.groups[group].get("sliding_window") if self.groups else None)
-        if not w:
-            return 0, nb
-        start = max(0, int(num_tokens) + 1 - int(w))
-        return min(start // self.block_size, nb), nb
+        start = max(0, int(num_tokens) + 1 - int(w)) if w else 0
+        return min(max(start, int(first_token)) // self.block_size, nb), nb
 
-    def group_held_ids(self, block_ids: Sequence[Sequence[int]], num_tokens: int) -> List[List[int]]:
-        """The held block ids of every group (:meth:`held_blocks`) from vLLM's block ids of a
-        request (one list per group, as ``KVCacheBlocks.get_block_ids()`` returns them).
+    def group_held_ids(self, block_ids: Sequence[Sequence[int]], num_tokens: int,
+                       first_token: int = 0) -> List[List[int]]:
+        """The held block ids of every group (:meth:`held_blocks`, from ``first_token`` on)
+        from vLLM's block ids of a request (one list per group, as
+        ``KVCacheBlocks.get_block_ids()`` returns them).
 
         Raises:
             ValueError: a group count other than :attr:`num_groups`, a group with fewer blocks
@@ -263,7 +266,7 @@ class KvGeometry:
                              f"cache groups")
         out = []
         for g, ids in enumerate(block_ids):
-            first, end = self.held_blocks(g, num_tokens)
+            first, end = self.held_blocks(g, num_tokens, first_token)
             if len(ids) < end:
                 raise ValueError(f"TpuSyncConnector: KV cache group {g} has {len(ids)} blocks, {num_tokens} "
                                  f"tokens need {end}")
@@ -545,21 +548,18 @@ def placement(layout: Dict[str, Any], block_ids: Sequence[Any], first_token: int
     """``tpu_sync`` placement of a request whose blocks have the same ids on every TP rank (as
     in vLLM, where all TP workers share one block table). For a layout with groups
     (:meth:`KvGeometry.tpu_sync_layout` of a grouped geometry) ``block_ids`` holds one list per
-    group: that group's held blocks (:meth:`KvGeometry.group_held_ids`). ``first_token``
-    (uniform layouts): the blocks hold the request from that token (block-aligned) on, as
-    :func:`tpu_sync.plan.placement` reads it.
+    group: that group's held blocks (:meth:`KvGeometry.group_held_ids`, from ``first_token``
+    on). ``first_token``: the blocks hold the request from that token (block-aligned) on, as
+    :func:`tpu_sync.plan.placement` reads it (a flat list then starts at block
+    ``first_token // block_size``).
 
     A grouped layout in the TPU MLA order (vLLM-TorchTPU's sparse MLA caches,
     :attr:`KvGeometry.mla_parts`) takes one flat list: all its groups share vLLM's one block
     table.
 
     Raises:
-        ValueError: a grouped layout given a number of lists other than its group count, or a
-            ``first_token`` (token ranges are planned between uniform layouts only)."""
+        ValueError: a grouped layout given a number of lists other than its group count."""
     tp = int(layout["spec"]["tp"])
-    if "groups" in layout and first_token:
-        raise ValueError(f"TpuSyncConnector: a transfer from token {first_token} of a layout with KV cache groups "
-                         "(token ranges are planned between uniform layouts only)")
     if "groups" in layout:
         n = len(layout["groups"])
         if layout["spec"].get("order") == MLA_ORDER and all(not isinstance(b, (list, tuple)) for b in block_ids):
@@ -568,7 +568,10 @@ def placement(layout: Dict[str, Any], block_ids: Sequence[Any], first_token: int
             raise ValueError(f"TpuSyncConnector: block ids must be one list per KV cache group ({n}), got "
                              f"{str(block_ids)[:200]}")
         gids = [[int(b) for b in ids] for ids in block_ids]
-        return dict(layout=layout, dp_rank=0, block_ids=[[list(ids) for _ in range(tp)] for ids in gids])
+        gout = dict(layout=layout, dp_rank=0, block_ids=[[list(ids) for _ in range(tp)] for ids in gids])
+        if first_token:
+            gout["first_token"] = int(first_token)
+        return gout
     ids = [int(b) for b in block_ids]
     out = dict(layout=layout, dp_rank=0, block_ids=[list(ids) for _ in range(tp)])
     if first_token:

@@ -52,12 +52,14 @@ class RecvSpec:
             KV cache groups one list per group, its held blocks); None for a both-at-once
             request (the worker asks the producer for its placement once it registered).
         dst_block_ids: local blocks to write, same length and order (with KV cache groups:
-            one list per group, as ``src_block_ids``).
+            one list per group, as ``src_block_ids``), less those of a local hit (below).
         num_tokens: tokens covered by these blocks (the last block may be partial).
         timeout_s: the pull fails after this many seconds.
         first_token: tokens the consumer already holds (a local prefix-cache hit, a multiple
             of its block size): only tokens ``first_token..num_tokens`` are pulled, and
-            ``dst_block_ids`` are the local blocks from block ``first_token // block_size`` on.
+            ``dst_block_ids`` are the local blocks from block ``first_token // block_size`` on
+            (with KV cache groups: each group's held blocks from there on,
+            :meth:`~tpu_sync.vllm.compat.KvGeometry.group_held_ids`).
     """
 
     req_id: str

@@ -5,10 +5,12 @@ Per request (vLLM calls, in order):
 
 * **P/D consumer** (``kv_transfer_params.do_remote_prefill``): ``get_num_new_matched_tokens``
   answers ``(prompt tokens, True)`` when the producer's params are valid and its KV geometry
-  matches (else ``(0, False)``: the request is prefilled locally). The producer serves whole
-  requests, so after a local prefix-cache hit the rest of the prompt is computed locally too
-  (pulling it would write into blocks shared with other requests);
-  ``update_state_after_alloc`` plans the pull into the allocated blocks; the worker pulls
+  matches (else ``(0, False)``: the request is prefilled locally). After a local prefix-cache
+  hit of ``k`` tokens (block-aligned) it answers the producer's tokens past the hit and pulls
+  only those, into the request's own blocks from block ``k / block_size`` on (the plan's
+  ``first_token``; the hit's blocks, shared with other requests, are never written), in every
+  KV cache group of a hybrid model too; a model with Mamba state groups prefills the rest
+  locally instead; ``update_state_after_alloc`` plans the pull into the allocated blocks; the worker pulls
   asynchronously and reports the request in ``finished_recving`` (and ``failed_recving`` plus
   the block ids on failure, so vLLM recomputes or fails it per ``kv_load_failure_policy``).
   A request whose KV will not be pulled (refused params, a local prefix hit, aborted before its
@@ -236,32 +238,43 @@ class SchedulerSide:
                 return None, False
         if params and params.get("do_remote_prefill") and self.cfg.is_consumer:
             self._pd_first.pop(request.request_id, None)
-            if num_computed_tokens > 0 and (self.geometry.groups or self.geometry.mla_parts):
-                # A local prefix-cache hit of a model with KV cache groups (or vLLM-TorchTPU's
-                # sparse MLA caches, moved as groups): a pull writes every group's held blocks
-                # of the whole request (token ranges are planned for uniform layouts only), and
-                # the first ones are shared with other requests. Compute the rest of the prompt
-                # here instead.
+            if num_computed_tokens > 0 and self.geometry.has_state:
+                # A local prefix-cache hit of a model with Mamba state groups: the producer's
+                # state slot is the state after its tokens, and a hit's state (vLLM's "align"
+                # mode) is indexed by blocks the connector does not map. Compute the rest of the
+                # prompt here instead.
                 if request.request_id not in self._pd_local_hit_logged:
                     self._pd_local_hit_logged.add(request.request_id)
-                    log.info("tpu_sync: request %s hit %d tokens locally (a model with KV cache groups); "
+                    log.info("tpu_sync: request %s hit %d tokens locally (a model with state groups); "
                              "prefilling the rest locally", request.request_id, num_computed_tokens)
                 return 0, False
             n = self._remote_tokens(request, params)
             if n is not None and num_computed_tokens > 0:
-                # A local prefix-cache hit of k blocks (vLLM's hits are block-aligned): pull only
-                # the producer's tokens from k * block_size on into this request's own blocks
-                # (the plan covers that token range; the shared blocks are never written).
-                if n <= num_computed_tokens:
+                # A local prefix-cache hit of k blocks (vLLM's hits are block-aligned, in every
+                # KV cache group): pull only the producer's tokens from k * block_size on into
+                # this request's own blocks (the plan covers that token range, in every group;
+                # the shared blocks are never written).
+                k = num_computed_tokens
+                if n <= k:
                     return 0, False  # the hit covers all the producer has: compute the rest here
                 if self._sync_layerwise(params):
                     m = (min(n, int(request.num_tokens) - 1) // self.block_size) * self.block_size
-                    if m <= num_computed_tokens:
+                    if m <= k or not self._layerwise_covers(m, n, k):
                         return 0, False
-                    self._pd_first[request.request_id] = num_computed_tokens
-                    return m - num_computed_tokens, False
-                self._pd_first[request.request_id] = num_computed_tokens
-                return n - num_computed_tokens, True
+                    self._pd_first[request.request_id] = k
+                    return m - k, False
+                if not self._layerwise_covers(min(n, int(request.num_tokens) - 1), n, k):
+                    # As below without a hit: the window of the token vLLM computes after the
+                    # load starts before the producer's held blocks (and after the hit).
+                    if request.request_id not in self._pd_local_hit_logged:
+                        self._pd_local_hit_logged.add(request.request_id)
+                        self.stats["window_local"] += 1
+                        log.info("tpu_sync: request %s: the window of the recomputed token %d starts before the "
+                                 "producer's blocks of %d tokens and after the local hit of %d; prefilling "
+                                 "locally", request.request_id, min(n, int(request.num_tokens) - 1), n, k)
+                    return 0, False
+                self._pd_first[request.request_id] = k
+                return n - k, True
             if n is not None and n > 0:
                 if not self._layerwise_covers(min(n, int(request.num_tokens) - 1), n):
                     # vLLM computes token min(n, T - 1) after a load of n tokens (the last
@@ -322,14 +335,16 @@ class SchedulerSide:
         its placement is known only once the producer answers."""
         return bool(self.cfg.layerwise and not pair_nonce(params) and not params.get("remote_describe"))
 
-    def _layerwise_covers(self, m: int, n: int) -> bool:
+    def _layerwise_covers(self, m: int, n: int, first: int = 0) -> bool:
         """Whether a consumer that has the KV of tokens ``[0, m)`` pulled from a producer's
         held blocks of ``n`` tokens (:meth:`KvGeometry.held_blocks`) may compute tokens from
         ``m`` on: every group's blocks that computing token ``m`` reads (its held blocks of
         ``m`` tokens: a sliding window ``w`` reads tokens ``[m + 1 - w, m)``) are among the
-        producer's. Always true without KV cache groups or sliding windows."""
+        producer's, or before ``first`` (a local prefix hit of ``first`` tokens, whose blocks
+        vLLM's hybrid manager keeps for the window of every later token). Always true without
+        KV cache groups or sliding windows."""
         g = self.geometry
-        return all(g.held_blocks(i, m)[0] >= g.held_blocks(i, n)[0] for i in range(g.num_groups))
+        return all(g.held_blocks(i, m, first)[0] >= g.held_blocks(i, n)[0] for i in range(g.num_groups))
 
     def _remote_tokens(self, request: Any, params: Dict[str, Any]) -> Optional[int]:
         """Tokens the producer's params offer for this request, or None when they are unusable
@@ -420,7 +435,7 @@ class SchedulerSide:
             if self.geometry.groups:
                 # One block table per KV cache group: each group's held blocks.
                 try:
-                    dst_ids = self.geometry.group_held_ids(all_ids, n)
+                    dst_ids = self.geometry.group_held_ids(all_ids, n, first)
                 except ValueError as e:
                     # vLLM waits for this request's load: make it a pull that fails at once (no
                     # source blocks), so its blocks are load errors (recomputed or failed per
@@ -428,7 +443,6 @@ class SchedulerSide:
                     log.error("tpu_sync: request %s: not pulling KV: %s", req_id, e)
                     dst_ids = [[int(b) for b in g] for g in all_ids]
                     src_ids = []
-            # The whole request (no local hit: see get_num_new_matched_tokens).
             spec = RecvSpec(
                 req_id=req_id,
                 xfer_id=int(params["remote_request_id"]),
