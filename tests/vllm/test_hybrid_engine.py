@@ -299,6 +299,43 @@ def test_hybrid_pd_shared_system_prompt_pulls_only_the_uncached_blocks(engines):
     assert m["vllm:tpu_sync_bytes_transferred"] == (7 + 4 + 4) * bb, (m["vllm:tpu_sync_bytes_transferred"], bb)
 
 
+def test_hybrid_offload_after_a_device_prefix_hit_loads_only_the_rest(engines):
+    """The host tier behind the device prefix cache with two KV cache groups, requests sharing
+    the 3-block system prompt: a first engine computes and saves every full prompt block (the
+    system prompt's once); a restarted engine (warm /dev/shm tier) loads the first request's 3
+    blocks from the tier, and for the other two, whose system prompt then hits the device prefix
+    cache in both groups, only the block after it (block 3 of every group). Token-identical to a
+    plain engine with prefix caching."""
+    shm = SHM + "-shared"
+    spec = _shared_spec(engines, prefix_caching=True, waves=SHARED_WAVES, connector=dict(
+        kv_role="kv_both", policy="recompute", extra=dict(shm_name=shm, host_capacity_bytes=64 << 20)))
+    try:
+        plain = engines.run("hybrid_offload_shared_plain", _shared_spec(engines, prefix_caching=True,
+                                                                         waves=SHARED_WAVES))
+        first = engines.run("hybrid_offload_shared_1", spec)
+        second = engines.run("hybrid_offload_shared_2", spec)
+    finally:
+        import tpu_sync
+
+        try:
+            tpu_sync.remove_segment(shm, force=True)
+        except Exception:
+            pass
+    assert toks(first) == toks(plain) and toks(second) == toks(plain)
+    hit = len(SYSTEM)
+    lens = SHARED_LENS
+    assert first["scheduler_stats"]["host_hit_tokens"] == 0
+    assert first["worker_stats"]["saved_blocks"] == lens[0] // BS + sum(n // BS - hit // BS for n in lens[1:])
+    # Every full block short of the last prompt token: 96 tokens of 106; 128 of 136 and 160,
+    # less the device hit of 96.
+    want = [96, 32, 32]
+    s = second["scheduler_stats"]
+    assert s["host_hit_tokens"] == sum(want) and s["failed_loads"] == 0, s
+    assert second["worker_stats"]["loaded_blocks"] == sum(want) // BS
+    assert cached(second) == [want[0], hit + want[1], hit + want[2]], cached(second)
+    assert cached_by(second["metrics"], "host") == sum(want), second["metrics"]
+
+
 # Prompt lengths T where the window of the recomputed last prompt token (position T - 1, after
 # a whole-prompt load vLLM sets num_computed_tokens = T - 1) starts one block before the
 # producer's window of T tokens: (T + 1 - 48) % 32 == 0 for 79 and 111 (windows [31, 79) and
