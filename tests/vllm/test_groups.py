@@ -1028,6 +1028,139 @@ def test_mamba_worker_pd_moves_state_slot_and_blocks_byte_exact(configs):
         prod.shutdown()
 
 
+
+def torchtpu_mamba_tensors(seed):
+    """vLLM-TorchTPU's per-layer caches of the same two layers (``initialize_kv_cache`` with a
+    KV connector: the Mamba layer a tuple of separate tensors ``torch.zeros((num_blocks,
+    *shape), dtype)`` per state shape, indexed by vLLM's block table; the attention layer its
+    own tensor). Random, non-repeating contents."""
+    g = torch.Generator().manual_seed(seed)
+    conv = torch.randn((NUM_BLOCKS, 3, 96), generator=g)
+    ssm = torch.randn((NUM_BLOCKS, 2, 32, 16), generator=g)
+    attn = torch.randn((NUM_BLOCKS, 2, BS, 64), generator=g)
+    return {MAMBA: (conv, ssm), L1: attn}
+
+
+def _slot_state(kv, slot):
+    """The state bytes of ``slot`` (conv then SSM, as in a page) of either form."""
+    st = kv[MAMBA]
+    if isinstance(st, tuple):
+        return torch.cat([x[slot].reshape(-1).view(torch.uint8) for x in st])
+    return st[slot].reshape(-1).view(torch.uint8)
+
+
+def _attn_block(kv, b):
+    return kv[L1][b].reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("src_form,dst_form,copy_api", [
+    ("torchtpu", "cpu", "torch"),            # vLLM-TorchTPU producer -> vLLM CPU consumer (in place)
+    ("cpu", "torchtpu", "batch_transfer"),   # and back, through torch_tpu's batched copies' call shape
+    ("torchtpu", "torchtpu", "auto"),        # separate state tensors pick framework-copy themselves
+    ("cpu", "cpu", "framework-copy"),        # the CPU page pool through torch's copies
+])
+def test_mamba_worker_pd_through_torch_copies_byte_exact(configs, monkeypatch, src_form, dst_form, copy_api):
+    """Mamba state slots of vLLM-TorchTPU's per-layer caches (a tuple of separate state tensors
+    per layer) move through torch's copies (``framework-copy``): the host mirror lays each
+    slot's tensors one after another as vLLM's page does, so a slot goes between such an engine
+    and one with vLLM's CPU page pool either way. Byte-exact: the consumer's slot holds the
+    producer's conv and SSM state, its attention blocks the producer's, every other block,
+    slot and the page padding unchanged; the producer unchanged."""
+    if copy_api == "batch_transfer":
+        from test_torch_kv import install_batch_transfer_stand_in
+
+        install_batch_transfer_stand_in(monkeypatch)
+
+    def extra(form):
+        if form == "cpu" and copy_api != "framework-copy":
+            return {}  # viewed in place
+        if copy_api in ("auto", "framework-copy"):
+            return {} if copy_api == "auto" else {"torch_backend": "framework-copy"}
+        return {"torch_backend": "framework-copy", "torch_copy_api": copy_api}
+
+    def tensors(form, seed):
+        if form == "cpu":
+            raw, kv = mamba_tensors(seed)
+            return raw, kv
+        kv = torchtpu_mamba_tensors(seed)
+        return None, kv
+
+    prod = mamba_worker(configs, "kv_producer", extra=extra(src_form))
+    cons = mamba_worker(configs, "kv_consumer", extra=extra(dst_form))
+    src_raw, src = tensors(src_form, 1)
+    dst_raw, dst = tensors(dst_form, 2)
+    src_before = {n: (tuple(x.clone() for x in v) if isinstance(v, tuple) else v.clone()) for n, v in src.items()}
+    dst_before = {n: (tuple(x.clone() for x in v) if isinstance(v, tuple) else v.clone()) for n, v in dst.items()}
+    dst_raw_before = None if dst_raw is None else dst_raw.clone()
+    try:
+        prod.register_kv_caches(src)
+        cons.register_kv_caches(dst)
+        for w, form in ((prod, src_form), (cons, dst_form)):
+            st = w.adapter_stats
+            moved = form == "torchtpu" or copy_api == "framework-copy"
+            assert st["backend"] == ("framework-copy" if moved else "pjrt-view"), st
+            if moved and copy_api == "batch_transfer":
+                assert st["copy_api"] == "batch_transfer", st
+        held_src, held_dst = [[7], [9, 4, 12, 3]], [[11], [5, 6, 8, 10]]
+        prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 79, held_src, 99, 60.0)]))
+        assert prod.stats["registered"] == 1, prod.stats
+        layout = prod.geometry.tpu_sync_layout(NUM_BLOCKS)
+        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 79, {0: prod.transport.address}, layout, held_src,
+                                                            held_dst, 99, 30.0)]))
+        deadline = time.monotonic() + 30
+        res = None
+        while time.monotonic() < deadline:
+            res = cons.get_transfer_results(set())
+            if res.finished_recving:
+                break
+            time.sleep(0.02)
+        assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
+        # The state slot and the attention blocks, byte for byte.
+        assert torch.equal(_slot_state(dst, 11), _slot_state(src, 7))
+        for s_id, d_id in zip(held_src[1], held_dst[1]):
+            assert torch.equal(_attn_block(dst, d_id), _attn_block(src, s_id)), (s_id, d_id)
+        # Everything else as it was: other slots and blocks, and (a page pool) the padding.
+        written = set(held_dst[1]) | {11}
+        for b in range(NUM_BLOCKS):
+            if b not in written:
+                assert torch.equal(_slot_state(dst, b), _slot_state(dst_before, b)), b
+                assert torch.equal(_attn_block(dst, b), _attn_block(dst_before, b)), b
+        if dst_raw is not None:
+            pad = slice(11 * ATTN_PAGE + STATE_DENSE, 12 * ATTN_PAGE)
+            assert torch.equal(dst_raw[pad], dst_raw_before[pad])
+        for n, v in src.items():  # as bits: the page pool's random bytes hold NaN patterns
+            for a, b in zip(v if isinstance(v, tuple) else (v,),
+                            src_before[n] if isinstance(v, tuple) else (src_before[n],)):
+                assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), n
+    finally:
+        prod.shutdown()
+        cons.shutdown()
+
+
+def test_mamba_state_tensors_that_differ_from_the_group_are_refused(configs):
+    """A state layer's tuple of tensors against its MambaSpec group: another number of tensors,
+    another shape or dtype, or ``pjrt-view`` asked for separate tensors, refused by name."""
+    from tpu_sync import errors
+
+    kv = torchtpu_mamba_tensors(3)
+    conv, ssm = kv[MAMBA]
+    for bad, match in [((conv,), "registered 1 tensors"),
+                       ((conv, ssm[:, :, :, :8].contiguous()), "tensor 1"),
+                       ((conv.double(), ssm), "tensor 0"),
+                       ((conv[:NUM_BLOCKS - 1], ssm), "tensor 0")]:
+        w = mamba_worker(configs, "kv_producer")
+        try:
+            with pytest.raises(ValueError, match=match):
+                w.register_kv_caches({MAMBA: bad, L1: kv[L1]})
+        finally:
+            w.shutdown()
+    w = mamba_worker(configs, "kv_producer", extra={"torch_backend": "pjrt-view"})
+    try:
+        with pytest.raises(errors.UnsupportedError, match="separate tensors"):
+            w.register_kv_caches(kv)
+    finally:
+        w.shutdown()
+
 def test_mamba_worker_refuses_a_state_tensor_of_another_layout(configs):
     w = mamba_worker(configs, "kv_consumer")
     raw, kv = mamba_tensors(3)
@@ -1048,12 +1181,13 @@ def test_mamba_worker_refuses_a_state_tensor_of_another_layout(configs):
             w.register_kv_caches(kv)
     finally:
         w.shutdown()
-    # State groups reached through torch's copies (framework-copy): not mapped, refused by name
-    # before anything opens (attention-only groups are).
-    w = mamba_worker(configs, "kv_consumer", extra={"torch_backend": "framework-copy"})
+    # Layer-wise transfers through torch's copies: not supported, refused by name before
+    # anything opens (state groups through them are mapped:
+    # test_mamba_worker_pd_through_torch_copies_byte_exact).
+    w = mamba_worker(configs, "kv_consumer", extra={"torch_backend": "framework-copy", "layerwise": True})
     raw, kv = mamba_tensors(5)
     try:
-        with pytest.raises(NotImplementedError, match=r"state groups \(Mamba/GDN state slots"):
+        with pytest.raises(NotImplementedError, match="layer-wise transfers with KV tensors moved by torch"):
             w.register_kv_caches(kv)
         assert w.transport is None
     finally:

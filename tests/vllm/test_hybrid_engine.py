@@ -455,3 +455,23 @@ def test_mamba_hybrid_pd_decode_matches_plain(granite_engines, granite_plain):
     assert cached_by(m, "p2p") == sum(n - 1 for n in GRANITE_LENS), m
     assert c["worker_stats"]["pulls_done"] == len(GRANITE_LENS) and c["worker_stats"]["pulls_failed"] == 0
     assert c["scheduler_stats"]["refused_params"] == 0
+
+
+def test_mamba_hybrid_pd_through_torch_copies_matches_plain(granite_engines, granite_plain):
+    """The Mamba2 hybrid's P/D with both sides' KV reached through torch's own copies
+    (``torch_backend`` ``framework-copy``, what vLLM-TorchTPU's tensors get): the state slot
+    through a host mirror of the state layer (``tpu_sync.torch_kv.StateKv``), the attention
+    blocks through the attention layer's. Token-identical to plain."""
+    e = granite_engines
+    extra = dict(torch_backend="framework-copy", torch_copy_api="torch")
+    p, c = e.pd("granite_pd_copy", e.spec(connector=dict(kv_role="kv_producer", extra=dict(lease_s=120.0, **extra))),
+                e.spec(connector=dict(kv_role="kv_consumer", policy="fail", extra=dict(pull_timeout_s=60.0, **extra))))
+    for st in (p["adapter_stats"], c["adapter_stats"]):
+        assert (st["backend"], st["copy_api"]) == ("framework-copy", "torch"), st
+    assert p["worker_stats"]["registered"] == len(GRANITE_LENS) and p["worker_stats"]["register_failed"] == 0
+    assert toks(c) == toks(granite_plain)
+    assert c["worker_stats"]["pulls_done"] == len(GRANITE_LENS) and c["worker_stats"]["pulls_failed"] == 0
+    assert cached_by(c["metrics"], "p2p") == sum(n - 1 for n in GRANITE_LENS), c["metrics"]
+    # Committed on the consumer: per request one commit of each part (the attention layer's
+    # blocks, the state layer's slot).
+    assert c["adapter_stats"]["commits"] == 2 * len(GRANITE_LENS), c["adapter_stats"]

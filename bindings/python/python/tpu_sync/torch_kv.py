@@ -628,29 +628,42 @@ class TorchKv:
 
 
 class PartsKv:
-    """One worker's KV tensors whose layers differ in block geometry but share block ids: one
-    :class:`TorchKv` per set of uniform layers (a *part*), behind :class:`TorchKv`'s interface.
-    vLLM-TorchTPU's sparse MLA caches are its use (:attr:`tpu_sync.vllm.compat.KvGeometry.
-    mla_parts`: the ``nope``, ``rope`` and indexer caches of one block table, of 512, 128 and
-    256 bytes a token). Every copy method takes the same block ids for every part.
+    """One worker's KV tensors whose layers differ in block geometry: one :class:`TorchKv` (or
+    :class:`StateKv`) per set of uniform layers (a *part*), behind :class:`TorchKv`'s
+    interface. vLLM-TorchTPU's sparse MLA caches are one use (:attr:`tpu_sync.vllm.compat.
+    KvGeometry.mla_parts`: the ``nope``, ``rope`` and indexer caches of one block table, of 512,
+    128 and 256 bytes a token; every copy method then takes the same block ids for every part);
+    a hybrid model's attention and Mamba state layers moved by torch's copies another (KV cache
+    groups: one list of block ids per group, each part given its own groups' lists).
 
     Args:
         parts: the :class:`TorchKv` of each part (one back end and copy API for all; give them
             one ``client``).
         layers: the cache layers of each part, in the order of its tensors; together
             ``0..n-1`` exactly once.
+        groups: with KV cache groups, the groups of each part: part ``p``'s group ``k`` (its
+            ``layer_group`` index, 0 for a :class:`StateKv`) is the model's group
+            ``groups[p][k]``; block ids given per group are handed to each part as the lists of
+            its groups. None: every part takes the block ids as given.
 
     Raises:
         InvalidArgumentError: no parts, layers that are not ``0..n-1`` once each, parts of
-            different back ends.
+            different back ends, a part's groups that do not match its group count.
 
     Thread-safety: as :class:`TorchKv`.
     """
 
-    def __init__(self, parts: Sequence[TorchKv], layers: Sequence[Sequence[int]]) -> None:
+    def __init__(self, parts: Sequence[Any], layers: Sequence[Sequence[int]],
+                 groups: Optional[Sequence[Sequence[int]]] = None) -> None:
         self.parts = list(parts)
         if not self.parts or len(layers) != len(self.parts):
             raise _fail(InvalidArgumentError, f"{len(self.parts)} parts for {len(layers)} lists of layers")
+        if groups is not None and (len(groups) != len(self.parts) or
+                                   any(len(gs) != p.num_groups for p, gs in zip(self.parts, groups))):
+            raise _fail(InvalidArgumentError, f"part groups {[list(g) for g in groups]} for parts of "
+                        f"{[p.num_groups for p in self.parts]} groups")
+        #: the model's groups of each part (None: block ids passed through)
+        self.groups = None if groups is None else [[int(g) for g in gs] for gs in groups]
         flat = sorted(int(x) for ls in layers for x in ls)
         if flat != list(range(len(flat))) or any(len(ls) != len(p.tensors) for p, ls in zip(self.parts, layers)):
             raise _fail(InvalidArgumentError, f"part layers {[list(ls) for ls in layers]}: each part's tensors, "
@@ -668,6 +681,16 @@ class PartsKv:
         #: bytes of one block of each cache layer
         self.layer_bytes = [self.parts[i].block_bytes for i, _ in self._where]
 
+    def _ids(self, p: int, block_ids: Any) -> Any:
+        """Part ``p``'s block ids: the lists of its groups where ``block_ids`` holds one per KV
+        cache group (and this object knows the parts' groups), else ``block_ids``."""
+        if self.groups is None or not len(block_ids) or not ck.per_group(list(block_ids)):
+            return block_ids
+        ids = list(block_ids)
+        if len(ids) <= max(max(gs) for gs in self.groups):
+            raise _fail(InvalidArgumentError, f"block ids for {len(ids)} KV cache groups; the parts are in "
+                        f"{max(max(gs) for gs in self.groups) + 1}")
+        return [ids[g] for g in self.groups[p]]
     def views(self) -> List[Any]:
         """Every cache layer's buffer, in cache layer order (:meth:`TorchKv.views`)."""
         per = [p.views() for p in self.parts]
@@ -692,8 +715,8 @@ class PartsKv:
         issued part's, also when one fails, so that none is left holding blocks)."""
         finishes: List[Callable[[], None]] = []
         try:
-            for p in self.parts:
-                finishes.append(p.stage_async(block_ids))
+            for i, p in enumerate(self.parts):
+                finishes.append(p.stage_async(self._ids(i, block_ids)))
         except BaseException:
             for f in finishes:
                 try:
@@ -716,39 +739,39 @@ class PartsKv:
 
     def commit(self, block_ids: Any) -> None:
         """:meth:`TorchKv.commit` of every part."""
-        for p in self.parts:
-            p.commit(block_ids)
+        for i, p in enumerate(self.parts):
+            p.commit(self._ids(i, block_ids))
 
     def hold(self, block_ids: Any) -> None:
         """:meth:`TorchKv.hold` of every part, or of none (a part that fails releases the
         holds of those before it)."""
-        done: List[TorchKv] = []
+        done: List[int] = []
         try:
-            for p in self.parts:
-                p.hold(block_ids)
-                done.append(p)
+            for i, p in enumerate(self.parts):
+                p.hold(self._ids(i, block_ids))
+                done.append(i)
         except BaseException:
-            for p in done:
-                p.drop(block_ids)
+            for i in done:
+                self.parts[i].drop(self._ids(i, block_ids))
             raise
 
     def drop(self, block_ids: Any) -> None:
         """:meth:`TorchKv.drop` of every part."""
-        for p in self.parts:
-            p.drop(block_ids)
+        for i, p in enumerate(self.parts):
+            p.drop(self._ids(i, block_ids))
 
     def before_write(self, block_ids: Any, num_tokens: int, partial: Any = None) -> Tuple[int, ...]:
         """:meth:`TorchKv.before_write` of every part."""
-        for p in self.parts:
-            p.before_write(block_ids, num_tokens, partial)
+        for i, p in enumerate(self.parts):
+            p.before_write(self._ids(i, block_ids), num_tokens, None if partial is None else self._ids(i, partial))
         return ()
 
     def after_write(self, block_ids: Any, ptrs: Tuple[int, ...] = ()) -> None:
         """:meth:`TorchKv.after_write` of every part (each part's, also when one fails)."""
         err: Optional[BaseException] = None
-        for p in self.parts:
+        for i, p in enumerate(self.parts):
             try:
-                p.after_write(block_ids)
+                p.after_write(self._ids(i, block_ids))
             except BaseException as e:
                 err = err or e
         if err is not None:
@@ -758,6 +781,313 @@ class PartsKv:
         """:meth:`TorchKv.close` of every part."""
         for p in self.parts:
             p.close()
+
+
+class StateKv:
+    """One worker's Mamba / linear-attention state layers (a KV cache group of state slots)
+    moved through torch's copies (``framework-copy``), behind :class:`TorchKv`'s interface.
+
+    Each layer's state is one or more tensors ``[num_blocks, ...]`` indexed by vLLM's block
+    table of the state group: vLLM's CPU engine registers one raw tensor per layer (``[blocks,
+    1, 1, dense state bytes]`` inside a padded page); vLLM-TorchTPU's per-layer caches register
+    a tuple of separate tensors, one per state shape (``torch.zeros((num_blocks, *shape),
+    dtype)``, ``vllm_torchtpu/runner/kv_cache_manager.py`` 0.29.0 ``initialize_kv_cache``, with a
+    KV connector always over ``num_blocks``). tpu_sync sees each layer as one buffer of
+    ``[num_blocks, slot_bytes / item]`` (its state group's slot stride, ``MambaSpec.
+    page_size_padded``): the host mirror holds each block's tensors' bytes one after another
+    from the slot's start, the order of the state group's components (and of vLLM's page), so
+    a slot moved from an engine with separate tensors lands in one with a shared page as it
+    would between two of the same kind.
+
+    Args:
+        layers: per state layer, its tensors in component order; every layer the same shapes,
+            dtypes and device; each tensor's blocks contiguous.
+        slot_bytes: the mirror's block stride (>= the tensors' bytes per block).
+        view_dtype: the tpu_sync dtype of the buffers (one that divides ``slot_bytes``).
+        copy_api: as :class:`TorchKv` (``"auto"``: torch_tpu's ``batch_transfer`` on a ``tpu``
+            device where it imports).
+        client: the tpu_sync client that views the mirrors (default: a new one).
+
+    Raises:
+        InvalidArgumentError: no layers, layers that differ, blocks that are not contiguous,
+            more bytes per block than ``slot_bytes``, a view dtype that does not divide it;
+        UnsupportedError: ``batch_transfer`` where torch_tpu's module does not import.
+
+    Thread-safety: as :class:`TorchKv`.
+    """
+
+    def __init__(self, layers: Sequence[Sequence[Any]], slot_bytes: int, *, view_dtype: str = "u8",
+                 copy_api: str = "auto", client: Any = None) -> None:
+        if copy_api not in COPY_APIS:
+            raise _fail(InvalidArgumentError, f"copy_api {copy_api!r} is not one of {', '.join(COPY_APIS)}")
+        self.tensors = [list(ts) for ts in layers]
+        if not self.tensors or not self.tensors[0]:
+            raise _fail(InvalidArgumentError, "no state layers")
+        first = self.tensors[0]
+        for i, ts in enumerate(self.tensors):
+            if [(t.shape, t.dtype, t.device) for t in ts] != [(t.shape, t.dtype, t.device) for t in first]:
+                raise _fail(InvalidArgumentError, f"state layer {i}: {[(list(t.shape), str(t.dtype)) for t in ts]} "
+                            f"differs from layer 0's {[(list(t.shape), str(t.dtype)) for t in first]}")
+            for t in ts:
+                if t.dim() < 2 or not rows_contiguous(t) or int(t.shape[0]) != int(first[0].shape[0]):
+                    raise _fail(InvalidArgumentError, f"state layer {i}: a tensor {list(t.shape)} with strides "
+                                f"{list(t.stride())}: expected [num_blocks, ...] with contiguous blocks, as many "
+                                "as the layer's other tensors")
+        #: bytes of each tensor's block, and where it starts in a slot of the mirror
+        self.part_bytes = [int(t[0].numel()) * int(t.element_size()) for t in first]
+        self.offsets = [sum(self.part_bytes[:j]) for j in range(len(first))]
+        self.block_bytes = int(slot_bytes)
+        if sum(self.part_bytes) > self.block_bytes:
+            raise _fail(InvalidArgumentError, f"state tensors of {sum(self.part_bytes)} B per block in slots of "
+                        f"{self.block_bytes} B")
+        if view_dtype not in ITEMSIZE or self.block_bytes % ITEMSIZE[view_dtype]:
+            raise _fail(InvalidArgumentError, f"view dtype {view_dtype!r} for slots of {self.block_bytes} B")
+        self.buffer_dtype = view_dtype
+        self.num_blocks = int(first[0].shape[0])
+        self.nbytes = self.num_blocks * self.block_bytes
+        self.shape = (self.num_blocks, self.block_bytes // ITEMSIZE[view_dtype])
+        self.dtype = [str(t.dtype) for t in first]
+        self.device = first[0].device
+        self.num_groups = 1
+        self.backend = "framework-copy"
+        self.backend_reason = "state layers: their tensors' blocks laid one after another in host mirrors"
+        self._bt: Any = None
+        if copy_api == "auto":
+            copy_api = "torch"
+            if self.device.type == "tpu":
+                try:
+                    self._bt = _import_batch_transfer()
+                    copy_api = "batch_transfer"
+                except ImportError as e:
+                    log.warning("tpu_sync.torch: %s does not import (%s): torch's copy_ instead",
+                                BATCH_TRANSFER_MODULE, e)
+        elif copy_api == "batch_transfer":
+            try:
+                self._bt = _import_batch_transfer()
+            except ImportError as e:
+                raise _fail(UnsupportedError, f"copy_api batch_transfer: {BATCH_TRANSFER_MODULE} does not import "
+                            f"({e})") from None
+        self.copy_api = copy_api
+        if client is None:
+            import tpu_sync
+
+            client = tpu_sync.Client()
+        self.client = client
+        self._views: Optional[List[Any]] = None
+        self._maps: List[mmap.mmap] = []
+        self._mirrors: List[Any] = []
+        self._counters = dict(stages=0, commits=0, d2h_bytes=0, h2d_bytes=0, device_copies=0)
+        self._inflight: Set[int] = set()
+        self._lock = threading.Lock()
+
+    def views(self) -> List[Any]:
+        """Per state layer, the PJRT buffer ``[num_blocks, slot_bytes / item]`` over its host
+        mirror (zero until staged or written)."""
+        if self._views is None:
+            import numpy as np
+            import torch
+
+            views = []
+            for _ in self.tensors:
+                m = mmap.mmap(-1, max(self.nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                if hasattr(mmap, "MADV_NOHUGEPAGE"):
+                    m.madvise(mmap.MADV_NOHUGEPAGE)
+                self._maps.append(m)
+                self._mirrors.append(torch.frombuffer(m, dtype=torch.uint8, count=self.nbytes)
+                                     .view(self.num_blocks, self.block_bytes))
+                views.append(self.client.view(np.frombuffer(m, dtype=np.uint8, count=self.nbytes), shape=self.shape,
+                                              dtype=self.buffer_dtype))
+            self._views = views
+        return self._views
+
+    def stats(self) -> Dict[str, Any]:
+        """As :meth:`TorchKv.stats`."""
+        return dict(self._counters, backend=self.backend, backend_reason=self.backend_reason,
+                    copy_api=self.copy_api, device=str(self.device), shape=list(self.shape), dtype=self.dtype,
+                    bundle_wide=False)
+
+    def _ids(self, block_ids: Any) -> List[int]:
+        """The slot ids of ``block_ids``: a flat list, or one list per KV cache group of which
+        this part has one (vLLM's null block skipped).
+
+        Raises:
+            InvalidArgumentError: lists for several groups; IndexError: an id out of range."""
+        ids = list(block_ids)
+        if ck.per_group(ids):
+            if len(ids) != 1:
+                raise _fail(InvalidArgumentError, f"block ids for {len(ids)} KV cache groups; the state layers are "
+                            "in one")
+            ids = [b for b in ids[0] if int(b) != NULL_BLOCK_ID]
+        out = [ck.u32("block id", b) for b in ids]
+        for b in out:
+            if b >= self.num_blocks:
+                raise IndexError(f"block id {b} out of range 0..{self.num_blocks}")
+        return out
+
+    def _bytes(self, t: Any) -> Any:
+        """``t`` (host, contiguous) as bytes ``[blocks, bytes per block]``."""
+        import torch
+
+        return t.contiguous().view(torch.uint8).reshape(int(t.shape[0]), -1)
+
+    def _count(self, ops: str, nbytes: str, slots: int, copies: int) -> None:
+        with self._lock:
+            self._counters[ops] += 1
+            self._counters[nbytes] += slots * sum(self.part_bytes)
+            self._counters["device_copies"] += copies
+
+    def stage(self, block_ids: Any) -> None:
+        """:meth:`TorchKv.stage`: each layer's tensors' blocks ``block_ids`` into the mirror."""
+        self.stage_async(block_ids)()
+
+    def stage_async(self, block_ids: Any) -> Callable[[], None]:
+        """:meth:`TorchKv.stage_async`."""
+        if not len(block_ids):
+            return _nothing
+        ids = self._ids(block_ids)
+        if not ids:
+            return _nothing
+        self.views()
+        import torch
+
+        self._hold(ids)
+        n = len(ids) * len(self.tensors)
+        if self._bt is None:
+            copies = 0
+            for layer, ts in enumerate(self.tensors):
+                m = self._mirrors[layer]
+                for a, b in _runs(ids):
+                    for t, off, nb in zip(ts, self.offsets, self.part_bytes):
+                        m[a:b, off:off + nb].copy_(self._bytes(t[a:b].to("cpu")))
+                        copies += 1
+            self._count("stages", "d2h_bytes", n, copies)
+            return _nothing
+        idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        src, dst, fills = [], [], []
+        for layer, ts in enumerate(self.tensors):
+            for t, off, nb in zip(ts, self.offsets, self.part_bytes):
+                g = torch.index_select(t.view(_bits_of(t)), 0, idx)
+                src.append(g)
+                dst.append(torch.empty(g.shape, dtype=g.dtype, device="cpu"))
+                fills.append((self._mirrors[layer], off, nb, dst[-1]))
+        asynchronous = hasattr(self._bt, "batch_transfer_d2h")
+        fut = (self._bt.batch_transfer_d2h(src, dst) if asynchronous else
+               self._bt.batch_transfer_d2h_sync(src, dst))
+
+        def finish() -> None:
+            if asynchronous:
+                fut.wait()  # keeps src and dst alive until the DMA is done
+            for m, off, nb, d in fills:
+                rows = self._bytes(d)
+                for i, b in enumerate(ids):
+                    m[b, off:off + nb].copy_(rows[i])
+            self._count("stages", "d2h_bytes", n, len(src))
+
+        return finish
+
+    def commit(self, block_ids: Any) -> None:
+        """:meth:`TorchKv.commit`: each layer's mirror slots ``block_ids`` into its tensors."""
+        if not len(block_ids):
+            return
+        ids = self._ids(block_ids)
+        if not ids:
+            return
+        self.views()
+        import torch
+
+        n = len(ids) * len(self.tensors)
+        if self._bt is None:
+            copies = 0
+            for layer, ts in enumerate(self.tensors):
+                m = self._mirrors[layer]
+                for a, b in _runs(ids):
+                    for t, off, nb in zip(ts, self.offsets, self.part_bytes):
+                        d = t[a:b].view(_bits_of(t))
+                        d.copy_(m[a:b, off:off + nb].contiguous().view(d.dtype).reshape(d.shape))
+                        copies += 1
+            self._count("commits", "h2d_bytes", n, copies)
+            return
+        hidx = torch.tensor(ids, dtype=torch.int64)
+        idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        src, puts = [], []
+        for layer, ts in enumerate(self.tensors):
+            rows = torch.index_select(self._mirrors[layer], 0, hidx)
+            for t, off, nb in zip(ts, self.offsets, self.part_bytes):
+                bits = t.view(_bits_of(t))
+                src.append(rows[:, off:off + nb].contiguous().view(bits.dtype).reshape((len(ids),) +
+                                                                                    tuple(bits.shape[1:])))
+                puts.append(bits)
+        dev = [torch.empty(x.shape, dtype=x.dtype, device=self.device) for x in src]
+        self._bt.batch_transfer_h2d_sync(src, dev)
+        for t, d in zip(puts, dev):
+            t.index_put_((idx,), d)
+        self._count("commits", "h2d_bytes", n, len(src))
+
+    def _hold(self, ids: Sequence[int]) -> None:
+        with self._lock:
+            self._inflight.update(ids)
+
+    def hold(self, block_ids: Any) -> None:
+        """:meth:`TorchKv.hold`."""
+        if not len(block_ids):
+            return
+        self.views()
+        self._hold(self._ids(block_ids))
+
+    def drop(self, block_ids: Any) -> None:
+        """:meth:`TorchKv.drop`: the mirror pages of slots ``block_ids`` given back (all of
+        them once no slot is in flight)."""
+        if not self._maps or not len(block_ids):
+            return
+        # Any form the worker drops (its own group's list, or every group's ids flattened):
+        # out-of-range ids are not this part's.
+        ids = [b for b in ck.flat_block_ids(block_ids) if 0 <= b < self.num_blocks]
+        with self._lock:
+            self._inflight.difference_update(ids)
+            if not self._inflight:
+                for m in self._maps:
+                    m.madvise(mmap.MADV_DONTNEED)
+                return
+            page = mmap.PAGESIZE
+            bb = self.block_bytes
+            for b in ids:
+                if b in self._inflight:
+                    continue
+                lo = -(-(b * bb) // page) * page
+                hi = ((b + 1) * bb // page) * page
+                if hi > lo:
+                    for m in self._maps:
+                        m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def before_write(self, block_ids: Any, num_tokens: int, partial: Any = None) -> Tuple[int, ...]:
+        """:meth:`TorchKv.before_write`: a pull writes every state byte of its slots, so nothing
+        is staged first; the slots are held."""
+        if len(block_ids):
+            self.hold(block_ids)
+        return ()
+
+    def after_write(self, block_ids: Any, ptrs: Tuple[int, ...] = ()) -> None:
+        """:meth:`TorchKv.after_write`."""
+        try:
+            self.commit(block_ids)
+        finally:
+            self.drop(block_ids)
+
+    def close(self) -> None:
+        """:meth:`TorchKv.close`."""
+        if self._views is not None:
+            for v in self._views:
+                v.close()
+            self._views = None
+        self._mirrors = []
+        self._maps = []
+
+
+def _bits_of(t: Any) -> Any:
+    """The integer dtype of ``t``'s element size (copies move bit patterns)."""
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[int(t.element_size())]
 
 
 def _nothing() -> None:

@@ -344,10 +344,10 @@ class WorkerSide:
                     logical.add(i)
         first = tensors[attn[0]]
         for i, (n, t) in enumerate(zip(names, tensors)):
+            if g.is_state_group(group_of[i]):
+                continue  # checked and viewed below (a tuple of state tensors: vLLM-TorchTPU's)
             if isinstance(t, (list, tuple)):
                 raise ValueError(f"TpuSyncConnector: layer {n} has a list of KV tensors; expected one tensor")
-            if g.is_state_group(group_of[i]):
-                continue  # checked and viewed below
             shape = tuple(int(s) for s in t.shape)
             if i in logical:
                 pass  # kernel pages: the scheduler's blocks in a logical order (_scheduler_blocks)
@@ -366,11 +366,18 @@ class WorkerSide:
             if len(logical) != len(attn):
                 raise ValueError("TpuSyncConnector: some layers' kernel pages are viewed as scheduler blocks and some "
                                  "are not: their caches differ")
-        torch_kv = self._torch_kv(tensors, g, logical_view if logical else None)
         for i, n in enumerate(names):
             if g.is_state_group(group_of[i]):
-                tensors[i] = _state_view(n, tensors[i], g.groups[group_of[i]], int(first.shape[0]))
-        layer_block_bytes = (torch_kv.block_bytes if torch_kv is not None else
+                _check_state_tensors(n, tensors[i], g.groups[group_of[i]], int(first.shape[0]))
+        torch_kv = self._torch_kv(tensors, g, logical_view if logical else None, names)
+        if torch_kv is None:
+            for i, n in enumerate(names):
+                if g.is_state_group(group_of[i]):
+                    tensors[i] = _state_view(n, tensors[i], g.groups[group_of[i]], int(first.shape[0]))
+        from tpu_sync.torch_kv import PartsKv
+
+        layer_block_bytes = (torch_kv.parts[0].block_bytes if isinstance(torch_kv, PartsKv) else
+                             torch_kv.block_bytes if torch_kv is not None else
                              int(first.stride(0)) * int(first.element_size()))
         if layer_block_bytes != g.layer_block_bytes:
             if torch_kv is not None:
@@ -503,50 +510,86 @@ class WorkerSide:
         self._layer_index = {n: i for i, (n, _, _) in enumerate(layers)}
         self._open(rank)
 
-    def _torch_kv(self, tensors: List[Any], g: KvGeometry, logical_view: Optional[Tuple[int, ...]] = None) -> Any:
+    def _torch_kv(self, tensors: List[Any], g: KvGeometry, logical_view: Optional[Tuple[int, ...]] = None,
+                  names: Optional[List[str]] = None) -> Any:
         """The :class:`tpu_sync.torch_kv.TorchKv` that moves accelerator tensors through torch's
         own copies (``torch_backend``: ``framework-copy``, the default for tensors not in host
-        memory), or None where tpu_sync views the tensors in place (CPU tensors). The back end and
-        why it was chosen are logged and in :attr:`adapter_stats`.
+        memory), or None where tpu_sync views the tensors in place (CPU tensors). With Mamba
+        state groups a :class:`tpu_sync.torch_kv.PartsKv` of the attention layers' ``TorchKv``
+        and one :class:`tpu_sync.torch_kv.StateKv` per state group (its layers' state tensors
+        laid one after another in each slot of host mirrors); a state layer registered as a tuple
+        of separate tensors (vLLM-TorchTPU's per-layer caches) is always moved so. The back end
+        and why it was chosen are logged and in :attr:`adapter_stats`.
 
         Raises:
-            NotImplementedError: ``framework-copy`` with state groups (Mamba) or layer-wise
-                transfers (not supported yet; docs/tpu.md); UnsupportedError (tpu_sync.errors):
-                ``pjrt-view`` of accelerator tensors, ``batch_transfer`` without torch_tpu;
-                InvalidArgumentError: ``pjrt-view`` of kernel pages that only the framework's
-                copies can see as scheduler blocks (``logical_view``: the shape tpu_sync sees
-                their mirrors in)."""
+            NotImplementedError: ``framework-copy`` with layer-wise transfers (not supported
+                yet; docs/tpu.md); UnsupportedError (tpu_sync.errors): ``pjrt-view`` of
+                accelerator tensors or of state layers registered as separate tensors,
+                ``batch_transfer`` without torch_tpu; InvalidArgumentError: ``pjrt-view`` of
+                kernel pages that only the framework's copies can see as scheduler blocks
+                (``logical_view``: the shape tpu_sync sees their mirrors in)."""
+        from tpu_sync.torch_kv import _fail
+        from tpu_sync.errors import UnsupportedError
+
         backend = str(self.cfg.extra.get("torch_backend", "auto"))
-        on_host = all(getattr(getattr(t, "device", None), "type", "cpu") == "cpu" for t in tensors)
+        group_of = g.group_of_layer()
+        states = [i for i in range(len(tensors)) if g.is_state_group(group_of[i])]
+        split = [i for i in states if isinstance(tensors[i], (list, tuple))]
+        attn_layers = [i for i in range(len(tensors)) if i not in states]
+        attn = [tensors[i] for i in attn_layers]
+        on_host = all(getattr(getattr(t, "device", None), "type", "cpu") == "cpu" for t in attn)
         # Per-layer strided views of one block-major bundle (vLLM-TorchTPU's
         # VLLM_TPU_BLOCK_MAJOR_KV) cannot be viewed as PJRT buffers either.
-        group_of = g.group_of_layer()
-        attn = [t for i, t in enumerate(tensors) if not g.is_state_group(group_of[i])]
         whole = all(t.is_contiguous() for t in attn)
-        if backend == "pjrt-view" or (backend == "auto" and on_host and whole):
+        if split and backend == "pjrt-view":
+            n = names[split[0]] if names else f"layer {split[0]}"
+            raise _fail(UnsupportedError, f"TpuSyncConnector: state layer {n} is {len(tensors[split[0]])} separate "
+                        "tensors (vLLM-TorchTPU's per-layer Mamba caches), which no PJRT buffer views as one slot: "
+                        "use torch_backend framework-copy (or auto)")
+        if not split and (backend == "pjrt-view" or (backend == "auto" and on_host and whole)):
             if not (on_host and whole):
                 from tpu_sync.torch_kv import TorchKv
 
-                TorchKv(tensors, backend="pjrt-view")  # raises, naming the device or the strides
+                TorchKv(attn, backend="pjrt-view")  # raises, naming the device or the strides
             return None
-        states = [i for i in range(len(tensors)) if g.is_state_group(group_of[i])]
-        if states or self.cfg.layerwise:
-            what = ("a model with state groups (Mamba/GDN state slots, a MambaSpec KV cache group)" if states else
-                    "layer-wise transfers")
-            raise NotImplementedError(f"TpuSyncConnector: {what} with KV tensors moved by torch's copies "
-                                      f"(torch_backend framework-copy; tensors on {tensors[0].device}) are not "
-                                      "supported yet (issue 25; docs/tpu.md); attention-only KV cache groups "
-                                      "(sliding window and full attention) are")
-        from tpu_sync.torch_kv import TorchKv
+        if self.cfg.layerwise:
+            raise NotImplementedError(f"TpuSyncConnector: layer-wise transfers with KV tensors moved by torch's "
+                                      f"copies (torch_backend framework-copy; tensors on {attn[0].device}) are not "
+                                      "supported yet (issue 25; docs/tpu.md)")
+        from tpu_sync.torch_kv import PartsKv, StateKv, TorchKv
 
+        copy_api = str(self.cfg.extra.get("torch_copy_api", "auto"))
+        if split and backend == "auto" and on_host and whole:
+            backend = "framework-copy"  # the attention layers move with the states
         # With KV cache groups each layer's tensor is copied at its own group's blocks only
         # (vLLM binds one tensor to the layers at one position of every group).
-        tk = TorchKv(tensors, backend=backend, copy_api=str(self.cfg.extra.get("torch_copy_api", "auto")),
-                     block_size=g.block_size, view_shape=logical_view or g.view_shape(int(tensors[0].shape[0])),
-                     layer_group=group_of if g.groups else None)
+        attn_groups = sorted({group_of[i] for i in attn_layers})
+        local = {grp: k for k, grp in enumerate(attn_groups)}
+        tk = TorchKv(attn, backend=backend, copy_api=copy_api, block_size=g.block_size,
+                     view_shape=logical_view or g.view_shape(int(attn[0].shape[0])),
+                     layer_group=[local[group_of[i]] for i in attn_layers] if g.groups else None)
         log.info("tpu_sync: KV tensors on %s: back end %s (%s), copies %s", tk.device, tk.backend, tk.backend_reason,
                  tk.copy_api)
-        return tk
+        if not states:
+            return tk
+        parts: List[Any] = [tk]
+        try:
+            layers, groups = [attn_layers], [attn_groups]
+            for sg in sorted({group_of[i] for i in states}):
+                ls = [i for i in states if group_of[i] == sg]
+                grp = g.groups[sg]
+                parts.append(StateKv([_state_tensors(tensors[i]) for i in ls], int(grp["slot_bytes"]),
+                                     view_dtype=_state_buffer_dtype(grp), copy_api=tk.copy_api, client=tk.client))
+                layers.append(ls)
+                groups.append([sg])
+            out = PartsKv(parts, layers, groups)
+        except BaseException:
+            for p in parts:
+                p.close()
+            raise
+        log.info("tpu_sync: Mamba state layers %s moved through torch's copies (%s)", [len(ls) for ls in layers[1:]],
+                 tk.copy_api)
+        return out
 
     def register_runner(self, runner: Any) -> None:
         """The model runner, after :meth:`register_kv_caches` (vLLM-TorchTPU: nothing more to
@@ -1770,6 +1813,57 @@ def _scheduler_blocks(name: str, t: Any, want: Tuple[int, ...], g: KvGeometry) -
     except RuntimeError as e:
         raise ValueError(f"TpuSyncConnector: layer {name}'s kernel pages ({list(shape)}, strides {list(t.stride())}) "
                          f"cannot be seen as scheduler blocks of {g.block_size} tokens: {e}") from None
+
+
+def _state_tensors(t: Any) -> List[Any]:
+    """A state layer's tensors: vLLM-TorchTPU's tuple (one tensor per state shape), or vLLM's
+    CPU engine's one raw tensor."""
+    return list(t) if isinstance(t, (list, tuple)) else [t]
+
+
+def _state_buffer_dtype(group: Dict[str, Any]) -> str:
+    """The tpu_sync dtype a state group's layer buffers are viewed in (as :func:`_state_view`):
+    the components' dtype when they share one that divides the slot stride, else ``u8``."""
+    dtypes = {c["dtype"] for c in group["state"]["components"]}
+    if len(dtypes) == 1:
+        dt = next(iter(dtypes))
+        size = {"f32": 4, "bf16": 2, "f16": 2}.get(dt)
+        if size and int(group["slot_bytes"]) % size == 0:
+            return dt
+    return "u8"
+
+
+def _check_state_tensors(name: str, t: Any, group: Dict[str, Any], num_slots: int) -> None:
+    """Checks one state layer's registration against its state group: a tuple of tensors
+    (vLLM-TorchTPU's per-layer caches: ``torch.zeros((num_blocks, *shape), dtype)`` per state
+    shape) must have the group's components, one tensor each, in order, with their dtypes and
+    bytes per block, over ``num_slots`` blocks; one raw tensor (vLLM's CPU engine) is checked by
+    :func:`_state_view` (or, moved by torch's copies, by its dense bytes).
+
+    Raises:
+        ValueError: naming the layer, the component and what differs."""
+    comps = group["state"]["components"]
+    item = {"f32": 4, "bf16": 2, "f16": 2, "fp8": 1}
+    want = [int(c.get("rows", 1)) * sum(int(sg["heads"]) * int(sg["head_elems"]) for sg in c["segments"])
+            * item[c["dtype"]] for c in comps]
+    ts = _state_tensors(t)
+    if not isinstance(t, (list, tuple)):
+        if t.dim() and int(t.shape[0]) >= num_slots and int(t[0].numel()) * int(t.element_size()) == sum(want):
+            return
+        if getattr(getattr(t, "device", None), "type", "cpu") != "cpu":
+            raise ValueError(f"TpuSyncConnector: state layer {name} is {t.dtype}{list(t.shape)}: its blocks hold "
+                             f"{int(t[0].numel()) * int(t.element_size()) if t.dim() else 0} B, its MambaSpec group's "
+                             f"state {sum(want)} B")
+        return  # a CPU page pool: _state_view checks it
+    if len(ts) != len(comps):
+        raise ValueError(f"TpuSyncConnector: state layer {name} registered {len(ts)} tensors; its MambaSpec group has "
+                         f"{len(comps)} state shapes")
+    for j, (x, c, nb) in enumerate(zip(ts, comps, want)):
+        got = int(x[0].numel()) * int(x.element_size()) if x.dim() else 0
+        if (compat.TORCH_TO_TPU_SYNC_DTYPE.get(str(x.dtype)) != c["dtype"] or got != nb or x.dim() < 2
+                or int(x.shape[0]) != num_slots):
+            raise ValueError(f"TpuSyncConnector: state layer {name}: tensor {j} is {x.dtype}{list(x.shape)}; its "
+                             f"MambaSpec group needs {c['dtype']} [{num_slots}, ...] of {nb} B a block")
 
 
 def _state_view(name: str, t: Any, group: Dict[str, Any], num_slots: int) -> Any:
