@@ -186,6 +186,7 @@ fn placement(
         dp_rank,
         block_ids,
         first_token: 0,
+        next_token: None,
     };
     p.validate(tokens)?;
     Ok(p)
@@ -357,6 +358,7 @@ pub async fn decode_request(
         dp_rank: u32::MAX,
         block_ids: vec![],
         first_token: 0,
+        next_token: None,
         ..dst_h.clone()
     };
     let buffers = make_buffers(&client, &background, num_tokens, kvproc::DECODE_SALT)?;

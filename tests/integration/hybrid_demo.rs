@@ -84,6 +84,7 @@ fn needed(preset: &str, tokens: u32, decode: &str) -> Vec<(String, u64)> {
         dp_rank: 0,
         block_ids: vec![],
         first_token: 0,
+        next_token: None,
     };
     let n = p.needed_bytes(tokens).unwrap();
     m.groups.iter().map(|g| g.name.clone()).zip(n).collect()

@@ -455,6 +455,7 @@ fn device_parts_round_trip_into_other_blocks() {
         dp_rank: 0,
         block_ids: ids.into_iter().map(|v| vec![v]).collect(),
         first_token: 0,
+        next_token: None,
     };
     assert_eq!(layout.window_blocks(1, tokens).unwrap(), 3..6);
     let src = place([vec![17, 3, 9, 22, 0, 11], vec![4, 8, 1], vec![2]]);
@@ -479,6 +480,7 @@ fn device_parts_round_trip_into_other_blocks() {
         dp_rank: u32::MAX,
         block_ids: vec![],
         first_token: 0,
+        next_token: None,
         ..dst.clone()
     };
     let dst_bufs = buffers(&empty, 2);

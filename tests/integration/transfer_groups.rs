@@ -113,6 +113,7 @@ fn placement(m: &HybridModel, spec: &str, seed: u64) -> HybridPlacement {
         dp_rank: 0,
         block_ids,
         first_token: 0,
+        next_token: None,
     };
     p.validate(TOKENS).unwrap();
     p
@@ -138,6 +139,7 @@ fn background(client: &Client, p: &HybridPlacement, rank: u32) -> Vec<DeviceBuff
         dp_rank: u32::MAX,
         block_ids: vec![],
         first_token: 0,
+        next_token: None,
         ..p.clone()
     };
     buffers(client, &bg, rank, DST_SALT)

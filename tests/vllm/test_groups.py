@@ -173,6 +173,39 @@ def test_consumer_pulls_into_each_groups_blocks(configs):
     assert sorted(_flat_ids(spec.dst_block_ids)) == [5, 6, 8, 10, 22, 23]
 
 
+def test_consumer_with_a_local_prefix_hit_pulls_each_groups_rest(configs):
+    """A consumer whose prefix cache holds the request's first 2 blocks (in both groups) pulls
+    only the producer's tokens after them: ``(100 - 64, True)``, each group's blocks from block
+    2 on (the sliding group's window of the recomputed token 99, ``[52, 100)``, starts in the
+    hit's block 1, which is local), ``first_token`` 64 and ``next_token`` 99 in the pull; the
+    plan from the producer's placement moves exactly those tokens. A model with Mamba state
+    groups prefills the rest locally instead."""
+    import tpu_sync
+    from tpu_sync.vllm.compat import placement
+
+    _, toks, _, params = producer_params(configs)
+    c = connector(configs["kv_consumer"])
+    r = request("d3", toks, dict(params))
+    assert c.get_num_new_matched_tokens(r, 2 * BS) == (100 - 2 * BS, True)
+    c.update_state_after_alloc(r, blocks([0, 21, 22, 23], [5, 6, 8, 10]), 100 - 2 * BS)
+    (spec,) = c.build_connector_meta(sched_out({})).recvs
+    assert (spec.first_token, spec.next_token) == (2 * BS, 99)
+    assert spec.dst_block_ids == [[22, 23], [8, 10]]
+    assert c.scheduler_side.stats["p2p_partial"] == 1
+    dst = placement(c.geometry.tpu_sync_layout(NUM_BLOCKS), spec.dst_block_ids, spec.first_token, spec.next_token)
+    with tpu_sync.Plan(placement(spec.src_layout, spec.src_block_ids), dst, 100) as plan:
+        # Tokens 64..100 of both layers (CPU blocks move whole: the 2 blocks of each).
+        assert plan.total_bytes == 2 * 2 * c.geometry.layer_block_bytes
+    # A Mamba hybrid: its state is the producer's after all its tokens; prefilled locally.
+    mp, mtoks, mr = mamba_producer_params(configs)
+    mr.num_computed_tokens, mr.status = 99, RequestStatus.FINISHED_LENGTH_CAPPED
+    _, mparams = mp.request_finished_all_groups(mr, ([7], [9, 4, 7, 3]))
+    m = connector(configs["kv_consumer"], kvc=mamba_kvc())
+    assert m.get_num_new_matched_tokens(request("d4", mtoks, dict(mparams)), 0) == (99, True)  # the params are good
+    assert m.get_num_new_matched_tokens(request("d5", mtoks, dict(mparams)), BS) == (0, False)
+    assert m.scheduler_side.stats["refused_params"] == 0
+
+
 @pytest.mark.parametrize("prompt_len", [79, 111, 143, 100, 107, 80, 70])
 def test_pd_consumer_covers_the_recomputed_last_tokens_window(configs, prompt_len):
     """After a whole-prompt load vLLM recomputes the last prompt token (``num_computed_tokens``
@@ -217,6 +250,16 @@ def test_pd_consumer_covers_the_recomputed_last_tokens_window(configs, prompt_le
     assert spec.src_block_ids == params["remote_block_ids"]
     assert [len(x) for x in spec.src_block_ids] == [len(x) for x in spec.dst_block_ids]
     assert all(b != 0 for ids in spec.dst_block_ids for b in ids)  # never vLLM's null block
+    # The pull covers the recomputed token's window, token T - w included (next_token): the
+    # planner takes the producer's placement for it (it refuses a window the source's blocks
+    # do not hold).
+    import tpu_sync
+    from tpu_sync.vllm.compat import placement
+
+    assert spec.next_token == T - 1
+    dst = placement(c.geometry.tpu_sync_layout(NUM_BLOCKS), spec.dst_block_ids, 0, spec.next_token)
+    with tpu_sync.Plan(placement(spec.src_layout, spec.src_block_ids), dst, T):
+        pass
     # The load is done; vLLM recomputes the last token (Scheduler._update_waiting_for_remote_kv).
     d.num_computed_tokens = T - 1
     assert cm.allocate_slots(d, 1) is not None

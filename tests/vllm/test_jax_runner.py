@@ -961,15 +961,16 @@ def dp_group_glob(reps):
 
 
 def with_group_request(g, base, tokens, held, seed):
-    """``base`` (one replica's per-rank arrays) with a request's KV written as a transfer
-    leaves it: the full layer's tokens ``[0, tokens)`` at the full group's blocks ``held[1]``,
-    the sliding layer's window ``[tokens + 1 - WINDOW, tokens)`` at ``held[0]``."""
+    """``base`` (one replica's per-rank arrays) with a request's KV written as a pull into a
+    vLLM consumer leaves it: the full layer's tokens ``[0, tokens)`` at the full group's blocks
+    ``held[1]``, the sliding layer's tokens the recomputed last token's window reads,
+    ``[tokens - WINDOW, tokens)`` (of the held blocks), at ``held[0]``."""
     _, rows = group_caches(g, tokens, held, seed=seed, fill_seed=0)
     out = [a.copy() for a in base]
     nblocks = -(-tokens // BS)
     for layer, ids in enumerate(held):
         first = nblocks - len(ids)
-        for t in range(max(first * BS, tokens + 1 - WINDOW if layer == 0 else 0), tokens):
+        for t in range(max(first * BS, tokens - WINDOW if layer == 0 else 0), tokens):
             for r in range(g.tp):
                 out[r][ids[t // BS - first], t % BS] = rows[r][layer][t]
     return out
@@ -1303,7 +1304,8 @@ def test_pd_with_kv_cache_groups_and_vllms_schedulers_under_the_dp_scheduler(tin
         exp = dst_before.copy()
         for rid, n, pr, cr in reqs:
             src, dst = prod.group_blocks_of[rid], cons.group_blocks_of[rid]
-            for layer, first in ((0, max(0, n + 1 - window)), (1, 0)):
+            # The sliding layer: the window of token n - 1, which vLLM recomputes after the load.
+            for layer, first in ((0, max(0, n - window)), (1, 0)):
                 for t in range(first, n):
                     exp[cr * NB + dst[layer][t // bs], t % bs] = src_before[pr * NB + src[layer][t // bs], t % bs]
         got = bits(cons.runner.kv_caches[0])

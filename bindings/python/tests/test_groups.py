@@ -165,6 +165,24 @@ def test_grouped_pull_after_a_prefix_hit_moves_only_the_tokens_after_it(client, 
         prod.close()
 
 
+def test_a_destination_recomputing_its_last_token_gets_that_tokens_window():
+    """``next_token`` 39 of 40 (vLLM recomputes the last prompt token after a whole-prompt
+    load): the sliding layers get the window of token 39, ``[32, 40)``, one token more than the
+    next token's (token 32 shares block 2 with the window, so the source holds it); a source
+    whose blocks start after the window the destination reads is a MismatchError naming the
+    group."""
+    dst = tpu_sync.placement(layout(), DST["block_ids"], next_token=39)
+    with tpu_sync.Plan(SRC, dst, TOKENS) as plan:
+        assert plan.total_bytes == NEEDED + 2 * 1 * 2 * 2 * 4 * 2  # token 32 of both sliding layers
+    # 48 tokens with a window of 16: the next token's window [33, 48) starts in block 2, token
+    # 47's [32, 48) too; with a window of 17 ([32, 48) and [31, 48)) token 31 is in block 1,
+    # which the source does not hold.
+    src = tpu_sync.placement(layout(17), [[[3]], [[4, 1, 5]], [[2]]])
+    dst = tpu_sync.placement(layout(17), [[[1, 2]], [[2, 0, 3]], [[0]]], next_token=47)
+    with pytest.raises(errors.MismatchError, match="sliding"):
+        tpu_sync.Plan(src, dst, 48)
+
+
 def test_presets_come_from_the_native_library_and_plan_their_own_bytes():
     names = tpu_sync.PRESET_NAMES
     assert set(tpu_sync.PRESETS) | set(tpu_sync.HYBRID_PRESETS) == set(names)

@@ -1565,12 +1565,21 @@ impl HybridLayout {
     }
 
     pub(crate) fn u_needed_tokens(&self, g: usize, num_tokens: u32) -> Range<u32> {
+        self.u_needed_tokens_from(g, num_tokens, num_tokens)
+    }
+
+    /// [`HybridLayout::needed_tokens`] for a side whose first computed token is `next` (`<=
+    /// num_tokens`; `num_tokens` when it computes the request's next token): a sliding window
+    /// of `w` tokens needs `[next + 1 - w, num_tokens)`, the tokens token `next`'s window reads
+    /// (vLLM recomputes the last prompt token after loading the whole prompt: `next =
+    /// num_tokens - 1`, one token more than the next token reads).
+    pub(crate) fn u_needed_tokens_from(&self, g: usize, num_tokens: u32, next: u32) -> Range<u32> {
         let kind = &self.model.groups[g].kind;
         if kind.is_state() {
             return 0..0;
         }
         match kind.sliding_window() {
-            Some(w) => (num_tokens.saturating_add(1).saturating_sub(w)).min(num_tokens)..num_tokens,
+            Some(w) => (next.min(num_tokens).saturating_add(1).saturating_sub(w)).min(num_tokens)..num_tokens,
             None => 0..num_tokens,
         }
     }
@@ -1583,11 +1592,17 @@ impl HybridLayout {
     }
 
     pub(crate) fn u_window_blocks(&self, g: usize, num_tokens: u32) -> Range<u32> {
+        self.u_window_blocks_from(g, num_tokens, num_tokens)
+    }
+
+    /// [`HybridLayout::window_blocks`] of the tokens [`HybridLayout::u_needed_tokens_from`]
+    /// `next` needs.
+    pub(crate) fn u_window_blocks_from(&self, g: usize, num_tokens: u32, next: u32) -> Range<u32> {
         if self.model.groups[g].kind.is_state() {
             return 0..1;
         }
         let n = self.u_request_blocks(g, num_tokens);
-        let t = self.u_needed_tokens(g, num_tokens);
+        let t = self.u_needed_tokens_from(g, num_tokens, next);
         if t.is_empty() {
             return n..n;
         }
@@ -1603,8 +1618,13 @@ impl HybridLayout {
     }
 
     pub(crate) fn u_held_blocks(&self, g: usize, num_tokens: u32, pcp: u32) -> Range<u32> {
+        self.u_held_blocks_from(g, num_tokens, pcp, num_tokens)
+    }
+
+    /// [`HybridLayout::held_blocks`] of a side whose first computed token is `next`.
+    pub(crate) fn u_held_blocks_from(&self, g: usize, num_tokens: u32, pcp: u32, next: u32) -> Range<u32> {
         let c = self.u_pcp_chunk(g, num_tokens, pcp);
-        let w = self.u_window_blocks(g, num_tokens);
+        let w = self.u_window_blocks_from(g, num_tokens, next);
         let start = c.start.max(w.start);
         let end = c.end.min(w.end).max(start);
         start..end

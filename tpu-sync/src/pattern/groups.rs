@@ -38,6 +38,9 @@ pub struct GroupedContents {
     rank: u32,
     coord: RankCoord,
     num_tokens: u32,
+    /// The placement's first computed token ([`HybridPlacement::next`]): which window tokens
+    /// are the request's.
+    next: u32,
     salt: u64,
     kvs: Vec<GroupRankKv>,
     /// Per group: the request block index held in each device block (slot), `u32::MAX` = none.
@@ -93,10 +96,20 @@ impl GroupedContents {
             rank,
             coord,
             num_tokens,
+            next: placement.next(num_tokens),
             salt,
             kvs,
             request_block,
         })
+    }
+
+    /// The contents of a source that computed its whole request: every token of its blocks
+    /// (below the request's end) holds the request's KV, also a sliding window's tokens before
+    /// the window that share its first block (a plan into a destination that recomputes an
+    /// earlier token, [`HybridPlacement::next_token`], reads them).
+    pub fn whole_blocks(mut self) -> Self {
+        self.next = 0;
+        self
     }
 
     /// Bytes of the rank's buffer of cache layer `layer`.
@@ -118,7 +131,7 @@ impl GroupedContents {
     /// Calls `f(offset, len, element size, element)` for every request row of a layer.
     fn for_each_request_row(&self, g: usize, mut f: impl FnMut(u64, u64, u64, Elem)) {
         let l = &self.layout;
-        let need = l.u_needed_tokens(g, self.num_tokens);
+        let need = l.u_needed_tokens_from(g, self.num_tokens, self.next);
         let rbs = &self.request_block[g];
         match &self.kvs[g] {
             GroupRankKv::Paged(kv) => {

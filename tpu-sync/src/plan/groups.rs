@@ -25,8 +25,8 @@ use crate::layout::{DType, GroupKind, GroupRankKv, HybridLayout, ModelKv, Parall
 /// Where one request's KV cache lives on one side of a transfer, group by group.
 ///
 /// JSON: `{"layout": HybridLayout, "dp_rank": 0, "block_ids": [[[ids of rank 0], [ids of rank
-/// 1], ...] of group 0, ...], "first_token": 0}` (`first_token` optional); unknown keys are
-/// refused.
+/// 1], ...] of group 0, ...], "first_token": 0, "next_token": N}` (`first_token` and
+/// `next_token` optional); unknown keys are refused.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HybridPlacement {
@@ -52,6 +52,18 @@ pub struct HybridPlacement {
     /// destination's).
     #[serde(default, skip_serializing_if = "super::is_zero")]
     pub first_token: u32,
+    /// The first token this side computes after the transfer (a destination's), or `None`
+    /// (default, absent in JSON): the request's next token, `num_tokens`. A sliding-window
+    /// group of `w` tokens then needs and holds the tokens token `next_token`'s window reads,
+    /// `[next_token + 1 - w, num_tokens)`, one token more than the next token reads for
+    /// `next_token = num_tokens - 1`: vLLM recomputes the last prompt token after loading the
+    /// whole prompt (`Scheduler._update_waiting_for_remote_kv`), and a layer-wise consumer
+    /// computes from its loaded tokens on. At most `num_tokens`. A plan refuses a source that
+    /// does not hold those tokens ([`Error::Mismatch`]): vLLM frees the block before the
+    /// window of `num_tokens`, so a producer of whole blocks holds token `num_tokens - w` only
+    /// when it shares a block with token `num_tokens + 1 - w`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_token: Option<u32>,
 }
 
 impl HybridPlacement {
@@ -62,7 +74,23 @@ impl HybridPlacement {
             dp_rank: p.dp_rank,
             block_ids: vec![p.block_ids.clone()],
             first_token: p.first_token,
+            next_token: None,
         }
+    }
+
+    /// The first token this side computes after the transfer
+    /// ([`HybridPlacement::next_token`], default `num_tokens`), at most `num_tokens`.
+    pub fn next(&self, num_tokens: u32) -> u32 {
+        self.next_token.unwrap_or(num_tokens).min(num_tokens)
+    }
+
+    /// The tokens of group `g` this side needs ([`HybridLayout::needed_tokens`] for its
+    /// [`HybridPlacement::next_token`]; before `first_token` included).
+    ///
+    /// Errors: [`Error::Layout`] for a group index out of range.
+    pub fn needed_tokens(&self, g: usize, num_tokens: u32) -> Result<Range<u32>> {
+        self.layout.needed_tokens(g, num_tokens)?;
+        Ok(self.layout.u_needed_tokens_from(g, num_tokens, self.next(num_tokens)))
     }
 
     /// The request blocks of group `g` whose ids local ranks of PCP rank `pcp` list in
@@ -78,7 +106,7 @@ impl HybridPlacement {
 
     pub(crate) fn u_listed_blocks(&self, g: usize, num_tokens: u32, pcp: u32) -> Range<u32> {
         let l = &self.layout;
-        let held = l.u_held_blocks(g, num_tokens, pcp);
+        let held = l.u_held_blocks_from(g, num_tokens, pcp, self.next(num_tokens));
         if l.model.groups[g].kind.is_state() {
             return held;
         }
@@ -118,6 +146,12 @@ impl HybridPlacement {
             return Err(Error::Layout(format!(
                 "DP rank {} out of range for DP={}",
                 self.dp_rank, s.dp
+            )));
+        }
+        if self.next_token.is_some_and(|n| n > num_tokens) {
+            return Err(Error::InvalidArgument(format!(
+                "next_token {} is past the request's {num_tokens} tokens",
+                self.next_token.unwrap_or(0)
             )));
         }
         if self.first_token != 0 {
@@ -246,7 +280,7 @@ impl HybridPlacement {
             .map(|g| {
                 let kv = l.u_rank_kv(g);
                 let layers = l.model.groups[g].layers.len() as u64;
-                let need = l.u_needed_tokens(g, num_tokens);
+                let need = l.u_needed_tokens_from(g, num_tokens, self.next(num_tokens));
                 let bs = l.u_block_size(g) as u64;
                 let mut total = 0u64;
                 for local in 0..s.ranks_per_replica() {
@@ -303,6 +337,31 @@ impl Plan {
             )));
         }
         let groups = dst.layout.groups.len();
+        for g in 0..groups {
+            // The first token the destination reads of this group (whole blocks for LBHNC),
+            // and the first the source holds (its listed blocks start on a block boundary).
+            let (sl, dl) = (&src.layout, &dst.layout);
+            if sl.model.groups[g].kind.is_state() {
+                continue;
+            }
+            let (sbs, dbs) = (sl.u_block_size(g), dl.u_block_size(g));
+            let need = dl.u_needed_tokens_from(g, num_tokens, dst.next(num_tokens));
+            let wants = if dl.u_order(g).is_opaque() {
+                (need.start / dbs * dbs).max(dst.first_token)
+            } else {
+                need.start.max(dst.first_token)
+            };
+            let sneed = sl.u_needed_tokens_from(g, num_tokens, src.next(num_tokens));
+            let holds = (sneed.start / sbs * sbs).max(src.first_token);
+            if wants < holds && wants < num_tokens {
+                return Err(Error::Mismatch(format!(
+                    "KV cache group {}: the destination reads tokens from {wants} (the window of \
+                     its next token {}), the source's blocks hold them from {holds}",
+                    src.layout.model.group_name(g),
+                    dst.next(num_tokens)
+                )));
+            }
+        }
         let mut bases: Vec<Vec<Span>> = Vec::with_capacity(groups);
         for g in 0..groups {
             let mut rows = group_rows(src, dst, g, num_tokens);
@@ -375,7 +434,7 @@ fn group_rows(src: &HybridPlacement, dst: &HybridPlacement, g: usize, t: u32) ->
     let (sbs, dbs) = (sl.u_block_size(g), dl.u_block_size(g));
     // Listed destination blocks start at its first_token (block-aligned), so every token of
     // them from the group's needed tokens on is wanted.
-    let need = dl.u_needed_tokens(g, t);
+    let need = dl.u_needed_tokens_from(g, t, dst.next(t));
     let mut rows = Vec::new();
     for ld in 0..dl.spec.ranks_per_replica() {
         let dst_rank = dst.global_rank(ld);

@@ -97,7 +97,7 @@ def layout(model: Dict[str, Any], *, tp: int = 1, pcp: int = 1, dp: int = 1, blo
 
 
 def placement(layout: Dict[str, Any], block_ids: Sequence[Sequence[int]], dp_rank: int = 0,
-              first_token: int = 0) -> Dict[str, Any]:
+              first_token: int = 0, next_token: Optional[int] = None) -> Dict[str, Any]:
     """Where a request's blocks are: for each rank of DP replica ``dp_rank`` (index
     ``pcp * tp + tp_rank``), the device block ids of its request blocks, in order. For a layout
     with KV cache groups, ``block_ids[group][rank]``: a sliding-window group lists only its
@@ -112,7 +112,13 @@ def placement(layout: Dict[str, Any], block_ids: Sequence[Sequence[int]], dp_ran
     of every paged group's block size; each paged group lists its held blocks (a sliding
     window's) from that token on, a state group its one slot (the state moves whole). Checked
     when planned (InvalidArgumentError: unaligned or past the request; BlockRangeError: a
-    wrong number of ids)."""
+    wrong number of ids).
+
+    ``next_token`` (layouts with KV cache groups; tokens): the first token a pull's destination
+    computes after it (None: the request's next token). A sliding-window group of ``w`` tokens
+    then needs ``[next_token + 1 - w, num_tokens)`` and lists the blocks of those tokens (vLLM
+    recomputes the last prompt token after loading the whole prompt: ``num_tokens - 1``); a
+    plan from a source whose blocks do not hold them is a MismatchError."""
     if not isinstance(layout, dict):
         raise ck.fail(f"layout must be a dict (tpu_sync.layout(...)), got {type(layout).__name__}")
     first = ck.u32("first_token", first_token)
@@ -124,6 +130,8 @@ def placement(layout: Dict[str, Any], block_ids: Sequence[Sequence[int]], dp_ran
         gout = dict(layout=layout, dp_rank=ck.u32("dp_rank", dp_rank), block_ids=gids)
         if first:
             gout["first_token"] = first
+        if next_token is not None:
+            gout["next_token"] = ck.u32("next_token", next_token)
         return gout
     ids = [[ck.u32(f"block_ids[{i}][{j}]", b) for j, b in enumerate(ck.items(f"block_ids[{i}]", r))]
            for i, r in enumerate(ck.items("block_ids", block_ids))]

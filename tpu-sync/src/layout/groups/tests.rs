@@ -360,6 +360,7 @@ fn zero_fields_are_errors_not_panics() {
             dp_rank: 0,
             block_ids: vec![vec![vec![]; 2]; 2],
             first_token: 0,
+            next_token: None,
         };
         assert!(p.validate(10).is_err());
         assert!(p.block_ranges(0).is_err());

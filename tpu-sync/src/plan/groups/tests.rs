@@ -48,12 +48,25 @@ fn placement_from(
     seed: u64,
     first_token: u32,
 ) -> HybridPlacement {
+    placement_next(layout, dp_rank, tokens, seed, first_token, None)
+}
+
+/// [`placement_from`] of a side that computes from token `next_token` after the transfer.
+fn placement_next(
+    layout: HybridLayout,
+    dp_rank: u32,
+    tokens: u32,
+    seed: u64,
+    first_token: u32,
+    next_token: Option<u32>,
+) -> HybridPlacement {
     let s = layout.spec;
     let mut p = HybridPlacement {
         layout,
         dp_rank,
         block_ids: vec![],
         first_token,
+        next_token,
     };
     p.block_ids = (0..p.layout.groups.len())
         .map(|g| {
@@ -92,7 +105,7 @@ fn simulate(src: &HybridPlacement, dst: &HybridPlacement, tokens: u32, plan: &Pl
     let layers = src.layout.num_layers();
     let src_bufs: Vec<Vec<Vec<u8>>> = (0..src.layout.num_ranks())
         .map(|r| {
-            let c = GroupedContents::new(src, r, tokens, 1).unwrap();
+            let c = GroupedContents::new(src, r, tokens, 1).unwrap().whole_blocks();
             (0..layers)
                 .map(|l| {
                     let mut b = vec![0u8; c.layer_bytes(l).unwrap() as usize];
@@ -105,6 +118,7 @@ fn simulate(src: &HybridPlacement, dst: &HybridPlacement, tokens: u32, plan: &Pl
     let empty = HybridPlacement {
         block_ids: vec![],
         first_token: 0,
+        next_token: None,
         dp_rank: u32::MAX,
         ..dst.clone()
     };
@@ -376,6 +390,48 @@ fn a_prefix_hit_receives_only_the_tokens_after_it() {
     assert_eq!(a[1], b[1], "the state slot moves whole");
     assert_eq!(a[0] * 40, b[0] * 16, "16 of 40 tokens of the full group");
     simulate(&qs, &qd, t, &plan);
+}
+
+/// A destination that recomputes the last token (`next_token = num_tokens - 1`, vLLM after a
+/// whole-prompt load) needs the token its window reads besides the next token's: moved when the
+/// source's blocks hold it (it shares a block with the next token's first window token),
+/// refused by name when the source freed it (the block before them); a layer-wise consumer
+/// computing from an earlier token needs that token's whole window.
+#[test]
+#[cfg_attr(miri, ignore = "byte-level simulation: too slow under Miri")]
+fn a_recomputed_tokens_window_is_moved_or_refused() {
+    let m = small_model("gpt-oss"); // sliding window 12 on layers 0 and 2
+    let per_token = 8 * 2 * 2 * 2 * 2;
+    // 40 tokens at block 4: the next token's window [29, 40) and token 39's [28, 40) are both
+    // in blocks 7..10.
+    let l = hlayout(&m, spec(1, 1, 1, BlockOrder::Nhd), &[4], 40);
+    let src = hybrid_placement(l.clone(), 0, 40, 1);
+    let dst = placement_next(l.clone(), 0, 40, 2, 0, Some(39));
+    assert_eq!(dst.needed_tokens(1, 40).unwrap(), 28..40);
+    assert_eq!(dst.block_ids[1][0].len(), 3);
+    let plan = Plan::build_groups(&src, &dst, 40).unwrap();
+    assert_eq!(plan.group_bytes(&dst.layout), vec![40 * per_token, 12 * per_token]);
+    simulate(&src, &dst, 40, &plan);
+    // 43 tokens: the next token's window starts at 32 (block 8), token 42's at 31, in the block
+    // before, which the source does not hold.
+    let l = hlayout(&m, spec(1, 1, 1, BlockOrder::Nhd), &[4], 43);
+    let src = hybrid_placement(l.clone(), 0, 43, 1);
+    let dst = placement_next(l.clone(), 0, 43, 2, 0, Some(42));
+    assert_eq!(dst.block_ids[1][0].len(), 4);
+    let e = Plan::build_groups(&src, &dst, 43).unwrap_err();
+    assert_eq!(e.kind(), crate::ErrorKind::Mismatch);
+    assert!(e.to_string().contains("reads tokens from 31") && e.to_string().contains("from 32"), "{e}");
+    // A layer-wise consumer computing from token 36 of 43 (after a prefix hit of 8) reads
+    // [25, 43): the source's blocks hold them from 32 only.
+    let dst = placement_next(l.clone(), 0, 43, 2, 8, Some(36));
+    assert!(Plan::build_groups(&src, &dst, 43).is_err());
+    // ... from a source that itself computed only up to token 36 and holds its window.
+    let wide = placement_next(l.clone(), 0, 43, 1, 0, Some(36));
+    let plan = Plan::build_groups(&wide, &dst, 43).unwrap();
+    simulate(&wide, &dst, 43, &plan);
+    let mut past = dst.clone();
+    past.next_token = Some(44);
+    assert!(past.validate(43).unwrap_err().to_string().contains("next_token 44"));
 }
 
 /// Token ranges that cannot be planned are refused with the reason: a first token not aligned
@@ -764,6 +820,35 @@ proptest! {
         let dst = placement_from(dl, (seed >> 8) as u32 % d.2, tokens, !seed, first);
         let plan = Plan::build_groups(&src, &dst, tokens).unwrap();
         simulate(&src, &dst, tokens, &plan);
+    }
+
+    /// The same mixes into a destination that computes from an earlier token than the next
+    /// one (`next_token`: a recomputed last token, a layer-wise consumer), after a prefix hit
+    /// or not: planned exactly (every window token that token reads arrives, nothing else)
+    /// where the source's blocks hold those tokens, else refused as a mismatch and nothing
+    /// planned.
+    #[test]
+    fn random_group_mixes_into_a_recomputing_destination(
+        m in arb_model(),
+        tokens in 2u32..90,
+        seed in any::<u64>(),
+        s in arb_side(),
+        d in arb_side(),
+        back in 1u32..20,
+        hit in any::<u32>(),
+    ) {
+        prop_assume!(m.validate().is_ok());
+        let sl = hlayout(&m, spec(s.0, s.1, s.2, s.3), &s.4, tokens);
+        let dl = hlayout(&m, spec(d.0, d.1, d.2, d.3), &d.4, tokens);
+        let dlcm = paged_block_lcm(&dl);
+        let first = dlcm * (hit % tokens.div_ceil(dlcm)) * (hit % 2);
+        let next = tokens.saturating_sub(back).max(first);
+        let src = placement_from(sl, seed as u32 % s.2, tokens, seed, 0);
+        let dst = placement_next(dl, (seed >> 8) as u32 % d.2, tokens, !seed, first, Some(next));
+        match Plan::build_groups(&src, &dst, tokens) {
+            Ok(plan) => simulate(&src, &dst, tokens, &plan),
+            Err(e) => prop_assert_eq!(e.kind(), crate::ErrorKind::Mismatch, "{}", e),
+        }
     }
 
     /// Uniform models: the one-group plan is Plan::build's plan, span for span.

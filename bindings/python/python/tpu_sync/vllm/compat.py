@@ -233,7 +233,8 @@ class KvGeometry:
                 out[int(layer)] = g
         return out
 
-    def held_blocks(self, group: int, num_tokens: int, first_token: int = 0) -> Tuple[int, int]:
+    def held_blocks(self, group: int, num_tokens: int, first_token: int = 0,
+                    next_token: Optional[int] = None) -> Tuple[int, int]:
         """``(first, end)``: the request blocks of ``group`` that hold KV a request of
         ``num_tokens`` tokens still needs, as ``tpu_sync::layout::HybridLayout::held_blocks``
         computes them: every block for full attention; for a sliding window ``w`` only the blocks
@@ -243,19 +244,23 @@ class KvGeometry:
         ``mamba_cache_mode="none"`` gives a request one block, its state slot): ``(0, 1)``.
         ``first_token`` (a local prefix hit, block-aligned): only the blocks from
         ``first_token // block_size`` on (``HybridPlacement::listed_blocks``: the blocks a
-        destination with that ``first_token`` lists); a state group's slot whatever it is."""
+        destination with that ``first_token`` lists); a state group's slot whatever it is.
+        ``next_token``: the first token the side computes after the transfer (None:
+        ``num_tokens``), whose window ``[next_token + 1 - w, ...)`` it needs
+        (``HybridPlacement::next_token``)."""
         if self.is_state_group(group):
             return 0, 1
         nb = -(-int(num_tokens) // self.block_size)
         w = (self.groups[group].get("sliding_window") if self.groups else None)
-        start = max(0, int(num_tokens) + 1 - int(w)) if w else 0
+        nxt = int(num_tokens) if next_token is None else min(int(next_token), int(num_tokens))
+        start = max(0, nxt + 1 - int(w)) if w else 0
         return min(max(start, int(first_token)) // self.block_size, nb), nb
 
     def group_held_ids(self, block_ids: Sequence[Sequence[int]], num_tokens: int,
-                       first_token: int = 0) -> List[List[int]]:
-        """The held block ids of every group (:meth:`held_blocks`, from ``first_token`` on)
-        from vLLM's block ids of a request (one list per group, as
-        ``KVCacheBlocks.get_block_ids()`` returns them).
+                       first_token: int = 0, next_token: Optional[int] = None) -> List[List[int]]:
+        """The held block ids of every group (:meth:`held_blocks`, from ``first_token`` on, for
+        a side computing from ``next_token``) from vLLM's block ids of a request (one list per
+        group, as ``KVCacheBlocks.get_block_ids()`` returns them).
 
         Raises:
             ValueError: a group count other than :attr:`num_groups`, a group with fewer blocks
@@ -266,7 +271,7 @@ class KvGeometry:
                              f"cache groups")
         out = []
         for g, ids in enumerate(block_ids):
-            first, end = self.held_blocks(g, num_tokens, first_token)
+            first, end = self.held_blocks(g, num_tokens, first_token, next_token)
             if len(ids) < end:
                 raise ValueError(f"TpuSyncConnector: KV cache group {g} has {len(ids)} blocks, {num_tokens} "
                                  f"tokens need {end}")
@@ -544,14 +549,17 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def placement(layout: Dict[str, Any], block_ids: Sequence[Any], first_token: int = 0) -> Dict[str, Any]:
+def placement(layout: Dict[str, Any], block_ids: Sequence[Any], first_token: int = 0,
+              next_token: Optional[int] = None) -> Dict[str, Any]:
     """``tpu_sync`` placement of a request whose blocks have the same ids on every TP rank (as
     in vLLM, where all TP workers share one block table). For a layout with groups
     (:meth:`KvGeometry.tpu_sync_layout` of a grouped geometry) ``block_ids`` holds one list per
     group: that group's held blocks (:meth:`KvGeometry.group_held_ids`, from ``first_token``
     on). ``first_token``: the blocks hold the request from that token (block-aligned) on, as
     :func:`tpu_sync.plan.placement` reads it (a flat list then starts at block
-    ``first_token // block_size``).
+    ``first_token // block_size``). ``next_token`` (layouts with groups): the first token
+    the destination computes after the pull (None: the request's next token); a
+    sliding-window group then holds that token's window (:meth:`KvGeometry.held_blocks`).
 
     A grouped layout in the TPU MLA order (vLLM-TorchTPU's sparse MLA caches,
     :attr:`KvGeometry.mla_parts`) takes one flat list: all its groups share vLLM's one block
@@ -571,6 +579,8 @@ def placement(layout: Dict[str, Any], block_ids: Sequence[Any], first_token: int
         gout = dict(layout=layout, dp_rank=0, block_ids=[[list(ids) for _ in range(tp)] for ids in gids])
         if first_token:
             gout["first_token"] = int(first_token)
+        if next_token is not None:
+            gout["next_token"] = int(next_token)
         return gout
     ids = [int(b) for b in block_ids]
     out = dict(layout=layout, dp_rank=0, block_ids=[list(ids) for _ in range(tp)])

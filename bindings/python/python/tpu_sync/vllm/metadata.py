@@ -60,6 +60,10 @@ class RecvSpec:
             ``dst_block_ids`` are the local blocks from block ``first_token // block_size`` on
             (with KV cache groups: each group's held blocks from there on,
             :meth:`~tpu_sync.vllm.compat.KvGeometry.group_held_ids`).
+        next_token: with KV cache groups, the first token vLLM computes after the pull (the
+            last prompt token again after a whole-prompt load; a layer-wise consumer's first
+            unloaded token); None: ``num_tokens``. Sliding-window groups pull that token's
+            window (``HybridPlacement::next_token``), and ``dst_block_ids`` hold it.
     """
 
     req_id: str
@@ -71,6 +75,7 @@ class RecvSpec:
     num_tokens: int
     timeout_s: float
     first_token: int = 0
+    next_token: Optional[int] = None
 
 
 @dataclass

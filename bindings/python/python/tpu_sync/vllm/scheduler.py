@@ -13,9 +13,10 @@ Per request (vLLM calls, in order):
   locally instead; ``update_state_after_alloc`` plans the pull into the allocated blocks; the worker pulls
   asynchronously and reports the request in ``finished_recving`` (and ``failed_recving`` plus
   the block ids on failure, so vLLM recomputes or fails it per ``kv_load_failure_policy``).
-  A request whose KV will not be pulled (refused params, a local prefix hit, aborted before its
-  pull, or a failed pull) is *rejected* at the producer, which frees its staged KV at once
-  instead of keeping it for the lease. Tokens count as pulled (``p2p_tokens``, and P2P in
+  A request whose KV will not be pulled (refused params, a local prefix hit that covers all
+  the producer holds, aborted before its pull, or a failed pull) is *rejected* at the
+  producer, which frees its staged KV at once instead of keeping it for the lease. Tokens
+  count as pulled (``p2p_tokens``, and P2P in
   :meth:`SchedulerSide.get_external_cache_hit_sources`) only for pulls that succeed; tokens
   recomputed after a failed pull are ``p2p_failed_tokens``.
 * **P/D producer** (``do_remote_decode``): ``request_finished`` returns ``(True, params)``:
@@ -259,10 +260,14 @@ class SchedulerSide:
                     return 0, False  # the hit covers all the producer has: compute the rest here
                 if self._sync_layerwise(params):
                     m = (min(n, int(request.num_tokens) - 1) // self.block_size) * self.block_size
-                    if m <= k or not self._layerwise_covers(m, n, k):
+                    if m <= k:
                         return 0, False
-                    self._pd_first[request.request_id] = k
-                    return m - k, False
+                    if self._layerwise_covers(m, n, k):
+                        self._pd_first[request.request_id] = k
+                        return m - k, False
+                    # The forward from token m reads a sliding window's block the producer does
+                    # not hold: pull the rest whole instead (asynchronously), as without a hit.
+                    self.stats["layerwise_whole"] += 1
                 if not self._layerwise_covers(min(n, int(request.num_tokens) - 1), n, k):
                     # As below without a hit: the window of the token vLLM computes after the
                     # load starts before the producer's held blocks (and after the hit).
@@ -432,16 +437,22 @@ class SchedulerSide:
             else:
                 src_ids = ([[int(b) for b in g] for g in params["remote_block_ids"]] if self.geometry.groups
                            else [int(b) for b in params["remote_block_ids"]])
+            next_token = None
             if self.geometry.groups:
-                # One block table per KV cache group: each group's held blocks.
+                # One block table per KV cache group: each group's held blocks, of the windows
+                # of the first token vLLM computes after the load (the last prompt token again
+                # after a whole-prompt load; a layer-wise load's first unloaded token).
+                next_token = min(first + num_external_tokens, int(request.num_tokens) - 1)
                 try:
-                    dst_ids = self.geometry.group_held_ids(all_ids, n, first)
+                    dst_ids = self.geometry.group_held_ids(all_ids, n, first, next_token)
                 except ValueError as e:
                     # vLLM waits for this request's load: make it a pull that fails at once (no
                     # source blocks), so its blocks are load errors (recomputed or failed per
                     # kv_load_failure_policy), nothing is written, and the producer is told.
                     log.error("tpu_sync: request %s: not pulling KV: %s", req_id, e)
-                    dst_ids = [[int(b) for b in g] for g in all_ids]
+                    # Never the hit's blocks (shared with other requests): only this request's
+                    # own become load errors.
+                    dst_ids = [[int(b) for b in g[first // bs:]] for g in all_ids]
                     src_ids = []
             spec = RecvSpec(
                 req_id=req_id,
@@ -453,6 +464,7 @@ class SchedulerSide:
                 num_tokens=n,
                 timeout_s=self.cfg.pull_timeout_s,
                 first_token=first,
+                next_token=next_token,
             )
             if first:
                 self.stats["p2p_partial"] += 1

@@ -815,7 +815,7 @@ class WorkerSide:
         jx = self.caches.jax if self.caches is not None else None
         return 1 if jx is None else int(jx.dp)
 
-    def _placement(self, block_ids: Any, first_token: int = 0) -> Dict[str, Any]:
+    def _placement(self, block_ids: Any, first_token: int = 0, next_token: Optional[int] = None) -> Dict[str, Any]:
         """The tpu_sync placement of blocks ``block_ids`` of these caches: with DP (a JAX
         runner's replicas), global ids as tpu-inference's DP scheduler gives them, mapped to
         their replica's local ids and ``dp_rank`` in a layout of ``dp`` replicas (per KV cache
@@ -827,10 +827,11 @@ class WorkerSide:
             if block_ids and isinstance(block_ids[0], (list, tuple)):
                 off = d * int(jx.num_blocks)
                 local = [[NULL_BLOCK_ID if int(b) == NULL_BLOCK_ID else int(b) - off for b in g] for g in block_ids]
-            p = compat.placement(self.geometry.tpu_sync_layout(jx.num_blocks, jx.dp), local, first_token)
+            p = compat.placement(self.geometry.tpu_sync_layout(jx.num_blocks, jx.dp), local, first_token, next_token)
             p["dp_rank"] = d
             return p
-        return compat.placement(self.geometry.tpu_sync_layout(self.caches.num_blocks), block_ids, first_token)
+        return compat.placement(self.geometry.tpu_sync_layout(self.caches.num_blocks), block_ids, first_token,
+                                next_token)
 
     def _unpacked(self, meta: Any) -> Any:
         """The step's metadata with tpu-inference's DP scheduler's merge undone
@@ -896,7 +897,7 @@ class WorkerSide:
         assert self.caches is not None
         s = p.spec
         try:
-            dst = self._placement(s.dst_block_ids, getattr(s, "first_token", 0))
+            dst = self._placement(s.dst_block_ids, getattr(s, "first_token", 0), getattr(s, "next_token", None))
             src = compat.placement(s.src_layout, s.src_block_ids)
             p.handle = self.transport.pull(s.xfer_id, s.peers, src, dst, s.num_tokens,
                                            wait_for_registration=max(0.0, p.deadline - time.monotonic()),
@@ -1188,7 +1189,7 @@ class WorkerSide:
                 continue
             s = p.spec
             try:
-                dst = self._placement(s.dst_block_ids, getattr(s, "first_token", 0))
+                dst = self._placement(s.dst_block_ids, getattr(s, "first_token", 0), getattr(s, "next_token", None))
                 src = None if s.src_block_ids is None else compat.placement(s.src_layout, s.src_block_ids)
                 cp = self.caches.copier
                 if cp is not None:
@@ -1976,17 +1977,20 @@ def _runner_layer_arrays(runner: Any, g: KvGeometry) -> List[int]:
 def _partial_blocks(g: KvGeometry, s: Any) -> List[List[int]]:
     """Per KV cache group, the blocks of a grouped pull ``s`` that it writes only in part, whose
     other token slots a framework copy must keep: the last block when the request ends inside
-    it, and a sliding-window group's first block when the window (tokens ``num_tokens + 1 - w``
-    on, vLLM's rule, :meth:`KvGeometry.held_blocks`) starts inside it."""
+    it, and a sliding-window group's first block when the window (tokens ``next_token + 1 - w``
+    on, ``next_token`` the pull's or ``num_tokens``: :meth:`KvGeometry.held_blocks`) starts
+    inside it."""
     out: List[List[int]] = []
     bs = g.block_size
     first_token = int(getattr(s, "first_token", 0))
+    nxt = getattr(s, "next_token", None)
+    nxt = int(s.num_tokens) if nxt is None else min(int(nxt), int(s.num_tokens))
     for gi, ids in enumerate(s.dst_block_ids):
         ids = [int(b) for b in ids if int(b) != NULL_BLOCK_ID]
         keep: List[int] = []
         if ids and not g.is_state_group(gi):
             w = g.groups[gi].get("sliding_window") if g.groups else None
-            start = max(first_token, int(s.num_tokens) + 1 - int(w)) if w else first_token
+            start = max(first_token, nxt + 1 - int(w)) if w else first_token
             if start > 0 and start % bs:
                 keep.append(ids[0])
             if int(s.num_tokens) % bs and ids[-1] not in keep:
