@@ -470,7 +470,9 @@ pub struct tpu_sync_span {
 /// `{"layout": {"model": {"name": ..., "groups": [...]}, "spec": {...}, "groups": [{"num_blocks": N}, ...]},
 /// "dp_rank": R, "block_ids": [[[ids of rank 0], ...] of group 0, ...]}` with the same optional
 /// `"first_token": T` (aligned to every paged group's block size; each group lists its held blocks
-/// from `T` on, a state group its one slot, which moves whole), see docs/hybrid.md; every
+/// from `T` on, a state group its one slot, which moves whole) and an optional `"next_token": N`
+/// (the first token the destination computes after the transfer, default `num_tokens`: a
+/// sliding-window group then needs and lists the window of token `N`), see docs/hybrid.md; every
 /// function taking placement JSON accepts both). Two sides whose groups differ are `TPU_SYNC_MISMATCH`.
 /// `plan_out` receives a new handle owned by the caller (the caller frees it with `tpu_sync_plan_free`).
 ///

@@ -1579,7 +1579,10 @@ impl HybridLayout {
             return 0..0;
         }
         match kind.sliding_window() {
-            Some(w) => (next.min(num_tokens).saturating_add(1).saturating_sub(w)).min(num_tokens)..num_tokens,
+            Some(w) => {
+                (next.min(num_tokens).saturating_add(1).saturating_sub(w)).min(num_tokens)
+                    ..num_tokens
+            }
             None => 0..num_tokens,
         }
     }
@@ -1622,7 +1625,13 @@ impl HybridLayout {
     }
 
     /// [`HybridLayout::held_blocks`] of a side whose first computed token is `next`.
-    pub(crate) fn u_held_blocks_from(&self, g: usize, num_tokens: u32, pcp: u32, next: u32) -> Range<u32> {
+    pub(crate) fn u_held_blocks_from(
+        &self,
+        g: usize,
+        num_tokens: u32,
+        pcp: u32,
+        next: u32,
+    ) -> Range<u32> {
         let c = self.u_pcp_chunk(g, num_tokens, pcp);
         let w = self.u_window_blocks_from(g, num_tokens, next);
         let start = c.start.max(w.start);

@@ -90,7 +90,9 @@ impl HybridPlacement {
     /// Errors: [`Error::Layout`] for a group index out of range.
     pub fn needed_tokens(&self, g: usize, num_tokens: u32) -> Result<Range<u32>> {
         self.layout.needed_tokens(g, num_tokens)?;
-        Ok(self.layout.u_needed_tokens_from(g, num_tokens, self.next(num_tokens)))
+        Ok(self
+            .layout
+            .u_needed_tokens_from(g, num_tokens, self.next(num_tokens)))
     }
 
     /// The request blocks of group `g` whose ids local ranks of PCP rank `pcp` list in

@@ -105,7 +105,9 @@ fn simulate(src: &HybridPlacement, dst: &HybridPlacement, tokens: u32, plan: &Pl
     let layers = src.layout.num_layers();
     let src_bufs: Vec<Vec<Vec<u8>>> = (0..src.layout.num_ranks())
         .map(|r| {
-            let c = GroupedContents::new(src, r, tokens, 1).unwrap().whole_blocks();
+            let c = GroupedContents::new(src, r, tokens, 1)
+                .unwrap()
+                .whole_blocks();
             (0..layers)
                 .map(|l| {
                     let mut b = vec![0u8; c.layer_bytes(l).unwrap() as usize];
@@ -410,7 +412,10 @@ fn a_recomputed_tokens_window_is_moved_or_refused() {
     assert_eq!(dst.needed_tokens(1, 40).unwrap(), 28..40);
     assert_eq!(dst.block_ids[1][0].len(), 3);
     let plan = Plan::build_groups(&src, &dst, 40).unwrap();
-    assert_eq!(plan.group_bytes(&dst.layout), vec![40 * per_token, 12 * per_token]);
+    assert_eq!(
+        plan.group_bytes(&dst.layout),
+        vec![40 * per_token, 12 * per_token]
+    );
     simulate(&src, &dst, 40, &plan);
     // 43 tokens: the next token's window starts at 32 (block 8), token 42's at 31, in the block
     // before, which the source does not hold.
@@ -420,7 +425,10 @@ fn a_recomputed_tokens_window_is_moved_or_refused() {
     assert_eq!(dst.block_ids[1][0].len(), 4);
     let e = Plan::build_groups(&src, &dst, 43).unwrap_err();
     assert_eq!(e.kind(), crate::ErrorKind::Mismatch);
-    assert!(e.to_string().contains("reads tokens from 31") && e.to_string().contains("from 32"), "{e}");
+    assert!(
+        e.to_string().contains("reads tokens from 31") && e.to_string().contains("from 32"),
+        "{e}"
+    );
     // A layer-wise consumer computing from token 36 of 43 (after a prefix hit of 8) reads
     // [25, 43): the source's blocks hold them from 32 only.
     let dst = placement_next(l.clone(), 0, 43, 2, 8, Some(36));
@@ -431,7 +439,11 @@ fn a_recomputed_tokens_window_is_moved_or_refused() {
     simulate(&wide, &dst, 43, &plan);
     let mut past = dst.clone();
     past.next_token = Some(44);
-    assert!(past.validate(43).unwrap_err().to_string().contains("next_token 44"));
+    assert!(past
+        .validate(43)
+        .unwrap_err()
+        .to_string()
+        .contains("next_token 44"));
 }
 
 /// Token ranges that cannot be planned are refused with the reason: a first token not aligned
