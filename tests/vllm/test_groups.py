@@ -1417,3 +1417,66 @@ def test_worker_host_tier_of_rpa3_groups(configs, monkeypatch, backend):
         assert torch.equal(kv.view(torch.int16), want.view(torch.int16))
     finally:
         w.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["torch-copy", "batch-transfer"])
+def test_worker_pd_of_a_mamba_hybrid_in_vllm_torchtpus_per_layer_caches(configs, monkeypatch, backend):
+    """A Mamba hybrid as vLLM-TorchTPU allocates it with a KV connector (per-layer caches: the
+    attention layer an RPA v3 tensor, the Mamba layer a tuple of separate state tensors over
+    ``num_blocks``, indexed by vLLM's block table): P/D between worker sides through torch's
+    copies. The decode's RPA v3 tensor gets the request's 99 tokens at its blocks, byte-exact
+    against the kernels' ``merge_kv`` reference (every other slot, block and the lane padding
+    unchanged), its state slot the producer's conv and SSM state; the producer unchanged."""
+    import dataclasses
+
+    import numpy as np
+
+    from tpu_sync.vllm.worker import WorkerSide
+
+    if backend == "batch-transfer":
+        from test_torch_kv import install_batch_transfer_stand_in
+
+        install_batch_transfer_stand_in(monkeypatch)
+    extra = TPU_BACKENDS[backend]
+    base = connector(configs["kv_producer"], kvc=mamba_kvc()).geometry
+    g = dataclasses.replace(base, dtype="bf16", kv_order="rpa3", block_format="vllm-tpu/rpa3/bf16", tp=1,
+                            heads_per_rank=base.num_kv_heads)
+    tokens = 99
+    held_src, held_dst = [[7], [9, 4, 12, 3]], [[11], [5, 6, 8, 10]]
+    src_attn, _ = rpa3_group_tensor(g, 0, tokens, [[], held_src[1]], seed=3, fill_seed=11)
+    dst_attn, _ = rpa3_group_tensor(g, 0, 0, [[], []], seed=3, fill_seed=12)
+    _, merged = rpa3_group_tensor(g, 0, tokens, [[], held_dst[1]], seed=3, fill_seed=12)
+    src_state, dst_state = torchtpu_mamba_tensors(1)[MAMBA], torchtpu_mamba_tensors(2)[MAMBA]
+    before = ([x.clone() for x in src_state], src_attn.clone(), [x.clone() for x in dst_state], dst_attn.clone())
+    prod = WorkerSide(configs["kv_producer"], ConnectorConfig.parse("kv_producer", dict(extra)), g)
+    cons = WorkerSide(configs["kv_consumer"], ConnectorConfig.parse("kv_consumer", dict(extra)), g)
+    try:
+        prod.register_kv_caches({MAMBA: src_state, L1: src_attn})
+        cons.register_kv_caches({MAMBA: dst_state, L1: dst_attn})
+        assert cons.adapter_stats["backend"] == "framework-copy"
+        prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 81, held_src, tokens, 60.0)]))
+        assert prod.stats["registered"] == 1, prod.stats
+        layout = g.tpu_sync_layout(NUM_BLOCKS)
+        assert layout["spec"]["order"] == "rpa3" and layout["groups"][0].get("slot_bytes") == ATTN_PAGE
+        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 81, {0: prod.transport.address}, layout, held_src,
+                                                            held_dst, tokens, 30.0)]))
+        deadline, res = time.monotonic() + 30, None
+        while time.monotonic() < deadline:
+            res = cons.get_transfer_results(set())
+            if res.finished_recving or res.failed_recving:
+                break
+            time.sleep(0.02)
+        assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
+        want = before[3].view(torch.int16).numpy().copy()
+        for t in range(tokens):
+            want[held_dst[1][t // BS], t % BS] = merged[1][t]
+        got = dst_attn.view(torch.int16).numpy()
+        assert np.array_equal(got, want), np.argwhere(got != want)[:4]
+        for x, old, s in zip(dst_state, before[2], src_state):
+            assert torch.equal(x[11], s[7])
+            assert torch.equal(torch.cat([x[:11], x[12:]]), torch.cat([old[:11], old[12:]]))
+        assert all(torch.equal(x, y) for x, y in zip(src_state, before[0]))
+        assert torch.equal(src_attn.view(torch.int16), before[1].view(torch.int16))
+    finally:
+        cons.shutdown()
+        prod.shutdown()
