@@ -341,6 +341,19 @@ def test_layerwise_consumer_pulls_each_group_or_whole_when_a_window_is_not_cover
     meta = c.build_connector_meta(sched_out({}))
     (spec,) = meta.recvs
     assert not meta.layer_recvs and spec.dst_block_ids == [[21, 22], [5, 6, 8]]
+    # 112 tokens after a local hit of 32: computing from token 96 reads token 49 (block 1), before
+    # the producer's window of 112 ([65, 112), blocks 2..); the recomputed token 111's window
+    # ([64, 112)) is in it: the rest (80 tokens) is pulled asynchronously and reported as
+    # finished (not as a layer-wise load, which vLLM would never see finish).
+    _, toks112, _, params112 = producer_params(configs, n=112)
+    r3 = request("d3", toks112, dict(params112))
+    assert c.get_num_new_matched_tokens(r3, BS) == (112 - BS, True)
+    assert c.scheduler_side.stats["layerwise_whole"] == 2
+    c.update_state_after_alloc(r3, blocks([0, 0, 22, 23], [5, 6, 8, 10]), 112 - BS)
+    meta = c.build_connector_meta(sched_out({}))
+    (spec,) = meta.recvs
+    assert not meta.layer_recvs
+    assert (spec.first_token, spec.next_token, spec.dst_block_ids) == (BS, 111, [[22, 23], [6, 8, 10]])
 
 
 @pytest.mark.parametrize("tamper", ["flat", "group-count", "group-length", "window", "uniform-producer"])
@@ -1201,6 +1214,16 @@ def test_mamba_state_tensors_that_differ_from_the_group_are_refused(configs):
     try:
         with pytest.raises(errors.UnsupportedError, match="separate tensors"):
             w.register_kv_caches(kv)
+    finally:
+        w.shutdown()
+    # vLLM's CPU page pool through torch's copies: a state tensor of fewer bytes a block than
+    # the group's state.
+    raw, cpu = mamba_tensors(6)
+    cpu[MAMBA] = torch.as_strided(raw, (NUM_BLOCKS, 1, 1, STATE_DENSE - 4), (ATTN_PAGE, STATE_DENSE, STATE_DENSE, 1))
+    w = mamba_worker(configs, "kv_producer", extra={"torch_backend": "framework-copy"})
+    try:
+        with pytest.raises(ValueError, match=f"{STATE_DENSE - 4} B a block"):
+            w.register_kv_caches(cpu)
     finally:
         w.shutdown()
 

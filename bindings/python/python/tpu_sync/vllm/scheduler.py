@@ -124,6 +124,10 @@ class SchedulerSide:
         #: P/D consumer requests with a local prefix hit: the hit's tokens (block-aligned), as
         #: answered by the last get_num_new_matched_tokens (update_state_after_alloc follows it)
         self._pd_first: Dict[str, int] = {}
+        #: P/D consumer requests answered with a synchronous layer-wise load (``(m, False)``):
+        #: update_state_after_alloc routes them to the layer-wise pulls, every other pull to the
+        #: asynchronous ones (whatever its token count)
+        self._pd_sync: Set[str] = set()
         self._rejects: List[RejectSpec] = []
         #: tokens of pulls planned or running, counted as pulled once they succeed
         self._pulling: Dict[str, int] = {}
@@ -239,6 +243,7 @@ class SchedulerSide:
                 return None, False
         if params and params.get("do_remote_prefill") and self.cfg.is_consumer:
             self._pd_first.pop(request.request_id, None)
+            self._pd_sync.discard(request.request_id)
             if num_computed_tokens > 0 and self.geometry.has_state:
                 # A local prefix-cache hit of a model with Mamba state groups: the producer's
                 # state slot is the state after its tokens, and a hit's state (vLLM's "align"
@@ -264,6 +269,7 @@ class SchedulerSide:
                         return 0, False
                     if self._layerwise_covers(m, n, k):
                         self._pd_first[request.request_id] = k
+                        self._pd_sync.add(request.request_id)
                         return m - k, False
                     # The forward from token m reads a sliding window's block the producer does
                     # not hold: pull the rest whole instead (asynchronously), as without a hit.
@@ -300,6 +306,7 @@ class SchedulerSide:
                     # computes at least the last prompt token (block-aligned, as host-tier hits).
                     m = (min(n, int(request.num_tokens) - 1) // self.block_size) * self.block_size
                     if m > 0 and self._layerwise_covers(m, n):
+                        self._pd_sync.add(request.request_id)
                         return m, False
                     if m > 0:
                         # The forward from token m reads a sliding window's block the producer
@@ -443,6 +450,8 @@ class SchedulerSide:
                 # of the first token vLLM computes after the load (the last prompt token again
                 # after a whole-prompt load; a layer-wise load's first unloaded token).
                 next_token = min(first + num_external_tokens, int(request.num_tokens) - 1)
+                if next_token >= n:
+                    next_token = None  # the default (a peer from before next_token takes that)
                 try:
                     dst_ids = self.geometry.group_held_ids(all_ids, n, first, next_token)
                 except ValueError as e:
@@ -470,7 +479,9 @@ class SchedulerSide:
                 self.stats["p2p_partial"] += 1
                 self.stats["p2p_local_hit_tokens"] += first
             self._source[req_id] = CacheHitSource.P2P
-            if self.cfg.layerwise and num_external_tokens < n and src_ids is not None:
+            sync = req_id in self._pd_sync
+            self._pd_sync.discard(req_id)
+            if self.cfg.layerwise and sync and src_ids is not None:
                 # Pulled and read within the next step (failures come back as load errors).
                 self._layer_recvs.append(spec)
                 self.stats["p2p_tokens"] += num_external_tokens
@@ -822,6 +833,7 @@ class SchedulerSide:
         early = self._early.pop(req_id, None)
         self._lookup_sent.discard(req_id)
         self._pd_local_hit_logged.discard(req_id)
+        self._pd_sync.discard(req_id)
         if not (params and params.get("do_remote_decode") and self.cfg.is_producer):
             if early is not None:
                 self._withdraws.append(early.xfer_id)

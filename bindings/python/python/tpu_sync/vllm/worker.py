@@ -575,11 +575,16 @@ class WorkerSide:
         parts: List[Any] = [tk]
         try:
             layers, groups = [attn_layers], [attn_groups]
+            nb = int(attn[0].shape[0])
             for sg in sorted({group_of[i] for i in states}):
                 ls = [i for i in states if group_of[i] == sg]
                 grp = g.groups[sg]
-                parts.append(StateKv([_state_tensors(tensors[i]) for i in ls], int(grp["slot_bytes"]),
-                                     view_dtype=_state_buffer_dtype(grp), copy_api=tk.copy_api, client=tk.client))
+                for i in ls:
+                    if not isinstance(tensors[i], (list, tuple)):
+                        _check_raw_state(names[i] if names else f"layer {i}", tensors[i], grp, nb)
+                parts.append(StateKv([[x[:nb] for x in _state_tensors(tensors[i])] for i in ls],
+                                     int(grp["slot_bytes"]), view_dtype=_state_buffer_dtype(grp),
+                                     copy_api=tk.copy_api, client=tk.client))
                 layers.append(ls)
                 groups.append([sg])
             out = PartsKv(parts, layers, groups)
@@ -1828,10 +1833,31 @@ def _state_buffer_dtype(group: Dict[str, Any]) -> str:
     dtypes = {c["dtype"] for c in group["state"]["components"]}
     if len(dtypes) == 1:
         dt = next(iter(dtypes))
-        size = {"f32": 4, "bf16": 2, "f16": 2}.get(dt)
+        name = {"fp8": "f8e4m3fn"}.get(dt, dt)  # the buffer dtype names (tpu_sync.arrays)
+        size = {"f32": 4, "bf16": 2, "f16": 2, "f8e4m3fn": 1}.get(name)
         if size and int(group["slot_bytes"]) % size == 0:
-            return dt
+            return name
     return "u8"
+
+
+def _state_dense_bytes(group: Dict[str, Any]) -> List[int]:
+    """Bytes per slot of each component of a state group (``state.components``)."""
+    item = {"f32": 4, "bf16": 2, "f16": 2, "fp8": 1}
+    return [int(c.get("rows", 1)) * sum(int(sg["heads"]) * int(sg["head_elems"]) for sg in c["segments"])
+            * item[c["dtype"]] for c in group["state"]["components"]]
+
+
+def _check_raw_state(name: str, t: Any, group: Dict[str, Any], num_slots: int) -> None:
+    """A raw state tensor (vLLM's CPU engine: ``[blocks, 1, 1, dense state bytes]``) moved by
+    torch's copies: at least ``num_slots`` blocks of exactly the group's dense state bytes.
+
+    Raises:
+        ValueError: naming the layer."""
+    dense = sum(_state_dense_bytes(group))
+    got = int(t[0].numel()) * int(t.element_size()) if t.dim() and int(t.shape[0]) else 0
+    if t.dim() < 2 or int(t.shape[0]) < num_slots or got != dense:
+        raise ValueError(f"TpuSyncConnector: state layer {name} is {t.dtype}{list(t.shape)}: {got} B a block; its "
+                         f"MambaSpec group needs {num_slots} blocks of {dense} B of state")
 
 
 def _check_state_tensors(name: str, t: Any, group: Dict[str, Any], num_slots: int) -> None:
@@ -1844,9 +1870,7 @@ def _check_state_tensors(name: str, t: Any, group: Dict[str, Any], num_slots: in
     Raises:
         ValueError: naming the layer, the component and what differs."""
     comps = group["state"]["components"]
-    item = {"f32": 4, "bf16": 2, "f16": 2, "fp8": 1}
-    want = [int(c.get("rows", 1)) * sum(int(sg["heads"]) * int(sg["head_elems"]) for sg in c["segments"])
-            * item[c["dtype"]] for c in comps]
+    want = _state_dense_bytes(group)
     ts = _state_tensors(t)
     if not isinstance(t, (list, tuple)):
         if t.dim() and int(t.shape[0]) >= num_slots and int(t[0].numel()) * int(t.element_size()) == sum(want):
