@@ -1019,6 +1019,21 @@ def mamba_worker(configs, role, kvc=None, extra=None):
     return WorkerSide(configs[role], ConnectorConfig.parse(role, extra or {}), c.geometry)
 
 
+def mamba_pd(prod, cons, xfer, held_src, held_dst, tokens=99):
+    """Registers request ``xfer`` (``tokens`` tokens at ``held_src``) on the producer worker and
+    pulls it into ``held_dst`` of the consumer's; asserts it finished. Returns the layout."""
+    from test_tpu_engine_layouts import wait_recv
+
+    prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", xfer, held_src, tokens, 60.0)]))
+    assert prod.stats["registered"] == 1, prod.stats
+    layout = prod.geometry.tpu_sync_layout(NUM_BLOCKS)
+    cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", xfer, {0: prod.transport.address}, layout, held_src,
+                                                        held_dst, tokens, 30.0)]))
+    res = wait_recv(cons)
+    assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
+    return layout
+
+
 def test_mamba_worker_pd_moves_state_slot_and_blocks_byte_exact(configs):
     prod = mamba_worker(configs, "kv_producer")
     cons = mamba_worker(configs, "kv_consumer")
@@ -1029,19 +1044,7 @@ def test_mamba_worker_pd_moves_state_slot_and_blocks_byte_exact(configs):
         prod.register_kv_caches(src)
         cons.register_kv_caches(dst)
         held_src, held_dst = [[7], [9, 4, 12, 3]], [[11], [5, 6, 8, 10]]
-        prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 78, held_src, 99, 60.0)]))
-        assert prod.stats["registered"] == 1, prod.stats
-        layout = prod.geometry.tpu_sync_layout(NUM_BLOCKS)
-        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 78, {0: prod.transport.address}, layout, held_src,
-                                                            held_dst, 99, 30.0)]))
-        deadline = time.monotonic() + 30
-        res = None
-        while time.monotonic() < deadline:
-            res = cons.get_transfer_results(set())
-            if res.finished_recving:
-                break
-            time.sleep(0.02)
-        assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
+        layout = mamba_pd(prod, cons, 78, held_src, held_dst)
         want = before.clone()
         # The state slot: its dense bytes, not the page padding after them.
         want[11 * ATTN_PAGE:11 * ATTN_PAGE + STATE_DENSE] = src_raw[7 * ATTN_PAGE:7 * ATTN_PAGE + STATE_DENSE]
@@ -1158,19 +1161,7 @@ def test_mamba_worker_pd_through_torch_copies_byte_exact(configs, monkeypatch, s
             if moved and copy_api == "batch_transfer":
                 assert st["copy_api"] == "batch_transfer", st
         held_src, held_dst = [[7], [9, 4, 12, 3]], [[11], [5, 6, 8, 10]]
-        prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 79, held_src, 99, 60.0)]))
-        assert prod.stats["registered"] == 1, prod.stats
-        layout = prod.geometry.tpu_sync_layout(NUM_BLOCKS)
-        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 79, {0: prod.transport.address}, layout, held_src,
-                                                            held_dst, 99, 30.0)]))
-        deadline = time.monotonic() + 30
-        res = None
-        while time.monotonic() < deadline:
-            res = cons.get_transfer_results(set())
-            if res.finished_recving:
-                break
-            time.sleep(0.02)
-        assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
+        mamba_pd(prod, cons, 79, held_src, held_dst)
         # The state slot and the attention blocks, byte for byte.
         assert torch.equal(_slot_state(dst, 11), _slot_state(src, 7))
         for s_id, d_id in zip(held_src[1], held_dst[1]):
@@ -1477,19 +1468,8 @@ def test_worker_pd_of_a_mamba_hybrid_in_vllm_torchtpus_per_layer_caches(configs,
         prod.register_kv_caches({MAMBA: src_state, L1: src_attn})
         cons.register_kv_caches({MAMBA: dst_state, L1: dst_attn})
         assert cons.adapter_stats["backend"] == "framework-copy"
-        prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 81, held_src, tokens, 60.0)]))
-        assert prod.stats["registered"] == 1, prod.stats
-        layout = g.tpu_sync_layout(NUM_BLOCKS)
+        layout = mamba_pd(prod, cons, 81, held_src, held_dst, tokens)
         assert layout["spec"]["order"] == "rpa3" and layout["groups"][0].get("slot_bytes") == ATTN_PAGE
-        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 81, {0: prod.transport.address}, layout, held_src,
-                                                            held_dst, tokens, 30.0)]))
-        deadline, res = time.monotonic() + 30, None
-        while time.monotonic() < deadline:
-            res = cons.get_transfer_results(set())
-            if res.finished_recving or res.failed_recving:
-                break
-            time.sleep(0.02)
-        assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
         want = before[3].view(torch.int16).numpy().copy()
         for t in range(tokens):
             want[held_dst[1][t // BS], t % BS] = merged[1][t]

@@ -238,21 +238,7 @@ class TorchKv:
         self.backend, self.backend_reason = backend, why
         self._bt: Any = None
         if backend == "framework-copy":
-            if copy_api == "auto":
-                copy_api = "torch"
-                if self.device.type == "tpu":
-                    try:
-                        self._bt = _import_batch_transfer()
-                        copy_api = "batch_transfer"
-                    except ImportError as e:
-                        log.warning("tpu_sync.torch: %s does not import (%s): torch's copy_ instead",
-                                    BATCH_TRANSFER_MODULE, e)
-            elif copy_api == "batch_transfer":
-                try:
-                    self._bt = _import_batch_transfer()
-                except ImportError as e:
-                    raise _fail(UnsupportedError, f"copy_api batch_transfer: {BATCH_TRANSFER_MODULE} does not "
-                                f"import ({e})") from None
+            copy_api, self._bt = _copy_api_for(copy_api, self.device)
         else:
             copy_api = "none"
         self.copy_api = copy_api
@@ -293,11 +279,7 @@ class TorchKv:
 
                 views = []
                 for _ in self.tensors:
-                    # Page-aligned, zero until written; MAP_PRIVATE | MAP_ANONYMOUS.
-                    m = mmap.mmap(-1, max(self.nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                    if hasattr(mmap, "MADV_NOHUGEPAGE"):
-                        # Small pages: a scattered block commits its own pages, not a 2 MiB one.
-                        m.madvise(mmap.MADV_NOHUGEPAGE)
+                    m = _mirror(self.nbytes)
                     self._maps.append(m)
                     raw = torch.frombuffer(m, dtype=torch.uint8, count=self.nbytes)
                     self._mirrors.append(raw.view(getattr(torch, self._bits)).view(self.shape))
@@ -564,24 +546,8 @@ class TorchKv:
         Nothing for ``pjrt-view``."""
         if self.backend == "pjrt-view" or not self._maps or not len(block_ids):
             return
-        flat = self._flat(block_ids)
         with self._lock:
-            self._inflight.difference_update(flat)
-            if not self._inflight:
-                for m in self._maps:
-                    m.madvise(mmap.MADV_DONTNEED)
-                return
-            page = mmap.PAGESIZE
-            bb = self.block_bytes
-            for b in flat:
-                if not 0 <= b < self.num_blocks or b in self._inflight:
-                    continue
-                # Whole pages inside the block only (a neighbour in flight keeps its bytes).
-                lo = -(-(b * bb) // page) * page
-                hi = ((b + 1) * bb // page) * page
-                if hi > lo:
-                    for m in self._maps:
-                        m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            _give_back(self._maps, self._flat(block_ids), self._inflight, self.block_bytes, self.num_blocks)
 
     def before_write(self, block_ids: Any, num_tokens: int, partial: Any = None) -> Tuple[int, ...]:
         """Before tpu_sync writes ``num_tokens`` tokens into blocks ``block_ids`` (a pull; a flat
@@ -851,23 +817,7 @@ class StateKv:
         self.num_groups = 1
         self.backend = "framework-copy"
         self.backend_reason = "state layers: their tensors' blocks laid one after another in host mirrors"
-        self._bt: Any = None
-        if copy_api == "auto":
-            copy_api = "torch"
-            if self.device.type == "tpu":
-                try:
-                    self._bt = _import_batch_transfer()
-                    copy_api = "batch_transfer"
-                except ImportError as e:
-                    log.warning("tpu_sync.torch: %s does not import (%s): torch's copy_ instead",
-                                BATCH_TRANSFER_MODULE, e)
-        elif copy_api == "batch_transfer":
-            try:
-                self._bt = _import_batch_transfer()
-            except ImportError as e:
-                raise _fail(UnsupportedError, f"copy_api batch_transfer: {BATCH_TRANSFER_MODULE} does not import "
-                            f"({e})") from None
-        self.copy_api = copy_api
+        self.copy_api, self._bt = _copy_api_for(copy_api, self.device)
         if client is None:
             import tpu_sync
 
@@ -889,9 +839,7 @@ class StateKv:
 
             views = []
             for _ in self.tensors:
-                m = mmap.mmap(-1, max(self.nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                if hasattr(mmap, "MADV_NOHUGEPAGE"):
-                    m.madvise(mmap.MADV_NOHUGEPAGE)
+                m = _mirror(self.nbytes)
                 self._maps.append(m)
                 self._mirrors.append(torch.frombuffer(m, dtype=torch.uint8, count=self.nbytes)
                                      .view(self.num_blocks, self.block_bytes))
@@ -1041,23 +989,8 @@ class StateKv:
             return
         # Any form the worker drops (its own group's list, or every group's ids flattened):
         # out-of-range ids are not this part's.
-        ids = [b for b in ck.flat_block_ids(block_ids) if 0 <= b < self.num_blocks]
         with self._lock:
-            self._inflight.difference_update(ids)
-            if not self._inflight:
-                for m in self._maps:
-                    m.madvise(mmap.MADV_DONTNEED)
-                return
-            page = mmap.PAGESIZE
-            bb = self.block_bytes
-            for b in ids:
-                if b in self._inflight:
-                    continue
-                lo = -(-(b * bb) // page) * page
-                hi = ((b + 1) * bb // page) * page
-                if hi > lo:
-                    for m in self._maps:
-                        m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            _give_back(self._maps, ck.flat_block_ids(block_ids), self._inflight, self.block_bytes, self.num_blocks)
 
     def before_write(self, block_ids: Any, num_tokens: int, partial: Any = None) -> Tuple[int, ...]:
         """:meth:`TorchKv.before_write`: a pull writes every state byte of its slots, so nothing
@@ -1081,6 +1014,61 @@ class StateKv:
             self._views = None
         self._mirrors = []
         self._maps = []
+
+
+def _copy_api_for(copy_api: str, device: Any) -> Tuple[str, Any]:
+    """``(copy API, torch_tpu's batch_transfer module or None)`` of ``framework-copy`` on
+    ``device``: ``"auto"`` is ``batch_transfer`` on a ``tpu`` device where the module imports
+    (a warning otherwise), else ``torch``.
+
+    Raises:
+        UnsupportedError: ``batch_transfer`` asked for where the module does not import."""
+    if copy_api == "auto":
+        if device.type == "tpu":
+            try:
+                return "batch_transfer", _import_batch_transfer()
+            except ImportError as e:
+                log.warning("tpu_sync.torch: %s does not import (%s): torch's copy_ instead", BATCH_TRANSFER_MODULE, e)
+        return "torch", None
+    if copy_api == "batch_transfer":
+        try:
+            return copy_api, _import_batch_transfer()
+        except ImportError as e:
+            raise _fail(UnsupportedError, f"copy_api batch_transfer: {BATCH_TRANSFER_MODULE} does not import "
+                        f"({e})") from None
+    return copy_api, None
+
+
+def _mirror(nbytes: int) -> mmap.mmap:
+    """A host mirror of ``nbytes``: page-aligned anonymous memory (``MAP_PRIVATE |
+    MAP_ANONYMOUS``), zero until written, in small pages (a scattered block commits its own
+    pages, not a 2 MiB one)."""
+    m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        m.madvise(mmap.MADV_NOHUGEPAGE)
+    return m
+
+
+def _give_back(maps: Sequence[mmap.mmap], ids: Sequence[int], inflight: Set[int], block_bytes: int,
+               num_blocks: int) -> None:
+    """Takes blocks ``ids`` out of ``inflight`` and gives their mirror pages back
+    (``MADV_DONTNEED``: they read as zero again): every page once nothing is in flight, else
+    the whole pages inside each block not in flight (a neighbour in flight keeps its bytes).
+    Ids outside ``0..num_blocks`` are not the mirrors'. The caller holds the lock."""
+    inflight.difference_update(ids)
+    if not inflight:
+        for m in maps:
+            m.madvise(mmap.MADV_DONTNEED)
+        return
+    page = mmap.PAGESIZE
+    for b in ids:
+        if not 0 <= b < num_blocks or b in inflight:
+            continue
+        lo = -(-(b * block_bytes) // page) * page
+        hi = ((b + 1) * block_bytes // page) * page
+        if hi > lo:
+            for m in maps:
+                m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 def _bits_of(t: Any) -> Any:
