@@ -103,7 +103,64 @@ def _runs(ids: Sequence[int]) -> List[Tuple[int, int]]:
     return out
 
 
-class TorchKv:
+class _Mirrored:
+    """What :class:`TorchKv` and :class:`StateKv` share: host mirrors (``_maps``, ``_mirrors``)
+    viewed as PJRT buffers (``_views``), written back after a pull."""
+
+    _views: Optional[List[Any]]
+    _maps: List[mmap.mmap]
+    _mirrors: List[Any]
+
+    def _init_mirrors(self, client: Any) -> None:
+        """The client (a new one on the XLA CPU plugin when None), no mirrors yet, zero
+        counters, nothing in flight."""
+        if client is None:
+            import tpu_sync
+
+            client = tpu_sync.Client()
+        self.client = client
+        self._views = None
+        self._maps = []
+        self._mirrors = []
+        #: device_copies: copies between the device and the host the framework was asked for
+        #: (a run of blocks of one layer, or of every layer of a bundle, is one)
+        self._counters = dict(stages=0, commits=0, d2h_bytes=0, h2d_bytes=0, device_copies=0)
+        #: blocks staged or about to be written and not dropped yet (whose mirror pages hold data)
+        self._inflight: Set[int] = set()
+        #: guards ``_inflight``, the counters and the mirrors' pages (:meth:`stage_async`'s
+        #: finish and :meth:`drop` may run on a saver thread)
+        self._lock = threading.Lock()
+
+    def commit(self, block_ids: Any) -> None:  # pragma: no cover - defined by the subclasses
+        raise NotImplementedError
+
+    def drop(self, block_ids: Any) -> None:  # pragma: no cover - defined by the subclasses
+        raise NotImplementedError
+
+    def _hold(self, ids: Sequence[int]) -> None:
+        with self._lock:
+            self._inflight.update(ids)
+
+    def after_write(self, block_ids: Any, ptrs: Tuple[int, ...] = ()) -> None:
+        """After tpu_sync wrote blocks ``block_ids`` (a pull; as :meth:`before_write`): commits
+        them into the device tensors (``framework-copy``) and gives the mirrors' pages back
+        (``before_write``'s holds; the worker also drops a failed or cancelled pull's blocks)."""
+        try:
+            self.commit(block_ids)
+        finally:
+            self.drop(block_ids)
+
+    def close(self) -> None:
+        """Closes the views and frees the mirrors (the tensors are untouched)."""
+        if self._views is not None:
+            for v in self._views:
+                v.close()
+            self._views = None
+        self._mirrors = []
+        self._maps = []
+
+
+class TorchKv(_Mirrored):
     """A worker's per-layer KV tensors (``[num_blocks, ...]`` each, all of one shape, dtype and
     device, blocks apart by at least a block: whole tensors, strided per-layer views of a
     block-major bundle, or logical views whose blocks are not contiguous, such as kernel pages
@@ -242,22 +299,7 @@ class TorchKv:
         else:
             copy_api = "none"
         self.copy_api = copy_api
-        if client is None:
-            import tpu_sync
-
-            client = tpu_sync.Client()
-        self.client = client
-        self._views: Optional[List[Any]] = None
-        self._maps: List[mmap.mmap] = []
-        self._mirrors: List[Any] = []
-        #: device_copies: copies between the device and the host the framework was asked for
-        #: (a run of blocks of one layer, or of every layer of a bundle, is one)
-        self._counters = dict(stages=0, commits=0, d2h_bytes=0, h2d_bytes=0, device_copies=0)
-        #: blocks staged or about to be written and not dropped yet (whose mirror pages hold data)
-        self._inflight: Set[int] = set()
-        #: guards ``_inflight``, the counters and the mirrors' pages (:meth:`stage_async`'s
-        #: finish and :meth:`drop` may run on a saver thread)
-        self._lock = threading.Lock()
+        self._init_mirrors(client)
         log.info("tpu_sync.torch: %d layers of %s %s on %s; back end %s (%s), copies %s%s", len(tensors),
                  list(self.shape), dt, self.device, backend, why, copy_api,
                  ", bundle-wide" if self.bundle is not None and backend == "framework-copy" else "")
@@ -522,10 +564,6 @@ class TorchKv:
             t.index_put_((idx,), d)
         self._count("commits", "h2d_bytes", layer_blocks, len(src))
 
-    def _hold(self, ids: Sequence[int]) -> None:
-        with self._lock:
-            self._inflight.update(ids)
-
     def hold(self, block_ids: Any) -> None:
         """Marks blocks ``block_ids`` (flat or per KV cache group) in flight before tpu_sync writes
         them into the mirrors by other means than a pull (a host-tier load): until :meth:`drop`
@@ -573,25 +611,6 @@ class TorchKv:
         for _, ids in parts:
             self._hold(ids)  # written by tpu_sync until after_write drops them
         return ()
-
-    def after_write(self, block_ids: Any, ptrs: Tuple[int, ...] = ()) -> None:
-        """After tpu_sync wrote blocks ``block_ids`` (a pull; as :meth:`before_write`): commits
-        them into the device tensors (``framework-copy``) and gives the mirrors' pages back
-        (``before_write``'s holds; the worker also drops a failed or cancelled pull's blocks)."""
-        try:
-            self.commit(block_ids)
-        finally:
-            self.drop(block_ids)
-
-    def close(self) -> None:
-        """Closes the views and frees the mirrors (the tensors are untouched)."""
-        if self._views is not None:
-            for v in self._views:
-                v.close()
-            self._views = None
-        self._mirrors = []
-        self._maps = []
-
 
 class PartsKv:
     """One worker's KV tensors whose layers differ in block geometry: one :class:`TorchKv` (or
@@ -749,7 +768,7 @@ class PartsKv:
             p.close()
 
 
-class StateKv:
+class StateKv(_Mirrored):
     """One worker's Mamba / linear-attention state layers (a KV cache group of state slots)
     moved through torch's copies (``framework-copy``), behind :class:`TorchKv`'s interface.
 
@@ -818,17 +837,7 @@ class StateKv:
         self.backend = "framework-copy"
         self.backend_reason = "state layers: their tensors' blocks laid one after another in host mirrors"
         self.copy_api, self._bt = _copy_api_for(copy_api, self.device)
-        if client is None:
-            import tpu_sync
-
-            client = tpu_sync.Client()
-        self.client = client
-        self._views: Optional[List[Any]] = None
-        self._maps: List[mmap.mmap] = []
-        self._mirrors: List[Any] = []
-        self._counters = dict(stages=0, commits=0, d2h_bytes=0, h2d_bytes=0, device_copies=0)
-        self._inflight: Set[int] = set()
-        self._lock = threading.Lock()
+        self._init_mirrors(client)
 
     def views(self) -> List[Any]:
         """Per state layer, the PJRT buffer ``[num_blocks, slot_bytes / item]`` over its host
@@ -884,6 +893,23 @@ class StateKv:
             self._counters[nbytes] += slots * sum(self.part_bytes)
             self._counters["device_copies"] += copies
 
+    def _torch_copies(self, ids: List[int], stage: bool) -> int:
+        """``Tensor.copy_`` of each layer's tensors' blocks ``ids`` into their places in the
+        mirror (``stage``) or back; one per run of consecutive ids and tensor. Returns the
+        number of copies."""
+        copies = 0
+        for layer, ts in enumerate(self.tensors):
+            m = self._mirrors[layer]
+            for a, b in _runs(ids):
+                for t, off, nb in zip(ts, self.offsets, self.part_bytes):
+                    if stage:
+                        m[a:b, off:off + nb].copy_(self._bytes(t[a:b].to("cpu")))
+                    else:
+                        d = t[a:b].view(_bits_of(t))
+                        d.copy_(m[a:b, off:off + nb].contiguous().view(d.dtype).reshape(d.shape))
+                    copies += 1
+        return copies
+
     def stage(self, block_ids: Any) -> None:
         """:meth:`TorchKv.stage`: each layer's tensors' blocks ``block_ids`` into the mirror."""
         self.stage_async(block_ids)()
@@ -901,14 +927,7 @@ class StateKv:
         self._hold(ids)
         n = len(ids) * len(self.tensors)
         if self._bt is None:
-            copies = 0
-            for layer, ts in enumerate(self.tensors):
-                m = self._mirrors[layer]
-                for a, b in _runs(ids):
-                    for t, off, nb in zip(ts, self.offsets, self.part_bytes):
-                        m[a:b, off:off + nb].copy_(self._bytes(t[a:b].to("cpu")))
-                        copies += 1
-            self._count("stages", "d2h_bytes", n, copies)
+            self._count("stages", "d2h_bytes", n, self._torch_copies(ids, stage=True))
             return _nothing
         idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
         src, dst, fills = [], [], []
@@ -945,15 +964,7 @@ class StateKv:
 
         n = len(ids) * len(self.tensors)
         if self._bt is None:
-            copies = 0
-            for layer, ts in enumerate(self.tensors):
-                m = self._mirrors[layer]
-                for a, b in _runs(ids):
-                    for t, off, nb in zip(ts, self.offsets, self.part_bytes):
-                        d = t[a:b].view(_bits_of(t))
-                        d.copy_(m[a:b, off:off + nb].contiguous().view(d.dtype).reshape(d.shape))
-                        copies += 1
-            self._count("commits", "h2d_bytes", n, copies)
+            self._count("commits", "h2d_bytes", n, self._torch_copies(ids, stage=False))
             return
         hidx = torch.tensor(ids, dtype=torch.int64)
         idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
@@ -970,10 +981,6 @@ class StateKv:
         for t, d in zip(puts, dev):
             t.index_put_((idx,), d)
         self._count("commits", "h2d_bytes", n, len(src))
-
-    def _hold(self, ids: Sequence[int]) -> None:
-        with self._lock:
-            self._inflight.update(ids)
 
     def hold(self, block_ids: Any) -> None:
         """:meth:`TorchKv.hold`."""
@@ -998,23 +1005,6 @@ class StateKv:
         if len(block_ids):
             self.hold(block_ids)
         return ()
-
-    def after_write(self, block_ids: Any, ptrs: Tuple[int, ...] = ()) -> None:
-        """:meth:`TorchKv.after_write`."""
-        try:
-            self.commit(block_ids)
-        finally:
-            self.drop(block_ids)
-
-    def close(self) -> None:
-        """:meth:`TorchKv.close`."""
-        if self._views is not None:
-            for v in self._views:
-                v.close()
-            self._views = None
-        self._mirrors = []
-        self._maps = []
-
 
 def _copy_api_for(copy_api: str, device: Any) -> Tuple[str, Any]:
     """``(copy API, torch_tpu's batch_transfer module or None)`` of ``framework-copy`` on
