@@ -96,9 +96,10 @@ impl HybridPlacement {
     }
 
     /// The request blocks of group `g` whose ids local ranks of PCP rank `pcp` list in
-    /// [`HybridPlacement::block_ids`]: the group's held blocks
-    /// ([`HybridLayout::held_blocks`]) from request block `first_token / block_size` on (for
-    /// a state group, its slot `0..1` whatever `first_token`). Possibly empty.
+    /// [`HybridPlacement::block_ids`]: the group's held blocks ([`HybridLayout::held_blocks`],
+    /// a sliding window's those of the window of [`HybridPlacement::next_token`]) from request
+    /// block `first_token / block_size` on (for a state group, its slot `0..1` whatever
+    /// `first_token`). Possibly empty.
     ///
     /// Errors: [`Error::Layout`] for a group index out of range.
     pub fn listed_blocks(&self, g: usize, num_tokens: u32, pcp: u32) -> Result<Range<u32>> {
@@ -268,7 +269,7 @@ impl HybridPlacement {
 
     /// Bytes the ranks of this placement's replica must receive per group (the group's share of
     /// a plan into this placement), from the geometry alone: the needed tokens
-    /// ([`HybridLayout::needed_tokens`], from `first_token` on) of each rank's listed blocks
+    /// ([`HybridPlacement::needed_tokens`], from `first_token` on) of each rank's listed blocks
     /// ([`HybridPlacement::listed_blocks`]) times the rank's bytes per token of all the group's
     /// layers (whole listed blocks for the LBHNC order), or the dense slot bytes of every layer
     /// for a state group.
@@ -321,8 +322,10 @@ impl Plan {
     /// Errors, before anything is planned: [`Error::Mismatch`] when the two models' groups
     /// differ ([`crate::layout::HybridModel::check_compatible`]: a group missing, other layers, a
     /// different window or state shape, ...), a group's raw bytes cannot be copied
-    /// ([`HybridLayout::check_raw_compatible`]) or the source's `first_token` is past the
-    /// destination's; the errors of [`HybridPlacement::validate`] for either side.
+    /// ([`HybridLayout::check_raw_compatible`]), the source's `first_token` is past the
+    /// destination's, or the source's blocks do not hold a token the destination reads (a
+    /// sliding window of its [`HybridPlacement::next_token`]); the errors of
+    /// [`HybridPlacement::validate`] for either side.
     pub fn build_groups(
         src: &HybridPlacement,
         dst: &HybridPlacement,
