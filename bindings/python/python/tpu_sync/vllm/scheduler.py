@@ -10,9 +10,10 @@ Per request (vLLM calls, in order):
   only those, into the request's own blocks from block ``k / block_size`` on (the plan's
   ``first_token``; the hit's blocks, shared with other requests, are never written), in every
   KV cache group of a hybrid model too; a model with Mamba state groups prefills the rest
-  locally instead; ``update_state_after_alloc`` plans the pull into the allocated blocks; the worker pulls
-  asynchronously and reports the request in ``finished_recving`` (and ``failed_recving`` plus
-  the block ids on failure, so vLLM recomputes or fails it per ``kv_load_failure_policy``).
+  locally instead; ``update_state_after_alloc`` plans the pull into the allocated blocks; the
+  worker pulls asynchronously and reports the request in ``finished_recving`` (and
+  ``failed_recving`` plus the block ids on failure, so vLLM recomputes or fails it per
+  ``kv_load_failure_policy``).
   A request whose KV will not be pulled (refused params, a local prefix hit that covers all
   the producer holds, aborted before its pull, or a failed pull) is *rejected* at the
   producer, which frees its staged KV at once instead of keeping it for the lease. Tokens
@@ -255,67 +256,43 @@ class SchedulerSide:
                              "prefilling the rest locally", request.request_id, num_computed_tokens)
                 return 0, False
             n = self._remote_tokens(request, params)
-            if n is not None and num_computed_tokens > 0:
-                # A local prefix-cache hit of k blocks (vLLM's hits are block-aligned, in every
-                # KV cache group): pull only the producer's tokens from k * block_size on into
-                # this request's own blocks (the plan covers that token range, in every group;
-                # the shared blocks are never written).
-                k = num_computed_tokens
-                if n <= k:
-                    return 0, False  # the hit covers all the producer has: compute the rest here
-                if self._sync_layerwise(params):
-                    m = (min(n, int(request.num_tokens) - 1) // self.block_size) * self.block_size
-                    if m <= k:
-                        return 0, False
-                    if self._layerwise_covers(m, n, k):
-                        self._pd_first[request.request_id] = k
-                        self._pd_sync.add(request.request_id)
-                        return m - k, False
-                    # The forward from token m reads a sliding window's block the producer does
-                    # not hold: pull the rest whole instead (asynchronously), as without a hit.
-                    self.stats["layerwise_whole"] += 1
-                if not self._layerwise_covers(min(n, int(request.num_tokens) - 1), n, k):
-                    # As below without a hit: the window of the token vLLM computes after the
-                    # load starts before the producer's held blocks (and after the hit).
-                    if request.request_id not in self._pd_local_hit_logged:
-                        self._pd_local_hit_logged.add(request.request_id)
-                        self.stats["window_local"] += 1
-                        log.info("tpu_sync: request %s: the window of the recomputed token %d starts before the "
-                                 "producer's blocks of %d tokens and after the local hit of %d; prefilling "
-                                 "locally", request.request_id, min(n, int(request.num_tokens) - 1), n, k)
+            # After a local prefix-cache hit of k tokens (block-aligned, in every KV cache
+            # group) only the producer's tokens from k on are pulled, into this request's own
+            # blocks (the plan covers that token range, in every group; the hit's blocks, shared
+            # with other requests, are never written).
+            k = int(num_computed_tokens)
+            if n is None or n <= k:
+                return 0, False  # unusable params, or a hit that covers all the producer has
+            last = min(n, int(request.num_tokens) - 1)  # the token vLLM computes after the load
+            if self._sync_layerwise(params):
+                # A synchronous load read layer by layer by this step's forward; vLLM computes
+                # at least the last prompt token (block-aligned, as host-tier hits).
+                m = (last // self.block_size) * self.block_size
+                if m <= k:
                     return 0, False
-                self._pd_first[request.request_id] = k
-                return n - k, True
-            if n is not None and n > 0:
-                if not self._layerwise_covers(min(n, int(request.num_tokens) - 1), n):
-                    # vLLM computes token min(n, T - 1) after a load of n tokens (the last
-                    # prompt token again after a whole-prompt load), whose sliding window
-                    # starts one block before the producer's held blocks of n tokens (vLLM's
-                    # producer freed that block before request_finished; a consumer told of n
-                    # tokens gets its null block there): no load from this producer computes
-                    # it right, so prefill it locally (the producer is told: reject).
-                    if request.request_id not in self._pd_local_hit_logged:
-                        self._pd_local_hit_logged.add(request.request_id)
-                        self.stats["window_local"] += 1
-                        log.info("tpu_sync: request %s: the window of the recomputed token %d starts before the "
-                                 "producer's blocks of %d tokens; prefilling locally", request.request_id,
-                                 min(n, int(request.num_tokens) - 1), n)
-                    return 0, False
-                if self._sync_layerwise(params):
-                    # A synchronous load read layer by layer by this step's forward; vLLM
-                    # computes at least the last prompt token (block-aligned, as host-tier hits).
-                    m = (min(n, int(request.num_tokens) - 1) // self.block_size) * self.block_size
-                    if m > 0 and self._layerwise_covers(m, n):
-                        self._pd_sync.add(request.request_id)
-                        return m, False
-                    if m > 0:
-                        # The forward from token m reads a sliding window's block the producer
-                        # does not hold: pull the whole request instead (asynchronously).
-                        self.stats["layerwise_whole"] += 1
-                        return n, True
-                    return 0, False
-                return n, True
-            return 0, False
+                if self._layerwise_covers(m, n, k):
+                    self._pd_first[request.request_id] = k
+                    self._pd_sync.add(request.request_id)
+                    return m - k, False
+                # The forward from token m reads a sliding window's block the producer does not
+                # hold: pull the rest whole instead (asynchronously).
+                self.stats["layerwise_whole"] += 1
+            if not self._layerwise_covers(last, n, k):
+                # vLLM computes token min(n, T - 1) after a load of n tokens (the last prompt
+                # token again after a whole-prompt load), whose sliding window starts one block
+                # before the producer's held blocks of n tokens (vLLM's producer freed that block
+                # before request_finished; a consumer told of n tokens gets its null block
+                # there) and after the hit: no load from this producer computes it right, so
+                # prefill it locally (the producer is told: reject).
+                if request.request_id not in self._pd_local_hit_logged:
+                    self._pd_local_hit_logged.add(request.request_id)
+                    self.stats["window_local"] += 1
+                    log.info("tpu_sync: request %s: the window of the recomputed token %d starts before the "
+                             "producer's blocks of %d tokens (and after a local hit of %d); prefilling locally",
+                             request.request_id, last, n, k)
+                return 0, False
+            self._pd_first[request.request_id] = k
+            return n - k, True
         st = self._off.get(request.request_id)
         if st is None or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
