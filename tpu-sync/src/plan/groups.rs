@@ -352,12 +352,19 @@ impl Plan {
             let (sbs, dbs) = (sl.u_block_size(g), dl.u_block_size(g));
             let need = dl.u_needed_tokens_from(g, num_tokens, dst.next(num_tokens));
             let wants = if dl.u_order(g).is_opaque() {
-                (need.start / dbs * dbs).max(dst.first_token)
+                dl.u_window_blocks_from(g, num_tokens, dst.next(num_tokens))
+                    .start
+                    * dbs
             } else {
-                need.start.max(dst.first_token)
-            };
-            let sneed = sl.u_needed_tokens_from(g, num_tokens, src.next(num_tokens));
-            let holds = (sneed.start / sbs * sbs).max(src.first_token);
+                need.start
+            }
+            .max(dst.first_token);
+            // The source's window blocks (none when it needs no token: a window of one).
+            let holds = (sl
+                .u_window_blocks_from(g, num_tokens, src.next(num_tokens))
+                .start
+                .saturating_mul(sbs))
+            .max(src.first_token);
             if wants < holds && wants < num_tokens {
                 return Err(Error::Mismatch(format!(
                     "KV cache group {}: the destination reads tokens from {wants} (the window of \

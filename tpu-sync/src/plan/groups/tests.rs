@@ -437,6 +437,29 @@ fn a_recomputed_tokens_window_is_moved_or_refused() {
     let wide = placement_next(l.clone(), 0, 43, 1, 0, Some(36));
     let plan = Plan::build_groups(&wide, &dst, 43).unwrap();
     simulate(&wide, &dst, 43, &plan);
+    // A window of one token: the source of 2 tokens needs and holds none, a destination
+    // recomputing token 1 reads token 1: refused, not planned from blocks the source lacks.
+    let one = HybridModel {
+        name: "w1".into(),
+        groups: vec![KvGroup::new("g0", [0], attn(1, 1, 1, DType::Bf16, Some(1)))],
+    };
+    let src1 = hybrid_placement(
+        hlayout(&one, spec(1, 1, 1, BlockOrder::Nhd), &[3], 2),
+        0,
+        2,
+        0,
+    );
+    assert!(src1.block_ids[0][0].is_empty());
+    let dst1 = placement_next(
+        hlayout(&one, spec(1, 1, 1, BlockOrder::Nhd), &[1], 2),
+        0,
+        2,
+        1,
+        0,
+        Some(1),
+    );
+    let e = Plan::build_groups(&src1, &dst1, 2).unwrap_err();
+    assert_eq!(e.kind(), crate::ErrorKind::Mismatch, "{e}");
     let mut past = dst.clone();
     past.next_token = Some(44);
     assert!(past
