@@ -88,6 +88,29 @@ class FileTier:
         pass
 
 
+class FailingReadsTier:
+    """tpu_sync's own host tier (``StoreTier``) whose reads all fail with an I/O error, as a
+    failing disk or device would: saves and lookups are real, so a second pass hits the tier
+    and every load fails. For the engine tests of load failures."""
+
+    def __init__(self, cfg, geometry, caches):
+        from tpu_sync.vllm.backends import StoreTier
+
+        self._tier = StoreTier(cfg, geometry, caches)
+        self.failed_reads = 0
+
+    def __getattr__(self, name):
+        return getattr(self._tier, name)
+
+    def _fail(self, *args, **kwargs):
+        import errno
+
+        self.failed_reads += 1
+        raise OSError(errno.EIO, "injected host-tier read failure")
+
+    get = get_groups = get_host = _fail
+
+
 class _Handle:
     def __init__(self, fn):
         self.done = False

@@ -18,6 +18,7 @@ moves is in docs/vllm.md ("Hybrid models").
 import os
 
 import pytest
+from tpu_sync.vllm._api import reports_failed_recving
 
 from conftest import SLIDING_WINDOW
 from test_engine import BACKEND, Engines, cached, cached_by, toks
@@ -112,6 +113,61 @@ def offload_twice(engines, plain, tag, shm, **extra):
     want = [(n - 1) // BS * BS for n in LENS]
     assert cached(res, 1) == want
     return res, want
+
+
+#: vLLM 0.29 (vLLM-TorchTPU's base) has no failed_recving, and its scheduler raises on load
+#: errors of a model with several KV cache groups (docs/vllm.md, "Hybrid models").
+needs_failed_recving = pytest.mark.skipif(not reports_failed_recving(),
+                                          reason="this vLLM cannot take a hybrid model's load failures")
+
+
+@needs_failed_recving
+def test_hybrid_failed_host_tier_loads_are_recomputed(engines, plain):
+    """Host-tier loads that fail (every read of the tier fails: ``ref_backends.FailingReadsTier``)
+    with two KV cache groups: vLLM 0.32 refuses block-level load errors from such a model (its
+    block ids are per group), so the connector answers these loads as asynchronous and reports
+    a failure by request (``failed_recving``); vLLM recomputes them. Both passes are
+    token-identical to plain, and the engine keeps serving."""
+    shm = SHM + "-failing"
+    try:
+        res = engines.run("hybrid_offload_failing", engines.spec(repeat=2, connector=dict(
+            kv_role="kv_both", policy="recompute", extra=dict(
+                shm_name=shm, host_capacity_bytes=64 << 20, host_tier="ref_backends:FailingReadsTier"))))
+    finally:
+        import tpu_sync
+
+        try:
+            tpu_sync.remove_segment(shm, force=True)
+        except Exception:
+            pass
+    assert toks(res, 0) == toks(plain) and toks(res, 1) == toks(plain)
+    # Every request of the second pass hit the tier (each full block before its last token) and
+    # failed its load.
+    assert res["worker_stats"]["failed_loads"] == len(LENS), res["worker_stats"]
+    assert res["worker_stats"]["loaded_blocks"] == 0
+    assert res["scheduler_stats"]["failed_loads"] == len(LENS), res["scheduler_stats"]
+    assert res["scheduler_stats"]["host_hit_tokens"] == sum((n - 1) // BS * BS for n in LENS)
+
+
+@needs_failed_recving
+def test_hybrid_pd_failed_pull_is_recomputed(engines, plain):
+    """A P/D pull that fails (the producer has exited and closed its endpoints) with two KV cache
+    groups and ``kv_load_failure_policy`` recompute: reported by request (``failed_recving``;
+    vLLM 0.32 refuses block-level load errors from such a model), recomputed by the consumer,
+    token-identical to plain."""
+    hold = os.path.join(engines.dir, "hybrid_pd_gone.hold")
+    open(hold, "w").close()  # the producer does not wait for the consumer: it exits at once
+    p = engines.run("hybrid_pd_gone_producer", engines.spec(
+        remote_decode=True, hold_file=hold, connector=dict(kv_role="kv_producer", extra=dict(lease_s=120.0))))
+    c = engines.run("hybrid_pd_gone_consumer", engines.spec(
+        params_file=os.path.join(engines.dir, "hybrid_pd_gone_producer.json"),
+        connector=dict(kv_role="kv_consumer", policy="recompute", extra=dict(pull_timeout_s=10.0))))
+    assert all(o["kv_transfer_params"] for o in p["runs"][0]["outputs"])
+    assert toks(c) == toks(plain)
+    assert c["worker_stats"]["pulls_failed"] == len(LENS) and c["worker_stats"]["pulls_done"] == 0, c["worker_stats"]
+    # (vLLM's own cached-tokens metric counts the answered hits before the pulls fail.)
+    assert c["scheduler_stats"]["p2p_failed_tokens"] == sum(LENS), c["scheduler_stats"]
+    assert c["scheduler_stats"]["p2p_tokens"] == 0, c["scheduler_stats"]
 
 
 #: bytes per element of the torch dtypes the CPU engines' KV caches use
@@ -476,3 +532,65 @@ def test_mamba_hybrid_pd_through_torch_copies_matches_plain(granite_engines, gra
     # Committed on the consumer: per request one commit of each part (the attention layer's
     # blocks, the state layer's slot).
     assert c["adapter_stats"]["commits"] == 2 * len(GRANITE_LENS), c["adapter_stats"]
+
+
+def _granite_pd_across_tp(e, tag, prod_tp, cons_tp):
+    """A Mamba2 hybrid P/D pair at two TP sizes (the TP=2 engine pinned one OpenMP thread per
+    worker); returns (producer, consumer) OUT."""
+    hold = os.path.join(e.dir, tag + ".hold")
+    if os.path.exists(hold):
+        os.remove(hold)
+    env0 = e.env
+    tp2 = dict(env0, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    try:
+        # The producer serves until the consumer is done (a TP=2 engine may take minutes to
+        # start on a loaded machine).
+        e.env = tp2 if prod_tp == 2 else env0
+        prod = e.start(tag + "_producer", e.spec(
+            tp=prod_tp, remote_decode=True, hold_file=hold, hold_s=900,
+            connector=dict(kv_role="kv_producer", extra=dict(lease_s=900.0, decode_tp_size=cons_tp))))
+        e.env = tp2 if cons_tp == 2 else env0
+        cons = e.start(tag + "_consumer", e.spec(
+            tp=cons_tp, params_file=prod.out,
+            connector=dict(kv_role="kv_consumer", policy="fail", extra=dict(pull_timeout_s=60.0))))
+    finally:
+        e.env = env0
+    return e.finish_pair(prod, cons, hold)
+
+
+#: The tiny granite's state per TP rank (f32): the convolution state's 3 rows of the rank's
+#: x channels (4 heads x 64 over TP), B and C (one group of 16: on every rank), then the SSM
+#: state (4 heads x 64 x 16 over TP).
+def _granite_state_bytes(tp):
+    return (3 * (4 * 64 // tp + 16 + 16) + 4 // tp * 64 * 16) * 4
+
+
+#: One attention block (64 tokens) of one of the tiny granite's 2 KV heads (head_dim 32, f32,
+#: K and V): the CPU blocks move as head slices.
+GRANITE_HEAD_BLOCK = 64 * 2 * 32 * 4
+
+
+@pytest.mark.parametrize("prod_tp,cons_tp", [(1, 2), (2, 1)])
+def test_mamba_hybrid_pd_reshards_the_state_across_tp(granite_engines, granite_plain, prod_tp, cons_tp):
+    """The Mamba2 hybrid's state moves between engines of different TP: each decode rank gets
+    its share of every part of the state (the convolution state's x channels of its heads, the
+    B and C channels of the one group every rank holds, the SSM state of its heads), from the
+    producer rank(s) holding them, as vLLM's weight loader splits them
+    (``compat.mamba_state_split``). Token-identical to plain; the bytes received are exactly
+    the decode ranks' state shares and attention head slices."""
+    e = granite_engines
+    p, c = _granite_pd_across_tp(e, f"granite_pd_tp{prod_tp}{cons_tp}", prod_tp, cons_tp)
+    params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
+    assert all(x["tp_size"] == prod_tp for x in params), params
+    state = params[0]["remote_geometry"]["groups"][0]["state"]
+    assert [[(s["heads"], s["head_elems"]) for s in comp["segments"]] for comp in state["components"]] == [
+        [(4, 64), (1, 16), (1, 16)], [(4, 64 * 16)]], state
+    assert toks(c) == toks(granite_plain)
+    m = c["metrics"]
+    assert cached_by(m, "p2p") == sum(n - 1 for n in GRANITE_LENS), m
+    assert c["scheduler_stats"]["refused_params"] == 0 and c["scheduler_stats"]["rejects"] == 0
+    blocks = sum(-(-(n - 1) // GRANITE_BS) for n in GRANITE_LENS)
+    # Summed over the decode ranks: every rank its state share per request (B and C once per
+    # rank) and its head slice of each attention block (both heads over the ranks).
+    want = len(GRANITE_LENS) * cons_tp * _granite_state_bytes(cons_tp) + blocks * 2 * GRANITE_HEAD_BLOCK
+    assert m["vllm:tpu_sync_bytes_transferred"] == want, (m["vllm:tpu_sync_bytes_transferred"], want)

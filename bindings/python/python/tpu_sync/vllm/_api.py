@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Set
 
-__all__ = ["CacheHitSource", "KVConnectorTransferResults"]
+__all__ = ["CacheHitSource", "KVConnectorTransferResults", "reports_failed_recving"]
 
 
 class _CacheHitSource(str, enum.Enum):
@@ -46,3 +46,12 @@ try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 except ImportError:  # vLLM 0.29
     KVConnectorTransferResults = _TransferResults  # type: ignore[misc,assignment]
+
+
+def reports_failed_recving() -> bool:
+    """Whether this vLLM reads ``failed_recving`` (vLLM >= 0.30's ``KVConnectorTransferResults``):
+    a failed asynchronous load can be reported by request. vLLM 0.32 also refuses block-level
+    load errors from a model with several KV cache groups (``Scheduler._handle_invalid_blocks``:
+    group-local block ids cannot name a request), so there a failed load must be reported by
+    request."""
+    return KVConnectorTransferResults is not _TransferResults

@@ -19,6 +19,7 @@ import errno
 import hashlib
 import logging
 import platform
+import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
@@ -220,6 +221,11 @@ class KvGeometry:
         return bool(self.groups) and self.groups[group].get("kind") == "state"
 
     @property
+    def vllm_groups(self) -> int:
+        """KV cache groups of vLLM's ``KVCacheConfig`` (sparse MLA: its three; 1 uniform)."""
+        return len(self.mla_parts) if self.mla_parts else self.num_groups
+
+    @property
     def has_state(self) -> bool:
         """Whether some group is a state group. Such a model's P/D hands off the state taken
         after the prompt less its last token (docs/vllm.md, "Hybrid models")."""
@@ -417,11 +423,20 @@ class KvGeometry:
     def mismatch(self, other: Dict[str, Any]) -> Optional[str]:
         """Why KV blocks of a peer with geometry ``other`` (a :meth:`to_dict`) cannot be used
         here, or None when they can. Compares everything that fixes a block's bytes (layers,
-        heads, head_dim, dtype, block size, MLA, block format); TP may differ (resharded)."""
+        heads, head_dim, dtype, block size, MLA, block format); TP may differ (resharded), and so
+        may a state group's slot stride (``slot_bytes``: vLLM pads a rank's state page to its
+        attention page, which halves with TP; each side's stride is in its own layout)."""
         keys = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "use_mla", "block_format", "groups",
                 "kv_order", "mla_parts")
-        mine = self.to_dict()
-        theirs = dict(other)
+
+        def strideless(d: Dict[str, Any]) -> Dict[str, Any]:
+            if isinstance(d.get("groups"), (list, tuple)):
+                d["groups"] = [{k: v for k, v in g.items() if k != "slot_bytes"} if isinstance(g, dict) else g
+                               for g in d["groups"]]
+            return d
+
+        mine = strideless(self.to_dict())
+        theirs = strideless(dict(other))
         theirs.setdefault("kv_order", "lbhnc")  # a peer from before the field: vLLM's CPU layout
         diff = [f"{k}: local {mine[k]!r}, remote {theirs.get(k)!r}" for k in keys
                 if _plain(theirs.get(k)) != _plain(mine[k])]
@@ -603,9 +618,12 @@ def pullers_of_rank(src: Dict[str, Any], rank: Union[int, Iterable[int]], num_to
     layout = src["layout"]
     nb = -(-int(num_tokens) // int(layout["spec"]["block_size"]))
     if "groups" in layout:
-        # Same groups; each group's held blocks numbered from 0 in a layout just large enough.
+        # Same groups; each group's held blocks numbered from 0 in a layout just large enough,
+        # state slots without the producer's stride (a rank's padded page depends on its TP:
+        # the decode instance's own is not known here, and no stride changes who reads what).
         dst_layout = dict(layout, spec=dict(layout["spec"], tp=int(decode_tp), dp=1),
-                          groups=[dict(g, num_blocks=max(nb, 1)) for g in layout["groups"]])
+                          groups=[dict({k: v for k, v in g.items() if k != "slot_bytes"}, num_blocks=max(nb, 1))
+                                  for g in layout["groups"]])
         dst = dict(layout=dst_layout, dp_rank=0,
                    block_ids=[[list(range(len(per[0]))) for _ in range(int(decode_tp))] for per in src["block_ids"]])
     else:
@@ -672,12 +690,14 @@ def layer_order(names: Sequence[str]) -> List[str]:
     return sorted(names, key=lambda n: (extract_layer_index(n), n))
 
 
-def kv_groups(kv_cache_config: Any, block_size: int, tp: int = 1) -> Optional[Tuple[Dict[str, Any], ...]]:
+def kv_groups(kv_cache_config: Any, block_size: int, tp: int = 1,
+              state_split: Optional[Tuple[str, Dict[str, int]]] = None) -> Optional[Tuple[Dict[str, Any], ...]]:
     """:attr:`KvGeometry.groups` from vLLM's ``KVCacheConfig``: None when its groups are one
     full-attention group (a uniform model); otherwise one dict per ``kv_cache_groups`` entry
     with the cache layers of its ``layer_names`` and its kind from its ``kv_cache_spec``
     (``FullAttentionSpec``; ``SlidingWindowSpec.sliding_window`` in tokens; ``MambaSpec``: a
-    state group, :func:`mamba_state_group`). Needs vLLM.
+    state group, :func:`mamba_state_group` with ``state_split``, the model's
+    :func:`mamba_state_split`). Needs vLLM.
 
     Raises:
         ValueError: a group this connector cannot move (MLA, chunked local attention,
@@ -713,7 +733,7 @@ def kv_groups(kv_cache_config: Any, block_size: int, tp: int = 1) -> Optional[Tu
             if int(getattr(spec, "num_speculative_blocks", 0) or 0):
                 raise ValueError(f"TpuSyncConnector: {where} with {spec.num_speculative_blocks} speculative state "
                                  f"blocks; only one state slot per request is moved")
-            state, slot = mamba_state_group(spec, tp)
+            state, slot = mamba_state_group(spec, tp, state_split)
             out.append(dict(kind="state", layers=sorted(index[n] for n in grp.layer_names), state=state,
                             slot_bytes=int(slot)))
             continue
@@ -732,37 +752,234 @@ def kv_groups(kv_cache_config: Any, block_size: int, tp: int = 1) -> Optional[Tu
     return tuple(out)
 
 
-def mamba_state_group(spec: Any, tp: int = 1) -> Tuple[Dict[str, Any], int]:
+def _has_state_group(kv_cache_config: Any) -> bool:
+    return any(type(g.kv_cache_spec).__name__ == "MambaSpec"
+               for g in getattr(kv_cache_config, "kv_cache_groups", None) or ())
+
+
+def mamba_state_group(spec: Any, tp: int = 1, split: Optional[Tuple[str, Dict[str, Any]]] = None
+                      ) -> Tuple[Dict[str, Any], int]:
     """The tpu_sync state group kind (``tpu_sync::layout::GroupKind::State`` JSON) of a vLLM
     ``MambaSpec`` and its slot stride in bytes (``page_size_padded``, else the dense state
     size): one component per ``(shape, dtype)`` of the spec, in order (vLLM lays a Mamba
     layer's states one after another in each block of the group, e.g. the convolution state
-    ``(d_conv - 1, conv_dim)`` then the SSM state ``(heads, head_dim, d_state)``), ``rows`` the
-    first dimension (1 for 1-D), each row one segment. The spec's shapes are per TP rank, so
-    this describes a TP=1 engine (or a replicated state). :func:`kv_groups` uses it for the
+    ``(d_conv - 1, conv_dim)`` then the SSM state ``(heads, head_dim, d_state)``).
+
+    With ``split`` (the model's :func:`mamba_state_split`), each component is described in the
+    whole model's heads (:func:`state_components`), so the state moves between engines of
+    different TP, each rank its share of every segment. Without it, ``rows`` is the first
+    dimension (1 for 1-D) and each row one opaque segment of the rank's elements: that
+    describes a TP=1 engine (or a replicated state) only. :func:`kv_groups` uses it for the
     connector's state groups (docs/vllm.md, "Hybrid models").
 
     Raises:
-        ValueError: a dtype tpu_sync cannot describe, or ``tp > 1`` for a state sharded over TP
-        (the head split of each component is the model's, not in the spec)."""
-    if int(tp) > 1 and not getattr(spec, "tp_replicated", False):
-        raise ValueError("TpuSyncConnector: a TP-sharded Mamba state needs the model's head split of each component")
-    comps = []
-    dense = 0
-    for i, (shape, dt) in enumerate(zip(spec.shapes, spec.dtypes)):
+        ValueError: a dtype tpu_sync cannot describe; a ``split`` whose per-rank shapes at
+        ``tp`` are not the spec's (named); ``tp > 1`` for a state sharded over TP without a
+        ``split``."""
+    replicated = bool(getattr(spec, "tp_replicated", False))
+    names = []
+    for i, dt in enumerate(spec.dtypes):
         name = str(dt)
         if name not in TORCH_TO_TPU_SYNC_DTYPE:
             raise ValueError(f"TpuSyncConnector: Mamba state {i} is {name}, which tpu_sync cannot describe")
-        dims = [int(d) for d in shape]
-        rows = dims[0] if len(dims) > 1 else 1
-        elems = 1
-        for d in (dims[1:] if len(dims) > 1 else dims):
-            elems *= d
-        comps.append(dict(name=f"state{i}", dtype=TORCH_TO_TPU_SYNC_DTYPE[name], rows=rows,
-                          segments=[dict(heads=1, head_elems=elems)]))
-        dense += rows * elems * int(getattr(dt, "itemsize", 4))
+        names.append(TORCH_TO_TPU_SYNC_DTYPE[name])
+    shapes = [tuple(int(d) for d in shape) for shape in spec.shapes]
+    dense = sum(_prod(sh) * int(getattr(dt, "itemsize", 4)) for sh, dt in zip(shapes, spec.dtypes))
     slot = int(getattr(spec, "page_size_padded", None) or dense)
-    return dict(type="state", components=comps, replicated=bool(getattr(spec, "tp_replicated", False))), slot
+    if split is not None and not replicated:
+        try:
+            comps = state_components(split[0], split[1], shapes, names, tp)
+            return dict(type="state", components=comps, replicated=False), slot
+        except ValueError as e:
+            if int(tp) > 1:
+                raise
+            _log.info("tpu_sync: the Mamba state described as one rank's (%s)", e)
+    if int(tp) > 1 and not replicated:
+        raise ValueError("TpuSyncConnector: a TP-sharded Mamba state needs the model's head split of each component "
+                         "(mamba_state_split found none for this model: docs/vllm.md, \"Hybrid models\")")
+    comps = []
+    for i, (dims, dt) in enumerate(zip(shapes, names)):
+        rows = dims[0] if len(dims) > 1 else 1
+        elems = _prod(dims[1:] if len(dims) > 1 else dims)
+        comps.append(dict(name=f"state{i}", dtype=dt, rows=rows, segments=[dict(heads=1, head_elems=elems)]))
+    return dict(type="state", components=comps, replicated=replicated), slot
+
+
+def _prod(dims: Iterable[int]) -> int:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
+
+
+#: The ``MambaStateShapeCalculator`` methods (vLLM ``model_executor/layers/mamba/mamba_utils.py``)
+#: whose arguments :func:`state_components` turns into a split over TP.
+STATE_SHAPE_METHODS = ("mamba1_state_shape", "mamba2_state_shape", "gated_delta_net_state_shape",
+                       "short_conv_state_shape", "linear_attention_state_shape")
+
+_split_lock = threading.Lock()
+
+
+def mamba_state_split(vllm_config: Any) -> Optional[Tuple[str, Dict[str, Any]]]:
+    """How the model's Mamba / linear-attention state splits over TP: the one
+    ``MambaStateShapeCalculator`` call (a name of :data:`STATE_SHAPE_METHODS`) and its
+    arguments by name that the model's ``get_mamba_state_shape_from_config(vllm_config)`` makes.
+
+    vLLM's model classes map their Hugging Face config (``mamba_n_heads``, ``linear_num_key_heads``,
+    ...) to the calculator's arguments (heads, head sizes, groups, kernel); recording that call
+    while the model class computes its shapes (as vLLM's platform does when it sizes pages,
+    ``platforms/interface.py``) gives the whole model's split for every architecture that uses the
+    calculator, without a table of config names here. The calculator is wrapped only during that
+    call, under a lock.
+
+    Returns None (the caller then describes a TP=1 or replicated state only) when vLLM or the
+    model class cannot be resolved, the model has several state layouts
+    (``get_mamba_specs_from_config``), or it made no call or several, or another method's.
+    Needs vLLM. Thread-safe."""
+    try:
+        import inspect
+
+        from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as calc
+        from vllm.model_executor.models import ModelRegistry
+
+        mc = vllm_config.model_config
+        arch = getattr(mc, "architecture", None) or list(getattr(mc, "architectures", None) or [])
+        model_cls, _ = ModelRegistry.resolve_model_cls(arch, model_config=mc)
+    except Exception as e:  # noqa: BLE001  (any failure: no split, said in the log)
+        _log.info("tpu_sync: no Mamba state split (model class not resolved: %s)", e)
+        return None
+    get = getattr(model_cls, "get_mamba_state_shape_from_config", None)
+    if get is None or hasattr(model_cls, "get_mamba_specs_from_config"):
+        _log.info("tpu_sync: no Mamba state split for %s (%s)", model_cls.__name__,
+                 "no get_mamba_state_shape_from_config" if get is None else "several state layouts")
+        return None
+    calls: List[Tuple[str, Dict[str, Any]]] = []
+
+    def recorder(name: str, fn: Any) -> Any:
+        sig = inspect.signature(fn)
+
+        def rec(cls: Any, *a: Any, **k: Any) -> Any:
+            b = sig.bind(cls, *a, **k)
+            b.apply_defaults()
+            calls.append((name, {n: v for i, (n, v) in enumerate(b.arguments.items()) if i}))
+            return fn(cls, *a, **k)
+
+        return classmethod(rec)
+
+    with _split_lock:
+        saved = {n: calc.__dict__[n] for n in STATE_SHAPE_METHODS if isinstance(calc.__dict__.get(n), classmethod)}
+        try:
+            for n, cm in saved.items():
+                setattr(calc, n, recorder(n, cm.__func__))
+            get(vllm_config)
+        except Exception as e:  # noqa: BLE001
+            _log.info("tpu_sync: no Mamba state split (%s.get_mamba_state_shape_from_config: %s)",
+                     model_cls.__name__, e)
+            return None
+        finally:
+            for n, cm in saved.items():
+                setattr(calc, n, cm)
+    if len(calls) != 1:
+        _log.info("tpu_sync: no Mamba state split for %s (%d calculator calls)", model_cls.__name__, len(calls))
+        return None
+    return calls[0]
+
+
+def _local_heads(heads: int, tp: int) -> int:
+    """Heads of a segment on one TP rank (as ``tpu_sync::layout::HeadSplit``: contiguous
+    chunks, one head per rank when TP exceeds the heads)."""
+    return max(heads // tp, 1)
+
+
+def state_components(method: str, args: Dict[str, Any], shapes: Sequence[Sequence[int]], dtypes: Sequence[str],
+                     tp: int) -> List[Dict[str, Any]]:
+    """The state components (``tpu_sync::layout::StateComponent`` JSON) of a vLLM
+    ``MambaStateShapeCalculator.<method>(**args)`` state, in the whole model's heads; ``shapes``
+    (per TP rank, ``MambaSpec.shapes``) and ``dtypes`` (tpu_sync names) are the spec's, checked
+    against the split at ``tp``.
+
+    Each rank's share of a tensor column-split over TP is its share of every part, in order:
+    vLLM loads the convolution weights part by part (``mamba_v2_sharded_weight_loader``), so the
+    convolution state's channels on a rank are its x (Mamba2: heads x head_dim), B and C
+    (``n_groups x d_state`` each; one group on every rank when ``n_groups`` is 1); GDN's its
+    q, k (``num_k_heads x head_k_dim`` each) and v (``num_v_heads x head_v_dim``). The
+    convolution state is ``(state_len, channels)`` (vLLM's default ``SD`` layout: ``rows =
+    state_len``) or ``(channels, state_len)`` (``VLLM_SSM_CONV_STATE_LAYOUT=DS``,
+    ``is_conv_state_dim_first()``: one row, each channel ``state_len`` elements). The recurrent states are
+    ``(heads / tp, ...)``: one row of ``heads`` segments (Mamba1: ``intermediate_size`` channels).
+
+    Raises:
+        ValueError: an unknown method, heads that do not split over ``tp``, or per-rank shapes
+        other than the spec's (each named)."""
+    a = {k: int(v) for k, v in args.items() if isinstance(v, (int, bool)) or hasattr(v, "__index__")}
+
+    def need(*keys: str) -> List[int]:
+        miss = [k for k in keys if k not in a]
+        if miss:
+            raise ValueError(f"TpuSyncConnector: {method} without {', '.join(miss)}")
+        return [a[k] for k in keys]
+
+    def conv(parts: List[Tuple[int, int]], state_len: int) -> Tuple[Dict[str, Any], Tuple[int, int]]:
+        """A convolution state of channels ``parts`` (heads, channels a head) and its per-rank
+        shape as the spec has it."""
+        local = sum(_local_heads(h, tp) * c for h, c in parts)
+        try:
+            from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+            sd = not is_conv_state_dim_first()
+        except ImportError:  # an older vLLM: SD only
+            sd = True
+        if sd:
+            return dict(name="conv", rows=state_len, segments=[dict(heads=h, head_elems=c) for h, c in parts]), \
+                (state_len, local)
+        return dict(name="conv", rows=1, segments=[dict(heads=h, head_elems=c * state_len) for h, c in parts]), \
+            (local, state_len)
+
+    if method == "mamba2_state_shape":
+        inter, ng, nh, hd, ss, k = need("intermediate_size", "n_groups", "num_heads", "head_dim", "state_size",
+                                        "conv_kernel")
+        if nh <= 0 or inter % nh:
+            raise ValueError(f"TpuSyncConnector: a Mamba2 state of intermediate size {inter} over {nh} heads")
+        c, cs = conv([(nh, inter // nh), (ng, ss), (ng, ss)], k - 1 + a.get("num_spec", 0))
+        comps = [(c, cs), (dict(name="ssm", rows=1, segments=[dict(heads=nh, head_elems=hd * ss)]),
+                           (_local_heads(nh, tp), hd, ss))]
+    elif method == "gated_delta_net_state_shape":
+        nk, nv, hk, hv, k = need("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel_size")
+        c, cs = conv([(nk, hk), (nk, hk), (nv, hv)], k - 1 + a.get("num_spec", 0))
+        comps = [(c, cs), (dict(name="recurrent", rows=1, segments=[dict(heads=nv, head_elems=hv * hk)]),
+                           (_local_heads(nv, tp), hv, hk))]
+    elif method == "mamba1_state_shape":
+        inter, ss, k = need("intermediate_size", "state_size", "conv_kernel")
+        c, cs = conv([(inter, 1)], k - 1)
+        comps = [(c, cs), (dict(name="ssm", rows=1, segments=[dict(heads=inter, head_elems=ss)]),
+                           (_local_heads(inter, tp), ss))]
+    elif method == "short_conv_state_shape":
+        inter, k = need("intermediate_size", "conv_kernel")
+        comps = [conv([(inter, 1)], k - 1 + a.get("num_spec", 0))]
+    elif method == "linear_attention_state_shape":
+        nh, hd = need("num_heads", "head_dim")
+        comps = [(dict(name="state", rows=1, segments=[dict(heads=nh, head_elems=hd * hd)]),
+                  (_local_heads(nh, tp), hd, hd))]
+    else:
+        raise ValueError(f"TpuSyncConnector: no TP split of a {method} state")
+    bad = [f"{c['name']} splits {sg['heads']} heads over TP {tp}" for c, _ in comps for sg in c["segments"]
+           if not (sg["heads"] % tp == 0 or tp % sg["heads"] == 0)]
+    want = [tuple(int(d) for d in sh) for sh in shapes]
+    got = [tuple(s) for _, s in comps]
+    if bad or got != want or len(dtypes) != len(comps):
+        raise ValueError(f"TpuSyncConnector: the {method} state split at TP={tp} gives per-rank shapes {got}, "
+                         f"the MambaSpec has {want}{'; ' + ', '.join(bad) if bad else ''}: not moved")
+    return [dict(c, dtype=dt) for (c, _), dt in zip(comps, dtypes)]
+
+
+def state_rank_bytes(state: Dict[str, Any], tp: int) -> List[int]:
+    """Bytes of one TP rank's share of each component of a state group kind (the per-rank slot
+    layout tpu_sync computes, ``tpu_sync::layout::StateKv``)."""
+    item = {"f32": 4, "bf16": 2, "f16": 2, "fp8": 1}
+    rep = bool(state.get("replicated"))
+    return [int(c.get("rows", 1)) * sum((int(sg["heads"]) if rep else _local_heads(int(sg["heads"]), int(tp)))
+                                        * int(sg["head_elems"]) for sg in c["segments"]) * item[c["dtype"]]
+            for c in state["components"]]
 
 
 def sparse_mla_parts(layer_names: Sequence[str], indexers: Iterable[str], nope_layout: str = "sparsecore",
@@ -973,7 +1190,8 @@ def kv_geometry(vllm_config: Any, kv_cache_config: Any = None) -> KvGeometry:
         tp=tp,
         block_format=fmt,
         use_mla=bool(getattr(mc, "use_mla", False)),
-        groups=kv_groups(kv_cache_config, block_size, tp) if kv_cache_config is not None else None,
+        groups=kv_groups(kv_cache_config, block_size, tp, mamba_state_split(vllm_config)
+                         if _has_state_group(kv_cache_config) else None) if kv_cache_config is not None else None,
         kv_order=order,
     )
 

@@ -106,6 +106,13 @@ class SchedulerSide:
         self._dp_recv_pending: Set[str] = set()
         #: DP: finished requests whose pull or load is still to be reported
         self._dp_finished: Set[str] = set()
+        from ._api import reports_failed_recving
+
+        #: host-tier loads answered as asynchronous, their failures reported by request
+        #: (``failed_recving``): under tpu-inference's DP scheduler, and with several KV cache
+        #: groups where vLLM reads ``failed_recving`` (vLLM 0.32 refuses block-level load errors
+        #: of such a model: a synchronous load's failure could not be reported)
+        self.async_loads = self.dp > 1 or (geometry.vllm_groups > 1 and reports_failed_recving())
         self.layout = geometry.tpu_sync_layout(self.num_blocks)
         self.kv_cache_manager: Any = None
         #: vLLM 0.29 (no ``kv_connector_block_state`` in its scheduler output, no cache manager
@@ -229,8 +236,8 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         """Tokens the connector can provide beyond ``num_computed_tokens`` (block-aligned local
         hit), and whether they arrive asynchronously. Side-effect free except for queueing one
-        host-tier lookup per request. Under tpu-inference's DP scheduler host-tier loads are
-        asynchronous too (a failed load is then reported by request, not by block id)."""
+        host-tier lookup per request. Host-tier loads are asynchronous too where
+        :attr:`async_loads` (a failed load is then reported by request, not by block id)."""
         params = request.kv_transfer_params
         if self.dp > 1:
             self._dp_own.add(request.request_id)
@@ -314,7 +321,7 @@ class SchedulerSide:
         if n <= start:
             return 0, False
         st.load_start = start
-        return (n - start) * bs, self.dp > 1
+        return (n - start) * bs, self.async_loads
 
     def _sync_layerwise(self, params: Dict[str, Any]) -> bool:
         """Whether a P/D request is loaded layer by layer within the step that computes it (a
@@ -472,7 +479,7 @@ class SchedulerSide:
         start = st.load_start
         n = num_external_tokens // bs
         hashes = [bytes(h) for h in st.request.block_hashes[start:start + n]]
-        op = TierOp(req_id, hashes, block_ids[start:start + n], report=self.dp > 1)
+        op = TierOp(req_id, hashes, block_ids[start:start + n], report=self.async_loads)
         if self.geometry.groups:
             # Per group; a sliding-window group's blocks before its window are vLLM's null
             # block (id 0): the worker does not write them.

@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from tpu_sync.torch_kv import rows_contiguous
 
 from . import compat
+from ._api import reports_failed_recving
 from .backends import KvCaches, make_host_tier, make_pd_transport
 from .compat import NULL_BLOCK_ID, KvGeometry
 from .config import ConnectorConfig
@@ -368,12 +369,12 @@ class WorkerSide:
                                  "are not: their caches differ")
         for i, n in enumerate(names):
             if g.is_state_group(group_of[i]):
-                _check_state_tensors(n, tensors[i], g.groups[group_of[i]], int(first.shape[0]))
+                _check_state_tensors(n, tensors[i], g.groups[group_of[i]], int(first.shape[0]), g.tp)
         torch_kv = self._torch_kv(tensors, g, logical_view if logical else None, names)
         if torch_kv is None:
             for i, n in enumerate(names):
                 if g.is_state_group(group_of[i]):
-                    tensors[i] = _state_view(n, tensors[i], g.groups[group_of[i]], int(first.shape[0]))
+                    tensors[i] = _state_view(n, tensors[i], g.groups[group_of[i]], int(first.shape[0]), g.tp)
         from tpu_sync.torch_kv import PartsKv
 
         layer_block_bytes = (torch_kv.parts[0].block_bytes if isinstance(torch_kv, PartsKv) else
@@ -581,7 +582,7 @@ class WorkerSide:
                 grp = g.groups[sg]
                 for i in ls:
                     if not isinstance(tensors[i], (list, tuple)):
-                        _check_raw_state(names[i] if names else f"layer {i}", tensors[i], grp, nb)
+                        _check_raw_state(names[i] if names else f"layer {i}", tensors[i], grp, nb, g.tp)
                 parts.append(StateKv([[x[:nb] for x in _state_tensors(tensors[i])] for i in ls],
                                      int(grp["slot_bytes"]), view_dtype=_state_buffer_dtype(grp),
                                      copy_api=tk.copy_api, client=tk.client))
@@ -1382,8 +1383,9 @@ class WorkerSide:
                         self.xfer_stats.record_failure(_error_kind(err))
                     res.failed_recving.add(req_id)
                     self._report.failed_pulls.add(req_id)  # vLLM 0.29 has no failed_recving
-                    if self._dp == 1:
+                    if self._dp == 1 and not (self.geometry.vllm_groups > 1 and reports_failed_recving()):
                         # (With DP the block ids are global: no rank's scheduler could read them;
+                        # with several KV cache groups vLLM 0.32 refuses block-level errors:
                         # failed_recving names the request.)
                         self._load_errors.update(_flat_ids(p.spec.dst_block_ids))
                     # vLLM recomputes (or fails) it: the KV will not be pulled again.
@@ -1453,6 +1455,14 @@ class WorkerSide:
     def get_block_ids_with_load_errors(self) -> Set[int]:
         """Blocks that a load or pull reported since the last call did not fill."""
         out, self._load_errors = self._load_errors, set()
+        if out and self.geometry.vllm_groups > 1:
+            # Only where vLLM has no failed_recving (0.29, vLLM-TorchTPU's base): its scheduler
+            # reads these ids for one KV cache group only and raises for a model with several
+            # (``_update_requests_with_invalid_blocks``: "TODO: add support for hybrid memory
+            # allocator"). Said here, so the engine's error has its cause in the log.
+            log.error("tpu_sync: %d blocks of a model with %d KV cache groups failed to load; this vLLM reads load "
+                      "errors of one group only and will raise (vLLM >= 0.30 takes them by request: "
+                      "docs/vllm.md, \"Hybrid models\")", len(out), self.geometry.vllm_groups)
         return out
 
     def _book_pull(self, req_id: str, st: Any) -> None:
@@ -1840,27 +1850,26 @@ def _state_buffer_dtype(group: Dict[str, Any]) -> str:
     return "u8"
 
 
-def _state_dense_bytes(group: Dict[str, Any]) -> List[int]:
-    """Bytes per slot of each component of a state group (``state.components``)."""
-    item = {"f32": 4, "bf16": 2, "f16": 2, "fp8": 1}
-    return [int(c.get("rows", 1)) * sum(int(sg["heads"]) * int(sg["head_elems"]) for sg in c["segments"])
-            * item[c["dtype"]] for c in group["state"]["components"]]
+def _state_dense_bytes(group: Dict[str, Any], tp: int) -> List[int]:
+    """Bytes per slot of each component of a state group (``state.components``) on one of
+    ``tp`` ranks."""
+    return compat.state_rank_bytes(group["state"], tp)
 
 
-def _check_raw_state(name: str, t: Any, group: Dict[str, Any], num_slots: int) -> None:
+def _check_raw_state(name: str, t: Any, group: Dict[str, Any], num_slots: int, tp: int) -> None:
     """A raw state tensor (vLLM's CPU engine: ``[blocks, 1, 1, dense state bytes]``) moved by
     torch's copies: at least ``num_slots`` blocks of exactly the group's dense state bytes.
 
     Raises:
         ValueError: naming the layer."""
-    dense = sum(_state_dense_bytes(group))
+    dense = sum(_state_dense_bytes(group, tp))
     got = int(t[0].numel()) * int(t.element_size()) if t.dim() and int(t.shape[0]) else 0
     if t.dim() < 2 or int(t.shape[0]) < num_slots or got != dense:
         raise ValueError(f"TpuSyncConnector: state layer {name} is {t.dtype}{list(t.shape)}: {got} B a block; its "
                          f"MambaSpec group needs {num_slots} blocks of {dense} B of state")
 
 
-def _check_state_tensors(name: str, t: Any, group: Dict[str, Any], num_slots: int) -> None:
+def _check_state_tensors(name: str, t: Any, group: Dict[str, Any], num_slots: int, tp: int) -> None:
     """Checks one state layer's registration against its state group: a tuple of tensors
     (vLLM-TorchTPU's per-layer caches: ``torch.zeros((num_blocks, *shape), dtype)`` per state
     shape) must have the group's components, one tensor each, in order, with their dtypes and
@@ -1870,7 +1879,7 @@ def _check_state_tensors(name: str, t: Any, group: Dict[str, Any], num_slots: in
     Raises:
         ValueError: naming the layer, the component and what differs."""
     comps = group["state"]["components"]
-    want = _state_dense_bytes(group)
+    want = _state_dense_bytes(group, tp)
     ts = _state_tensors(t)
     if not isinstance(t, (list, tuple)):
         if t.dim() and int(t.shape[0]) >= num_slots and int(t[0].numel()) * int(t.element_size()) == sum(want):
@@ -1891,7 +1900,7 @@ def _check_state_tensors(name: str, t: Any, group: Dict[str, Any], num_slots: in
                              f"MambaSpec group needs {c['dtype']} [{num_slots}, ...] of {nb} B a block")
 
 
-def _state_view(name: str, t: Any, group: Dict[str, Any], num_slots: int) -> Any:
+def _state_view(name: str, t: Any, group: Dict[str, Any], num_slots: int, tp: int) -> Any:
     """A dense tensor ``[num_slots, slot_bytes / size]`` over the memory of vLLM's state tensor
     ``t`` of one Mamba layer (the CPU backend registers it as raw bytes ``[blocks, 1, 1, dense
     state bytes]`` with a block stride of ``slot_bytes``, ``MambaSpec.page_size_padded``), of
@@ -1905,10 +1914,7 @@ def _state_view(name: str, t: Any, group: Dict[str, Any], num_slots: int) -> Any
 
     slot = int(group["slot_bytes"])
     comps = group["state"]["components"]
-    dense = 0
-    for c in comps:
-        elems = int(c.get("rows", 1)) * sum(int(seg["heads"]) * int(seg["head_elems"]) for seg in c["segments"])
-        dense += elems * {"f32": 4, "bf16": 2, "f16": 2, "fp8": 1}[c["dtype"]]
+    dense = sum(_state_dense_bytes(group, tp))
     esz = int(t.element_size())
     stride = int(t.stride(0)) * esz if t.dim() else 0
     per_block = int(t[0].numel()) * esz if t.dim() and int(t.shape[0]) else 0
