@@ -534,9 +534,9 @@ def test_mamba_hybrid_pd_through_torch_copies_matches_plain(granite_engines, gra
     assert c["adapter_stats"]["commits"] == 2 * len(GRANITE_LENS), c["adapter_stats"]
 
 
-def _granite_pd_across_tp(e, tag, prod_tp, cons_tp):
+def _granite_pd_across_tp(e, tag, prod_tp, cons_tp, **extra):
     """A Mamba2 hybrid P/D pair at two TP sizes (the TP=2 engine pinned one OpenMP thread per
-    worker); returns (producer, consumer) OUT."""
+    worker; ``extra`` connector settings on both sides); returns (producer, consumer) OUT."""
     hold = os.path.join(e.dir, tag + ".hold")
     if os.path.exists(hold):
         os.remove(hold)
@@ -548,11 +548,11 @@ def _granite_pd_across_tp(e, tag, prod_tp, cons_tp):
         e.env = tp2 if prod_tp == 2 else env0
         prod = e.start(tag + "_producer", e.spec(
             tp=prod_tp, remote_decode=True, hold_file=hold, hold_s=900,
-            connector=dict(kv_role="kv_producer", extra=dict(lease_s=900.0, decode_tp_size=cons_tp))))
+            connector=dict(kv_role="kv_producer", extra=dict(lease_s=900.0, decode_tp_size=cons_tp, **extra))))
         e.env = tp2 if cons_tp == 2 else env0
         cons = e.start(tag + "_consumer", e.spec(
             tp=cons_tp, params_file=prod.out,
-            connector=dict(kv_role="kv_consumer", policy="fail", extra=dict(pull_timeout_s=60.0))))
+            connector=dict(kv_role="kv_consumer", policy="fail", extra=dict(pull_timeout_s=60.0, **extra))))
     finally:
         e.env = env0
     return e.finish_pair(prod, cons, hold)
@@ -570,16 +570,22 @@ def _granite_state_bytes(tp):
 GRANITE_HEAD_BLOCK = 64 * 2 * 32 * 4
 
 
-@pytest.mark.parametrize("prod_tp,cons_tp", [(1, 2), (2, 1)])
-def test_mamba_hybrid_pd_reshards_the_state_across_tp(granite_engines, granite_plain, prod_tp, cons_tp):
+@pytest.mark.parametrize("prod_tp,cons_tp,backend", [(1, 2, None), (2, 1, None), (1, 2, "framework-copy")])
+def test_mamba_hybrid_pd_reshards_the_state_across_tp(granite_engines, granite_plain, prod_tp, cons_tp, backend):
     """The Mamba2 hybrid's state moves between engines of different TP: each decode rank gets
     its share of every part of the state (the convolution state's x channels of its heads, the
     B and C channels of the one group every rank holds, the SSM state of its heads), from the
     producer rank(s) holding them, as vLLM's weight loader splits them
-    (``compat.mamba_state_split``). Token-identical to plain; the bytes received are exactly
-    the decode ranks' state shares and attention head slices."""
+    (``compat.mamba_state_split``); also with both sides' KV reached through torch's copies
+    (``framework-copy``, what vLLM-TorchTPU's tensors get: each rank's state through a host
+    mirror). Token-identical to plain; the bytes received are exactly the decode ranks' state
+    shares and attention head slices."""
     e = granite_engines
-    p, c = _granite_pd_across_tp(e, f"granite_pd_tp{prod_tp}{cons_tp}", prod_tp, cons_tp)
+    extra = dict(torch_backend=backend, torch_copy_api="torch") if backend else {}
+    p, c = _granite_pd_across_tp(e, f"granite_pd_tp{prod_tp}{cons_tp}{'_copy' if backend else ''}", prod_tp, cons_tp,
+                                 **extra)
+    if backend:
+        assert p["adapter_stats"]["backend"] == backend, p["adapter_stats"]
     params = [o["kv_transfer_params"] for o in p["runs"][0]["outputs"]]
     assert all(x["tp_size"] == prod_tp for x in params), params
     state = params[0]["remote_geometry"]["groups"][0]["state"]
