@@ -95,10 +95,9 @@ def test_hybrid_offload_second_pass_hits_host_tier(engines, plain):
     assert res["scheduler_stats"]["failed_loads"] == 0
 
 
-def offload_twice(engines, plain, tag, shm, **extra):
-    """One engine with the host tier (segment ``shm``, removed after) running the prompts twice:
-    both passes token-identical to plain, the second's cached tokens the host tier's (every
-    full block before the last prompt token). Returns (result, cached tokens per prompt)."""
+def run_twice_with_tier(engines, plain, tag, shm, **extra):
+    """One engine with the host tier (segment ``shm``, removed after) running the prompts twice,
+    both passes token-identical to plain. Returns the result."""
     try:
         res = engines.run(tag, engines.spec(repeat=2, connector=dict(
             kv_role="kv_both", policy="recompute", extra=dict(shm_name=shm, host_capacity_bytes=64 << 20, **extra))))
@@ -110,6 +109,13 @@ def offload_twice(engines, plain, tag, shm, **extra):
         except Exception:
             pass
     assert toks(res, 0) == toks(plain) and toks(res, 1) == toks(plain)
+    return res
+
+
+def offload_twice(engines, plain, tag, shm, **extra):
+    """:func:`run_twice_with_tier`, the second pass's cached tokens the host tier's (every full
+    block before the last prompt token). Returns (result, cached tokens per prompt)."""
+    res = run_twice_with_tier(engines, plain, tag, shm, **extra)
     want = [(n - 1) // BS * BS for n in LENS]
     assert cached(res, 1) == want
     return res, want
@@ -128,19 +134,8 @@ def test_hybrid_failed_host_tier_loads_are_recomputed(engines, plain):
     block ids are per group), so the connector answers these loads as asynchronous and reports
     a failure by request (``failed_recving``); vLLM recomputes them. Both passes are
     token-identical to plain, and the engine keeps serving."""
-    shm = SHM + "-failing"
-    try:
-        res = engines.run("hybrid_offload_failing", engines.spec(repeat=2, connector=dict(
-            kv_role="kv_both", policy="recompute", extra=dict(
-                shm_name=shm, host_capacity_bytes=64 << 20, host_tier="ref_backends:FailingReadsTier"))))
-    finally:
-        import tpu_sync
-
-        try:
-            tpu_sync.remove_segment(shm, force=True)
-        except Exception:
-            pass
-    assert toks(res, 0) == toks(plain) and toks(res, 1) == toks(plain)
+    res = run_twice_with_tier(engines, plain, "hybrid_offload_failing", SHM + "-failing",
+                              host_tier="ref_backends:FailingReadsTier")
     # Every request of the second pass hit the tier (each full block before its last token) and
     # failed its load.
     assert res["worker_stats"]["failed_loads"] == len(LENS), res["worker_stats"]
