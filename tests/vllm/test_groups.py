@@ -104,11 +104,10 @@ def test_kinds_the_connector_cannot_move_are_named(configs):
     assert connector(cfg).config.layerwise
     with pytest.raises(ConfigError, match="layerwise"):
         connector(vllm_config(configs["kv_both"].model_config.model, "kv_producer", extra={"layerwise": 1}))
-    # The cluster tier: a lookup would promise a peer's blocks that a grouped load (local tier
-    # only) cannot deliver: refused at start, naming the local tier instead.
+    # The cluster tier works with groups (a peer of this layout, through host memory:
+    # test_hybrid_engine.py); the scheduler side starts without reaching etcd.
     cluster = {"cluster": {"endpoints": ["http://127.0.0.1:9"], "advertise": "127.0.0.1:9"}}
-    with pytest.raises(ConfigError, match="cluster tier is not supported yet for models with KV cache groups"):
-        connector(vllm_config(configs["kv_both"].model_config.model, "kv_both", extra=cluster))
+    assert connector(vllm_config(configs["kv_both"].model_config.model, "kv_both", extra=cluster)).geometry.groups
 
 
 # ---- scheduler: block ids per group ----------------------------------------------------------

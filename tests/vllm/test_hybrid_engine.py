@@ -15,12 +15,16 @@ Kept short: two prompts, 8 new tokens. What vLLM's CPU backend runs and what the
 moves is in docs/vllm.md ("Hybrid models").
 """
 
+import json
 import os
+import subprocess
+import time
 
 import pytest
 from tpu_sync.vllm._api import reports_failed_recving
 
 from conftest import SLIDING_WINDOW
+from test_cluster_engines import etcd  # noqa: F401  (fixture)
 from test_engine import BACKEND, Engines, cached, cached_by, toks
 
 WINDOW = SLIDING_WINDOW
@@ -163,6 +167,50 @@ def test_hybrid_pd_failed_pull_is_recomputed(engines, plain):
     # (vLLM's own cached-tokens metric counts the answered hits before the pulls fail.)
     assert c["scheduler_stats"]["p2p_failed_tokens"] == sum(LENS), c["scheduler_stats"]
     assert c["scheduler_stats"]["p2p_tokens"] == 0, c["scheduler_stats"]
+
+
+def test_hybrid_second_engine_loads_the_first_engines_prefixes(engines, plain, etcd):
+    """The cluster tier with two KV cache groups: engine A (host tier, cluster on) serves the
+    prompts and publishes its blocks; engine B (an empty tier of its own) serves the same
+    prompts and loads their prefixes from A (a peer of its layout: each entry holds a block
+    position of every group) through host memory, writing each group's blocks (the sliding
+    group only those it holds). Same cached tokens as a local host-tier hit, token-identical to
+    plain; B stores what it fetched."""
+    from test_cluster_engines import block_entries, cluster_spec
+
+    hold = os.path.join(engines.dir, "hybrid-cluster-a.hold")
+    if os.path.exists(hold):
+        os.remove(hold)
+    a = engines.start("hybrid_cluster_a", cluster_spec(engines, etcd, "hybrid-a", hold_file=hold, hold_s=600))
+    try:
+        deadline = time.time() + 420
+        while not os.path.exists(a.out):
+            assert a.poll() is None, f"engine A exited:\n{engines.tail('hybrid_cluster_a')}"
+            assert time.time() < deadline, "engine A did not finish"
+            time.sleep(0.2)
+        res_a = json.load(open(a.out))
+        assert toks(res_a) == toks(plain)
+        saved = sum(n // BS for n in LENS)
+        assert res_a["worker_stats"]["saved_blocks"] == saved
+        t0 = time.time()
+        while block_entries(etcd) < saved and time.time() - t0 < 30:
+            time.sleep(0.1)
+        assert block_entries(etcd) == saved
+        res_b = engines.run("hybrid_cluster_b", cluster_spec(engines, etcd, "hybrid-b"))
+        want = [(n - 1) // BS * BS for n in LENS]
+        assert cached(res_b) == want, "engine B must load A's prefixes as host-tier hits"
+        assert toks(res_b) == toks(plain)
+        assert res_b["tier_stats"]["remote_blocks"] == sum(want) // BS
+        assert res_b["tier_stats"]["remote_loads"] == len(LENS)
+        assert res_b["worker_stats"]["loaded_blocks"] == sum(want) // BS
+        assert res_b["scheduler_stats"]["failed_loads"] == 0
+    finally:
+        open(hold, "w").close()
+        try:
+            a.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            a.kill()
+            a.wait()
 
 
 #: bytes per element of the torch dtypes the CPU engines' KV caches use

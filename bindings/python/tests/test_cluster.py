@@ -178,7 +178,9 @@ def test_connector_cluster_tier_loads_a_peer_prefix(etcd, data, psk):
     assert b.get_host(third, outs) == 2
     for o, sid in zip(outs, [6, 8]):
         assert bytes(o) == b"".join(t.view(np.uint8).reshape(-1)[sid * lbb:(sid + 1) * lbb].tobytes() for t in ta)
-    assert b.stats()["remote_blocks"] == 7
+    assert b.stats()["remote_blocks"] == 7 and b.stats()["remote_loads"] == 2
+    # Stored in B's own tier too (the host path is how a model with KV cache groups loads).
+    assert b.store.lookup([b.key(h) for h in third]) == 2
     # A peer gone between the lookup and the load: a miss (0 blocks), the tensors untouched.
     other = [bytes([40 + i]) * 32 for i in range(3)]
     assert a.put(other, [1, 2, 4]) == 3

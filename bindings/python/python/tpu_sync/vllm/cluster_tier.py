@@ -123,6 +123,10 @@ class ClusterTier(StoreTier):
                 tp = int(layout["spec"]["tp"])
             except (ValueError, KeyError, TypeError):
                 continue
+            if self._geometry.groups and not same_layout(layout, self._layout_meta):
+                # KV cache groups load through host memory (get_groups, get_host), which does
+                # not reshard: only a peer of this layout can serve them.
+                continue
             n = int(cand["blocks"])
             replica = _replica(cand["id"])
             sources: List[Dict[str, Any]] = []
@@ -222,7 +226,9 @@ class ClusterTier(StoreTier):
 
     def get_host(self, hashes: Sequence[bytes], outs: Sequence[Any]) -> int:
         """As :meth:`StoreTier.get_host`; blocks beyond the local prefix are fetched from a peer
-        of this layout (:func:`tpu_sync.cluster.fetch`, checksummed) into ``outs``."""
+        of this layout (:func:`tpu_sync.cluster.fetch`, checksummed) into ``outs`` and stored in
+        the local tier too. Loads of a model with KV cache groups come this way
+        (:meth:`StoreTier.get_groups`)."""
         from .. import cluster
 
         got = super().get_host(hashes, outs)
@@ -234,7 +240,7 @@ class ClusterTier(StoreTier):
             log.warning("tpu_sync: cluster lookup failed: %s", e)
             return got
         for cand in cands:
-            if dict(cand["src_layout"], num_blocks=0) != dict(self._layout_meta, num_blocks=0):
+            if not same_layout(cand["src_layout"], self._layout_meta):
                 continue  # another layout: the host path does not reshard
             s = next(x for x in cand["sources"] if x["namespace"] == self._ns)  # this rank's blocks
             try:
@@ -245,6 +251,12 @@ class ClusterTier(StoreTier):
                 continue
             if n > got:
                 self.remote_blocks += n - got
+                self.remote_loads += 1
+                try:  # the fetched blocks are now a local hit too (best effort)
+                    keys = [self.key(h) for h in list(hashes)[got:n]]
+                    self.store.put(keys, list(outs[got:n]), parent=self.key(hashes[got - 1]) if got else None)
+                except Exception as e:
+                    log.debug("tpu_sync: storing fetched blocks failed: %s", e)
                 return n
         return got
 
@@ -269,6 +281,19 @@ class ClusterTier(StoreTier):
             except Exception as e:  # never fail a shutdown
                 log.warning("tpu_sync: closing the cluster tier: %s", e)
         super().close()
+
+
+def same_layout(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    """Whether two stores' layouts (``ParallelLayout`` or grouped ``HybridLayout`` JSON) give
+    their host-tier entries the same bytes: equal but for the block counts (each instance's
+    own pool size), also per KV cache group."""
+    def norm(x: Dict[str, Any]) -> Dict[str, Any]:
+        x = dict(x, num_blocks=0)
+        if isinstance(x.get("groups"), list):
+            x["groups"] = [dict(g, num_blocks=0) if isinstance(g, dict) else g for g in x["groups"]]
+        return x
+
+    return norm(a) == norm(b)
 
 
 def _replica(host_id: str) -> str:

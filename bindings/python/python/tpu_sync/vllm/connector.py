@@ -64,14 +64,13 @@ class TpuSyncConnector(KVConnectorBase_V1, SupportsHMA):
             # The hooks name vLLM's layers; a sparse MLA layer is two cache layers and its
             # indexer one more (docs/tpu.md).
             raise ConfigError("layerwise is not supported yet for vLLM-TorchTPU's sparse MLA caches; leave it off")
-        if (self.geometry.mla_parts or self.geometry.groups) and self.config.extra.get("cluster"):
+        if self.geometry.mla_parts and self.config.extra.get("cluster"):
             from .config import ConfigError
 
-            # A peer's blocks load through a uniform placement; these caches move as groups, whose
-            # host-tier loads read the local tier only: a lookup would promise a peer's blocks
-            # that the load then cannot deliver (each a load error, recomputed).
-            what = ("vLLM-TorchTPU's sparse MLA caches" if self.geometry.mla_parts else
-                    "models with KV cache groups (hybrid models)")
+            # A peer's blocks load through a uniform placement of one cache per layer, which
+            # these caches are not. (Models with KV cache groups load a peer's entries of their
+            # own layout through host memory: cluster_tier.ClusterTier.get_host.)
+            what = "vLLM-TorchTPU's sparse MLA caches"
             raise ConfigError(f"the cluster tier is not supported yet for {what}; use the local host tier (offload) "
                               "and P/D")
         if self.geometry.has_state and self.config.layerwise:
