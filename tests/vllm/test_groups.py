@@ -317,8 +317,19 @@ def test_layerwise_producer_registers_each_groups_held_blocks(configs):
 
 
 def test_layerwise_consumer_pulls_each_group_or_whole_when_a_window_is_not_covered(configs):
+    from tpu_sync.vllm._api import reports_failed_recving
+
     c = connector(layerwise_config(configs, "kv_consumer"))
     _, toks, _, params = producer_params(configs)
+    if reports_failed_recving():
+        # vLLM 0.32 refuses block-level load errors of a model with groups, so a synchronous
+        # layer-wise pull that failed would stop the engine: these pulls are whole and
+        # asynchronous there (reported by request).
+        assert not c.scheduler_side.sync_layerwise
+        assert c.get_num_new_matched_tokens(request("d0", toks, dict(params)), 0) == (100, True)
+        # The layer-wise choice below is what vLLM 0.29 (vLLM-TorchTPU's base) gets.
+        c = connector(layerwise_config(configs, "kv_consumer"))
+        c.scheduler_side.sync_layerwise = True
     r = request("d1", toks, dict(params))
     # 100 tokens: the forward computes from token 96, whose window [49, 97) lies in blocks 1..
     # that the producer holds: a synchronous load read layer by layer.
@@ -418,6 +429,55 @@ def test_offload_saves_and_loads_per_group(configs):
     (load,) = c.build_connector_meta(sched_out({})).loads
     assert load.group_block_ids == [[0, 0, 52], [60, 61, 62]]
     assert load.report == async_load
+
+
+def test_a_request_finished_while_its_async_load_is_pending(configs):
+    """With several KV cache groups on a vLLM that reads failed_recving, host-tier loads are
+    asynchronous. A request with host-tier saves, preempted and readmitted with a load of its
+    own saved blocks, then finished (aborted) before that step's output: vLLM holds its blocks
+    until the load is reported and frees it then, so the connector does not keep them for its
+    saves and drops the workers' report of those saves (vLLM asserts it knows every request in
+    finished_sending). A request finished without a pending load keeps its blocks for its
+    saves as before."""
+    from tpu_sync.vllm._api import reports_failed_recving
+    from tpu_sync.vllm.metadata import TpuSyncWorkerMetadata
+    from vllm.v1.outputs import KVConnectorOutput
+
+    if not reports_failed_recving():
+        pytest.skip("this vLLM loads synchronously (no failed_recving)")
+    c = connector(configs["kv_both"])
+    s = c.scheduler_side
+    assert s.async_loads
+
+    class Manager:
+        ids = {"o1": ([30, 31, 32, 33], [40, 41, 42, 43]), "o2": ([50, 51, 52, 53], [54, 55, 56, 57])}
+
+        def get_block_ids(self, rid):
+            return self.ids[rid]
+
+    s.kv_cache_manager = Manager()
+    r1, r2 = request("o1", tokens(100)), request("o2", tokens(100, seed=5))
+    for r in (r1, r2):
+        c.on_new_request(r)
+        assert c.get_num_new_matched_tokens(r, 0) == (None, False)
+    meta = c.build_connector_meta(sched_out({"o1": 100, "o2": 100}))
+    assert {op.req_id for op in meta.saves} == {"o1", "o2"}
+    # o1 preempted and readmitted: a hit of its own saved blocks, loaded asynchronously.
+    c.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TpuSyncWorkerMetadata(lookup_hits={"o1": 3})))
+    assert c.get_num_new_matched_tokens(r1, 0) == (96, True)
+    c.update_state_after_alloc(r1, blocks([0, 0, 62, 63], [60, 61, 62, 63]), 96)
+    (load,) = c.build_connector_meta(sched_out({})).loads
+    assert load.report
+    # Aborted before the output of the step that loads it: not delayed for its saves.
+    delay, _ = c.request_finished_all_groups(r1, ([0, 0, 62, 63], [60, 61, 62, 63]))
+    assert not delay
+    # o2 finished normally: its blocks are kept until its saves are reported.
+    delay2, _ = c.request_finished_all_groups(r2, Manager.ids["o2"])
+    assert delay2 and s.pending_frees() == 1
+    out = KVConnectorOutput(finished_recving={"o1"}, finished_sending={"o1", "o2"})
+    c.update_connector_output(out)
+    assert out.finished_recving == {"o1"} and out.finished_sending == {"o2"}
+    assert s.pending_frees() == 0 and not s._unreported and not s._load_pending
 
 
 # ---- worker: real PJRT CPU buffers -----------------------------------------------------------
@@ -939,6 +999,57 @@ def test_state_components_split_as_vllms_calculator_at_every_tp(method, args):
         finally:
             plan.close()
         assert per_rank == {r: sum(want) for r in range(tp)}, (tp, per_rank, want)
+
+
+def _rank_channels(comp, tp, r):
+    """Global channel ids that rank ``r`` of ``tp`` holds of a convolution state component
+    (rows of channels: each segment's heads split in contiguous chunks, one head per rank when
+    TP exceeds the heads, as ``tpu_sync::layout::HeadSplit``)."""
+    out, base = [], 0
+    for sg in comp["segments"]:
+        h, e = sg["heads"], sg["head_elems"]
+        per, rep = max(h // tp, 1), max(tp // h, 1)
+        first = r // rep * per
+        out += range(base + first * e, base + (first + per) * e)
+        base += h * e
+    return out
+
+
+@pytest.mark.parametrize("n_groups", [1, 2, 8])
+def test_mamba2_conv_channels_per_rank_are_vllms_weight_split(n_groups):
+    """Which convolution channels each TP rank of a Mamba2 layer holds, as vLLM's weight loading
+    splits the conv1d weight (``mamba_v2_sharded_weight_loader`` when the groups do not divide
+    over TP, with one group replicated on every rank; chunks of each of x, B and C otherwise),
+    equals the channels ``compat.state_components`` assigns that rank: the state tpu_sync moves
+    to a rank is the state that rank's kernel keeps."""
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import mamba_v2_sharded_weight_loader
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as calc
+
+    from tpu_sync.vllm.compat import state_components
+
+    inter, nh, hd, ss, k = 64, 8, 8, 16, 4
+    for tp in (1, 2, 4, 8):
+        if n_groups % tp and n_groups != 1:
+            continue  # vLLM's MambaMixer2 refuses it
+        ext = n_groups + calc.extra_groups_for_head_shards(n_groups, tp)
+        shapes = calc.mamba2_state_shape(tp, inter, n_groups, nh, hd, ss, k)
+        comps = state_components("mamba2_state_shape", dict(
+            tp_world_size=tp, intermediate_size=inter, n_groups=n_groups, num_heads=nh, head_dim=hd, state_size=ss,
+            conv_kernel=k, num_spec=0), shapes, ["bf16", "f32"], tp)
+        ids = torch.arange(inter + 2 * n_groups * ss, dtype=torch.float32).unsqueeze(1)  # weight row = channel id
+        for r in range(tp):
+            if n_groups % tp == 0:
+                got = []
+                for start, n in ((0, inter), (inter, n_groups * ss), (inter + n_groups * ss, n_groups * ss)):
+                    got += range(start + r * n // tp, start + (r + 1) * n // tp)
+            else:
+                gss = ext * ss
+                part = torch.zeros((inter + 2 * gss) // tp, 1)
+                spec = [(inter, 0, False), (gss, (ext - n_groups) * ss, n_groups == 1),
+                        (gss, (ext - n_groups) * ss, n_groups == 1)]
+                mamba_v2_sharded_weight_loader(spec, tp, r)(part, ids)
+                got = part.squeeze(1).long().tolist()
+            assert list(got) == _rank_channels(comps[0], tp, r), (n_groups, tp, r)
 
 
 def test_state_components_refuse_what_does_not_match_the_spec():

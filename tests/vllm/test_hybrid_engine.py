@@ -273,7 +273,9 @@ def test_hybrid_layerwise_pd_matches_plain(engines, plain):
     """Layer-wise P/D with two KV cache groups: the producer registers each group's held blocks
     before the prefill's forward and publishes each layer as vLLM saves it; the consumer reads
     each layer (of its group's blocks) as it arrives, or pulls a request whole when its first
-    computed token's window is not among the producer's blocks. Token-identical to plain."""
+    computed token's window is not among the producer's blocks (on vLLM 0.29; on vLLM 0.32 it
+    pulls every request whole and asynchronously: ``scheduler.sync_layerwise``).
+    Token-identical to plain."""
     hold = os.path.join(engines.dir, "hybrid_pdl.hold")
     if os.path.exists(hold):
         os.remove(hold)
@@ -293,10 +295,16 @@ def test_hybrid_layerwise_pd_matches_plain(engines, plain):
     assert p["worker_stats"]["registered"] == len(LENS) and p["worker_stats"]["register_failed"] == 0
     assert p["scheduler_stats"]["handed_off"] == len(LENS)
     assert toks(c) == toks(plain)
-    want = [n if m is None else m for n, m in zip(LENS, LAYERWISE_FROM)]
     ws, ss = c["worker_stats"], c["scheduler_stats"]
-    assert ws["layerwise_pulls"] == sum(m is not None for m in LAYERWISE_FROM), ws
-    assert ss["layerwise_whole"] == sum(m is None for m in LAYERWISE_FROM), ss
+    if reports_failed_recving():
+        # vLLM 0.32 refuses block-level load errors of a model with groups: the consumer pulls
+        # whole and asynchronously (a failure is reported by request).
+        want = list(LENS)
+        assert ws["layerwise_pulls"] == 0 and ss["layerwise_whole"] == 0, (ws, ss)
+    else:
+        want = [n if m is None else m for n, m in zip(LENS, LAYERWISE_FROM)]
+        assert ws["layerwise_pulls"] == sum(m is not None for m in LAYERWISE_FROM), ws
+        assert ss["layerwise_whole"] == sum(m is None for m in LAYERWISE_FROM), ss
     assert ws["pulls_done"] == len(LENS) and ws["pulls_failed"] == 0, ws
     assert cached_by(c["metrics"], "p2p") == sum(want), c["metrics"]
     assert ss["p2p_tokens"] == sum(want)

@@ -113,6 +113,18 @@ class SchedulerSide:
         #: groups where vLLM reads ``failed_recving`` (vLLM 0.32 refuses block-level load errors
         #: of such a model: a synchronous load's failure could not be reported)
         self.async_loads = self.dp > 1 or (geometry.vllm_groups > 1 and reports_failed_recving())
+        #: a consumer's layer-wise P/D pulls are read within the step (synchronous): not with
+        #: several KV cache groups where vLLM reads failed_recving, since vLLM 0.32 takes a
+        #: failed synchronous load of such a model only as block ids, which it refuses (the
+        #: engine would raise): those pulls are whole and asynchronous, reported by request
+        self.sync_layerwise = cfg.layerwise and not (geometry.vllm_groups > 1 and reports_failed_recving())
+        if cfg.layerwise and cfg.is_consumer and not self.sync_layerwise:
+            log.info("tpu_sync: layer-wise P/D pulls of this model (%d KV cache groups) are whole and asynchronous: "
+                     "this vLLM refuses block-level load errors of such a model", geometry.vllm_groups)
+        #: not DP: requests whose asynchronous host-tier load is pending, and finished requests
+        #: whose workers' finished_sending must not reach vLLM (see request_finished)
+        self._load_pending: Set[str] = set()
+        self._unreported: Set[str] = set()
         self.layout = geometry.tpu_sync_layout(self.num_blocks)
         self.kv_cache_manager: Any = None
         #: vLLM 0.29 (no ``kv_connector_block_state`` in its scheduler output, no cache manager
@@ -329,7 +341,7 @@ class SchedulerSide:
         A both-at-once request (pair nonce) or a producer whose params describe instead
         (``remote_describe``: tpu-inference's DP scheduler) is pulled whole, asynchronously:
         its placement is known only once the producer answers."""
-        return bool(self.cfg.layerwise and not pair_nonce(params) and not params.get("remote_describe"))
+        return bool(self.sync_layerwise and not pair_nonce(params) and not params.get("remote_describe"))
 
     def _layerwise_covers(self, m: int, n: int, first: int = 0) -> bool:
         """Whether a consumer that has the KV of tokens ``[0, m)`` pulled from a producer's
@@ -539,6 +551,8 @@ class SchedulerSide:
                 self._save_planned.update(op.req_id for op in meta.saves)
                 meta.preempted = [r for r in (getattr(scheduler_output, "preempted_req_ids", None) or ())
                                   if r in self._save_planned]
+        if self.dp == 1:
+            self._load_pending.update(op.req_id for op in meta.loads if op.report)
         if self.dp > 1:
             # tpu-inference's DP scheduler passes on only requests_meta (block ids offset to the
             # global ones) and never hands this rank's scheduler the workers' handshake: ask
@@ -719,9 +733,16 @@ class SchedulerSide:
             # The engine's totals (under DP every rank reads the same report).
             self.stats["saved_blocks"] += meta.saved_blocks
             self.stats["loaded_blocks"] += meta.loaded_blocks
+        if self._unreported and output.finished_sending:
+            # Requests vLLM freed when their load was reported (request_finished): the workers'
+            # one report of their saves must not reach vLLM, which asserts it knows each.
+            gone = output.finished_sending & self._unreported
+            self._unreported -= gone
+            output.finished_sending = output.finished_sending - gone
         for req_id in output.finished_sending or ():
             self._sending.pop(req_id, None)
             self._save_delayed.discard(req_id)
+        self._load_pending.difference_update(output.finished_recving or ())
         failed = set(getattr(output, "failed_recving", None) or ())
         if isinstance(meta, TpuSyncWorkerMetadata):
             failed |= meta.failed_pulls  # vLLM 0.29's output has no failed_recving
@@ -791,6 +812,17 @@ class SchedulerSide:
             # preemption, whose step waited for them (handle_preemptions).
             self._save_planned.discard(req_id)
             self._dp_finished.add(req_id)
+            return delay, params
+        if req_id in self._load_pending:
+            # Finished while its asynchronous host-tier load is pending (not DP): vLLM holds its
+            # blocks until that load is reported (finished_recving) and frees it then. Its saves
+            # are done (it was readmitted after a preemption, whose step waited for them:
+            # handle_preemptions), so its blocks are not kept for them, and the workers' report
+            # of them is dropped (update_connector_output).
+            self._load_pending.discard(req_id)
+            if req_id in self._save_planned:
+                self._save_planned.discard(req_id)
+                self._unreported.add(req_id)
             return delay, params
         if req_id in self._save_planned:
             self._save_planned.discard(req_id)
