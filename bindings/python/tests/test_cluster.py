@@ -112,7 +112,7 @@ def test_bad_configuration():
 
 
 @pytest.mark.parametrize("psk", [None, "5e" * 32], ids=["plain", "psk"])
-def test_connector_cluster_tier_loads_a_peer_prefix(etcd, data, psk):
+def test_connector_cluster_tier_loads_a_peer_prefix(etcd, data, psk, monkeypatch):
     """The vLLM connector's host tier with ``cluster`` settings, without vLLM: engine A stores a
     prompt's blocks from its KV tensors; engine B (other block ids) finds them through the
     directory and loads them straight into its own KV tensors (tpu_sync.cluster.load) byte-exact,
@@ -181,6 +181,23 @@ def test_connector_cluster_tier_loads_a_peer_prefix(etcd, data, psk):
     assert b.stats()["remote_blocks"] == 7 and b.stats()["remote_loads"] == 2
     # Stored in B's own tier too (the host path is how a model with KV cache groups loads).
     assert b.store.lookup([b.key(h) for h in third]) == 2
+    # A peer failing mid-fetch (a fetch writes each block before it checks it) never touches the
+    # blocks read from the local tier: B holds 2 of a 4-block chain, A all 4.
+    fourth = [bytes([80 + i]) * 32 for i in range(4)]
+    assert a.put(fourth, [1, 2, 4, 6]) == 4 and b.put(fourth[:2], [0, 3]) == 2
+    a.publisher.sync(10)
+    assert b.lookup(fourth) == 4
+    def failing_fetch(addr, namespace, keys, outs, timeout=0, remote=None):
+        for o in outs:
+            np.frombuffer(o, np.uint8)[:] = 0xEE
+        raise errors.ChecksumError(11, "injected: the first block arrived corrupt")
+
+    with monkeypatch.context() as m:
+        m.setattr(cluster, "fetch", failing_fetch)
+        outs = [bytearray(g.block_bytes) for _ in fourth]
+        assert b.get_host(fourth, outs) == 2
+    for o, bid in zip(outs[:2], [0, 3]):
+        assert bytes(o) == b"".join(t.view(np.uint8).reshape(-1)[bid * lbb:(bid + 1) * lbb].tobytes() for t in tb)
     # A peer gone between the lookup and the load: a miss (0 blocks), the tensors untouched.
     other = [bytes([40 + i]) * 32 for i in range(3)]
     assert a.put(other, [1, 2, 4]) == 3

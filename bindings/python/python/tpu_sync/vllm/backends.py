@@ -251,6 +251,17 @@ class StoreTier:
                                        parent=None if parent is None else self.key(parent))
         return int(r.stored) + int(r.present)
 
+    def put_host(self, hashes: Sequence[bytes], blocks: Sequence[Any], parent: Optional[bytes] = None) -> int:
+        """Stores entries already in host memory (``blocks[i]``: ``geometry.block_bytes`` bytes,
+        every layer of block ``i`` in layer order, as :meth:`get_host` gives them) under
+        ``hashes`` (``parent``: the hash before ``hashes[0]``); returns how many are in the tier
+        afterwards."""
+        keys = [self.key(h) for h in hashes]
+        if self._events and keys:
+            self.store.describe_blocks(keys, hashes)
+        r = self.store.put(keys, list(blocks), parent=None if parent is None else self.key(parent))
+        return int(r.stored) + int(r.present)
+
     def put_groups(self, hashes: Sequence[bytes], group_ids: Sequence[Sequence[int]],
                    parent: Optional[bytes] = None) -> int:
         """A model with KV cache groups: stores block positions ``i`` under ``hashes[i]``, each

@@ -244,8 +244,10 @@ class ClusterTier(StoreTier):
                 continue  # another layout: the host path does not reshard
             s = next(x for x in cand["sources"] if x["namespace"] == self._ns)  # this rank's blocks
             try:
-                n = cluster.fetch(s["addr"], s["namespace"], s["keys"][: len(outs)], outs, timeout=self._timeout,
-                                  remote=self.member.remote)
+                # Only the blocks past the local prefix: a fetch writes each block before it checks
+                # it, so a failing peer must never touch the blocks already read.
+                n = got + cluster.fetch(s["addr"], s["namespace"], s["keys"][got:len(outs)], list(outs[got:]),
+                                        timeout=self._timeout, remote=self.member.remote)
             except Exception as e:
                 log.warning("tpu_sync: fetch from %s failed: %s", cand["id"], e)
                 continue
@@ -253,8 +255,7 @@ class ClusterTier(StoreTier):
                 self.remote_blocks += n - got
                 self.remote_loads += 1
                 try:  # the fetched blocks are now a local hit too (best effort)
-                    keys = [self.key(h) for h in list(hashes)[got:n]]
-                    self.store.put(keys, list(outs[got:n]), parent=self.key(hashes[got - 1]) if got else None)
+                    self.put_host(list(hashes)[got:n], list(outs[got:n]), parent=hashes[got - 1] if got else None)
                 except Exception as e:
                     log.debug("tpu_sync: storing fetched blocks failed: %s", e)
                 return n
