@@ -5,6 +5,7 @@ prefixes from A straight into its device blocks (tpu_sync.cluster.load), as a lo
 hit: same cached-token counts, output tokens equal to a plain run. Each request's TTFT is recorded (max_tokens=1 runs) and printed as a ratio to a
 plain engine's, for information (speed targets live in benchmarks). Skipped without etcd."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -52,29 +53,43 @@ def ttft_spec(spec):
     return dict(spec, max_tokens=1, ttft=True)
 
 
-def test_second_engine_loads_the_first_engines_prefixes(engines, plain, etcd):
-    if BACKEND == "ref":
-        pytest.skip("the cluster tier is tpu_sync's own data path")
-    hold = os.path.join(engines.dir, "cluster-a.hold")
+@contextlib.contextmanager
+def serving_engine_a(engines, plain, curl, tag, host_id, saved):
+    """Starts engine A (cluster on) on the prompts, waits for its output (token-identical to
+    plain, ``saved`` blocks saved) and for its blocks in the directory (published
+    asynchronously; a bounded wait on the value), yields its result while it keeps serving, and
+    stops it after."""
+    hold = os.path.join(engines.dir, tag + ".hold")
     if os.path.exists(hold):
         os.remove(hold)
-    a = engines.start("cluster_a", cluster_spec(engines, etcd, "engine-a", hold_file=hold, hold_s=600))
+    a = engines.start(tag, cluster_spec(engines, curl, host_id, hold_file=hold, hold_s=600))
     try:
         deadline = time.time() + 420
         while not os.path.exists(a.out):
-            assert a.poll() is None, f"engine A exited:\n{engines.tail('cluster_a')}"
+            assert a.poll() is None, f"engine A exited:\n{engines.tail(tag)}"
             assert time.time() < deadline, "engine A did not finish"
             time.sleep(0.2)
         res_a = json.load(open(a.out))
         assert toks(res_a) == toks(plain)
-        saved = sum(n // 32 for n in LENS)
         assert res_a["worker_stats"]["saved_blocks"] == saved
-        # A's blocks are in the directory (published asynchronously; bounded wait on the value).
         t0 = time.time()
-        while block_entries(etcd) < saved and time.time() - t0 < 30:
+        while block_entries(curl) < saved and time.time() - t0 < 30:
             time.sleep(0.1)
-        assert block_entries(etcd) == saved
+        assert block_entries(curl) == saved
+        yield res_a
+    finally:
+        open(hold, "w").close()
+        try:
+            a.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            a.kill()
+            a.wait()
 
+
+def test_second_engine_loads_the_first_engines_prefixes(engines, plain, etcd):
+    if BACKEND == "ref":
+        pytest.skip("the cluster tier is tpu_sync's own data path")
+    with serving_engine_a(engines, plain, etcd, "cluster_a", "engine-a", sum(n // 32 for n in LENS)):
         res_b = engines.run("cluster_b", cluster_spec(engines, etcd, "engine-b"))
         want = [expected_host_hits(n) for n in LENS]
         assert cached(res_b) == want, "engine B must load A's prefixes as host-tier hits"
@@ -94,10 +109,3 @@ def test_second_engine_loads_the_first_engines_prefixes(engines, plain, etcd):
         print("TTFT plain  s:", [round(x, 4) for x in tp])
         print("TTFT remote s:", [round(x, 4) for x in tb])
         print("TTFT remote/plain:", [round(b / p, 3) for b, p in zip(tb, tp)])
-    finally:
-        open(hold, "w").close()
-        try:
-            a.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            a.kill()
-            a.wait()

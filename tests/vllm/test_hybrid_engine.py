@@ -15,10 +15,7 @@ Kept short: two prompts, 8 new tokens. What vLLM's CPU backend runs and what the
 moves is in docs/vllm.md ("Hybrid models").
 """
 
-import json
 import os
-import subprocess
-import time
 
 import pytest
 from tpu_sync.vllm._api import reports_failed_recving
@@ -176,26 +173,9 @@ def test_hybrid_second_engine_loads_the_first_engines_prefixes(engines, plain, e
     position of every group) through host memory, writing each group's blocks (the sliding
     group only those it holds). Same cached tokens as a local host-tier hit, token-identical to
     plain; B stores what it fetched."""
-    from test_cluster_engines import block_entries, cluster_spec
+    from test_cluster_engines import cluster_spec, serving_engine_a
 
-    hold = os.path.join(engines.dir, "hybrid-cluster-a.hold")
-    if os.path.exists(hold):
-        os.remove(hold)
-    a = engines.start("hybrid_cluster_a", cluster_spec(engines, etcd, "hybrid-a", hold_file=hold, hold_s=600))
-    try:
-        deadline = time.time() + 420
-        while not os.path.exists(a.out):
-            assert a.poll() is None, f"engine A exited:\n{engines.tail('hybrid_cluster_a')}"
-            assert time.time() < deadline, "engine A did not finish"
-            time.sleep(0.2)
-        res_a = json.load(open(a.out))
-        assert toks(res_a) == toks(plain)
-        saved = sum(n // BS for n in LENS)
-        assert res_a["worker_stats"]["saved_blocks"] == saved
-        t0 = time.time()
-        while block_entries(etcd) < saved and time.time() - t0 < 30:
-            time.sleep(0.1)
-        assert block_entries(etcd) == saved
+    with serving_engine_a(engines, plain, etcd, "hybrid_cluster_a", "hybrid-a", sum(n // BS for n in LENS)):
         res_b = engines.run("hybrid_cluster_b", cluster_spec(engines, etcd, "hybrid-b"))
         want = [(n - 1) // BS * BS for n in LENS]
         assert cached(res_b) == want, "engine B must load A's prefixes as host-tier hits"
@@ -204,13 +184,6 @@ def test_hybrid_second_engine_loads_the_first_engines_prefixes(engines, plain, e
         assert res_b["tier_stats"]["remote_loads"] == len(LENS)
         assert res_b["worker_stats"]["loaded_blocks"] == sum(want) // BS
         assert res_b["scheduler_stats"]["failed_loads"] == 0
-    finally:
-        open(hold, "w").close()
-        try:
-            a.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            a.kill()
-            a.wait()
 
 
 #: bytes per element of the torch dtypes the CPU engines' KV caches use
