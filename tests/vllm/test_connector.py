@@ -467,6 +467,32 @@ def test_offload_full_hit_leaves_one_token_and_failed_load_is_saved_again(config
     assert c.scheduler_side.pending_frees() == 0
 
 
+def test_a_load_that_delivered_a_prefix_is_tried_again_for_that_prefix(configs):
+    """A host-tier load that delivered 2 of its 3 blocks before failing (an entry that failed
+    its checksum, or a peer that evicted blocks since the lookup): the blocks after the
+    delivered ones are saved again once recomputed, and a second try of the request (vLLM asks
+    again after a failed asynchronous load) loads the 2 delivered blocks, never the one that
+    failed."""
+    c = connector(configs["kv_both"])
+    mgr = FakeManager()
+    c.bind_kv_cache_manager(SimpleNamespace(block_pool=None, get_block_ids=mgr.get_block_ids))
+    r = request("o3", tokens(128, seed=6))
+    c.on_new_request(r)
+    c.get_num_new_matched_tokens(r, 0)
+    c.build_connector_meta(sched_out({}))
+    c.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TpuSyncWorkerMetadata(lookup_hits={"o3": 4})))
+    assert c.get_num_new_matched_tokens(r, 0) == (96, False)
+    c.update_state_after_alloc(r, blocks([1, 2, 3, 4]), 96)
+    mgr.ids["o3"] = [1, 2, 3, 4]
+    c.build_connector_meta(sched_out({}))
+    a = TpuSyncWorkerMetadata(failed_loads={"o3"}, load_delivered={"o3": 2})
+    b = TpuSyncWorkerMetadata(failed_loads={"o3"}, load_delivered={"o3": 3})
+    c.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=a.aggregate(b)))
+    assert c.get_num_new_matched_tokens(r, 0) == (64, False)
+    meta = c.build_connector_meta(sched_out({"o3": 128}))
+    assert [s.block_ids for s in meta.saves] == [[3, 4]]
+
+
 def test_synchronous_saves_free_blocks_at_once(tiny_model):
     # async_saves=False: saves run inside wait_for_save, so a finished request's blocks are
     # freed at once.
@@ -566,6 +592,9 @@ def test_worker_metadata_aggregates_to_the_minimum():
     b = TpuSyncWorkerMetadata(lookup_hits={"x": 3}, failed_loads={"y"}, saved_blocks=3)
     m = a.aggregate(b)
     assert m.lookup_hits == {"x": 3, "y": 2} and m.failed_loads == {"y"} and m.saved_blocks == 3
+    # A failed load's delivered prefix: the minimum over the ranks whose load failed.
+    c = TpuSyncWorkerMetadata(failed_loads={"y"}, load_delivered={"y": 1})
+    assert m.aggregate(c).load_delivered == {"y": 1} and a.aggregate(c).load_delivered == {"y": 1}
     assert TpuSyncWorkerMetadata().is_empty()
 
 

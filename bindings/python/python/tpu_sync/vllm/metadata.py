@@ -302,6 +302,9 @@ class TpuSyncWorkerMetadata(KVConnectorWorkerMetadata):
             the request finishes).
         failed_loads: requests whose host-tier load failed (their blocks were reported as load
             errors; vLLM recomputes them, and the scheduler saves them again).
+        load_delivered: of ``failed_loads``, the leading blocks each load did deliver (checked;
+            the minimum over the ranks; absent: none): a second try of the request loads
+            those, not the entry that failed.
         saved_blocks, loaded_blocks: host-tier blocks saved / loaded this step.
         failed_pulls: requests whose pull failed this step (also in ``finished_recving``; their
             blocks reported as load errors): for vLLM releases whose ``KVConnectorOutput`` has
@@ -313,6 +316,7 @@ class TpuSyncWorkerMetadata(KVConnectorWorkerMetadata):
 
     lookup_hits: Dict[str, int] = field(default_factory=dict)
     failed_loads: Set[str] = field(default_factory=set)
+    load_delivered: Dict[str, int] = field(default_factory=dict)
     saved_blocks: int = 0
     loaded_blocks: int = 0
     failed_pulls: Set[str] = field(default_factory=set)
@@ -325,9 +329,15 @@ class TpuSyncWorkerMetadata(KVConnectorWorkerMetadata):
         hits = dict(self.lookup_hits)
         for k, v in other.lookup_hits.items():
             hits[k] = min(v, hits.get(k, v))
+        # A rank that reported no failure for a request delivered all of it: the minimum is
+        # over the ranks that did.
+        delivered = dict(self.load_delivered)
+        for k, v in other.load_delivered.items():
+            delivered[k] = min(v, delivered.get(k, v))
         return TpuSyncWorkerMetadata(
             lookup_hits=hits,
             failed_loads=self.failed_loads | other.failed_loads,
+            load_delivered=delivered,
             saved_blocks=max(self.saved_blocks, other.saved_blocks),
             loaded_blocks=max(self.loaded_blocks, other.loaded_blocks),
             failed_pulls=self.failed_pulls | other.failed_pulls,

@@ -721,14 +721,18 @@ class SchedulerSide:
             for req_id in meta.failed_loads:
                 st = self._off.get(req_id)
                 if st is not None:
-                    # vLLM recomputes from the first bad block; save the recomputed blocks again.
-                    st.in_tier = min(st.in_tier, st.load_start)
+                    # The blocks the load delivered (checked) are in the tier; vLLM recomputes
+                    # from the first bad block (or, an asynchronous load, all of them): save the
+                    # recomputed blocks again.
+                    good = st.load_start + int(meta.load_delivered.get(req_id, 0))
+                    st.in_tier = min(st.in_tier, good)
                     # Never the same load again: vLLM asks once more for a request whose
-                    # asynchronous load failed (under DP, with kv_load_failure_policy
-                    # "recompute" it returns to the waiting queue), and an unreadable entry
-                    # would fail every time.
+                    # asynchronous load failed (with kv_load_failure_policy "recompute" it
+                    # returns to the waiting queue), and an unreadable entry would fail every
+                    # time; the blocks before it load again (a peer that evicted blocks since
+                    # the lookup delivers a shorter prefix: that prefix is a hit).
                     if req_id in self._hits:
-                        self._hits[req_id] = min(self._hits[req_id], st.load_start)
+                        self._hits[req_id] = min(self._hits[req_id], good)
                     self.stats["failed_loads"] += 1  # this rank's requests only (DP: every rank reads all)
             # The engine's totals (under DP every rank reads the same report).
             self.stats["saved_blocks"] += meta.saved_blocks

@@ -1115,6 +1115,7 @@ class WorkerSide:
             else:
                 self._load_errors.update(op.block_ids[delivered:])
             self._report.failed_loads.add(op.req_id)
+            self._report.load_delivered[op.req_id] = int(delivered)
             self.stats["failed_loads"] += 1
             self._record("failed_loads", 1)
         self.stats["loaded_blocks"] += delivered
