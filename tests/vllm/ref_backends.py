@@ -97,7 +97,6 @@ class FailingReadsTier:
         from tpu_sync.vllm.backends import StoreTier
 
         self._tier = StoreTier(cfg, geometry, caches)
-        self.failed_reads = 0
 
     def __getattr__(self, name):
         return getattr(self._tier, name)
@@ -105,7 +104,6 @@ class FailingReadsTier:
     def _fail(self, *args, **kwargs):
         import errno
 
-        self.failed_reads += 1
         raise OSError(errno.EIO, "injected host-tier read failure")
 
     get = get_groups = get_host = _fail

@@ -243,12 +243,17 @@ class StoreTier:
         """Stores blocks ``block_ids`` of the KV tensors under ``hashes`` (``parent``: the hash of
         the block before ``hashes[0]``, None at the start of a chain); returns how many are in the
         tier afterwards (stored now or already present)."""
+        return self._put(self.store.put_from_device, hashes, [self._caches.pieces(b) for b in block_ids], parent)
+
+    def _put(self, put: Callable[..., Any], hashes: Sequence[bytes], blocks: Sequence[Any],
+             parent: Optional[bytes]) -> int:
+        """Stores ``blocks`` under ``hashes`` with the store's ``put`` (from device pieces or
+        host bytes), described for KV events first; returns how many are in the tier after."""
         keys = [self.key(h) for h in hashes]
         if self._events and keys:
             # The events carry vLLM's block hashes, not the store's keys.
             self.store.describe_blocks(keys, hashes)
-        r = self.store.put_from_device(keys, [self._caches.pieces(b) for b in block_ids],
-                                       parent=None if parent is None else self.key(parent))
+        r = put(keys, list(blocks), parent=None if parent is None else self.key(parent))
         return int(r.stored) + int(r.present)
 
     def put_host(self, hashes: Sequence[bytes], blocks: Sequence[Any], parent: Optional[bytes] = None) -> int:
@@ -256,11 +261,7 @@ class StoreTier:
         every layer of block ``i`` in layer order, as :meth:`get_host` gives them) under
         ``hashes`` (``parent``: the hash before ``hashes[0]``); returns how many are in the tier
         afterwards."""
-        keys = [self.key(h) for h in hashes]
-        if self._events and keys:
-            self.store.describe_blocks(keys, hashes)
-        r = self.store.put(keys, list(blocks), parent=None if parent is None else self.key(parent))
-        return int(r.stored) + int(r.present)
+        return self._put(self.store.put, hashes, blocks, parent)
 
     def put_groups(self, hashes: Sequence[bytes], group_ids: Sequence[Sequence[int]],
                    parent: Optional[bytes] = None) -> int:
@@ -278,12 +279,7 @@ class StoreTier:
         per = [[int(g[i]) for g in group_ids] for i in range(len(hashes))]
         if any(b == NULL_BLOCK_ID for ids in per for b in ids):
             raise ValueError("a KV cache group holds vLLM's null block at a block to save")
-        keys = [self.key(h) for h in hashes]
-        if self._events and keys:
-            self.store.describe_blocks(keys, hashes)
-        r = self.store.put_from_device(keys, [self._caches.group_pieces(ids) for ids in per],
-                                       parent=None if parent is None else self.key(parent))
-        return int(r.stored) + int(r.present)
+        return self._put(self.store.put_from_device, hashes, [self._caches.group_pieces(ids) for ids in per], parent)
 
     def get_groups(self, hashes: Sequence[bytes], group_ids: Sequence[Sequence[int]]) -> int:
         """A model with KV cache groups: loads the chain's leading present entries (checksums

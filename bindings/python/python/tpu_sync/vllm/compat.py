@@ -429,14 +429,11 @@ class KvGeometry:
         keys = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "use_mla", "block_format", "groups",
                 "kv_order", "mla_parts")
 
-        def strideless(d: Dict[str, Any]) -> Dict[str, Any]:
+        mine = self.to_dict()
+        theirs = dict(other)
+        for d in (mine, theirs):
             if isinstance(d.get("groups"), (list, tuple)):
-                d["groups"] = [{k: v for k, v in g.items() if k != "slot_bytes"} if isinstance(g, dict) else g
-                               for g in d["groups"]]
-            return d
-
-        mine = strideless(self.to_dict())
-        theirs = strideless(dict(other))
+                d["groups"] = without_slot_stride(d["groups"])
         theirs.setdefault("kv_order", "lbhnc")  # a peer from before the field: vLLM's CPU layout
         diff = [f"{k}: local {mine[k]!r}, remote {theirs.get(k)!r}" for k in keys
                 if _plain(theirs.get(k)) != _plain(mine[k])]
@@ -604,6 +601,13 @@ def placement(layout: Dict[str, Any], block_ids: Sequence[Any], first_token: int
     return out
 
 
+def without_slot_stride(groups: Sequence[Any]) -> List[Any]:
+    """Groups (a geometry's or a layout's) without a state group's ``slot_bytes``: each
+    engine's own slot stride (vLLM pads a rank's state page to its attention page), which
+    another engine's geometry or presumed layout must not carry."""
+    return [{k: v for k, v in g.items() if k != "slot_bytes"} if isinstance(g, dict) else g for g in groups]
+
+
 def pullers_of_rank(src: Dict[str, Any], rank: Union[int, Iterable[int]], num_tokens: int, decode_tp: int) -> int:
     """How many ranks of a decode instance with TP ``decode_tp`` (same model and block format)
     pull from producer rank ``rank`` of placement ``src`` (or from any of the ranks ``rank``,
@@ -622,8 +626,7 @@ def pullers_of_rank(src: Dict[str, Any], rank: Union[int, Iterable[int]], num_to
         # state slots without the producer's stride (a rank's padded page depends on its TP:
         # the decode instance's own is not known here, and no stride changes who reads what).
         dst_layout = dict(layout, spec=dict(layout["spec"], tp=int(decode_tp), dp=1),
-                          groups=[dict({k: v for k, v in g.items() if k != "slot_bytes"}, num_blocks=max(nb, 1))
-                                  for g in layout["groups"]])
+                          groups=[dict(g, num_blocks=max(nb, 1)) for g in without_slot_stride(layout["groups"])])
         dst = dict(layout=dst_layout, dp_rank=0,
                    block_ids=[[list(range(len(per[0]))) for _ in range(int(decode_tp))] for per in src["block_ids"]])
     else:
