@@ -11,6 +11,9 @@ export TPU_SYNC_PJRT_INCLUDE ?= $(PJRT_INCLUDE)
 # the model builders, the bindings' tests with JAX) compiled them from source again: `import
 # vllm, torch, transformers` took 14.5 s that way and 6.1 s from the caches (2026-12-06).
 unexport PYTHONDONTWRITEBYTECODE
+# Test output is written as it comes (a pytest that is killed, or whose stdout is a file on a
+# full disk, loses what it had buffered: the CI log of one such run ended inside a traceback).
+export PYTHONUNBUFFERED := 1
 
 .PHONY: stress
 .PHONY: all build plugin protoc etcd demo test test-lean test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm vllm-env-0.29 e2e-vllm-0.29 run-e2e-vllm-0.29 bench-vllm bench-vllm-layerwise bench-vllm-saves sglang-env e2e-sglang run-e2e-sglang
