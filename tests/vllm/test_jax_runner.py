@@ -1520,3 +1520,99 @@ def test_a_data_parallel_runner_needs_the_dp_scheduler(configs):
         assert w.handshake().dp == 2 and w.caches.num_blocks == 2 * NB and w.caches.entry_ranks == 2
     finally:
         w.shutdown()
+
+
+def _sibling(name):
+    """The module ``tests/vllm/<name>.py`` by its path, under a name of its own."""
+    import importlib.util
+
+    key = f"tests_vllm_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                        f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[key] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[key]
+
+
+def _ti_reorder(x, split_sizes, n_shards):
+    """tpu-inference's ``reorder_concatenated_tensor_for_sharding(x, split_sizes, n_shards, -1)``
+    (``tpu_inference/layers/common/utils.py`` 0.32.0), restated by slicing: the last dimension
+    holds parts of ``split_sizes`` one after another; the result holds, for each of ``n_shards``
+    equal shards in order, every part's ``1 / n_shards`` chunk of that shard's index, the parts
+    in order (``AAAABBCC`` -> ``AABC AABC`` at two shards)."""
+    parts, at = [], 0
+    for n in split_sizes:
+        parts.append(x[..., at:at + n])
+        at += n
+    return np.concatenate([p[..., r * (p.shape[-1] // n_shards):(r + 1) * (p.shape[-1] // n_shards)]
+                           for r in range(n_shards) for p in parts], axis=-1)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tpu_inference_gdn_state_shards_are_the_connectors_rank_slots(tp):
+    """A tpu-inference gated-delta-net layer's state on its mesh holds, on TP rank ``r``'s device,
+    exactly rank ``r``'s slot of vLLM's state at that TP as the connector describes it (the
+    q, k and v channel shares of the convolution state, then the rank's value heads of the
+    recurrent state): each shard can be moved as that rank's slot, with no reordering, to and
+    from engines of any TP (issue 25; docs/tpu.md, tpu-inference's GDN hybrids).
+
+    Facts of the 0.32.0 wheel, restated (the wheel is never imported here):
+    ``worker/tpu_worker.py`` initializes vLLM's model-parallel group with TP 1, so a GDN layer's
+    ``MambaSpec.shapes`` are the whole model's (vLLM's calculator at ``tp_world_size=1``);
+    ``runner/kv_cache_manager.py`` ``initialize_kv_cache`` allocates each state as
+    ``(mamba_num_blocks, *shape)`` sharded ``P(ATTN_DATA, None, ATTN_HEAD)`` (conv) and
+    ``P(ATTN_DATA, ATTN_HEAD, None, None)`` (recurrent); ``layers/vllm/custom_ops/
+    gdn_attention_op.py`` reorders the convolution's input channels ``[key_dim, key_dim,
+    value_dim]`` for the mesh's TP before the convolution whose tail the conv state keeps.
+    The whole-model state's values are distinct and non-zero; the reference slot is cut from it
+    by plain slicing (``test_groups._rank_state``, which the library's resharding of such a
+    state is checked against), the byte counts are ``compat.state_rank_bytes`` of the
+    connector's description at that TP."""
+    import torch
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as calc
+
+    groups = _sibling("test_groups")  # tests/vllm's (bindings/python/tests has a module of that name)
+    _gdn_case, _rank_state = groups._gdn_case, groups._rank_state
+    from tpu_sync.vllm.compat import state_components, state_rank_bytes
+
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+        if is_conv_state_dim_first():
+            pytest.skip("VLLM_SSM_CONV_STATE_LAYOUT=DS: tpu-inference's conv state is (state_len, channels)")
+    except ImportError:
+        pass
+    method, args = _gdn_case()
+    whole = calc.gated_delta_net_state_shape(**args, tp_world_size=1)  # tpu-inference's spec
+    key_dim, value_dim = 4 * 8, 8 * 8
+    assert tuple(whole[0]) == (3, 2 * key_dim + value_dim) and tuple(whole[1]) == (8, 8, 8)
+    rng = np.random.default_rng(11)
+    conv = rng.permutation(np.arange(1, 1 + 3 * 128)).reshape(3, 128).astype(np.float32)
+    rec = rng.permutation(np.arange(1, 1 + 8 * 8 * 8)).reshape(8, 8, 8).astype(np.float32)
+    slots, slot = 5, 3
+    conv_arr = -rng.integers(1, 1 << 20, (slots, 3, 128)).astype(np.float32)
+    rec_arr = -rng.integers(1, 1 << 20, (slots, 8, 8, 8)).astype(np.float32)
+    conv_arr[slot] = _ti_reorder(conv, [key_dim, key_dim, value_dim], tp)
+    rec_arr[slot] = rec
+    devs = devices_or_skip(8)[:tp]
+    mesh = Mesh(np.array(devs).reshape(1, tp), ("data", "model"))
+    conv_j = jax.device_put(conv_arr, NamedSharding(mesh, P("data", None, "model")))
+    rec_j = jax.device_put(rec_arr, NamedSharding(mesh, P("data", "model", None, None)))
+
+    per_rank = calc.gated_delta_net_state_shape(**args, tp_world_size=tp)
+    kind = dict(type="state", components=state_components(method, dict(args, tp_world_size=tp), per_rank,
+                                                          ["f32", "f32"], tp))
+    conv_bytes, rec_bytes = state_rank_bytes(kind, tp)
+
+    def shard_of(a, dim, r):
+        (s,) = [s for s in a.addressable_shards if (s.index[dim].start or 0) == r * a.shape[dim] // tp]
+        return np.asarray(s.data)
+
+    parts = [(4, 8), (4, 8), (8, 8)]
+    for r in range(tp):
+        c, h = shard_of(conv_j, 2, r)[slot], shard_of(rec_j, 1, r)[slot]
+        assert (c.nbytes, h.nbytes) == (conv_bytes, rec_bytes), f"rank {r}"
+        want = _rank_state(torch.from_numpy(conv), torch.from_numpy(rec), parts, r, tp).numpy()
+        assert c.tobytes() + h.tobytes() == want.tobytes(), f"TP rank {r}'s shard of slot {slot}"
