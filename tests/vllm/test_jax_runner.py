@@ -1616,3 +1616,226 @@ def test_tpu_inference_gdn_state_shards_are_the_connectors_rank_slots(tp):
         assert (c.nbytes, h.nbytes) == (conv_bytes, rec_bytes), f"rank {r}"
         want = _rank_state(torch.from_numpy(conv), torch.from_numpy(rec), parts, r, tp).numpy()
         assert c.tobytes() + h.tobytes() == want.tobytes(), f"TP rank {r}'s shard of slot {slot}"
+
+
+# ---- tpu-inference's gated-delta-net hybrids (Mamba state groups) ---------------------------------
+
+def test_a_whole_model_state_spec_is_described_at_the_mesh_tp():
+    """tpu-inference's ``MambaSpec`` holds the whole model's state shapes (vLLM's TP group is 1
+    there): ``compat.mamba_state_group`` at the mesh's TP describes it as a spec of one rank's
+    shapes at that TP would be; a spec of neither form is refused at TP > 1."""
+    import torch
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as calc
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from tpu_sync.vllm.compat import mamba_state_group
+
+    groups = _sibling("test_groups")
+    method, args = groups._gdn_case()
+
+    def spec(tp):
+        return MambaSpec(block_size=64, shapes=calc.gated_delta_net_state_shape(**args, tp_world_size=tp),
+                         dtypes=(torch.float32, torch.float32), page_size_padded=8192)
+
+    for tp in (2, 4):
+        split = (method, dict(args, tp_world_size=tp))
+        per_rank, _ = mamba_state_group(spec(tp), tp, split)
+        whole, slot = mamba_state_group(spec(1), tp, split)
+        assert whole == per_rank and slot == 8192
+    with pytest.raises(ValueError):
+        mamba_state_group(spec(2), 4, (method, dict(args, tp_world_size=4)))
+
+
+def gdn_hybrid_geometry(tp):
+    """Layer 0 a gated-delta-net layer (4 key heads, 8 value heads of 8 x 8, f32: its state
+    group), layer 1 full attention in an RPA v3 cache (8 heads of 128, bf16)."""
+    import dataclasses
+
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as calc
+
+    from tpu_sync.vllm.compat import state_components
+
+    method, args = _sibling("test_groups")._gdn_case()
+    comps = state_components(method, dict(args, tp_world_size=tp),
+                             calc.gated_delta_net_state_shape(**args, tp_world_size=tp), ["f32", "f32"], tp)
+    return dataclasses.replace(geometry(8, 128, "bf16", tp), groups=(
+        dict(kind="state", layers=[0], state=dict(type="state", components=comps, replicated=False),
+             slot_bytes=GDN_SLOT_BYTES),
+        dict(kind="attention", layers=[1], sliding_window=None)))
+
+
+GDN_SLOT_BYTES, GDN_SLOTS = 4096, 5
+GDN_KEY, GDN_CONV = 32, 128
+
+
+def gdn_whole_state(seed):
+    rng = np.random.default_rng(seed)
+    v = (rng.permutation(3 * GDN_CONV + 8 * 8 * 8) + 1).astype(np.float32)
+    return v[:3 * GDN_CONV].reshape(3, GDN_CONV), v[3 * GDN_CONV:].reshape(8, 8, 8)
+
+
+class GdnRunner:
+    """tpu-inference's runner around a gated-delta-net hybrid's arrays: ``kv_caches[0]`` the GDN
+    layer's ``(conv, recurrent)`` tuple (the whole model's shapes, ``GDN_SLOTS`` runner-owned
+    slots, slot 0 the null slot), ``kv_caches[1]`` the attention layer's RPA v3 cache; its
+    ``input_batch`` maps the requests in the persistent batch to their slots, as
+    ``InputBatch.add_request`` / ``remove_request`` do (``runner/input_batch.py`` 0.32.0)."""
+
+    def __init__(self, g, attn_per_rank, first_device, fill_seed, state=None, dp=1):
+        from test_tpu_engine_layouts import NAMES
+
+        devs = devices_or_skip(8)[first_device:first_device + dp * g.tp]
+        mesh = Mesh(np.array(devs).reshape(dp, g.tp), ("data", "model"))
+        rng = np.random.default_rng(fill_seed)
+        conv = -rng.integers(1, 1 << 22, (GDN_SLOTS * dp, 3, GDN_CONV)).astype(np.float32)
+        rec = -rng.integers(1, 1 << 22, (GDN_SLOTS * dp, 8, 8, 8)).astype(np.float32)
+        if state is not None:
+            slot, (c, h) = state
+            conv[slot], rec[slot] = _ti_reorder(c, [GDN_KEY, GDN_KEY, 64], g.tp), h
+        attn = np.concatenate([np.concatenate(attn_per_rank, axis=2)] * dp).view(JAX_DTYPE[g.dtype])
+        self.kv_caches = [
+            (jax.device_put(conv, NamedSharding(mesh, P("data", None, "model"))),
+             jax.device_put(rec, NamedSharding(mesh, P("data", "model", None, None)))),
+            jax.device_put(attn, NamedSharding(mesh, P("data", None, "model")))]
+        self.layer_name_to_kvcache_index = {NAMES[0]: 0, NAMES[1]: 1}
+        self.input_batch = SimpleNamespace(req_id_to_index={}, mamba_state_indices_cpu=np.zeros(4, np.int32))
+        self._step = jax.jit(lambda c: c, donate_argnums=0)
+
+    def add(self, req_id, slot):
+        i = len(self.input_batch.req_id_to_index)
+        self.input_batch.req_id_to_index[req_id] = i
+        self.input_batch.mamba_state_indices_cpu[i] = slot
+
+    def remove(self, req_id):
+        i = self.input_batch.req_id_to_index.pop(req_id)
+        self.input_batch.mamba_state_indices_cpu[i] = 0
+
+    def forward(self):
+        self.kv_caches = [jax.tree_util.tree_map(self._step, e) for e in self.kv_caches]
+
+    def state(self):
+        return [np.asarray(jax.device_get(a)).view(np.uint32).copy() for a in self.kv_caches[0]]
+
+
+@pytest.mark.parametrize("src_tp,dst_tp,early", [(2, 4, True), (4, 2, True), (2, 4, False)],
+                         ids=["tp2-tp4-early", "tp4-tp2-early", "tp2-tp4-sends"])
+def test_pd_of_a_gdn_hybrid_between_jax_runners(configs, src_tp, dst_tp, early):
+    """P/D of a gated-delta-net hybrid between tpu-inference runners of different TP through the
+    worker sides (``mamba_cache_mode="none"``: runner-owned state slots). The producer stages the
+    request's state from its slot while the request is in its batch (registered right after the
+    forward that completes the prefill, ``early``, or at the next step's start while it still
+    is); after that its slot is overwritten and it leaves the batch, and the pull still gets the
+    staged state. The consumer's pulled state waits in its mirror while the request is not in
+    its batch (every slot unchanged), and is written into the slot the request gets when it
+    enters the batch, before that step's forward: byte-exact in the consumer's TP layout (its
+    conv channels ordered for its TP), every other slot unchanged; the attention layer's blocks
+    byte-exact, every other block unchanged; the producer's arrays unchanged."""
+    tokens = 40
+    gs, gd = gdn_hybrid_geometry(src_tp), gdn_hybrid_geometry(dst_tp)
+    ids_src, ids_dst = [2, 9, 4], [7, 3, 12]
+    held_src, held_dst = [[11], ids_src], [[5], ids_dst]
+    whole = gdn_whole_state(17)
+    src_attn = [per[1] for per in rank_caches(gs, tokens, ids_src, seed=3, fill_seed=11)]
+    dst_attn0 = [per[1] for per in rank_caches(gd, 0, ids_dst, seed=3, fill_seed=12)]
+    want_attn = np.concatenate([per[1] for per in rank_caches(gd, tokens, ids_dst, seed=3, fill_seed=12)], axis=2)
+    pr = GdnRunner(gs, src_attn, 0, fill_seed=1, state=(3, whole))
+    cr = GdnRunner(gd, dst_attn0, 4, fill_seed=2)
+    pr.add("p1", 3)
+    src_before, dst_before = pr.state(), cr.state()
+    prod = worker(configs, "kv_producer", gs)
+    cons = worker(configs, "kv_consumer", gd)
+    try:
+        prod.register_runner(pr)
+        cons.register_runner(cr)
+        peers = {r: prod.handshake().address for r in prod.handshake().tp_ranks}
+        send = SendSpec("p1", 97, held_src, tokens, 60.0, dst_tp)
+        pr.forward()
+        if early:
+            meta = TpuSyncMetadata(layer_sends=[send])
+            prod.bind(meta)
+            prod.wait_for_save(meta)
+        else:
+            prod.start_load_kv(TpuSyncMetadata(sends=[send]))
+        assert prod.stats["registered"] == 1, prod.stats
+        # The next step: the request leaves the batch, its slot goes to another request.
+        pr.remove("p1")
+        pr.kv_caches[0] = (pr.kv_caches[0][0].at[3].set(-1.0), pr.kv_caches[0][1].at[3].set(-1.0))
+        pr.forward()
+        cr.forward()
+        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 97, peers, gs.tpu_sync_layout(NB), held_src,
+                                                           held_dst, tokens, 30.0)]))
+        res = wait_pulled(cons, "d1")
+        assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
+        assert np.array_equal(bits(cr.kv_caches[1]), np.where(
+            np.isin(np.arange(NB), ids_dst)[:, None, None, None, None], want_attn,
+            np.concatenate(dst_attn0, axis=2))), "attention blocks"
+        assert all(np.array_equal(a, b) for a, b in zip(cr.state(), dst_before)), "state written before a slot"
+        assert cons.jax_stats["pending_state_requests"] == 1
+        # The request enters the consumer's batch (slot 2); the step's start writes its state.
+        cr.add("d1", 2)
+        cr.forward()
+        cons.start_load_kv(TpuSyncMetadata())
+        conv, rec = cr.state()
+        want_conv, want_rec = dst_before[0].copy(), dst_before[1].copy()
+        want_conv[2] = _ti_reorder(whole[0], [GDN_KEY, GDN_KEY, 64], dst_tp).view(np.uint32)
+        want_rec[2] = whole[1].view(np.uint32)
+        assert np.array_equal(conv, want_conv) and np.array_equal(rec, want_rec), "the consumer's state slots"
+        assert cons.jax_stats["pending_state_requests"] == 0
+        # The producer's arrays: unchanged but for the slot the test overwrote.
+        s_conv, s_rec = pr.state()
+        assert np.array_equal(np.delete(s_conv, 3, 0), np.delete(src_before[0], 3, 0))
+        assert np.array_equal(np.delete(s_rec, 3, 0), np.delete(src_before[1], 3, 0))
+    finally:
+        cons.shutdown()
+        prod.shutdown()
+
+
+def test_gdn_hybrid_state_that_cannot_be_placed_fails_cleanly(configs):
+    """A producer whose request already left its runner's batch (its slot is gone) does not
+    register it (the consumer's pull fails and it recomputes) rather than send another
+    request's state; a consumer's pulled state whose request finishes before it is scheduled is
+    dropped; the host tier and a producer without early registration are refused with a JAX
+    runner of such a model."""
+    tokens = 20
+    g = gdn_hybrid_geometry(2)
+    attn = [per[1] for per in rank_caches(g, tokens, [1, 2], seed=3, fill_seed=11)]
+    pr = GdnRunner(g, attn, 0, fill_seed=1, state=(3, gdn_whole_state(5)))
+    prod = worker(configs, "kv_producer", g)
+    cons = worker(configs, "kv_consumer", g)
+    try:
+        prod.register_runner(pr)
+        prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 98, [[11], [1, 2]], tokens, 60.0, 2)]))
+        assert prod.stats["registered"] == 0 and prod.stats["register_failed"] == 1, prod.stats
+        cr = GdnRunner(g, attn, 4, fill_seed=2)
+        cons.register_runner(cr)
+        pr.add("p2", 3)
+        prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p2", 99, [[11], [1, 2]], tokens, 60.0, 2)]))
+        assert prod.stats["registered"] == 1, prod.stats
+        peers = {r: prod.handshake().address for r in prod.handshake().tp_ranks}
+        before = cr.state()
+        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d2", 99, peers, g.tpu_sync_layout(NB), [[11], [1, 2]],
+                                                           [[6], [4, 5]], tokens, 30.0)]))
+        assert wait_pulled(cons, "d2").finished_recving == {"d2"}
+        assert cons.jax_stats["pending_state_requests"] == 1
+        cons.get_transfer_results({"d2"})  # finished (aborted) before it was scheduled
+        assert cons.jax_stats["pending_state_requests"] == 0
+        cr.add("d2", 2)
+        cons.start_load_kv(TpuSyncMetadata())
+        assert all(np.array_equal(a, b) for a, b in zip(cr.state(), before))
+    finally:
+        cons.shutdown()
+        prod.shutdown()
+    for role, extra, match in [("kv_both", {"host_capacity_bytes": 16 << 20}, "host tier"),
+                               ("kv_producer", {"early_register": False}, "early_register")]:
+        w = worker(configs, role, g, extra)
+        try:
+            with pytest.raises(NotImplementedError, match=match):
+                w.register_runner(GdnRunner(g, attn, 0, fill_seed=1))
+        finally:
+            w.shutdown()
+    w = worker(configs, "kv_consumer", g)
+    try:
+        with pytest.raises(ValueError, match="data-parallel replicas with state"):
+            w.register_runner(GdnRunner(g, attn, 0, fill_seed=1, dp=2))
+    finally:
+        w.shutdown()

@@ -187,11 +187,18 @@ class JaxKv:
         #: KV cache group of each cache layer (None: one group)
         self.layer_group = layer_group
         self.num_groups = 1 if layer_group is None else max(layer_group) + 1
-        a0 = caches[0]
-        for i, a in enumerate(caches):
+        # The arrays of the cache layers named (a hybrid model's runner also holds its state
+        # layers' tuples, which tpu_sync.jax_state reads).
+        used = sorted(set(self._index))
+        a0 = caches[used[0]]
+        for i in used:
+            a = caches[i]
+            if not hasattr(a, "addressable_shards"):
+                raise _fail(InvalidArgumentError, f"runner.kv_caches[{i}] is {type(a).__name__}, not a jax.Array (a "
+                            "state layer's tuple? name the attention layers' arrays: layer_arrays)")
             if a.shape != a0.shape or a.dtype != a0.dtype or a.sharding != a0.sharding:
-                raise _fail(InvalidArgumentError, f"layer {i}: shape {a.shape} {a.dtype} {a.sharding} differs from layer "
-                            f"0's {a0.shape} {a0.dtype} {a0.sharding}")
+                raise _fail(InvalidArgumentError, f"array {i}: shape {a.shape} {a.dtype} {a.sharding} differs from array "
+                            f"{used[0]}'s {a0.shape} {a0.dtype} {a0.sharding}")
         if len(a0.shape) not in (4, 5):
             raise _fail(InvalidArgumentError, f"a KV cache of shape {a0.shape}: expected the RPA v3 cache "
                         "[num_blocks, block_size, R, P, D'] or tpu-inference's MLA cache [num_blocks, "

@@ -34,8 +34,10 @@ Not mapped (refused with the reason): a component replicated over the ``model`` 
 is above 1, the slots split over the ``model`` axis or over any axis but ``data``, a shard on
 more than one device (another mesh axis in play).
 
-Not wired into the vLLM connector yet: the worker still refuses a JAX runner whose model has
-state groups (docs/tpu.md, "Not done yet").
+The vLLM connector's worker uses it through :class:`JaxHybridKv` for P/D of such models, whose
+state lives in runner-owned slots (tpu-inference's ``mamba_cache_mode="none"``): the mirrors'
+rows are then the state group's scheduler block ids, and each copy names the device slot the
+runner gave the request (docs/tpu.md).
 
 Thread-safety: one :class:`JaxStateKv` per model-runner thread; its calls must not overlap a
 forward that donates the caches.
@@ -72,6 +74,11 @@ class JaxStateKv:
         client: the tpu_sync client that views the mirrors (default: a new one on the XLA CPU
             plugin).
         setter: ``setter(index, tuple_of_arrays)`` for a callable source.
+        mirror_blocks: rows of the mirrors per DP replica (default: the state's slots per
+            shard). The mirrors' rows are what tpu_sync's placements name; where they are not
+            the device's slots (tpu-inference's runner-owned slots: the rows are the state
+            group's scheduler block ids), :meth:`stage` and :meth:`commit` take the device slot
+            of each row.
 
     Raises:
         InvalidArgumentError: no state layers, an entry that is not a tuple of arrays, layers
@@ -82,7 +89,7 @@ class JaxStateKv:
 
     def __init__(self, source: Any, layer_arrays: Sequence[int], slot_bytes: int, *, view_dtype: str = "u8",
                  model_axis: str = "model", data_axis: str = "data", client: Any = None,
-                 setter: Optional[Callable[[int, Any], None]] = None) -> None:
+                 setter: Optional[Callable[[int, Any], None]] = None, mirror_blocks: Optional[int] = None) -> None:
         import jax  # noqa: F401  (needed by every method; fail early without it)
         import numpy as np
 
@@ -161,8 +168,12 @@ class JaxStateKv:
         self.ranks: List[int] = sorted(self._device_of[0])
         if any(sorted(w) != self.ranks for w in self._device_of):
             raise _fail(UnsupportedError, "the state components are split over different ranks")
-        #: slots per shard (per DP replica); the methods take global slot ids
-        self.num_blocks = self._comps[0][1][0]
+        #: the state's slots per shard (per DP replica)
+        self.device_slots = self._comps[0][1][0]
+        #: the mirrors' rows per DP replica (what placements name); the methods take global rows
+        self.num_blocks = self.device_slots if mirror_blocks is None else int(mirror_blocks)
+        if self.num_blocks < 1:
+            raise _fail(InvalidArgumentError, f"mirror_blocks {mirror_blocks}")
         #: bytes of each component's shard in one slot, and where it starts in a mirror's slot
         self.part_bytes = [int(np.prod(shape[1:])) * item for _, shape, item in self._comps]
         self.offsets = [sum(self.part_bytes[:j]) for j in range(len(self._comps))]
@@ -232,24 +243,42 @@ class JaxStateKv:
         """The ranks of DP replica ``dp_rank`` held here (``dp_rank * tp + t``)."""
         return [r for r in self.ranks if r // self.tp == dp_rank]
 
-    def split(self, slot_ids: Sequence[int]) -> Tuple[int, List[int]]:
-        """``(dp_rank, local slot ids)`` of global slot ids (one DP replica's).
+    def split(self, slot_ids: Sequence[int], per_replica: Optional[int] = None) -> Tuple[int, List[int]]:
+        """``(dp_rank, local ids)`` of global mirror rows (``per_replica``: of device slots, with
+        :attr:`device_slots` a replica) of one DP replica.
 
         Raises:
-            InvalidArgumentError: ids out of range, a slot named twice, or slots of several
+            InvalidArgumentError: ids out of range, an id named twice, or ids of several
                 replicas."""
+        n = self.num_blocks if per_replica is None else int(per_replica)
         ids = [ck.u32("slot id", b) for b in slot_ids]
-        total = self.num_blocks * self.dp
+        total = n * self.dp
         if any(b >= total for b in ids):
             raise _fail(InvalidArgumentError, f"slot id {max(ids)} out of range 0..{total}")
         if len(set(ids)) != len(ids):
             raise _fail(InvalidArgumentError, f"slot ids {ids} name a slot twice")
-        reps = sorted({b // self.num_blocks for b in ids})
+        reps = sorted({b // n for b in ids})
         if len(reps) > 1:
             raise _fail(InvalidArgumentError, f"slot ids {ids} lie in DP replicas {reps}: a request's slots are in "
                         "one replica's shard")
         d = reps[0] if reps else 0
-        return d, [b - d * self.num_blocks for b in ids]
+        return d, [b - d * n for b in ids]
+
+    def _rows_and_slots(self, rows: Sequence[int], device_slots: Optional[Sequence[int]]
+                        ) -> Tuple[int, List[int], List[int]]:
+        """``(dp_rank, local mirror rows, local device slots)`` of global rows and their device
+        slots (default: the rows themselves), one replica's."""
+        d, local = self.split(rows)
+        if device_slots is None:
+            if self.num_blocks != self.device_slots:
+                raise _fail(InvalidArgumentError, "the mirrors' rows are not the device's slots: name each row's slot")
+            return d, local, list(local)
+        if len(device_slots) != len(local):
+            raise _fail(InvalidArgumentError, f"{len(device_slots)} device slots for {len(local)} rows")
+        ds, slots = self.split(device_slots, self.device_slots)
+        if slots and ds != d:
+            raise _fail(InvalidArgumentError, f"rows of DP replica {d}, device slots of replica {ds}")
+        return d, local, slots
 
     # -- host mirrors -------------------------------------------------------------------------
 
@@ -295,16 +324,17 @@ class JaxStateKv:
         return {r: [np.frombuffer(m, dtype=np.uint8).reshape(self.num_blocks, self.block_bytes) for m in ms]
                 for r, ms in self._mirrors[0].items()}
 
-    def stage(self, slot_ids: Sequence[int]) -> None:
-        """Copies slots ``slot_ids`` (global ids of one DP replica) of every state layer and rank
-        into the host mirrors (a gather on the device, then JAX's D2H), each component's shard
-        bytes at its offset in the slot, before tpu_sync reads them."""
+    def stage(self, slot_ids: Sequence[int], device_slots: Optional[Sequence[int]] = None) -> None:
+        """Copies the device's slots ``device_slots`` (default: ``slot_ids``) of every state
+        layer and rank into mirror rows ``slot_ids`` (global ids of one DP replica; a gather on
+        the device, then JAX's D2H), each component's shard bytes at its offset in the row,
+        before tpu_sync reads them."""
         if not len(slot_ids):
             return
         import jax
         import numpy as np
 
-        d, local = self.split(slot_ids)
+        d, local, slots = self._rows_and_slots(slot_ids, device_slots)
         self.rank_views()
         if self._gather_fn is None:
             from jax import lax
@@ -314,7 +344,7 @@ class JaxStateKv:
                 return lax.bitcast_convert_type(c, _uint(c.dtype.itemsize))[i]
 
             self._gather_fn = jax.jit(gather)
-        ids = np.asarray(local, dtype=np.int32)
+        ids = np.asarray(slots, dtype=np.int32)
         mirrors = self._mirror_slots()
         for layer, entry in enumerate(self._entries()):
             for r in self.replica_ranks(d):
@@ -326,10 +356,10 @@ class JaxStateKv:
                     self._counters["d2h_bytes"] += host.nbytes
         self._counters["stages"] += 1
 
-    def commit(self, slot_ids: Sequence[int]) -> None:
-        """Writes slots ``slot_ids`` of the host mirrors into the state layers (JAX's H2D and a
-        donating scatter per component; the layer's tuple in ``runner.kv_caches`` replaced) after
-        tpu_sync wrote them.
+    def commit(self, slot_ids: Sequence[int], device_slots: Optional[Sequence[int]] = None) -> None:
+        """Writes mirror rows ``slot_ids`` into the device's slots ``device_slots`` (default: the
+        same ids) of the state layers (JAX's H2D and a donating scatter per component; the
+        layer's tuple in ``runner.kv_caches`` replaced) after tpu_sync wrote them.
 
         Raises:
             InvalidArgumentError: ids out of range, of several replicas, a slot named twice."""
@@ -339,7 +369,7 @@ class JaxStateKv:
         import numpy as np
         from jax.sharding import NamedSharding, PartitionSpec
 
-        d, local = self.split(slot_ids)
+        d, local, slots = self._rows_and_slots(slot_ids, device_slots)
         self.rank_views()
         if self._scatter_fn is None:
             from jax import lax
@@ -350,7 +380,7 @@ class JaxStateKv:
                 return lax.bitcast_convert_type(bits, c.dtype)
 
             self._scatter_fn = jax.jit(scatter, donate_argnums=0)
-        ids = np.asarray([d * self.num_blocks + b for b in local], dtype=np.int32)
+        ids = np.asarray([d * self.device_slots + b for b in slots], dtype=np.int32)
         mirrors = self._mirror_slots()
         replica = self.replica_ranks(d)
         arrays = self.arrays()
@@ -411,13 +441,14 @@ class JaxStateKv:
         written whole). Returns ``()`` for :meth:`after_write`."""
         return ()
 
-    def after_write(self, slot_ids: Sequence[int], ptrs: Tuple[int, ...] = ()) -> None:
-        """After tpu_sync wrote slots ``slot_ids``: commits them into the state layers; the
-        mirrors' pages are given back either way.
+    def after_write(self, slot_ids: Sequence[int], ptrs: Tuple[int, ...] = (),
+                    device_slots: Optional[Sequence[int]] = None) -> None:
+        """After tpu_sync wrote mirror rows ``slot_ids``: commits them into the device's slots
+        (``device_slots``, default the same ids); the mirrors' pages are given back either way.
 
         Raises: JAX's errors from the copies, and :meth:`commit`'s."""
         try:
-            self.commit(slot_ids)
+            self.commit(slot_ids, device_slots)
         finally:
             self.drop(slot_ids)
 
@@ -428,3 +459,211 @@ class JaxStateKv:
                 for b in bufs:
                     b.close()
             self._mirrors = None
+
+
+class JaxHybridKv:
+    """A tpu-inference runner's attention caches (:class:`tpu_sync.jax_kv.JaxKv`) and its
+    state layers (one :class:`JaxStateKv` per state group) behind :class:`~tpu_sync.jax_kv.JaxKv`'s
+    interface, as the vLLM connector's worker uses it for a hybrid model (docs/tpu.md).
+
+    tpu_sync sees every cache layer in cache-layer order: the attention layers' buffers (the
+    shards, or their mirrors) and the state layers' mirrors, whose rows are the state groups'
+    scheduler block ids (what the connector's placements name). The device state of a request
+    lives in a slot its runner owns (``mamba_cache_mode="none"``: assigned when the request
+    enters the persistent batch, given back when it leaves), which ``slot_of(req_id)`` finds
+    (None while the request is not in the batch). So before a request's blocks are staged or
+    written, :meth:`map_request` binds its state rows to its slot: a producer stages the state
+    while the request is still in the batch (the connector registers it right after the forward
+    that completes its prefill); a consumer's pulled state stays in its rows until the request
+    enters the batch, and :meth:`commit_pending` (at the start of each step, before the forward)
+    writes it into the slot then.
+
+    Args:
+        attn: the attention layers' caches (their own KV cache groups numbered ``0..``).
+        states: per state group (the geometry's group index), its state layers.
+        layer_kinds: per cache layer, ``(group index, position in its part)``: the part is
+            ``attn`` for an attention group, else that state group's :class:`JaxStateKv`.
+        groups: the geometry's KV cache groups in order, each ``"attention"`` or ``"state"``.
+        slot_of: ``slot_of(req_id)``: the request's global device slot, or None.
+
+    Thread-safety: as :class:`JaxStateKv`.
+    """
+
+    def __init__(self, attn: Any, states: Dict[int, JaxStateKv], layer_kinds: Sequence[Tuple[int, int]],
+                 groups: Sequence[str], slot_of: Callable[[str], Optional[int]]) -> None:
+        self.attn, self.states = attn, dict(states)
+        self._layers = [(int(g), int(p)) for g, p in layer_kinds]
+        self._groups = list(groups)
+        self._attn_groups = [i for i, k in enumerate(self._groups) if k != "state"]
+        self._slot_of = slot_of
+        for g, st in self.states.items():
+            if (st.tp, st.dp, st.ranks, st.num_blocks) != (attn.tp, attn.dp, attn.ranks, attn.num_blocks):
+                raise _fail(InvalidArgumentError, f"state group {g}: TP {st.tp}, DP {st.dp}, ranks {st.ranks}, "
+                            f"{st.num_blocks} rows a replica; the attention caches: TP {attn.tp}, DP {attn.dp}, "
+                            f"ranks {attn.ranks}, {attn.num_blocks} blocks")
+        for name in ("tp", "dp", "ranks", "num_blocks", "mla", "view_shape", "model_dtype", "buffer_dtype",
+                     "client", "backend", "backend_reason", "block_size", "physical_layout"):
+            setattr(self, name, getattr(attn, name))
+        self.num_layers = len(self._layers)
+        #: (state group, global row) -> global device slot, for the next copies of those rows
+        self._slots: Dict[Tuple[int, int], Optional[int]] = {}
+        #: req_id -> {state group: rows} pulled and waiting for the request's slot
+        self._pending: Dict[str, Dict[int, List[int]]] = {}
+
+    # -- JaxKv's interface ----------------------------------------------------------------------
+
+    def split(self, block_ids: Sequence[int]) -> Tuple[int, List[int]]:
+        return self.attn.split(block_ids)
+
+    def replica_ranks(self, dp_rank: int) -> List[int]:
+        return self.attn.replica_ranks(dp_rank)
+
+    def _merge(self, attn: Dict[int, List[Any]], states: Dict[int, Dict[int, List[Any]]]) -> Dict[int, List[Any]]:
+        out: Dict[int, List[Any]] = {}
+        for r in attn:
+            out[r] = [attn[r][p] if self._groups[g] != "state" else states[g][r][p] for g, p in self._layers]
+        return out
+
+    def rank_views(self) -> Dict[int, List[Any]]:
+        """Rank -> every cache layer's buffer, in cache-layer order."""
+        return self._merge(self.attn.rank_views(), {g: st.rank_views() for g, st in self.states.items()})
+
+    def replica_views(self, dp_rank: int) -> Dict[int, List[Any]]:
+        return self._merge(self.attn.replica_views(dp_rank),
+                           {g: st.replica_views(dp_rank) for g, st in self.states.items()})
+
+    def pointers(self) -> Tuple[int, ...]:
+        return self.attn.pointers()
+
+    def stats(self) -> Dict[str, Any]:
+        return dict(self.attn.stats(), states={str(g): st.stats() for g, st in self.states.items()},
+                    pending_state_requests=len(self._pending))
+
+    def _attn_ids(self, block_ids: Any) -> Any:
+        ids = list(block_ids)
+        if ids and isinstance(ids[0], (list, tuple)):
+            return [list(ids[g]) for g in self._attn_groups]
+        return ids
+
+    def _state_rows(self, block_ids: Any) -> Dict[int, List[int]]:
+        ids = list(block_ids)
+        if not ids or not isinstance(ids[0], (list, tuple)):
+            return {}
+        return {g: [int(b) for b in ids[g] if int(b) != ck.NULL_BLOCK_ID] for g in self.states}
+
+    def map_request(self, req_id: str, block_ids: Any) -> None:
+        """Binds request ``req_id``'s state rows (its state groups' block ids in ``block_ids``,
+        one list per KV cache group) to its device slot, as the runner has it now (None: the
+        request is not in the runner's batch)."""
+        slot = self._slot_of(req_id)
+        for g, rows in self._state_rows(block_ids).items():
+            if len(rows) > 1:
+                raise _fail(InvalidArgumentError, f"request {req_id}: {len(rows)} blocks {rows} in state group {g}; "
+                            "one state slot per request is moved")
+            for row in rows:
+                self._slots[(g, row)] = slot
+
+    def _state_slots(self, g: int, rows: List[int]) -> List[int]:
+        slots = [self._slots.get((g, r)) for r in rows]
+        if any(s is None for s in slots):
+            raise RuntimeError(f"state group {g}: rows {rows} have no device slot (the request is not in the "
+                               "runner's batch: its state is gone or not there yet)")
+        return [int(s) for s in slots]  # type: ignore[arg-type]
+
+    def _unmap(self, g: int, rows: List[int]) -> None:
+        for r in rows:
+            self._slots.pop((g, r), None)
+
+    def stage(self, block_ids: Any) -> None:
+        """The attention blocks (:meth:`JaxKv.stage`) and each state group's rows from the
+        device slots :meth:`map_request` bound them to.
+
+        Raises:
+            RuntimeError: a state row without a device slot (the request left the batch)."""
+        self.attn.stage(self._attn_ids(block_ids))
+        for g, rows in self._state_rows(block_ids).items():
+            if rows:
+                try:
+                    self.states[g].stage(rows, self._state_slots(g, rows))
+                finally:
+                    self._unmap(g, rows)
+
+    def commit(self, block_ids: Any) -> None:
+        self.attn.commit(self._attn_ids(block_ids))
+        for g, rows in self._state_rows(block_ids).items():
+            if rows:
+                try:
+                    self.states[g].commit(rows, self._state_slots(g, rows))
+                finally:
+                    self._unmap(g, rows)
+
+    def hold(self, block_ids: Any) -> None:
+        """Nothing to do (as :meth:`JaxKv.hold`)."""
+
+    def drop(self, block_ids: Any) -> None:
+        """Gives the mirrors' pages of ``block_ids`` back (flat or per group), but never the
+        rows of a pulled state still waiting for its request's slot."""
+        flat = ck.flat_block_ids(block_ids)
+        self.attn.drop(flat)
+        waiting = {(g, r) for rows in self._pending.values() for g, rs in rows.items() for r in rs}
+        for g, st in self.states.items():
+            st.drop([b for b in flat if (g, b) not in waiting])
+
+    def before_write(self, block_ids: Any, num_tokens: int, partial: Any = None) -> Tuple[int, ...]:
+        return self.attn.before_write(self._attn_ids(block_ids), num_tokens,
+                                      None if partial is None else self._attn_ids(partial))
+
+    def after_write(self, block_ids: Any, ptrs: Tuple[int, ...], req_id: Optional[str] = None) -> None:
+        """After a pull wrote ``block_ids``: the attention blocks committed (:meth:`JaxKv.after_write`),
+        each state row committed into its request's slot if the request is in the runner's batch,
+        else kept for :meth:`commit_pending` (``req_id`` names the request)."""
+        try:
+            self.attn.after_write(self._attn_ids(block_ids), ptrs)
+        except BaseException:
+            for g, rows in self._state_rows(block_ids).items():
+                self.states[g].drop(rows)
+                self._unmap(g, rows)
+            raise
+        later: Dict[int, List[int]] = {}
+        for g, rows in self._state_rows(block_ids).items():
+            if not rows:
+                continue
+            try:
+                if all(self._slots.get((g, r)) is not None for r in rows):
+                    self.states[g].after_write(rows, (), self._state_slots(g, rows))
+                else:
+                    later[g] = rows
+            finally:
+                self._unmap(g, rows)
+        if later:
+            if req_id is None:
+                for g, rows in later.items():
+                    self.states[g].drop(rows)
+                raise RuntimeError("a pulled state without its request's slot and no request to wait for")
+            self._pending[req_id] = later
+
+    def commit_pending(self) -> List[str]:
+        """Writes each pulled state whose request has entered the runner's batch into its
+        slot (call before the forward of each step); returns those requests."""
+        done = []
+        for req_id, rows in list(self._pending.items()):
+            slot = self._slot_of(req_id)
+            if slot is None:
+                continue
+            del self._pending[req_id]
+            for g, rs in rows.items():
+                self.states[g].after_write(rs, (), [int(slot)] * len(rs))
+            done.append(req_id)
+        return done
+
+    def forget(self, req_id: str) -> None:
+        """Drops a request's pulled state still waiting for its slot (it finished or was
+        aborted first)."""
+        rows = self._pending.pop(req_id, None)
+        for g, rs in (rows or {}).items():
+            self.states[g].drop(rs)
+
+    def close(self) -> None:
+        for st in self.states.values():
+            st.close()
+        self.attn.close()

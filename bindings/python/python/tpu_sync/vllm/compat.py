@@ -794,6 +794,9 @@ def mamba_state_group(spec: Any, tp: int = 1, split: Optional[Tuple[str, Dict[st
             comps = state_components(split[0], split[1], shapes, names, tp)
             return dict(type="state", components=comps, replicated=False), slot
         except ValueError as e:
+            whole = _whole_model_state(split, shapes, names, int(tp))
+            if whole is not None:
+                return dict(type="state", components=whole, replicated=False), slot
             if int(tp) > 1:
                 raise
             _log.info("tpu_sync: the Mamba state described as one rank's (%s)", e)
@@ -806,6 +809,30 @@ def mamba_state_group(spec: Any, tp: int = 1, split: Optional[Tuple[str, Dict[st
         elems = _prod(dims[1:] if len(dims) > 1 else dims)
         comps.append(dict(name=f"state{i}", dtype=dt, rows=rows, segments=[dict(heads=1, head_elems=elems)]))
     return dict(type="state", components=comps, replicated=replicated), slot
+
+
+def _whole_model_state(split: Tuple[str, Dict[str, Any]], shapes: List[Tuple[int, ...]], names: List[str],
+                       tp: int) -> Optional[List[Dict[str, Any]]]:
+    """The state components at ``tp`` of a spec whose ``shapes`` are the whole model's (the
+    calculator's at TP 1), or None where they are not. tpu-inference initializes vLLM's
+    model-parallel group with TP 1 (``worker/tpu_worker.py`` 0.32.0), so its ``MambaSpec`` holds
+    the whole state and JAX shards the arrays over the mesh's TP (docs/tpu.md); vLLM's own
+    engines give each rank's shapes."""
+    if tp <= 1:
+        return None
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as calc
+
+        method, args = split[0], dict(split[1])
+        key = "tp_size" if "tp_size" in args else "tp_world_size"
+        fn = getattr(calc, method)
+        if [tuple(int(d) for d in sh) for sh in fn(**dict(args, **{key: 1}))] != list(shapes):
+            return None
+        at_tp = dict(args, **{key: tp})
+        return state_components(method, at_tp, [tuple(int(d) for d in sh) for sh in fn(**at_tp)], names, tp)
+    except Exception as e:  # noqa: BLE001  (not the whole model's: the caller's error stands)
+        _log.debug("tpu_sync: not a whole-model state spec: %s", e)
+        return None
 
 
 def _prod(dims: Iterable[int]) -> int:

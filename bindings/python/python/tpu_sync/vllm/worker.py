@@ -608,12 +608,19 @@ class WorkerSide:
         ``pjrt-view``, ``framework-copy``) and why it was chosen are in the log and in
         :attr:`jax_stats`. With such a runner this worker registers and pulls every TP rank's
         blocks through one endpoint, saves synchronously, and one host-tier entry holds a block of
-        every rank.
+        every rank. A hybrid model's state layers (gated delta nets: ``(conv, recurrent)`` tuples
+        in ``runner.kv_caches``, in runner-owned slots) move for P/D through
+        :class:`tpu_sync.jax_state.JaxHybridKv` (:meth:`_jax_caches`): a producer stages a
+        request's state from its slot when it registers it, right after the forward that
+        completes its prefill; a consumer writes a pulled state into the request's slot at the
+        start of the step in which the request enters the runner's batch.
 
         Raises:
             ValueError: no caches, or caches that disagree with the model's geometry (TP,
-                per-rank shape, dtype, layers); NotImplementedError: what is not supported with
-                a JAX runner yet (layer-wise transfers, KV cache groups with state or MLA layers);
+                per-rank shape, dtype, layers, state bytes per rank; state layers with DP > 1);
+                NotImplementedError: what is not supported with a JAX runner yet (layer-wise
+                transfers, KV cache groups with MLA layers, the host tier with state layers, a
+                producer of state layers without ``early_register``);
                 UnsupportedError (tpu_sync.errors): shardings not mapped
                 (docs/tpu.md); ImportError without jax."""
         if self.caches is not None:
@@ -623,19 +630,19 @@ class WorkerSide:
             raise ValueError("TpuSyncConnector: register_runner without registered KV caches, and the runner has no "
                              "kv_caches")
         g = self.geometry
-        if ((g.groups and (g.has_state or g.kv_order == compat.MLA_ORDER)) or self.cfg.layerwise or g.mla_parts
-                or g.kv_order not in ("rpa3", "rpa3hd64", compat.MLA_ORDER)):
+        states = bool(g.groups) and g.has_state
+        if ((g.groups and g.kv_order == compat.MLA_ORDER) or self.cfg.layerwise or g.mla_parts
+                or g.kv_order not in ("rpa3", "rpa3hd64", compat.MLA_ORDER)
+                or (states and (self.cfg.offload or (self.cfg.is_producer and not self.cfg.early_register)))):
             what = ("layer-wise transfers" if self.cfg.layerwise else
                     "sparse MLA caches (vLLM-TorchTPU's; tpu-inference has none)" if g.mla_parts else
-                    "KV cache groups with state (Mamba) or MLA layers" if g.groups else f"the {g.kv_order} cache")
+                    "KV cache groups with MLA layers" if g.groups and not states else
+                    "the host tier with state (Mamba) layers" if states and self.cfg.offload else
+                    "a producer of state (Mamba) layers without early_register (the state must be staged "
+                    "before the runner gives the request's slot back)" if states else f"the {g.kv_order} cache")
             raise NotImplementedError(f"TpuSyncConnector: {what} with a JAX model runner (tpu-inference) are not "
                                       "supported yet (issue 25; docs/tpu.md)")
-        from tpu_sync.jax_kv import JaxKv
-
-        layer_arrays = _runner_layer_arrays(runner, g) if g.groups else None
-        jx = JaxKv(runner, backend=str(self.cfg.extra.get("jax_backend", "auto")),
-                   block_size=g.block_size if g.kv_order == compat.MLA_ORDER else None,
-                   layer_arrays=layer_arrays, layer_group=g.group_of_layer() if g.groups else None)
+        jx = self._jax_caches(runner, g)
         want = tuple(g.layer_shape())
         problems = []
         sched_dp = compat.dp_scheduler_size(self.vllm_config)
@@ -652,6 +659,10 @@ class WorkerSide:
                 problems.append("split over data-parallel replicas, which needs vLLM's failed_recving (vLLM >= 0.30: "
                                 "a failed load is reported by request, since no rank's scheduler can read global "
                                 "block ids)")
+        if g.groups and g.has_state and jx.dp > 1:
+            # Not tested with tpu-inference's DP scheduler's merged block ids yet.
+            problems.append(f"split over {jx.dp} data-parallel replicas with state (Mamba) layers, which is not "
+                            "supported yet (one replica is)")
         if self.cfg.extra.get("cluster") and len(jx.ranks) > 1:
             # The cluster directory describes one store per TP rank (its layout, rank and
             # namespace), while this worker's host-tier entries hold a block of every rank of a
@@ -685,6 +696,63 @@ class WorkerSide:
         log.info("tpu_sync: JAX model runner: TP ranks %s in this process (DP %d), back end %s (%s)", jx.ranks, jx.dp,
                  jx.backend, jx.backend_reason)
         self._open(0)
+
+    def _jax_caches(self, runner: Any, g: KvGeometry) -> Any:
+        """A JAX runner's caches: :class:`tpu_sync.jax_kv.JaxKv` over every cache layer, or for a
+        model with state (Mamba, GDN) groups a :class:`tpu_sync.jax_state.JaxHybridKv` of the
+        attention layers' ``JaxKv`` and one :class:`tpu_sync.jax_state.JaxStateKv` per state
+        group, whose mirrors' rows are the state group's scheduler block ids and whose device
+        slots are the runner's per-request slots (``input_batch.mamba_state_indices_cpu``,
+        tpu-inference's ``mamba_cache_mode="none"``; docs/tpu.md).
+
+        Raises:
+            ValueError: state shards that are not the model's state at the mesh's TP."""
+        from tpu_sync.jax_kv import JaxKv
+
+        backend = str(self.cfg.extra.get("jax_backend", "auto"))
+        layer_arrays = _runner_layer_arrays(runner, g) if g.groups else None
+        if not (g.groups and g.has_state):
+            return JaxKv(runner, backend=backend, block_size=g.block_size if g.kv_order == compat.MLA_ORDER else None,
+                         layer_arrays=layer_arrays, layer_group=g.group_of_layer() if g.groups else None)
+        from tpu_sync.jax_state import JaxHybridKv, JaxStateKv
+
+        assert layer_arrays is not None
+        group_of = g.group_of_layer()
+        kinds = ["state" if g.is_state_group(k) else "attention" for k in range(len(g.groups))]
+        attn_groups = [k for k, kind in enumerate(kinds) if kind != "state"]
+        attn_layers = [i for i in range(g.num_layers) if kinds[group_of[i]] != "state"]
+        local = {k: n for n, k in enumerate(attn_groups)}
+        attn = JaxKv(runner, backend=backend, layer_arrays=[layer_arrays[i] for i in attn_layers],
+                     layer_group=[local[group_of[i]] for i in attn_layers])
+        parts: Dict[int, Any] = {}
+        layer_kinds: List[Tuple[int, int]] = []
+        try:
+            for k, kind in enumerate(kinds):
+                if kind != "state":
+                    continue
+                grp = g.groups[k]
+                ls = [i for i in range(g.num_layers) if group_of[i] == k]
+                st = JaxStateKv(runner, [layer_arrays[i] for i in ls], int(grp["slot_bytes"]),
+                                view_dtype=_state_buffer_dtype(grp), client=attn.client,
+                                mirror_blocks=attn.num_blocks)
+                parts[k] = st
+                want = compat.state_rank_bytes(grp["state"], g.tp)
+                if st.part_bytes != list(want):
+                    raise ValueError(f"TpuSyncConnector: the runner's state layers of KV cache group {k} hold "
+                                     f"{st.part_bytes} bytes a slot per rank (components in order), the model's "
+                                     f"state at TP={g.tp} is {list(want)}")
+            for i in range(g.num_layers):
+                k = group_of[i]
+                if kinds[k] == "state":
+                    layer_kinds.append((k, [j for j in range(g.num_layers) if group_of[j] == k].index(i)))
+                else:
+                    layer_kinds.append((k, attn_layers.index(i)))
+            return JaxHybridKv(attn, parts, layer_kinds, kinds, lambda req_id: _runner_state_slot(runner, req_id))
+        except BaseException:
+            for st in parts.values():
+                st.close()
+            attn.close()
+            raise
 
     @property
     def jax_stats(self) -> Optional[Dict[str, Any]]:
@@ -761,6 +829,12 @@ class WorkerSide:
             self._report.handshakes[self.caches.tp_rank] = self.handshake()
         if self.caches is not None:
             self.caches.refresh()  # a JAX runner's arrays of this step
+            cp = self.caches.copier
+            if hasattr(cp, "commit_pending"):
+                # Pulled states of requests that entered the runner's batch this step: into their
+                # slots before the forward reads them.
+                for req_id in cp.commit_pending():
+                    log.debug("tpu_sync: %s: pulled state written into its slot", req_id)
         if self.tier is not None:
             for req_id, hashes in meta.lookups.items():
                 self._report.lookup_hits[req_id] = self._lookup(req_id, hashes)
@@ -1158,6 +1232,9 @@ class WorkerSide:
                 return
             try:
                 if cp is not None:
+                    if hasattr(cp, "map_request"):
+                        # A JAX runner's state rows: the request's slot (still in the batch).
+                        cp.map_request(s.req_id, s.block_ids)
                     # framework-copy: the device's blocks into the mirrors (per group with groups)
                     cp.stage(s.block_ids)
                 self.transport.register(s.xfer_id, placement, s.num_tokens, s.lease_s, pullers)
@@ -1295,10 +1372,13 @@ class WorkerSide:
         host-tier leases of finished requests."""
         from ._api import KVConnectorTransferResults
 
+        cp = self.caches.copier if self.caches is not None else None
         for req_id in finished_req_ids:
             lease = self._leases.pop(req_id, None)
             if lease is not None:
                 _close(lease)
+            if hasattr(cp, "forget"):
+                cp.forget(req_id)  # a pulled state whose request ended before it had a slot
         res = KVConnectorTransferResults()
         for req_id, ok in self._loads_reported.items():
             res.finished_recving.add(req_id)
@@ -1424,7 +1504,12 @@ class WorkerSide:
             return err
         try:
             self.caches.refresh()
-            cp.after_write(ids, p.ptrs)
+            if hasattr(cp, "map_request"):
+                # A JAX runner's state rows: written into the request's slot once it has one.
+                cp.map_request(p.spec.req_id, ids)
+                cp.after_write(ids, p.ptrs, req_id=p.spec.req_id)
+            else:
+                cp.after_write(ids, p.ptrs)
             return None
         except Exception as e:  # moved caches, a device error in the framework's copies: recomputed
             return e
@@ -1981,6 +2066,20 @@ def _layer_block_ids(op: Any, caches: KvCaches) -> List[List[Optional[int]]]:
             if b is not None and not 0 <= b < caches.num_blocks:
                 raise IndexError(f"block id {b} out of range 0..{caches.num_blocks}")
     return per
+
+
+def _runner_state_slot(runner: Any, req_id: str) -> Optional[int]:
+    """A request's device state slot in a tpu-inference runner (``mamba_cache_mode="none"``:
+    ``input_batch.mamba_state_indices_cpu`` at the request's index, a global slot id, assigned
+    when the request enters the persistent batch, ``runner/input_batch.py`` 0.32.0 ``add_request``),
+    or None while it is not in the batch (0 is the null slot)."""
+    batch = getattr(runner, "input_batch", None)
+    index = getattr(batch, "req_id_to_index", None) or {}
+    i = index.get(req_id)
+    if i is None:
+        return None
+    slot = int(batch.mamba_state_indices_cpu[i])
+    return slot if slot > 0 else None
 
 
 def _runner_layer_arrays(runner: Any, g: KvGeometry) -> List[int]:
