@@ -514,6 +514,15 @@ def group_caches(g, tokens, held, seed, fill_seed):
     return out, rows
 
 
+def pull_groups(cons, req, xfer, peers, src_layout, held_src, held_dst, tokens):
+    """The consumer worker pulls transfer ``xfer`` (request ``req``) from the producer's blocks
+    ``held_src`` into ``held_dst`` (one list per KV cache group); asserts it succeeded."""
+    cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec(req, xfer, peers, src_layout, held_src, held_dst, tokens,
+                                                       30.0)]))
+    res = wait_pulled(cons, req)
+    assert res.finished_recving == {req} and not res.failed_recving, cons.stats
+
+
 class GroupRunner:
     """tpu-inference's runner around the arrays of a model with two KV cache groups: one array
     per TP-sharded ``KVCacheTensor``, shared by both layers (``shared``) or one per layer."""
@@ -560,10 +569,7 @@ def test_pd_between_jax_runners_with_kv_cache_groups(configs, backend, shared):
         assert prod.stats["registered"] == 1, prod.stats
         pr.forward()
         cr.forward()
-        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 97, peers, gs.tpu_sync_layout(NB), held_src,
-                                                           held_dst, tokens, 30.0)]))
-        res = wait_pulled(cons, "d1")
-        assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
+        pull_groups(cons, "d1", 97, peers, gs.tpu_sync_layout(NB), held_src, held_dst, tokens)
         need = tokens + 1 - WINDOW
         for layer in range(2):
             exp = np.concatenate(dst, axis=2)
@@ -1762,10 +1768,7 @@ def test_pd_of_a_gdn_hybrid_between_jax_runners(configs, src_tp, dst_tp, early):
         pr.kv_caches[0] = (pr.kv_caches[0][0].at[3].set(-1.0), pr.kv_caches[0][1].at[3].set(-1.0))
         pr.forward()
         cr.forward()
-        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 97, peers, gs.tpu_sync_layout(NB), held_src,
-                                                           held_dst, tokens, 30.0)]))
-        res = wait_pulled(cons, "d1")
-        assert res.finished_recving == {"d1"} and not res.failed_recving, cons.stats
+        pull_groups(cons, "d1", 97, peers, gs.tpu_sync_layout(NB), held_src, held_dst, tokens)
         assert np.array_equal(bits(cr.kv_caches[1]), np.where(
             np.isin(np.arange(NB), ids_dst)[:, None, None, None, None], want_attn,
             np.concatenate(dst_attn0, axis=2))), "attention blocks"
@@ -1813,9 +1816,7 @@ def test_gdn_hybrid_state_that_cannot_be_placed_fails_cleanly(configs):
         assert prod.stats["registered"] == 1, prod.stats
         peers = {r: prod.handshake().address for r in prod.handshake().tp_ranks}
         before = cr.state()
-        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d2", 99, peers, g.tpu_sync_layout(NB), [[11], [1, 2]],
-                                                           [[6], [4, 5]], tokens, 30.0)]))
-        assert wait_pulled(cons, "d2").finished_recving == {"d2"}
+        pull_groups(cons, "d2", 99, peers, g.tpu_sync_layout(NB), [[11], [1, 2]], [[6], [4, 5]], tokens)
         assert cons.jax_stats["pending_state_requests"] == 1
         cons.get_transfer_results({"d2"})  # finished (aborted) before it was scheduled
         assert cons.jax_stats["pending_state_requests"] == 0

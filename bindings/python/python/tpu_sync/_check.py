@@ -196,3 +196,19 @@ def last_block_ids(block_ids: Any) -> Any:
         return [[b for b in g if int(b) != NULL_BLOCK_ID][-1:] for g in block_ids]
     return list(block_ids)[-1:]
 
+
+def state_slot(part_bytes: List[int], slot_bytes: int, view_dtype: str, what: str) -> List[int]:
+    """Where each part (a state component's bytes of one slot) starts in a slot of
+    ``slot_bytes`` that holds the parts one after another (a state group's slot), after checking
+    that they fit and that ``view_dtype`` (a tpu_sync buffer dtype) divides the slot.
+
+    Raises:
+        InvalidArgumentError: parts larger than the slot (``what`` names them), an unknown
+            view dtype or one whose size does not divide ``slot_bytes``."""
+    from .arrays import ITEMSIZE
+
+    if sum(part_bytes) > slot_bytes:
+        raise fail(f"{what} of {sum(part_bytes)} B per slot in slots of {slot_bytes} B")
+    if view_dtype not in ITEMSIZE or slot_bytes % ITEMSIZE[view_dtype]:
+        raise fail(f"view dtype {view_dtype!r} for slots of {slot_bytes} B")
+    return [sum(part_bytes[:j]) for j in range(len(part_bytes))]

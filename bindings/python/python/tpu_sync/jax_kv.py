@@ -321,11 +321,7 @@ class JaxKv:
 
     def arrays(self) -> List[Any]:
         """The runner's current per-layer arrays (read again on every call)."""
-        src = self._source
-        caches = src() if callable(src) and not hasattr(src, "kv_caches") else getattr(src, "kv_caches", None)
-        if caches is None or len(caches) == 0:
-            raise _fail(InvalidArgumentError, "the runner has no KV caches (runner.kv_caches is empty or unset)")
-        return list(caches)
+        return runner_caches(self._source)
 
     def layer_arrays(self) -> List[Any]:
         """The current array of each cache layer (the same array for layers that share one)."""
@@ -338,10 +334,7 @@ class JaxKv:
         self._set_array(self._index[layer], array)
 
     def _set_array(self, index: int, array: Any) -> None:
-        if self._setter is not None:
-            self._setter(index, array)
-        else:
-            self._source.kv_caches[index] = array
+        set_runner_cache(self._source, self._setter, index, array)
 
     def stats(self) -> Dict[str, Any]:
         """Back end and reason, shard geometry, and counters (views built, bytes copied by JAX's
@@ -404,9 +397,7 @@ class JaxKv:
                 per[-1]._jax_keep = host_keep
             views[r] = per
         if self._views is not None:
-            for bufs in self._views[1].values():
-                for b in bufs:
-                    b.close()
+            close_buffers(self._views[1])
         self._views = (ptrs, views)
         self._counters["views_built"] += 1
         return views
@@ -745,14 +736,10 @@ class JaxKv:
     def close(self) -> None:
         """Closes the views and the host mirrors (the runner's caches are untouched)."""
         if self._views is not None:
-            for bufs in self._views[1].values():
-                for b in bufs:
-                    b.close()
+            close_buffers(self._views[1])
             self._views = None
         if self._mirrors is not None:
-            for bufs in self._mirrors[1].values():
-                for b in bufs:
-                    b.close()
+            close_buffers(self._mirrors[1])
             self._mirrors = None
 
     # -- P/D through a tpu_sync.Endpoint --------------------------------------------------------
@@ -805,6 +792,32 @@ class JaxKv:
         self.after_write(ids, ptrs)
         self._counters["pulls"] += 1
         return report
+
+
+def runner_caches(source: Any) -> List[Any]:
+    """The current ``kv_caches`` list of a runner (or what a callable ``source`` returns).
+
+    Raises:
+        InvalidArgumentError: none, or an empty list."""
+    caches = source() if callable(source) and not hasattr(source, "kv_caches") else getattr(source, "kv_caches", None)
+    if caches is None or len(caches) == 0:
+        raise _fail(InvalidArgumentError, "the runner has no KV caches (runner.kv_caches is empty or unset)")
+    return list(caches)
+
+
+def set_runner_cache(source: Any, setter: Optional[Callable[[int, Any], None]], index: int, value: Any) -> None:
+    """Replaces entry ``index`` of the runner's ``kv_caches`` (through ``setter`` where given)."""
+    if setter is not None:
+        setter(index, value)
+    else:
+        source.kv_caches[index] = value
+
+
+def close_buffers(by_rank: Dict[int, List[Any]]) -> None:
+    """Closes every buffer of ``{rank: [buffer per layer]}`` (views or mirrors)."""
+    for bufs in by_rank.values():
+        for b in bufs:
+            b.close()
 
 
 class _Keep:

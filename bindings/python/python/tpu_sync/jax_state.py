@@ -51,7 +51,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from . import _check as ck
 from .arrays import ITEMSIZE
 from .errors import InvalidArgumentError, MismatchError, UnsupportedError
-from .jax_kv import _axis_of, _fail, _uint
+from .jax_kv import _axis_of, _fail, _uint, close_buffers, runner_caches, set_runner_cache
 
 log = logging.getLogger("tpu_sync.jax")
 
@@ -176,13 +176,8 @@ class JaxStateKv:
             raise _fail(InvalidArgumentError, f"mirror_blocks {mirror_blocks}")
         #: bytes of each component's shard in one slot, and where it starts in a mirror's slot
         self.part_bytes = [int(np.prod(shape[1:])) * item for _, shape, item in self._comps]
-        self.offsets = [sum(self.part_bytes[:j]) for j in range(len(self._comps))]
         self.block_bytes = int(slot_bytes)
-        if sum(self.part_bytes) > self.block_bytes:
-            raise _fail(InvalidArgumentError, f"state shards of {sum(self.part_bytes)} B per slot in slots of "
-                        f"{self.block_bytes} B")
-        if view_dtype not in ITEMSIZE or self.block_bytes % ITEMSIZE[view_dtype]:
-            raise _fail(InvalidArgumentError, f"view dtype {view_dtype!r} for slots of {self.block_bytes} B")
+        self.offsets = ck.state_slot(self.part_bytes, self.block_bytes, view_dtype, "state shards")
         self.buffer_dtype = view_dtype
         self.num_layers = len(self._index)
         self.backend, self.backend_reason = "framework-copy", "a state layer is several arrays: JAX's own copies"
@@ -203,11 +198,7 @@ class JaxStateKv:
 
     def arrays(self) -> List[Any]:
         """The runner's current list (read again on every call)."""
-        src = self._source
-        caches = src() if callable(src) and not hasattr(src, "kv_caches") else getattr(src, "kv_caches", None)
-        if caches is None or len(caches) == 0:
-            raise _fail(InvalidArgumentError, "the runner has no KV caches (runner.kv_caches is empty or unset)")
-        return list(caches)
+        return runner_caches(self._source)
 
     def stats(self) -> Dict[str, Any]:
         """Back end, geometry and counters (bytes copied by JAX's copies, stages, commits)."""
@@ -305,9 +296,7 @@ class JaxStateKv:
                         views[r].append(self.client.view(np.frombuffer(m, dtype=np.uint8), shape=shape,
                                                          dtype=self.buffer_dtype))
             except BaseException:
-                for bufs in views.values():
-                    for b in bufs:
-                        b.close()
+                close_buffers(views)
                 raise
             self._mirrors = (maps, views)
         return self._mirrors[1]
@@ -407,11 +396,7 @@ class JaxStateKv:
                 new.append(self._scatter_fn(a, ids, upd))
                 self._counters["h2d_bytes"] += sum(p.nbytes for p in parts.values())
             i = self._index[layer]
-            value = tuple(new) if isinstance(arrays[i], tuple) else list(new)
-            if self._setter is not None:
-                self._setter(i, value)
-            else:
-                self._source.kv_caches[i] = value
+            set_runner_cache(self._source, self._setter, i, tuple(new) if isinstance(arrays[i], tuple) else list(new))
         self._counters["commits"] += 1
 
     def hold(self, slot_ids: Any) -> None:
@@ -454,11 +439,9 @@ class JaxStateKv:
 
     def close(self) -> None:
         """Closes the mirrors' views (the runner's arrays are untouched)."""
-        if self._mirrors is not None:
-            for bufs in self._mirrors[1].values():
-                for b in bufs:
-                    b.close()
-            self._mirrors = None
+        mirrors, self._mirrors = self._mirrors, None
+        if mirrors is not None:
+            close_buffers(mirrors[1])
 
 
 class JaxHybridKv:

@@ -820,13 +820,8 @@ class StateKv(_Mirrored):
                                 "as the layer's other tensors")
         #: bytes of each tensor's block, and where it starts in a slot of the mirror
         self.part_bytes = [int(t[0].numel()) * int(t.element_size()) for t in first]
-        self.offsets = [sum(self.part_bytes[:j]) for j in range(len(first))]
         self.block_bytes = int(slot_bytes)
-        if sum(self.part_bytes) > self.block_bytes:
-            raise _fail(InvalidArgumentError, f"state tensors of {sum(self.part_bytes)} B per block in slots of "
-                        f"{self.block_bytes} B")
-        if view_dtype not in ITEMSIZE or self.block_bytes % ITEMSIZE[view_dtype]:
-            raise _fail(InvalidArgumentError, f"view dtype {view_dtype!r} for slots of {self.block_bytes} B")
+        self.offsets = ck.state_slot(self.part_bytes, self.block_bytes, view_dtype, "state tensors")
         self.buffer_dtype = view_dtype
         self.num_blocks = int(first[0].shape[0])
         self.nbytes = self.num_blocks * self.block_bytes
