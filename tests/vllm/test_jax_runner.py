@@ -1834,9 +1834,51 @@ def test_gdn_hybrid_state_that_cannot_be_placed_fails_cleanly(configs):
                 w.register_runner(GdnRunner(g, attn, 0, fill_seed=1))
         finally:
             w.shutdown()
-    w = worker(configs, "kv_consumer", g)
+
+
+def test_pd_of_a_gdn_hybrid_into_a_data_parallel_runner(configs):
+    """P/D of a gated-delta-net hybrid from a TP=2 runner into replica 1 of a DP=2 x TP=2 runner
+    (global block ids and global state slots, as tpu-inference's DP scheduler and input batch
+    give them): the state lands in the request's slot of replica 1 once the request enters the
+    batch, the attention blocks in replica 1's blocks; replica 0 and every other slot and block
+    unchanged."""
+    from tpu_sync.vllm.worker import WorkerSide
+
+    tokens = 40
+    gs, gd = gdn_hybrid_geometry(2), gdn_hybrid_geometry(2)
+    ids_src, ids_dst = [2, 9, 4], [7, 3, 12]
+    held_src = [[11], ids_src]
+    held_dst = [[NB + 5], [NB + b for b in ids_dst]]
+    whole = gdn_whole_state(23)
+    src_attn = [per[1] for per in rank_caches(gs, tokens, ids_src, seed=3, fill_seed=11)]
+    dst_attn0 = [per[1] for per in rank_caches(gd, 0, ids_dst, seed=3, fill_seed=12)]
+    want_attn = np.concatenate([per[1] for per in rank_caches(gd, tokens, ids_dst, seed=3, fill_seed=12)], axis=2)
+    pr = GdnRunner(gs, src_attn, 0, fill_seed=1, state=(3, whole))
+    cr = GdnRunner(gd, dst_attn0, 4, fill_seed=2, dp=2)
+    pr.add("p1", 3)
+    dst_before, attn_before = cr.state(), bits(cr.kv_caches[1])
+    prod = worker(configs, "kv_producer", gs)
+    cons = WorkerSide(dp_vllm_config(configs, "kv_consumer", 2), ConnectorConfig.parse("kv_consumer", {}), gd)
     try:
-        with pytest.raises(ValueError, match="data-parallel replicas with state"):
-            w.register_runner(GdnRunner(g, attn, 0, fill_seed=1, dp=2))
+        prod.register_runner(pr)
+        cons.register_runner(cr)
+        assert cons.jax_stats["dp"] == 2
+        peers = {r: prod.handshake().address for r in prod.handshake().tp_ranks}
+        prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 96, held_src, tokens, 60.0, 2)]))
+        assert prod.stats["registered"] == 1, prod.stats
+        pull_groups(cons, "d1", 96, peers, gs.tpu_sync_layout(NB), held_src, held_dst, tokens)
+        want = attn_before.copy()
+        want[[NB + b for b in ids_dst]] = want_attn[ids_dst]
+        cr.forward()  # new arrays (a pjrt-view pull wrote the shards behind JAX's cached host copy)
+        assert np.array_equal(bits(cr.kv_caches[1]), want), "attention blocks of replica 1 only"
+        slot = GDN_SLOTS + 2  # replica 1's local slot 2
+        cr.add("d1", slot)
+        cons.start_load_kv(TpuSyncMetadata())
+        conv, rec = cr.state()
+        want_conv, want_rec = dst_before[0].copy(), dst_before[1].copy()
+        want_conv[slot] = _ti_reorder(whole[0], [GDN_KEY, GDN_KEY, 64], 2).view(np.uint32)
+        want_rec[slot] = whole[1].view(np.uint32)
+        assert np.array_equal(conv, want_conv) and np.array_equal(rec, want_rec), "the consumer's state slots"
     finally:
-        w.shutdown()
+        cons.shutdown()
+        prod.shutdown()

@@ -617,7 +617,7 @@ class WorkerSide:
 
         Raises:
             ValueError: no caches, or caches that disagree with the model's geometry (TP,
-                per-rank shape, dtype, layers, state bytes per rank; state layers with DP > 1);
+                per-rank shape, dtype, layers, state bytes per rank);
                 NotImplementedError: what is not supported with a JAX runner yet (layer-wise
                 transfers, KV cache groups with MLA layers, the host tier with state layers, a
                 producer of state layers without ``early_register``);
@@ -659,10 +659,6 @@ class WorkerSide:
                 problems.append("split over data-parallel replicas, which needs vLLM's failed_recving (vLLM >= 0.30: "
                                 "a failed load is reported by request, since no rank's scheduler can read global "
                                 "block ids)")
-        if g.groups and g.has_state and jx.dp > 1:
-            # Not tested with tpu-inference's DP scheduler's merged block ids yet.
-            problems.append(f"split over {jx.dp} data-parallel replicas with state (Mamba) layers, which is not "
-                            "supported yet (one replica is)")
         if self.cfg.extra.get("cluster") and len(jx.ranks) > 1:
             # The cluster directory describes one store per TP rank (its layout, rank and
             # namespace), while this worker's host-tier entries hold a block of every rank of a
