@@ -1797,8 +1797,8 @@ def test_gdn_hybrid_state_that_cannot_be_placed_fails_cleanly(configs):
     """A producer whose request already left its runner's batch (its slot is gone) does not
     register it (the consumer's pull fails and it recomputes) rather than send another
     request's state; a consumer's pulled state whose request finishes before it is scheduled is
-    dropped; the host tier and a producer without early registration are refused with a JAX
-    runner of such a model."""
+    dropped; the host tier, speculative decoding and a producer without early registration are
+    refused with a JAX runner of such a model."""
     tokens = 20
     g = gdn_hybrid_geometry(2)
     attn = [per[1] for per in rank_caches(g, tokens, [1, 2], seed=3, fill_seed=11)]
@@ -1826,9 +1826,13 @@ def test_gdn_hybrid_state_that_cannot_be_placed_fails_cleanly(configs):
     finally:
         cons.shutdown()
         prod.shutdown()
-    for role, extra, match in [("kv_both", {"host_capacity_bytes": 16 << 20}, "host tier"),
-                               ("kv_producer", {"early_register": False}, "early_register")]:
-        w = worker(configs, role, g, extra)
+    from tpu_sync.vllm.worker import WorkerSide
+
+    spec_config = dp_vllm_config(configs, "kv_consumer", 1)
+    spec_config.speculative_config = SimpleNamespace(num_speculative_tokens=2)
+    for w, match in [(worker(configs, "kv_both", g, {"host_capacity_bytes": 16 << 20}), "host tier"),
+                     (worker(configs, "kv_producer", g, {"early_register": False}), "early_register"),
+                     (WorkerSide(spec_config, ConnectorConfig.parse("kv_consumer", {}), g), "speculative decoding")]:
         try:
             with pytest.raises(NotImplementedError, match=match):
                 w.register_runner(GdnRunner(g, attn, 0, fill_seed=1))

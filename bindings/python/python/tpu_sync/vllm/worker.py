@@ -619,8 +619,8 @@ class WorkerSide:
             ValueError: no caches, or caches that disagree with the model's geometry (TP,
                 per-rank shape, dtype, layers, state bytes per rank);
                 NotImplementedError: what is not supported with a JAX runner yet (layer-wise
-                transfers, KV cache groups with MLA layers, the host tier with state layers, a
-                producer of state layers without ``early_register``);
+                transfers, KV cache groups with MLA layers, the host tier or speculative decoding
+                with state layers, a producer of state layers without ``early_register``);
                 UnsupportedError (tpu_sync.errors): shardings not mapped
                 (docs/tpu.md); ImportError without jax."""
         if self.caches is not None:
@@ -631,15 +631,19 @@ class WorkerSide:
                              "kv_caches")
         g = self.geometry
         states = bool(g.groups) and g.has_state
+        spec = getattr(self.vllm_config, "speculative_config", None) is not None
         if ((g.groups and g.kv_order == compat.MLA_ORDER) or self.cfg.layerwise or g.mla_parts
                 or g.kv_order not in ("rpa3", "rpa3hd64", compat.MLA_ORDER)
-                or (states and (self.cfg.offload or (self.cfg.is_producer and not self.cfg.early_register)))):
+                or (states and (self.cfg.offload or spec or (self.cfg.is_producer and not self.cfg.early_register)))):
             what = ("layer-wise transfers" if self.cfg.layerwise else
                     "sparse MLA caches (vLLM-TorchTPU's; tpu-inference has none)" if g.mla_parts else
-                    "KV cache groups with MLA layers" if g.groups and not states else
-                    "the host tier with state (Mamba) layers" if states and self.cfg.offload else
+                    "KV cache groups with MLA layers" if g.groups and g.kv_order == compat.MLA_ORDER else
+                    f"the {g.kv_order} cache" if g.kv_order not in ("rpa3", "rpa3hd64", compat.MLA_ORDER) else
+                    "the host tier with state (Mamba) layers" if self.cfg.offload else
+                    "speculative decoding with state (Mamba) layers (the runner gives a request several "
+                    "consecutive state slots)" if spec else
                     "a producer of state (Mamba) layers without early_register (the state must be staged "
-                    "before the runner gives the request's slot back)" if states else f"the {g.kv_order} cache")
+                    "before the runner gives the request's slot back)")
             raise NotImplementedError(f"TpuSyncConnector: {what} with a JAX model runner (tpu-inference) are not "
                                       "supported yet (issue 25; docs/tpu.md)")
         jx = self._jax_caches(runner, g)
