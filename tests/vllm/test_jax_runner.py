@@ -1717,25 +1717,41 @@ class GdnRunner:
         self.input_batch.mamba_state_indices_cpu[i] = 0
 
     def forward(self):
+        """A step: every batched request's state slot read as the forward reads its initial
+        state (kept in ``seen``), then the arrays donated and put back."""
+        conv, rec = self.state()
+        self.seen = {r: (conv[s].copy(), rec[s].copy()) for r, i in self.input_batch.req_id_to_index.items()
+                     for s in [int(self.input_batch.mamba_state_indices_cpu[i])]}
         self.kv_caches = [jax.tree_util.tree_map(self._step, e) for e in self.kv_caches]
 
     def state(self):
         return [np.asarray(jax.device_get(a)).view(np.uint32).copy() for a in self.kv_caches[0]]
 
 
-@pytest.mark.parametrize("src_tp,dst_tp,early", [(2, 4, True), (4, 2, True), (2, 4, False)],
-                         ids=["tp2-tp4-early", "tp4-tp2-early", "tp2-tp4-sends"])
-def test_pd_of_a_gdn_hybrid_between_jax_runners(configs, src_tp, dst_tp, early):
+def engine_step(w, runner, meta=None):
+    """One engine step as vLLM 0.32 drives the connector around the runner's forward in a step
+    without synchronous loads (``_get_kv_connector_output``): the metadata bound, the forward,
+    then ``start_load_kv`` and ``wait_for_save``."""
+    meta = meta if meta is not None else TpuSyncMetadata()
+    w.bind(meta)
+    runner.forward()
+    w.start_load_kv(meta)
+    w.wait_for_save(meta)
+
+
+@pytest.mark.parametrize("src_tp,dst_tp", [(2, 4), (4, 2)])
+def test_pd_of_a_gdn_hybrid_between_jax_runners(configs, src_tp, dst_tp):
     """P/D of a gated-delta-net hybrid between tpu-inference runners of different TP through the
-    worker sides (``mamba_cache_mode="none"``: runner-owned state slots). The producer stages the
+    worker sides (``mamba_cache_mode="none"``: runner-owned state slots), each step driven as
+    vLLM 0.32 drives the hooks (``start_load_kv`` after the forward). The producer stages the
     request's state from its slot while the request is in its batch (registered right after the
-    forward that completes the prefill, ``early``, or at the next step's start while it still
-    is); after that its slot is overwritten and it leaves the batch, and the pull still gets the
-    staged state. The consumer's pulled state waits in its mirror while the request is not in
-    its batch (every slot unchanged), and is written into the slot the request gets when it
-    enters the batch, before that step's forward: byte-exact in the consumer's TP layout (its
-    conv channels ordered for its TP), every other slot unchanged; the attention layer's blocks
-    byte-exact, every other block unchanged; the producer's arrays unchanged."""
+    forward that completes the prefill); after that its slot is overwritten and it leaves the
+    batch, and the pull still gets the staged state. The consumer's pulled state waits in its
+    mirror while the request is not in its batch (every slot unchanged), and is in the slot the
+    request gets when it enters the batch by the time that step's forward reads it: byte-exact
+    in the consumer's TP layout (its conv channels ordered for its TP), every other slot
+    unchanged; the attention layer's blocks byte-exact, every other block unchanged; the
+    producer's arrays unchanged."""
     tokens = 40
     gs, gd = gdn_hybrid_geometry(src_tp), gdn_hybrid_geometry(dst_tp)
     ids_src, ids_dst = [2, 9, 4], [7, 3, 12]
@@ -1754,14 +1770,8 @@ def test_pd_of_a_gdn_hybrid_between_jax_runners(configs, src_tp, dst_tp, early):
         prod.register_runner(pr)
         cons.register_runner(cr)
         peers = {r: prod.handshake().address for r in prod.handshake().tp_ranks}
-        send = SendSpec("p1", 97, held_src, tokens, 60.0, dst_tp)
-        pr.forward()
-        if early:
-            meta = TpuSyncMetadata(layer_sends=[send])
-            prod.bind(meta)
-            prod.wait_for_save(meta)
-        else:
-            prod.start_load_kv(TpuSyncMetadata(sends=[send]))
+        # The step that completes the prefill: registered right after its forward.
+        engine_step(prod, pr, TpuSyncMetadata(layer_sends=[SendSpec("p1", 97, held_src, tokens, 60.0, dst_tp)]))
         assert prod.stats["registered"] == 1, prod.stats
         # The next step: the request leaves the batch, its slot goes to another request.
         pr.remove("p1")
@@ -1774,16 +1784,17 @@ def test_pd_of_a_gdn_hybrid_between_jax_runners(configs, src_tp, dst_tp, early):
             np.concatenate(dst_attn0, axis=2))), "attention blocks"
         assert all(np.array_equal(a, b) for a, b in zip(cr.state(), dst_before)), "state written before a slot"
         assert cons.jax_stats["pending_state_requests"] == 1
-        # The request enters the consumer's batch (slot 2); the step's start writes its state.
+        # The request enters the consumer's batch (slot 2): its forward reads the pulled state.
         cr.add("d1", 2)
-        cr.forward()
-        cons.start_load_kv(TpuSyncMetadata())
-        conv, rec = cr.state()
+        engine_step(cons, cr)
         want_conv, want_rec = dst_before[0].copy(), dst_before[1].copy()
         want_conv[2] = _ti_reorder(whole[0], [GDN_KEY, GDN_KEY, 64], dst_tp).view(np.uint32)
         want_rec[2] = whole[1].view(np.uint32)
+        assert [np.array_equal(a, b) for a, b in zip(cr.seen["d1"], (want_conv[2], want_rec[2]))] == [True, True], \
+            "the state the consumer's forward read"
+        conv, rec = cr.state()
         assert np.array_equal(conv, want_conv) and np.array_equal(rec, want_rec), "the consumer's state slots"
-        assert cons.jax_stats["pending_state_requests"] == 0
+        assert cons.jax_stats["pending_state_requests"] == 0 and cons.stats["states_placed"] == 1
         # The producer's arrays: unchanged but for the slot the test overwrote.
         s_conv, s_rec = pr.state()
         assert np.array_equal(np.delete(s_conv, 3, 0), np.delete(src_before[0], 3, 0))
@@ -1821,7 +1832,7 @@ def test_gdn_hybrid_state_that_cannot_be_placed_fails_cleanly(configs):
         cons.get_transfer_results({"d2"})  # finished (aborted) before it was scheduled
         assert cons.jax_stats["pending_state_requests"] == 0
         cr.add("d2", 2)
-        cons.start_load_kv(TpuSyncMetadata())
+        engine_step(cons, cr)
         assert all(np.array_equal(a, b) for a, b in zip(cr.state(), before))
     finally:
         cons.shutdown()
@@ -1877,7 +1888,7 @@ def test_pd_of_a_gdn_hybrid_into_a_data_parallel_runner(configs):
         assert np.array_equal(bits(cr.kv_caches[1]), want), "attention blocks of replica 1 only"
         slot = GDN_SLOTS + 2  # replica 1's local slot 2
         cr.add("d1", slot)
-        cons.start_load_kv(TpuSyncMetadata())
+        engine_step(cons, cr)
         conv, rec = cr.state()
         want_conv, want_rec = dst_before[0].copy(), dst_before[1].copy()
         want_conv[slot] = _ti_reorder(whole[0], [GDN_KEY, GDN_KEY, 64], 2).view(np.uint32)

@@ -228,3 +228,64 @@ def test_unmapped_state_shardings_and_bad_arguments_are_refused():
     with pytest.raises(InvalidArgumentError, match="twice"):
         k.commit([2, 2])
     k.close()
+
+
+def test_a_failed_commit_leaves_the_runner_valid(monkeypatch):
+    """A commit whose copy of the second component fails raises, and the runner's entry is a
+    valid tuple (the first component written, the second as it was), not a donated array; a
+    hybrid's pending state that fails to be written is named in the error, after every other
+    request's state was written."""
+    from tpu_sync.jax_kv import JaxKv
+    from tpu_sync.jax_state import JaxHybridKv
+
+    run = make_runner(1, 2, 0, 3, seed=5, fill_seed=1)
+    k = JaxStateKv(run, [1, 2], SLOT_BYTES, view_dtype="f32", client=tpu_sync.Client())
+    before = [host(e) for e in run.kv_caches[1:]]
+    k.stage([3])
+    real = JaxStateKv._update
+
+    def failing(self, c, a, rows):
+        if c == 1:
+            raise RuntimeError("injected copy failure")
+        return real(self, c, a, rows)
+
+    monkeypatch.setattr(JaxStateKv, "_update", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        k.commit([3], [1])
+    conv, rec = host(run.kv_caches[1])  # readable: nothing deleted
+    assert np.array_equal(conv[1].view(np.uint32), before[0][0][3].view(np.uint32)), "component 0 written"
+    assert np.array_equal(rec.view(np.uint32), before[0][1].view(np.uint32)), "component 1 as it was"
+    run.forward()  # the runner's next step can use every array
+    monkeypatch.setattr(JaxStateKv, "_update", real)
+
+    # Two requests' pulled states waiting for their slots; writing the first one's fails.
+    from types import SimpleNamespace
+
+    k.stage([2], [3])
+    k.stage([4], [3])
+    attn = SimpleNamespace(tp=k.tp, dp=k.dp, ranks=k.ranks, num_blocks=k.num_blocks, mla=False, view_shape=(),
+                           model_dtype="f32", buffer_dtype="f32", client=k.client, backend="framework-copy",
+                           backend_reason="", block_size=16, physical_layout="",
+                           after_write=lambda ids, ptrs: None, stats=dict, close=lambda: None)
+    slots = {}
+    hyb = JaxHybridKv(attn, {0: k}, [(0, 0), (0, 1)], ["state"], slots.get)
+    for req, row in (("r1", 2), ("r2", 4)):
+        hyb.map_request(req, [[row]])
+        hyb.after_write([[row]], (), req_id=req)
+    assert hyb.commit_pending() == [] and hyb.stats()["pending_state_requests"] == 2
+    slots.update(r1=1, r2=2)
+    real_commit = JaxStateKv.commit
+
+    def commit(self, rows, device_slots=None):
+        if list(device_slots or ()) == [1]:
+            raise RuntimeError("injected copy failure")
+        return real_commit(self, rows, device_slots)
+
+    monkeypatch.setattr(JaxStateKv, "commit", commit)
+    with pytest.raises(RuntimeError, match="r1 .*injected"):
+        hyb.commit_pending()
+    assert hyb.stats()["pending_state_requests"] == 0
+    conv, rec = host(run.kv_caches[1])
+    c, h = whole_state(0, 5)
+    assert np.array_equal(conv[2], ti_reorder(c, 2)) and np.array_equal(rec[2], h), "r2's state written"
+    hyb.close()

@@ -46,6 +46,8 @@ forward that donates the caches.
 from __future__ import annotations
 
 import logging
+import mmap
+import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import _check as ck
@@ -54,6 +56,9 @@ from .errors import InvalidArgumentError, MismatchError, UnsupportedError
 from .jax_kv import _axis_of, _fail, _uint, close_buffers, runner_caches, set_runner_cache
 
 log = logging.getLogger("tpu_sync.jax")
+
+#: Linux's ``MAP_NORESERVE`` (Python's mmap module does not name it)
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 
 class JaxStateKv:
@@ -291,7 +296,9 @@ class JaxStateKv:
                 for r in self.ranks:
                     maps[r], views[r] = [], []
                     for _ in range(self.num_layers):
-                        m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                        # Address space only: rows are committed where a copy writes them
+                        # (MAP_NORESERVE: a pool of many blocks never counts against overcommit).
+                        m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
                         maps[r].append(m)
                         views[r].append(self.client.view(np.frombuffer(m, dtype=np.uint8), shape=shape,
                                                          dtype=self.buffer_dtype))
@@ -348,15 +355,17 @@ class JaxStateKv:
     def commit(self, slot_ids: Sequence[int], device_slots: Optional[Sequence[int]] = None) -> None:
         """Writes mirror rows ``slot_ids`` into the device's slots ``device_slots`` (default: the
         same ids) of the state layers (JAX's H2D and a donating scatter per component; the
-        layer's tuple in ``runner.kv_caches`` replaced) after tpu_sync wrote them.
+        layer's tuple in ``runner.kv_caches`` replaced) after tpu_sync wrote them. If a copy
+        fails, the runner still gets a valid tuple (the components written so far, the others
+        as they were) and the error is raised.
 
         Raises:
-            InvalidArgumentError: ids out of range, of several replicas, a slot named twice."""
+            InvalidArgumentError: ids out of range, of several replicas, a slot named twice;
+            JAX's errors from the copies."""
         if not len(slot_ids):
             return
         import jax
         import numpy as np
-        from jax.sharding import NamedSharding, PartitionSpec
 
         d, local, slots = self._rows_and_slots(slot_ids, device_slots)
         self.rank_views()
@@ -371,33 +380,47 @@ class JaxStateKv:
             self._scatter_fn = jax.jit(scatter, donate_argnums=0)
         ids = np.asarray([d * self.device_slots + b for b in slots], dtype=np.int32)
         mirrors = self._mirror_slots()
-        replica = self.replica_ranks(d)
         arrays = self.arrays()
         for layer, entry in enumerate(self._entries()):
-            new = []
-            for c, a in enumerate(entry):
-                mdim, shape, item = self._comps[c]
-                off = self.offsets[c]
-                parts = {r % self.tp: np.ascontiguousarray(mirrors[r][layer][local, off:off + self.part_bytes[c]])
-                         .view(_uint(item)).reshape((len(local),) + shape[1:]) for r in replica}
-                glob = (len(local),) + tuple(int(x) for x in a.shape[1:])
-                # The update's rows are not split over the data axis (global ids of one replica):
-                # every device gets them all and the scatter writes those in its own shard.
-                spec = list(getattr(a.sharding, "spec", ()) or ())
-                spec += [None] * (len(glob) - len(spec))
-                spec[0] = None
-                sharding = NamedSharding(a.sharding.mesh, PartitionSpec(*spec))
-
-                def piece(idx: Any, parts: Any = parts, mdim: Any = mdim, shape: Any = shape) -> Any:
-                    t = (idx[mdim].start or 0) // shape[mdim] if mdim is not None else 0
-                    return parts[t]
-
-                upd = jax.make_array_from_callback(glob, sharding, piece)
-                new.append(self._scatter_fn(a, ids, upd))
-                self._counters["h2d_bytes"] += sum(p.nbytes for p in parts.values())
             i = self._index[layer]
-            set_runner_cache(self._source, self._setter, i, tuple(new) if isinstance(arrays[i], tuple) else list(new))
+            new: List[Any] = []
+            try:
+                for c, a in enumerate(entry):
+                    rows = {r % self.tp: mirrors[r][layer][local] for r in self.replica_ranks(d)}
+                    new.append(self._scatter_fn(a, ids, self._update(c, a, rows)))
+            finally:
+                # The components scattered so far were donated: the runner gets their results
+                # and the others' old arrays, so no entry holds a deleted array, even on failure.
+                done = list(new) + list(entry[len(new):])
+                set_runner_cache(self._source, self._setter, i,
+                                 tuple(done) if isinstance(arrays[i], tuple) else done)
         self._counters["commits"] += 1
+
+    def _update(self, c: int, a: Any, rows: Dict[int, Any]) -> Any:
+        """Component ``c``'s update for a scatter into its global array ``a``: TP rank ``t``'s
+        shard from ``rows[t]`` (its mirror rows, ``[n, slot_bytes]`` bytes), the rows
+        replicated over the data axis (global ids of one replica: every device gets them all
+        and the scatter writes those in its own shard)."""
+        import jax
+        import numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        mdim, shape, item = self._comps[c]
+        off = self.offsets[c]
+        n = len(next(iter(rows.values())))
+        parts = {t: np.ascontiguousarray(m[:, off:off + self.part_bytes[c]]).view(_uint(item))
+                 .reshape((n,) + shape[1:]) for t, m in rows.items()}
+        glob = (n,) + tuple(int(x) for x in a.shape[1:])
+        spec = list(getattr(a.sharding, "spec", ()) or ())
+        spec += [None] * (len(glob) - len(spec))
+        spec[0] = None
+
+        def piece(idx: Any) -> Any:
+            return parts[(idx[mdim].start or 0) // shape[mdim] if mdim is not None else 0]
+
+        upd = jax.make_array_from_callback(glob, NamedSharding(a.sharding.mesh, PartitionSpec(*spec)), piece)
+        self._counters["h2d_bytes"] += sum(p.nbytes for p in parts.values())
+        return upd
 
     def hold(self, slot_ids: Any) -> None:
         """Nothing to do: :meth:`drop` gives back only the pages of the slots it names."""
@@ -458,8 +481,8 @@ class JaxHybridKv:
     written, :meth:`map_request` binds its state rows to its slot: a producer stages the state
     while the request is still in the batch (the connector registers it right after the forward
     that completes its prefill); a consumer's pulled state stays in its rows until the request
-    enters the batch, and :meth:`commit_pending` (at the start of each step, before the forward)
-    writes it into the slot then.
+    enters the batch, and :meth:`commit_pending` (each step once the runner placed its requests,
+    before the forward: vLLM's ``bind_connector_metadata``) writes it into the slot then.
 
     Args:
         attn: the attention layers' caches (their own KV cache groups numbered ``0..``).
@@ -584,8 +607,11 @@ class JaxHybridKv:
         """Nothing to do (as :meth:`JaxKv.hold`)."""
 
     def drop(self, block_ids: Any) -> None:
-        """Gives the mirrors' pages of ``block_ids`` back (flat or per group), but never the
-        rows of a pulled state still waiting for its request's slot."""
+        """Gives the mirrors' pages of ``block_ids`` back (a flat list, or one per group: every
+        id is dropped in every part, as the worker's flat lists need; in ``mamba_cache_mode=
+        "none"`` the state group's blocks come from the pool the attention groups share, so no
+        id names two groups' blocks at once), but never the rows of a pulled state still
+        waiting for its request's slot."""
         flat = ck.flat_block_ids(block_ids)
         self.attn.drop(flat)
         waiting = {(g, r) for rows in self._pending.values() for g, rs in rows.items() for r in rs}
@@ -627,16 +653,32 @@ class JaxHybridKv:
 
     def commit_pending(self) -> List[str]:
         """Writes each pulled state whose request has entered the runner's batch into its
-        slot (call before the forward of each step); returns those requests."""
-        done = []
+        slot; returns those requests. Call it after the runner placed this step's requests and
+        before the forward reads their slots (vLLM's ``bind_connector_metadata``).
+
+        Raises:
+            RuntimeError: a state could not be written (JAX's copies failed), naming the
+                requests, after every other request's state was written: the pull was already
+                reported done, so the request would otherwise compute from whatever its slot
+                held. The runner's arrays stay valid (:meth:`JaxStateKv.commit`)."""
+        done, failed = [], []
         for req_id, rows in list(self._pending.items()):
             slot = self._slot_of(req_id)
             if slot is None:
                 continue
             del self._pending[req_id]
-            for g, rs in rows.items():
-                self.states[g].after_write(rs, (), [int(slot)] * len(rs))
-            done.append(req_id)
+            try:
+                for g, rs in rows.items():
+                    self.states[g].after_write(rs, (), [int(slot)] * len(rs))
+                done.append(req_id)
+            except Exception as e:  # noqa: BLE001  (every other request's state still written)
+                log.error("tpu_sync.jax: the pulled state of %s could not be written into slot %d: %s", req_id,
+                          slot, e)
+                failed.append(f"{req_id} ({e})")
+                for g, rs in rows.items():
+                    self.states[g].drop(rs)
+        if failed:
+            raise RuntimeError("pulled states not written into their requests' slots: " + "; ".join(failed))
         return done
 
     def forget(self, req_id: str) -> None:

@@ -255,7 +255,7 @@ class WorkerSide:
                                           rejects_failed=0, amx_permission=0, layerwise_registered=0,
                                           layerwise_pulls=0, layerwise_loads=0, saves_failed=0, saves_dropped=0,
                                           save_waits=0, pull_us=0, pulls_deferred=0, idle_waits=0, publish_failed=0, describe_us=0,
-                                          register_skipped=0)
+                                          register_skipped=0, states_placed=0)
         #: this interval's observations for vLLM's connector-stats hooks (None: vLLM lacks them).
         self.xfer_stats: Any = None
         try:
@@ -612,8 +612,9 @@ class WorkerSide:
         in ``runner.kv_caches``, in runner-owned slots) move for P/D through
         :class:`tpu_sync.jax_state.JaxHybridKv` (:meth:`_jax_caches`): a producer stages a
         request's state from its slot when it registers it, right after the forward that
-        completes its prefill; a consumer writes a pulled state into the request's slot at the
-        start of the step in which the request enters the runner's batch.
+        completes its prefill; a consumer writes a pulled state into the request's slot when
+        the metadata of the step in which the request enters the runner's batch is bound
+        (:meth:`bind`), before that step's forward.
 
         Raises:
             ValueError: no caches, or caches that disagree with the model's geometry (TP,
@@ -829,12 +830,8 @@ class WorkerSide:
             self._report.handshakes[self.caches.tp_rank] = self.handshake()
         if self.caches is not None:
             self.caches.refresh()  # a JAX runner's arrays of this step
-            cp = self.caches.copier
-            if hasattr(cp, "commit_pending"):
-                # Pulled states of requests that entered the runner's batch this step: into their
-                # slots before the forward reads them.
-                for req_id in cp.commit_pending():
-                    log.debug("tpu_sync: %s: pulled state written into its slot", req_id)
+            if self._bound is not meta:
+                self._commit_pending_states()  # a caller without bind, before its forward
         if self.tier is not None:
             for req_id, hashes in meta.lookups.items():
                 self._report.lookup_hits[req_id] = self._lookup(req_id, hashes)
@@ -866,9 +863,28 @@ class WorkerSide:
         publishes each layer as the forward writes it. (vLLM calls ``start_load_kv`` only after
         the forward when the step has no synchronous loads, too late for that.)"""
         meta = self._unpacked(meta)
+        self._commit_pending_states()
         if self.transport is not None:
             self._register_step(meta)
             self._bound = meta
+
+    def _commit_pending_states(self) -> None:
+        """A JAX runner's pulled states (:class:`tpu_sync.jax_state.JaxHybridKv`) whose requests
+        entered the runner's batch this step: written into their slots. From :meth:`bind`,
+        which vLLM calls every step after the runner placed the step's requests and before the
+        forward; ``start_load_kv`` runs after the forward in steps without synchronous loads
+        (vLLM 0.32's ``_get_kv_connector_output``), too late for the forward that reads them.
+
+        Raises:
+            RuntimeError: a state that could not be written (the request must not compute from
+                whatever its slot held; :meth:`JaxHybridKv.commit_pending`)."""
+        cp = self.caches.copier if self.caches is not None else None
+        if not hasattr(cp, "commit_pending"):
+            return
+        self.caches.refresh()
+        for req_id in cp.commit_pending():
+            self.stats["states_placed"] += 1
+            log.debug("tpu_sync: %s: pulled state written into its slot", req_id)
 
     def _register_step(self, meta: TpuSyncMetadata) -> None:
         for xfer in getattr(meta, "withdraws", ()):
@@ -2072,13 +2088,21 @@ def _runner_state_slot(runner: Any, req_id: str) -> Optional[int]:
     """A request's device state slot in a tpu-inference runner (``mamba_cache_mode="none"``:
     ``input_batch.mamba_state_indices_cpu`` at the request's index, a global slot id, assigned
     when the request enters the persistent batch, ``runner/input_batch.py`` 0.32.0 ``add_request``),
-    or None while it is not in the batch (0 is the null slot)."""
+    or that kept by a request out of the batch for a step (``runner.requests[req_id].
+    mamba_state_slot``), else None (0 is the null slot)."""
     batch = getattr(runner, "input_batch", None)
     index = getattr(batch, "req_id_to_index", None) or {}
     i = index.get(req_id)
-    if i is None:
-        return None
-    slot = int(batch.mamba_state_indices_cpu[i])
+    if i is not None:
+        slot = int(batch.mamba_state_indices_cpu[i])
+    else:
+        # Out of the batch for a step but keeping its slot (persistent_batch_manager.py
+        # update_states keeps it in the request's state).
+        state = (getattr(runner, "requests", None) or {}).get(req_id)
+        slot = getattr(state, "mamba_state_slot", None)
+        if slot is None:
+            return None
+        slot = int(slot)
     return slot if slot > 0 else None
 
 
