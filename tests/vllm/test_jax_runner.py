@@ -1698,7 +1698,10 @@ class GdnRunner:
         if state is not None:
             slot, (c, h) = state
             conv[slot], rec[slot] = _ti_reorder(c, [GDN_KEY, GDN_KEY, 64], g.tp), h
-        attn = np.concatenate([np.concatenate(attn_per_rank, axis=2)] * dp).view(JAX_DTYPE[g.dtype])
+        # attn_per_rank: one replica's per-rank arrays (every replica the same), or with DP a list
+        # of them, one per replica.
+        reps = attn_per_rank if dp > 1 and isinstance(attn_per_rank[0], list) else [attn_per_rank] * dp
+        attn = np.concatenate([np.concatenate(rep, axis=2) for rep in reps]).view(JAX_DTYPE[g.dtype])
         self.kv_caches = [
             (jax.device_put(conv, NamedSharding(mesh, P("data", None, "model"))),
              jax.device_put(rec, NamedSharding(mesh, P("data", "model", None, None)))),
@@ -1894,6 +1897,79 @@ def test_pd_of_a_gdn_hybrid_into_a_data_parallel_runner(configs):
         want_conv[slot] = _ti_reorder(whole[0], [GDN_KEY, GDN_KEY, 64], 2).view(np.uint32)
         want_rec[slot] = whole[1].view(np.uint32)
         assert np.array_equal(conv, want_conv) and np.array_equal(rec, want_rec), "the consumer's state slots"
+    finally:
+        cons.shutdown()
+        prod.shutdown()
+
+
+def test_pd_of_a_gdn_hybrid_under_tpu_inferences_dp_scheduler(configs):
+    """P/D of a gated-delta-net hybrid between two engines under tpu-inference's DP scheduler
+    (DP=2 x TP=2 each; the connector's scheduler sides per DP rank, block ids through the DP
+    merge only): the producer's request on DP rank 1 (its prompt less the last token prefilled,
+    its state staged from its slot in replica 1 when it registers), the consumer's on DP rank 0
+    (answered ``(T - 1, True)``); once the request enters the consumer's batch, its forward
+    reads the producer's state from its slot in replica 0, and the full attention layer's
+    ``T - 1`` tokens are at its blocks, byte-exact; every other block unchanged."""
+    T = 40
+    g = gdn_hybrid_geometry(2)
+    p_local, d_local = [[5], [2, 9, 4]], [[7], [11, 3, 12]]
+    whole = gdn_whole_state(29)
+    rep_fill = [[per[1] for per in rank_caches(g, 0, [0], seed=0, fill_seed=40 + d)] for d in range(DP)]
+    p_rep1 = [per[1] for per in rank_caches(g, T - 1, p_local[1], seed=8, fill_seed=41)]
+    d_rep0 = [per[1] for per in rank_caches(g, T - 1, d_local[1], seed=8, fill_seed=60)]
+    c_fill = [[per[1] for per in rank_caches(g, 0, [0], seed=0, fill_seed=60 + d)] for d in range(DP)]
+    p_slot = GDN_SLOTS + 3  # replica 1's slot 3
+    pr = GdnRunner(g, [rep_fill[0], p_rep1], 0, fill_seed=1, state=(p_slot, whole), dp=DP)
+    cr = GdnRunner(g, c_fill, 4, fill_seed=2, dp=DP)
+    prod = DpEngine(configs, "kv_producer", g, pr, {})
+    cons = DpEngine(configs, "kv_consumer", g, cr, {})
+    for s in prod.ranks + cons.ranks:
+        s.kv_cache_manager = GroupManager()
+    attn_before, state_before = bits(cr.kv_caches[1]), cr.state()
+    try:
+        prod.step()
+        from vllm.v1.request import RequestStatus
+
+        side = prod.ranks[1]
+        r = request("p1", tokens(T, seed=len("p1") + T), {"do_remote_decode": True}, max_tokens=1)
+        side.on_new_request(r)  # a state model: the prompt less its last token is prefilled
+        assert r.num_prompt_tokens == T - 1
+        side.kv_cache_manager.ids["p1"] = p_local
+        pr.add("p1", p_slot)  # in the producer's batch while its prefill completes
+        prod.step({1: {"p1": T - 1}})
+        assert prod.worker.stats["registered"] == 1, prod.worker.stats
+        r.num_computed_tokens, r.status = T - 1, RequestStatus.FINISHED_LENGTH_CAPPED
+        delay, params = side.request_finished_all_groups(r, tuple(p_local))
+        assert delay is True and params["remote_num_tokens"] == T - 1, params
+        params = {"p1": params}
+        pr.remove("p1")
+        pr.kv_caches[0] = (pr.kv_caches[0][0].at[p_slot].set(-1.0), pr.kv_caches[0][1].at[p_slot].set(-1.0))
+        outs = prod.step()
+        assert [set(o.finished_sending or ()) for o in outs] == [set(), {"p1"}]
+        cons.step()
+        side = cons.ranks[0]
+        r = request("d1", tokens(T, seed=len("p1") + T), dict(params["p1"]))
+        side.on_new_request(r)
+        assert side.get_num_new_matched_tokens(r, 0) == (T - 1, True)
+        side.update_state_after_alloc(r, group_blocks(d_local), T - 1)
+        deadline, done = time.monotonic() + 60, set()
+        while time.monotonic() < deadline and "d1" not in done:
+            for o in cons.step():
+                done |= set(o.finished_recving or ())
+                assert not o.failed_recving, cons.worker.stats
+            time.sleep(0.01)
+        assert "d1" in done, cons.worker.stats
+        cr.add("d1", 2)  # vLLM schedules it (its last token): the runner gives it slot 2
+        cons.step()
+        want_conv = _ti_reorder(whole[0], [GDN_KEY, GDN_KEY, 64], 2).view(np.uint32)
+        assert np.array_equal(cr.seen["d1"][0], want_conv) and np.array_equal(
+            cr.seen["d1"][1], whole[1].view(np.uint32)), "the state the consumer's forward read"
+        conv, rec = cr.state()
+        assert np.array_equal(np.delete(conv, 2, 0), np.delete(state_before[0], 2, 0))
+        assert np.array_equal(np.delete(rec, 2, 0), np.delete(state_before[1], 2, 0))
+        want = attn_before.copy()
+        want[d_local[1]] = np.concatenate(d_rep0, axis=2)[d_local[1]]
+        assert np.array_equal(bits(cr.kv_caches[1]), want), "attention blocks"
     finally:
         cons.shutdown()
         prod.shutdown()
