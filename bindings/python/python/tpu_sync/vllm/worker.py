@@ -881,7 +881,8 @@ class WorkerSide:
         cp = self.caches.copier if self.caches is not None else None
         if not hasattr(cp, "commit_pending"):
             return
-        self.caches.refresh()
+        # (No refresh: the states read the runner's arrays themselves, and a commit changes no
+        # buffer tpu_sync views.)
         for req_id in cp.commit_pending():
             self.stats["states_placed"] += 1
             log.debug("tpu_sync: %s: pulled state written into its slot", req_id)
