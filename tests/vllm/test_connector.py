@@ -608,7 +608,14 @@ class FakeTransport:
         self.outcome = outcome
         self.registered = []
         self.rejected = []
+        self.refused = []
         self.waits = []
+
+    def refuse(self, xfer_id, reason):
+        self.refused.append((xfer_id, reason))
+
+    def active(self, xfer_id):
+        return False
 
     def reject(self, xfer_id, peers, reason):
         self.rejected.append((xfer_id, dict(peers), reason))
@@ -787,12 +794,16 @@ def test_layers_are_staged_off_the_models_thread(configs, fails):
     gate.set()
     assert w._stager.wait_xfer(5, 10)
     assert w.get_transfer_results(set()).finished_sending == {"p1"}
-    if fails == "error":
-        assert published == [] and withdrawn == [5] and w.stats["publish_failed"] == 1
+    if fails == "error":  # refused: its pullers fail at once, with the reason
+        assert published == [] and withdrawn == [] and w.stats["publish_failed"] == 1
+        ((xfer, why),) = w.transport.refused
+        assert xfer == 5 and "request p1" in why and "D2H failed" in why, why
     elif fails == "ended":
         assert published == [] and withdrawn == [] and w.stats["publish_failed"] == 0
     else:
         assert published == [(5, 1), (5, 2)] and withdrawn == []  # wait_for_save's layer 2 queued once
+    if fails != "error":
+        assert w.transport.refused == []
     w.shutdown()
 
 
@@ -840,6 +851,12 @@ def test_worker_registers_and_releases(configs, outcome):
     if outcome == "ok":  # a TP=2 decode instance pulls each block's two heads with two ranks
         assert w.transport.registered == [(11, [[5, 6]], 40, 2)]
     assert w.stats["registered" if outcome == "ok" else "register_failed"] == 1
+    if outcome == "ok":
+        assert w.transport.refused == [] and w.stats["refused"] == 0
+    else:  # the consumer's pull fails at once with the reason instead of waiting out its timeout
+        ((xfer, why),) = w.transport.refused
+        assert xfer == 11 and "request p1" in why and "staging failed" in why, why
+        assert w.stats["refused"] == 1
 
 
 def test_register_runner_refuses_what_it_cannot_move(configs):

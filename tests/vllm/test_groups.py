@@ -310,6 +310,16 @@ def test_layerwise_producer_registers_each_groups_held_blocks(configs):
     meta = p.build_connector_meta(sched_out({}))
     assert meta.withdraws == [send2.xfer_id] and [s.block_ids for s in meta.sends] == [[[15, 16, 17], [9, 4, 7, 3]]]
     assert params["remote_request_id"] == meta.sends[0].xfer_id != send2.xfer_id
+    # Aborted after its layer-wise registration: refused (a both-at-once consumer's pull of it
+    # fails at once with the reason), not only withdrawn.
+    r4 = request("p4", tokens(100, seed=7), {"do_remote_decode": True}, max_tokens=1)
+    p.on_new_request(r4)
+    (send4,) = p.build_connector_meta(sched_out({"p4": 100})).layer_sends
+    r4.num_computed_tokens, r4.status = 100, RequestStatus.FINISHED_ABORTED
+    delay, params = p.request_finished_all_groups(r4, ids)
+    meta = p.build_connector_meta(sched_out({}))
+    assert not delay and params is None and not meta.withdraws
+    assert meta.refusals == [(send4.xfer_id, "request p4 was aborted on the producer")]
     # A null block inside the window: nothing registered layer by layer.
     p.scheduler_side.kv_cache_manager = _Manager(([0, 0, 13, 14], [9, 4, 7, 3]))
     p.on_new_request(request("p3", tokens(100, seed=6), {"do_remote_decode": True}, max_tokens=1))

@@ -1809,10 +1809,11 @@ def test_pd_of_a_gdn_hybrid_between_jax_runners(configs, src_tp, dst_tp):
 
 def test_gdn_hybrid_state_that_cannot_be_placed_fails_cleanly(configs):
     """A producer whose request already left its runner's batch (its slot is gone) does not
-    register it (the consumer's pull fails and it recomputes) rather than send another
-    request's state; a consumer's pulled state whose request finishes before it is scheduled is
-    dropped; the host tier, speculative decoding and a producer without early registration are
-    refused with a JAX runner of such a model."""
+    register it rather than send another request's state, and refuses it: the consumer's pull
+    fails at once (not after its pull timeout) and it recomputes; a consumer's pulled state
+    whose request finishes before it is scheduled is dropped; the host tier, speculative
+    decoding and a producer without early registration are refused with a JAX runner of such a
+    model."""
     tokens = 20
     g = gdn_hybrid_geometry(2)
     attn = [per[1] for per in rank_caches(g, tokens, [1, 2], seed=3, fill_seed=11)]
@@ -1823,12 +1824,20 @@ def test_gdn_hybrid_state_that_cannot_be_placed_fails_cleanly(configs):
         prod.register_runner(pr)
         prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p1", 98, [[11], [1, 2]], tokens, 60.0, 2)]))
         assert prod.stats["registered"] == 0 and prod.stats["register_failed"] == 1, prod.stats
+        assert prod.stats["refused"] == 1, prod.stats
         cr = GdnRunner(g, attn, 4, fill_seed=2)
         cons.register_runner(cr)
+        # Its consumer's pull (waiting up to 600 s for a registration) fails at once with the
+        # producer's reason: within wait_pulled's 30 s, reported in failed_recving (vLLM 0.32
+        # recomputes a request of a model with KV cache groups by its id).
+        peers = {r: prod.handshake().address for r in prod.handshake().tp_ranks}
+        cons.start_load_kv(TpuSyncMetadata(recvs=[RecvSpec("d1", 98, peers, g.tpu_sync_layout(NB), [[11], [1, 2]],
+                                                           [[6], [4, 5]], tokens, 600.0)]))
+        res = wait_pulled(cons, "d1")
+        assert res.failed_recving == {"d1"} and cons.stats["pulls_failed"] == 1, cons.stats
         pr.add("p2", 3)
         prod.start_load_kv(TpuSyncMetadata(sends=[SendSpec("p2", 99, [[11], [1, 2]], tokens, 60.0, 2)]))
         assert prod.stats["registered"] == 1, prod.stats
-        peers = {r: prod.handshake().address for r in prod.handshake().tp_ranks}
         before = cr.state()
         pull_groups(cons, "d2", 99, peers, g.tpu_sync_layout(NB), [[11], [1, 2]], [[6], [4, 5]], tokens)
         assert cons.jax_stats["pending_state_requests"] == 1

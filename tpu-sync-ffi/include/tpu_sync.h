@@ -1718,6 +1718,27 @@ enum tpu_sync_status tpu_sync_endpoint_unregister(const struct tpu_sync_endpoint
                                                   bool *existed_out);
 
 /**
+ * Refuses request `request_id` as its producer: this endpoint will not serve it (its
+ * registration failed, or the producer gave the request up). A registration of it is
+ * withdrawn as by `tpu_sync_endpoint_unregister`; then, for the endpoint's lease TTL or until
+ * the id is registered again, consumers that pull or describe it are answered at once with
+ * `TPU_SYNC_CANCELLED` carrying `reason`, instead of "unknown request", which they would ask
+ * again until their pull's registration wait runs out. `reason`: NUL-terminated UTF-8 (at most
+ * 1 KiB is kept) or NULL for none; borrowed for the call. At most 4,096 refusals are kept.
+ * `existed_out` (may be NULL) says whether a registration was withdrawn.
+ *
+ * Errors: `TPU_SYNC_INVALID_ARGUMENT` (bad handle, request id, reason not UTF-8). Does not
+ * block on the network; callable from any thread.
+ *
+ * # Safety
+ * `reason` NULL or NUL-terminated; `existed_out` NULL or writable.
+ */
+enum tpu_sync_status tpu_sync_endpoint_refuse(const struct tpu_sync_endpoint *endpoint,
+                                              uint64_t request_id,
+                                              const char *reason,
+                                              bool *existed_out);
+
+/**
  * Writes the state of request `request_id`'s registration (a `tpu_sync_source_state`) to
  * `state_out`: active, or how it ended (released by its consumers after complete pulls,
  * rejected by them, expired, consumer lost, unregistered, shut down). The outcomes of the last

@@ -155,6 +155,38 @@ def test_a_pull_before_the_registration_waits_for_it(client, data):
         prod.close()
 
 
+def test_a_refused_request_fails_its_pulls_at_once(client, data):
+    """A producer that refuses a request (its registration failed) has a pull waiting for the
+    registration fail at once with the reason and its typed error, the destination untouched; a
+    registered request refused ends; registering the id again serves it."""
+    prod, cons = endpoints()
+    try:
+        src = layers(client, data, 10)
+        dst = layers(client, data, 20)
+        init = [b.read() for b in dst]
+        t = cons.pull(43, prod.address, SRC, DST, TOKENS, {0: dst}, wait_for_registration=600)
+        time.sleep(0.05)
+        assert not t.done
+        assert prod.refuse(43, "staging its blocks failed") is False
+        with pytest.raises(errors.CancelledError) as e:
+            t.wait(timeout=30)  # not the 600 s registration wait
+        assert "refused by its producer: staging its blocks failed" in e.value.message
+        assert [b.read() for b in dst] == init
+        with pytest.raises(errors.CancelledError):
+            cons.describe(43, prod.address)
+        prod.register(44, SRC, TOKENS, {0: src})
+        assert prod.refuse(44, "given up") is True
+        assert prod.registration_state(44) == "unregistered"
+        with pytest.raises(errors.CancelledError):
+            cons.pull(44, prod.address, SRC, DST, TOKENS, {0: dst}, wait_for_registration=600).wait(timeout=30)
+        prod.register(43, SRC, TOKENS, {0: src})
+        cons.pull(43, prod.address, SRC, DST, TOKENS, {0: dst}).wait(timeout=30)
+        assert [b.read() for b in dst] == expected_after_pull(src, init)
+    finally:
+        cons.close()
+        prod.close()
+
+
 def test_the_dma_map_is_attempted_and_reported(client, data):
     prod, cons = endpoints()
     try:

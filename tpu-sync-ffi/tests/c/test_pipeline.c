@@ -221,6 +221,33 @@ int main(void) {
   CHECK(tpu_sync_endpoint_reject(cons, 10, "", NULL) == TPU_SYNC_INVALID_ARGUMENT, "empty peers");
   CHECK(tpu_sync_endpoint_reject(cons, 0, addr, NULL) == TPU_SYNC_INVALID_ARGUMENT, "id 0");
 
+  /* Refuse: a registered request ends and its staging is freed; a pull waiting up to 60 s for a
+     refused one fails at once with the producer's reason, the destination untouched. */
+  CHECK(tpu_sync_endpoint_register(prod, 81, SRC, TOKENS, RANK0, 1, (const tpu_sync_buffer *const *)src, LAYERS,
+                                   1) == TPU_SYNC_OK,
+        "register 81");
+  bool existed = false;
+  CHECK(tpu_sync_endpoint_refuse(prod, 81, "staging failed", &existed) == TPU_SYNC_OK && existed, "refuse 81: %s",
+        last_error());
+  CHECK(state_of(prod, 81) == TPU_SYNC_SOURCE_UNREGISTERED, "refused: %u", state_of(prod, 81));
+  CHECK(tpu_sync_endpoint_refuse(prod, 82, NULL, &existed) == TPU_SYNC_OK && !existed, "refuse 82");
+  {
+    static uint8_t untouched[LAYERS][BYTES];
+    tpu_sync_buffer *d[LAYERS];
+    for (int l = 0; l < LAYERS; l++) fill(untouched[l], BYTES, 70 + (uint32_t)l);
+    make(d, DIMS, 5, TPU_SYNC_DTYPE_BF16, BYTES, 70);
+    s = pull(cons, 81, addr, d, 60000, &st); /* (TPU_SYNC_TIMEOUT after 30 s if it waited) */
+    CHECK(s == TPU_SYNC_CANCELLED && strstr(last_error(), "refused by its producer: staging failed") != NULL,
+          "a refused request's pull: %s (%s)", tpu_sync_status_name(s), last_error());
+    s = pull(cons, 82, addr, d, 60000, &st);
+    CHECK(s == TPU_SYNC_CANCELLED, "refused before it was registered: %s", tpu_sync_status_name(s));
+    CHECK(unchanged(d, untouched), "nothing written by the refused pulls");
+    free_all(d, LAYERS);
+  }
+  CHECK(tpu_sync_endpoint_refuse(prod, 0, "x", NULL) == TPU_SYNC_INVALID_ARGUMENT, "id 0");
+  s = tpu_sync_endpoint_refuse(NULL, 83, "x", NULL);
+  CHECK(s != TPU_SYNC_OK, "no endpoint: %s", tpu_sync_status_name(s));
+
   /* The staging budget: room for two registrations; the third is refused, the first two pull. */
   tpu_sync_endpoint *small = NULL;
   char cfg[160];

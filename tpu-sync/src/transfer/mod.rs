@@ -1059,6 +1059,19 @@ impl Pipeline {
         existed
     }
 
+    /// Refuses request `request_id` as its producer (its registration failed, or it was given
+    /// up): an offer of it is withdrawn, and for the endpoint's lease TTL (or until it is
+    /// offered again) its consumers' pulls fail at once with [`Error::Cancelled`] carrying
+    /// `reason`, instead of waiting for a registration until their timeout
+    /// ([`Endpoint::refuse_source`]). Returns whether an offer was withdrawn.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for an invalid request id.
+    pub fn refuse(&self, request_id: u64, reason: &str) -> Result<bool> {
+        let existed = self.ep.refuse_source(request_id, reason)?;
+        lock(&self.offers).sweep();
+        Ok(existed)
+    }
+
     /// Consumer side: checks, plans `src -> dst`, stages exactly the bytes the plan writes to
     /// `pull.kv`'s ranks (budget, DMA map), and starts pulling. Once every byte arrived and
     /// verified it is written in place into the buffers (H2D), the transfer is reported done

@@ -342,6 +342,22 @@ class Endpoint(Handle):
         """Withdraws a registration (pulls in progress fail). No error if it already ended."""
         check(lib.tpu_sync_endpoint_unregister(self._handle(), ck.u64("request_id", request_id), ffi.NULL))
 
+    def refuse(self, request_id: int, reason: str) -> bool:
+        """Producer side: this endpoint will not serve ``request_id`` (its registration failed,
+        or the request was given up). A registration of it is withdrawn as by
+        :meth:`unregister`; then, for the endpoint's ``lease_s`` or until the id is registered
+        again, a consumer's :meth:`pull` or :meth:`describe` of it fails at once with
+        ``CancelledError`` carrying ``reason`` (at most 1 KiB of it is kept), instead of
+        waiting for a registration until its ``wait_for_registration`` runs out. At most 4,096
+        refusals are kept. Returns whether a registration was withdrawn. Does not block on the
+        network.
+
+        Raises: InvalidArgumentError (id out of range)."""
+        rid = _check_id(request_id)
+        existed = ffi.new("bool *")
+        check(lib.tpu_sync_endpoint_refuse(self._handle(), rid, ck.cstr("reason", reason), existed))
+        return bool(existed[0])
+
     def registration_state(self, request_id: int) -> str:
         """``"active"``, or how the registration ended: ``"released"`` (every consumer pulled it
         completely), ``"rejected"`` (the consumers said they will not pull it:

@@ -492,6 +492,25 @@ impl Endpoint {
         }
     }
 
+    /// Refuses request `request_id` as its producer: it will not be served from here (its
+    /// registration failed, or the producer gave it up). A registration of it ends (pulls in
+    /// progress fail, its staging is freed, its outcome is [`SourceOutcome::Unregistered`]);
+    /// then, for [`EndpointOptions::lease_ttl`] or until the id is registered again, a pull or
+    /// describe of it is answered at once with [`Error::Cancelled`] carrying `reason` (at most
+    /// 1 KiB of it is kept), where a consumer would otherwise be told "unknown request" and
+    /// ask again until its pull's registration wait runs out. At most 4,096 refusals are kept
+    /// (past that the one expiring first is forgotten). Returns whether a registration ended.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for an invalid request id. Thread-safe; does not
+    /// block on the network.
+    pub fn refuse_source(&self, request_id: u64, reason: &str) -> Result<bool> {
+        check_request_id(request_id)?;
+        let (existed, a) =
+            lock(&self.inner.proto).refuse_source(Instant::now(), request_id, reason);
+        self.inner.apply(a);
+        Ok(existed)
+    }
+
     /// Registers destination staging for pushes of a request. The returned transfer completes
     /// when every source rank of the senders' replica has declared itself finished and every
     /// planned pair for the destination ranks hosted here arrived and verified. It fails with

@@ -416,6 +416,20 @@ impl Proto {
         (!a.is_empty()).then_some(a)
     }
 
+    /// This producer refuses request `request_id`: a registration of it ends (`Unregistered`)
+    /// and, for [`Config::lease_ttl`] or until it is registered again, pulls and describes of
+    /// it fail at once with [`Error::Cancelled`] carrying `reason` instead of "unknown request"
+    /// (which consumers ask again until their timeout). Returns whether a registration ended.
+    #[must_use]
+    pub(crate) fn refuse_source(
+        &mut self,
+        now: Instant,
+        request_id: u64,
+        reason: &str,
+    ) -> (bool, Vec<Action>) {
+        self.sources.refuse(now, &self.cfg, request_id, reason)
+    }
+
     /// The placement, token count and generation of a source registration (for planning a pull
     /// outside the lock; the driver keeps its own copy). Errors: [`Error::UnknownRequest`].
     #[cfg(test)]

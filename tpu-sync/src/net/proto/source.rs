@@ -24,6 +24,11 @@ pub(crate) const MAX_EARLY_REJECTS_PER_SESSION: usize = MAX_EARLY_REJECTS / 4;
 /// and marked with "..."). The reason only goes into logs and the registration's outcome.
 pub(crate) const MAX_REJECT_REASON_BYTES: usize = 1024;
 
+/// Most producer refusals ([`Sources::refuse`]) remembered at once; each keeps a reason of at
+/// most [`MAX_REJECT_REASON_BYTES`], so they hold at most about 4 MiB. Past the cap the one
+/// that expires first is forgotten (a pull of it then waits for a registration again).
+pub(crate) const MAX_REFUSALS: usize = 4096;
+
 /// `reason` cut to at most [`MAX_REJECT_REASON_BYTES`].
 pub(crate) fn bounded_reason(reason: &str) -> std::borrow::Cow<'_, str> {
     if reason.len() <= MAX_REJECT_REASON_BYTES {
@@ -211,12 +216,20 @@ struct EarlyReject {
     reason: String,
 }
 
+/// A request this producer will not serve ([`Sources::refuse`]), until `until`.
+struct Refusal {
+    until: Instant,
+    reason: String,
+}
+
 #[derive(Default)]
 pub(super) struct Sources {
     regs: HashMap<u64, Source>,
     /// Stripes being served: request, session, pair, geometry.
     stripes: HashMap<StripeId, (u64, SessionId, (u32, u32), Stripe)>,
     early: HashMap<u64, EarlyReject>,
+    /// Requests refused by this producer: a pull or describe of one fails at once.
+    refused: HashMap<u64, Refusal>,
     next_generation: u64,
 }
 
@@ -246,6 +259,7 @@ impl Sources {
                 "request {rid} is already registered"
             )));
         }
+        self.refused.remove(&rid);
         self.next_generation += 1;
         let generation = self.next_generation;
         let mut src = Source {
@@ -320,18 +334,20 @@ impl Sources {
 
     pub(super) fn describe(
         &mut self,
-        _now: Instant,
+        now: Instant,
         s: SessionId,
         rid: u64,
     ) -> Result<(Placement, u32)> {
-        let r = self.regs.get_mut(&rid).ok_or_else(|| unknown(rid))?;
+        let Some(r) = self.regs.get_mut(&rid) else {
+            return Err(self.missing(now, rid));
+        };
         r.holders.insert(s);
         Ok((r.spec.placement.clone(), r.spec.num_tokens))
     }
 
     pub(super) fn pull(
         &mut self,
-        _now: Instant,
+        now: Instant,
         s: SessionId,
         ask: &PullAsk,
         plan: Result<Arc<Plan>>,
@@ -339,7 +355,9 @@ impl Sources {
     ) -> Result<PullGrant> {
         ask.stripe.validate()?;
         let rid = ask.request_id;
-        let reg = self.regs.get_mut(&rid).ok_or_else(|| unknown(rid))?;
+        let Some(reg) = self.regs.get_mut(&rid) else {
+            return Err(self.missing(now, rid));
+        };
         let latest = reg.attempts.entry(s).or_insert(0);
         *latest = (*latest).max(ask.attempt);
         let pair = (ask.src_rank, ask.dst_rank);
@@ -597,6 +615,57 @@ impl Sources {
         (true, end.map(|o| self.end(rid, o)).unwrap_or_default())
     }
 
+    /// This producer refuses request `rid` (it will not serve it: its registration failed or
+    /// was given up): a registration of it ends [`SourceOutcome::Unregistered`], and for
+    /// [`Config::lease_ttl`] a pull or describe of it fails at once with
+    /// [`Error::Cancelled`] carrying `reason` (cut to [`MAX_REJECT_REASON_BYTES`]) instead of
+    /// "unknown request", which consumers ask again until their pull timeout. A later
+    /// registration of the id clears it. At most [`MAX_REFUSALS`] are kept. Returns whether
+    /// a registration ended, and the actions.
+    pub(super) fn refuse(
+        &mut self,
+        now: Instant,
+        cfg: &Config,
+        rid: u64,
+        reason: &str,
+    ) -> (bool, Vec<Action>) {
+        self.refused.retain(|_, r| r.until > now);
+        if self.refused.len() >= MAX_REFUSALS && !self.refused.contains_key(&rid) {
+            let first = self
+                .refused
+                .iter()
+                .min_by_key(|(id, r)| (r.until, **id))
+                .map(|(id, _)| *id);
+            if let Some(id) = first {
+                log::warn!("refusal of request {id} forgotten: more than {MAX_REFUSALS} kept");
+                self.refused.remove(&id);
+            }
+        }
+        let reason = bounded_reason(reason).into_owned();
+        log::info!("request {rid} refused by this producer: {reason}");
+        self.refused.insert(
+            rid,
+            Refusal {
+                until: now + cfg.lease_ttl,
+                reason,
+            },
+        );
+        let a = self.end(rid, SourceOutcome::Unregistered);
+        (!a.is_empty(), a)
+    }
+
+    /// The error for a pull or describe of `rid`, which is not registered: its refusal, or
+    /// "unknown request" (which a consumer asks again).
+    fn missing(&self, now: Instant, rid: u64) -> Error {
+        match self.refused.get(&rid) {
+            Some(r) if r.until > now => Error::Cancelled(format!(
+                "request {rid} was refused by its producer: {}",
+                r.reason
+            )),
+            _ => unknown(rid),
+        }
+    }
+
     /// A session died: registrations it was served some of (it was pulling them) end
     /// `PeerLost`; one it only described or was only refused keeps going (its lease is
     /// dropped: a describe ends nothing); what it was served is forgotten.
@@ -662,7 +731,8 @@ impl Sources {
             expiry.into_iter().chain(r.pending.iter().map(|p| p.until))
         });
         let early = self.early.values().map(|e| e.until);
-        regs.chain(early).min()
+        let refused = self.refused.values().map(|r| r.until);
+        regs.chain(early).chain(refused).min()
     }
 
     pub(super) fn timeout(&mut self, now: Instant, cfg: &Config) -> Vec<Action> {
@@ -689,6 +759,7 @@ impl Sources {
             out.extend(self.end(rid, SourceOutcome::Expired));
         }
         self.early.retain(|_, e| e.until > now);
+        self.refused.retain(|_, r| r.until > now);
         out
     }
 

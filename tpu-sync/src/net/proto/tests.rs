@@ -903,6 +903,85 @@ fn pull_waits_for_a_late_registration() {
     assert!(p.now - t0 >= Duration::from_millis(100));
 }
 
+/// Issue 25: a producer that refuses a request (its registration failed, or it gave the
+/// request up) has its consumers' pulls fail at once with the reason, where "unknown request"
+/// would be asked again until the pull's registration wait ran out; a later registration of
+/// the id clears the refusal, which also passes after the lease TTL; the refusals kept are
+/// bounded.
+#[test]
+fn a_refused_request_fails_its_pulls_at_once() {
+    use super::source::MAX_REFUSALS;
+    let f = fx();
+    let mut p = Pair::new();
+    let reason = "staging D2H of layer 3 failed";
+    // A pull waiting for the registration (up to 60 s) ends as soon as the refusal is made.
+    let t = p.pull(&f, 1, 2, Some(Duration::from_secs(60)));
+    p.advance(Duration::from_millis(50));
+    assert!(p.result(t).is_none(), "still asking");
+    let t0 = p.now;
+    let (existed, a) = p.prod.refuse_source(p.now, 1, reason);
+    assert!(!existed);
+    p.prod_actions(a);
+    p.drive();
+    let e = p.result(t).unwrap().as_ref().unwrap_err().clone();
+    assert_eq!(e.kind(), ErrorKind::Cancelled, "{e}");
+    assert!(e.to_string().contains(reason), "{e}");
+    assert!(p.now - t0 < Duration::from_secs(1), "{:?}", p.now - t0);
+    let e = p.prod.handle_describe_source(p.now, p.sess, 1).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Cancelled, "{e}");
+    assert_eq!(p.prod.stats().leases, 0);
+
+    // Registered again: served as usual.
+    p.register(&f, 1, 1).unwrap();
+    let t = p.pull(&f, 1, 2, None);
+    p.drive();
+    assert!(p.result(t).unwrap().is_ok());
+    p.send_up(Up::Release(1, true));
+    p.drive();
+    assert_eq!(p.outcome(1), Some(SourceOutcome::Released));
+
+    // A live registration refused: it ends, nothing stays staged, later pulls fail at once.
+    p.register(&f, 2, 1).unwrap();
+    let (existed, a) = p.prod.refuse_source(p.now, 2, reason);
+    assert!(existed);
+    p.prod_actions(a);
+    assert_eq!(p.outcome(2), Some(SourceOutcome::Unregistered));
+    assert_eq!(p.prod.stats().staged_bytes, 0);
+    let t = p.pull(&f, 2, 1, Some(Duration::from_secs(60)));
+    p.drive();
+    let e = p.result(t).unwrap().as_ref().unwrap_err().clone();
+    assert_eq!(e.kind(), ErrorKind::Cancelled, "{e}");
+
+    // The refusal passes with the lease TTL: then "unknown request" again.
+    p.advance(TTL + Duration::from_millis(10));
+    let t = p.pull(&f, 2, 1, None);
+    p.drive();
+    let e = p.result(t).unwrap().as_ref().unwrap_err().clone();
+    assert_eq!(e.kind(), ErrorKind::UnknownRequest, "{e}");
+
+    // Bounded: past the cap, the refusal that expires first is forgotten.
+    for rid in 100..100 + MAX_REFUSALS as u64 + 1 {
+        let (_, a) = p.prod.refuse_source(p.now, rid, &"x".repeat(5000));
+        assert!(a.is_empty());
+        p.advance(Duration::from_nanos(1));
+    }
+    let e = p
+        .prod
+        .handle_describe_source(p.now, p.sess, 100)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::UnknownRequest, "{e}");
+    let e = p
+        .prod
+        .handle_describe_source(p.now, p.sess, 101)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Cancelled, "{e}");
+    assert!(
+        e.to_string().len() < 1200,
+        "reason kept whole: {} bytes",
+        e.to_string().len()
+    );
+}
+
 /// Issue 24: a new incarnation of a name (a second live endpoint with the same name, e.g. in
 /// another container with the same pid) does not end the first one's session or its leases;
 /// the old session ends only when it is dead (here: its control lane is lost).

@@ -402,6 +402,16 @@ class EndpointTransport:
         """Producer: ends a registration (its pullers fail)."""
         self.endpoint.unregister(xfer_id)
 
+    def active(self, xfer_id: int) -> bool:
+        """Producer: whether ``xfer_id`` is registered here and being served."""
+        return self.endpoint.registration_state(xfer_id) == "active"
+
+    def refuse(self, xfer_id: int, reason: str) -> None:
+        """Producer: this worker will not serve ``xfer_id`` (its registration failed or was
+        given up): a registration of it ends, and its consumers' pulls fail at once with
+        ``reason`` instead of waiting out their pull timeout (:meth:`tpu_sync.Endpoint.refuse`)."""
+        self.endpoint.refuse(xfer_id, reason)
+
     def pull(self, xfer_id: int, peers: Dict[int, str], src: Dict[str, Any], dst: Dict[str, Any],
              num_tokens: int, wait_for_registration: Optional[float] = None, layerwise: bool = False,
              kv: Optional[Dict[int, List[Any]]] = None) -> Any:

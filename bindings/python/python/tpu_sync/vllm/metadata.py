@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
@@ -127,7 +127,7 @@ class TierOp:
 _DP_BLOCK_FIELDS = {"loads": "block_ids", "saves": "block_ids", "sends": "block_ids", "layer_sends": "block_ids",
                     "recvs": "dst_block_ids", "layer_recvs": "dst_block_ids"}
 #: ``TpuSyncMetadata`` list fields without block ids, moved as they are.
-_DP_PLAIN_FIELDS = ("rejects", "handoffs", "withdraws", "preempted")
+_DP_PLAIN_FIELDS = ("rejects", "handoffs", "withdraws", "refusals", "preempted")
 
 
 def _dp_ids(op: Any, attr: str) -> List[int]:
@@ -231,6 +231,10 @@ class TpuSyncMetadata(KVConnectorMetadata):
     #: layer-wise producer: transfer ids registered early but not handed off (aborted, or more
     #: tokens computed than registered): withdrawn.
     withdraws: List[int] = field(default_factory=list)
+    #: layer-wise producer: transfer ids registered early that will not be served (the request
+    #: was aborted, or its blocks cannot be handed off), each with the reason: refused, so that
+    #: a both-at-once consumer's pull fails at once instead of waiting out its timeout.
+    refusals: List[Tuple[int, str]] = field(default_factory=list)
     #: consumer (``layerwise``): pulls this step's forward reads layer by layer
     #: (``wait_for_layer_load``); the request is scheduled at once (a synchronous load).
     layer_recvs: List[RecvSpec] = field(default_factory=list)

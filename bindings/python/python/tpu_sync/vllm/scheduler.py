@@ -33,8 +33,9 @@ Per request (vLLM calls, in order):
 * **Layer-wise** (``layerwise``): a producer registers a ``do_remote_decode`` request in the
   step that completes its prefill (``layer_sends``: the workers stage each layer as vLLM saves
   it) and hands it off in ``request_finished`` under that transfer id (``handoffs`` next step:
-  ``finished_sending``); a request that finished otherwise (aborted, or more tokens than
-  registered) is withdrawn (``withdraws``) and, if finished normally, handed off whole. A
+  ``finished_sending``); a request that finished with more tokens than registered is withdrawn
+  (``withdraws``) and handed off whole, and one aborted or whose blocks cannot be handed off is
+  refused (``refusals``: a both-at-once consumer's pull of it fails at once). A
   consumer answers ``(block-aligned prompt tokens short of the last, False)``: the request is
   scheduled at once, its pull starts before the forward (``layer_recvs``) and the forward
   waits for each layer; a failed pull is reported as load errors (vLLM recomputes or fails
@@ -157,6 +158,7 @@ class SchedulerSide:
         self._layer_sends: List[SendSpec] = []
         self._handoffs: List[str] = []
         self._withdraws: List[int] = []
+        self._refusals: List[Tuple[int, str]] = []
         self._layer_recvs: List[RecvSpec] = []
         # Offload
         #: requests with host-tier saves planned (``async_saves``): their blocks are freed once
@@ -535,9 +537,10 @@ class SchedulerSide:
             rejects=self._rejects,
             handoffs=self._handoffs,
             withdraws=self._withdraws,
+            refusals=self._refusals,
             layer_recvs=self._layer_recvs,
         )
-        self._handoffs, self._withdraws, self._layer_recvs = [], [], []
+        self._handoffs, self._withdraws, self._refusals, self._layer_recvs = [], [], [], []
         self._track_blocks(scheduler_output)
         meta.idle = not int(getattr(scheduler_output, "total_num_scheduled_tokens", 1) or 0)
         if self._pd_reqs:
@@ -861,8 +864,8 @@ class SchedulerSide:
         from vllm.v1.request import RequestStatus
 
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
-            if early is not None:
-                self._withdraws.append(early.xfer_id)
+            if early is not None:  # a both-at-once consumer's pull fails at once
+                self._refusals.append((early.xfer_id, f"request {req_id} was aborted on the producer"))
             return False, None  # aborted: nothing to hand off
         n = int(request.num_computed_tokens)
         nb = -(-n // self.block_size)
@@ -878,7 +881,7 @@ class SchedulerSide:
                 held = None
             if held is None:
                 if early is not None:
-                    self._withdraws.append(early.xfer_id)
+                    self._refusals.append((early.xfer_id, f"the producer cannot hand off the blocks of request {req_id}"))
                 return False, None
             if early is not None:
                 if early.num_tokens == n and early.block_ids == held:
@@ -895,7 +898,7 @@ class SchedulerSide:
             return True, self._params(request, xfer_id, held, n)
         if n <= 0 or len(block_ids) < nb:
             if early is not None:
-                self._withdraws.append(early.xfer_id)
+                self._refusals.append((early.xfer_id, f"the producer cannot hand off the blocks of request {req_id}"))
             return False, None
         if early is not None:
             if early.num_tokens == n and early.block_ids == [int(b) for b in block_ids[:nb]]:

@@ -249,13 +249,15 @@ class WorkerSide:
         #: (started once the producer described the request); empty engine steps that waited for
         #: a pull (``idle_wait_ms``), failed background publishes; microseconds both-at-once pulls
         #: waited for their producer's registration (successful pulls); requests not registered
-        #: because no decode rank pulls from this rank (a replica the plan does not read).
+        #: because no decode rank pulls from this rank (a replica the plan does not read);
+        #: requests refused to their consumers (registration failed or given up: their pulls
+        #: fail at once).
         self.stats: Dict[str, int] = dict(saved_blocks=0, loaded_blocks=0, pulls_done=0, pulls_failed=0, pulls_cancelled=0,
                                           registered=0, register_failed=0, failed_loads=0, lookups=0, rejects_sent=0,
                                           rejects_failed=0, amx_permission=0, layerwise_registered=0,
                                           layerwise_pulls=0, layerwise_loads=0, saves_failed=0, saves_dropped=0,
                                           save_waits=0, pull_us=0, pulls_deferred=0, idle_waits=0, publish_failed=0, describe_us=0,
-                                          register_skipped=0, states_placed=0)
+                                          register_skipped=0, states_placed=0, refused=0)
         #: this interval's observations for vLLM's connector-stats hooks (None: vLLM lacks them).
         self.xfer_stats: Any = None
         try:
@@ -890,6 +892,8 @@ class WorkerSide:
     def _register_step(self, meta: TpuSyncMetadata) -> None:
         for xfer in getattr(meta, "withdraws", ()):
             self._withdraw(xfer)
+        for xfer, reason in getattr(meta, "refusals", ()):
+            self._withdraw(xfer, refuse=reason)
         for s in getattr(meta, "layer_sends", ()):
             self._register_layers(s)
 
@@ -960,16 +964,39 @@ class WorkerSide:
         except Exception as e:  # the consumer's pull fails and it recomputes
             log.error("tpu_sync: layer-wise registration of %s (transfer %s) failed: %s", s.req_id, s.xfer_id, e)
             self.stats["register_failed"] += 1
+            self._refuse(s.xfer_id, f"the producer could not register request {s.req_id}: {e}")
 
-    def _withdraw(self, xfer_id: int) -> None:
+    def _withdraw(self, xfer_id: int, refuse: Optional[str] = None) -> None:
+        """Ends a layer-wise registration; with ``refuse`` (the reason), its consumers' pulls of
+        it fail at once (:meth:`_refuse`) instead of waiting for a registration."""
         self._layer_sends.pop(xfer_id, None)
         if self._stager is not None:
             self._stager.wait_xfer(xfer_id)  # its queued publishes first (rare: aborts)
-        if hasattr(self.transport, "withdraw"):
+        if refuse is not None and hasattr(self.transport, "refuse"):
+            self._refuse(xfer_id, refuse, live_too=True)
+        elif hasattr(self.transport, "withdraw"):
             try:
                 self.transport.withdraw(xfer_id)
             except Exception as e:
                 log.debug("tpu_sync: withdrawing transfer %s failed: %s", xfer_id, e)
+
+    def _refuse(self, xfer_id: int, reason: str, live_too: bool = False) -> None:
+        """This worker will not serve ``xfer_id``: its consumers' pulls fail at once with
+        ``reason`` (:meth:`tpu_sync.Endpoint.refuse`) instead of waiting for a registration
+        until their pull timeout, and they recompute. Without ``live_too`` a registration of the
+        id that is live (the failure was a second registration of it) keeps serving."""
+        refuse = getattr(self.transport, "refuse", None)
+        if refuse is None:
+            return
+        try:
+            active = getattr(self.transport, "active", None)
+            if not live_too and active is not None and active(xfer_id):
+                return
+            refuse(xfer_id, reason)
+            self.stats["refused"] += 1
+        except Exception as e:
+            log.warning("tpu_sync: refusing transfer %s failed (its consumers wait out their pull timeout): %s",
+                        xfer_id, e)
 
     def _publish(self, layers: int) -> None:
         """Has layers ``..layers`` of this step's layer-wise registrations staged (D2H) and
@@ -1262,6 +1289,7 @@ class WorkerSide:
         except Exception as e:  # the consumer's pull fails and it recomputes; blocks are freed
             log.error("tpu_sync: registering %s (transfer %s) failed: %s", s.req_id, s.xfer_id, e)
             self.stats["register_failed"] += 1
+            self._refuse(s.xfer_id, f"the producer could not register request {s.req_id}: {e}")
         # The endpoint staged the blocks (or failed): vLLM may free them.
         self._sent.add(s.req_id)
 
@@ -1715,7 +1743,11 @@ class _Stager:
                     self._stats["publish_failed"] += 1
                     self._mark_failed(xfer)
                     try:
-                        self._transport.withdraw(xfer)
+                        refuse = getattr(self._transport, "refuse", None)
+                        if refuse is not None:  # its pullers fail at once, with the reason
+                            refuse(xfer, f"the producer could not stage the layers of request {req_id}: {e}")
+                        else:
+                            self._transport.withdraw(xfer)
                     except Exception as e2:
                         log.debug("tpu_sync: withdrawing transfer %s failed: %s", xfer, e2)
             self._done(xfer)
