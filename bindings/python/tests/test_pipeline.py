@@ -134,15 +134,22 @@ def test_past_the_staging_budget_earlier_registrations_still_pull_byte_exact(cli
         prod.close()
 
 
+def early_pull(prod, cons, client, data, rid, wait):
+    """Source and destination layers, the destination's bytes, and a pull of ``rid`` started
+    before the producer registered it (still waiting)."""
+    src = layers(client, data, 10)
+    dst = layers(client, data, 20)
+    init = [b.read() for b in dst]
+    t = cons.pull(rid, prod.address, SRC, DST, TOKENS, {0: dst}, wait_for_registration=wait)
+    time.sleep(0.05)
+    assert not t.done
+    return src, dst, init, t
+
+
 def test_a_pull_before_the_registration_waits_for_it(client, data):
     prod, cons = endpoints()
     try:
-        src = layers(client, data, 10)
-        dst = layers(client, data, 20)
-        init = [b.read() for b in dst]
-        t = cons.pull(41, prod.address, SRC, DST, TOKENS, {0: dst}, wait_for_registration=30)
-        time.sleep(0.05)
-        assert not t.done
+        src, dst, init, t = early_pull(prod, cons, client, data, 41, 30)
         prod.register(41, SRC, TOKENS, {0: src})
         stats = t.wait(timeout=30)
         assert stats["device_bytes"] == BYTES
@@ -161,12 +168,7 @@ def test_a_refused_request_fails_its_pulls_at_once(client, data):
     registered request refused ends; registering the id again serves it."""
     prod, cons = endpoints()
     try:
-        src = layers(client, data, 10)
-        dst = layers(client, data, 20)
-        init = [b.read() for b in dst]
-        t = cons.pull(43, prod.address, SRC, DST, TOKENS, {0: dst}, wait_for_registration=600)
-        time.sleep(0.05)
-        assert not t.done
+        src, dst, init, t = early_pull(prod, cons, client, data, 43, 600)
         assert prod.refuse(43, "staging its blocks failed") is False
         with pytest.raises(errors.CancelledError) as e:
             t.wait(timeout=30)  # not the 600 s registration wait

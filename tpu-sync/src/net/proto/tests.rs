@@ -194,6 +194,15 @@ impl Pair {
         Ok(())
     }
 
+    /// The consumer pulls `rid` whole (asserting it succeeded) and releases it as delivered.
+    fn pull_and_release(&mut self, f: &Fx, rid: u64, streams: u32) {
+        let t = self.pull(f, rid, streams, None);
+        self.drive();
+        assert!(self.result(t).unwrap().is_ok());
+        self.send_up(Up::Release(rid, true));
+        self.drive();
+    }
+
     /// The consumer starts pulling `rid` (every pair, `streams` stripes each).
     fn pull(&mut self, f: &Fx, rid: u64, streams: u32, wait: Option<Duration>) -> TransferId {
         self.dst = Some(f.dst.clone());
@@ -768,11 +777,7 @@ fn reject() {
     let mut p = Pair::new();
     // One consumer of two pulls and releases, the other rejects.
     p.register(&f, 1, 2).unwrap();
-    let t = p.pull(&f, 1, 2, None);
-    p.drive();
-    assert!(p.result(t).unwrap().is_ok());
-    p.send_up(Up::Release(1, true));
-    p.drive();
+    p.pull_and_release(&f, 1, 2);
     assert_eq!(p.outcome(1), None);
     // A consumer's repeated reject counts once.
     p.register(&f, 7, 2).unwrap();
@@ -933,11 +938,7 @@ fn a_refused_request_fails_its_pulls_at_once() {
 
     // Registered again: served as usual.
     p.register(&f, 1, 1).unwrap();
-    let t = p.pull(&f, 1, 2, None);
-    p.drive();
-    assert!(p.result(t).unwrap().is_ok());
-    p.send_up(Up::Release(1, true));
-    p.drive();
+    p.pull_and_release(&f, 1, 2);
     assert_eq!(p.outcome(1), Some(SourceOutcome::Released));
 
     // A live registration refused: it ends, nothing stays staged, later pulls fail at once.
