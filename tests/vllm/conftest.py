@@ -131,16 +131,30 @@ def zygote(workdir):
 def clean_vllm_shm():
     """Removes the ``/dev/shm/vllm_dist_*`` broadcast segments that vLLM's TP>1 workers leave
     behind when an engine is killed (as the producer-death test does), so repeated runs do not
-    accumulate them. Only segments that appeared during this session are touched."""
+    accumulate them. Only segments that appeared during this session and that no process maps
+    are touched (`make test` runs another vLLM suite beside this one, whose live engines'
+    segments must stay)."""
     def segments():
         try:
             return {n for n in os.listdir("/dev/shm") if n.startswith("vllm_dist_")}
         except OSError:
             return set()
 
+    def mapped():
+        out = set()
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    out.update(line.rsplit("/", 1)[-1].split()[0] for line in f if "/dev/shm/vllm_dist_" in line)
+            except OSError:
+                continue
+        return out
+
     before = segments()
     yield
-    for n in segments() - before:
+    for n in segments() - before - mapped():
         try:
             os.unlink(os.path.join("/dev/shm", n))
         except OSError:
