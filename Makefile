@@ -48,14 +48,16 @@ demo: build
 # it runs in the background (scripts/background.sh; its output is printed when it ends) while
 # the lean build and maturin's build of the wheel compile: cargo holds its build-directory lock
 # only while it compiles, so once the suite's first test binary runs, the other builds proceed.
-# The vLLM 0.32 suite runs alone: side by side with the SGLang suite (tried on 2026-12-03) it
-# took 13.6 min instead of 7.6 (its engines bind OpenMP threads to both cores, which spin while
-# the other suite's processes hold them), longer than the two in turn. The two shorter suites
-# (vLLM 0.29, SGLang) do run side by side, their OpenMP threads sleeping when idle
-# (OMP_WAIT_POLICY=PASSIVE): measured on 2026-12-06, both ended 4.3 min after they started
-# (4.9 in a clean clone's `make test`), against 5.8 min in turn (2.4 + 3.4), every test passing. Each suite alone uses about one core
-# of two (user CPU / wall 0.8-1.0: the engines mostly wait on each other and on start-ups).
-# Their wheel installs run first, in turn (both targets rebuild target/wheels).
+# The engine suites run in two lanes side by side: the vLLM 0.32 suite, and the SGLang suite
+# then the vLLM 0.29 one, every engine's OpenMP threads sleeping when idle
+# (OMP_WAIT_POLICY=PASSIVE). Each suite alone uses about one core of two (user CPU / wall
+# 0.8-1.0: the engines mostly wait on each other and on start-ups). Measured in clean clones on
+# 2026-12-07: the engine phase took 8.8 min this way (the vLLM 0.32 suite 8.8 min beside the
+# other lane's 6.3), against 11.8 min with the vLLM 0.32 suite alone first (6.6 min) and the two
+# others side by side after it (5.0 min), every test passing both times. (Side by side without
+# PASSIVE, tried on 2026-12-03, the vLLM 0.32 and SGLang suites took 13.6 min instead of 7.6:
+# the engines' OpenMP threads spun while the other suite's processes held the cores.) Every
+# engine env and wheel install runs first, in turn (each target rebuilds target/wheels).
 # The criterion benches are not built here (82 s of compilation on 2 cores for code no test
 # runs): `make lint` (clippy --all-targets) checks that they compile, `make bench` builds them.
 TEST_BUILD := --release --workspace --lib --bins --tests
@@ -246,11 +248,14 @@ vllm-env-0.29: python
 	"$$(./scripts/bootstrap-python.sh)/bin/uv" pip install -q --python $(VLLM029_VENV)/bin/python --force-reinstall --no-deps target/wheels/tpu_sync-*.whl
 
 # One pytest process for both files (vLLM is imported once). run-e2e-vllm-0.29: the same
-# without installing anything (what `make test` runs once the envs are installed).
+# without installing anything (what `make test` runs once the envs are installed). Its work
+# directory (tiny models, engine runs' specs, outputs and logs) is its own, since `make test`
+# runs it while the vLLM 0.32 suite runs in target/vllm-e2e.
 e2e-vllm-0.29: vllm-env-0.29 etcd
 	$(MAKE) run-e2e-vllm-0.29
 run-e2e-vllm-0.29:
-	timeout 1800 $(VLLM029_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=8 \
+	TPU_SYNC_VLLM_WORKDIR=$(CURDIR)/target/vllm-e2e-0.29 \
+	  timeout 1800 $(VLLM029_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=8 \
 	  tests/vllm/test_connector.py tests/vllm/test_engine.py tests/vllm/test_groups.py \
 	  tests/vllm/test_hybrid_engine.py \
 	  -k "not mamba_hybrid$(if $(VLLM029_ALL),, and not poisoned_and_corrupted)"
