@@ -682,7 +682,9 @@ pub unsafe extern "C" fn tpu_sync_endpoint_unregister(
 /// the id is registered again, consumers that pull or describe it are answered at once with
 /// `TPU_SYNC_CANCELLED` carrying `reason`, instead of "unknown request", which they would ask
 /// again until their pull's registration wait runs out. `reason`: NUL-terminated UTF-8 (at most
-/// 1 KiB is kept) or NULL for none; borrowed for the call. At most 4,096 refusals are kept.
+/// 1 KiB is kept: a longer one is cut at a character boundary and ends in "...") or NULL or
+/// empty for none ("no reason given"); borrowed for the call. At most 4,096 refusals are kept
+/// (past that the one expiring first is forgotten); counted in the stats' `refusals`.
 /// `existed_out` (may be NULL) says whether a registration was withdrawn.
 ///
 /// Errors: `TPU_SYNC_INVALID_ARGUMENT` (bad handle, request id, reason not UTF-8). Does not
@@ -700,7 +702,7 @@ pub unsafe extern "C" fn tpu_sync_endpoint_refuse(
     boundary("tpu_sync_endpoint_refuse", || {
         let e = get_ep(endpoint)?;
         let reason = if reason.is_null() {
-            "no reason given"
+            ""
         } else {
             // SAFETY: caller contract (non-NULL: NUL-terminated).
             unsafe { str_arg(reason, "reason") }?
@@ -796,8 +798,9 @@ pub unsafe extern "C" fn tpu_sync_endpoint_reject(
 /// Blocks for one network round trip (at most the endpoint's I/O `timeout`).
 ///
 /// Errors: `TPU_SYNC_UNKNOWN_REQUEST` (not registered there, yet or any more: ask again later
-/// to wait for a registration), `TPU_SYNC_INVALID_ARGUMENT` (id, address, called inside a
-/// completion callback), connection errors, `TPU_SYNC_BUFFER_TOO_SMALL` (`len_out` receives the
+/// to wait for a registration), `TPU_SYNC_CANCELLED` (the producer refused it:
+/// `tpu_sync_endpoint_refuse`; asking again will not help), `TPU_SYNC_INVALID_ARGUMENT` (id,
+/// address, called inside a completion callback), connection errors, `TPU_SYNC_BUFFER_TOO_SMALL` (`len_out` receives the
 /// length needed, without the NUL; calling again asks the producer again).
 ///
 /// # Safety
@@ -1410,7 +1413,8 @@ fn report_json(r: &Report) -> serde_json::Value {
 /// `lanes_opened`, `bytes_sent`, `bytes_received`, `transfers_completed`, `transfers_failed`,
 /// `checksum_failures`, `peers_lost`, `handshake_failures`, `lanes_refused`; the pipeline's
 /// `offers_live` (gauge), `offers`, `pulls`, `pushes`, `expected_pushes`, `refused` (operations
-/// refused before any byte moved: checks, plan, budget), `rejects_sent`, `dma_mapped`,
+/// refused before any byte moved: checks, plan, budget), `refusals` (requests this producer
+/// refused: `tpu_sync_endpoint_refuse`), `rejects_sent`, `dma_mapped`,
 /// `dma_skipped` (staging arenas whose DMA map the plugin does not implement, e.g. the XLA CPU
 /// plugin), `dma_last` (the last outcome, text or null); `staging_budget` {`limit_bytes`,
 /// `used_bytes`, `peak_bytes`, `reservations`, `refused`, `waited`}; `staging_pool`
@@ -1447,7 +1451,7 @@ pub unsafe extern "C" fn tpu_sync_endpoint_stats(
             "lanes_refused": s.lanes_refused,
             "offers_live": p.offers_live, "offers": p.offers, "pulls": p.pulls,
             "pushes": p.pushes, "expected_pushes": p.expected_pushes, "refused": p.refused,
-            "rejects_sent": p.rejects_sent, "dma_mapped": p.dma_mapped,
+            "refusals": p.refusals, "rejects_sent": p.rejects_sent, "dma_mapped": p.dma_mapped,
             "dma_skipped": p.dma_skipped, "dma_last": p.dma_last,
             "staging_budget": {
                 "limit_bytes": b.limit_bytes, "used_bytes": b.used_bytes,

@@ -177,10 +177,11 @@ def test_a_refused_request_fails_its_pulls_at_once(client, data):
         with pytest.raises(errors.CancelledError):
             cons.describe(43, prod.address)
         prod.register(44, SRC, TOKENS, {0: src})
-        assert prod.refuse(44, "given up") is True
+        assert prod.refuse(44) is True and prod.stats()["refusals"] == 2
         assert prod.registration_state(44) == "unregistered"
-        with pytest.raises(errors.CancelledError):
+        with pytest.raises(errors.CancelledError) as e:
             cons.pull(44, prod.address, SRC, DST, TOKENS, {0: dst}, wait_for_registration=600).wait(timeout=30)
+        assert e.value.message.endswith("refused by its producer: no reason given"), e.value.message
         prod.register(43, SRC, TOKENS, {0: src})
         cons.pull(43, prod.address, SRC, DST, TOKENS, {0: dst}).wait(timeout=30)
         assert [b.read() for b in dst] == expected_after_pull(src, init)

@@ -240,7 +240,9 @@ int main(void) {
     CHECK(s == TPU_SYNC_CANCELLED && strstr(last_error(), "refused by its producer: staging failed") != NULL,
           "a refused request's pull: %s (%s)", tpu_sync_status_name(s), last_error());
     s = pull(cons, 82, addr, d, 60000, &st);
-    CHECK(s == TPU_SYNC_CANCELLED, "refused before it was registered: %s", tpu_sync_status_name(s));
+    CHECK(s == TPU_SYNC_CANCELLED && strstr(last_error(), "refused by its producer: no reason given") != NULL,
+          "refused before it was registered: %s (%s)", tpu_sync_status_name(s), last_error());
+    CHECK(json_u64(stats(prod), "refusals") == 2, "refusals counted: %s", stats(prod));
     CHECK(unchanged(d, untouched), "nothing written by the refused pulls");
     free_all(d, LAYERS);
   }

@@ -551,6 +551,7 @@ struct Counters {
     pushes: AtomicU64,
     expected_pushes: AtomicU64,
     refused: AtomicU64,
+    refusals: AtomicU64,
     rejects_sent: AtomicU64,
     dma_mapped: AtomicU64,
     dma_skipped: AtomicU64,
@@ -576,6 +577,9 @@ pub struct PipelineStats {
     pub expected_pushes: u64,
     /// Total: operations refused before any byte moved (checks, plan, budget).
     pub refused: u64,
+    /// Total: requests this producer refused ([`Pipeline::refuse`]: their consumers' pulls
+    /// fail at once).
+    pub refusals: u64,
     /// Total: rejects sent to producers.
     pub rejects_sent: u64,
     /// Total: staging arenas DMA-mapped with their client.
@@ -1068,6 +1072,7 @@ impl Pipeline {
     /// Errors: [`Error::InvalidArgument`] for an invalid request id.
     pub fn refuse(&self, request_id: u64, reason: &str) -> Result<bool> {
         let existed = self.ep.refuse_source(request_id, reason)?;
+        self.counters.refusals.fetch_add(1, Ordering::Relaxed);
         lock(&self.offers).sweep();
         Ok(existed)
     }
@@ -1430,6 +1435,7 @@ impl Pipeline {
             pushes: rd(&c.pushes),
             expected_pushes: rd(&c.expected_pushes),
             refused: rd(&c.refused),
+            refusals: rd(&c.refusals),
             rejects_sent: rd(&c.rejects_sent),
             dma_mapped: rd(&c.dma_mapped),
             dma_skipped: rd(&c.dma_skipped),

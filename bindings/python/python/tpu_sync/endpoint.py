@@ -342,14 +342,17 @@ class Endpoint(Handle):
         """Withdraws a registration (pulls in progress fail). No error if it already ended."""
         check(lib.tpu_sync_endpoint_unregister(self._handle(), ck.u64("request_id", request_id), ffi.NULL))
 
-    def refuse(self, request_id: int, reason: str) -> bool:
+    def refuse(self, request_id: int, reason: str = "") -> bool:
         """Producer side: this endpoint will not serve ``request_id`` (its registration failed,
         or the request was given up). A registration of it is withdrawn as by
         :meth:`unregister`; then, for the endpoint's ``lease_s`` or until the id is registered
         again, a consumer's :meth:`pull` or :meth:`describe` of it fails at once with
-        ``CancelledError`` carrying ``reason`` (at most 1 KiB of it is kept), instead of
-        waiting for a registration until its ``wait_for_registration`` runs out. At most 4,096
-        refusals are kept. Returns whether a registration was withdrawn. Does not block on the
+        ``CancelledError`` carrying ``reason`` (at most 1 KiB of it is kept: a longer one is cut
+        at a character boundary and ends in ``...``; an empty one reads "no reason given"),
+        instead of waiting for a registration until its ``wait_for_registration`` runs out. At
+        most 4,096 refusals are kept (past that the one expiring first is forgotten). Counted
+        in :meth:`stats` as ``refusals``. Returns whether a registration was withdrawn (always
+        False on an endpoint that does not listen: it serves nothing). Does not block on the
         network.
 
         Raises: InvalidArgumentError (id out of range)."""
@@ -391,7 +394,8 @@ class Endpoint(Handle):
         then on. Blocks for one network round trip (at most the endpoint's ``timeout``).
 
         Raises: UnknownRequestError (not registered there, yet or any more: ask again later to
-        wait for the registration), InvalidArgumentError, connection errors."""
+        wait for the registration), CancelledError (the producer refused it: :meth:`refuse`;
+        asking again will not help), InvalidArgumentError, connection errors."""
         rid = _check_id(request_id)
         addr = ck.cstr("address", address)
         need = ffi.new("size_t *")
@@ -486,8 +490,8 @@ class Endpoint(Handle):
         ``lanes_opened``, ``bytes_sent``, ``bytes_received``, ``transfers_completed``,
         ``transfers_failed``, ``checksum_failures``, ``peers_lost``, ``handshake_failures``,
         ``lanes_refused``; the pipeline's ``offers_live``, ``offers``, ``pulls``, ``pushes``,
-        ``expected_pushes``, ``refused`` (calls refused before any byte moved),
-        ``rejects_sent``, ``dma_mapped``, ``dma_skipped`` (staging the plugin could not DMA-map,
+        ``expected_pushes``, ``refused`` (calls refused before any byte moved), ``refusals``
+        (requests this producer refused: :meth:`refuse`), ``rejects_sent``, ``dma_mapped``, ``dma_skipped`` (staging the plugin could not DMA-map,
         e.g. on the XLA CPU plugin), ``dma_last``; ``staging_budget`` (``limit_bytes``,
         ``used_bytes``, ``peak_bytes``, ``reservations``, ``refused``, ``waited``);
         ``staging_pool`` (gauges ``cap_bytes``, ``idle_bytes``, ``idle_arenas``, totals ``hits``,

@@ -618,7 +618,8 @@ impl Sources {
     /// This producer refuses request `rid` (it will not serve it: its registration failed or
     /// was given up): a registration of it ends [`SourceOutcome::Unregistered`], and for
     /// [`Config::lease_ttl`] a pull or describe of it fails at once with
-    /// [`Error::Cancelled`] carrying `reason` (cut to [`MAX_REJECT_REASON_BYTES`]) instead of
+    /// [`Error::Cancelled`] carrying `reason` (cut to [`MAX_REJECT_REASON_BYTES`] at a character
+    /// boundary and marked with "...", or "no reason given" for an empty one) instead of
     /// "unknown request", which consumers ask again until their pull timeout. A later
     /// registration of the id clears it. At most [`MAX_REFUSALS`] are kept. Returns whether
     /// a registration ended, and the actions.
@@ -641,7 +642,11 @@ impl Sources {
                 self.refused.remove(&id);
             }
         }
-        let reason = bounded_reason(reason).into_owned();
+        let reason = if reason.is_empty() {
+            "no reason given".to_string()
+        } else {
+            bounded_reason(reason).into_owned()
+        };
         log::info!("request {rid} refused by this producer: {reason}");
         self.refused.insert(
             rid,
