@@ -491,8 +491,9 @@ class Endpoint(Handle):
         ``transfers_failed``, ``checksum_failures``, ``peers_lost``, ``handshake_failures``,
         ``lanes_refused``; the pipeline's ``offers_live``, ``offers``, ``pulls``, ``pushes``,
         ``expected_pushes``, ``refused`` (calls refused before any byte moved), ``refusals``
-        (requests this producer refused: :meth:`refuse`), ``rejects_sent``, ``dma_mapped``, ``dma_skipped`` (staging the plugin could not DMA-map,
-        e.g. on the XLA CPU plugin), ``dma_last``; ``staging_budget`` (``limit_bytes``,
+        (requests this producer refused: :meth:`refuse`), ``rejects_sent``, ``dma_mapped``,
+        ``dma_skipped`` (staging the plugin could not DMA-map, e.g. on the XLA CPU plugin),
+        ``dma_last``; ``staging_budget`` (``limit_bytes``,
         ``used_bytes``, ``peak_bytes``, ``reservations``, ``refused``, ``waited``);
         ``staging_pool`` (gauges ``cap_bytes``, ``idle_bytes``, ``idle_arenas``, totals ``hits``,
         ``misses``, ``returned``, ``released``: reused staging arenas, whose idle bytes are part

@@ -881,7 +881,8 @@ class SchedulerSide:
                 held = None
             if held is None:
                 if early is not None:
-                    self._refusals.append((early.xfer_id, f"the producer cannot hand off the blocks of request {req_id}"))
+                    self._refusals.append((early.xfer_id,
+                                           f"the producer cannot hand off the blocks of request {req_id}"))
                 return False, None
             if early is not None:
                 if early.num_tokens == n and early.block_ids == held:
