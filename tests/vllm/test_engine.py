@@ -171,12 +171,19 @@ def engines(workdir, tiny_model):
     return Engines(workdir, tiny_model)
 
 
+#: The plain run's result, once per session: the modules that import :func:`plain`
+#: (``test_cluster_engines.py``) compare against the same engine, prompts and spec.
+_PLAIN = {}
+
+
 @pytest.fixture(scope="module")
 def plain(engines):
-    res = engines.run("plain", engines.spec())
-    assert all(len(t) == 16 for t in toks(res))
-    assert len({tuple(t) for t in toks(res)}) == len(PROMPTS), "the model must not be degenerate"
-    return res
+    if "res" not in _PLAIN:
+        res = engines.run("plain", engines.spec())
+        assert all(len(t) == 16 for t in toks(res))
+        assert len({tuple(t) for t in toks(res)}) == len(PROMPTS), "the model must not be degenerate"
+        _PLAIN["res"] = res
+    return _PLAIN["res"]
 
 
 # ---- (a) P/D ---------------------------------------------------------------------------------
