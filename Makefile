@@ -49,12 +49,15 @@ demo: build
 # the lean build and maturin's build of the wheel compile: cargo holds its build-directory lock
 # only while it compiles, so once the suite's first test binary runs, the other builds proceed.
 # The engine suites run in two lanes side by side, every engine's OpenMP threads sleeping when
-# idle (OMP_WAIT_POLICY=PASSIVE): the vLLM 0.32 suite but its hybrid-model engine tests, then the
-# SGLang suite; and those hybrid tests (a session of their own, in target/vllm-e2e-hybrid) then
-# the vLLM 0.29 suite. Each suite alone uses about one core of two (user CPU / wall 0.8-1.0: the
-# engines mostly wait on each other and on start-ups), so the lanes are balanced by time: on
-# 2026-12-07 (a clean clone on a fresh VM) the whole vLLM 0.32 suite in one lane took 13.0 min
-# beside the SGLang then vLLM 0.29 suites' 9.0 (3.5 + 5.5), its hybrid file 4.0 min alone. Before
+# idle (OMP_WAIT_POLICY=PASSIVE): the vLLM 0.32 suite's hybrid-model engine tests (a session of
+# their own, in target/vllm-e2e-hybrid) then the vLLM 0.29 suite, started as soon as the engine
+# envs hold the wheel, beside the rest of the Rust suite, the C tests, demos and quick benches
+# (which mostly wait); then the rest of the vLLM 0.32 suite, then SGLang's. Each suite alone
+# uses about one core of two (user CPU / wall 0.8-1.0: the engines mostly wait on each other and
+# on start-ups), so the lanes are balanced by time: on 2026-12-07 (clean clones on a fresh VM)
+# the whole vLLM 0.32 suite in one lane took 13.0 min beside the SGLang then vLLM 0.29 suites'
+# 9.0 (3.5 + 5.5); split as here but with both lanes starting after the demos, the lanes took
+# 11.3 (vLLM 6.9 + SGLang 4.4) and 12.75 min (hybrid file 6.4 + vLLM 0.29 6.3). Before
 # that, measured in clean clones on 2026-12-07: the engine phase took 8.8 min with the whole vLLM
 # 0.32 suite beside the other lane's 6.3, against 11.8 min with the vLLM 0.32 suite alone first
 # (6.6 min) and the two others side by side after it (5.0 min). (Side by side without
@@ -71,18 +74,19 @@ test: plugin protoc etcd
 	./scripts/background.sh until rust-suite '^ +Running '
 	$(MAKE) test-lean || { ./scripts/background.sh kill rust-suite; exit 1; }
 	$(MAKE) test-python || { ./scripts/background.sh kill rust-suite; exit 1; }
-	./scripts/background.sh wait rust-suite
-	$(MAKE) test-c
-	$(MAKE) examples-c
-	./target/release/tpu-sync demo --tokens 512 --layers 4
-	./target/release/tpu-sync store-demo --tokens 512 --layers 4
-	./target/release/tpu-sync bench all --quick --no-progress
-	./target/release/tpu-sync bench net --quick --no-progress --layers 4 --sizes 128KiB,4MiB --transports tcp,shm
 	./scripts/engine-envs.sh wait
-	$(MAKE) vllm-env vllm-env-0.29 sglang-env etcd
+	$(MAKE) vllm-env vllm-env-0.29 sglang-env etcd || { ./scripts/background.sh kill rust-suite; exit 1; }
 	./scripts/background.sh start engine-suites env OMP_WAIT_POLICY=PASSIVE $(MAKE) -s run-e2e-vllm-hybrid run-e2e-vllm-0.29
-	OMP_WAIT_POLICY=PASSIVE $(MAKE) run-e2e-vllm-main run-e2e-sglang || { ./scripts/background.sh kill engine-suites; exit 1; }
+	./scripts/background.sh wait rust-suite $(OR_STOP_ENGINES)
+	$(MAKE) test-c $(OR_STOP_ENGINES)
+	$(MAKE) examples-c $(OR_STOP_ENGINES)
+	./target/release/tpu-sync demo --tokens 512 --layers 4 $(OR_STOP_ENGINES)
+	./target/release/tpu-sync store-demo --tokens 512 --layers 4 $(OR_STOP_ENGINES)
+	./target/release/tpu-sync bench all --quick --no-progress $(OR_STOP_ENGINES)
+	./target/release/tpu-sync bench net --quick --no-progress --layers 4 --sizes 128KiB,4MiB --transports tcp,shm $(OR_STOP_ENGINES)
+	OMP_WAIT_POLICY=PASSIVE $(MAKE) run-e2e-vllm-main run-e2e-sglang $(OR_STOP_ENGINES)
 	./scripts/background.sh wait engine-suites
+OR_STOP_ENGINES = || { ./scripts/background.sh kill engine-suites; exit 1; }
 
 # The lean core (issue 23): the library crate with no optional feature (no cluster directory,
 # KV events, metrics endpoint or QUIC) passes its unit tests with no protoc to be found:
