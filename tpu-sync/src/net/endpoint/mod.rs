@@ -497,9 +497,10 @@ impl Endpoint {
     /// progress fail, its staging is freed, its outcome is [`SourceOutcome::Unregistered`]);
     /// then, for [`EndpointOptions::lease_ttl`] or until the id is registered again, a pull or
     /// describe of it is answered at once with [`Error::Cancelled`] carrying `reason` (at most
-    /// 1 KiB of it is kept; an empty one reads "no reason given"), where a consumer would otherwise be told "unknown request" and
-    /// ask again until its pull's registration wait runs out. At most 4,096 refusals are kept
-    /// (past that the one expiring first is forgotten). Returns whether a registration ended.
+    /// 1 KiB of it is kept; an empty one reads "no reason given"), where a consumer would
+    /// otherwise be told "unknown request" and ask again until its pull's registration wait
+    /// runs out. At most 4,096 refusals are kept (past that the one expiring first is
+    /// forgotten). Returns whether a registration ended.
     ///
     /// Errors: [`Error::InvalidArgument`] for an invalid request id. Thread-safe; does not
     /// block on the network.
