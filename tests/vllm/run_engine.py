@@ -17,8 +17,8 @@ SPEC keys:
     kv_transfer_params of its outputs), go_file (then wait for this file before generating),
     hold_file (producer: after writing OUT.json, keep
     serving until this file exists or hold_s passes; the tests create it once the consumer is
-    done, so hold_s only guards against a test that died), hold_s (1800), prefix_caching (bool, default
-    off), waves (lists of prompt indices: generate them one list after the other, so a later
+    done, so hold_s only guards against a test that died), hold_s (1800), prefix_caching (bool,
+    default off), waves (lists of prompt indices: generate them one list after the other, so a later
     wave can hit the prefix cache an earlier one filled); pair_nonces (both-at-once, one nonce
     per prompt: a producer sends {"do_remote_decode": true, "tpu_sync_pair": nonce}; a consumer
     waits for pair_file and sends tpu_sync.vllm.compat.pair_params(its template, nonce)),
