@@ -26,8 +26,12 @@ use crate::wire::{
 /// (the kernel's per-iovec cost dominates for tiny pieces such as 256-byte head rows).
 const SMALL_PIECE: usize = 2048;
 
-/// Bytes of the read buffer (a few frame headers and small control frames).
-pub(crate) const READ_BUF: usize = 8 << 10;
+/// Bytes of the read buffer: a few frame headers and small control frames, and a small
+/// request's whole answer. A 16 KiB pull's data frame and the `StreamDone` after it arrive in
+/// one `recv` (three system calls with an 8 KiB buffer: header and the payload's start, the
+/// payload's rest, `StreamDone`); larger payloads are still read straight into their
+/// destination past the first buffer-full. Allocated per lane on its first buffered read.
+pub(crate) const READ_BUF: usize = 64 << 10;
 
 /// A lane with its reusable buffers.
 ///

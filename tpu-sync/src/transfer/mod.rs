@@ -628,6 +628,11 @@ struct Completer(Arc<Job>);
 
 impl Drop for Completer {
     fn drop(&mut self) {
+        // A network transfer made unstarted for this task (`Endpoint::pull_unstarted`) that the
+        // task never ran is cancelled: nothing will write its bytes into the device buffers.
+        if self.0.net.unstarted() {
+            self.0.net.cancel();
+        }
         self.0.complete(Err(Error::Cancelled(format!(
             "request {}: the transfer task ended without a result (runtime shut down?)",
             self.0.request_id
@@ -679,7 +684,10 @@ impl TransferHandle {
             .flatten()
             .map(|d| crate::drive::DriveHere::new(Some(d)));
         let r = loop {
+            // The result first: once it is set the caller returns, and what the task does
+            // after it (the delivering release) goes on on the runtime.
             tokio::select! {
+                biased;
                 v = rx.wait_for(Option::is_some) => break match v {
                     Ok(v) => v.clone(),
                     Err(_) => None,
@@ -1150,9 +1158,12 @@ impl Pipeline {
         let src_addrs = p
             .sources
             .addresses((0..p.src.layout.spec.ranks_per_replica()).map(|l| p.src.global_rank(l)))?;
+        // The job's task runs the network transfer itself (`receive`'s wait), so no task of
+        // its own is spawned for it (two thread wake-ups fewer per pull: `Start::OnWait`); a
+        // layer-wise receive starts it, as it waits for layers instead.
         let t = {
             let _g = self.rt.enter();
-            self.ep.pull(PullRequest {
+            self.ep.pull_unstarted(PullRequest {
                 request_id: p.request_id,
                 num_tokens: p.num_tokens,
                 src: p.src,
@@ -1174,6 +1185,7 @@ impl Pipeline {
             tracing::Instrument::in_current_span(async move {
                 let job = Completer(job);
                 let r = if layerwise {
+                    t.start();
                     receive_layers(&job.0, &t, staging, kv, report, t0).await
                 } else {
                     receive(&job.0, &t, staging, kv, report, t0).await
@@ -1184,9 +1196,12 @@ impl Pipeline {
                     // The bytes are in place: the pull is done now, and the delivering release
                     // (the producers free the request instead of holding it until its lease
                     // expires) leaves the critical path. Counted as pending before the caller
-                    // can see "done", so a shutdown after it still sends it.
+                    // can see "done", so a shutdown after it still sends it. The yield lets a
+                    // caller that runs this task itself (`TransferHandle::wait`) return before
+                    // the release is sent: the rest then runs on the runtime.
                     let _pending = releases.start();
                     job.0.complete(r);
+                    tokio::task::yield_now().await;
                     release_all(&ep, &src_addrs, job.0.request_id, true, pull).await;
                 } else {
                     // A failed pull completes at once; its release (no delivery: the producers
@@ -1203,6 +1218,7 @@ impl Pipeline {
                     }
                 }
             }),
+            true,
         );
         Ok(handle)
     }
@@ -1210,14 +1226,23 @@ impl Pipeline {
     /// Runs `job`'s task `fut` on whichever comes first: a task on the pipeline's runtime, or a
     /// caller of [`TransferHandle::wait`] on its own thread (`crate::drive`: saves a runtime
     /// worker's wake-up at each end of a small transfer).
+    ///
+    /// `inline`: the task is polled once on this thread instead (a pull's request leaves at
+    /// once, and no runtime thread is woken until its answer arrives: `crate::drive`), where
+    /// this thread may (`crate::drive::may_poll_first`).
     fn drive_job(
         &self,
         job: &Arc<Job>,
         fut: impl std::future::Future<Output = ()> + Send + 'static,
+        inline: bool,
     ) {
         job.driver.put(fut, self.rt.clone());
-        self.rt
-            .spawn(crate::drive::start(job.clone(), |j: &Job| &j.driver));
+        if inline && crate::drive::may_poll_first() {
+            job.driver.poll_first();
+        } else {
+            self.rt
+                .spawn(crate::drive::start(job.clone(), |j: &Job| &j.driver));
+        }
     }
 
     fn job(&self, request_id: u64, net: Transfer, num_layers: u32) -> (TransferHandle, Arc<Job>) {
@@ -1289,9 +1314,14 @@ impl Pipeline {
         let first = groups.first().cloned().unwrap_or(0..layers);
         self.fill_layers(&staging, &p.kv, first.clone(), &mut report)?;
         let mut device_time = report.device_time;
+        // A small push in one group of layers: the job's task runs the network transfer itself
+        // (its wait), polled once here (the data leaves from this thread, at most
+        // INLINE_H2D_BYTES of it), as a pull's request does. Several groups: it must run while
+        // this call stages the later groups. A larger one: its sends run on the runtime.
+        let small = groups.len() <= 1 && staging.total_bytes() <= INLINE_H2D_BYTES;
         let t = {
             let _g = self.rt.enter();
-            self.ep.push(PushRequest {
+            let req = PushRequest {
                 request_id: p.request_id,
                 num_tokens: p.num_tokens,
                 src: p.src,
@@ -1301,7 +1331,12 @@ impl Pipeline {
                 targets: p.targets,
                 layers_ready: (first.end < layers).then_some(first.end),
                 plan: Some(plan),
-            })?
+            };
+            if small {
+                self.ep.push_unstarted(req)?
+            } else {
+                self.ep.push(req)?
+            }
         };
         for g in groups.iter().skip(1) {
             if let Err(e) = self.fill_layers(&staging, &p.kv, g.clone(), &mut report) {
@@ -1330,6 +1365,7 @@ impl Pipeline {
                 });
                 job.0.complete(r);
             }),
+            small,
         );
         Ok(handle)
     }
@@ -1378,6 +1414,7 @@ impl Pipeline {
                 let r = receive(&job.0, &t, staging, kv, report, t0).await;
                 job.0.complete(r);
             }),
+            true,
         );
         Ok(handle)
     }

@@ -141,15 +141,20 @@ impl Transfer {
     /// inside a current-thread runtime (`crate::drive::may_drive_here`): there a runtime task
     /// runs it.
     pub async fn wait(&self) -> Result<TransferStats> {
-        let driver = crate::drive::may_drive_here()
-            .then(|| self.shared.driver.take())
-            .flatten();
+        let driver = if crate::drive::may_drive_here() {
+            self.shared.driver.take()
+        } else {
+            // A transfer created unstarted (`Start::OnWait`) runs on the runtime instead.
+            self.start();
+            None
+        };
         // Until the result is set, not until the driver ends: a cancelled transfer has its
         // result at once while its driver may still be unwinding (e.g. a connect bounded by the
         // handshake timeout); that rest goes back to the runtime when `here` is dropped.
         let mut here = driver.map(|d| crate::drive::DriveHere::new(Some(d)));
         loop {
             tokio::select! {
+                biased;
                 _ = self.shared.done.wait() => break,
                 _ = async { if let Some(h) = here.as_mut() { h.await } }, if here.is_some() => {
                     here = None;
@@ -172,9 +177,28 @@ impl Transfer {
         }
     }
 
+    /// Starts the transfer's driver on the endpoint's runtime if nothing runs it yet: a
+    /// transfer made by `Endpoint::pull_unstarted` or `Endpoint::push_unstarted` runs only once
+    /// waited for or started. Idempotent; no effect once the endpoint is gone (its shutdown
+    /// failed the transfer).
+    pub(crate) fn start(&self) {
+        if let Some(inner) = self.inner.upgrade() {
+            inner.spawn_starter(&self.shared);
+        }
+    }
+
+    /// Whether nothing has run the transfer's driver yet (made unstarted, not yet waited for
+    /// or started).
+    pub(crate) fn unstarted(&self) -> bool {
+        self.shared.driver.is_full()
+    }
+
     /// Cancels the transfer: it fails with [`Error::Cancelled`], its lanes are closed and its
-    /// peers are told to stop. No effect on a finished transfer.
+    /// peers are told to stop. No effect on a finished transfer. A transfer that has not
+    /// started sends nothing: its driver is dropped unrun.
     pub fn cancel(&self) {
+        let unstarted = self.shared.driver.take();
+        drop(unstarted);
         if let Some(inner) = self.inner.upgrade() {
             inner.finish(
                 &self.shared,
@@ -201,6 +225,7 @@ impl Transfer {
 
     /// Waits until the first `layers` layers are complete (or the transfer fails: its error).
     pub async fn wait_layers(&self, layers: u32) -> Result<()> {
+        self.start();
         let layers = layers.min(self.shared.num_layers);
         loop {
             let rx = lock(&self.shared.progress).as_ref().map(|p| p.subscribe());

@@ -734,7 +734,24 @@ impl Endpoint {
 
     /// Starts pulling a request. Validation (plan, staging coverage, peer map) happens before
     /// this returns; network errors surface through the returned [`Transfer`].
+    ///
+    /// The request leaves from this thread: the transfer's driver is polled once here (sending
+    /// the pull request), then runs wherever it is woken (a runtime task) unless
+    /// [`Transfer::wait`] takes it over first; so no runtime thread is woken before the
+    /// producer answers. Inside a current-thread runtime (or with `TPU_SYNC_DRIVE_HERE=0`) a
+    /// runtime task starts it instead. Must be called within the endpoint's runtime context.
     pub fn pull(&self, req: PullRequest) -> Result<Transfer> {
+        self.pull_with(req, Start::Inline)
+    }
+
+    /// [`Endpoint::pull`] whose driver waits until [`Transfer::wait`] (or
+    /// [`Transfer::start`]) runs it: for a caller that waits for the transfer at once, e.g. the
+    /// task of a [`crate::transfer::Pipeline`] operation. Nothing is sent before then.
+    pub(crate) fn pull_unstarted(&self, req: PullRequest) -> Result<Transfer> {
+        self.pull_with(req, Start::OnWait)
+    }
+
+    fn pull_with(&self, req: PullRequest, start: Start) -> Result<Transfer> {
         check_request_id(req.request_id)?;
         let (span, plan) = self.transfer_plan(
             "pull",
@@ -780,6 +797,7 @@ impl Endpoint {
                 },
                 span,
             ),
+            start,
         );
         Ok(Transfer {
             shared,
@@ -789,6 +807,16 @@ impl Endpoint {
 
     /// Starts pushing a request to the endpoints hosting the destination ranks.
     pub fn push(&self, req: PushRequest) -> Result<Transfer> {
+        self.push_with(req, Start::Now)
+    }
+
+    /// [`Endpoint::push`] whose driver waits until [`Transfer::wait`] (or
+    /// [`Transfer::start`]) runs it, as [`Endpoint::pull_unstarted`].
+    pub(crate) fn push_unstarted(&self, req: PushRequest) -> Result<Transfer> {
+        self.push_with(req, Start::OnWait)
+    }
+
+    fn push_with(&self, req: PushRequest, start: Start) -> Result<Transfer> {
         check_request_id(req.request_id)?;
         let (span, plan) = self.transfer_plan(
             "push",
@@ -854,6 +882,7 @@ impl Endpoint {
                 },
                 span,
             ),
+            start,
         );
         Ok(Transfer {
             shared,
@@ -993,7 +1022,14 @@ impl Inner {
     /// endpoint's runtime. Once the endpoint shuts down the driver is dropped unstarted (the
     /// shutdown failed the transfer), here or by [`Inner::abort_all`]: a driver left in its
     /// slot would keep the endpoint alive (it holds the `Inner` that holds the transfer).
-    fn start_driver<F>(&self, t: &Arc<TransferShared>, fut: F)
+    ///
+    /// Spawning a task from outside the runtime wakes a parked worker, which on waking wakes
+    /// another (Tokio's searching hand-off): two thread wake-ups that a 16 KiB pull whose caller
+    /// waits at once does not need (docs/performance.md, "16 KiB"). So with [`Start::OnWait`]
+    /// no starter task is spawned: the driver stays in its slot until [`Transfer::wait`] takes
+    /// it or [`Transfer::start`] spawns the starter; with [`Start::Inline`] it is polled once
+    /// here and then spawned by its own waker (`crate::drive::DriverSlot::poll_first`).
+    fn start_driver<F>(&self, t: &Arc<TransferShared>, fut: F, start: Start)
     where
         F: std::future::Future<Output = ()> + Send + 'static,
     {
@@ -1003,6 +1039,15 @@ impl Inner {
             drop(unstarted);
             return;
         }
+        match start {
+            Start::Inline if crate::drive::may_poll_first() => t.driver.poll_first(),
+            Start::Now | Start::Inline => self.spawn_starter(t),
+            Start::OnWait => {}
+        }
+    }
+
+    /// Spawns the task that runs `t`'s driver unless a waiter took it first.
+    pub(crate) fn spawn_starter(&self, t: &Arc<TransferShared>) {
         self.spawn(crate::drive::start(t.clone(), |t| &t.driver));
     }
 
@@ -1237,4 +1282,16 @@ impl Inner {
             self.apply(a);
         }
     }
+}
+
+/// When a new transfer's driver starts ([`Inner::start_driver`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Start {
+    /// A task on the endpoint's runtime starts it now (or a waiter, whichever comes first).
+    Now,
+    /// Polled once on the creating thread, then run by a task once woken unless a waiter took
+    /// it first (`Now` where that thread may not poll it: `crate::drive::may_poll_first`).
+    Inline,
+    /// The first [`Transfer::wait`] runs it, or [`Transfer::start`] spawns its task.
+    OnWait,
 }
