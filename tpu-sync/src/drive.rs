@@ -38,9 +38,14 @@ pub(crate) struct DriverSlot(Arc<Cell>);
 #[derive(Default)]
 struct Cell(Mutex<CellState>);
 
+/// Spawns a driver taken out of its slot by its waker (the owner's own task tracking, so that a
+/// shutdown can abort it and refuse new ones); without one, `Handle::spawn` of its runtime.
+pub(crate) type Spawner = Arc<dyn Fn(Pin<Box<dyn Future<Output = ()> + Send>>) + Send + Sync>;
+
 #[derive(Default)]
 struct CellState {
     driver: Option<Driver>,
+    spawner: Option<Spawner>,
     /// [`DriverSlot::poll_first`] is polling the driver (it is out of the slot).
     polling: bool,
     /// Woken during that poll: spawn it instead of putting it back.
@@ -68,8 +73,22 @@ impl Wake for Cell {
             return;
         }
         let driver = st.driver.take();
+        let spawner = st.spawner.clone();
         drop(st);
         if let Some((fut, rt)) = driver {
+            spawn(fut, &rt, spawner.as_ref());
+        }
+    }
+}
+
+fn spawn(
+    fut: Pin<Box<dyn Future<Output = ()> + Send>>,
+    rt: &tokio::runtime::Handle,
+    spawner: Option<&Spawner>,
+) {
+    match spawner {
+        Some(s) => s(fut),
+        None => {
             rt.spawn(fut);
         }
     }
@@ -84,6 +103,17 @@ impl DriverSlot {
     ) {
         let old = self.0.lock().driver.replace((Box::pin(fut), rt));
         drop(old);
+    }
+
+    /// Sets how the driver's waker spawns it ([`DriverSlot::poll_first`]); without it, on its
+    /// runtime directly.
+    pub(crate) fn set_spawner(&self, spawner: Spawner) {
+        self.0.lock().spawner = Some(spawner);
+    }
+
+    /// The runtime of the driver still in the slot (none once taken).
+    pub(crate) fn runtime(&self) -> Option<tokio::runtime::Handle> {
+        self.0.lock().driver.as_ref().map(|(_, rt)| rt.clone())
     }
 
     /// Takes the driver if nobody did yet.
@@ -119,13 +149,14 @@ impl DriverSlot {
         let mut st = self.0.lock();
         st.polling = false;
         let woken = std::mem::take(&mut st.woken);
+        let spawner = st.spawner.clone();
         match polled {
             Ok(Poll::Pending) if !woken => {
                 st.driver = Some((fut, rt));
             }
             Ok(Poll::Pending) => {
                 drop(st);
-                rt.spawn(fut);
+                spawn(fut, &rt, spawner.as_ref());
             }
             Ok(Poll::Ready(())) => {
                 drop(st);
@@ -143,7 +174,12 @@ impl DriverSlot {
 /// The starter task's future: runs the driver of `owner`'s slot unless a waiter took it first.
 /// Dropped before it ran (its runtime shut down, or its owner aborted its tasks), it drops the
 /// driver too: a driver left in its slot would keep its owner alive (it holds the owner).
-pub(crate) async fn start<T: Send + Sync + 'static>(owner: Arc<T>, slot: fn(&T) -> &DriverSlot) {
+/// The guard exists from the call on, so a starter dropped before its first poll (queued when
+/// its runtime shut down) also drops the driver.
+pub(crate) fn start<T: Send + Sync + 'static>(
+    owner: Arc<T>,
+    slot: fn(&T) -> &DriverSlot,
+) -> impl Future<Output = ()> + Send + 'static {
     struct ClearOnDrop<T>(Arc<T>, fn(&T) -> &DriverSlot);
     impl<T> Drop for ClearOnDrop<T> {
         fn drop(&mut self) {
@@ -152,9 +188,11 @@ pub(crate) async fn start<T: Send + Sync + 'static>(owner: Arc<T>, slot: fn(&T) 
         }
     }
     let guard = ClearOnDrop(owner, slot);
-    let driver = (guard.1)(&guard.0).take();
-    if let Some((fut, _)) = driver {
-        fut.await;
+    async move {
+        let driver = (guard.1)(&guard.0).take();
+        if let Some((fut, _)) = driver {
+            fut.await;
+        }
     }
 }
 
@@ -312,14 +350,39 @@ mod tests {
         assert_eq!(rx.try_recv().unwrap(), std::thread::current().id());
     }
 
+    struct Dropped(Arc<AtomicBool>);
+    impl Drop for Dropped {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn a_starter_dropped_before_its_first_poll_drops_the_driver() {
+        struct Owner(DriverSlot);
+        let rt = runtime();
+        let owner = Arc::new(Owner(DriverSlot::default()));
+        let dropped = Arc::new(AtomicBool::new(false));
+        let guard = Dropped(dropped.clone());
+        owner.0.put(
+            async move {
+                let _guard = guard;
+            },
+            rt.handle().clone(),
+        );
+        assert!(owner.0.runtime().is_some());
+        let starter = start(owner.clone(), |o: &Owner| &o.0);
+        drop(starter);
+        assert!(!owner.0.is_full());
+        assert!(owner.0.runtime().is_none());
+        assert!(
+            dropped.load(Ordering::SeqCst),
+            "the unrun driver was dropped"
+        );
+    }
+
     #[test]
     fn a_panic_in_the_first_poll_is_caught_and_the_driver_dropped() {
-        struct Dropped(Arc<AtomicBool>);
-        impl Drop for Dropped {
-            fn drop(&mut self) {
-                self.0.store(true, Ordering::SeqCst);
-            }
-        }
         let rt = runtime();
         let slot = DriverSlot::default();
         let dropped = Arc::new(AtomicBool::new(false));

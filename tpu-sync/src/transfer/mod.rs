@@ -1180,10 +1180,13 @@ impl Pipeline {
         let ep = self.ep.clone();
         let releases = self.releases.clone();
         let kv = p.kv;
+        // Made before the task's first poll: a task dropped unpolled (its runtime shut down)
+        // still completes the job and cancels its unstarted network transfer.
+        let completer = Completer(job.clone());
         self.drive_job(
-            &job.clone(),
+            &job,
             tracing::Instrument::in_current_span(async move {
-                let job = Completer(job);
+                let job = completer;
                 let r = if layerwise {
                     t.start();
                     receive_layers(&job.0, &t, staging, kv, report, t0).await
@@ -1353,10 +1356,13 @@ impl Pipeline {
         report.device_time = device_time;
         self.counters.pushes.fetch_add(1, Ordering::Relaxed);
         let (handle, job) = self.job(p.request_id, t.clone(), 0);
+        // Made before the task's first poll: a task dropped unpolled (its runtime shut down)
+        // still completes the job and cancels its unstarted network transfer.
+        let completer = Completer(job.clone());
         self.drive_job(
-            &job.clone(),
+            &job,
             tracing::Instrument::in_current_span(async move {
-                let job = Completer(job);
+                let job = completer;
                 let r = t.wait().await.map(|s| {
                     let mut rep = report;
                     rep.add_net(&s);
@@ -1407,10 +1413,13 @@ impl Pipeline {
             .fetch_add(1, Ordering::Relaxed);
         let (handle, job) = self.job(e.request_id, t.clone(), e.kv.num_layers());
         let kv = e.kv;
+        // Made before the task's first poll: a task dropped unpolled (its runtime shut down)
+        // still completes the job and cancels its unstarted network transfer.
+        let completer = Completer(job.clone());
         self.drive_job(
-            &job.clone(),
+            &job,
             tracing::Instrument::in_current_span(async move {
-                let job = Completer(job);
+                let job = completer;
                 let r = receive(&job.0, &t, staging, kv, report, t0).await;
                 job.0.complete(r);
             }),

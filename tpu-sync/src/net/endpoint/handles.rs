@@ -181,7 +181,11 @@ impl Transfer {
     /// transfer made by `Endpoint::pull_unstarted` or `Endpoint::push_unstarted` runs only once
     /// waited for or started. Idempotent; no effect once the endpoint is gone (its shutdown
     /// failed the transfer).
+    /// Callable from any thread, inside a runtime or not.
     pub(crate) fn start(&self) {
+        if !self.unstarted() {
+            return;
+        }
         if let Some(inner) = self.inner.upgrade() {
             inner.spawn_starter(&self.shared);
         }

@@ -1029,29 +1029,57 @@ impl Inner {
     /// no starter task is spawned: the driver stays in its slot until [`Transfer::wait`] takes
     /// it or [`Transfer::start`] spawns the starter; with [`Start::Inline`] it is polled once
     /// here and then spawned by its own waker (`crate::drive::DriverSlot::poll_first`).
-    fn start_driver<F>(&self, t: &Arc<TransferShared>, fut: F, start: Start)
+    fn start_driver<F>(self: &Arc<Self>, t: &Arc<TransferShared>, fut: F, start: Start)
     where
         F: std::future::Future<Output = ()> + Send + 'static,
     {
-        t.driver.put(fut, tokio::runtime::Handle::current());
+        let rt = tokio::runtime::Handle::current();
+        t.driver.put(fut, rt.clone());
+        // A driver its waker spawns is one of the endpoint's tasks too: aborted by a shutdown,
+        // refused after it (dropped, as a starter would be).
+        let me = Arc::downgrade(self);
+        t.driver.set_spawner(Arc::new(move |fut| {
+            if let Some(inner) = me.upgrade() {
+                inner.spawn_on(fut, &rt);
+            }
+        }));
         if self.shutdown.is_set() {
             let unstarted = t.driver.take();
             drop(unstarted);
             return;
         }
         match start {
-            Start::Inline if crate::drive::may_poll_first() => t.driver.poll_first(),
+            Start::Inline if crate::drive::may_poll_first() => {
+                t.driver.poll_first();
+                if self.shutdown.is_set() {
+                    // A shutdown during that poll missed the driver (it was out of the slot).
+                    let unstarted = t.driver.take();
+                    drop(unstarted);
+                }
+            }
             Start::Now | Start::Inline => self.spawn_starter(t),
             Start::OnWait => {}
         }
     }
 
-    /// Spawns the task that runs `t`'s driver unless a waiter took it first.
+    /// Spawns the task that runs `t`'s driver unless a waiter took it first, on the driver's
+    /// runtime (from any thread, also one outside every runtime). Nothing when the slot is
+    /// empty.
     pub(crate) fn spawn_starter(&self, t: &Arc<TransferShared>) {
-        self.spawn(crate::drive::start(t.clone(), |t| &t.driver));
+        if let Some(rt) = t.driver.runtime() {
+            self.spawn_on(crate::drive::start(t.clone(), |t| &t.driver), &rt);
+        }
     }
 
     fn spawn<F>(&self, fut: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.spawn_on(fut, &tokio::runtime::Handle::current());
+    }
+
+    /// [`Inner::spawn`] on `rt`, which need not be the current runtime.
+    fn spawn_on<F>(&self, fut: F, rt: &tokio::runtime::Handle)
     where
         F: std::future::Future<Output = ()> + Send + 'static,
     {
@@ -1060,7 +1088,7 @@ impl Inner {
         if self.shutdown.is_set() {
             return;
         }
-        t.spawn(fut);
+        t.spawn_on(fut, rt);
     }
 
     fn stats(&self) -> Stats {
