@@ -1180,47 +1180,45 @@ impl Pipeline {
         let ep = self.ep.clone();
         let releases = self.releases.clone();
         let kv = p.kv;
-        // Made before the task's first poll: a task dropped unpolled (its runtime shut down)
-        // still completes the job and cancels its unstarted network transfer.
-        let completer = Completer(job.clone());
         self.drive_job(
             &job,
-            tracing::Instrument::in_current_span(async move {
-                let job = completer;
-                let r = if layerwise {
-                    t.start();
-                    receive_layers(&job.0, &t, staging, kv, report, t0).await
-                } else {
-                    receive(&job.0, &t, staging, kv, report, t0).await
-                };
-                let delivered = r.is_ok();
-                let pull = t.id();
-                if delivered {
-                    // The bytes are in place: the pull is done now, and the delivering release
-                    // (the producers free the request instead of holding it until its lease
-                    // expires) leaves the critical path. Counted as pending before the caller
-                    // can see "done", so a shutdown after it still sends it. The yield lets a
-                    // caller that runs this task itself (`TransferHandle::wait`) return before
-                    // the release is sent: the rest then runs on the runtime.
-                    let _pending = releases.start();
-                    job.0.complete(r);
-                    tokio::task::yield_now().await;
-                    release_all(&ep, &src_addrs, job.0.request_id, true, pull).await;
-                } else {
-                    // A failed pull completes at once; its release (no delivery: the producers
-                    // keep the request for a retry, this consumer's lease ends) follows and
-                    // must not delay the failure (a producer that never answers would hold it
-                    // for an I/O timeout). It names this pull, so a producer ignores it once a
-                    // retry began pulling: a retry made at once keeps its lease whatever order
-                    // the two reach the producer in. A producer that died or cannot be
-                    // reached is not told.
-                    let peer_gone = r.as_ref().err().is_some_and(Error::is_peer_failure);
-                    job.0.complete(r);
-                    if !peer_gone {
-                        release_all(&ep, &src_addrs, job.0.request_id, false, pull).await;
+            |job| {
+                tracing::Instrument::in_current_span(async move {
+                    let r = if layerwise {
+                        t.start();
+                        receive_layers(&job.0, &t, staging, kv, report, t0).await
+                    } else {
+                        receive(&job.0, &t, staging, kv, report, t0).await
+                    };
+                    let delivered = r.is_ok();
+                    let pull = t.id();
+                    if delivered {
+                        // The bytes are in place: the pull is done now, and the delivering release
+                        // (the producers free the request instead of holding it until its lease
+                        // expires) leaves the critical path. Counted as pending before the caller
+                        // can see "done", so a shutdown after it still sends it. The yield lets a
+                        // caller that runs this task itself (`TransferHandle::wait`) return before
+                        // the release is sent: the rest then runs on the runtime.
+                        let _pending = releases.start();
+                        job.0.complete(r);
+                        tokio::task::yield_now().await;
+                        release_all(&ep, &src_addrs, job.0.request_id, true, pull).await;
+                    } else {
+                        // A failed pull completes at once; its release (no delivery: the producers
+                        // keep the request for a retry, this consumer's lease ends) follows and
+                        // must not delay the failure (a producer that never answers would hold it
+                        // for an I/O timeout). It names this pull, so a producer ignores it once a
+                        // retry began pulling: a retry made at once keeps its lease whatever order
+                        // the two reach the producer in. A producer that died or cannot be
+                        // reached is not told.
+                        let peer_gone = r.as_ref().err().is_some_and(Error::is_peer_failure);
+                        job.0.complete(r);
+                        if !peer_gone {
+                            release_all(&ep, &src_addrs, job.0.request_id, false, pull).await;
+                        }
                     }
-                }
-            }),
+                })
+            },
             true,
         );
         Ok(handle)
@@ -1233,12 +1231,16 @@ impl Pipeline {
     /// `inline`: the task is polled once on this thread instead (a pull's request leaves at
     /// once, and no runtime thread is woken until its answer arrives: `crate::drive`), where
     /// this thread may (`crate::drive::may_poll_first`).
-    fn drive_job(
-        &self,
-        job: &Arc<Job>,
-        fut: impl std::future::Future<Output = ()> + Send + 'static,
-        inline: bool,
-    ) {
+    ///
+    /// `task` gets the job's [`Completer`], made before the task's first poll: a task dropped
+    /// unpolled (its runtime shut down) still completes the job and cancels its unstarted
+    /// network transfer.
+    fn drive_job<F, Fut>(&self, job: &Arc<Job>, task: F, inline: bool)
+    where
+        F: FnOnce(Completer) -> Fut,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let fut = task(Completer(job.clone()));
         job.driver.put(fut, self.rt.clone());
         if inline && crate::drive::may_poll_first() {
             job.driver.poll_first();
@@ -1356,21 +1358,19 @@ impl Pipeline {
         report.device_time = device_time;
         self.counters.pushes.fetch_add(1, Ordering::Relaxed);
         let (handle, job) = self.job(p.request_id, t.clone(), 0);
-        // Made before the task's first poll: a task dropped unpolled (its runtime shut down)
-        // still completes the job and cancels its unstarted network transfer.
-        let completer = Completer(job.clone());
         self.drive_job(
             &job,
-            tracing::Instrument::in_current_span(async move {
-                let job = completer;
-                let r = t.wait().await.map(|s| {
-                    let mut rep = report;
-                    rep.add_net(&s);
-                    rep.elapsed = t0.elapsed();
-                    rep
-                });
-                job.0.complete(r);
-            }),
+            |job| {
+                tracing::Instrument::in_current_span(async move {
+                    let r = t.wait().await.map(|s| {
+                        let mut rep = report;
+                        rep.add_net(&s);
+                        rep.elapsed = t0.elapsed();
+                        rep
+                    });
+                    job.0.complete(r);
+                })
+            },
             small,
         );
         Ok(handle)
@@ -1413,16 +1413,14 @@ impl Pipeline {
             .fetch_add(1, Ordering::Relaxed);
         let (handle, job) = self.job(e.request_id, t.clone(), e.kv.num_layers());
         let kv = e.kv;
-        // Made before the task's first poll: a task dropped unpolled (its runtime shut down)
-        // still completes the job and cancels its unstarted network transfer.
-        let completer = Completer(job.clone());
         self.drive_job(
             &job,
-            tracing::Instrument::in_current_span(async move {
-                let job = completer;
-                let r = receive(&job.0, &t, staging, kv, report, t0).await;
-                job.0.complete(r);
-            }),
+            |job| {
+                tracing::Instrument::in_current_span(async move {
+                    let r = receive(&job.0, &t, staging, kv, report, t0).await;
+                    job.0.complete(r);
+                })
+            },
             true,
         );
         Ok(handle)

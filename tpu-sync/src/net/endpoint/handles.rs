@@ -180,8 +180,7 @@ impl Transfer {
     /// Starts the transfer's driver on the endpoint's runtime if nothing runs it yet: a
     /// transfer made by `Endpoint::pull_unstarted` or `Endpoint::push_unstarted` runs only once
     /// waited for or started. Idempotent; no effect once the endpoint is gone (its shutdown
-    /// failed the transfer).
-    /// Callable from any thread, inside a runtime or not.
+    /// failed the transfer). Callable from any thread, inside a runtime or not.
     pub(crate) fn start(&self) {
         if !self.unstarted() {
             return;
