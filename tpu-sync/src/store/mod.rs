@@ -1395,10 +1395,35 @@ impl crate::metrics::Source for Shared {
     }
 }
 
-/// The host KV tier (see the module docs). Cheap to clone; `Send + Sync`.
+/// The host KV tier (see the module docs). Cheap to clone; `Send + Sync`. When the last
+/// handle drops, the tier (its DRAM segment, the segment's lock, its DMA mapping) goes with it,
+/// on that thread: a metrics sample that holds the tier for a moment is waited for
+/// (`Drop for KvStore`), so a restart right after finds the segment free.
 #[derive(Clone)]
 pub struct KvStore {
     shared: Arc<Shared>,
+    /// Counts the user's handles (clones), apart from the metrics registry's short holds.
+    handles: Arc<()>,
+}
+
+/// How long the last handle's drop waits for a metrics sample that holds the tier.
+const DROP_WAIT_FOR_SAMPLERS: Duration = Duration::from_secs(1);
+
+impl Drop for KvStore {
+    fn drop(&mut self) {
+        // The metrics registry upgrades its weak reference while it samples the gauges
+        // (`metrics::sample`); if the last handle dropped then, the sampler's thread would
+        // close the segment later, and a warm restart or `store list` meanwhile would find it
+        // in use. So the last handle waits (microseconds; bounded) until only it holds the
+        // tier. Not for a tier still preparing: its thread holds it until it is built.
+        if Arc::strong_count(&self.handles) != 1 || self.shared.core.get().is_none() {
+            return;
+        }
+        let until = std::time::Instant::now() + DROP_WAIT_FOR_SAMPLERS;
+        while Arc::strong_count(&self.shared) > 1 && std::time::Instant::now() < until {
+            std::thread::yield_now();
+        }
+    }
 }
 
 impl std::fmt::Debug for KvStore {
@@ -1474,7 +1499,10 @@ impl KvStore {
             let core = Core::build(&cfg, Some(budget))?;
             let _ = shared.core.set(Ok(core));
         }
-        Ok(KvStore { shared })
+        Ok(KvStore {
+            shared,
+            handles: Arc::new(()),
+        })
     }
 
     fn core(&self) -> Option<&Core> {
