@@ -16,7 +16,7 @@ unexport PYTHONDONTWRITEBYTECODE
 export PYTHONUNBUFFERED := 1
 
 .PHONY: stress
-.PHONY: all build plugin protoc etcd demo test test-lean test-rust test-c examples-c test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm run-e2e-vllm run-e2e-vllm-main run-e2e-vllm-hybrid vllm-env-0.29 e2e-vllm-0.29 run-e2e-vllm-0.29 bench-vllm bench-vllm-layerwise bench-vllm-saves sglang-env e2e-sglang run-e2e-sglang
+.PHONY: all build plugin protoc etcd demo test test-lean test-rust test-c examples-c test-python run-test-python python header lint bench bench-net bench-all bench-peers netns-example fuzz soak sanitize clean vllm-env e2e-vllm run-e2e-vllm run-e2e-vllm-main run-e2e-vllm-hybrid vllm-env-0.29 e2e-vllm-0.29 run-e2e-vllm-0.29 bench-vllm bench-vllm-layerwise bench-vllm-saves sglang-env e2e-sglang run-e2e-sglang
 
 all: build
 
@@ -51,8 +51,10 @@ demo: build
 # The engine suites run in two lanes side by side, every engine's OpenMP threads sleeping when
 # idle (OMP_WAIT_POLICY=PASSIVE): the vLLM 0.32 suite's hybrid-model engine tests (a session of
 # their own, in target/vllm-e2e-hybrid) then the vLLM 0.29 suite, started as soon as the engine
-# envs hold the wheel, beside the rest of the Rust suite, the C tests, demos and quick benches
-# (which mostly wait); then the rest of the vLLM 0.32 suite, then SGLang's. Each suite alone
+# envs hold the wheel, beside the bindings' Python tests, the rest of the Rust suite, the C tests,
+# demos and quick benches (which mostly wait; with the Python tests before the lane started, the
+# CPU was 20-45% idle in the minute of maturin's build and those tests: `vmstat 10` of a clean
+# clone's `make test`, 2026-12-07, when the rest of the run kept both cores 97-100% busy); then the rest of the vLLM 0.32 suite, then SGLang's. Each suite alone
 # uses about one core of two (user CPU / wall 0.8-1.0: the engines mostly wait on each other and
 # on start-ups), so the lanes are balanced by time: on 2026-12-07 (clean clones on a fresh VM)
 # the whole vLLM 0.32 suite in one lane took 13.0 min beside the SGLang then vLLM 0.29 suites'
@@ -76,10 +78,10 @@ test: plugin protoc etcd
 	./scripts/background.sh start rust-suite $(CARGO) test --release --workspace
 	./scripts/background.sh until rust-suite '^ +Running '
 	$(MAKE) test-lean || { ./scripts/background.sh kill rust-suite; exit 1; }
-	$(MAKE) test-python || { ./scripts/background.sh kill rust-suite; exit 1; }
 	./scripts/engine-envs.sh wait
-	$(MAKE) vllm-env vllm-env-0.29 sglang-env etcd || { ./scripts/background.sh kill rust-suite; exit 1; }
+	$(MAKE) vllm-env vllm-env-0.29 sglang-env etcd $(PYTEST_DEPS) || { ./scripts/background.sh kill rust-suite; exit 1; }
 	./scripts/background.sh start engine-suites env OMP_WAIT_POLICY=PASSIVE $(MAKE) -s run-e2e-vllm-hybrid run-e2e-vllm-0.29
+	$(MAKE) run-test-python || { ./scripts/background.sh kill rust-suite; ./scripts/background.sh kill engine-suites; exit 1; }
 	./scripts/background.sh wait rust-suite $(OR_STOP_ENGINES)
 	$(MAKE) test-c $(OR_STOP_ENGINES)
 	$(MAKE) examples-c $(OR_STOP_ENGINES)
@@ -93,14 +95,16 @@ OR_STOP_ENGINES = || { ./scripts/background.sh kill engine-suites; exit 1; }
 
 # The lean core (issue 23): the library crate with no optional feature (no cluster directory,
 # KV events, metrics endpoint or QUIC) passes its unit tests with no protoc to be found:
-# `cargo test --lib`, at opt-level 1 (LEAN_OPT: what is checked is that its tests pass, not its
+# `cargo test --lib`, at opt-level 0 (LEAN_OPT: what is checked is that its tests pass, not its
 # speed). The crate's dev-dependencies give its dependencies the workspace build's features
-# (tpu-sync/Cargo.toml), so only the crate itself compiles: 1 min on 2 cores after the release
-# build (was 2.6 with `cargo test` and `cargo build`, which compiled about 30 dependencies again
-# with the lean crate's own features). That the library compiles with exactly the features a
+# (tpu-sync/Cargo.toml), so only the crate itself compiles (was 2.6 min with `cargo test` and
+# `cargo build`, which compiled about 30 dependencies again with the lean crate's own features).
+# Measured after the release build on 2 cores (2026-12-07, alternated twice): at opt-level 0 the
+# crate compiles in 20 s (23 s of CPU) and its 143 tests run in 21 s, 41 s in all and 62 s of
+# CPU; at opt-level 1 it compiled in 53 s (85 s of CPU) and the tests ran in 5 s: 58 s and 92 s. That the library compiles with exactly the features a
 # user of the lean crate gets (no dev-dependency turning anything on) is `make lint`'s check
 # (`cargo clippy -p tpu-sync --no-default-features --lib`: 55 s more here, cold).
-LEAN_OPT ?= 1
+LEAN_OPT ?= 0
 LEAN_CARGO = PROTOC=/nonexistent/protoc $(CARGO) --config 'profile.release.package.tpu-sync.opt-level=$(LEAN_OPT)'
 test-lean:
 	$(LEAN_CARGO) test --release -p tpu-sync --no-default-features --lib
@@ -187,6 +191,9 @@ $(PYTEST_DEPS): $(PYVENV)/bin/maturin
 	touch $@
 
 test-python: python $(PYTEST_DEPS)
+	$(MAKE) run-test-python
+# The bindings' tests against the wheel already installed in $(PYVENV) (`make python`).
+run-test-python: $(PYTEST_DEPS)
 	cd bindings/python && $(PYVENV)/bin/python -m pytest -q tests
 
 # Fuzzing (not part of `make test`): each cargo-fuzz target runs FUZZ_SECONDS. cargo-fuzz needs
