@@ -650,6 +650,15 @@ pub fn register_source(source: Weak<dyn Source>) {
     g.push(source);
 }
 
+/// Removes the source whose data lives at `source` (the address of its `Arc`'s value,
+/// `Arc::as_ptr`) from the registry: no later [`sample`] can reach it. A sample already in
+/// progress may still hold it until that sample ends (see `Drop for KvStore`). Takes the
+/// registry's short lock (never on a data path); unknown addresses are ignored.
+pub(crate) fn unregister_source(source: *const ()) {
+    let mut g = sources().lock().unwrap_or_else(|p| p.into_inner());
+    g.retain(|w| w.strong_count() > 0 && w.as_ptr() as *const () != source);
+}
+
 /// The gauges now, summed over every live [`Source`].
 pub fn sample() -> Sample {
     let live: Vec<std::sync::Arc<dyn Source>> = {
@@ -751,6 +760,39 @@ mod tests {
                 "unlisted metric {name}"
             );
         }
+    }
+
+    #[test]
+    fn an_unregistered_source_is_not_sampled_again() {
+        use std::sync::atomic::AtomicUsize;
+        use std::sync::Arc;
+        struct Counting(AtomicUsize);
+        impl Source for Counting {
+            fn sample(&self, s: &mut Sample) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+                s.leases += 1;
+            }
+        }
+        let src = Arc::new(Counting(AtomicUsize::new(0)));
+        let weak: Weak<dyn Source> = Arc::downgrade(&src) as _;
+        register_source(weak);
+        let _ = sample();
+        assert!(src.0.load(Ordering::SeqCst) >= 1);
+        unregister_source(Arc::as_ptr(&src) as *const ());
+        // A sample of another test that took it before may still hold it for a moment.
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while Arc::strong_count(&src) > 1 && std::time::Instant::now() < until {
+            std::thread::yield_now();
+        }
+        assert_eq!(Arc::strong_count(&src), 1);
+        let n = src.0.load(Ordering::SeqCst);
+        let _ = sample();
+        assert_eq!(
+            src.0.load(Ordering::SeqCst),
+            n,
+            "sampled after it was unregistered"
+        );
+        assert_eq!(Arc::strong_count(&src), 1);
     }
 
     #[test]

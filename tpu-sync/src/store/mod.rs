@@ -1414,11 +1414,15 @@ impl Drop for KvStore {
         // The metrics registry upgrades its weak reference while it samples the gauges
         // (`metrics::sample`); if the last handle dropped then, the sampler's thread would
         // close the segment later, and a warm restart or `store list` meanwhile would find it
-        // in use. So the last handle waits (microseconds; bounded) until only it holds the
-        // tier. Not for a tier still preparing: its thread holds it until it is built.
+        // in use. So the last handle first takes the tier out of the registry (no sample can
+        // reach it after that), then waits (microseconds; bounded) for a sample already holding
+        // it to let go. Checking the count alone would leave a window: a sample could take the
+        // tier between the check and the drop. Not for a tier still preparing: its thread holds
+        // it until it is built.
         if Arc::strong_count(&self.handles) != 1 || self.shared.core.get().is_none() {
             return;
         }
+        crate::metrics::unregister_source(Arc::as_ptr(&self.shared) as *const ());
         let until = std::time::Instant::now() + DROP_WAIT_FOR_SAMPLERS;
         while Arc::strong_count(&self.shared) > 1 && std::time::Instant::now() < until {
             std::thread::yield_now();

@@ -772,7 +772,10 @@ pub struct SegmentInfo {
     pub uid: u32,
     /// Permission bits.
     pub mode: u32,
-    /// Held by a live process (its flock is taken).
+    /// Held by a live process (its flock is taken). The lock belongs to the open file
+    /// description, which a process forked from the owner shares until it execs or exits: a
+    /// child forked without `exec` keeps the segment in use (it also keeps the mapping), and
+    /// one spawned with `exec` holds it for the instant between its fork and its exec.
     pub in_use: bool,
     /// Namespace description from the header, when the header is valid.
     pub namespace: Option<String>,
