@@ -62,3 +62,17 @@ pub fn test_name(module: &str, name: &str) -> String {
         None => name.to_string(),
     }
 }
+
+/// A command that runs only test `name` of the module at `module` (pass `module_path!()`) in a
+/// child process of this binary, one test thread, its output not captured: the child sides of
+/// the tests that need a process of their own (to be killed, or where no other test forks).
+pub fn child_test(module: &str, name: &str) -> std::process::Command {
+    let mut c = std::process::Command::new(std::env::current_exe().expect("test binary path"));
+    c.args([
+        "--exact",
+        &test_name(module, name),
+        "--nocapture",
+        "--test-threads=1",
+    ]);
+    c
+}

@@ -9,7 +9,7 @@ use crate::common;
 use crate::store_util;
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -351,13 +351,7 @@ fn groups_crash_child() {
 #[test]
 fn sigkill_mid_state_put_serves_the_last_whole_state() {
     let g = ShmGuard::new("groups-crash");
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            &crate::test_name(module_path!(), "groups_crash_child"),
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let mut child = crate::child_test(module_path!(), "groups_crash_child")
         .env(CHILD_ENV, &g.0)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

@@ -8,7 +8,7 @@ use crate::store_util;
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -237,13 +237,7 @@ fn segments_child() {
 #[test]
 fn segments_are_listed_and_removed() {
     let g = ShmGuard::new("list");
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            &crate::test_name(module_path!(), "segments_child"),
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let out = crate::child_test(module_path!(), "segments_child")
         .env(SEGMENTS_ENV, &g.0)
         .output()
         .unwrap();
@@ -298,13 +292,7 @@ fn crash_child() {
 #[test]
 fn sigkill_mid_put_serves_only_whole_blocks_after_restart() {
     let g = ShmGuard::new("crash");
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            &crate::test_name(module_path!(), "crash_child"),
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let mut child = crate::child_test(module_path!(), "crash_child")
         .env(CHILD_ENV, &g.0)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
