@@ -330,6 +330,14 @@ fn corrupt_chunk_fails_the_request_not_the_connection() {
     run(Duration::from_secs(60), async {
         let pki = pki(&["prefill", "decode", "pusher"]);
         let f = fx();
+        // The fault corrupts a copy of a chunk after its checksum was taken, as a sender-side
+        // memory error would: only an xxh3 can see it, so TLS and QUIC endpoints here hash
+        // their frames too (by default their AEAD alone protects the bytes, which it cannot
+        // when they were wrong before encryption).
+        let o = |kind, pki: &Pki, name: &str, listen| EndpointOptions {
+            hash_encrypted_frames: true,
+            ..o(kind, pki, name, listen)
+        };
         for kind in KINDS {
             // Pull: the producer corrupts one chunk of the first pull.
             let mut po = o(kind, &pki, "prefill", true);
@@ -496,5 +504,64 @@ fn cancellation_and_leases() {
         t.wait().await.unwrap();
         verify_dest(&f.dst, f.tokens, &st, None);
         let _ = Security::None;
+    });
+}
+
+/// TLS and QUIC lanes go without xxh3 where the receiving side does not ask for it
+/// (`hash_encrypted_frames` off: their AEAD authenticates every byte), and a receiver that asks
+/// gets and checks a checksum on every frame whatever the sender's own setting; plain TCP and
+/// shm always verify.
+#[test]
+fn encrypted_lanes_hash_frames_only_for_a_receiver_that_asks() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    run(Duration::from_secs(60), async {
+        let pki = pki(&["prefill", "decode"]);
+        let f = fx();
+        let mut rid = 0;
+        for kind in KINDS {
+            let encrypted = matches!(kind, TransportKind::Tls | TransportKind::Quic);
+            for (prefill_hashes, decode_hashes) in [(false, false), (true, false), (false, true)] {
+                let case =
+                    format!("{kind:?}, prefill hashes {prefill_hashes}, decode {decode_hashes}");
+                let mut po = o(kind, &pki, "prefill", true);
+                po.hash_encrypted_frames = prefill_hashes;
+                let prefill = Endpoint::bind(po).await.unwrap();
+                let addr = prefill.local_addr().unwrap().to_string();
+                let mut dopt = o(kind, &pki, "decode", false);
+                dopt.hash_encrypted_frames = decode_hashes;
+                let decode = Endpoint::bind(dopt).await.unwrap();
+                // Every byte arrives exactly, checked or not.
+                rid += 1;
+                register(&prefill, &f, rid);
+                let (t, st) = pull(&decode, &f, rid, &addr);
+                t.wait().await.unwrap_or_else(|e| panic!("{case}: {e}"));
+                let n = verify_dest(&f.dst, f.tokens, &st, None);
+                let s = decode.stats();
+                assert_eq!(s.bytes_received, n, "{case}");
+                let unchecked = encrypted && !decode_hashes;
+                assert_eq!(
+                    s.bytes_received_unhashed,
+                    if unchecked { n } else { 0 },
+                    "{case}"
+                );
+                assert_eq!(s.checksum_failures, 0, "{case}");
+                decode.release(&addr, rid).await.unwrap();
+                // A receiver that asks for checksums gets them: a chunk corrupted after its
+                // checksum was taken fails the request. (Where nobody hashes, only the AEAD
+                // protects the bytes, from the sender's copy on: not this fault's case.)
+                if !unchecked {
+                    let mut po = o(kind, &pki, "prefill", true);
+                    po.hash_encrypted_frames = prefill_hashes;
+                    po.faults.corrupt_at_offset = Some(70_000);
+                    let bad = Endpoint::bind(po).await.unwrap();
+                    let bad_addr = bad.local_addr().unwrap().to_string();
+                    rid += 1;
+                    register(&bad, &f, rid);
+                    let (t, _) = pull(&decode, &f, rid, &bad_addr);
+                    let e = t.wait().await.unwrap_err();
+                    assert!(matches!(e, Error::Checksum(_)), "{case}: {e}");
+                }
+            }
+        }
     });
 }

@@ -243,6 +243,7 @@ fn tls_and_quic_without_client_certificate_are_refused() {
             protocol: PROTOCOL_VERSION,
             incarnation: 1,
             role: LaneRole::Data,
+            unhashed_aead: false,
         }
         .to_frame(0)
         .unwrap();

@@ -32,6 +32,7 @@ impl Raw {
             protocol: PROTOCOL_VERSION,
             incarnation: 0x5eed,
             role,
+            unhashed_aead: false,
         })
         .await;
         assert!(matches!(r.recv().await, Some(Control::HelloAck { .. })));

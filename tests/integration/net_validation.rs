@@ -28,6 +28,7 @@ impl Raw {
             protocol: PROTOCOL_VERSION,
             incarnation: 7,
             role: LaneRole::Data,
+            unhashed_aead: false,
         })
         .await;
         assert!(matches!(r.recv().await, Some(Control::HelloAck { .. })));

@@ -1566,6 +1566,8 @@ enum tpu_sync_status tpu_sync_pacing_stats(char *buf, size_t buf_len, size_t *le
  *  "chunk_bytes": 1048576, "streams_per_pair": 2, "max_lanes_per_peer": 16,
  *  "max_inbound_lanes": 4096,  // inbound sockets/streams served at once; more are closed
  *  "quic_connections_per_peer": 2, // QUIC only: connections opened to each peer (>= 1)
+ *  "hash_encrypted_frames": false, // TLS and QUIC: also xxh3 every data frame (default
+ *                               // false: their AEAD authenticates every byte already)
  *  "staging_budget_bytes": 1073741824, // this endpoint's own budget of pinned staging bytes
  *                               // (default: the process-wide budget, a quarter of the memory
  *                               // the process may use, capped by RLIMIT_MEMLOCK; env
@@ -2034,8 +2036,9 @@ enum tpu_sync_status tpu_sync_transfer_report(const struct tpu_sync_transfer *tr
  * Writes the endpoint's counters as JSON into `buf` (`buf`/`buf_len`/`len_out` as for
  * `tpu_sync_client_info`): gauges `peers`, `sessions`, `lanes_open`, `source_registrations`,
  * `sink_registrations`, `leases`, `staged_bytes`, `transfers_in_flight`; totals
- * `lanes_opened`, `bytes_sent`, `bytes_received`, `transfers_completed`, `transfers_failed`,
- * `checksum_failures`, `peers_lost`, `handshake_failures`, `lanes_refused`; the pipeline's
+ * `lanes_opened`, `bytes_sent`, `bytes_received`, `bytes_received_unhashed` (of those, bytes
+ * a TLS or QUIC lane's AEAD authenticated without an xxh3 check: `hash_encrypted_frames`),
+ * `transfers_completed`, `transfers_failed`, `checksum_failures`, `peers_lost`, `handshake_failures`, `lanes_refused`; the pipeline's
  * `offers_live` (gauge), `offers`, `pulls`, `pushes`, `expected_pushes`, `refused` (operations
  * refused before any byte moved: checks, plan, budget), `refusals` (requests this producer
  * refused: `tpu_sync_endpoint_refuse`), `rejects_sent`, `dma_mapped`,

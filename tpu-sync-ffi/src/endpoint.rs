@@ -164,6 +164,7 @@ struct EndpointJson {
     max_lanes_per_peer: Option<u32>,
     max_inbound_lanes: Option<u32>,
     quic_connections_per_peer: Option<u32>,
+    hash_encrypted_frames: Option<bool>,
     staging_budget_bytes: Option<u64>,
     staging_wait_s: Option<f64>,
     dma_map: Option<bool>,
@@ -297,6 +298,9 @@ fn options(j: EndpointJson) -> FfiResult<Config> {
     if let Some(n) = j.quic_connections_per_peer {
         o.quic_connections_per_peer = n;
     }
+    if let Some(b) = j.hash_encrypted_frames {
+        o.hash_encrypted_frames = b;
+    }
     Ok(Config {
         endpoint: o,
         transfer: t,
@@ -323,6 +327,8 @@ fn options(j: EndpointJson) -> FfiResult<Config> {
 ///  "chunk_bytes": 1048576, "streams_per_pair": 2, "max_lanes_per_peer": 16,
 ///  "max_inbound_lanes": 4096,  // inbound sockets/streams served at once; more are closed
 ///  "quic_connections_per_peer": 2, // QUIC only: connections opened to each peer (>= 1)
+///  "hash_encrypted_frames": false, // TLS and QUIC: also xxh3 every data frame (default
+///                               // false: their AEAD authenticates every byte already)
 ///  "staging_budget_bytes": 1073741824, // this endpoint's own budget of pinned staging bytes
 ///                               // (default: the process-wide budget, a quarter of the memory
 ///                               // the process may use, capped by RLIMIT_MEMLOCK; env
@@ -1410,8 +1416,9 @@ fn report_json(r: &Report) -> serde_json::Value {
 /// Writes the endpoint's counters as JSON into `buf` (`buf`/`buf_len`/`len_out` as for
 /// `tpu_sync_client_info`): gauges `peers`, `sessions`, `lanes_open`, `source_registrations`,
 /// `sink_registrations`, `leases`, `staged_bytes`, `transfers_in_flight`; totals
-/// `lanes_opened`, `bytes_sent`, `bytes_received`, `transfers_completed`, `transfers_failed`,
-/// `checksum_failures`, `peers_lost`, `handshake_failures`, `lanes_refused`; the pipeline's
+/// `lanes_opened`, `bytes_sent`, `bytes_received`, `bytes_received_unhashed` (of those, bytes
+/// a TLS or QUIC lane's AEAD authenticated without an xxh3 check: `hash_encrypted_frames`),
+/// `transfers_completed`, `transfers_failed`, `checksum_failures`, `peers_lost`, `handshake_failures`, `lanes_refused`; the pipeline's
 /// `offers_live` (gauge), `offers`, `pulls`, `pushes`, `expected_pushes`, `refused` (operations
 /// refused before any byte moved: checks, plan, budget), `refusals` (requests this producer
 /// refused: `tpu_sync_endpoint_refuse`), `rejects_sent`, `dma_mapped`,
@@ -1445,6 +1452,7 @@ pub unsafe extern "C" fn tpu_sync_endpoint_stats(
             "sink_registrations": s.sink_registrations, "leases": s.leases,
             "staged_bytes": s.staged_bytes, "transfers_in_flight": s.transfers_in_flight,
             "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
+            "bytes_received_unhashed": s.bytes_received_unhashed,
             "transfers_completed": s.transfers_completed, "transfers_failed": s.transfers_failed,
             "checksum_failures": s.checksum_failures, "peers_lost": s.peers_lost,
             "handshake_failures": s.handshake_failures,

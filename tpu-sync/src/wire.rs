@@ -378,6 +378,13 @@ pub enum Control {
         incarnation: u64,
         /// What the lane is for.
         role: LaneRole,
+        /// The sender of this hello does not verify the xxh3-64 of data frames it receives on
+        /// this lane if the lane's transport authenticates every byte (TLS 1.3, QUIC), so data
+        /// frames sent to it there may carry 0 in the checksum field and skip the hash
+        /// (`EndpointOptions::hash_encrypted_frames` off). Absent (false) from peers older
+        /// than this field, which verify every frame.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        unhashed_aead: bool,
     },
     /// Answer to [`Control::Hello`].
     HelloAck {
@@ -387,6 +394,9 @@ pub enum Control {
         protocol: u8,
         /// The accepting endpoint's incarnation.
         incarnation: u64,
+        /// As [`Control::Hello`]'s `unhashed_aead`, for the accepting side.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        unhashed_aead: bool,
     },
     /// Heartbeat on the control lane; answered with [`Control::Pong`].
     Ping {
@@ -705,6 +715,53 @@ mod tests {
         };
         assert_eq!(kind, None);
         assert_eq!(remote_error(kind, &message).kind(), ErrorKind::Remote);
+        // A hello or its answer without `unhashed_aead` asks for checksums on every lane.
+        let m = Control::decode(
+            br#"{"type":"hello","name":"p","protocol":2,"incarnation":1,"role":"data"}"#,
+        )
+        .unwrap();
+        assert!(
+            matches!(
+                m,
+                Control::Hello {
+                    unhashed_aead: false,
+                    ..
+                }
+            ),
+            "{m:?}"
+        );
+        let m = Control::decode(br#"{"type":"hello_ack","name":"p","protocol":2,"incarnation":1}"#)
+            .unwrap();
+        assert!(
+            matches!(
+                m,
+                Control::HelloAck {
+                    unhashed_aead: false,
+                    ..
+                }
+            ),
+            "{m:?}"
+        );
+    }
+
+    #[test]
+    fn a_hello_says_whether_its_sender_verifies_encrypted_lanes() {
+        for unhashed_aead in [false, true] {
+            let m = Control::Hello {
+                name: "decode-0".into(),
+                protocol: PROTOCOL_VERSION,
+                incarnation: 9,
+                role: LaneRole::Data,
+                unhashed_aead,
+            };
+            let f = m.to_frame(0).unwrap();
+            let body = &f[HEADER_LEN..];
+            assert_eq!(Control::decode(body).unwrap(), m);
+            // Only the new meaning is spelled out: a hello of the old form is what older
+            // peers send and expect.
+            let text = std::str::from_utf8(body).unwrap();
+            assert_eq!(text.contains("unhashed_aead"), unhashed_aead, "{text}");
+        }
     }
 
     #[test]

@@ -37,10 +37,13 @@ PRODUCER = textwrap.dedent("""
     import tpu_sync
     mode, request_id, src, dst, tokens, target = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), \\
         json.loads(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+    # Optional: TLS with this pre-shared key (hex) instead of plain TCP.
+    secure = dict(transport="tls", psk=bytes.fromhex(sys.argv[7])) if len(sys.argv) > 7 else {{}}
     c = tpu_sync.Client(cpu_devices=2)
     kv = {{r: [c.buffer_from_host(pattern({n}, 10 + r * 2 + l), device=r, shape={dims}, dtype="bf16")
               for l in range(2)] for r in (0, 1)}}
-    ep = tpu_sync.Endpoint(listen="127.0.0.1:0" if mode in ("serve", "layers") else None, timeout=20, name="producer")
+    ep = tpu_sync.Endpoint(listen="127.0.0.1:0" if mode in ("serve", "layers") else None, timeout=20, name="producer",
+                           **secure)
     if mode == "layers":
         # Layer-wise: layer 0 now, layer 1 once the test says so (a line on stdin).
         ep.register_layers(request_id, src, tokens, kv, layers_ready=1)
@@ -62,12 +65,12 @@ PRODUCER = textwrap.dedent("""
 """).format(here=HERE, n=SRC_BYTES, dims=SRC_DIMS)
 
 
-def start_producer(mode, request_id, target=""):
+def start_producer(mode, request_id, target="", psk=None):
     import json
 
-    return subprocess.Popen([sys.executable, "-c", PRODUCER, mode, str(request_id), json.dumps(SRC), json.dumps(DST),
-                             str(TOKENS), target], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    args = [sys.executable, "-c", PRODUCER, mode, str(request_id), json.dumps(SRC), json.dumps(DST), str(TOKENS),
+            target] + ([psk.hex()] if psk is not None else [])
+    return subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def read_line(p, prefix, timeout=60):
@@ -114,14 +117,17 @@ def check_against_plan(bufs, init, data, dst=DST):
     return moved
 
 
-def pull_from_producer(rid, bufs, dst=DST, more=None):
-    """Starts a serving producer of request ``rid``, pulls it into ``bufs`` as ``dst`` says,
-    runs ``more(ep, addr)`` (if given) on the consumer's endpoint, and checks the producer's
-    registration ended released. Returns the pull's stats."""
-    p = start_producer("serve", rid)
+def pull_from_producer(rid, bufs, dst=DST, more=None, psk=None, **consumer_options):
+    """Starts a serving producer of request ``rid`` (TLS with ``psk`` if given, else plain TCP),
+    pulls it into ``bufs`` as ``dst`` says with a consumer endpoint of ``consumer_options``, runs
+    ``more(ep, addr)`` (if given) on it, and checks the producer's registration ended released.
+    Returns the pull's stats."""
+    p = start_producer("serve", rid, psk=psk)
+    if psk is not None:
+        consumer_options.update(transport="tls", psk=psk)
     try:
         addr = read_line(p, "ADDRESS")
-        with tpu_sync.Endpoint(listen=None, timeout=20) as ep:
+        with tpu_sync.Endpoint(listen=None, timeout=20, **consumer_options) as ep:
             t = ep.pull(rid, addr, SRC, dst, TOKENS, {0: bufs})
             stats = t.wait(timeout=60)
             assert t.done and t.error is None
@@ -138,9 +144,33 @@ def pull_from_producer(rid, bufs, dst=DST, more=None):
 
 def test_two_process_pull(consumer, data):
     c, bufs, init = consumer
-    stats = pull_from_producer(42, bufs)
+
+    def counted(ep, addr):
+        s = ep.stats()
+        assert s["bytes_received"] == TOKENS * 2 * 2 * 4 * 8 * 2
+        assert s["bytes_received_unhashed"] == 0  # plain TCP: every frame's xxh3 is checked
+
+    stats = pull_from_producer(42, bufs, more=counted)
     assert stats["bytes"] == stats["device_bytes"] == TOKENS * 2 * 2 * 4 * 8 * 2
     assert check_against_plan(bufs, init, data) == stats["bytes"]
+
+
+@pytest.mark.parametrize("hash_encrypted_frames", [None, True])
+def test_two_process_pull_over_tls(consumer, data, hash_encrypted_frames):
+    """Over TLS the frames' xxh3 is left to the AEAD unless the consumer asks for it."""
+    c, bufs, init = consumer
+    moved = TOKENS * 2 * 2 * 4 * 8 * 2
+
+    def counted(ep, addr):
+        s = ep.stats()
+        assert s["bytes_received"] == moved
+        assert s["bytes_received_unhashed"] == (0 if hash_encrypted_frames else moved)
+        assert s["checksum_failures"] == 0
+
+    stats = pull_from_producer(43, bufs, more=counted, psk=bytes(range(1, 33)),
+                               hash_encrypted_frames=hash_encrypted_frames)
+    assert stats["bytes"] == moved
+    assert check_against_plan(bufs, init, data) == moved
 
 
 def test_describe_then_pull_with_the_producers_placement(consumer, data):
@@ -299,5 +329,7 @@ def test_local_errors_and_cancel(consumer):
         tpu_sync.Endpoint(transport="quic", psk=bytes(range(32)), quic_connections_per_peer=0)
     with pytest.raises(errors.InvalidArgumentError):
         tpu_sync.Endpoint(transport="quic", psk=bytes(range(32)), quic_connections_per_peer=-1)
+    with pytest.raises(errors.InvalidArgumentError):
+        tpu_sync.Endpoint(transport="tls", psk=bytes(range(32)), hash_encrypted_frames="yes")
     with pytest.raises(errors.InvalidArgumentError):
         tpu_sync.Endpoint(transport="pigeon")

@@ -40,7 +40,11 @@ pub(crate) struct Framed {
     pub(crate) lane: Box<dyn Lane>,
     pub(crate) io_timeout: Duration,
     gather: Vec<u8>,
-    bounce: Vec<u8>,
+    /// Data frames sent carry the xxh3-64 of their payload (false: 0, on a lane that
+    /// authenticates every byte to a peer that does not verify there; [`Framed::agree_hashing`]).
+    hash_sent: bool,
+    /// Data frames received are verified against their checksum.
+    verify_received: bool,
     rbuf: Box<[u8]>,
     rpos: usize,
     rlen: usize,
@@ -135,6 +139,7 @@ impl Lane for ClosedLane {
 }
 
 /// What a data frame turned out to be after [`Framed::recv_data`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum DataOutcome {
     /// The payload was placed and its checksum matched.
     Ok,
@@ -169,11 +174,30 @@ impl Framed {
             lane,
             io_timeout,
             gather: Vec::new(),
-            bounce: Vec::new(),
+            hash_sent: true,
+            verify_received: true,
             rbuf: Box::default(),
             rpos: 0,
             rlen: 0,
         }
+    }
+
+    /// Settles the data frames' checksums after the hello exchange: on a lane whose transport
+    /// authenticates every byte ([`Lane::authenticates_bytes`]: TLS, QUIC), this side verifies
+    /// only if `hash_here` (its `EndpointOptions::hash_encrypted_frames`) and hashes what it
+    /// sends unless `peer_unhashed` (the peer's hello said it does not verify there). Other lanes
+    /// hash and verify every frame whatever either side said.
+    pub(crate) fn agree_hashing(&mut self, hash_here: bool, peer_unhashed: bool) {
+        if self.lane.authenticates_bytes() {
+            self.verify_received = hash_here;
+            self.hash_sent = !peer_unhashed;
+        }
+    }
+
+    /// Whether data frames received on this lane are checked against their xxh3-64 (false: an
+    /// encrypted lane whose AEAD authenticates them; [`Framed::agree_hashing`]).
+    pub(crate) fn verifies_received(&self) -> bool {
+        self.verify_received
     }
 
     /// The lane itself, for a caller that serves it without frames (the control lanes; only
@@ -370,7 +394,11 @@ impl Framed {
         let n: usize = parts.iter().map(|p| p.len()).sum();
         let dh = DataHeader {
             stream_offset,
-            checksum: crate::store::checksum::checksum_parts(parts.iter().copied()),
+            checksum: if self.hash_sent {
+                crate::store::checksum::checksum_parts(parts.iter().copied())
+            } else {
+                0
+            },
         };
         if self.shm.is_some_and(|p| p.peer_can_read_me)
             && parts.len() <= MAX_DATA_REF_PIECES as usize
@@ -587,8 +615,10 @@ impl Framed {
 
     /// Reads the payload of a data frame (header `h`, already read, and for a
     /// [`FrameKind::DataRef`] frame its table by [`Framed::data_len`]) into `dst` pieces, which
-    /// must add up to the payload length. Vectored lanes read straight into `dst` and verify
-    /// after; other lanes read into the bounce buffer, verify, and only then copy into `dst`.
+    /// must add up to the payload length. Every lane reads straight into `dst` (plain TCP with
+    /// `readv`, encrypted lanes out of their session's authenticated plaintext) and verifies as
+    /// the bytes arrive; a frame that fails is reported, and its request fails before anything
+    /// drains the staging to the device (docs/network.md, "Integrity and validation").
     pub(crate) async fn recv_data(
         &mut self,
         h: &FrameHeader,
@@ -608,70 +638,50 @@ impl Framed {
                 "data frame of {n} bytes where {want} were expected"
             )));
         }
-        if self.lane.is_read_vectored() {
-            // Payload bytes already in the read buffer first, then the rest straight into the
-            // destination pieces.
-            let mut skip = (0usize, 0usize);
-            for (i, p) in dst.iter_mut().enumerate() {
-                if self.rpos == self.rlen {
-                    break;
-                }
-                let n = self.take_buffered(p);
-                skip = (i, n);
-                if n < p.len() {
-                    break;
-                }
-                skip = (i + 1, 0);
+        // Payload bytes already in the read buffer first (plain TCP lanes only), then the rest
+        // straight into the destination pieces.
+        let mut skip = (0usize, 0usize);
+        for (i, p) in dst.iter_mut().enumerate() {
+            if self.rpos == self.rlen {
+                break;
             }
-            let (first, off) = skip;
-            // The checksum is computed as the bytes arrive, each read's bytes right after the
-            // read (still in cache, while the sender is still sending the rest), not in a
-            // second pass over the whole payload once it is complete. Same value: xxh3 streamed
-            // over the payload in order.
-            let mut h = crate::store::checksum::Xxh3::new();
+            let n = self.take_buffered(p);
+            skip = (i, n);
+            if n < p.len() {
+                break;
+            }
+            skip = (i + 1, 0);
+        }
+        let (first, off) = skip;
+        // The checksum is computed as the bytes arrive, each read's bytes right after the read
+        // (still in cache, while the sender is still sending the rest), not in a second pass
+        // over the whole payload once it is complete. Same value: xxh3 streamed over the
+        // payload in order.
+        let mut hash = self.verify_received.then(crate::store::checksum::Xxh3::new);
+        if let Some(h) = hash.as_mut() {
             for p in &dst[..first.min(dst.len())] {
                 h.update(p);
             }
             if off > 0 {
                 h.update(&dst[first][..off]);
             }
-            let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity(dst.len() - first.min(dst.len()));
-            for (i, p) in dst.iter_mut().enumerate().skip(first) {
-                let p: &mut [u8] = p;
-                iov.push(IoSliceMut::new(if i == first { &mut p[off..] } else { p }));
-            }
-            read_exact_vectored(&mut self.lane, &mut iov, t, &mut h).await?;
-            drop(iov);
-            let ok = h.digest() == d.checksum;
-            return Ok((
-                d,
-                if ok {
-                    DataOutcome::Ok
-                } else {
-                    DataOutcome::BadChecksum
-                },
-            ));
         }
-        let mut b = std::mem::take(&mut self.bounce);
-        b.resize(n, 0);
-        let r = self.read_exact(&mut b, t, "data payload").await;
-        let out = r.map(|()| {
-            if crate::store::checksum::checksum(&b) != d.checksum {
-                return DataOutcome::BadChecksum;
-            }
-            let mut at = 0;
-            for p in dst.iter_mut() {
-                let l = p.len();
-                p.copy_from_slice(&b[at..at + l]);
-                at += l;
-            }
-            DataOutcome::Ok
-        });
-        if b.capacity() > (8 << 20) {
-            b = Vec::new();
+        let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity(dst.len() - first.min(dst.len()));
+        for (i, p) in dst.iter_mut().enumerate().skip(first) {
+            let p: &mut [u8] = p;
+            iov.push(IoSliceMut::new(if i == first { &mut p[off..] } else { p }));
         }
-        self.bounce = b;
-        Ok((d, out?))
+        read_exact_vectored(&mut self.lane, &mut iov, t, hash.as_mut()).await?;
+        drop(iov);
+        let ok = hash.is_none_or(|h| h.digest() == d.checksum);
+        Ok((
+            d,
+            if ok {
+                DataOutcome::Ok
+            } else {
+                DataOutcome::BadChecksum
+            },
+        ))
     }
 }
 
@@ -744,7 +754,7 @@ async fn read_exact_vectored(
     s: &mut Box<dyn Lane>,
     mut bufs: &mut [IoSliceMut<'_>],
     t: Duration,
-    hash: &mut crate::store::checksum::Xxh3,
+    mut hash: Option<&mut crate::store::checksum::Xxh3>,
 ) -> Result<()> {
     while !bufs.is_empty() {
         let r = tokio::time::timeout(
@@ -761,18 +771,118 @@ async fn read_exact_vectored(
                 ))
             }
             Ok(Ok(n)) => {
-                let mut left = n;
-                for b in bufs.iter() {
-                    if left == 0 {
-                        break;
+                if let Some(hash) = hash.as_deref_mut() {
+                    let mut left = n;
+                    for b in bufs.iter() {
+                        if left == 0 {
+                            break;
+                        }
+                        let k = left.min(b.len());
+                        hash.update(&b[..k]);
+                        left -= k;
                     }
-                    let k = left.min(b.len());
-                    hash.update(&b[..k]);
-                    left -= k;
                 }
                 IoSliceMut::advance_slices(&mut bufs, n)
             }
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::tcp::Wrapped;
+    use crate::net::transport::PeerInfo;
+
+    /// Two ends of an in-memory byte stream that, like a TLS or QUIC lane, declares that it
+    /// authenticates every byte. `buffer`: bytes in flight at most, so reads come in pieces.
+    fn encrypted_pair(buffer: usize) -> (Framed, Framed) {
+        let (a, b) = tokio::io::duplex(buffer);
+        let lane = |s| -> Box<dyn Lane> {
+            Box::new(Wrapped {
+                inner: s,
+                peer: PeerInfo {
+                    addr: "127.0.0.1:1".parse().unwrap(),
+                    identity: Some("psk".into()),
+                },
+            })
+        };
+        let t = Duration::from_secs(5);
+        (Framed::new(lane(a), t), Framed::new(lane(b), t))
+    }
+
+    /// Non-zero pseudo-random bytes (xorshift64 from `seed`): no two seeds or offsets repeat.
+    fn payload(len: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed | 1;
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 24) as u8 | 1
+            })
+            .collect()
+    }
+
+    /// Sends `data` as one frame of 256-byte pieces from `tx`, receives it into as many
+    /// pieces at `rx`; returns the checksum field on the wire, the outcome and what arrived.
+    async fn one_frame(
+        tx: &mut Framed,
+        rx: &mut Framed,
+        data: &[u8],
+    ) -> (u64, DataOutcome, Vec<u8>) {
+        let parts: Vec<&[u8]> = data.chunks(256).collect();
+        let mut got = vec![0u8; data.len()];
+        let (sent, received) = tokio::join!(tx.send_data_then(7, 0, &parts, None), async {
+            let h = rx.recv_header(Duration::from_secs(5)).await.unwrap();
+            assert_eq!(h.kind, FrameKind::Data);
+            let mut dst: Vec<&mut [u8]> = got.chunks_mut(256).collect();
+            rx.recv_data(&h, &mut dst).await.unwrap()
+        });
+        sent.unwrap();
+        let (d, outcome) = received;
+        assert_eq!(d.stream_offset, 0);
+        (d.checksum, outcome, got)
+    }
+
+    #[tokio::test]
+    async fn encrypted_lanes_skip_the_hash_only_as_agreed() {
+        // 1,000 bytes in flight at most: the 64 KiB frame arrives in many partial reads that
+        // end inside pieces, and each read fills as many 256-byte pieces as it can.
+        let (mut tx, mut rx) = encrypted_pair(1000);
+        let data = payload(64 << 10, 0x5eed);
+        let sum = crate::store::checksum::checksum(&data);
+
+        // The receiver said it does not verify (its hello's `unhashed_aead`): no hash is sent
+        // and none is checked; every byte is in place.
+        tx.agree_hashing(false, true);
+        rx.agree_hashing(false, false);
+        assert!(!rx.verifies_received());
+        let (field, outcome, got) = one_frame(&mut tx, &mut rx, &data).await;
+        assert_eq!((field, outcome), (0, DataOutcome::Ok));
+        assert!(got == data, "payload differs");
+
+        // A receiver that asks for checksums gets the payload's xxh3-64 and checks it.
+        tx.agree_hashing(false, false);
+        rx.agree_hashing(true, true);
+        assert!(rx.verifies_received());
+        let data = payload(64 << 10, 0xfeed);
+        let (field, outcome, got) = one_frame(&mut tx, &mut rx, &data).await;
+        assert_eq!(field, crate::store::checksum::checksum(&data));
+        assert_ne!(field, sum);
+        assert_eq!(outcome, DataOutcome::Ok);
+        assert!(got == data, "payload differs");
+
+        // A verifying receiver refuses a frame sent without one (the lane stays in sync).
+        tx.agree_hashing(false, true);
+        let (field, outcome, _) = one_frame(&mut tx, &mut rx, &data).await;
+        assert_eq!((field, outcome), (0, DataOutcome::BadChecksum));
+        let (_, outcome, got) = {
+            tx.agree_hashing(false, false);
+            one_frame(&mut tx, &mut rx, &data).await
+        };
+        assert_eq!(outcome, DataOutcome::Ok);
+        assert!(got == data, "payload differs after a refused frame");
+    }
 }

@@ -50,10 +50,12 @@
 //!
 //! # Integrity and validation
 //!
-//! Every data frame carries the xxh3-64 of its payload. Encrypted lanes read a chunk into a
-//! per-lane bounce buffer and verify it before copying it into place; plain TCP lanes read straight
-//! into the staging with `readv` and verify right after. In both cases a mismatch fails that
-//! request only (the lane stays in frame sync and is reused) and a request is reported done only
+//! Every data frame on plain TCP and `shm` lanes carries the xxh3-64 of its payload, which the
+//! receiver checks as the bytes arrive straight into the staging (`readv`). TLS and QUIC lanes
+//! read straight into the staging too, out of the plaintext their session authenticated (AEAD);
+//! their frames carry and check the xxh3 only for a receiver that asks
+//! ([`EndpointOptions::hash_encrypted_frames`], off by default; a lane's hello says which).
+//! Either way a mismatch fails that request only (the lane stays in frame sync and is reused) and a request is reported done only
 //! after every chunk of every pair verified, so unverified bytes are never committed (drained to a
 //! device) by a caller that waits for completion. A receiver takes nothing but a stream offset from
 //! the wire: it refuses a chunk at an unexpected offset, a frame larger than the planned chunk

@@ -75,6 +75,17 @@ pub struct EndpointOptions {
     /// packetisation, acknowledgements) of different lanes runs on different runtime threads.
     /// Default [`DEFAULT_QUIC_CONNECTIONS_PER_PEER`].
     pub quic_connections_per_peer: u32,
+    /// Whether data frames on TLS and QUIC lanes carry and verify the xxh3-64 checksum that plain
+    /// TCP and `shm` lanes always do. Default `false`: TLS 1.3 records and QUIC packets are
+    /// AEAD-sealed (RFC 8446 section 5.2, RFC 9001 section 5), which already authenticates every
+    /// byte from the sender's staging (the session encrypts straight out of it) to the
+    /// receiver's plaintext, so the hash would check the same bytes twice; it was about a fifth
+    /// of a TLS pull's CPU on the runtime threads (docs/performance.md, "Encrypted lanes"). Off,
+    /// this endpoint tells each peer in its lanes' hello that it does not verify there, and skips
+    /// the hash when sending to a peer that said the same; a peer that still sends checksums
+    /// (or is older than this option) is read without checking them. On, this endpoint asks its
+    /// peers to hash and verifies every frame, as on plain TCP.
+    pub hash_encrypted_frames: bool,
     /// Test-only faults injected by this endpoint when it sends.
     #[doc(hidden)]
     pub faults: FaultHooks,
@@ -132,6 +143,7 @@ impl Default for EndpointOptions {
             max_lanes_per_peer: 16,
             max_inbound_lanes: 4096,
             quic_connections_per_peer: DEFAULT_QUIC_CONNECTIONS_PER_PEER,
+            hash_encrypted_frames: false,
             faults: FaultHooks::default(),
         }
     }

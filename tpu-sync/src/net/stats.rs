@@ -36,6 +36,10 @@ pub struct Stats {
     /// Of those, payload bytes copied straight out of a same-host sender's memory (the `shm`
     /// transport's data by reference; 0 on the other transports and on the inline fallback).
     pub bytes_received_by_reference: u64,
+    /// Of those, payload bytes received on TLS or QUIC lanes without an xxh3-64 check: their
+    /// AEAD authenticated them ([`EndpointOptions::hash_encrypted_frames`] off, the default;
+    /// 0 on plain TCP and `shm`, whose frames are always verified).
+    pub bytes_received_unhashed: u64,
     /// Total: transfers completed successfully.
     pub transfers_completed: u64,
     /// Total: transfers failed or cancelled.
@@ -58,6 +62,7 @@ pub(crate) struct Counters {
     pub(crate) bytes_sent: AtomicU64,
     pub(crate) bytes_received: AtomicU64,
     pub(crate) bytes_by_reference: AtomicU64,
+    pub(crate) bytes_unhashed: AtomicU64,
     pub(crate) checksum_failures: AtomicU64,
     pub(crate) peers_lost: AtomicU64,
     pub(crate) lanes_refused: AtomicU64,

@@ -429,6 +429,8 @@ pub(crate) async fn recv_stripe(
                 got += n;
                 if h.kind == FrameKind::DataRef {
                     counters.bytes_by_reference.fetch_add(n, Ordering::Relaxed);
+                } else if !f.verifies_received() {
+                    counters.bytes_unhashed.fetch_add(n, Ordering::Relaxed);
                 }
                 if bad.is_none() {
                     let next = chunks.peek().map(|c| c.0).unwrap_or(total);

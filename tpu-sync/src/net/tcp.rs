@@ -103,6 +103,40 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Wrapped<S> {
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Lane for Wrapped<S> {
+    /// Fills the buffers in order from the session's decrypted plaintext, as far as it goes
+    /// without waiting: one call places many small pieces (256-byte head rows of a resharded
+    /// transfer) where the default would place one. Pending only when nothing was read.
+    fn poll_read_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &mut [IoSliceMut<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let me = self.get_mut();
+        let mut total = 0;
+        for b in bufs.iter_mut().filter(|b| !b.is_empty()) {
+            let mut rb = ReadBuf::new(b);
+            match Pin::new(&mut me.inner).poll_read(cx, &mut rb) {
+                Poll::Ready(Ok(())) => {
+                    let n = rb.filled().len();
+                    total += n;
+                    if n < rb.capacity() {
+                        // End of stream (0) or the session has nothing more decrypted now.
+                        break;
+                    }
+                }
+                Poll::Ready(Err(e)) if total == 0 => return Poll::Ready(Err(e)),
+                Poll::Pending if total == 0 => return Poll::Pending,
+                // What was read is returned; the error or wake-up comes again on the next call.
+                Poll::Ready(Err(_)) | Poll::Pending => break,
+            }
+        }
+        Poll::Ready(Ok(total))
+    }
+
+    fn authenticates_bytes(&self) -> bool {
+        true
+    }
+
     fn peer(&self) -> PeerInfo {
         self.peer.clone()
     }

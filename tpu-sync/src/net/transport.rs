@@ -105,9 +105,9 @@ pub struct PeerInfo {
 
 /// One ordered, reliable, full-duplex byte stream to a peer.
 ///
-/// Plain TCP lanes read with `readv` straight into the destination ([`Lane::is_read_vectored`]);
-/// encrypted lanes decrypt into their own buffer and are read through a per-lane bounce buffer,
-/// which lets the receiver verify a chunk's checksum before copying it into place.
+/// Every lane's data frames are read straight into the destination staging: plain TCP lanes
+/// with `readv` ([`Lane::is_read_vectored`]), encrypted lanes out of the plaintext their TLS or
+/// QUIC session decrypted and authenticated.
 pub trait Lane: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     /// Reads into several buffers at once. The default reads into the first non-empty buffer.
     fn poll_read_vectored(
@@ -127,8 +127,18 @@ pub trait Lane: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     }
 
     /// Whether [`Lane::poll_read_vectored`] is a real scatter read (one system call for many
-    /// buffers). When false, payloads are read into a bounce buffer and copied.
+    /// buffers). When false, frame headers and control bodies are read from the lane directly
+    /// rather than through the framing's read buffer (the lane buffers already).
     fn is_read_vectored(&self) -> bool {
+        false
+    }
+
+    /// Whether the transport authenticates every byte of the stream itself: TLS 1.3 records and
+    /// QUIC packets are AEAD-sealed (AES-GCM or ChaCha20-Poly1305, RFC 8446 section 5.2, RFC
+    /// 9001 section 5), so a byte changed, dropped or reordered between the two sessions fails
+    /// the connection before the receiver reads it. On such lanes data frames may go without
+    /// their xxh3-64 ([`crate::net::EndpointOptions::hash_encrypted_frames`]). Default false.
+    fn authenticates_bytes(&self) -> bool {
         false
     }
 
@@ -168,6 +178,10 @@ impl Lane for Box<dyn Lane> {
 
     fn is_read_vectored(&self) -> bool {
         (**self).is_read_vectored()
+    }
+
+    fn authenticates_bytes(&self) -> bool {
+        (**self).authenticates_bytes()
     }
 
     fn peer(&self) -> PeerInfo {

@@ -177,6 +177,9 @@ class Endpoint(Handle):
             so give peers the same value.
         chunk_bytes, streams_per_pair, max_lanes_per_peer: network tuning (see the Rust docs).
         quic_connections_per_peer: QUIC only, connections opened to each peer (>= 1; default 2).
+        hash_encrypted_frames: TLS and QUIC only: also checksum (xxh3-64) every data frame, as
+            plain TCP always does (default None: off, since TLS 1.3 and QUIC authenticate every
+            byte with their AEAD already).
         max_inbound_lanes: inbound sockets/streams served at once (default 4096); a connection
             beyond it is closed at once and counted in ``stats()["lanes_refused"]``.
         staging_budget_bytes: this endpoint's own budget of pinned staging bytes (registrations,
@@ -214,7 +217,8 @@ class Endpoint(Handle):
                  staging_pool_bytes: Optional[int] = None,
                  quic_connections_per_peer: Optional[int] = None,
                  lane_idle_timeout: Optional[float] = None,
-                 count_releases_by_rank: Optional[bool] = None) -> None:
+                 count_releases_by_rank: Optional[bool] = None,
+                 hash_encrypted_frames: Optional[bool] = None) -> None:
         self._ptr = None
         cfg: Dict[str, Any] = {"transport": ck.text("transport", transport),
                                "timeout_s": ck.number("timeout", timeout, positive=True)}
@@ -251,6 +255,8 @@ class Endpoint(Handle):
             cfg["name"] = ck.text("name", name)
         if dma_map is not None:
             cfg["dma_map"] = ck.flag("dma_map", dma_map)
+        if hash_encrypted_frames is not None:
+            cfg["hash_encrypted_frames"] = ck.flag("hash_encrypted_frames", hash_encrypted_frames)
         out = ffi.new("tpu_sync_endpoint **")
         check(lib.tpu_sync_endpoint_new(ck.json_text("endpoint configuration", cfg), out))
         super().__init__(out[0])
@@ -487,7 +493,9 @@ class Endpoint(Handle):
     def stats(self) -> Dict[str, Any]:
         """Counters: gauges ``peers``, ``sessions``, ``lanes_open``, ``source_registrations``,
         ``sink_registrations``, ``leases``, ``staged_bytes``, ``transfers_in_flight``; totals
-        ``lanes_opened``, ``bytes_sent``, ``bytes_received``, ``transfers_completed``,
+        ``lanes_opened``, ``bytes_sent``, ``bytes_received``, ``bytes_received_unhashed`` (of
+        those, bytes an encrypted lane's AEAD authenticated without an xxh3 check: option
+        ``hash_encrypted_frames``), ``transfers_completed``,
         ``transfers_failed``, ``checksum_failures``, ``peers_lost``, ``handshake_failures``,
         ``lanes_refused``; the pipeline's ``offers_live``, ``offers``, ``pulls``, ``pushes``,
         ``expected_pushes``, ``refused`` (calls refused before any byte moved), ``refusals``

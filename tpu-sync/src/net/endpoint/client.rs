@@ -192,6 +192,7 @@ impl Inner {
             protocol: wire::PROTOCOL_VERSION,
             incarnation: self.incarnation,
             role,
+            unhashed_aead: !self.opts.hash_encrypted_frames,
         }
     }
 
@@ -204,7 +205,15 @@ impl Inner {
             let count = LaneCount::new(&self.counters);
             f.send(&self.hello(role), 0).await?;
             match f.recv_hello(t).await? {
-                (_, Control::HelloAck { protocol, .. }) if protocol == wire::PROTOCOL_VERSION => {
+                (
+                    _,
+                    Control::HelloAck {
+                        protocol,
+                        unhashed_aead,
+                        ..
+                    },
+                ) if protocol == wire::PROTOCOL_VERSION => {
+                    f.agree_hashing(self.opts.hash_encrypted_frames, unhashed_aead);
                     Ok(CountedLane { f, _count: count })
                 }
                 (_, Control::Failed { message, kind, .. }) => Err(remote_error(kind, &message)),

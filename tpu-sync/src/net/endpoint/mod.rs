@@ -1113,6 +1113,7 @@ impl Inner {
             bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
             bytes_received: c.bytes_received.load(Ordering::Relaxed),
             bytes_received_by_reference: c.bytes_by_reference.load(Ordering::Relaxed),
+            bytes_received_unhashed: c.bytes_unhashed.load(Ordering::Relaxed),
             transfers_completed: ps.transfers_completed,
             transfers_failed: ps.transfers_failed,
             checksum_failures: c.checksum_failures.load(Ordering::Relaxed),

@@ -87,8 +87,12 @@ impl Inner {
                     protocol,
                     incarnation,
                     role,
+                    unhashed_aead,
                 },
-            )) if protocol == wire::PROTOCOL_VERSION => (name, incarnation, role),
+            )) if protocol == wire::PROTOCOL_VERSION => {
+                f.agree_hashing(self.opts.hash_encrypted_frames, unhashed_aead);
+                (name, incarnation, role)
+            }
             Ok((_, Control::Hello { protocol, .. })) => {
                 let e = Error::Protocol(format!(
                     "peer speaks protocol {protocol}, this endpoint {}",
@@ -113,6 +117,7 @@ impl Inner {
             name: self.opts.name.clone(),
             protocol: wire::PROTOCOL_VERSION,
             incarnation: self.incarnation,
+            unhashed_aead: !self.opts.hash_encrypted_frames,
         };
         if f.send(&ack, 0).await.is_err() {
             return;
